@@ -1,0 +1,3 @@
+from moefold.cli import main
+
+raise SystemExit(main())

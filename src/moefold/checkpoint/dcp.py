@@ -1,0 +1,136 @@
+"""Atomic training checkpoints with torch.distributed.checkpoint (DCP), also in one process.
+
+A checkpoint is a DCP directory `<run_dir>/checkpoints/step_<N>` holding the state after N optimizer
+steps: model, optimizer, scheduler, data position, step and RNG. It is written under a `.tmp` name
+and renamed when complete, so a save killed half-way never replaces or damages the last good one;
+incomplete `.tmp` directories are ignored and cleaned up by the next save.
+"""
+
+import contextlib
+import os
+import re
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from moefold.errors import CheckpointError
+
+CHECKPOINTS = "checkpoints"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+_METADATA = ".metadata"  # written by DCP's FileSystemWriter last, once every shard is on disk
+
+
+@contextlib.contextmanager
+def _single_process_ok():
+    """Saving and loading in one process without a process group is intended, not a mistake."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def checkpoint_path(run_dir: Path, step: int) -> Path:
+    return Path(run_dir) / CHECKPOINTS / f"step_{step:08d}"
+
+
+def complete_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every complete checkpoint in the run, oldest first."""
+    root = Path(run_dir) / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.iterdir():
+        match = _STEP_DIR.match(path.name)
+        if match and (path / _METADATA).is_file():
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    found = complete_checkpoints(run_dir)
+    return found[-1][1] if found else None
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """A checkpoint directory from a run directory (its latest) or a checkpoint directory itself."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"--resume {path}: no such directory")
+    if _STEP_DIR.match(path.name):
+        if not (path / _METADATA).is_file():
+            raise CheckpointError(f"--resume {path}: incomplete or corrupt checkpoint (no {_METADATA})")
+        return path
+    latest = latest_checkpoint(path)
+    if latest is None:
+        raise CheckpointError(f"--resume {path}: no complete checkpoint in {path / CHECKPOINTS}")
+    return latest
+
+
+def save_checkpoint(state: dict[str, Any], run_dir: Path, step: int, keep: int) -> Path:
+    """Write `state` as checkpoint `step` atomically, then delete all but the newest `keep`."""
+    final = checkpoint_path(run_dir, step)
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)  # leftover of an interrupted save
+    with _single_process_ok():
+        dcp.save(state, checkpoint_id=tmp)
+    _replace_dir(tmp, final)
+    for _, old in complete_checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _replace_dir(src: Path, dst: Path) -> None:
+    """Rename src to dst; an existing dst (a re-save of the same step) is swapped out first."""
+    if dst.exists():
+        old = dst.with_name(dst.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(dst, old)
+        os.replace(src, dst)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(src, dst)
+    _fsync_dir(dst.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def load_checkpoint(state: dict[str, Any], path: Path) -> None:
+    """Load checkpoint `path` into `state` in place (tensors are copied into the given ones; other
+    values are replaced). Only the keys present in `state` are read."""
+    try:
+        with _single_process_ok():
+            dcp.load(state, checkpoint_id=path)
+    except (Exception, CheckpointException) as e:  # any reader failure means "unreadable"
+        raise CheckpointError(f"checkpoint {path} is unreadable or corrupt: {_reason(e)}") from None
+
+
+def _reason(error: BaseException) -> str:
+    """One line on why a load failed; DCP wraps each rank's exception in a CheckpointException."""
+    if isinstance(error, CheckpointException) and error.failures:
+        inner = next(iter(error.failures.values()))
+        error = getattr(inner, "exception", inner)
+    text = " ".join(str(error).split()) or type(error).__name__
+    return f"{type(error).__name__}: {text}"[:300]
+
+
+def rng_state() -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])

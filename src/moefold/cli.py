@@ -1,0 +1,150 @@
+"""The `moefold` command line: train | generate | config.
+
+Every config field is an option `--<section>.<field> VALUE` whose help is the field's docstring.
+User errors print one line and exit with status 2; an interrupted run exits with 128 + signal.
+"""
+
+import argparse
+import dataclasses
+import difflib
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from moefold import __version__
+from moefold.config import (SECTIONS, Config, config_from_toml, field_docs, field_types, load_config,
+                            preset_names, to_toml)
+from moefold.errors import ConfigError, UserError
+
+EXIT_USAGE = 2
+
+
+def _add_config_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="NAME|PATH",
+                        help=f"preset name ({', '.join(preset_names())}) or TOML file; default tiny")
+    defaults = Config()
+    docs = field_docs()
+    for section in SECTIONS:
+        group = parser.add_argument_group(f"[{section}]")
+        for f in dataclasses.fields(getattr(defaults, section)):
+            key = f"{section}.{f.name}"
+            is_bool = field_types()[key] is bool
+            default = getattr(getattr(defaults, section), f.name)
+            group.add_argument(f"--{key}", dest=key, default=argparse.SUPPRESS, metavar="VALUE",
+                               nargs="?" if is_bool else None, const="true" if is_bool else None,
+                               help=f"{docs.get(key, '')} (default: {default!r})")
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moefold", allow_abbrev=False,
+                                     description="Train Mixture-of-Experts language models.")
+    parser.add_argument("--version", action="version", version=f"moefold {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    train = commands.add_parser("train", allow_abbrev=False, help="train a model",
+                                description="Train a model (default: the tiny preset on the embedded "
+                                            "corpus). Any config field can be overridden.")
+    train.add_argument("--run-dir", type=Path, help="where the run writes (default: runs/<timestamp>)")
+    train.add_argument("--resume", type=Path, metavar="DIR",
+                       help="continue the run in DIR (a run directory or one of its checkpoints)")
+    _add_config_options(train)
+
+    gen = commands.add_parser("generate", allow_abbrev=False, help="sample from a run's latest checkpoint")
+    gen.add_argument("--run-dir", type=Path, required=True, help="the run to sample from")
+    gen.add_argument("--prompt", required=True, help="text to continue")
+    gen.add_argument("--max-new-tokens", type=int, default=200, help="tokens to sample (default 200)")
+    gen.add_argument("--temperature", type=float, default=0.8, help="0 is greedy (default 0.8)")
+    gen.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest; 0 = all (default 40)")
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    gen.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+
+    config = commands.add_parser("config", help="inspect configs")
+    config_commands = config.add_subparsers(dest="config_command", required=True)
+    show = config_commands.add_parser("show", allow_abbrev=False, help="print the resolved config as TOML")
+    _add_config_options(show)
+    config_commands.add_parser("presets", help="list the shipped presets")
+    return parser
+
+
+def _reject_unknown(unknown: list[str]) -> None:
+    for arg in unknown:
+        if arg.startswith("--"):
+            key = arg[2:].split("=", 1)[0]
+            close = difflib.get_close_matches(key, list(field_types()), n=1, cutoff=0.6)
+            hint = f"; did you mean --{close[0]}?" if close else ""
+            raise ConfigError(f"unknown option --{key}{hint}")
+    raise ConfigError(f"unexpected argument {unknown[0]!r}")
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: v for k, v in vars(args).items() if k in field_types()}
+
+
+def _train(args: argparse.Namespace) -> int:
+    from moefold.train.trainer import Trainer, TrainingInterrupted  # torch import only when needed
+
+    overrides = _overrides(args)
+    if args.resume is not None:
+        if args.config:
+            raise ConfigError("--config cannot be combined with --resume: the run's config.toml is "
+                              "used; override single fields instead")
+        run_dir = args.run_dir or _run_dir_of(args.resume)
+        cfg = config_from_toml(_run_dir_of(args.resume) / "config.toml", overrides)
+    else:
+        cfg = load_config(args.config, overrides)
+        run_dir = args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    try:
+        trainer = Trainer(cfg, run_dir, resume=args.resume)
+        trainer.fit()
+    except TrainingInterrupted as e:
+        print(f"moefold: {e}", file=sys.stderr)
+        return 128 + e.signum
+    return 0
+
+
+def _run_dir_of(resume: Path) -> Path:
+    """The run directory of --resume DIR, which names a run or one of its checkpoints."""
+    resume = Path(resume)
+    if resume.name.startswith("step_") and resume.parent.name == "checkpoints":
+        return resume.parent.parent
+    if not (resume / "config.toml").is_file():
+        raise UserError(f"--resume {resume}: not a moefold run directory (no config.toml)")
+    return resume
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from moefold.generate import load_model_from_run, sample
+
+    model, tokenizer, cfg = load_model_from_run(args.run_dir, args.device)
+    generator = torch.Generator().manual_seed(args.seed)
+    new_ids = sample(model, tokenizer.encode(args.prompt), args.max_new_tokens, args.temperature,
+                     args.top_k, cfg.train.seq_len, tokenizer.eos_id, generator)
+    print(args.prompt + tokenizer.decode(new_ids))
+    return 0
+
+
+def _config(args: argparse.Namespace) -> int:
+    if args.config_command == "presets":
+        print("\n".join(preset_names()))
+        return 0
+    print(to_toml(load_config(args.config, _overrides(args))), end="")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    try:
+        if unknown:
+            _reject_unknown(unknown)
+        handler = {"train": _train, "generate": _generate, "config": _config}[args.command]
+        return handler(args)
+    except UserError as e:
+        print(f"moefold: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("moefold: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,430 @@
+"""Typed run configuration: one dataclass per concern, TOML presets, dotted overrides, validation.
+
+The docstring under each field is its CLI help (`moefold train --help`). A config is built in one
+place, `load_config`: preset (name or path) → TOML overrides → CLI overrides → `validate`. Invalid
+values fail there, before any work starts, with a message naming the field, the value and what is
+allowed.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import functools
+import inspect
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from moefold.errors import ConfigError
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 0
+    """Vocabulary size; 0 takes the tokenizer's."""
+    dim: int = 128
+    """Model (hidden) dimension D."""
+    n_layers: int = 4
+    """Number of transformer blocks."""
+    n_heads: int = 4
+    """Query heads."""
+    n_kv_heads: int = 0
+    """Key/value heads for grouped-query attention; 0 means n_heads (plain multi-head)."""
+    head_dim: int = 0
+    """Dimension of one head; 0 means dim // n_heads."""
+    ffn_hidden: int = 512
+    """Hidden size of the dense SwiGLU MLP (dense layers only)."""
+    qk_norm: bool = True
+    """RMSNorm on each query and key head before RoPE (Qwen3, OLMoE)."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency."""
+    norm_eps: float = 1e-6
+    """Epsilon of every RMSNorm."""
+    tie_embeddings: bool = False
+    """Share the input embedding with the output head."""
+    init_std: float = 0.02
+    """Standard deviation of the normal weight initialisation."""
+
+
+@dataclass
+class MoEConfig:
+    num_experts: int = 8
+    """Routed experts per MoE layer (0 makes every layer dense)."""
+    top_k: int = 2
+    """Experts each token is sent to."""
+    expert_hidden: int = 256
+    """Hidden size F of one routed expert's SwiGLU MLP."""
+    first_k_dense: int = 1
+    """The first k layers use the dense MLP."""
+    moe_every: int = 1
+    """After the first_k_dense layers, every n-th layer is an MoE layer (the rest dense)."""
+    norm_topk_prob: bool = True
+    """Renormalise the top-k routing probabilities to sum to 1."""
+    aux_loss_coeff: float = 0.01
+    """Weight of the micro-batch load-balancing loss (Switch Transformer); 0 disables it."""
+    experts_backend: str = "auto"
+    """How the experts' GEMMs run: grouped_mm (torch._grouped_mm), loop (one matmul per expert) or
+    auto (grouped_mm where this torch build supports it, else loop)."""
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    """Tensor-parallel size for attention and dense layers (arrives with the parallel-folding issue)."""
+    cp: int = 1
+    """Context-parallel size (not yet supported)."""
+    pp: int = 1
+    """Pipeline-parallel size (not yet supported)."""
+    ep: int = 1
+    """Expert-parallel size (arrives with the parallel-folding issue)."""
+    etp: int = 1
+    """Expert tensor-parallel size (arrives with the parallel-folding issue)."""
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300
+    """Optimizer steps to train for."""
+    micro_batch_size: int = 16
+    """Sequences per micro-batch."""
+    seq_len: int = 256
+    """Tokens per sequence."""
+    grad_accum: int = 1
+    """Micro-batches accumulated per optimizer step."""
+    lr: float = 3e-3
+    """Peak learning rate."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of lr."""
+    schedule: str = "cosine"
+    """Learning-rate schedule after warm-up: cosine, wsd (warmup-stable-decay, linear decay) or
+    constant."""
+    warmup_steps: int = 30
+    """Linear warm-up steps."""
+    decay_fraction: float = 0.2
+    """For the wsd schedule: the fraction of steps spent in the final decay."""
+    weight_decay: float = 0.1
+    """AdamW weight decay (not applied to norms, biases or embeddings)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    seed: int = 0
+    """Seed for initialisation and data order."""
+    device: str = "auto"
+    """Where to train: auto (cuda when available, else cpu), cpu or cuda."""
+    val_every: int = 100
+    """Compute the validation loss every N steps (and at the end); 0 only at the end."""
+    val_batches: int = 8
+    """Micro-batches in one validation pass."""
+
+
+@dataclass
+class DataConfig:
+    path: str = ""
+    """Training data: a .txt/.jsonl/.parquet/.npy/.bin file or a directory of them; empty uses the
+    embedded corpus (the running Python's standard library sources)."""
+    tokenizer: str = ""
+    """A Hugging Face tokenizer.json; empty uses the byte-level tokenizer (256 bytes + end-of-document)."""
+    val_fraction: float = 0.02
+    """Fraction of documents held out for validation (fixed by document name, not by seed)."""
+    text_field: str = "text"
+    """Field holding the text in .jsonl and .parquet files."""
+    token_dtype: str = "uint16"
+    """Element type of pre-tokenized .bin files: uint16 or uint32."""
+    eos_id: int = -1
+    """End-of-document token id in pre-tokenized files; -1 takes the tokenizer's."""
+
+
+@dataclass
+class PrecisionConfig:
+    compute_dtype: str = "auto"
+    """Compute precision: auto (bf16 autocast on GPU, fp32 on CPU), bf16 or fp32. Parameters and
+    optimizer states stay fp32."""
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0
+    """Save a checkpoint every N steps; 0 saves only at the end (and on SIGINT/SIGTERM)."""
+    keep: int = 2
+    """Keep the newest N checkpoints; older ones are deleted after a newer one is complete."""
+    save_at_end: bool = True
+    """Save a checkpoint when training finishes."""
+
+
+@dataclass
+class LoggingConfig:
+    log_every: int = 10
+    """Print and record metrics every N steps."""
+    progress_bar: bool = True
+    """Show a progress bar (only on a terminal)."""
+    tensorboard: bool = True
+    """Also write TensorBoard events to <run_dir>/tb when tensorboard is installed."""
+    peak_tflops: float = 0.0
+    """Peak dense bf16 TFLOP/s of one device for MFU; 0 looks the GPU up (H100/H200: 989), none on CPU."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+SECTIONS = tuple(f.name for f in dataclasses.fields(Config))
+DEFAULT_PRESET = "tiny"
+
+
+# ---------------------------------------------------------------------------------------------
+# Field introspection: types and docstrings
+# ---------------------------------------------------------------------------------------------
+
+
+def _section_class(section: str) -> type:
+    return typing.get_type_hints(Config)[section]
+
+
+@functools.cache
+def field_types() -> dict[str, type]:
+    """Every dotted key (`moe.top_k`) mapped to its declared type."""
+    types = {}
+    for section in SECTIONS:
+        for name, tp in typing.get_type_hints(_section_class(section)).items():
+            types[f"{section}.{name}"] = tp
+    return types
+
+
+@functools.cache
+def field_docs() -> dict[str, str]:
+    """Every dotted key mapped to the docstring written under its declaration."""
+    docs = {}
+    for section in SECTIONS:
+        tree = ast.parse(inspect.getsource(_section_class(section)))
+        body = tree.body[0].body
+        for stmt, nxt in zip(body, body[1:]):
+            if isinstance(stmt, ast.AnnAssign) and isinstance(nxt, ast.Expr):
+                if isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
+                    docs[f"{section}.{stmt.target.id}"] = " ".join(nxt.value.value.split())
+    return docs
+
+
+# ---------------------------------------------------------------------------------------------
+# Building a config: presets, TOML tables, dotted overrides
+# ---------------------------------------------------------------------------------------------
+
+
+def preset_names() -> list[str]:
+    return sorted(p.name[:-5] for p in resources.files("moefold.presets").iterdir()
+                  if p.name.endswith(".toml"))
+
+
+def read_preset(name_or_path: str) -> dict[str, Any]:
+    """The TOML table of a shipped preset (by name) or of a file (by path)."""
+    path = Path(name_or_path)
+    if name_or_path.endswith(".toml") or path.exists():
+        if not path.is_file():
+            raise ConfigError(f"--config {name_or_path}: no such file")
+        text = path.read_text()
+    elif name_or_path in preset_names():
+        text = resources.files("moefold.presets").joinpath(f"{name_or_path}.toml").read_text()
+    else:
+        close = difflib.get_close_matches(name_or_path, preset_names(), n=1)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        raise ConfigError(f"--config {name_or_path}: no such preset or file (presets: "
+                          f"{', '.join(preset_names())}){hint}")
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"--config {name_or_path}: invalid TOML: {e}") from None
+
+
+def _unknown_key(key: str) -> ConfigError:
+    close = difflib.get_close_matches(key, list(field_types()), n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]}?" if close else ""
+    return ConfigError(f"unknown config key {key}{hint}")
+
+
+def _coerce(key: str, value: Any) -> Any:
+    """`value` (from TOML or a CLI string) converted to the declared type of `key`."""
+    tp = field_types()[key]
+    if isinstance(value, str) and tp is not str:
+        value = _parse_cli_value(key, value, tp)
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    ok = isinstance(value, tp) and not (tp is int and isinstance(value, bool))
+    if not ok:
+        raise ConfigError(f"{key}={value!r} is not a valid {tp.__name__}")
+    return value
+
+
+def _parse_cli_value(key: str, text: str, tp: type) -> Any:
+    if tp is bool:
+        lowered = text.lower()
+        if lowered in ("true", "1", "yes", "on"):
+            return True
+        if lowered in ("false", "0", "no", "off"):
+            return False
+        raise ConfigError(f"{key}={text!r} is not a valid bool (use true or false)")
+    try:
+        return tp(text)
+    except ValueError:
+        raise ConfigError(f"{key}={text!r} is not a valid {tp.__name__}") from None
+
+
+def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> None:
+    """Set dotted keys (`{"moe.top_k": 4}`) on `cfg`, converting and type-checking each value."""
+    for key, value in overrides.items():
+        if key not in field_types():
+            raise _unknown_key(key)
+        section, name = key.split(".")
+        setattr(getattr(cfg, section), name, _coerce(key, value))
+
+
+def flatten_table(table: dict[str, Any], source: str) -> dict[str, Any]:
+    """A TOML table `{section: {field: value}}` as dotted keys; a key outside a section is an error."""
+    flat = {}
+    for section, values in table.items():
+        if not isinstance(values, dict):
+            raise ConfigError(f"{source}: top-level key {section!r} must be a [section] "
+                              f"({', '.join(SECTIONS)})")
+        if section not in SECTIONS:
+            close = difflib.get_close_matches(section, SECTIONS, n=1)
+            hint = f"; did you mean [{close[0]}]?" if close else ""
+            raise ConfigError(f"{source}: unknown section [{section}]{hint}")
+        for name, value in values.items():
+            flat[f"{section}.{name}"] = value
+    return flat
+
+
+def load_config(preset: str | None = None, overrides: dict[str, Any] | None = None) -> Config:
+    """Preset (default `tiny`) + dotted overrides, validated."""
+    cfg = Config()
+    source = preset or DEFAULT_PRESET
+    apply_overrides(cfg, flatten_table(read_preset(source), f"--config {source}"))
+    apply_overrides(cfg, overrides or {})
+    validate(cfg)
+    return cfg
+
+
+def config_from_toml(path: Path, overrides: dict[str, Any] | None = None) -> Config:
+    """The config a run saved (`<run_dir>/config.toml`), with overrides, validated."""
+    return load_config(str(path), overrides)
+
+
+# ---------------------------------------------------------------------------------------------
+# TOML output
+# ---------------------------------------------------------------------------------------------
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return str(value)
+
+
+def to_toml(cfg: Config) -> str:
+    """The resolved config as TOML that `load_config` reads back to an equal config."""
+    lines = []
+    for section in SECTIONS:
+        lines.append(f"[{section}]")
+        for f in dataclasses.fields(getattr(cfg, section)):
+            lines.append(f"{f.name} = {_toml_value(getattr(getattr(cfg, section), f.name))}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------------------------
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _positive(cfg: Config, *keys: str) -> None:
+    for key in keys:
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        _require(value > 0, f"{key}={value} must be > 0")
+
+
+def _non_negative(cfg: Config, *keys: str) -> None:
+    for key in keys:
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        _require(value >= 0, f"{key}={value} must be >= 0")
+
+
+def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
+    _require(value in allowed, f"{key}={value!r} is not one of {', '.join(allowed)}")
+
+
+def validate(cfg: Config) -> None:
+    """Raise ConfigError for the first invalid value, naming the field, the value and the rule."""
+    m, moe, t = cfg.model, cfg.moe, cfg.train
+    _positive(cfg, "model.dim", "model.n_layers", "model.n_heads", "model.ffn_hidden",
+              "model.rope_theta", "model.norm_eps", "model.init_std",
+              "moe.top_k", "moe.expert_hidden", "moe.moe_every",
+              "train.steps", "train.micro_batch_size", "train.seq_len", "train.grad_accum",
+              "train.lr", "train.val_batches", "logging.log_every", "checkpoint.keep")
+    _non_negative(cfg, "model.vocab_size", "model.n_kv_heads", "model.head_dim", "moe.num_experts",
+                  "moe.first_k_dense", "moe.aux_loss_coeff", "train.warmup_steps",
+                  "train.weight_decay", "train.grad_clip", "train.val_every", "train.seed",
+                  "checkpoint.every", "logging.peak_tflops")
+    n_kv = m.n_kv_heads or m.n_heads
+    _require(m.n_heads % n_kv == 0,
+             f"model.n_heads={m.n_heads} must be a multiple of model.n_kv_heads={n_kv}")
+    _require(m.head_dim or m.dim % m.n_heads == 0,
+             f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}; set model.head_dim")
+    head_dim = m.head_dim or m.dim // m.n_heads
+    _require(head_dim % 2 == 0, f"model.head_dim={head_dim} must be even for RoPE")
+    if moe.num_experts:
+        _require(moe.top_k <= moe.num_experts,
+                 f"moe.top_k={moe.top_k} exceeds moe.num_experts={moe.num_experts}")
+    _one_of("moe.experts_backend", moe.experts_backend, ("auto", "grouped_mm", "loop"))
+    _require(0.0 <= t.min_lr_ratio <= 1.0, f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
+    _one_of("train.schedule", t.schedule, ("cosine", "wsd", "constant"))
+    _require(0.0 < t.decay_fraction <= 1.0,
+             f"train.decay_fraction={t.decay_fraction} must be in (0, 1]")
+    _require(t.warmup_steps <= t.steps,
+             f"train.warmup_steps={t.warmup_steps} exceeds train.steps={t.steps}")
+    _require(0.0 <= t.beta1 < 1.0, f"train.beta1={t.beta1} must be in [0, 1)")
+    _require(0.0 <= t.beta2 < 1.0, f"train.beta2={t.beta2} must be in [0, 1)")
+    _require(t.eps > 0, f"train.eps={t.eps} must be > 0")
+    _one_of("train.device", t.device, ("auto", "cpu", "cuda"))
+    _require(0.0 <= cfg.data.val_fraction < 1.0,
+             f"data.val_fraction={cfg.data.val_fraction} must be in [0, 1)")
+    _one_of("data.token_dtype", cfg.data.token_dtype, ("uint16", "uint32"))
+    _require(cfg.data.eos_id >= -1, f"data.eos_id={cfg.data.eos_id} must be >= -1")
+    _one_of("precision.compute_dtype", cfg.precision.compute_dtype, ("auto", "bf16", "fp32"))
+    _validate_parallel(cfg.parallel)
+
+
+def _validate_parallel(p: ParallelConfig) -> None:
+    for name in ("tp", "cp", "pp", "ep", "etp"):
+        size = getattr(p, name)
+        _require(size >= 1, f"parallel.{name}={size} must be >= 1")
+        _require(size == 1, f"parallel.{name}={size}: parallel layouts are not yet supported "
+                            "(only 1); they arrive with the parallel-folding work")

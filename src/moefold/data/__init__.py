@@ -1,0 +1,25 @@
+"""Data: tokenizers, the corpus as train/validation token streams, packing and loaders.
+
+    tokenizer = build_tokenizer(cfg.data.tokenizer)
+    streams = build_token_streams(cfg.data, tokenizer)
+    train = TrainLoader(PackedSequences(streams.train_N, S), B, seed, streams.eos_id)
+    val = val_batches(PackedSequences(streams.val_N, S, "validation"), B, n, streams.eos_id)
+"""
+
+from moefold.data.corpus import TokenStreams, build_token_streams
+from moefold.data.loader import Batch, PackedSequences, TrainLoader, make_batch, val_batches
+from moefold.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, build_tokenizer
+
+__all__ = [
+    "Batch",
+    "ByteTokenizer",
+    "HFTokenizer",
+    "PackedSequences",
+    "TokenStreams",
+    "Tokenizer",
+    "TrainLoader",
+    "build_token_streams",
+    "build_tokenizer",
+    "make_batch",
+    "val_batches",
+]

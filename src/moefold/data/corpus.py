@@ -1,0 +1,179 @@
+"""Training data as two flat token streams, train and validation.
+
+Text documents are tokenized, each followed by the end-of-document (EOS) token, and concatenated.
+The held-out documents are chosen by a hash of each document's name: the split is the same for
+every seed, run and machine. Pre-tokenized files already are a stream; their last
+`data.val_fraction` of tokens is held out, and a single file is used in place (memory-mapped).
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import zlib
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from moefold.config import DataConfig
+from moefold.data.formats import (DataFile, Document, find_data_files, open_token_file,
+                                  read_documents, stdlib_files)
+from moefold.data.tokenizer import Tokenizer
+from moefold.errors import DataError
+
+_HASH_BUCKETS = 10_000
+_ENCODE_BATCH = 1024  # documents per tokenizer call (HF tokenizers parallelise within a batch)
+_VOCAB_CHECK_TOKENS = 1 << 20  # ids checked per token file at startup: catches a wrong tokenizer
+
+
+@dataclass
+class TokenStreams:
+    train_N: np.ndarray
+    val_N: np.ndarray
+    """Empty when data.val_fraction is 0."""
+    eos_id: int
+    """The end-of-document id separating documents in both streams."""
+    source: str
+    """Human description, e.g. "python3.11 stdlib: 1790 files, 31.5 MB"."""
+    train_docs: int | None
+    """Documents in train_N; None for token files (counting them would read them whole)."""
+    val_docs: int | None
+
+
+def build_token_streams(data_cfg: DataConfig, tokenizer: Tokenizer, *,
+                        vocab_size: int | None = None) -> TokenStreams:
+    """The train and validation token streams of `data.path` (empty: the stdlib corpus).
+
+    `vocab_size` bounds the ids of token files (default: the tokenizer's); pass model.vocab_size
+    when it is set larger than the tokenizer's.
+    """
+    if data_cfg.path:
+        files, label = find_data_files(data_cfg.path), data_cfg.path
+    else:
+        files, label = stdlib_files(), f"python{sys.version_info[0]}.{sys.version_info[1]} stdlib"
+    if files[0].is_tokens:
+        return _token_file_streams(files, label, data_cfg, tokenizer,
+                                   vocab_size or tokenizer.vocab_size)
+    return _text_streams(files, label, data_cfg, tokenizer)
+
+
+def stream_dtype(vocab_size: int) -> np.dtype:
+    """The narrowest unsigned type holding every id below `vocab_size`."""
+    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Text documents
+# ---------------------------------------------------------------------------------------------
+
+
+def _text_streams(files: list[DataFile], label: str, cfg: DataConfig,
+                  tokenizer: Tokenizer) -> TokenStreams:
+    dtype = stream_dtype(tokenizer.vocab_size)
+    threshold = validation_threshold(cfg.val_fraction)
+    # One array per tokenized document (ending in EOS); concatenated once at the end.
+    train_docs: list[np.ndarray] = []
+    val_docs: list[np.ndarray] = []
+    documents = itertools.chain.from_iterable(read_documents(f, cfg.text_field) for f in files)
+    for batch in _batched(documents, _ENCODE_BATCH):
+        ids_per_doc = _encode_batch(tokenizer, [doc.text for doc in batch])
+        for doc, ids_N in zip(batch, ids_per_doc):
+            held_out = is_validation(doc.name, threshold)
+            (val_docs if held_out else train_docs).append(_with_eos(ids_N, tokenizer.eos_id, dtype))
+    if threshold > 0:
+        _ensure_both_nonempty(train_docs, val_docs, label, cfg.val_fraction)
+    megabytes = sum(f.size for f in files) / 1e6
+    return TokenStreams(train_N=_concatenate(train_docs, dtype),
+                        val_N=_concatenate(val_docs, dtype), eos_id=tokenizer.eos_id,
+                        source=f"{label}: {len(files)} files, {megabytes:.1f} MB",
+                        train_docs=len(train_docs), val_docs=len(val_docs))
+
+
+def validation_threshold(val_fraction: float) -> int:
+    """Hash buckets (of 10_000) held out; at least one whenever val_fraction > 0."""
+    return max(1, round(val_fraction * _HASH_BUCKETS)) if val_fraction > 0 else 0
+
+
+def is_validation(name: str, threshold: int) -> bool:
+    """Whether the document `name` is held out: its hash bucket is below `threshold` / 10_000."""
+    return zlib.crc32(name.encode("utf-8")) % _HASH_BUCKETS < threshold
+
+
+def _ensure_both_nonempty(train_docs: list[np.ndarray], val_docs: list[np.ndarray], label: str,
+                          val_fraction: float) -> None:
+    # With few documents the hash can leave a side empty; move one document rather than fail.
+    if len(train_docs) + len(val_docs) < 2:
+        raise DataError(f"data.path={label}: a single document cannot be split into train and "
+                        f"validation (data.val_fraction={val_fraction}); add documents or set "
+                        "data.val_fraction=0")
+    if not val_docs:
+        val_docs.append(train_docs.pop())  # the last document
+    if not train_docs:
+        train_docs.append(val_docs.pop(0))  # the first document
+
+
+def _encode_batch(tokenizer: Tokenizer, texts: Sequence[str]) -> list[np.ndarray]:
+    batch_encode = getattr(tokenizer, "encode_batch_np", None)
+    if batch_encode is not None:
+        return batch_encode(texts)
+    return [np.asarray(tokenizer.encode(text), dtype=np.int64) for text in texts]
+
+
+def _with_eos(ids_N: np.ndarray, eos_id: int, dtype: np.dtype) -> np.ndarray:
+    doc_N = np.empty(len(ids_N) + 1, dtype=dtype)
+    doc_N[:-1] = ids_N
+    doc_N[-1] = eos_id
+    return doc_N
+
+
+def _concatenate(docs: list[np.ndarray], dtype: np.dtype) -> np.ndarray:
+    return np.concatenate(docs) if docs else np.empty(0, dtype)
+
+
+def _batched(items: Iterable[Document], n: int) -> Iterator[list[Document]]:
+    iterator = iter(items)
+    while batch := list(itertools.islice(iterator, n)):
+        yield batch
+
+
+# ---------------------------------------------------------------------------------------------
+# Token files
+# ---------------------------------------------------------------------------------------------
+
+
+def _token_file_streams(files: list[DataFile], label: str, cfg: DataConfig,
+                        tokenizer: Tokenizer, vocab_size: int) -> TokenStreams:
+    eos_id = cfg.eos_id if cfg.eos_id >= 0 else tokenizer.eos_id
+    if eos_id >= vocab_size:
+        raise DataError(f"data.eos_id={eos_id} is not below the vocabulary size {vocab_size} "
+                        f"of tokenizer {tokenizer.name} (data.tokenizer)")
+    arrays = [open_token_file(f, cfg.token_dtype) for f in files]
+    for file, tokens_N in zip(files, arrays):
+        _check_token_ids(file, tokens_N, vocab_size, tokenizer.name)
+    # One file stays memory-mapped; several are concatenated into memory (one copy).
+    tokens_N = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+    num_val = round(len(tokens_N) * cfg.val_fraction)
+    if cfg.val_fraction > 0 and num_val == 0:
+        raise DataError(f"data.path={label}: {len(tokens_N)} tokens leave no validation tokens "
+                        f"at data.val_fraction={cfg.val_fraction}")
+    if num_val >= len(tokens_N):
+        raise DataError(f"data.path={label}: {len(tokens_N)} tokens leave no training tokens "
+                        f"at data.val_fraction={cfg.val_fraction}")
+    split = len(tokens_N) - num_val
+    return TokenStreams(train_N=tokens_N[:split], val_N=tokens_N[split:], eos_id=eos_id,
+                        source=f"{label}: {len(files)} token files, "
+                               f"{len(tokens_N) / 1e6:.1f}M tokens",
+                        train_docs=None, val_docs=None)
+
+
+def _check_token_ids(file: DataFile, tokens_N: np.ndarray, vocab_size: int,
+                     tokenizer_name: str) -> None:
+    """Ids in the file's first ~1M tokens lie in [0, vocab_size): reading it whole is too slow."""
+    head_N = np.asarray(tokens_N[:_VOCAB_CHECK_TOKENS])
+    low, high = int(head_N.min()), int(head_N.max())
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise file.error(f"token id {bad} is outside the vocabulary [0, {vocab_size}) of "
+                         f"tokenizer {tokenizer_name}; set data.tokenizer to the tokenizer that "
+                         "produced the file")

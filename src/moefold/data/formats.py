@@ -1,0 +1,233 @@
+"""Finding and reading training data on disk: the embedded corpus, text files and token files.
+
+Text files (.txt, .jsonl, .parquet) are read as a stream of named `Document`s; a document's name
+is relative to `data.path`, so the validation split does not move when the data does. Token files
+(.npy, .bin) are memory-mapped, never read whole. Anything wrong with the input is a one-line
+`DataError` naming `data.path`, the file and what is allowed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sysconfig
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from moefold.errors import DataError
+
+TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
+TOKEN_SUFFIXES = (".npy", ".bin")
+SUFFIXES = TEXT_SUFFIXES + TOKEN_SUFFIXES
+ALLOWED = ".txt, .jsonl, .parquet, .npy or .bin"
+_THIRD_PARTY_DIRS = ("site-packages", "dist-packages")
+_NPY_MAGIC = b"\x93NUMPY"
+
+
+@dataclass(frozen=True)
+class Document:
+    name: str
+    """Stable across machines and runs: it decides whether the document is held out."""
+    text: str
+
+
+@dataclass(frozen=True)
+class DataFile:
+    path: Path
+    name: str
+    """Path relative to `root` (the file name when `data.path` is the file itself)."""
+    root: str
+    """What the user gave as `data.path` (or the stdlib directory), for messages."""
+    size: int
+
+    @property
+    def suffix(self) -> str:
+        return self.path.suffix.lower()
+
+    @property
+    def is_tokens(self) -> bool:
+        return self.suffix in TOKEN_SUFFIXES
+
+    def error(self, message: str) -> DataError:
+        where = "" if Path(self.root) == self.path else f"{self.name}: "
+        return DataError(f"data.path={self.root}: {where}{message}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Locating files
+# ---------------------------------------------------------------------------------------------
+
+
+def stdlib_files() -> list[DataFile]:
+    """The running Python's nonempty standard-library .py sources, sorted by relative path."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in _THIRD_PARTY_DIRS]
+        for filename in filenames:
+            if filename.endswith(".py"):
+                path = Path(dirpath, filename)
+                files.append(DataFile(path, path.relative_to(root).as_posix(), str(root),
+                                      path.stat().st_size))
+    files = [f for f in files if f.size > 0]  # empty __init__.py files are no documents
+    if not files:
+        raise DataError(f"data.path is empty, but the embedded corpus has no .py files under "
+                        f"{root}; set data.path to your training data")
+    return sorted(files, key=lambda f: f.name)
+
+
+def find_data_files(data_path: str) -> list[DataFile]:
+    """The data files `data.path` names (a file, or a directory searched recursively), sorted."""
+    root = Path(data_path)
+    if not root.exists():
+        raise DataError(f"data.path={data_path}: no such file or directory")
+    if root.is_dir():
+        paths = [p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in SUFFIXES]
+        if not paths:
+            raise DataError(f"data.path={data_path}: no {ALLOWED} files found")
+        files = sorted((_data_file(p, p.relative_to(root).as_posix(), data_path) for p in paths),
+                       key=lambda f: f.name)
+    else:
+        files = [_data_file(root, root.name, data_path)]
+    for file in files:
+        _check_file(file)
+    if len({file.is_tokens for file in files}) > 1:
+        raise DataError(f"data.path={data_path}: mixes text files (.txt, .jsonl, .parquet) with "
+                        "token files (.npy, .bin); point data.path at one kind")
+    return files
+
+
+def _data_file(path: Path, name: str, root: str) -> DataFile:
+    return DataFile(path, name, root, path.stat().st_size)
+
+
+def _check_file(file: DataFile) -> None:
+    if file.suffix not in SUFFIXES:
+        raise file.error(f"unsupported file type {file.suffix or '(no suffix)'} "
+                         f"(allowed: {ALLOWED})")
+    if file.size == 0:
+        raise file.error("empty file")
+
+
+# ---------------------------------------------------------------------------------------------
+# Text files → documents
+# ---------------------------------------------------------------------------------------------
+
+
+def read_documents(file: DataFile, text_field: str) -> Iterator[Document]:
+    """The documents of one text file, in file order; empty texts are skipped."""
+    reader = _READERS.get(file.suffix, _whole_file_document)
+    count = 0
+    for document in reader(file, text_field):
+        count += 1
+        yield document
+    if count == 0:
+        raise file.error(f"no documents (every record is blank or has an empty "
+                         f"data.text_field={text_field!r})")
+
+
+def _whole_file_document(file: DataFile, text_field: str) -> Iterator[Document]:
+    # Undecodable bytes become U+FFFD rather than failing a whole corpus over one stray byte.
+    text = file.path.read_bytes().decode("utf-8", errors="replace")
+    if text:
+        yield Document(file.name, text)
+
+
+def _jsonl_documents(file: DataFile, text_field: str) -> Iterator[Document]:
+    with file.path.open("rb") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as e:
+                raise file.error(f"line {line_no}: not valid JSON ({e})") from None
+            if not isinstance(record, dict) or text_field not in record:
+                raise file.error(f"line {line_no}: no field {text_field!r} (data.text_field)")
+            text = record[text_field]
+            if not isinstance(text, str):
+                raise file.error(f"line {line_no}: field {text_field!r} is "
+                                 f"{type(text).__name__}, not a string")
+            if text:
+                yield Document(f"{file.name}:{line_no}", text)
+
+
+def _parquet_documents(file: DataFile, text_field: str) -> Iterator[Document]:
+    pa, pq = _import_pyarrow(file)
+    try:
+        parquet = pq.ParquetFile(file.path)
+    except Exception as e:  # pyarrow raises ArrowInvalid, OSError, ... for corrupt files
+        raise file.error(f"not a valid Parquet file ({_first_line(e)})") from None
+    schema = parquet.schema_arrow
+    if text_field not in schema.names:
+        raise file.error(f"no column {text_field!r} (data.text_field); columns: "
+                         f"{', '.join(schema.names)}")
+    column_type = schema.field(text_field).type
+    if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
+        raise file.error(f"column {text_field!r} is {column_type}, not a string")
+    row = 0
+    for batch in parquet.iter_batches(columns=[text_field], batch_size=4096):
+        for text in batch.column(0).to_pylist():
+            if text:  # None (null) and "" carry no document
+                yield Document(f"{file.name}:{row}", text)
+            row += 1
+
+
+def _import_pyarrow(file: DataFile):
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise file.error("reading .parquet needs the `pyarrow` package "
+                         "(pip install 'moefold[data]')") from None
+    return pa, pq
+
+
+_READERS: dict[str, Callable[[DataFile, str], Iterator[Document]]] = {
+    ".jsonl": _jsonl_documents,
+    ".parquet": _parquet_documents,
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Token files → memory-mapped arrays
+# ---------------------------------------------------------------------------------------------
+
+
+def open_token_file(file: DataFile, token_dtype: str) -> np.ndarray:
+    """A read-only, memory-mapped 1-D array of the file's token ids."""
+    tokens_N = _open_npy(file) if file.suffix == ".npy" else _open_bin(file, token_dtype)
+    if tokens_N.size == 0:
+        raise file.error("no tokens")
+    return tokens_N
+
+
+def _open_npy(file: DataFile) -> np.ndarray:
+    # Checked first: without the magic, np.load would try (and refuse) to unpickle the file.
+    with file.path.open("rb") as f:
+        if f.read(len(_NPY_MAGIC)) != _NPY_MAGIC:
+            raise file.error("not a .npy file (no NumPy header; save with numpy.save)")
+    try:
+        tokens_N = np.load(file.path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        raise file.error(f"not a valid .npy file ({_first_line(e)})") from None
+    if tokens_N.ndim != 1 or not np.issubdtype(tokens_N.dtype, np.integer):
+        raise file.error(f"expected a 1-D integer array of token ids, got shape "
+                         f"{tokens_N.shape} of {tokens_N.dtype}")
+    return tokens_N
+
+
+def _open_bin(file: DataFile, token_dtype: str) -> np.ndarray:
+    dtype = np.dtype(token_dtype)
+    if file.size % dtype.itemsize:
+        raise file.error(f"{file.size} bytes is not a whole number of {token_dtype} tokens "
+                         "(check data.token_dtype)")
+    return np.memmap(file.path, dtype=dtype, mode="r")
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

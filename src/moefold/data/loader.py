@@ -1,0 +1,150 @@
+"""Packing a token stream into fixed-length sequences, and the train / validation loaders.
+
+Sequence i is the window `tokens[i*S : i*S + S + 1]`: its first S tokens are the inputs and its last
+S the labels, so consecutive sequences share one boundary token and no token is wasted. Documents
+are packed back to back; `doc_ids` tells the attention where each one starts (document masking).
+
+The train loader's order is a pure function of (seed, epoch), and its position is two integers, so
+a resumed run sees exactly the batches the interrupted one would have.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from moefold.errors import DataError
+
+
+class PackedSequences:
+    """A token stream seen as `(N - 1) // seq_len` overlapping windows of `seq_len + 1` tokens."""
+
+    def __init__(self, tokens_N: np.ndarray, seq_len: int, name: str = "training"):
+        self.tokens_N = tokens_N
+        self.seq_len = seq_len
+        if len(self) == 0:
+            raise DataError(f"train.seq_len={seq_len}: the {name} stream has {len(tokens_N)} "
+                            f"tokens, fewer than train.seq_len + 1 = {seq_len + 1}; lower "
+                            "train.seq_len or add data")
+
+    def __len__(self) -> int:
+        return max(len(self.tokens_N) - 1, 0) // self.seq_len
+
+    def window(self, index: int) -> np.ndarray:
+        """The S + 1 token ids of sequence `index`, in the stream's dtype (no copy)."""
+        if not 0 <= index < len(self):
+            raise IndexError(f"sequence {index} out of range [0, {len(self)})")
+        start = index * self.seq_len
+        return self.tokens_N[start:start + self.seq_len + 1]
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.from_numpy(self.window(index).astype(np.int64))
+
+    def gather(self, indices: Sequence[int]) -> torch.Tensor:
+        """Sequences `indices` stacked into an int64 tensor [B, S+1]."""
+        windows_BS1 = np.stack([self.window(int(i)) for i in indices])
+        return torch.from_numpy(windows_BS1.astype(np.int64))
+
+
+@dataclass
+class Batch:
+    input_ids_BS: torch.Tensor
+    """int64 token ids."""
+    labels_BS: torch.Tensor
+    """int64: the next token of each input position."""
+    doc_ids_BS: torch.Tensor
+    """int32: index of the document each input position belongs to, from 0 in every sequence."""
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids_BS.numel()
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
+        return Batch(*(t.to(device, non_blocking=non_blocking)
+                       for t in (self.input_ids_BS, self.labels_BS, self.doc_ids_BS)))
+
+
+def document_ids(input_ids_BS: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """A new document starts at the position right after each EOS (the EOS ends its own)."""
+    is_eos_BS = (input_ids_BS == eos_id).to(torch.int32)
+    return torch.cumsum(is_eos_BS, dim=1, dtype=torch.int32) - is_eos_BS
+
+
+def make_batch(windows_BS1: torch.Tensor, eos_id: int) -> Batch:
+    """A batch from int64 windows [B, S+1]: inputs and labels are the same window, offset by one."""
+    input_ids_BS = windows_BS1[:, :-1].contiguous()
+    return Batch(input_ids_BS=input_ids_BS, labels_BS=windows_BS1[:, 1:].contiguous(),
+                 doc_ids_BS=document_ids(input_ids_BS, eos_id))
+
+
+class TrainLoader:
+    """Endless batches of `batch_size` sequences, reshuffled every epoch.
+
+    Epoch e visits the sequences in the order `randperm(len, seed * 1_000_003 + e)`, B at a time;
+    the last partial batch of an epoch is dropped, so every batch holds exactly B sequences.
+    """
+
+    def __init__(self, sequences: PackedSequences, batch_size: int, seed: int, eos_id: int):
+        if len(sequences) < batch_size:
+            raise DataError(f"train.micro_batch_size={batch_size} exceeds the {len(sequences)} "
+                            f"training sequences of train.seq_len={sequences.seq_len} tokens; "
+                            "lower train.micro_batch_size or train.seq_len, or add data")
+        self.sequences = sequences
+        self.batch_size = batch_size
+        self.seed = seed
+        self.eos_id = eos_id
+        self.epoch = 0
+        self.cursor = 0  # position in this epoch's permutation of the next batch's first sequence
+        self._order_epoch, self._order_N = -1, torch.empty(0, dtype=torch.int64)
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return len(self.sequences) // self.batch_size
+
+    def epoch_order(self, epoch: int) -> torch.Tensor:
+        """The permutation of sequence indices that epoch `epoch` visits."""
+        if epoch != self._order_epoch:
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._order_N = torch.randperm(len(self.sequences), generator=generator)
+            self._order_epoch = epoch
+        return self._order_N
+
+    def next_batch(self) -> Batch:
+        if self.cursor + self.batch_size > len(self.sequences):
+            self.epoch, self.cursor = self.epoch + 1, 0
+        indices_B = self.epoch_order(self.epoch)[self.cursor:self.cursor + self.batch_size]
+        self.cursor += self.batch_size
+        return make_batch(self.sequences.gather(indices_B.tolist()), self.eos_id)
+
+    def __iter__(self) -> TrainLoader:
+        return self
+
+    def __next__(self) -> Batch:
+        return self.next_batch()
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "cursor": self.cursor}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        epoch, cursor = int(state["epoch"]), int(state["cursor"])
+        if epoch < 0 or not 0 <= cursor <= len(self.sequences):
+            raise DataError(f"data loader state (epoch={epoch}, cursor={cursor}) does not fit "
+                            f"the {len(self.sequences)} training sequences; were data.path or "
+                            "train.seq_len changed since the checkpoint?")
+        self.epoch, self.cursor = epoch, cursor
+
+
+def val_batches(sequences: PackedSequences, batch_size: int, num_batches: int,
+                eos_id: int) -> list[Batch]:
+    """The first `num_batches` full batches of validation sequences, in stream order.
+
+    Fewer when the validation set is small (no sequence is counted twice); one smaller batch of
+    every sequence when there are fewer than `batch_size`.
+    """
+    batch_size = min(batch_size, len(sequences))
+    count = max(1, min(num_batches, len(sequences) // batch_size))
+    return [make_batch(sequences.gather(range(b * batch_size, (b + 1) * batch_size)), eos_id)
+            for b in range(count)]

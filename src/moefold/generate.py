@@ -1,0 +1,59 @@
+"""Sampling from a run's latest checkpoint (no KV cache: each token re-reads the whole context,
+which is fine for the small models this is meant to inspect)."""
+
+from pathlib import Path
+
+import torch
+
+from moefold.checkpoint.dcp import load_checkpoint, resolve_checkpoint
+from moefold.config import config_from_toml
+from moefold.data.tokenizer import build_tokenizer
+from moefold.errors import CheckpointError
+from moefold.models.transformer import build_model
+from moefold.moe.layer import frozen_stats
+from moefold.train.trainer import resolve_compute_dtype, resolve_device
+
+
+def load_model_from_run(run_dir: Path, device_name: str = "auto"):
+    """(model, tokenizer, config) with the weights of the run's latest checkpoint."""
+    config_path = Path(run_dir) / "config.toml"
+    if not config_path.is_file():
+        raise CheckpointError(f"--run-dir {run_dir}: no config.toml (not a moefold run directory)")
+    cfg = config_from_toml(config_path)
+    checkpoint = resolve_checkpoint(Path(run_dir))
+    device = resolve_device(device_name)
+    tokenizer = build_tokenizer(cfg.data.tokenizer)
+    model = build_model(cfg, cfg.model.vocab_size or tokenizer.vocab_size, device.type,
+                        resolve_compute_dtype(cfg.precision.compute_dtype, device))
+    state = {"model": model.state_dict()}
+    load_checkpoint(state, checkpoint)
+    model.load_state_dict(state["model"])
+    return model.to(device).eval(), tokenizer, cfg
+
+
+@torch.no_grad()
+def sample(model, prompt_ids: list[int], max_new_tokens: int, temperature: float, top_k: int,
+           context: int, eos_id: int, generator: torch.Generator) -> list[int]:
+    """Autoregressive sampling; stops at max_new_tokens or end-of-document."""
+    device = next(model.parameters()).device
+    ids = list(prompt_ids)
+    with frozen_stats(model.moe_layers()):
+        for _ in range(max_new_tokens):
+            window_1S = torch.tensor([ids[-context:]], device=device)
+            logits_V = model(window_1S)[0, -1].float()
+            next_id = _pick(logits_V, temperature, top_k, generator)
+            if next_id == eos_id:
+                break
+            ids.append(next_id)
+    return ids[len(prompt_ids):]
+
+
+def _pick(logits_V: torch.Tensor, temperature: float, top_k: int, generator: torch.Generator) -> int:
+    if temperature <= 0:
+        return int(logits_V.argmax())
+    logits_V = logits_V / temperature
+    if 0 < top_k < logits_V.numel():
+        kth = torch.topk(logits_V, top_k).values[-1]
+        logits_V = logits_V.masked_fill(logits_V < kth, float("-inf"))
+    probs_V = logits_V.softmax(-1).cpu()
+    return int(torch.multinomial(probs_V, 1, generator=generator))

@@ -1,0 +1,36 @@
+"""Grouped-query attention with optional per-head QK RMSNorm, through scaled_dot_product_attention.
+
+B batch, S sequence, D model dim, H query heads, G key/value heads, Dh head dim.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moefold.models.norm import RMSNorm
+from moefold.models.rope import apply_rope
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, qk_norm: bool,
+                 norm_eps: float):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.wq = nn.Linear(dim, n_heads * head_dim, bias=False)
+        self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
+        self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * head_dim, dim, bias=False)
+        # Qwen3/OLMoE normalise each head before RoPE; nn.Identity keeps the forward branch-free.
+        self.q_norm = RMSNorm(head_dim, norm_eps) if qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(head_dim, norm_eps) if qk_norm else nn.Identity()
+
+    def forward(self, x_BSD: torch.Tensor, cos_SDh: torch.Tensor, sin_SDh: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x_BSD.shape
+        q_BHSDh = self.q_norm(self.wq(x_BSD).view(B, S, self.n_heads, self.head_dim)).transpose(1, 2)
+        k_BGSDh = self.k_norm(self.wk(x_BSD).view(B, S, self.n_kv_heads, self.head_dim)).transpose(1, 2)
+        v_BGSDh = self.wv(x_BSD).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q_BHSDh = apply_rope(q_BHSDh, cos_SDh, sin_SDh)
+        k_BGSDh = apply_rope(k_BGSDh, cos_SDh, sin_SDh)
+        out_BHSDh = F.scaled_dot_product_attention(
+            q_BHSDh, k_BGSDh, v_BGSDh, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
+        return self.wo(out_BHSDh.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim))

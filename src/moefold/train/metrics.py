@@ -1,0 +1,96 @@
+"""Training metrics: expert-load statistics, throughput, and where metrics are written.
+
+Every log step produces one flat dict of plain numbers; sinks write it to the console,
+`<run_dir>/metrics.jsonl` (one JSON object per line) and TensorBoard when it is installed.
+"""
+
+import json
+import math
+import resource
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def load_imbalance(tokens_per_expert_E: torch.Tensor) -> float:
+    """max / mean tokens per expert: 1.0 is perfectly even, E means one expert took everything."""
+    counts = tokens_per_expert_E.double()
+    mean = counts.mean()
+    return float(counts.max() / mean) if mean > 0 else float("nan")
+
+
+def moe_metrics(per_layer_counts: list[torch.Tensor], per_layer_aux: list[torch.Tensor]) -> dict[str, float]:
+    """Per-layer imbalance and aux loss, plus their means (and the worst layer's imbalance)."""
+    if not per_layer_counts:
+        return {}
+    imbalances = [load_imbalance(c) for c in per_layer_counts]
+    aux = [float(a) for a in per_layer_aux]
+    return {"load_imbalance": sum(imbalances) / len(imbalances),
+            "load_imbalance_max": max(imbalances),
+            "aux_loss": sum(aux) / len(aux),
+            "load_imbalance_per_layer": imbalances,
+            "aux_loss_per_layer": aux}
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak allocated device memory on a GPU; peak resident host memory of the process on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return kib / 2**20
+
+
+def throughput(tokens: int, seconds: float, flops_per_token: int, peak_tflops: float | None) -> dict[str, float | None]:
+    tokens_per_s = tokens / seconds
+    tflops = tokens_per_s * flops_per_token / 1e12
+    return {"tokens_per_s": tokens_per_s, "tflops": tflops,
+            "mfu": tflops / peak_tflops if peak_tflops else None}
+
+
+def format_line(m: dict[str, Any], total_steps: int) -> str:
+    parts = [f"step {m['step']}/{total_steps}"]
+    if "loss" in m:
+        parts += [f"loss {m['loss']:.4f}", f"grad_norm {m['grad_norm']:.3f}", f"lr {m['lr']:.2e}",
+                  f"{m['tokens_per_s']:,.0f} tok/s", f"{m['tflops']:.3f} TFLOP/s"]
+        parts.append(f"mfu {100 * m['mfu']:.1f}%" if m.get("mfu") is not None else "mfu -")
+        parts.append(f"mem {m['peak_mem_gib']:.2f} GiB")
+    if "aux_loss" in m:
+        parts += [f"aux {m['aux_loss']:.4f}", f"imbalance {m['load_imbalance']:.2f}"]
+    if "val_loss" in m:
+        parts.append(f"val_loss {m['val_loss']:.4f}")
+    return " | ".join(parts)
+
+
+class MetricsSinks:
+    """metrics.jsonl (appended, flushed each write) and TensorBoard (when installed and enabled)."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool):
+        self.jsonl = open(Path(run_dir) / "metrics.jsonl", "a", encoding="utf-8")
+        self.tb = _tensorboard_writer(Path(run_dir) / "tb") if tensorboard else None
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.jsonl.write(json.dumps(record, allow_nan=True) + "\n")
+        self.jsonl.flush()
+        if self.tb is not None:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "step" and math.isfinite(value):
+                    self.tb.add_scalar(key, value, record["step"])
+
+    def close(self) -> None:
+        self.jsonl.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def _tensorboard_writer(path: Path):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # the `viz` extra is optional
+        return None
+    return SummaryWriter(str(path))
+
+
+def is_interactive() -> bool:
+    return sys.stderr.isatty()

@@ -1,0 +1,287 @@
+"""The training loop: data → model → loss → backward → optimizer, with logging, validation and
+checkpoints at fixed step intervals.
+
+`Trainer(cfg, run_dir, resume)` does every check that can fail on user input (config, data,
+checkpoint) before it writes anything into the run directory.
+"""
+
+import contextlib
+import dataclasses
+import os
+import signal
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from tqdm import tqdm
+
+from moefold.checkpoint.dcp import (load_checkpoint, resolve_checkpoint, rng_state, save_checkpoint,
+                                    set_rng_state)
+from moefold.config import Config, to_toml
+from moefold.data.corpus import build_token_streams
+from moefold.data.loader import Batch, PackedSequences, TrainLoader, val_batches
+from moefold.data.tokenizer import build_tokenizer
+from moefold.errors import ConfigError
+from moefold.models.transformer import Transformer, build_model
+from moefold.moe.layer import frozen_stats
+from moefold.optim.adamw import build_optimizer
+from moefold.optim.schedule import build_scheduler
+from moefold.train import metrics
+from moefold.train.flops import count_params, peak_tflops, train_flops_per_token
+from moefold.train.loss import cross_entropy_loss
+
+
+class TrainingInterrupted(Exception):
+    """Raised after SIGINT/SIGTERM once the checkpoint is saved; the CLI exits with 128 + signal."""
+
+    def __init__(self, signum: int, step: int, checkpoint: Path):
+        super().__init__(f"interrupted by {signal.Signals(signum).name} at step {step}; "
+                         f"checkpoint saved to {checkpoint}")
+        self.signum = signum
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device='cuda' but no CUDA device is available (use auto or cpu)")
+    return torch.device(name)
+
+
+def resolve_compute_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}[name]
+
+
+def run_dir_holds_run(run_dir: Path) -> bool:
+    return (run_dir / "config.toml").exists() or (run_dir / "checkpoints").exists()
+
+
+@dataclasses.dataclass
+class _Window:
+    """What accumulates between two log steps; losses stay on the device until logged."""
+    start: float
+    steps: int = 0
+    loss_sum: torch.Tensor | float = 0.0
+    grad_norm_sum: torch.Tensor | float = 0.0
+
+
+class Trainer:
+    def __init__(self, cfg: Config, run_dir: Path, resume: Path | None = None,
+                 out: Callable[[str], None] = print):
+        self.cfg, self.run_dir, self.out = cfg, Path(run_dir), out
+        checkpoint = resolve_checkpoint(resume) if resume is not None else None
+        if checkpoint is None and run_dir_holds_run(self.run_dir):
+            raise ConfigError(f"--run-dir {self.run_dir} already holds a run; continue it with "
+                              f"--resume {self.run_dir} or choose another --run-dir")
+        torch.manual_seed(cfg.train.seed)
+        self.device = resolve_device(cfg.train.device)
+        self.compute_dtype = resolve_compute_dtype(cfg.precision.compute_dtype, self.device)
+        self._build_data()
+        self._build_model()
+        self.optimizer = build_optimizer(self.model, cfg.train, self.device)
+        self.scheduler = build_scheduler(self.optimizer, cfg.train)
+        self.step = 0
+        if checkpoint is not None:
+            self._load(checkpoint)
+        self._prepare_run_dir()
+
+    # ----------------------------------------------------------------------------------- build
+
+    def _build_data(self) -> None:
+        cfg = self.cfg
+        self.tokenizer = build_tokenizer(cfg.data.tokenizer)
+        self.vocab_size = cfg.model.vocab_size or self.tokenizer.vocab_size
+        if self.vocab_size < self.tokenizer.vocab_size:
+            raise ConfigError(f"model.vocab_size={self.vocab_size} is smaller than the tokenizer's "
+                              f"vocabulary ({self.tokenizer.vocab_size})")
+        streams = build_token_streams(cfg.data, self.tokenizer, vocab_size=self.vocab_size)
+        self.data_source = streams.source
+        t = cfg.train
+        train_seqs = PackedSequences(streams.train_N, t.seq_len, name="training")
+        self.train_loader = TrainLoader(train_seqs, t.micro_batch_size, t.seed, streams.eos_id)
+        self.val_batches = []
+        if streams.val_N.size:  # data.val_fraction = 0 turns validation off
+            val_seqs = PackedSequences(streams.val_N, t.seq_len, name="validation")
+            self.val_batches = val_batches(val_seqs, t.micro_batch_size, t.val_batches, streams.eos_id)
+
+    def _build_model(self) -> None:
+        cfg = self.cfg
+        model = build_model(cfg, self.vocab_size, self.device.type, self.compute_dtype)
+        model.init_weights(cfg.train.seed)
+        self.model: Transformer = model.to(self.device)
+        for layer in self.model.moe_layers():
+            layer.aux_loss_scale = 1.0 / cfg.train.grad_accum  # the CE loss is averaged the same way
+        self.param_counts = count_params(self.model)
+        self.flops_per_token = train_flops_per_token(self.model, cfg.train.seq_len)
+        self.peak_tflops = peak_tflops(self.device, cfg.logging.peak_tflops)
+        autocast_on = self.compute_dtype != torch.float32
+        self.autocast = (partial(torch.autocast, self.device.type, dtype=self.compute_dtype)
+                         if autocast_on else contextlib.nullcontext)
+
+    def _prepare_run_dir(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.run_dir / "config.toml.tmp"
+        tmp.write_text(to_toml(self.cfg))
+        os.replace(tmp, self.run_dir / "config.toml")
+
+    # ----------------------------------------------------------------------------- checkpoints
+
+    def _state(self) -> dict[str, Any]:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd, "scheduler": self.scheduler.state_dict(),
+                "data": self.train_loader.state_dict(), "step": self.step, "rng": rng_state()}
+
+    def _load(self, path: Path) -> None:
+        state = self._state()
+        load_checkpoint(state, path)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.train_loader.load_state_dict(state["data"])
+        self.step = int(state["step"])
+        set_rng_state(state["rng"])
+        self.resumed_from = path
+
+    def save(self) -> Path:
+        return save_checkpoint(self._state(), self.run_dir, self.step, self.cfg.checkpoint.keep)
+
+    # ------------------------------------------------------------------------------- the step
+
+    def _to_device(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        return (batch.input_ids_BS.to(self.device, non_blocking=True),
+                batch.labels_BS.to(self.device, non_blocking=True))
+
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step over grad_accum micro-batches; (mean loss, grad norm) on the device."""
+        accum = self.cfg.train.grad_accum
+        loss_sum = torch.zeros((), device=self.device)
+        for _ in range(accum):
+            input_ids_BS, labels_BS = self._to_device(self.train_loader.next_batch())
+            with self.autocast():
+                logits_BSV = self.model(input_ids_BS)
+            loss = cross_entropy_loss(logits_BSV, labels_BS)
+            (loss / accum).backward()
+            loss_sum += loss.detach()
+        max_norm = self.cfg.train.grad_clip or float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=True)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss_sum / accum, grad_norm
+
+    @torch.no_grad()
+    def validate(self) -> float:
+        """Token-weighted mean loss over the fixed validation batches (leaves MoE stats untouched)."""
+        self.model.eval()
+        total, tokens = 0.0, 0
+        with frozen_stats(self.model.moe_layers()):
+            for batch in self.val_batches:
+                input_ids_BS, labels_BS = self._to_device(batch)
+                with self.autocast():
+                    logits_BSV = self.model(input_ids_BS)
+                total += float(cross_entropy_loss(logits_BSV, labels_BS)) * labels_BS.numel()
+                tokens += labels_BS.numel()
+        self.model.train()
+        return total / tokens
+
+    # ------------------------------------------------------------------------------- the loop
+
+    def fit(self) -> dict[str, Any]:
+        """Train to cfg.train.steps; returns the last train and validation metrics."""
+        t, log = self.cfg.train, self.cfg.logging
+        self.sinks = metrics.MetricsSinks(self.run_dir, log.tensorboard)
+        self._stop_signal: int | None = None
+        previous_handlers = self._install_signal_handlers()
+        self._announce()
+        bar = tqdm(total=t.steps, initial=self.step, disable=not (log.progress_bar and metrics.is_interactive()),
+                   dynamic_ncols=True, leave=False)
+        emit = tqdm.write if not bar.disable else self.out
+        last: dict[str, Any] = {}
+        try:
+            window = _Window(start=time.perf_counter())
+            while self.step < t.steps:
+                lr = self.optimizer.param_groups[0]["lr"]
+                loss, grad_norm = self.train_step()
+                self.step += 1
+                bar.update(1)
+                window.steps += 1
+                window.loss_sum += loss
+                window.grad_norm_sum += grad_norm
+                if self.step % log.log_every == 0 or self.step == t.steps:
+                    last.update(self._log_window(window, lr, emit))
+                    window = _Window(start=time.perf_counter())
+                if self._validation_due():
+                    last.update(self._log_validation(emit))
+                if self._checkpoint_due():
+                    self.save()
+                if self._stop_signal is not None:
+                    raise TrainingInterrupted(self._stop_signal, self.step, self.save())
+            if self.cfg.checkpoint.save_at_end and t.steps > 0:
+                last["checkpoint"] = str(self.save())
+        finally:
+            bar.close()
+            self.sinks.close()
+            self._restore_signal_handlers(previous_handlers)
+        return last
+
+    def _validation_due(self) -> bool:
+        every, steps = self.cfg.train.val_every, self.cfg.train.steps
+        return bool(self.val_batches) and ((every and self.step % every == 0) or self.step == steps)
+
+    def _checkpoint_due(self) -> bool:
+        every = self.cfg.checkpoint.every
+        return bool(every) and self.step % every == 0 and self.step < self.cfg.train.steps
+
+    def _log_window(self, window: _Window, lr: float, emit) -> dict[str, Any]:
+        loss = float(window.loss_sum) / window.steps  # HOST SYNC: once per log step
+        grad_norm = float(window.grad_norm_sum) / window.steps
+        seconds = time.perf_counter() - window.start
+        tokens = window.steps * self.cfg.train.grad_accum * self.cfg.train.micro_batch_size * self.cfg.train.seq_len
+        record = {"step": self.step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
+                  **metrics.throughput(tokens, seconds, self.flops_per_token, self.peak_tflops),
+                  "peak_mem_gib": metrics.peak_memory_gib(self.device)}
+        stats = [layer.pop_stats() for layer in self.model.moe_layers()]
+        record.update(metrics.moe_metrics([c for c, _ in stats], [a for _, a in stats]))
+        self.sinks.write(record)
+        emit(metrics.format_line(record, self.cfg.train.steps))
+        return record
+
+    def _log_validation(self, emit) -> dict[str, Any]:
+        record = {"step": self.step, "val_loss": self.validate()}
+        self.sinks.write(record)
+        emit(metrics.format_line(record, self.cfg.train.steps))
+        return record
+
+    def _announce(self) -> None:
+        p = self.param_counts
+        resumed = getattr(self, "resumed_from", None)
+        lines = [f"run dir: {self.run_dir}" + (f" (resumed from {resumed})" if resumed else ""),
+                 f"device: {self.device} ({self.compute_dtype})",
+                 f"data: {self.data_source}",
+                 f"model: {p.total / 1e6:.2f}M parameters, {p.active / 1e6:.2f}M active; "
+                 f"{self.flops_per_token / 1e6:.2f} MFLOP per token (fwd+bwd)"]
+        for line in lines:
+            self.out(line)
+
+    # ---------------------------------------------------------------------------- signals
+
+    def _install_signal_handlers(self) -> dict[int, Any]:
+        def request_stop(signum, _frame):
+            self._stop_signal = signum  # acted on after the current step, with a checkpoint
+        previous = {}
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            try:
+                previous[signum] = signal.signal(signum, request_stop)
+            except ValueError:  # not the main thread: leave signals to the caller
+                pass
+        return previous
+
+    @staticmethod
+    def _restore_signal_handlers(previous: dict[int, Any]) -> None:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)

@@ -1,0 +1,51 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+# A model and data small enough that a training run takes about a second.
+TINY_OVERRIDES = {
+    "model.dim": "32", "model.n_layers": "2", "model.n_heads": "2", "model.n_kv_heads": "1",
+    "model.ffn_hidden": "64", "moe.num_experts": "4", "moe.top_k": "2", "moe.expert_hidden": "32",
+    "moe.first_k_dense": "1", "train.seq_len": "32", "train.micro_batch_size": "4",
+    "train.steps": "12", "train.warmup_steps": "2", "train.val_every": "0", "train.val_batches": "2",
+    "logging.log_every": "1", "logging.tensorboard": "false", "logging.progress_bar": "false",
+}
+
+
+@pytest.fixture
+def text_corpus(tmp_path: Path) -> Path:
+    """A directory of small, varied .txt documents (deterministic)."""
+    root = tmp_path / "corpus"
+    root.mkdir()
+    for i in range(40):
+        words = " ".join(f"w{(i * 7 + j * 13) % 97}" for j in range(60 + i))
+        (root / f"doc{i:02d}.txt").write_text(f"document {i}: {words}\n")
+    return root
+
+
+def cli_args(overrides: dict[str, str]) -> list[str]:
+    return [arg for key, value in overrides.items() for arg in (f"--{key}", value)]
+
+
+@pytest.fixture
+def tiny_args(text_corpus: Path) -> list[str]:
+    return cli_args({**TINY_OVERRIDES, "data.path": str(text_corpus)})
+
+
+def run_cli(args: list[str], timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:
+    """`python -m moefold ARGS` in a fresh process (what a user runs)."""
+    return subprocess.run([sys.executable, "-m", "moefold", *args], capture_output=True, text=True,
+                          timeout=timeout, **kwargs)

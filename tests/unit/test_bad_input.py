@@ -1,0 +1,89 @@
+"""Every bad input gives one clear line, exit status 2, and leaves existing run files intact."""
+
+import pytest
+
+from moefold.cli import main
+
+
+def snapshot(run_dir):
+    return {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+
+
+@pytest.fixture
+def finished_run(tmp_path, tiny_args):
+    run = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run), *tiny_args, "--train.steps", "3"]) == 0
+    return run
+
+
+def error_line(capsys, argv) -> str:
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err.strip()
+
+
+@pytest.mark.parametrize("make_path, expected", [
+    (lambda tmp: tmp / "missing", "no such file or directory"),
+    (lambda tmp: (tmp / "empty").mkdir() or tmp / "empty", "data.path="),
+    (lambda tmp: (tmp / "empty.txt").write_text("") and None or tmp / "empty.txt", "data.path="),
+    (lambda tmp: (tmp / "x.csv").write_text("a,b") and None or tmp / "x.csv", "data.path="),
+])
+def test_bad_data_path(tmp_path, capsys, tiny_args, make_path, expected):
+    path = make_path(tmp_path)
+    line = error_line(capsys, ["train", "--run-dir", str(tmp_path / "r"), *tiny_args, "--data.path", str(path)])
+    assert "data.path" in line and expected in line
+    assert not (tmp_path / "r").exists()
+
+
+def test_corrupt_checkpoint(finished_run, capsys):
+    shard = next((finished_run / "checkpoints").rglob("*.distcp"))
+    shard.write_bytes(b"garbage" * 10)
+    before = snapshot(finished_run)
+    line = error_line(capsys, ["train", "--resume", str(finished_run), "--train.steps", "6"])
+    assert "unreadable or corrupt" in line and str(shard.parent) in line
+    assert snapshot(finished_run) == before
+
+
+def test_checkpoint_without_metadata_and_missing_resume_dir(finished_run, tmp_path, capsys):
+    ckpt = next((finished_run / "checkpoints").iterdir())
+    (ckpt / ".metadata").unlink()
+    before = snapshot(finished_run)
+    assert "no complete checkpoint" in error_line(capsys, ["train", "--resume", str(finished_run)])
+    assert "incomplete or corrupt" in error_line(capsys, ["train", "--resume", str(ckpt)])
+    assert "not a moefold run directory" in error_line(capsys, ["train", "--resume", str(tmp_path / "nope")])
+    assert snapshot(finished_run) == before
+
+
+def test_existing_run_is_not_overwritten(finished_run, tiny_args, capsys):
+    before = snapshot(finished_run)
+    line = error_line(capsys, ["train", "--run-dir", str(finished_run), *tiny_args])
+    assert "already holds a run" in line and "--resume" in line
+    assert snapshot(finished_run) == before
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--moe.topk", "4"], "unknown option --moe.topk; did you mean --moe.top_k?"),
+    (["--train.lr", "-1"], "train.lr=-1.0 must be > 0"),
+    (["--config", "nosuch"], "--config nosuch: no such preset or file"),
+    (["--data.val_fraction", "1.5"], "data.val_fraction=1.5 must be in [0, 1)"),
+])
+def test_config_errors(finished_run, tmp_path, capsys, argv, expected):
+    before = snapshot(finished_run)
+    assert expected in error_line(capsys, ["train", "--run-dir", str(tmp_path / "new"), *argv])
+    assert error_line(capsys, ["train", "--resume", str(finished_run), *argv[:2]]) if argv[0] != "--config" else True
+    assert snapshot(finished_run) == before
+    assert not (tmp_path / "new").exists()
+
+
+def test_bad_tokenizer_file(tmp_path, tiny_args, capsys):
+    bad = tmp_path / "tokenizer.json"
+    bad.write_text("{not json")
+    line = error_line(capsys, ["train", "--run-dir", str(tmp_path / "r"), *tiny_args, "--data.tokenizer", str(bad)])
+    assert "data.tokenizer" in line
+
+
+def test_generate_on_a_non_run(tmp_path, capsys):
+    assert "not a moefold run directory" in error_line(
+        capsys, ["generate", "--run-dir", str(tmp_path), "--prompt", "x"])

@@ -1,0 +1,75 @@
+import pytest
+
+from moefold.cli import main
+from moefold.config import Config, field_docs, field_types, load_config, to_toml
+from moefold.errors import ConfigError
+
+
+def test_defaults_are_the_tiny_preset():
+    cfg = load_config()
+    assert cfg.moe.num_experts == 8 and cfg.model.dim == 128
+
+
+def test_dotted_overrides_are_typed():
+    cfg = load_config("tiny", {"moe.top_k": "4", "train.lr": "1e-4", "model.qk_norm": "false",
+                               "data.path": "x.txt"})
+    assert cfg.moe.top_k == 4 and cfg.train.lr == 1e-4 and cfg.model.qk_norm is False
+    assert cfg.data.path == "x.txt"
+
+
+def test_every_field_has_a_docstring():
+    assert set(field_docs()) == set(field_types())
+
+
+def test_toml_round_trip(tmp_path):
+    cfg = load_config("tiny", {"moe.top_k": "3", "data.path": 'a "quoted" \\path'})
+    path = tmp_path / "c.toml"
+    path.write_text(to_toml(cfg))
+    assert load_config(str(path)) == cfg
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"moe.top_k": "9"}, "moe.top_k=9 exceeds moe.num_experts=8"),
+    ({"moe.topk": "2"}, "unknown config key moe.topk; did you mean moe.top_k?"),
+    ({"train.steps": "0"}, "train.steps=0 must be > 0"),
+    ({"train.lr": "fast"}, "train.lr='fast' is not a valid float"),
+    ({"model.qk_norm": "maybe"}, "model.qk_norm='maybe' is not a valid bool"),
+    ({"model.n_heads": "3"}, "model.n_heads=3 must be a multiple of model.n_kv_heads=2"),
+    ({"train.schedule": "linear"}, "train.schedule='linear' is not one of cosine, wsd, constant"),
+    ({"parallel.ep": "2"}, "parallel.ep=2: parallel layouts are not yet supported"),
+])
+def test_invalid_values_name_field_value_and_rule(overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("?", r"\?")):
+        load_config("tiny", overrides)
+
+
+def test_unknown_preset_and_bad_toml(tmp_path):
+    with pytest.raises(ConfigError, match="no such preset or file"):
+        load_config("tinyy")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[moe\n")
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        load_config(str(bad))
+    wrong_section = tmp_path / "w.toml"
+    wrong_section.write_text("[mod]\ndim = 3\n")
+    with pytest.raises(ConfigError, match=r"unknown section \[mod\]; did you mean \[model\]"):
+        load_config(str(wrong_section))
+
+
+def test_config_show_prints_resolved_toml(capsys):
+    assert main(["config", "show", "--moe.top_k", "4", "--model.tie_embeddings"]) == 0
+    out = capsys.readouterr().out
+    assert "[moe]\n" in out and "top_k = 4" in out and "tie_embeddings = true" in out
+
+
+def test_cli_unknown_option_suggests_closest(capsys):
+    assert main(["config", "show", "--moe.topk", "4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "moefold: error: unknown option --moe.topk; did you mean --moe.top_k?"
+
+
+def test_help_lists_field_docstrings(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    assert "--moe.top_k" in out and "Experts each token is sent to." in out

@@ -1,0 +1,105 @@
+"""The transformer's parts against naive references, and the FLOP convention on a hand-counted model."""
+
+import math
+
+import pytest
+import torch
+
+from moefold.config import load_config
+from moefold.models.attention import Attention
+from moefold.models.rope import apply_rope, rope_cos_sin
+from moefold.models.transformer import build_model, is_moe_layer
+from moefold.moe.layer import MoELayer
+from moefold.train.flops import count_params, train_flops_per_token
+from moefold.train.metrics import load_imbalance, moe_metrics, throughput
+
+
+def naive_attention(attn: Attention, x_BSD, cos, sin):
+    B, S, _ = x_BSD.shape
+    H, G, Dh = attn.n_heads, attn.n_kv_heads, attn.head_dim
+    q = attn.q_norm(attn.wq(x_BSD).view(B, S, H, Dh)).transpose(1, 2)
+    k = attn.k_norm(attn.wk(x_BSD).view(B, S, G, Dh)).transpose(1, 2)
+    v = attn.wv(x_BSD).view(B, S, G, Dh).transpose(1, 2)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    k, v = k.repeat_interleave(H // G, dim=1), v.repeat_interleave(H // G, dim=1)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(Dh)
+    scores = scores.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
+    out = scores.softmax(-1) @ v
+    return attn.wo(out.transpose(1, 2).reshape(B, S, H * Dh))
+
+
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_gqa_attention_matches_naive(qk_norm):
+    torch.manual_seed(0)
+    attn = Attention(dim=32, n_heads=4, n_kv_heads=2, head_dim=8, qk_norm=qk_norm, norm_eps=1e-6)
+    x = torch.randn(2, 10, 32)
+    cos, sin = rope_cos_sin(10, 8, 10000.0)
+    torch.testing.assert_close(attn(x, cos, sin), naive_attention(attn, x, cos, sin))
+
+
+def test_rope_scores_depend_only_on_relative_position():
+    q, k = torch.randn(1, 1, 1, 16), torch.randn(1, 1, 1, 16)
+    cos, sin = rope_cos_sin(40, 16, 10000.0)
+
+    def score(i, j):
+        qi = apply_rope(q.expand(1, 1, 40, 16), cos, sin)[0, 0, i]
+        kj = apply_rope(k.expand(1, 1, 40, 16), cos, sin)[0, 0, j]
+        return (qi @ kj).item()
+
+    assert score(5, 2) == pytest.approx(score(30, 27), rel=1e-4)
+    assert score(5, 2) != pytest.approx(score(5, 4), rel=1e-3)
+
+
+def test_model_is_causal_and_layer_pattern_follows_config():
+    cfg = load_config("tiny", {"model.n_layers": "6", "moe.first_k_dense": "2", "moe.moe_every": "2"})
+    assert [is_moe_layer(cfg, i) for i in range(6)] == [False, False, True, False, True, False]
+    model = build_model(cfg, vocab_size=257)
+    model.init_weights(seed=0)
+    assert [isinstance(b.ffn, MoELayer) for b in model.layers] == [False, False, True, False, True, False]
+    ids = torch.randint(0, 257, (2, 16))
+    changed = ids.clone()
+    changed[:, 10:] = (changed[:, 10:] + 1) % 257
+    logits, logits_changed = model(ids), model(changed)
+    assert logits.shape == (2, 16, 257)
+    torch.testing.assert_close(logits[:, :10], logits_changed[:, :10])
+    assert not torch.allclose(logits[:, 10:], logits_changed[:, 10:])
+
+
+def test_tied_head_shares_the_embedding():
+    model = build_model(load_config("tiny", {"model.tie_embeddings": "true"}), vocab_size=257)
+    assert model.output.weight is model.tok_embeddings.weight
+
+
+HAND_CFG = {"model.dim": "32", "model.n_layers": "2", "model.n_heads": "2", "model.n_kv_heads": "1",
+            "model.ffn_hidden": "64", "moe.num_experts": "4", "moe.top_k": "2",
+            "moe.expert_hidden": "32", "moe.first_k_dense": "1"}
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_param_counts_and_flops_hand_checked(tied):
+    model = build_model(load_config("tiny", {**HAND_CFG, "model.tie_embeddings": str(tied)}), 257)
+    attn = 32 * 32 + 32 * 16 + 32 * 16 + 32 * 32 + 16 + 16  # q, k, v, o, q/k norms (head dim 16)
+    norms = 2 * 32
+    dense_mlp = 3 * 32 * 64
+    router, experts = 4 * 32, 3 * 4 * 32 * 32
+    head = embedding = 257 * 32
+    body = (attn + norms + dense_mlp) + (attn + norms + router + experts) + 32
+    counts = count_params(model)
+    assert counts.total == body + head + (0 if tied else embedding)
+    assert counts.active == body - experts + experts * 2 // 4 + head
+    # 6·active + causal attention 3 · L · S · H · (Dh + Dh)
+    assert train_flops_per_token(model, seq_len=64) == 6 * counts.active + 3 * 2 * 64 * 2 * (16 + 16)
+
+
+def test_throughput_and_mfu_hand_checked():
+    m = throughput(tokens=1000, seconds=2.0, flops_per_token=3_000_000_000, peak_tflops=10.0)
+    assert m["tokens_per_s"] == 500 and m["tflops"] == pytest.approx(1.5) and m["mfu"] == pytest.approx(0.15)
+    assert throughput(1000, 2.0, 3, None)["mfu"] is None
+
+
+def test_load_imbalance_hand_checked():
+    assert load_imbalance(torch.tensor([4, 4, 4, 4])) == 1.0
+    assert load_imbalance(torch.tensor([10, 2, 0, 0])) == pytest.approx(10 / 3)
+    m = moe_metrics([torch.tensor([1, 1]), torch.tensor([3, 1])], [torch.tensor(1.0), torch.tensor(2.0)])
+    assert m["load_imbalance"] == pytest.approx((1.0 + 1.5) / 2)
+    assert m["load_imbalance_max"] == pytest.approx(1.5) and m["aux_loss"] == pytest.approx(1.5)

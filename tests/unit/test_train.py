@@ -1,0 +1,129 @@
+"""End-to-end training runs on a tiny model: metrics, exact resume, signals, atomic checkpoints."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli
+from moefold.checkpoint.dcp import complete_checkpoints, latest_checkpoint
+from moefold.cli import main
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
+
+
+def test_training_writes_metrics_and_learns(tmp_path, tiny_args):
+    run = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run), *tiny_args, "--train.steps", "30",
+                 "--train.val_every", "15", "--train.lr", "1e-2"]) == 0
+    records = read_metrics(run)
+    train = [r for r in records if "loss" in r]
+    val = [r for r in records if "val_loss" in r]
+    assert [r["step"] for r in train] == list(range(1, 31))
+    assert [r["step"] for r in val] == [15, 30]
+    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "tflops", "load_imbalance", "aux_loss"):
+        assert all(key in r for r in train), key
+    assert train[-1]["loss"] < train[0]["loss"] - 1.0
+    assert val[-1]["val_loss"] < 4.0
+    assert all(r["load_imbalance"] >= 1.0 for r in train)
+    assert latest_checkpoint(run).name == "step_00000030"
+
+
+def test_resume_reproduces_uninterrupted_losses_exactly(tmp_path, tiny_args):
+    full = tmp_path / "full"
+    assert main(["train", "--run-dir", str(full), *tiny_args, "--checkpoint.every", "5",
+                 "--checkpoint.keep", "5", "--train.grad_accum", "2"]) == 0
+    resumed = tmp_path / "resumed"
+    step5 = full / "checkpoints" / "step_00000005"
+    assert main(["train", "--resume", str(step5), "--run-dir", str(resumed)]) == 0
+    expected = train_losses(full)
+    got = train_losses(resumed)
+    assert sorted(got) == list(range(6, 13))
+    assert all(got[s] == expected[s] for s in got), (got, expected)
+
+
+def test_sigterm_saves_then_resume_matches_uninterrupted(tmp_path, tiny_args):
+    reference = tmp_path / "reference"
+    args = [*tiny_args, "--train.steps", "400"]
+    assert main(["train", "--run-dir", str(reference), *args]) == 0
+
+    run = tmp_path / "interrupted"
+    proc = subprocess.Popen([sys.executable, "-m", "moefold", "train", "--run-dir", str(run), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = run / "metrics.jsonl"
+    deadline = time.time() + 120
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 3) and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "interrupted by SIGTERM" in err and "Traceback" not in err
+    stopped_at = complete_checkpoints(run)[-1][0]
+    assert 3 <= stopped_at < 400
+
+    assert main(["train", "--resume", str(run)]) == 0
+    expected, got = train_losses(reference), train_losses(run)
+    assert all(got[s] == expected[s] for s in range(1, 401)), "resumed losses differ"
+
+
+_CRASHING_SAVE = """
+import os, signal, sys
+from pathlib import Path
+import moefold.checkpoint.dcp as ckpt
+real_save = ckpt.dcp.save
+def dying_save(state, checkpoint_id):
+    real_save(state, checkpoint_id=checkpoint_id)
+    shard = next(Path(checkpoint_id).glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])      # half-written shard ...
+    os.kill(os.getpid(), signal.SIGKILL)             # ... and the process dies mid-save
+ckpt.dcp.save = dying_save
+from moefold.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_save_killed_halfway_leaves_previous_checkpoint_loadable(tmp_path, tiny_args):
+    run = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run), *tiny_args, "--train.steps", "4"]) == 0
+    before = {p: p.read_bytes() for p in (run / "checkpoints").rglob("*") if p.is_file()}
+
+    crashed = subprocess.run([sys.executable, "-c", _CRASHING_SAVE, "train", "--resume", str(run),
+                              "--train.steps", "8"], capture_output=True, text=True)
+    assert crashed.returncode == -signal.SIGKILL
+    assert (run / "checkpoints" / "step_00000008.tmp").exists()
+    assert latest_checkpoint(run).name == "step_00000004"
+    assert all(p.read_bytes() == data for p, data in before.items())
+
+    assert main(["train", "--resume", str(run), "--train.steps", "8"]) == 0
+    assert latest_checkpoint(run).name == "step_00000008"
+    assert not (run / "checkpoints" / "step_00000008.tmp").exists()
+
+
+def test_generate_samples_from_latest_checkpoint(tmp_path, tiny_args, capsys):
+    run = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run), *tiny_args]) == 0
+    capsys.readouterr()
+    gen = ["generate", "--run-dir", str(run), "--prompt", "document 3:", "--max-new-tokens", "16"]
+    assert main(gen) == 0
+    first = capsys.readouterr().out
+    assert main(gen) == 0
+    assert first.startswith("document 3:") and len(first) > len("document 3:")
+    assert capsys.readouterr().out == first  # same seed, same sample
+
+
+def test_cli_process_exit_code_and_one_line_error(tmp_path):
+    result = run_cli(["train", "--moe.top_k", "9"], cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip() == "moefold: error: moe.top_k=9 exceeds moe.num_experts=8"
+    assert not (tmp_path / "runs").exists()

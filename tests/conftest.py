@@ -22,6 +22,7 @@ TINY_OVERRIDES = {
     "moe.first_k_dense": "1", "train.seq_len": "32", "train.micro_batch_size": "4",
     "train.steps": "12", "train.warmup_steps": "2", "train.val_every": "0", "train.val_batches": "2",
     "logging.log_every": "1", "logging.tensorboard": "false", "logging.progress_bar": "false",
+    "train.device": "cpu",  # CPU runs are bit-reproducible, which the resume tests rely on
 }
 
 

@@ -58,15 +58,71 @@ class MoEConfig:
     top_k: int = 2
     """Experts each token is sent to."""
     expert_hidden: int = 256
-    """Hidden size F of one routed expert's SwiGLU MLP."""
+    """Hidden size F of one routed expert's MLP."""
     first_k_dense: int = 1
     """The first k layers use the dense MLP."""
     moe_every: int = 1
     """After the first_k_dense layers, every n-th layer is an MoE layer (the rest dense)."""
+
+    # Router
+    score_func: str = "softmax"
+    """Router score function: softmax (Mixtral, Qwen3) or sigmoid (DeepSeek-V3)."""
+    router_dtype: str = "fp32"
+    """Precision of the router logits and scores: fp32 or fp64."""
+    softmax_before_topk: bool = True
+    """softmax over all experts, then top-k (Qwen3, DeepSeek); false: top-k of the logits, then
+    softmax over the K chosen (Mixtral). Only for score_func=softmax."""
     norm_topk_prob: bool = True
     """Renormalise the top-k routing probabilities to sum to 1."""
+    routed_scaling_factor: float = 1.0
+    """Multiplier of the routing probabilities (DeepSeek-V3: 2.5)."""
+    num_groups: int = 0
+    """Group-limited routing: experts split into this many groups (0 or 1: no groups)."""
+    group_top_k: int = 0
+    """Group-limited routing: groups each token may choose from; a group scores by the sum of its
+    top top_k/group_top_k experts."""
+    input_jitter: float = 0.0
+    """Multiply the router input by uniform noise in [1-eps, 1+eps] during training (0: off)."""
+    z_loss_coeff: float = 0.0
+    """Weight of the router z-loss, mean(logsumexp(logits)²) (ST-MoE); 0 disables it."""
+
+    # Load balancing
     aux_loss_coeff: float = 0.01
-    """Weight of the micro-batch load-balancing loss (Switch Transformer); 0 disables it."""
+    """Weight of the micro-batch load-balancing loss (Switch/GShard); 0 disables it."""
+    seq_aux_loss_coeff: float = 0.0
+    """Weight of the sequence-level load-balancing loss (DeepSeek-V2/V3); 0 disables it."""
+    global_aux_loss_coeff: float = 0.0
+    """Weight of the global-batch load-balancing loss (token counts accumulated over the
+    micro-batches of an optimizer step); 0 disables it."""
+    expert_bias: bool = False
+    """Aux-loss-free balancing: a per-expert bias added to the scores for selection only."""
+    expert_bias_update_rate: float = 1e-3
+    """Expert-bias step: bias += rate * sign(mean count - count), once per optimizer step."""
+    force_balanced: bool = False
+    """Ignore the router's choice and send tokens round-robin to experts (for benchmarks)."""
+
+    # Capacity
+    capacity_factor: float = 0.0
+    """Per-expert capacity as a multiple of the even share T*K/E; 0 is dropless."""
+    drop_policy: str = "probs"
+    """Which tokens an over-capacity expert drops: probs (lowest probability) or position (latest)."""
+    pad_to_capacity: bool = False
+    """With a capacity factor: pad every expert to exactly its capacity (static shapes)."""
+
+    # Permutation and experts
+    pad_multiple: int = 0
+    """Pad each expert's rows to a multiple of this (0, 8, 16, 32, 64 or 128) for low-precision GEMMs."""
+    memory_efficient_permute: bool = True
+    """Apply routing probabilities inside the expert activation, so the down-projection output is
+    not kept for backward."""
+    activation: str = "swiglu"
+    """Expert and shared-expert MLP activation: swiglu, gelu or relu2 (squared ReLU)."""
+    shared_experts: int = 0
+    """Shared experts every token passes through (fused into one MLP)."""
+    shared_expert_hidden: int = 0
+    """Hidden size of one shared expert; 0 means expert_hidden."""
+    shared_expert_gate: bool = False
+    """Scale the shared experts' output by a learned sigmoid gate (Qwen2-MoE)."""
     experts_backend: str = "auto"
     """How the experts' GEMMs run: grouped_mm (torch._grouped_mm), loop (one matmul per expert) or
     auto (grouped_mm where this torch build supports it, else loop)."""
@@ -169,6 +225,9 @@ class LoggingConfig:
     """Show a progress bar (only on a terminal)."""
     tensorboard: bool = True
     """Also write TensorBoard events to <run_dir>/tb when tensorboard is installed."""
+    expert_load_heatmap: bool = True
+    """At the end of a run, write <run_dir>/expert_load.png (tokens per expert per MoE layer over the
+    log steps) when matplotlib is installed."""
     peak_tflops: float = 0.0
     """Peak dense bf16 TFLOP/s of one device for MFU; 0 looks the GPU up (H100/H200: 989), none on CPU."""
 
@@ -390,7 +449,7 @@ def validate(cfg: Config) -> None:
               "train.steps", "train.micro_batch_size", "train.seq_len", "train.grad_accum",
               "train.lr", "train.val_batches", "logging.log_every", "checkpoint.keep")
     _non_negative(cfg, "model.vocab_size", "model.n_kv_heads", "model.head_dim", "moe.num_experts",
-                  "moe.first_k_dense", "moe.aux_loss_coeff", "train.warmup_steps",
+                  "moe.first_k_dense", "train.warmup_steps",
                   "train.weight_decay", "train.grad_clip", "train.val_every", "train.seed",
                   "checkpoint.every", "logging.peak_tflops")
     n_kv = m.n_kv_heads or m.n_heads
@@ -400,10 +459,7 @@ def validate(cfg: Config) -> None:
              f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}; set model.head_dim")
     head_dim = m.head_dim or m.dim // m.n_heads
     _require(head_dim % 2 == 0, f"model.head_dim={head_dim} must be even for RoPE")
-    if moe.num_experts:
-        _require(moe.top_k <= moe.num_experts,
-                 f"moe.top_k={moe.top_k} exceeds moe.num_experts={moe.num_experts}")
-    _one_of("moe.experts_backend", moe.experts_backend, ("auto", "grouped_mm", "loop"))
+    _validate_moe(moe)
     _require(0.0 <= t.min_lr_ratio <= 1.0, f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
     _one_of("train.schedule", t.schedule, ("cosine", "wsd", "constant"))
     _require(0.0 < t.decay_fraction <= 1.0,
@@ -420,6 +476,48 @@ def validate(cfg: Config) -> None:
     _require(cfg.data.eos_id >= -1, f"data.eos_id={cfg.data.eos_id} must be >= -1")
     _one_of("precision.compute_dtype", cfg.precision.compute_dtype, ("auto", "bf16", "fp32"))
     _validate_parallel(cfg.parallel)
+
+
+def _validate_moe(moe: MoEConfig) -> None:
+    if moe.num_experts:
+        _require(moe.top_k <= moe.num_experts,
+                 f"moe.top_k={moe.top_k} exceeds moe.num_experts={moe.num_experts}")
+    for key in ("aux_loss_coeff", "seq_aux_loss_coeff", "global_aux_loss_coeff", "z_loss_coeff",
+                "input_jitter", "expert_bias_update_rate", "capacity_factor", "shared_experts",
+                "shared_expert_hidden", "num_groups", "group_top_k"):
+        value = getattr(moe, key)
+        _require(value >= 0, f"moe.{key}={value} must be >= 0")
+    _require(moe.input_jitter < 1, f"moe.input_jitter={moe.input_jitter} must be < 1")
+    _require(moe.routed_scaling_factor > 0,
+             f"moe.routed_scaling_factor={moe.routed_scaling_factor} must be > 0")
+    _one_of("moe.score_func", moe.score_func, ("softmax", "sigmoid"))
+    _one_of("moe.router_dtype", moe.router_dtype, ("fp32", "fp64"))
+    _one_of("moe.drop_policy", moe.drop_policy, ("probs", "position"))
+    _one_of("moe.activation", moe.activation, ("swiglu", "gelu", "relu2"))
+    _one_of("moe.experts_backend", moe.experts_backend, ("auto", "grouped_mm", "loop"))
+    _require(moe.pad_multiple in (0, 8, 16, 32, 64, 128),
+             f"moe.pad_multiple={moe.pad_multiple} is not one of 0, 8, 16, 32, 64, 128")
+    _require(moe.score_func == "softmax" or moe.softmax_before_topk,
+             "moe.softmax_before_topk=false needs moe.score_func='softmax'")
+    _require(moe.capacity_factor > 0 or not moe.pad_to_capacity,
+             "moe.pad_to_capacity=true needs moe.capacity_factor > 0")
+    _validate_groups(moe)
+
+
+def _validate_groups(moe: MoEConfig) -> None:
+    if moe.num_groups <= 1:
+        _require(moe.group_top_k == 0, f"moe.group_top_k={moe.group_top_k} needs moe.num_groups > 1")
+        return
+    _require(moe.num_experts % moe.num_groups == 0,
+             f"moe.num_experts={moe.num_experts} is not divisible by moe.num_groups={moe.num_groups}")
+    _require(1 <= moe.group_top_k <= moe.num_groups,
+             f"moe.group_top_k={moe.group_top_k} must be in [1, moe.num_groups={moe.num_groups}]")
+    _require(moe.top_k % moe.group_top_k == 0,
+             f"moe.top_k={moe.top_k} is not divisible by moe.group_top_k={moe.group_top_k}")
+    experts_in_groups = moe.group_top_k * moe.num_experts // moe.num_groups
+    _require(moe.top_k <= experts_in_groups,
+             f"moe.top_k={moe.top_k} exceeds the {experts_in_groups} experts of "
+             f"moe.group_top_k={moe.group_top_k} groups")
 
 
 def _validate_parallel(p: ParallelConfig) -> None:

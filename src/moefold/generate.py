@@ -10,7 +10,6 @@ from moefold.config import config_from_toml
 from moefold.data.tokenizer import build_tokenizer
 from moefold.errors import CheckpointError
 from moefold.models.transformer import build_model
-from moefold.moe.layer import frozen_stats
 from moefold.train.trainer import resolve_compute_dtype, resolve_device
 
 
@@ -37,14 +36,13 @@ def sample(model, prompt_ids: list[int], max_new_tokens: int, temperature: float
     """Autoregressive sampling; stops at max_new_tokens or end-of-document."""
     device = next(model.parameters()).device
     ids = list(prompt_ids)
-    with frozen_stats(model.moe_layers()):
-        for _ in range(max_new_tokens):
-            window_1S = torch.tensor([ids[-context:]], device=device)
-            logits_V = model(window_1S)[0, -1].float()
-            next_id = _pick(logits_V, temperature, top_k, generator)
-            if next_id == eos_id:
-                break
-            ids.append(next_id)
+    for _ in range(max_new_tokens):  # the model is in eval mode: MoE layers record nothing
+        window_1S = torch.tensor([ids[-context:]], device=device)
+        logits_V = model(window_1S)[0, -1].float()
+        next_id = _pick(logits_V, temperature, top_k, generator)
+        if next_id == eos_id:
+            break
+        ids.append(next_id)
     return ids[len(prompt_ids):]
 
 

@@ -11,7 +11,7 @@ from moefold.models.rope import apply_rope, rope_cos_sin
 from moefold.models.transformer import build_model, is_moe_layer
 from moefold.moe.layer import MoELayer
 from moefold.train.flops import count_params, train_flops_per_token
-from moefold.train.metrics import load_imbalance, moe_metrics, throughput
+from moefold.train.metrics import throughput
 
 
 def naive_attention(attn: Attention, x_BSD, cos, sin):
@@ -95,11 +95,3 @@ def test_throughput_and_mfu_hand_checked():
     m = throughput(tokens=1000, seconds=2.0, flops_per_token=3_000_000_000, peak_tflops=10.0)
     assert m["tokens_per_s"] == 500 and m["tflops"] == pytest.approx(1.5) and m["mfu"] == pytest.approx(0.15)
     assert throughput(1000, 2.0, 3, None)["mfu"] is None
-
-
-def test_load_imbalance_hand_checked():
-    assert load_imbalance(torch.tensor([4, 4, 4, 4])) == 1.0
-    assert load_imbalance(torch.tensor([10, 2, 0, 0])) == pytest.approx(10 / 3)
-    m = moe_metrics([torch.tensor([1, 1]), torch.tensor([3, 1])], [torch.tensor(1.0), torch.tensor(2.0)])
-    assert m["load_imbalance"] == pytest.approx((1.0 + 1.5) / 2)
-    assert m["load_imbalance_max"] == pytest.approx(1.5) and m["aux_loss"] == pytest.approx(1.5)

@@ -12,5 +12,5 @@ class SwiGLUMLP(nn.Module):
         self.w3 = nn.Linear(dim, hidden, bias=False)  # up
         self.w2 = nn.Linear(hidden, dim, bias=False)  # down
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, valid_BS: torch.Tensor | None = None) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))

@@ -15,10 +15,9 @@ from moefold.models.attention import Attention
 from moefold.models.mlp import SwiGLUMLP
 from moefold.models.norm import RMSNorm
 from moefold.models.rope import rope_cos_sin
-from moefold.moe.dispatch import LocalDispatcher
-from moefold.moe.experts import Experts, build_experts
-from moefold.moe.layer import MoELayer
-from moefold.moe.router import TopKRouter
+from moefold.moe.experts import Experts
+from moefold.moe.layer import MoELayer, build_moe_layer
+from moefold.moe.replay import RouterReplay
 
 
 class Block(nn.Module):
@@ -27,9 +26,9 @@ class Block(nn.Module):
         self.attn_norm, self.attn = RMSNorm(dim, norm_eps), attn
         self.ffn_norm, self.ffn = RMSNorm(dim, norm_eps), ffn
 
-    def forward(self, x_BSD, cos_SDh, sin_SDh):
+    def forward(self, x_BSD, cos_SDh, sin_SDh, valid_BS=None):
         x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), cos_SDh, sin_SDh)
-        return x_BSD + self.ffn(self.ffn_norm(x_BSD))
+        return x_BSD + self.ffn(self.ffn_norm(x_BSD), valid_BS)
 
 
 class Transformer(nn.Module):
@@ -45,17 +44,22 @@ class Transformer(nn.Module):
         if m.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
 
-    def forward(self, input_ids_BS: torch.Tensor) -> torch.Tensor:
-        """Logits `[B, S, V]`."""
+    def forward(self, input_ids_BS: torch.Tensor, valid_BS: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits `[B, S, V]`. `valid_BS` marks real tokens (False: padding, which MoE layers
+        neither route nor count)."""
         cos_SDh, sin_SDh = rope_cos_sin(input_ids_BS.shape[1], self.head_dim, self.cfg.model.rope_theta,
                                         device=input_ids_BS.device)
         x_BSD = self.tok_embeddings(input_ids_BS)
         for layer in self.layers:
-            x_BSD = layer(x_BSD, cos_SDh, sin_SDh)
+            x_BSD = layer(x_BSD, cos_SDh, sin_SDh, valid_BS)
         return self.output(self.norm(x_BSD))
 
     def moe_layers(self) -> list[MoELayer]:
         return [m for m in self.modules() if isinstance(m, MoELayer)]
+
+    def on_optimizer_step(self) -> None:
+        for layer in self.moe_layers():
+            layer.on_optimizer_step()
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
@@ -68,7 +72,7 @@ class Transformer(nn.Module):
             if p.dim() == 1:
                 p.fill_(1.0)
                 continue
-            is_residual_out = name.endswith(("attn.wo.weight", "ffn.w2.weight", "w2_EFD"))
+            is_residual_out = name.endswith(("attn.wo.weight", "w2.weight", "w2_EFD"))
             sample = torch.randn(p.shape, generator=gen) * (residual_std if is_residual_out else std)
             p.copy_(sample)
 
@@ -79,14 +83,11 @@ def is_moe_layer(cfg: Config, layer_id: int) -> bool:
             and (layer_id - moe.first_k_dense) % moe.moe_every == 0)
 
 
-def _build_ffn(cfg: Config, layer_id: int, device_type: str, compute_dtype: torch.dtype) -> nn.Module:
-    m, moe = cfg.model, cfg.moe
+def _build_ffn(cfg: Config, layer_id: int, device_type: str, compute_dtype: torch.dtype,
+               replay: RouterReplay) -> nn.Module:
     if not is_moe_layer(cfg, layer_id):
-        return SwiGLUMLP(m.dim, m.ffn_hidden)
-    router = TopKRouter(m.dim, moe.num_experts, moe.top_k, moe.norm_topk_prob)
-    experts = build_experts(moe.experts_backend, moe.num_experts, m.dim, moe.expert_hidden,
-                            device_type, compute_dtype)
-    return MoELayer(router, experts, LocalDispatcher(moe.top_k), moe.aux_loss_coeff)
+        return SwiGLUMLP(cfg.model.dim, cfg.model.ffn_hidden)
+    return build_moe_layer(cfg.model.dim, cfg.moe, device_type, compute_dtype, replay)
 
 
 def build_model(cfg: Config, vocab_size: int, device_type: str = "cpu",
@@ -97,12 +98,15 @@ def build_model(cfg: Config, vocab_size: int, device_type: str = "cpu",
     """
     m = cfg.model
     head_dim = m.head_dim or m.dim // m.n_heads
+    replay = RouterReplay(sum(is_moe_layer(cfg, i) for i in range(m.n_layers)))
     layers = []
     for layer_id in range(m.n_layers):
         attn = Attention(m.dim, m.n_heads, m.n_kv_heads or m.n_heads, head_dim, m.qk_norm, m.norm_eps)
-        ffn = _build_ffn(cfg, layer_id, device_type, compute_dtype)
+        ffn = _build_ffn(cfg, layer_id, device_type, compute_dtype, replay)
         layers.append(Block(attn, ffn, m.dim, m.norm_eps))
-    return Transformer(cfg, vocab_size, layers)
+    model = Transformer(cfg, vocab_size, layers)
+    model.router_replay = replay  # record / replay routing for RL (moe/replay.py)
+    return model
 
 
 __all__ = ["Transformer", "Block", "build_model", "is_moe_layer", "Experts"]

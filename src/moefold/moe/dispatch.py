@@ -1,35 +1,60 @@
 """Dispatchers move routed token copies to their experts and back.
 
-T tokens, K top-k, N = T·K routed copies, D model dim, E experts.
-`dispatch` returns the rows grouped by local expert plus a small handle; `combine` takes the expert
-outputs and the handle back to token order. Expert-parallel dispatchers (all-to-all, all-gather)
-arrive with the parallel-folding work and keep this interface.
+T tokens, K top-k, N = T·K routed copies, D model dim, E experts, R expert-buffer rows.
+`dispatch` returns the rows grouped by local expert (with group sizes and each row's routing
+probability) plus a small handle; `combine` takes the expert outputs and the handle back to token
+order. Expert-parallel dispatchers (all-to-all, all-gather) arrive with the parallel-folding work and
+keep this interface.
 """
 
 from dataclasses import dataclass
 
 import torch
 
-from moefold.moe.permute import permute, sort_by_expert, unpermute
+from moefold.moe.permute import PermutePlan, RowLayout, permute, plan_permutation, row_probs, unpermute
 from moefold.moe.router import Routing
 
 
 @dataclass
 class DispatchHandle:
-    order_N: torch.Tensor  # routed copies sorted by expert
+    plan: PermutePlan
     probs_TK: torch.Tensor  # combine weights
 
 
+@dataclass
+class Dispatched:
+    x_RD: torch.Tensor
+    rows_per_expert_E: torch.Tensor
+    probs_R: torch.Tensor  # each row's routing probability (0 for padding rows)
+    handle: DispatchHandle
+
+
 class LocalDispatcher:
-    """All experts live on this rank: dispatch is a permutation, combine its weighted inverse."""
+    """All experts live on this rank: dispatch is a permutation, combine its inverse.
 
-    def __init__(self, top_k: int):
-        self.top_k = top_k
+    `probs_applied_by_experts` (memory-efficient permutation) makes combine a plain sum over the K
+    copies; otherwise combine weights them by their probabilities.
+    """
 
-    def dispatch(self, x_TD: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
-        order_N = sort_by_expert(routing.idx_TK)
-        x_ND = permute(x_TD, order_N, self.top_k)
-        return x_ND, routing.tokens_per_expert_E, DispatchHandle(order_N, routing.probs_TK)
+    def __init__(self, top_k: int, layout: RowLayout, probs_applied_by_experts: bool):
+        self.top_k, self.layout = top_k, layout
+        self._reduce = _sum_copies if probs_applied_by_experts else _weighted_sum_copies
 
-    def combine(self, y_ND: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-        return unpermute(y_ND, handle.order_N, handle.probs_TK)
+    def dispatch(self, x_TD: torch.Tensor, routing: Routing, keep_N: torch.Tensor) -> Dispatched:
+        plan = plan_permutation(routing.idx_TK, keep_N, self.layout)
+        return Dispatched(x_RD=permute(x_TD, plan, self.top_k),
+                          rows_per_expert_E=plan.rows_per_expert_E,
+                          probs_R=row_probs(routing.probs_TK, plan),
+                          handle=DispatchHandle(plan, routing.probs_TK))
+
+    def combine(self, y_RD: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        """y_TD in fp32 (the sum over K copies is done in fp32)."""
+        return self._reduce(unpermute(y_RD, handle.plan, self.top_k), handle.probs_TK)
+
+
+def _sum_copies(y_TKD: torch.Tensor, probs_TK: torch.Tensor) -> torch.Tensor:
+    return y_TKD.float().sum(dim=1)
+
+
+def _weighted_sum_copies(y_TKD: torch.Tensor, probs_TK: torch.Tensor) -> torch.Tensor:
+    return torch.einsum("tkd,tk->td", y_TKD.float(), probs_TK.float())

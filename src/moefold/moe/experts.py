@@ -1,15 +1,17 @@
-"""Routed experts: E SwiGLU MLPs stored as stacked `[E, ...]` weights.
+"""Routed experts: E MLPs stored as stacked `[E, ...]` weights, ready for EP/ETP sharding.
 
-N routed rows (grouped by expert), D model dim, F expert hidden, E experts.
-Backends differ only in `_mm`, the grouped matrix product; everything else is shared. The backend is
-chosen once, when the model is built (`build_experts`).
+R rows grouped by expert, D model dim, F expert hidden, E experts.
+Backends differ only in `_mm`, the grouped matrix product; the activation (and whether it applies
+the routing probabilities) is a strategy given at build time. Rows past the last group are never
+read: grouped_mm skips them and the loop slices them off.
 """
 
 import functools
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from moefold.moe.activation import ACTIVATIONS, PlainActivation, ProbsInActivation
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -21,42 +23,50 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 class Experts(nn.Module):
-    """Base class: SwiGLU over grouped rows, down(silu(x·W1) * (x·W3))."""
+    """Base class: down(act(x·W1[, x·W3]) [· probs]) per expert group."""
 
-    def __init__(self, num_experts: int, dim: int, hidden: int):
+    def __init__(self, num_experts: int, dim: int, hidden: int,
+                 activation: PlainActivation | ProbsInActivation | None = None):
         super().__init__()
         self.num_experts = num_experts
-        self.w1_EDF = nn.Parameter(torch.empty(num_experts, dim, hidden))  # gate
-        self.w3_EDF = nn.Parameter(torch.empty(num_experts, dim, hidden))  # up
+        self.activation = activation or PlainActivation(ACTIVATIONS["swiglu"])
+        self.w1_EDF = nn.Parameter(torch.empty(num_experts, dim, hidden))  # gate (or the only input)
+        if self.activation.num_inputs == 2:
+            self.w3_EDF = nn.Parameter(torch.empty(num_experts, dim, hidden))  # up
         self.w2_EFD = nn.Parameter(torch.empty(num_experts, hidden, dim))  # down
 
-    def forward(self, x_ND: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
-        dtype = _compute_dtype(x_ND)
-        x_ND = x_ND.to(dtype)
-        offsets_E = torch.cumsum(tokens_per_expert_E, dim=0, dtype=torch.int32)
-        gate_NF = self._mm(x_ND, self.w1_EDF.to(dtype), offsets_E)
-        up_NF = self._mm(x_ND, self.w3_EDF.to(dtype), offsets_E)
-        return self._mm(F.silu(gate_NF) * up_NF, self.w2_EFD.to(dtype), offsets_E)
+    def input_weights(self) -> list[torch.Tensor]:
+        return [self.w1_EDF, self.w3_EDF] if self.activation.num_inputs == 2 else [self.w1_EDF]
 
-    def _mm(self, x_NX: torch.Tensor, w_EXY: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_RD: torch.Tensor, rows_per_expert_E: torch.Tensor,
+                probs_R: torch.Tensor | None = None) -> torch.Tensor:
+        dtype = _compute_dtype(x_RD)
+        x_RD = x_RD.to(dtype)
+        offsets_E = torch.cumsum(rows_per_expert_E, dim=0, dtype=torch.int32)
+        hidden_RF = [self._mm(x_RD, w.to(dtype), offsets_E) for w in self.input_weights()]
+        h_RF = self.activation(probs_R, *hidden_RF)
+        return self._mm(h_RF, self.w2_EFD.to(dtype), offsets_E)
+
+    def _mm(self, x_RX: torch.Tensor, w_EXY: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
 
 class GroupedMMExperts(Experts):
     """One `torch._grouped_mm` per projection: no host sync, one launch for all experts."""
 
-    def _mm(self, x_NX, w_EXY, offsets_E):
-        return torch._grouped_mm(x_NX, w_EXY, offs=offsets_E)
+    def _mm(self, x_RX, w_EXY, offsets_E):
+        return torch._grouped_mm(x_RX, w_EXY, offs=offsets_E)
 
 
 class LoopExperts(Experts):
     """One matmul per expert. Needs the group sizes on the host (a sync); a fallback only."""
 
-    def _mm(self, x_NX, w_EXY, offsets_E):
+    def _mm(self, x_RX, w_EXY, offsets_E):
         ends = offsets_E.tolist()  # HOST SYNC: per-expert slices need sizes on the host
         starts = [0] + ends[:-1]
-        outs = [x_NX[s:e] @ w_EXY[i] for i, (s, e) in enumerate(zip(starts, ends))]
-        return torch.cat(outs, dim=0)
+        outs = [x_RX[s:e] @ w_EXY[i] for i, (s, e) in enumerate(zip(starts, ends))]
+        unused_rows = x_RX.new_zeros(x_RX.shape[0] - ends[-1], w_EXY.shape[-1])
+        return torch.cat([*outs, unused_rows], dim=0)
 
 
 @functools.cache
@@ -77,8 +87,10 @@ def grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
 EXPERTS_BACKENDS = {"grouped_mm": GroupedMMExperts, "loop": LoopExperts}
 
 
-def build_experts(backend: str, num_experts: int, dim: int, hidden: int,
-                  device_type: str, compute_dtype: torch.dtype) -> Experts:
+def build_experts(backend: str, num_experts: int, dim: int, hidden: int, device_type: str,
+                  compute_dtype: torch.dtype, activation: str = "swiglu",
+                  probs_in_activation: bool = False) -> Experts:
     if backend == "auto":
         backend = "grouped_mm" if grouped_mm_supported(device_type, compute_dtype) else "loop"
-    return EXPERTS_BACKENDS[backend](num_experts, dim, hidden)
+    act = (ProbsInActivation if probs_in_activation else PlainActivation)(ACTIVATIONS[activation])
+    return EXPERTS_BACKENDS[backend](num_experts, dim, hidden, act)

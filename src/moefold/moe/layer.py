@@ -1,66 +1,92 @@
-"""The MoE layer: router → dispatcher.dispatch → experts → dispatcher.combine.
+"""The MoE layer: router → capacity → dispatcher.dispatch → experts → dispatcher.combine
+(+ shared experts), with the load-balancing losses injected into backward.
 
-B batch, S sequence, T = B·S tokens, D model dim, E experts.
+B batch, S sequence, T = B·S tokens, D model dim, E experts, K top-k, N = T·K copies.
+Every variant is a part given at build time (`build_moe_layer`); the forward reads top to bottom.
 """
-
-import contextlib
 
 import torch
 from torch import nn
 
+from moefold.config import MoEConfig
+from moefold.moe.activation import ACTIVATIONS
+from moefold.moe.balance import LoadBalancer, valid_tokens_per_expert
+from moefold.moe.capacity import CapacityDrop, build_capacity
 from moefold.moe.dispatch import LocalDispatcher
-from moefold.moe.experts import Experts
-from moefold.moe.router import TopKRouter, inject_aux_loss
+from moefold.moe.experts import Experts, build_experts
+from moefold.moe.permute import RowLayout
+from moefold.moe.replay import RouterReplay
+from moefold.moe.router import Router, build_router, inject_aux_loss
+from moefold.moe.shared import GatedSharedExperts, SharedExperts
+from moefold.moe.stats import ExpertLoadStats
 
 
 class MoELayer(nn.Module):
-    def __init__(self, router: TopKRouter, experts: Experts, dispatcher: LocalDispatcher,
-                 aux_loss_coeff: float):
+    def __init__(self, router: Router, balancer: LoadBalancer, capacity, dispatcher: LocalDispatcher,
+                 experts: Experts, shared: SharedExperts | None):
         super().__init__()
-        self.router, self.experts, self.dispatcher = router, experts, dispatcher
-        self.aux_loss_coeff = aux_loss_coeff
-        self.aux_loss_scale = 1.0  # 1 / micro-batches per step, set by the trainer
-        # Statistics accumulate on the device (no sync) until the trainer reads and resets them.
-        self.register_buffer("load_counts_E", torch.zeros(router.num_experts, dtype=torch.int64),
+        self.router, self.balancer, self.capacity = router, balancer, capacity
+        self.dispatcher, self.experts, self.shared = dispatcher, experts, shared
+        self.num_experts, self.top_k = router.weight.shape[0], dispatcher.top_k
+        self.aux_loss_scale = 1.0  # 1 / micro-batches per optimizer step, set by the trainer
+        self.stats = ExpertLoadStats(self.num_experts)
+        # Routed copies per expert since the last optimizer step, for the expert-bias update.
+        self.register_buffer("step_tokens_per_expert_E", torch.zeros(self.num_experts, dtype=torch.int64),
                              persistent=False)
-        self.register_buffer("aux_loss_sum", torch.zeros((), dtype=torch.float32), persistent=False)
-        self.register_buffer("forward_count", torch.zeros((), dtype=torch.int64), persistent=False)
 
-    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BSD: torch.Tensor, valid_BS: torch.Tensor | None = None) -> torch.Tensor:
         x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
+        valid_N = None if valid_BS is None else valid_BS.reshape(-1).repeat_interleave(self.top_k)
         routing = self.router(x_TD)
-        x_ND, tokens_per_expert_E, handle = self.dispatcher.dispatch(x_TD, routing)
-        y_ND = self.experts(x_ND, tokens_per_expert_E)
-        y_TD = self.dispatcher.combine(y_ND, handle).to(x_BSD.dtype)
-        y_TD = inject_aux_loss(y_TD, routing.aux_loss, self.aux_loss_coeff * self.aux_loss_scale)
-        self._record(routing.tokens_per_expert_E, routing.aux_loss)
+        keep_N = self.capacity(routing.idx_TK, routing.probs_TK)
+        if valid_N is not None:
+            keep_N = keep_N & valid_N  # padding tokens never reach an expert
+        sent = self.dispatcher.dispatch(x_TD, routing, keep_N)
+        y_RD = self.experts(sent.x_RD, sent.rows_per_expert_E, sent.probs_R)
+        y_TD = self.dispatcher.combine(y_RD, sent.handle)
+        if self.shared is not None:
+            y_TD = y_TD + self.shared(x_TD).float()
+        y_TD = y_TD.to(x_BSD.dtype)
+        if self.training:  # statistics and aux losses belong to training forwards only
+            y_TD = self._balance(y_TD, routing, keep_N, x_BSD.shape[0], valid_BS)
         return y_TD.view_as(x_BSD)
 
-    @torch.no_grad()
-    def _record(self, tokens_per_expert_E: torch.Tensor, aux_loss: torch.Tensor) -> None:
-        self.load_counts_E += tokens_per_expert_E
-        self.aux_loss_sum += aux_loss.detach()
-        self.forward_count += 1
+    def _balance(self, y_TD, routing, keep_N, batch_size, valid_BS):
+        valid_T = None if valid_BS is None else valid_BS.reshape(-1)
+        aux_total, aux_values = self.balancer(routing, batch_size, valid_T)
+        with torch.no_grad():
+            tokens_per_expert_E = valid_tokens_per_expert(routing.idx_TK, self.num_experts, valid_T)
+            self.step_tokens_per_expert_E += tokens_per_expert_E
+            # keep_N already excludes padding, so kept copies are all valid
+            num_dropped = tokens_per_expert_E.sum() - keep_N.sum()
+            self.stats.record(tokens_per_expert_E, routing.scores_TE, num_dropped, aux_values, valid_T)
+        return inject_aux_loss(y_TD, aux_total, self.aux_loss_scale)
 
     @torch.no_grad()
-    def pop_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(tokens per expert, mean aux loss) since the last call; resets the accumulators."""
-        counts_E = self.load_counts_E.clone()
-        mean_aux = self.aux_loss_sum / self.forward_count.clamp(min=1)
-        self.load_counts_E.zero_()
-        self.aux_loss_sum.zero_()
-        self.forward_count.zero_()
-        return counts_E, mean_aux
+    def on_optimizer_step(self) -> None:
+        """Expert-bias update from this step's counts; reset the per-step accumulators."""
+        self.router.update_expert_bias(self.step_tokens_per_expert_E)
+        self.balancer.reset_global_counts()
+        self.step_tokens_per_expert_E.zero_()
 
 
-@contextlib.contextmanager
-def frozen_stats(layers: list[MoELayer]):
-    """Forwards inside (validation, generation) leave the layers' training statistics unchanged."""
-    saved = [(l.load_counts_E.clone(), l.aux_loss_sum.clone(), l.forward_count.clone()) for l in layers]
-    try:
-        yield
-    finally:
-        for layer, (counts, aux, n) in zip(layers, saved):
-            layer.load_counts_E.copy_(counts)
-            layer.aux_loss_sum.copy_(aux)
-            layer.forward_count.copy_(n)
+def build_moe_layer(dim: int, moe: MoEConfig, device_type: str, compute_dtype: torch.dtype,
+                    replay: RouterReplay | None = None) -> MoELayer:
+    capacity = build_capacity(moe.num_experts, moe.capacity_factor, moe.drop_policy)
+    pad_to = capacity.capacity if moe.pad_to_capacity and isinstance(capacity, CapacityDrop) else None
+    layout = RowLayout(moe.num_experts, moe.top_k, moe.pad_multiple,
+                       capacity_of=None if pad_to is None else lambda t: pad_to(t, moe.top_k))
+    experts = build_experts(moe.experts_backend, moe.num_experts, dim, moe.expert_hidden, device_type,
+                            compute_dtype, moe.activation, moe.memory_efficient_permute)
+    return MoELayer(router=build_router(dim, moe, replay), balancer=LoadBalancer(moe),
+                    capacity=capacity,
+                    dispatcher=LocalDispatcher(moe.top_k, layout, moe.memory_efficient_permute),
+                    experts=experts, shared=_build_shared(dim, moe))
+
+
+def _build_shared(dim: int, moe: MoEConfig) -> SharedExperts | None:
+    if moe.shared_experts == 0:
+        return None
+    hidden = moe.shared_experts * (moe.shared_expert_hidden or moe.expert_hidden)
+    cls = GatedSharedExperts if moe.shared_expert_gate else SharedExperts
+    return cls(dim, hidden, ACTIVATIONS[moe.activation])

@@ -1,31 +1,114 @@
-"""Static-shape permutation of routed token copies by expert, and its inverse.
+"""Static-shape permutation of routed token copies into per-expert row groups, and back.
 
-T tokens, K top-k, N = T·K routed copies, D model dim.
-A stable argsort over the fixed-size `[N]` expert-id vector groups copies by expert with no host
-sync and no data-dependent shapes (no masked_select, no .tolist()).
+T tokens, K top-k, N = T·K routed copies, E experts, D model dim, R rows of the expert buffer.
+Copies are ordered by expert with a stable argsort over the fixed-size `[N]` key, with no host sync
+and no data-dependent shape (no masked_select, .nonzero() or .tolist()). The buffer has a size fixed
+by the config, not by the routing:
+
+- dropless: R = N, groups back to back;
+- `pad_multiple` m: each group padded with zero rows to a multiple of m (R = N + E·(m−1));
+- `pad_to_capacity`: every group exactly C rows (R = E·C).
+
+Dropped copies (over capacity, or padding tokens) get no row. Rows past the last group are left for
+the experts to skip (torch._grouped_mm never writes them) and are never read back.
 """
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 
-def sort_by_expert(idx_TK: torch.Tensor) -> torch.Tensor:
-    """order_N: the routed copies (flattened t·K + k) sorted by expert id, stable within an expert."""
-    return torch.argsort(idx_TK.reshape(-1), stable=True)
+@dataclass
+class PermutePlan:
+    """Where every copy goes; built once per layer call, used by dispatch and combine."""
+    copy_of_row_R: torch.Tensor  # int64: the copy (t·K + k) held by each row; 0 where none
+    row_valid_R: torch.Tensor  # bool: the row holds a kept copy (not padding, not past the end)
+    row_of_copy_N: torch.Tensor  # int64: each copy's row; 0 for dropped copies
+    keep_N: torch.Tensor  # bool: the copy was kept
+    rows_per_expert_E: torch.Tensor  # int64: group sizes including padding (for the GEMM offsets)
 
 
-def permute(x_TD: torch.Tensor, order_N: torch.Tensor, top_k: int) -> torch.Tensor:
-    """x_ND: each token's row repeated for its K experts, grouped by expert."""
-    return x_TD.index_select(0, order_N // top_k)
+class RowLayout:
+    """How many rows each expert's group gets: a strategy fixed when the layer is built.
+
+    `capacity_of(num_tokens)` is given for pad-to-capacity: every group then has exactly that many
+    rows (rounded up to the multiple)."""
+
+    def __init__(self, num_experts: int, top_k: int, pad_multiple: int = 0,
+                 capacity_of: Callable[[int], int] | None = None):
+        self.num_experts, self.top_k = num_experts, top_k
+        self.multiple, self.capacity_of = max(1, pad_multiple), capacity_of
+
+    def num_rows(self, num_copies: int) -> int:
+        if self.capacity_of is not None:
+            return self.num_experts * self._padded_capacity(num_copies)
+        return num_copies + self.num_experts * (self.multiple - 1)
+
+    def group_sizes(self, kept_per_expert_E: torch.Tensor, num_copies: int) -> torch.Tensor:
+        if self.capacity_of is not None:
+            return torch.full_like(kept_per_expert_E, self._padded_capacity(num_copies))
+        m = self.multiple
+        return (kept_per_expert_E + m - 1) // m * m
+
+    def _padded_capacity(self, num_copies: int) -> int:
+        capacity = self.capacity_of(num_copies // self.top_k)
+        return (capacity + self.multiple - 1) // self.multiple * self.multiple
 
 
-def unpermute(y_ND: torch.Tensor, order_N: torch.Tensor, probs_TK: torch.Tensor) -> torch.Tensor:
-    """y_TD = Σ_k probs_TK · (expert output of copy (t, k)), summed in fp32.
+def plan_permutation(idx_TK: torch.Tensor, keep_N: torch.Tensor, layout: RowLayout) -> PermutePlan:
+    E = layout.num_experts
+    idx_N = idx_TK.reshape(-1)
+    N = idx_N.numel()
+    key_N = torch.where(keep_N, idx_N, E)  # dropped copies sort after every expert
+    order_N = torch.argsort(key_N, stable=True)
+    key_sorted_N = key_N[order_N]
 
-    Gathering through the inverse permutation (rather than scatter-adding) keeps the forward
-    deterministic; its backward scatters into distinct rows, so it is deterministic too.
+    kept_per_expert_E = torch.zeros(E + 1, dtype=torch.int64, device=idx_N.device)
+    kept_per_expert_E.scatter_add_(0, key_N, torch.ones_like(key_N))
+    kept_per_expert_E = kept_per_expert_E[:E]
+    rows_per_expert_E = layout.group_sizes(kept_per_expert_E, N)
+    kept_start_E1 = _exclusive_cumsum(kept_per_expert_E)
+    row_start_E1 = _exclusive_cumsum(rows_per_expert_E)
+
+    R = layout.num_rows(N)
+    rank_N = torch.arange(N, device=idx_N.device) - kept_start_E1[key_sorted_N]
+    row_sorted_N = torch.where(key_sorted_N < E, row_start_E1[key_sorted_N] + rank_N, R)
+    row_of_copy_N = torch.empty_like(row_sorted_N).index_put_((order_N,), row_sorted_N)
+
+    # One spare slot at index R absorbs the dropped copies' writes.
+    copy_of_row_R1 = torch.zeros(R + 1, dtype=torch.int64, device=idx_N.device)
+    copy_of_row_R1[row_of_copy_N] = torch.arange(N, device=idx_N.device)
+    row_valid_R1 = torch.zeros(R + 1, dtype=torch.bool, device=idx_N.device)
+    row_valid_R1[row_of_copy_N] = keep_N
+    return PermutePlan(copy_of_row_R=torch.where(row_valid_R1[:R], copy_of_row_R1[:R], 0),
+                       row_valid_R=row_valid_R1[:R],
+                       row_of_copy_N=torch.where(keep_N, row_of_copy_N, 0),
+                       keep_N=keep_N, rows_per_expert_E=rows_per_expert_E)
+
+
+def _exclusive_cumsum(counts_E: torch.Tensor) -> torch.Tensor:
+    """[0, c0, c0+c1, ...]: E+1 entries (the last is the total) so index E is valid too."""
+    return torch.cat([counts_E.new_zeros(1), counts_E.cumsum(0)])
+
+
+def permute(x_TD: torch.Tensor, plan: PermutePlan, top_k: int) -> torch.Tensor:
+    """x_RD: each kept copy's token row at its place; zeros elsewhere (no gradient flows there)."""
+    gathered_RD = x_TD.index_select(0, plan.copy_of_row_R // top_k)
+    return torch.where(plan.row_valid_R[:, None], gathered_RD, 0)
+
+
+def row_probs(probs_TK: torch.Tensor, plan: PermutePlan) -> torch.Tensor:
+    """probs_R: the routing probability of each row's copy; 0 for padding and unused rows."""
+    return torch.where(plan.row_valid_R, probs_TK.reshape(-1).index_select(0, plan.copy_of_row_R), 0)
+
+
+def unpermute(y_RD: torch.Tensor, plan: PermutePlan, top_k: int) -> torch.Tensor:
+    """y_TKD: each copy's expert output back in token order; zeros for dropped copies.
+
+    A gather through `row_of_copy_N` (not a scatter-add): deterministic forward and backward, and
+    `torch.where` keeps whatever the experts left in unused rows (even NaN) out of the result.
     """
-    T, K = probs_TK.shape
-    inverse_N = torch.empty_like(order_N)
-    inverse_N[order_N] = torch.arange(order_N.numel(), device=order_N.device)
-    y_TKD = y_ND.index_select(0, inverse_N).view(T, K, -1)
-    return torch.einsum("tkd,tk->td", y_TKD.float(), probs_TK.float())
+    y_ND = y_RD.index_select(0, plan.row_of_copy_N)
+    y_ND = torch.where(plan.keep_N[:, None], y_ND, 0)
+    return y_ND.view(-1, top_k, y_RD.shape[-1])

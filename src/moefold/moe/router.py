@@ -1,53 +1,286 @@
-"""Top-k token-choice router with the micro-batch load-balancing loss.
+"""Token-choice top-k router: logits → scores → selection → combine weights.
 
-T tokens, D model dim, E experts, K top-k.
-The router runs in fp32 whatever the autocast state: routing decisions are sensitive to rounding,
-and the logits are a tiny GEMM.
+T tokens, D model dim, E experts, K top-k, G expert groups (E/G experts each).
+
+Every variant is a small strategy picked once, in `Router.__init__`, from the `MoEConfig`:
+  jitter     UniformJitter (Switch Transformer) or none
+  scores     SoftmaxScores (Qwen3, DeepSeek-V2), TopKThenSoftmax (Mixtral), SigmoidScores (DeepSeek-V3)
+  selection  TopKSelection, GroupLimitedSelection (DeepSeek-V3), RoundRobinSelection (benchmarks),
+             optionally wrapped by ReplayedSelection (router replay for RL, see replay.py)
+  renorm     renormalise the chosen probabilities to sum 1, or keep them
+The forward then reads as one straight path. The router runs in `router_dtype` with autocast off,
+whatever the input dtype: the logits are a tiny GEMM and top-k decisions are sensitive to rounding.
+No step syncs with the host.
 """
 
+from __future__ import annotations
+
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moefold.config import MoEConfig
+
+if TYPE_CHECKING:
+    from moefold.moe.replay import RouterReplay
+
+ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+
 
 @dataclass
 class Routing:
-    probs_TK: torch.Tensor  # fp32 combine weights of the chosen experts
-    idx_TK: torch.Tensor  # int64 expert ids
-    tokens_per_expert_E: torch.Tensor  # int64 routed copies per expert (no host sync)
-    aux_loss: torch.Tensor  # fp32 scalar, unweighted
+    probs_TK: torch.Tensor  # fp32 combine weights of the chosen experts (renormalised, scaled)
+    idx_TK: torch.Tensor  # int64 chosen expert ids, distinct within a token
+    scores_TE: torch.Tensor  # fp32 per-token distribution over all experts, for the aux losses
+    logits_TE: torch.Tensor  # router logits in router_dtype, for the z-loss
 
 
-def switch_aux_loss(scores_TE: torch.Tensor, tokens_per_expert_E: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Switch/GShard load-balancing loss, E · Σ_e f_e · P_e, which is 1.0 for perfectly even routing.
+# ---------------------------------------------------------------------------------------------
+# Input jitter
+# ---------------------------------------------------------------------------------------------
 
-    f_e = fraction of the T·K routed copies that went to expert e,
-    P_e = mean router probability of expert e over the T tokens.
+
+class UniformJitter:
+    """Multiply the router input by U(1-eps, 1+eps) noise in training (Switch Transformer, §2.4)."""
+
+    def __init__(self, eps: float):
+        self.eps = eps
+
+    def __call__(self, x_TD: torch.Tensor, training: bool) -> torch.Tensor:
+        if not training:
+            return x_TD
+        return x_TD * torch.empty_like(x_TD).uniform_(1.0 - self.eps, 1.0 + self.eps)
+
+
+def no_jitter(x_TD: torch.Tensor, training: bool) -> torch.Tensor:
+    return x_TD
+
+
+# ---------------------------------------------------------------------------------------------
+# Score functions: what the selection ranks, what the chosen experts weigh, what the aux losses see
+# ---------------------------------------------------------------------------------------------
+
+
+class SoftmaxScores:
+    """softmax over all E experts, then top-k of the scores (Qwen3, DeepSeek-V2)."""
+
+    renorm_eps = 0.0  # a softmax top-k sum is never 0
+
+    def scores(self, logits_TE: torch.Tensor) -> torch.Tensor:
+        return logits_TE.softmax(dim=-1)
+
+    def selection(self, logits_TE: torch.Tensor, scores_TE: torch.Tensor) -> torch.Tensor:
+        return scores_TE
+
+    def chosen(self, logits_TE: torch.Tensor, scores_TE: torch.Tensor, idx_TK: torch.Tensor) -> torch.Tensor:
+        return scores_TE.gather(-1, idx_TK)
+
+    def balance(self, scores_TE: torch.Tensor) -> torch.Tensor:
+        return scores_TE
+
+
+class TopKThenSoftmax(SoftmaxScores):
+    """top-k of the logits, then softmax over the K chosen (Mixtral). The aux losses still see the
+    softmax over all E, as in Mixtral's load-balancing loss."""
+
+    def selection(self, logits_TE: torch.Tensor, scores_TE: torch.Tensor) -> torch.Tensor:
+        return logits_TE
+
+    def chosen(self, logits_TE: torch.Tensor, scores_TE: torch.Tensor, idx_TK: torch.Tensor) -> torch.Tensor:
+        return logits_TE.gather(-1, idx_TK).softmax(dim=-1)
+
+
+class SigmoidScores:
+    """Independent sigmoid per expert (DeepSeek-V3)."""
+
+    renorm_eps = 1e-20  # DeepSeek-V3's guard: sigmoid scores can all underflow to 0
+
+    def scores(self, logits_TE: torch.Tensor) -> torch.Tensor:
+        return logits_TE.sigmoid()
+
+    def selection(self, logits_TE: torch.Tensor, scores_TE: torch.Tensor) -> torch.Tensor:
+        return scores_TE
+
+    def chosen(self, logits_TE: torch.Tensor, scores_TE: torch.Tensor, idx_TK: torch.Tensor) -> torch.Tensor:
+        return scores_TE.gather(-1, idx_TK)
+
+    def balance(self, scores_TE: torch.Tensor) -> torch.Tensor:
+        # DeepSeek-V3's sequence-wise loss uses the scores normalised to a distribution per token.
+        return scores_TE / scores_TE.sum(dim=-1, keepdim=True)
+
+
+ScoreFunction = SoftmaxScores | SigmoidScores
+
+
+def build_score_function(cfg: MoEConfig) -> ScoreFunction:
+    if cfg.score_func == "sigmoid":
+        return SigmoidScores()
+    return SoftmaxScores() if cfg.softmax_before_topk else TopKThenSoftmax()
+
+
+# ---------------------------------------------------------------------------------------------
+# Selection: the K expert ids of each token from the (biased) selection scores
+# ---------------------------------------------------------------------------------------------
+
+Selection = Callable[[torch.Tensor], torch.Tensor]  # selection_TE -> idx_TK
+
+
+class TopKSelection:
+    def __init__(self, top_k: int):
+        self.top_k = top_k
+
+    def __call__(self, selection_TE: torch.Tensor) -> torch.Tensor:
+        return selection_TE.topk(self.top_k, dim=-1).indices
+
+
+class GroupLimitedSelection:
+    """DeepSeek-V3 node-limited routing: keep the `group_top_k` best of G contiguous expert groups,
+    a group scoring by the sum of its best top_k/group_top_k experts; top-k among the kept ones."""
+
+    def __init__(self, top_k: int, num_groups: int, group_top_k: int):
+        self.top_k, self.num_groups, self.group_top_k = top_k, num_groups, group_top_k
+        self.experts_per_group_score = top_k // group_top_k
+
+    def __call__(self, selection_TE: torch.Tensor) -> torch.Tensor:
+        T, E = selection_TE.shape
+        selection_TGe = selection_TE.view(T, self.num_groups, E // self.num_groups)
+        group_scores_TG = selection_TGe.topk(self.experts_per_group_score, dim=-1).values.sum(-1)
+        kept_TG = group_scores_TG.topk(self.group_top_k, dim=-1).indices
+        keep_TG = torch.zeros_like(group_scores_TG, dtype=torch.bool).scatter_(1, kept_TG, True)
+        # -inf, not DeepSeek's 0.0: biased sigmoid scores and logits can be negative, and a masked
+        # 0 would then outrank them. The config guarantees K experts remain in the kept groups.
+        masked_TE = selection_TGe.masked_fill(~keep_TG[..., None], float("-inf")).view(T, E)
+        return masked_TE.topk(self.top_k, dim=-1).indices
+
+
+class RoundRobinSelection:
+    """Ignore the scores: token t gets experts (t·K + k) mod E, so every expert gets the same load
+    when T·K is a multiple of E (benchmarks of a perfectly balanced MoE)."""
+
+    def __init__(self, top_k: int, num_experts: int):
+        self.top_k, self.num_experts = top_k, num_experts
+
+    def __call__(self, selection_TE: torch.Tensor) -> torch.Tensor:
+        device = selection_TE.device
+        t_T1 = torch.arange(selection_TE.shape[0], device=device)[:, None]
+        return (t_T1 * self.top_k + torch.arange(self.top_k, device=device)) % self.num_experts
+
+
+class ReplayedSelection:
+    """Hands the choice to a shared `RouterReplay`: live, recorded, or replayed (see replay.py)."""
+
+    def __init__(self, select: Selection, replay: RouterReplay, layer: int):
+        self.select, self.replay, self.layer = select, replay, layer
+
+    def __call__(self, selection_TE: torch.Tensor) -> torch.Tensor:
+        return self.replay.route(self.layer, selection_TE, self.select)
+
+
+def build_selection(cfg: MoEConfig) -> Selection:
+    if cfg.force_balanced:
+        return RoundRobinSelection(cfg.top_k, cfg.num_experts)
+    if cfg.num_groups > 1:
+        return GroupLimitedSelection(cfg.top_k, cfg.num_groups, cfg.group_top_k)
+    return TopKSelection(cfg.top_k)
+
+
+# ---------------------------------------------------------------------------------------------
+# Renormalisation of the chosen probabilities
+# ---------------------------------------------------------------------------------------------
+
+
+class Renormalize:
+    def __init__(self, eps: float):
+        self.eps = eps
+
+    def __call__(self, probs_TK: torch.Tensor) -> torch.Tensor:
+        return probs_TK / (probs_TK.sum(dim=-1, keepdim=True) + self.eps)
+
+
+def keep_probs(probs_TK: torch.Tensor) -> torch.Tensor:
+    return probs_TK
+
+
+# ---------------------------------------------------------------------------------------------
+# The router
+# ---------------------------------------------------------------------------------------------
+
+
+class Router(nn.Module):
+    """Linear router `weight` [E, D] with the variants of `cfg` fixed at construction.
+
+    With `cfg.expert_bias`, a persistent fp32 buffer `expert_bias_E` (aux-loss-free balancing,
+    DeepSeek-V3's `e_score_correction_bias`) is added to the selection scores only, never to the
+    combine weights. With `replay`, this router takes the next layer index of the shared
+    `RouterReplay` (`self.replay_layer`) and its selection can be recorded or replayed.
     """
-    T, E = scores_TE.shape
-    fraction_E = tokens_per_expert_E.float() / (T * top_k)
-    mean_prob_E = scores_TE.mean(dim=0)
-    return E * (fraction_E * mean_prob_E).sum()
 
-
-class TopKRouter(nn.Module):
-    def __init__(self, dim: int, num_experts: int, top_k: int, norm_topk_prob: bool):
+    def __init__(self, dim: int, cfg: MoEConfig, replay: RouterReplay | None = None):
         super().__init__()
-        self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
-        self.weight = nn.Parameter(torch.empty(num_experts, dim))
+        self.num_experts, self.top_k = cfg.num_experts, cfg.top_k
+        self.router_dtype = ROUTER_DTYPES[cfg.router_dtype]
+        self.routed_scaling_factor = cfg.routed_scaling_factor
+        self.expert_bias_update_rate = cfg.expert_bias_update_rate
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, dim))
+
+        self.jitter = UniformJitter(cfg.input_jitter) if cfg.input_jitter > 0 else no_jitter
+        self.score_fn = build_score_function(cfg)
+        self.select = build_selection(cfg)
+        self.replay_layer = None
+        if replay is not None:
+            self.replay_layer = replay.register(cfg.top_k, cfg.num_experts)
+            self.select = ReplayedSelection(self.select, replay, self.replay_layer)
+        self.renormalize = Renormalize(self.score_fn.renorm_eps) if cfg.norm_topk_prob else keep_probs
+        if cfg.expert_bias:
+            self.register_buffer("expert_bias_E", torch.zeros(cfg.num_experts, dtype=torch.float32))
+            self.selection_scores = self._biased_selection
+        else:
+            self.expert_bias_E = None
+            self.selection_scores = self.score_fn.selection
 
     def forward(self, x_TD: torch.Tensor) -> Routing:
+        logits_TE = self.logits(x_TD)
+        scores_TE = self.score_fn.scores(logits_TE)
+        idx_TK = self.select(self.selection_scores(logits_TE, scores_TE))
+        probs_TK = self.combine_weights(logits_TE, scores_TE, idx_TK)
+        balance_TE = self.score_fn.balance(scores_TE)
+        return Routing(probs_TK.float(), idx_TK, balance_TE.float(), logits_TE)
+
+    def logits(self, x_TD: torch.Tensor) -> torch.Tensor:
         with torch.autocast(x_TD.device.type, enabled=False):
-            logits_TE = F.linear(x_TD.float(), self.weight.float())
-        scores_TE = logits_TE.softmax(dim=-1)
-        probs_TK, idx_TK = torch.topk(scores_TE, k=self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            probs_TK = probs_TK / probs_TK.sum(dim=-1, keepdim=True)
-        tokens_per_expert_E = count_tokens_per_expert(idx_TK, self.num_experts)
-        aux_loss = switch_aux_loss(scores_TE, tokens_per_expert_E, self.top_k)
-        return Routing(probs_TK, idx_TK, tokens_per_expert_E, aux_loss)
+            x_TD = self.jitter(x_TD.to(self.router_dtype), self.training)
+            return F.linear(x_TD, self.weight.to(self.router_dtype))
+
+    def combine_weights(self, logits_TE: torch.Tensor, scores_TE: torch.Tensor,
+                        idx_TK: torch.Tensor) -> torch.Tensor:
+        """The differentiable half of routing: the weights of the experts `idx_TK`, in router_dtype.
+
+        The same for a live, replayed or round-robin selection, so gradients reach the router in
+        every mode."""
+        probs_TK = self.score_fn.chosen(logits_TE, scores_TE, idx_TK)
+        return self.renormalize(probs_TK) * self.routed_scaling_factor
+
+    def _biased_selection(self, logits_TE: torch.Tensor, scores_TE: torch.Tensor) -> torch.Tensor:
+        return self.score_fn.selection(logits_TE, scores_TE) + self.expert_bias_E
+
+    @torch.no_grad()
+    def update_expert_bias(self, tokens_per_expert_E: torch.Tensor) -> None:
+        """Once per optimizer step: bias += rate · sign(mean load − load) (DeepSeek-V3, aux-loss-free
+        balancing). `tokens_per_expert_E` is the step's (all-reduced) load. No-op without a bias."""
+        if self.expert_bias_E is None:
+            return
+        load_E = tokens_per_expert_E.to(self.expert_bias_E)
+        self.expert_bias_E += self.expert_bias_update_rate * torch.sign(load_E.mean() - load_E)
+
+
+def build_router(dim: int, cfg: MoEConfig, replay: RouterReplay | None = None) -> Router:
+    """The router of one MoE layer. Pass the model's one `RouterReplay` to every layer's call, in
+    layer order: each router registers and takes the next layer index."""
+    return Router(dim, cfg, replay)
 
 
 def count_tokens_per_expert(idx_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -78,3 +311,4 @@ class _InjectAuxLoss(torch.autograd.Function):
 
 def inject_aux_loss(x: torch.Tensor, aux_loss: torch.Tensor, weight: float) -> torch.Tensor:
     return _InjectAuxLoss.apply(x, aux_loss, weight)
+

@@ -14,26 +14,6 @@ from typing import Any
 import torch
 
 
-def load_imbalance(tokens_per_expert_E: torch.Tensor) -> float:
-    """max / mean tokens per expert: 1.0 is perfectly even, E means one expert took everything."""
-    counts = tokens_per_expert_E.double()
-    mean = counts.mean()
-    return float(counts.max() / mean) if mean > 0 else float("nan")
-
-
-def moe_metrics(per_layer_counts: list[torch.Tensor], per_layer_aux: list[torch.Tensor]) -> dict[str, float]:
-    """Per-layer imbalance and aux loss, plus their means (and the worst layer's imbalance)."""
-    if not per_layer_counts:
-        return {}
-    imbalances = [load_imbalance(c) for c in per_layer_counts]
-    aux = [float(a) for a in per_layer_aux]
-    return {"load_imbalance": sum(imbalances) / len(imbalances),
-            "load_imbalance_max": max(imbalances),
-            "aux_loss": sum(aux) / len(aux),
-            "load_imbalance_per_layer": imbalances,
-            "aux_loss_per_layer": aux}
-
-
 def peak_memory_gib(device: torch.device) -> float:
     """Peak allocated device memory on a GPU; peak resident host memory of the process on CPU."""
     if device.type == "cuda":
@@ -57,7 +37,11 @@ def format_line(m: dict[str, Any], total_steps: int) -> str:
         parts.append(f"mfu {100 * m['mfu']:.1f}%" if m.get("mfu") is not None else "mfu -")
         parts.append(f"mem {m['peak_mem_gib']:.2f} GiB")
     if "aux_loss" in m:
-        parts += [f"aux {m['aux_loss']:.4f}", f"imbalance {m['load_imbalance']:.2f}"]
+        parts.append(f"aux {m['aux_loss']:.4f}")
+    if "load_imbalance" in m:
+        parts.append(f"imbalance {m['load_imbalance']:.2f}")
+    if m.get("dropped_fraction"):
+        parts.append(f"dropped {100 * m['dropped_fraction']:.1f}%")
     if "val_loss" in m:
         parts.append(f"val_loss {m['val_loss']:.4f}")
     return " | ".join(parts)

@@ -26,10 +26,12 @@ from moefold.data.loader import Batch, PackedSequences, TrainLoader, val_batches
 from moefold.data.tokenizer import build_tokenizer
 from moefold.errors import ConfigError
 from moefold.models.transformer import Transformer, build_model
-from moefold.moe.layer import frozen_stats
+from moefold.moe.layer import MoELayer
+from moefold.moe.stats import summarize
 from moefold.optim.adamw import build_optimizer
 from moefold.optim.schedule import build_scheduler
 from moefold.train import metrics
+from moefold.train.heatmap import append_window, write_load_heatmap
 from moefold.train.flops import count_params, peak_tflops, train_flops_per_token
 from moefold.train.loss import cross_entropy_loss
 
@@ -170,22 +172,23 @@ class Trainer:
         max_norm = self.cfg.train.grad_clip or float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=True)
         self.optimizer.step()
+        self.model.on_optimizer_step()  # expert-bias update, global aux-loss counts reset
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum / accum, grad_norm
 
     @torch.no_grad()
     def validate(self) -> float:
-        """Token-weighted mean loss over the fixed validation batches (leaves MoE stats untouched)."""
+        """Token-weighted mean loss over the fixed validation batches (in eval mode, so MoE layers
+        record no statistics and no aux losses)."""
         self.model.eval()
         total, tokens = 0.0, 0
-        with frozen_stats(self.model.moe_layers()):
-            for batch in self.val_batches:
-                input_ids_BS, labels_BS = self._to_device(batch)
-                with self.autocast():
-                    logits_BSV = self.model(input_ids_BS)
-                total += float(cross_entropy_loss(logits_BSV, labels_BS)) * labels_BS.numel()
-                tokens += labels_BS.numel()
+        for batch in self.val_batches:
+            input_ids_BS, labels_BS = self._to_device(batch)
+            with self.autocast():
+                logits_BSV = self.model(input_ids_BS)
+            total += float(cross_entropy_loss(logits_BSV, labels_BS)) * labels_BS.numel()
+            tokens += labels_BS.numel()
         self.model.train()
         return total / tokens
 
@@ -196,6 +199,7 @@ class Trainer:
         t, log = self.cfg.train, self.cfg.logging
         self.sinks = metrics.MetricsSinks(self.run_dir, log.tensorboard)
         self._stop_signal: int | None = None
+        self.load_history: list[tuple[int, list[list[int]]]] = []
         previous_handlers = self._install_signal_handlers()
         self._announce()
         bar = tqdm(total=t.steps, initial=self.step, disable=not (log.progress_bar and metrics.is_interactive()),
@@ -223,6 +227,7 @@ class Trainer:
                     raise TrainingInterrupted(self._stop_signal, self.step, self.save())
             if self.cfg.checkpoint.save_at_end and t.steps > 0:
                 last["checkpoint"] = str(self.save())
+            self._write_heatmap()
         finally:
             bar.close()
             self.sinks.close()
@@ -232,6 +237,14 @@ class Trainer:
     def _validation_due(self) -> bool:
         every, steps = self.cfg.train.val_every, self.cfg.train.steps
         return bool(self.val_batches) and ((every and self.step % every == 0) or self.step == steps)
+
+    def _write_heatmap(self) -> None:
+        if not (self.cfg.logging.expert_load_heatmap and self.load_history):
+            return
+        layer_ids = [i for i, block in enumerate(self.model.layers) if isinstance(block.ffn, MoELayer)]
+        path = write_load_heatmap(self.load_history, self.run_dir / "expert_load.png", layer_ids)
+        self.out(f"expert load heatmap: {path}" if path else
+                 "expert load heatmap skipped: needs matplotlib (pip install 'moefold[viz]')")
 
     def _checkpoint_due(self) -> bool:
         every = self.cfg.checkpoint.every
@@ -245,8 +258,11 @@ class Trainer:
         record = {"step": self.step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
                   **metrics.throughput(tokens, seconds, self.flops_per_token, self.peak_tflops),
                   "peak_mem_gib": metrics.peak_memory_gib(self.device)}
-        stats = [layer.pop_stats() for layer in self.model.moe_layers()]
-        record.update(metrics.moe_metrics([c for c, _ in stats], [a for _, a in stats]))
+        moe = summarize([layer.stats.pop() for layer in self.model.moe_layers()])
+        counts = moe.pop("tokens_per_expert_per_layer", None)  # L×E: for the heatmap, not the log
+        if counts is not None:
+            append_window(self.load_history, self.step, counts)
+        record.update(moe)
         self.sinks.write(record)
         emit(metrics.format_line(record, self.cfg.train.steps))
         return record

@@ -1,0 +1,57 @@
+"""Expert capacity: which routed copies are kept.
+
+T tokens, K top-k, N = T·K copies, E experts.
+Dropless keeps every copy; with a capacity factor each expert keeps at most
+C = ceil(capacity_factor · T·K / E) copies, chosen by probability or by position (GShard).
+Padding tokens are never sent to an expert.
+"""
+
+import math
+
+import torch
+
+
+def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
+    return math.ceil(capacity_factor * num_tokens * top_k / num_experts)
+
+
+class Dropless:
+    capacity_factor = 0.0
+
+    def __call__(self, idx_TK: torch.Tensor, probs_TK: torch.Tensor) -> torch.Tensor:
+        return torch.ones(idx_TK.numel(), dtype=torch.bool, device=idx_TK.device)
+
+
+class CapacityDrop:
+    """Keep each expert's first C copies in a priority order: highest probability first, or earliest
+    position (token order, then k) first."""
+
+    def __init__(self, num_experts: int, capacity_factor: float, by_probs: bool):
+        self.num_experts, self.capacity_factor, self.by_probs = num_experts, capacity_factor, by_probs
+
+    def capacity(self, num_tokens: int, top_k: int) -> int:
+        return expert_capacity(num_tokens, top_k, self.num_experts, self.capacity_factor)
+
+    def __call__(self, idx_TK: torch.Tensor, probs_TK: torch.Tensor) -> torch.Tensor:
+        T, K = idx_TK.shape
+        idx_N = idx_TK.reshape(-1)
+        priority_N = self._priority_order(probs_TK.reshape(-1).detach())
+        by_expert_N = priority_N[torch.argsort(idx_N[priority_N], stable=True)]
+        counts_E = torch.zeros(self.num_experts, dtype=torch.int64, device=idx_N.device)
+        counts_E.scatter_add_(0, idx_N, torch.ones_like(idx_N))
+        start_E = counts_E.cumsum(0) - counts_E
+        rank_sorted_N = torch.arange(idx_N.numel(), device=idx_N.device) - start_E[idx_N[by_expert_N]]
+        keep_N = torch.empty(idx_N.numel(), dtype=torch.bool, device=idx_N.device)
+        keep_N[by_expert_N] = rank_sorted_N < self.capacity(T, K)
+        return keep_N
+
+    def _priority_order(self, probs_N: torch.Tensor) -> torch.Tensor:
+        if self.by_probs:
+            return torch.argsort(-probs_N, stable=True)
+        return torch.arange(probs_N.numel(), device=probs_N.device)
+
+
+def build_capacity(num_experts: int, capacity_factor: float, drop_policy: str):
+    if capacity_factor <= 0:
+        return Dropless()
+    return CapacityDrop(num_experts, capacity_factor, by_probs=drop_policy == "probs")

@@ -23,7 +23,8 @@ def gelu(h_RF: torch.Tensor) -> torch.Tensor:
 
 
 def relu2(h_RF: torch.Tensor) -> torch.Tensor:
-    return F.relu(h_RF).square()
+    r_RF = F.relu(h_RF)
+    return r_RF * r_RF  # not .square(): autocast runs pow in fp32
 
 
 @dataclass(frozen=True)

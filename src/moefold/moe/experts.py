@@ -44,7 +44,7 @@ class Experts(nn.Module):
         x_RD = x_RD.to(dtype)
         offsets_E = torch.cumsum(rows_per_expert_E, dim=0, dtype=torch.int32)
         hidden_RF = [self._mm(x_RD, w.to(dtype), offsets_E) for w in self.input_weights()]
-        h_RF = self.activation(probs_R, *hidden_RF)
+        h_RF = self.activation(probs_R, *hidden_RF).to(dtype)
         return self._mm(h_RF, self.w2_EFD.to(dtype), offsets_E)
 
     def _mm(self, x_RX: torch.Tensor, w_EXY: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:

@@ -41,6 +41,14 @@ def time_fwd_bwd(layer, x, grad, iters: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def print_profile(layer, x, grad) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        time_fwd_bwd(layer, x, grad, iters=1)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=16384)
@@ -49,6 +57,8 @@ def main() -> None:
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--hidden", type=int, default=768)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--profile", action="store_true",
+                   help="also print the CUDA kernels of one forward+backward of the first variant")
     args = p.parse_args()
 
     base = MoEConfig(num_experts=args.experts, top_k=args.top_k, expert_hidden=args.hidden,
@@ -77,6 +87,9 @@ def main() -> None:
         ms = time_fwd_bwd(layer, x, grad, args.iters)
         peak = torch.cuda.max_memory_allocated() / 2**30
         print(f"{name:36s} {ms:10.2f} {flops / ms / 1e9:8.1f} {peak:8.2f}")
+        if args.profile:
+            print_profile(layer, x, grad)
+            args.profile = False
         del layer, x, grad
         torch.cuda.empty_cache()
 

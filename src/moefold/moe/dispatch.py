@@ -53,7 +53,7 @@ class LocalDispatcher:
 
 
 def _sum_copies(y_TKD: torch.Tensor, probs_TK: torch.Tensor) -> torch.Tensor:
-    return y_TKD.float().sum(dim=1)
+    return y_TKD.sum(dim=1, dtype=torch.float32)  # accumulates in fp32 without an fp32 copy
 
 
 def _weighted_sum_copies(y_TKD: torch.Tensor, probs_TK: torch.Tensor) -> torch.Tensor:

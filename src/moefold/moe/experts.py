@@ -14,7 +14,7 @@ from torch import nn
 from moefold.moe.activation import ACTIVATIONS, PlainActivation, ProbsInActivation
 
 
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The autocast dtype when autocast is on (grouped_mm is not an autocast op), else x's dtype."""
     device_type = x.device.type
     if torch.is_autocast_enabled(device_type):
@@ -40,7 +40,7 @@ class Experts(nn.Module):
 
     def forward(self, x_RD: torch.Tensor, rows_per_expert_E: torch.Tensor,
                 probs_R: torch.Tensor | None = None) -> torch.Tensor:
-        dtype = _compute_dtype(x_RD)
+        dtype = compute_dtype(x_RD)
         x_RD = x_RD.to(dtype)
         offsets_E = torch.cumsum(rows_per_expert_E, dim=0, dtype=torch.int32)
         hidden_RF = [self._mm(x_RD, w.to(dtype), offsets_E) for w in self.input_weights()]

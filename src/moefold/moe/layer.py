@@ -13,7 +13,7 @@ from moefold.moe.activation import ACTIVATIONS
 from moefold.moe.balance import LoadBalancer, valid_tokens_per_expert
 from moefold.moe.capacity import CapacityDrop, build_capacity
 from moefold.moe.dispatch import LocalDispatcher
-from moefold.moe.experts import Experts, build_experts
+from moefold.moe.experts import Experts, build_experts, compute_dtype
 from moefold.moe.permute import RowLayout
 from moefold.moe.replay import RouterReplay
 from moefold.moe.router import Router, build_router, inject_aux_loss
@@ -41,7 +41,8 @@ class MoELayer(nn.Module):
         keep_N = self.capacity(routing.idx_TK, routing.probs_TK)
         if valid_N is not None:
             keep_N = keep_N & valid_N  # padding tokens never reach an expert
-        sent = self.dispatcher.dispatch(x_TD, routing, keep_N)
+        # Tokens travel in the experts' compute dtype: a [T, D] cast instead of a [T·K, D] one.
+        sent = self.dispatcher.dispatch(x_TD.to(compute_dtype(x_TD)), routing, keep_N)
         y_RD = self.experts(sent.x_RD, sent.rows_per_expert_E, sent.probs_R)
         y_TD = self.dispatcher.combine(y_RD, sent.handle)
         if self.shared is not None:

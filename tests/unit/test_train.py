@@ -40,9 +40,15 @@ def test_training_writes_metrics_and_learns(tmp_path, tiny_args):
     assert latest_checkpoint(run).name == "step_00000030"
 
 
-def test_resume_reproduces_uninterrupted_losses_exactly(tmp_path, tiny_args):
+@pytest.mark.parametrize("features", [
+    [],
+    ["--moe.score_func", "sigmoid", "--moe.expert_bias", "--moe.global_aux_loss_coeff", "0.01",
+     "--moe.seq_aux_loss_coeff", "0.01", "--moe.z_loss_coeff", "0.001", "--moe.shared_experts", "1",
+     "--moe.capacity_factor", "1.0", "--moe.input_jitter", "0.01"],
+], ids=["default", "sigmoid-bias-capacity-shared"])
+def test_resume_reproduces_uninterrupted_losses_exactly(tmp_path, tiny_args, features):
     full = tmp_path / "full"
-    assert main(["train", "--run-dir", str(full), *tiny_args, "--checkpoint.every", "5",
+    assert main(["train", "--run-dir", str(full), *tiny_args, *features, "--checkpoint.every", "5",
                  "--checkpoint.keep", "5", "--train.grad_accum", "2"]) == 0
     resumed = tmp_path / "resumed"
     step5 = full / "checkpoints" / "step_00000005"
@@ -108,6 +114,18 @@ def test_save_killed_halfway_leaves_previous_checkpoint_loadable(tmp_path, tiny_
     assert main(["train", "--resume", str(run), "--train.steps", "8"]) == 0
     assert latest_checkpoint(run).name == "step_00000008"
     assert not (run / "checkpoints" / "step_00000008.tmp").exists()
+
+
+def test_moe_metrics_reach_the_log(tmp_path, tiny_args):
+    run = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run), *tiny_args, "--train.steps", "4",
+                 "--moe.capacity_factor", "0.5", "--moe.z_loss_coeff", "0.001",
+                 "--moe.seq_aux_loss_coeff", "0.01"]) == 0
+    last = [r for r in read_metrics(run) if "loss" in r][-1]
+    for key in ("aux_loss", "seq_aux_loss", "z_loss", "load_cv", "dead_expert_fraction",
+                "routing_entropy", "aux_loss_per_layer", "load_imbalance_per_layer"):
+        assert key in last, key
+    assert 0 < last["dropped_fraction"] < 1  # capacity 0.5 must drop about half the copies
 
 
 def test_generate_samples_from_latest_checkpoint(tmp_path, tiny_args, capsys):

@@ -23,6 +23,7 @@ TINY_OVERRIDES = {
     "train.steps": "12", "train.warmup_steps": "2", "train.val_every": "0", "train.val_batches": "2",
     "logging.log_every": "1", "logging.tensorboard": "false", "logging.progress_bar": "false",
     "train.device": "cpu",  # CPU runs are bit-reproducible, which the resume tests rely on
+    "logging.expert_load_heatmap": "false",
 }
 
 

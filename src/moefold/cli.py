@@ -64,6 +64,9 @@ def _build_parser() -> argparse.ArgumentParser:
     show = config_commands.add_parser("show", allow_abbrev=False, help="print the resolved config as TOML")
     _add_config_options(show)
     config_commands.add_parser("presets", help="list the shipped presets")
+    params = config_commands.add_parser("params", allow_abbrev=False,
+                                        help="count the model's parameters (built on the meta device)")
+    _add_config_options(params)
     return parser
 
 
@@ -130,7 +133,13 @@ def _config(args: argparse.Namespace) -> int:
     if args.config_command == "presets":
         print("\n".join(preset_names()))
         return 0
-    print(to_toml(load_config(args.config, _overrides(args))), end="")
+    cfg = load_config(args.config, _overrides(args))
+    if args.config_command == "params":
+        from moefold.train.flops import describe_params  # torch import only when needed
+
+        print(describe_params(cfg))
+        return 0
+    print(to_toml(cfg), end="")
     return 0
 
 

@@ -25,6 +25,9 @@ from moefold.errors import ConfigError
 
 @dataclass
 class ModelConfig:
+    family: str = "qwen3_moe"
+    """Hugging Face architecture the model converts to and from: qwen3_moe, deepseek_v3, mixtral or
+    olmoe (the tiny default is a Qwen3-MoE)."""
     vocab_size: int = 0
     """Vocabulary size; 0 takes the tokenizer's."""
     dim: int = 128
@@ -40,9 +43,43 @@ class ModelConfig:
     ffn_hidden: int = 512
     """Hidden size of the dense SwiGLU MLP (dense layers only)."""
     qk_norm: bool = True
-    """RMSNorm on each query and key head before RoPE (Qwen3, OLMoE)."""
+    """RMSNorm on each query and key head before RoPE (Qwen3)."""
+    attention: str = "gqa"
+    """Attention: gqa (grouped-query, Qwen3/Mixtral) or mla (multi-head latent, DeepSeek-V2/V3)."""
+    sliding_window: int = 0
+    """Each token attends to at most this many latest tokens (Mixtral); 0 is full causal attention."""
+    q_lora_rank: int = 0
+    """MLA: rank of the query compression; 0 projects queries directly."""
+    kv_lora_rank: int = 512
+    """MLA: rank of the shared key/value latent."""
+    qk_nope_head_dim: int = 128
+    """MLA: per-head query/key dims without RoPE."""
+    qk_rope_head_dim: int = 64
+    """MLA: per-head query/key dims with (decoupled) RoPE."""
+    v_head_dim: int = 128
+    """MLA: per-head value dims."""
     rope_theta: float = 10000.0
     """RoPE base frequency."""
+    rope_interleaved: bool = False
+    """RoPE dims stored interleaved and de-interleaved before rotation (DeepSeek-V3 checkpoints)."""
+    rope_scaling: str = "none"
+    """RoPE scaling for long context: none or yarn."""
+    rope_factor: float = 1.0
+    """YaRN: context extension factor."""
+    rope_original_max_len: int = 4096
+    """YaRN: the context length the model was pre-trained with."""
+    yarn_beta_fast: float = 32.0
+    """YaRN: high-frequency boundary (rotations)."""
+    yarn_beta_slow: float = 1.0
+    """YaRN: low-frequency boundary (rotations)."""
+    yarn_mscale: float = 1.0
+    """YaRN: magnitude scale of the RoPE tables."""
+    yarn_mscale_all_dim: float = 0.0
+    """YaRN: magnitude scale applied to the attention softmax (DeepSeek: mscale²)."""
+    mtp_layers: int = 0
+    """Multi-token prediction modules (DeepSeek-V3): module k predicts token t+k+1."""
+    mtp_loss_weight: float = 0.3
+    """Weight of the mean multi-token-prediction loss added to the main loss."""
     norm_eps: float = 1e-6
     """Epsilon of every RMSNorm."""
     tie_embeddings: bool = False
@@ -63,6 +100,8 @@ class MoEConfig:
     """The first k layers use the dense MLP."""
     moe_every: int = 1
     """After the first_k_dense layers, every n-th layer is an MoE layer (the rest dense)."""
+    dense_layers: list[int] = field(default_factory=list)
+    """Further layers that use the dense MLP (Qwen3's mlp_only_layers)."""
 
     # Router
     score_func: str = "softmax"
@@ -80,7 +119,10 @@ class MoEConfig:
     """Group-limited routing: experts split into this many groups (0 or 1: no groups)."""
     group_top_k: int = 0
     """Group-limited routing: groups each token may choose from; a group scores by the sum of its
-    top top_k/group_top_k experts."""
+    top group_score_top_k experts."""
+    group_score_top_k: int = 0
+    """Group-limited routing: experts summed for a group's score; 0 means top_k // group_top_k
+    (Megatron). DeepSeek-V3 checkpoints use 2."""
     input_jitter: float = 0.0
     """Multiply the router input by uniform noise in [1-eps, 1+eps] during training (0: off)."""
     z_loss_coeff: float = 0.0
@@ -245,6 +287,7 @@ class Config:
 
 
 SECTIONS = tuple(f.name for f in dataclasses.fields(Config))
+FAMILIES = ("qwen3_moe", "deepseek_v3", "mixtral", "olmoe")
 DEFAULT_PRESET = "tiny"
 
 
@@ -320,6 +363,8 @@ def _unknown_key(key: str) -> ConfigError:
 def _coerce(key: str, value: Any) -> Any:
     """`value` (from TOML or a CLI string) converted to the declared type of `key`."""
     tp = field_types()[key]
+    if typing.get_origin(tp) is list:
+        return _coerce_list(key, value, typing.get_args(tp)[0])
     if isinstance(value, str) and tp is not str:
         value = _parse_cli_value(key, value, tp)
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
@@ -328,6 +373,18 @@ def _coerce(key: str, value: Any) -> Any:
     if not ok:
         raise ConfigError(f"{key}={value!r} is not a valid {tp.__name__}")
     return value
+
+
+def _coerce_list(key: str, value: Any, item_type: type) -> list:
+    if isinstance(value, str):  # from the CLI: a TOML array, e.g. "[0, 3]"
+        try:
+            value = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError:
+            raise ConfigError(f"{key}={value!r} is not a list (write it as [1, 2])") from None
+    if not isinstance(value, list) or not all(isinstance(v, item_type) and not isinstance(v, bool)
+                                              for v in value):
+        raise ConfigError(f"{key}={value!r} is not a list of {item_type.__name__}")
+    return list(value)
 
 
 def _parse_cli_value(key: str, text: str, tp: type) -> Any:
@@ -475,7 +532,26 @@ def validate(cfg: Config) -> None:
     _one_of("data.token_dtype", cfg.data.token_dtype, ("uint16", "uint32"))
     _require(cfg.data.eos_id >= -1, f"data.eos_id={cfg.data.eos_id} must be >= -1")
     _one_of("precision.compute_dtype", cfg.precision.compute_dtype, ("auto", "bf16", "fp32"))
+    _validate_model(m)
     _validate_parallel(cfg.parallel)
+
+
+def _validate_model(m: ModelConfig) -> None:
+    _one_of("model.family", m.family, FAMILIES)
+    _one_of("model.attention", m.attention, ("gqa", "mla"))
+    _one_of("model.rope_scaling", m.rope_scaling, ("none", "yarn"))
+    for key in ("sliding_window", "q_lora_rank", "mtp_layers", "mtp_loss_weight"):
+        _require(getattr(m, key) >= 0, f"model.{key}={getattr(m, key)} must be >= 0")
+    if m.attention == "mla":
+        for key in ("kv_lora_rank", "qk_rope_head_dim", "v_head_dim"):
+            _require(getattr(m, key) > 0, f"model.{key}={getattr(m, key)} must be > 0 for MLA")
+        _require(m.qk_rope_head_dim % 2 == 0,
+                 f"model.qk_rope_head_dim={m.qk_rope_head_dim} must be even for RoPE")
+        _require(m.sliding_window == 0, "model.sliding_window needs model.attention='gqa'")
+    if m.rope_scaling == "yarn":
+        _require(m.rope_factor >= 1, f"model.rope_factor={m.rope_factor} must be >= 1")
+        _require(m.rope_original_max_len > 0,
+                 f"model.rope_original_max_len={m.rope_original_max_len} must be > 0")
 
 
 def _validate_moe(moe: MoEConfig) -> None:
@@ -484,7 +560,7 @@ def _validate_moe(moe: MoEConfig) -> None:
                  f"moe.top_k={moe.top_k} exceeds moe.num_experts={moe.num_experts}")
     for key in ("aux_loss_coeff", "seq_aux_loss_coeff", "global_aux_loss_coeff", "z_loss_coeff",
                 "input_jitter", "expert_bias_update_rate", "capacity_factor", "shared_experts",
-                "shared_expert_hidden", "num_groups", "group_top_k"):
+                "shared_expert_hidden", "num_groups", "group_top_k", "group_score_top_k"):
         value = getattr(moe, key)
         _require(value >= 0, f"moe.{key}={value} must be >= 0")
     _require(moe.input_jitter < 1, f"moe.input_jitter={moe.input_jitter} must be < 1")
@@ -512,8 +588,12 @@ def _validate_groups(moe: MoEConfig) -> None:
              f"moe.num_experts={moe.num_experts} is not divisible by moe.num_groups={moe.num_groups}")
     _require(1 <= moe.group_top_k <= moe.num_groups,
              f"moe.group_top_k={moe.group_top_k} must be in [1, moe.num_groups={moe.num_groups}]")
-    _require(moe.top_k % moe.group_top_k == 0,
-             f"moe.top_k={moe.top_k} is not divisible by moe.group_top_k={moe.group_top_k}")
+    if moe.group_score_top_k == 0:
+        _require(moe.top_k % moe.group_top_k == 0,
+                 f"moe.top_k={moe.top_k} is not divisible by moe.group_top_k={moe.group_top_k}")
+    per_group = moe.num_experts // moe.num_groups
+    _require(moe.group_score_top_k <= per_group,
+             f"moe.group_score_top_k={moe.group_score_top_k} exceeds the {per_group} experts of a group")
     experts_in_groups = moe.group_top_k * moe.num_experts // moe.num_groups
     _require(moe.top_k <= experts_in_groups,
              f"moe.top_k={moe.top_k} exceeds the {experts_in_groups} experts of "

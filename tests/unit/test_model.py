@@ -95,3 +95,41 @@ def test_throughput_and_mfu_hand_checked():
     m = throughput(tokens=1000, seconds=2.0, flops_per_token=3_000_000_000, peak_tflops=10.0)
     assert m["tokens_per_s"] == 500 and m["tflops"] == pytest.approx(1.5) and m["mfu"] == pytest.approx(0.15)
     assert throughput(1000, 2.0, 3, None)["mfu"] is None
+
+
+def test_sliding_window_attention_matches_naive_band_mask():
+    torch.manual_seed(0)
+    attn = Attention(dim=32, n_heads=4, n_kv_heads=2, head_dim=8, qk_norm=False, norm_eps=1e-6,
+                     sliding_window=3)
+    x = torch.randn(2, 10, 32)
+    cos, sin = rope_cos_sin(10, 8, 10000.0)
+    out = attn(x, cos, sin)
+    # token i sees tokens i-2..i: changing token 5 leaves outputs 0-4 and 8-9 unchanged
+    x2 = x.clone()
+    x2[:, 5] += 1.0
+    diff = (attn(x2, cos, sin) - out).abs().amax(dim=(0, 2))
+    assert (diff[:5] == 0).all() and (diff[8:] == 0).all() and (diff[5:8] > 0).all()
+
+
+def test_mtp_loss_is_the_shifted_prediction_of_each_depth():
+    import torch.nn.functional as F
+
+    from moefold.train.loss import NextTokenAndMTPLoss
+
+    cfg = load_config("tiny-deepseek", {"model.mtp_layers": "2"})
+    model = build_model(cfg, vocab_size=50)
+    model.init_weights(seed=0)
+    ids = torch.randint(0, 50, (2, 12))
+    labels = torch.randint(0, 50, (2, 12))
+    total, parts = NextTokenAndMTPLoss(weight=0.5)(model, ids, labels)
+
+    h, (cos, sin) = model.trunk(ids)
+    manual = []
+    for k, module in enumerate(model.mtp.layers, start=1):
+        emb = model.tok_embeddings(ids[:, k:])  # position i sees token i+k ...
+        h = module(h[:, :12 - k], emb, cos[:12 - k], sin[:12 - k])
+        logits = model.output(module.norm(h))
+        manual.append(F.cross_entropy(logits.flatten(0, 1), labels[:, k:].flatten()))  # ... predicts i+k+1
+    lm = F.cross_entropy(model(ids).flatten(0, 1), labels.flatten())
+    torch.testing.assert_close(parts["mtp_loss"], torch.stack(manual).mean())
+    torch.testing.assert_close(total, lm + 0.5 * torch.stack(manual).mean())

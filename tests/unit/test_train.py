@@ -128,6 +128,14 @@ def test_moe_metrics_reach_the_log(tmp_path, tiny_args):
     assert 0 < last["dropped_fraction"] < 1  # capacity 0.5 must drop about half the copies
 
 
+def test_expert_load_heatmap_is_written_at_the_end(tmp_path, tiny_args):
+    pytest.importorskip("matplotlib")
+    run = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run), *tiny_args, "--train.steps", "3",
+                 "--logging.expert_load_heatmap", "true"]) == 0
+    assert (run / "expert_load.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_generate_samples_from_latest_checkpoint(tmp_path, tiny_args, capsys):
     run = tmp_path / "run"
     assert main(["train", "--run-dir", str(run), *tiny_args]) == 0

@@ -11,10 +11,28 @@ from moefold.models.norm import RMSNorm
 from moefold.models.rope import apply_rope
 
 
+def causal_mask(seq_len: int, device) -> dict:
+    """SDPA arguments of full causal attention (its fused kernels handle the mask themselves)."""
+    return {"is_causal": True}
+
+
+class SlidingWindowMask:
+    """Causal attention to the latest `window` tokens, the token itself included (Mixtral)."""
+
+    def __init__(self, window: int):
+        self.window = window
+
+    def __call__(self, seq_len: int, device) -> dict:
+        pos_S = torch.arange(seq_len, device=device)
+        distance_SS = pos_S[:, None] - pos_S[None, :]
+        return {"attn_mask": (distance_SS >= 0) & (distance_SS < self.window)}
+
+
 class Attention(nn.Module):
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, qk_norm: bool,
-                 norm_eps: float):
+                 norm_eps: float, sliding_window: int = 0):
         super().__init__()
+        self.mask = SlidingWindowMask(sliding_window) if sliding_window else causal_mask
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.wq = nn.Linear(dim, n_heads * head_dim, bias=False)
         self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
@@ -32,5 +50,6 @@ class Attention(nn.Module):
         q_BHSDh = apply_rope(q_BHSDh, cos_SDh, sin_SDh)
         k_BGSDh = apply_rope(k_BGSDh, cos_SDh, sin_SDh)
         out_BHSDh = F.scaled_dot_product_attention(
-            q_BHSDh, k_BGSDh, v_BGSDh, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
+            q_BHSDh, k_BGSDh, v_BGSDh, enable_gqa=self.n_kv_heads != self.n_heads,
+            **self.mask(S, x_BSD.device))
         return self.wo(out_BHSDh.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim))

@@ -1,8 +1,9 @@
-"""Decoder-only transformer with dense and MoE layers on a configurable pattern.
+"""Decoder-only transformer with dense and MoE layers on a configurable pattern, GQA or MLA
+attention, and optional multi-token prediction.
 
-B batch, S sequence, D model dim, V vocabulary, Dh head dim.
-Build with `build_model(cfg, vocab_size)`; every variant (experts backend, QK-norm, tied head) is
-chosen there, once.
+B batch, S sequence, D model dim, V vocabulary, Dr RoPE dims per head.
+Build with `build_model(cfg, vocab_size)`; every variant (attention, experts backend, QK-norm, tied
+head, MTP) is chosen there, once.
 """
 
 import math
@@ -10,52 +11,72 @@ import math
 import torch
 from torch import nn
 
-from moefold.config import Config
+from moefold.config import Config, ModelConfig
 from moefold.models.attention import Attention
+from moefold.models.mla import MLAttention
 from moefold.models.mlp import SwiGLUMLP
+from moefold.models.mtp import MTPModule, MultiTokenPrediction
 from moefold.models.norm import RMSNorm
-from moefold.models.rope import rope_cos_sin
+from moefold.models.rope import RopeScaling, rope_cos_sin, yarn_softmax_scale_factor
 from moefold.moe.experts import Experts
 from moefold.moe.layer import MoELayer, build_moe_layer
 from moefold.moe.replay import RouterReplay
 
 
 class Block(nn.Module):
-    def __init__(self, attn: Attention, ffn: nn.Module, dim: int, norm_eps: float):
+    def __init__(self, attn: nn.Module, ffn: nn.Module, dim: int, norm_eps: float):
         super().__init__()
         self.attn_norm, self.attn = RMSNorm(dim, norm_eps), attn
         self.ffn_norm, self.ffn = RMSNorm(dim, norm_eps), ffn
 
-    def forward(self, x_BSD, cos_SDh, sin_SDh, valid_BS=None):
-        x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), cos_SDh, sin_SDh)
+    def forward(self, x_BSD, cos_SDr, sin_SDr, valid_BS=None):
+        x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), cos_SDr, sin_SDr)
         return x_BSD + self.ffn(self.ffn_norm(x_BSD), valid_BS)
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: Config, vocab_size: int, layers: list[Block]):
+    def __init__(self, cfg: Config, vocab_size: int, layers: list[Block],
+                 mtp: MultiTokenPrediction | None = None):
         super().__init__()
         m = cfg.model
         self.cfg, self.vocab_size = cfg, vocab_size
-        self.head_dim = m.head_dim or m.dim // m.n_heads
+        self.rope_dim = m.qk_rope_head_dim if m.attention == "mla" else (m.head_dim or m.dim // m.n_heads)
+        self.rope_scaling = rope_scaling(m)
         self.tok_embeddings = nn.Embedding(vocab_size, m.dim)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(m.dim, m.norm_eps)
         self.output = nn.Linear(m.dim, vocab_size, bias=False)
         if m.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        self.mtp = mtp
+
+    def rope(self, seq_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope_cos_sin(seq_len, self.rope_dim, self.cfg.model.rope_theta, device=device,
+                            scaling=self.rope_scaling)
+
+    def trunk(self, input_ids_BS: torch.Tensor, valid_BS: torch.Tensor | None = None):
+        """Hidden states after the last block (before the final norm), and the RoPE tables."""
+        cos_SDr, sin_SDr = self.rope(input_ids_BS.shape[1], input_ids_BS.device)
+        x_BSD = self.tok_embeddings(input_ids_BS)
+        for layer in self.layers:
+            x_BSD = layer(x_BSD, cos_SDr, sin_SDr, valid_BS)
+        return x_BSD, (cos_SDr, sin_SDr)
 
     def forward(self, input_ids_BS: torch.Tensor, valid_BS: torch.Tensor | None = None) -> torch.Tensor:
         """Logits `[B, S, V]`. `valid_BS` marks real tokens (False: padding, which MoE layers
         neither route nor count)."""
-        cos_SDh, sin_SDh = rope_cos_sin(input_ids_BS.shape[1], self.head_dim, self.cfg.model.rope_theta,
-                                        device=input_ids_BS.device)
-        x_BSD = self.tok_embeddings(input_ids_BS)
-        for layer in self.layers:
-            x_BSD = layer(x_BSD, cos_SDh, sin_SDh, valid_BS)
-        return self.output(self.norm(x_BSD))
+        h_BSD, _ = self.trunk(input_ids_BS, valid_BS)
+        return self.output(self.norm(h_BSD))
+
+    def blocks(self) -> list[Block]:
+        """The main blocks, then the MTP modules' blocks (numbered on from n_layers)."""
+        return list(self.layers) + ([m.block for m in self.mtp.layers] if self.mtp is not None else [])
 
     def moe_layers(self) -> list[MoELayer]:
-        return [m for m in self.modules() if isinstance(m, MoELayer)]
+        return [b.ffn for b in self.blocks() if isinstance(b.ffn, MoELayer)]
+
+    def moe_layer_ids(self) -> list[int]:
+        return [i for i, b in enumerate(self.blocks()) if isinstance(b.ffn, MoELayer)]
 
     def on_optimizer_step(self) -> None:
         for layer in self.moe_layers():
@@ -77,34 +98,57 @@ class Transformer(nn.Module):
             p.copy_(sample)
 
 
+def rope_scaling(m: ModelConfig) -> RopeScaling | None:
+    if m.rope_scaling == "none":
+        return None
+    return RopeScaling(factor=m.rope_factor, original_max_len=m.rope_original_max_len,
+                       beta_fast=m.yarn_beta_fast, beta_slow=m.yarn_beta_slow, mscale=m.yarn_mscale,
+                       mscale_all_dim=m.yarn_mscale_all_dim)
+
+
 def is_moe_layer(cfg: Config, layer_id: int) -> bool:
+    """Layers count on through the MTP modules (layer n_layers + k - 1 is MTP module k's block)."""
     moe = cfg.moe
-    return (moe.num_experts > 0 and layer_id >= moe.first_k_dense
+    return (moe.num_experts > 0 and layer_id >= moe.first_k_dense and layer_id not in moe.dense_layers
             and (layer_id - moe.first_k_dense) % moe.moe_every == 0)
 
 
-def _build_ffn(cfg: Config, layer_id: int, device_type: str, compute_dtype: torch.dtype,
-               replay: RouterReplay) -> nn.Module:
-    if not is_moe_layer(cfg, layer_id):
-        return SwiGLUMLP(cfg.model.dim, cfg.model.ffn_hidden)
-    return build_moe_layer(cfg.model.dim, cfg.moe, device_type, compute_dtype, replay)
+def _build_attention(m: ModelConfig) -> nn.Module:
+    if m.attention == "mla":
+        return MLAttention(m.dim, m.n_heads, m.q_lora_rank, m.kv_lora_rank, m.qk_nope_head_dim,
+                           m.qk_rope_head_dim, m.v_head_dim, m.norm_eps,
+                           softmax_scale_factor=yarn_softmax_scale_factor(rope_scaling(m)),
+                           interleaved_rope=m.rope_interleaved)
+    head_dim = m.head_dim or m.dim // m.n_heads
+    return Attention(m.dim, m.n_heads, m.n_kv_heads or m.n_heads, head_dim, m.qk_norm, m.norm_eps,
+                     m.sliding_window)
+
+
+def _build_block(cfg: Config, layer_id: int, device_type: str, compute_dtype: torch.dtype,
+                 replay: RouterReplay) -> Block:
+    m = cfg.model
+    if is_moe_layer(cfg, layer_id):
+        ffn = build_moe_layer(m.dim, cfg.moe, device_type, compute_dtype, replay)
+    else:
+        ffn = SwiGLUMLP(m.dim, m.ffn_hidden)
+    return Block(_build_attention(m), ffn, m.dim, m.norm_eps)
 
 
 def build_model(cfg: Config, vocab_size: int, device_type: str = "cpu",
                 compute_dtype: torch.dtype = torch.float32) -> Transformer:
     """The model with uninitialised weights (call `init_weights`, or load a checkpoint).
 
-    `device_type` and `compute_dtype` pick the experts backend that runs there.
+    `device_type` and `compute_dtype` pick the experts backend that runs there. Works under
+    `torch.device("meta")` for shapes and parameter counts of real-size models.
     """
     m = cfg.model
-    head_dim = m.head_dim or m.dim // m.n_heads
-    replay = RouterReplay(sum(is_moe_layer(cfg, i) for i in range(m.n_layers)))
-    layers = []
-    for layer_id in range(m.n_layers):
-        attn = Attention(m.dim, m.n_heads, m.n_kv_heads or m.n_heads, head_dim, m.qk_norm, m.norm_eps)
-        ffn = _build_ffn(cfg, layer_id, device_type, compute_dtype, replay)
-        layers.append(Block(attn, ffn, m.dim, m.norm_eps))
-    model = Transformer(cfg, vocab_size, layers)
+    num_layers = m.n_layers + m.mtp_layers
+    replay = RouterReplay(sum(is_moe_layer(cfg, i) for i in range(num_layers)))
+    blocks = [_build_block(cfg, i, device_type, compute_dtype, replay) for i in range(num_layers)]
+    mtp = None
+    if m.mtp_layers:
+        mtp = MultiTokenPrediction([MTPModule(block, m.dim, m.norm_eps) for block in blocks[m.n_layers:]])
+    model = Transformer(cfg, vocab_size, blocks[:m.n_layers], mtp)
     model.router_replay = replay  # record / replay routing for RL (moe/replay.py)
     return model
 

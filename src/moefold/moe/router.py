@@ -139,11 +139,12 @@ class TopKSelection:
 
 class GroupLimitedSelection:
     """DeepSeek-V3 node-limited routing: keep the `group_top_k` best of G contiguous expert groups,
-    a group scoring by the sum of its best top_k/group_top_k experts; top-k among the kept ones."""
+    a group scoring by the sum of its best `experts_per_group_score` experts (Megatron:
+    top_k/group_top_k; DeepSeek-V3's checkpoints: 2); top-k among the kept ones."""
 
-    def __init__(self, top_k: int, num_groups: int, group_top_k: int):
+    def __init__(self, top_k: int, num_groups: int, group_top_k: int, experts_per_group_score: int = 0):
         self.top_k, self.num_groups, self.group_top_k = top_k, num_groups, group_top_k
-        self.experts_per_group_score = top_k // group_top_k
+        self.experts_per_group_score = experts_per_group_score or top_k // group_top_k
 
     def __call__(self, selection_TE: torch.Tensor) -> torch.Tensor:
         T, E = selection_TE.shape
@@ -184,7 +185,7 @@ def build_selection(cfg: MoEConfig) -> Selection:
     if cfg.force_balanced:
         return RoundRobinSelection(cfg.top_k, cfg.num_experts)
     if cfg.num_groups > 1:
-        return GroupLimitedSelection(cfg.top_k, cfg.num_groups, cfg.group_top_k)
+        return GroupLimitedSelection(cfg.top_k, cfg.num_groups, cfg.group_top_k, cfg.group_score_top_k)
     return TopKSelection(cfg.top_k)
 
 

@@ -23,25 +23,41 @@ class ParamCounts:
     total: int  # every distinct parameter
     active: int  # what one token multiplies by: routed experts scaled by K/E, no embedding lookup
     embedding: int
+    tied: bool = False  # the embedding is the output head (so already in `active`)
+    mtp: int = 0  # parameters of the multi-token-prediction modules (in total and active)
+    mtp_active: int = 0
+
+    @property
+    def active_with_embedding(self) -> int:
+        """Active parameters as model cards count them: the embedding table included."""
+        return self.active if self.tied else self.active + self.embedding
 
 
 def count_params(model: nn.Module) -> ParamCounts:
-    top_k = model.cfg.moe.top_k
+    total, active = _count(model, model.named_parameters(remove_duplicate=False), model.cfg)
+    mtp_total = mtp_active = 0
+    if getattr(model, "mtp", None) is not None:
+        mtp_total, mtp_active = _count(model.mtp, model.mtp.named_parameters(prefix="mtp"), model.cfg)
+    return ParamCounts(total=total, active=active, embedding=model.tok_embeddings.weight.numel(),
+                       tied=model.cfg.model.tie_embeddings, mtp=mtp_total, mtp_active=mtp_active)
+
+
+def _count(model: nn.Module, named_params, cfg) -> tuple[int, int]:
+    top_k = cfg.moe.top_k
     total = active = 0
     counted: set[int] = set()
     experts_params = {id(p): m.num_experts for m in model.modules() if isinstance(m, Experts)
                       for p in m.parameters()}
-    for name, p in model.named_parameters(remove_duplicate=False):
+    for name, p in named_params:
         if id(p) in counted:
             continue
         counted.add(id(p))
         total += p.numel()
         if id(p) in experts_params:
             active += p.numel() * top_k // experts_params[id(p)]
-        elif not name.startswith("tok_embeddings") or model.cfg.model.tie_embeddings:
+        elif not name.startswith("tok_embeddings") or cfg.model.tie_embeddings:
             active += p.numel()  # a tied embedding is counted once, as the output head
-    embedding = model.tok_embeddings.weight.numel()
-    return ParamCounts(total=total, active=active, embedding=embedding)
+    return total, active
 
 
 def attention_flops_per_token(n_layers: int, seq_len: int, n_heads: int, qk_head_dim: int,
@@ -51,10 +67,16 @@ def attention_flops_per_token(n_layers: int, seq_len: int, n_heads: int, qk_head
 
 
 def train_flops_per_token(model: nn.Module, seq_len: int) -> int:
+    """MTP modules count like layers (their blocks and eh_proj are in `active`), and each uses the
+    shared output head once more."""
     m = model.cfg.model
-    head_dim = m.head_dim or m.dim // m.n_heads
-    return (6 * count_params(model).active
-            + attention_flops_per_token(m.n_layers, seq_len, m.n_heads, head_dim, head_dim))
+    if m.attention == "mla":
+        qk_dim, v_dim = m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
+    else:
+        qk_dim = v_dim = m.head_dim or m.dim // m.n_heads
+    extra_heads = 6 * m.mtp_layers * model.output.weight.numel()
+    return (6 * count_params(model).active + extra_heads
+            + attention_flops_per_token(m.n_layers + m.mtp_layers, seq_len, m.n_heads, qk_dim, v_dim))
 
 
 def peak_tflops(device: torch.device, configured: float) -> float | None:
@@ -67,3 +89,30 @@ def peak_tflops(device: torch.device, configured: float) -> float | None:
     name = torch.cuda.get_device_name(device)
     matches = [k for k in PEAK_BF16_TFLOPS if k in name]
     return PEAK_BF16_TFLOPS[max(matches, key=len)] if matches else None
+
+
+def meta_model(cfg):
+    """The model of `cfg` built on the meta device: shapes without memory, for any size."""
+    from moefold.models.transformer import build_model
+
+    vocab_size = cfg.model.vocab_size or 257  # the byte tokenizer's, as training would take
+    with torch.device("meta"):
+        return build_model(cfg, vocab_size)
+
+
+def describe_params(cfg) -> str:
+    """Parameter counts as model cards give them (embedding and head included), and the count the
+    FLOP convention uses (embedding lookup excluded)."""
+    model = meta_model(cfg)
+    c = count_params(model)
+    main_total, main_active = c.total - c.mtp, c.active_with_embedding - c.mtp_active
+    lines = [f"total parameters:  {main_total / 1e9:.3f}B (embedding and output head included)",
+             f"active per token:  {main_active / 1e9:.3f}B (embedding and output head included; "
+             f"routed experts count top_k/num_experts)"]
+    if c.mtp:
+        lines.append(f"MTP modules:       {c.mtp / 1e9:.3f}B more, {c.mtp_active / 1e9:.3f}B active "
+                     f"(not in the figures above)")
+    lines.append(f"FLOP convention:   {c.active / 1e9:.3f}B active without the embedding lookup; "
+                 f"{train_flops_per_token(model, cfg.train.seq_len) / 1e9:.2f} GFLOP per token at "
+                 f"sequence {cfg.train.seq_len} (fwd+bwd)")
+    return "\n".join(lines)

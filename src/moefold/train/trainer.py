@@ -26,14 +26,13 @@ from moefold.data.loader import Batch, PackedSequences, TrainLoader, val_batches
 from moefold.data.tokenizer import build_tokenizer
 from moefold.errors import ConfigError
 from moefold.models.transformer import Transformer, build_model
-from moefold.moe.layer import MoELayer
 from moefold.moe.stats import summarize
 from moefold.optim.adamw import build_optimizer
 from moefold.optim.schedule import build_scheduler
 from moefold.train import metrics
 from moefold.train.heatmap import append_window, write_load_heatmap
 from moefold.train.flops import count_params, peak_tflops, train_flops_per_token
-from moefold.train.loss import cross_entropy_loss
+from moefold.train.loss import build_objective, cross_entropy_loss
 
 
 class TrainingInterrupted(Exception):
@@ -68,7 +67,7 @@ class _Window:
     """What accumulates between two log steps; losses stay on the device until logged."""
     start: float
     steps: int = 0
-    loss_sum: torch.Tensor | float = 0.0
+    loss_sums: dict = dataclasses.field(default_factory=dict)
     grad_norm_sum: torch.Tensor | float = 0.0
 
 
@@ -118,6 +117,7 @@ class Trainer:
         self.model: Transformer = model.to(self.device)
         for layer in self.model.moe_layers():
             layer.aux_loss_scale = 1.0 / cfg.train.grad_accum  # the CE loss is averaged the same way
+        self.objective = build_objective(self.model)
         self.param_counts = count_params(self.model)
         self.flops_per_token = train_flops_per_token(self.model, cfg.train.seq_len)
         self.peak_tflops = peak_tflops(self.device, cfg.logging.peak_tflops)
@@ -158,24 +158,25 @@ class Trainer:
         return (batch.input_ids_BS.to(self.device, non_blocking=True),
                 batch.labels_BS.to(self.device, non_blocking=True))
 
-    def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step over grad_accum micro-batches; (mean loss, grad norm) on the device."""
+    def train_step(self) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """One optimizer step over grad_accum micro-batches; (mean loss parts, grad norm), both on
+        the device. `lm_loss` is the next-token loss; other parts (mtp_loss) as the objective has."""
         accum = self.cfg.train.grad_accum
-        loss_sum = torch.zeros((), device=self.device)
+        parts_sum: dict[str, torch.Tensor] = {}
         for _ in range(accum):
             input_ids_BS, labels_BS = self._to_device(self.train_loader.next_batch())
             with self.autocast():
-                logits_BSV = self.model(input_ids_BS)
-            loss = cross_entropy_loss(logits_BSV, labels_BS)
-            (loss / accum).backward()
-            loss_sum += loss.detach()
+                total, parts = self.objective(self.model, input_ids_BS, labels_BS)
+            (total / accum).backward()
+            for name, value in parts.items():
+                parts_sum[name] = parts_sum.get(name, 0.0) + value
         max_norm = self.cfg.train.grad_clip or float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=True)
         self.optimizer.step()
         self.model.on_optimizer_step()  # expert-bias update, global aux-loss counts reset
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss_sum / accum, grad_norm
+        return {name: value / accum for name, value in parts_sum.items()}, grad_norm
 
     @torch.no_grad()
     def validate(self) -> float:
@@ -210,11 +211,12 @@ class Trainer:
             window = _Window(start=time.perf_counter())
             while self.step < t.steps:
                 lr = self.optimizer.param_groups[0]["lr"]
-                loss, grad_norm = self.train_step()
+                losses, grad_norm = self.train_step()
                 self.step += 1
                 bar.update(1)
                 window.steps += 1
-                window.loss_sum += loss
+                for name, value in losses.items():
+                    window.loss_sums[name] = window.loss_sums.get(name, 0.0) + value
                 window.grad_norm_sum += grad_norm
                 if self.step % log.log_every == 0 or self.step == t.steps:
                     last.update(self._log_window(window, lr, emit))
@@ -241,8 +243,8 @@ class Trainer:
     def _write_heatmap(self) -> None:
         if not (self.cfg.logging.expert_load_heatmap and self.load_history):
             return
-        layer_ids = [i for i, block in enumerate(self.model.layers) if isinstance(block.ffn, MoELayer)]
-        path = write_load_heatmap(self.load_history, self.run_dir / "expert_load.png", layer_ids)
+        path = write_load_heatmap(self.load_history, self.run_dir / "expert_load.png",
+                                  self.model.moe_layer_ids())
         self.out(f"expert load heatmap: {path}" if path else
                  "expert load heatmap skipped: needs matplotlib (pip install 'moefold[viz]')")
 
@@ -251,11 +253,13 @@ class Trainer:
         return bool(every) and self.step % every == 0 and self.step < self.cfg.train.steps
 
     def _log_window(self, window: _Window, lr: float, emit) -> dict[str, Any]:
-        loss = float(window.loss_sum) / window.steps  # HOST SYNC: once per log step
+        # HOST SYNC: once per log step
+        losses = {name: float(total) / window.steps for name, total in window.loss_sums.items()}
+        loss = losses.pop("lm_loss")
         grad_norm = float(window.grad_norm_sum) / window.steps
         seconds = time.perf_counter() - window.start
         tokens = window.steps * self.cfg.train.grad_accum * self.cfg.train.micro_batch_size * self.cfg.train.seq_len
-        record = {"step": self.step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
+        record = {"step": self.step, "loss": loss, **losses, "grad_norm": grad_norm, "lr": lr,
                   **metrics.throughput(tokens, seconds, self.flops_per_token, self.peak_tflops),
                   "peak_mem_gib": metrics.peak_memory_gib(self.device)}
         moe = summarize([layer.stats.pop() for layer in self.model.moe_layers()])

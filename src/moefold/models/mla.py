@@ -1,0 +1,73 @@
+"""Multi-head latent attention (MLA) of DeepSeek-V2/V3 (arXiv 2405.04434), through
+scaled_dot_product_attention.
+
+B batch, S sequence, D model dim, H heads, Q query latent (q_lora_rank), C key/value latent
+(kv_lora_rank), Dn per-head dims without RoPE, Dr per-head dims with RoPE (shared by all heads for
+keys), Dk = Dn + Dr query/key head dim, Dv value head dim.
+
+Training form: the latent is expanded into per-head keys and values (no weight absorption, which
+only pays off when decoding from a latent KV cache).
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moefold.models.norm import RMSNorm
+from moefold.models.rope import apply_rope, apply_rope_interleaved
+
+
+class MLAttention(nn.Module):
+    """Parameter names are fixed: the Hugging Face checkpoint mapping depends on them."""
+
+    def __init__(self, dim: int, n_heads: int, q_lora_rank: int, kv_lora_rank: int, qk_nope_head_dim: int,
+                 qk_rope_head_dim: int, v_head_dim: int, norm_eps: float, softmax_scale_factor: float = 1.0,
+                 interleaved_rope: bool = True):
+        super().__init__()
+        self.n_heads, self.q_lora_rank, self.kv_lora_rank = n_heads, q_lora_rank, kv_lora_rank
+        self.qk_nope_head_dim, self.qk_rope_head_dim = qk_nope_head_dim, qk_rope_head_dim
+        self.qk_head_dim, self.v_head_dim = qk_nope_head_dim + qk_rope_head_dim, v_head_dim
+        # DeepSeek's YaRN multiplies the softmax scale by mscale² (rope.yarn_softmax_scale_factor).
+        self.softmax_scale = self.qk_head_dim ** -0.5 * softmax_scale_factor
+        # DeepSeek-V3 checkpoints store the rope dims of wq/wkv_a pairwise interleaved.
+        self.rope = apply_rope_interleaved if interleaved_rope else apply_rope
+        if q_lora_rank > 0:
+            self.wq_a = nn.Linear(dim, q_lora_rank, bias=False)
+            self.q_norm = RMSNorm(q_lora_rank, norm_eps)
+            self.wq_b = nn.Linear(q_lora_rank, n_heads * self.qk_head_dim, bias=False)
+        else:
+            self.wq = nn.Linear(dim, n_heads * self.qk_head_dim, bias=False)
+        # One projection gives the latent and the single rope key shared by every head (MQA-like).
+        self.wkv_a = nn.Linear(dim, kv_lora_rank + qk_rope_head_dim, bias=False)
+        self.kv_norm = RMSNorm(kv_lora_rank, norm_eps)
+        self.wkv_b = nn.Linear(kv_lora_rank, n_heads * (qk_nope_head_dim + v_head_dim), bias=False)
+        self.wo = nn.Linear(n_heads * v_head_dim, dim, bias=False)
+
+    def attention_flops_dims(self) -> tuple[int, int, int]:
+        """(n_heads, qk_head_dim, v_head_dim) for `train.flops.attention_flops_per_token`."""
+        return self.n_heads, self.qk_head_dim, self.v_head_dim
+
+    def _queries(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        if self.q_lora_rank > 0:
+            return self.wq_b(self.q_norm(self.wq_a(x_BSD)))
+        return self.wq(x_BSD)
+
+    def forward(self, x_BSD: torch.Tensor, cos_SDr: torch.Tensor, sin_SDr: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x_BSD.shape
+        H, Dn, Dr, Dv = self.n_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
+        q_BHSDk = self._queries(x_BSD).view(B, S, H, Dn + Dr).transpose(1, 2)
+        q_nope_BHSDn, q_rope_BHSDr = q_BHSDk.split([Dn, Dr], dim=-1)
+        latent_BSC, k_rope_BSDr = self.wkv_a(x_BSD).split([self.kv_lora_rank, Dr], dim=-1)
+        kv_BHSE = self.wkv_b(self.kv_norm(latent_BSC)).view(B, S, H, Dn + Dv).transpose(1, 2)
+        k_nope_BHSDn, v_BHSDv = kv_BHSE.split([Dn, Dv], dim=-1)
+        q_rope_BHSDr = self.rope(q_rope_BHSDr, cos_SDr, sin_SDr)
+        k_rope_B1SDr = self.rope(k_rope_BSDr.unsqueeze(1), cos_SDr, sin_SDr)
+        q_BHSDk = torch.cat([q_nope_BHSDn, q_rope_BHSDr], dim=-1)
+        k_BHSDk = torch.cat([k_nope_BHSDn, k_rope_B1SDr.expand(B, H, S, Dr)], dim=-1)
+        # Dv != Dk rules out SDPA's flash kernel, but on H200 (torch 2.11) it picks cuDNN, which ran
+        # fwd+bwd 1.5x faster than padding v to Dk for flash (Dk 192, Dv 128, S 4096, bf16). Where
+        # cuDNN attention is unavailable SDPA falls back to the memory-efficient kernel, ~4x slower
+        # than padded flash.
+        out_BHSDv = F.scaled_dot_product_attention(q_BHSDk, k_BHSDk, v_BHSDv, is_causal=True,
+                                                   scale=self.softmax_scale)
+        return self.wo(out_BHSDv.transpose(1, 2).reshape(B, S, H * Dv))

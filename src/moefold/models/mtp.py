@@ -1,0 +1,48 @@
+"""Multi-token prediction (DeepSeek-V3): module k predicts token t+k+1 from the previous depth's
+hidden state at t and the embedding of token t+k, sharing the embedding and output head.
+
+B batch, S sequence, D model dim, V vocabulary.
+"""
+
+import torch
+from torch import nn
+
+from moefold.models.norm import RMSNorm
+
+IGNORE_INDEX = -100
+
+
+class MTPModule(nn.Module):
+    def __init__(self, block: nn.Module, dim: int, norm_eps: float):
+        super().__init__()
+        self.enorm, self.hnorm = RMSNorm(dim, norm_eps), RMSNorm(dim, norm_eps)
+        self.eh_proj = nn.Linear(2 * dim, dim, bias=False)
+        self.block = block
+        self.norm = RMSNorm(dim, norm_eps)  # the module's own final norm before the shared head
+
+    def forward(self, h_BSD, emb_BSD, cos, sin, valid_BS=None) -> torch.Tensor:
+        """The next depth's hidden state (before `norm`)."""
+        x_BSD = self.eh_proj(torch.cat([self.enorm(emb_BSD), self.hnorm(h_BSD)], dim=-1))
+        return self.block(x_BSD, cos, sin, valid_BS)
+
+
+def shift_left(x_BS: torch.Tensor, k: int, fill: int) -> torch.Tensor:
+    """x[:, k:] followed by k `fill` values: what position i sees k tokens ahead."""
+    return torch.cat([x_BS[:, k:], x_BS.new_full((x_BS.shape[0], k), fill)], dim=1)
+
+
+class MultiTokenPrediction(nn.Module):
+    def __init__(self, modules: list[MTPModule]):
+        super().__init__()
+        self.layers = nn.ModuleList(modules)
+
+    def forward(self, h_BSD, input_ids_BS, labels_BS, embed: nn.Module, head, cos, sin,
+                loss_fn) -> list[torch.Tensor]:
+        """The loss of each depth k = 1..D, on the positions that have a target k tokens on."""
+        losses = []
+        for k, module in enumerate(self.layers, start=1):
+            emb_BSD = embed(shift_left(input_ids_BS, k, fill=0))
+            h_BSD = module(h_BSD, emb_BSD, cos, sin)
+            logits_BSV = head(module.norm(h_BSD))
+            losses.append(loss_fn(logits_BSV, shift_left(labels_BS, k, fill=IGNORE_INDEX)))
+        return losses

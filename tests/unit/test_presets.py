@@ -1,0 +1,55 @@
+"""Real-shape presets on the meta device give the published parameter counts; tiny family presets
+train."""
+
+import json
+
+import pytest
+
+from conftest import TINY_OVERRIDES, cli_args
+from moefold.cli import main
+from moefold.config import load_config, preset_names
+from moefold.train.flops import count_params, meta_model
+
+# (total, active) in billions, as the model cards count them: embedding and output head included,
+# DeepSeek-V3 without its MTP module.
+PUBLISHED = {
+    "qwen3-30b-a3b": (30.5, 3.3),
+    "qwen3-235b-a22b": (235.0, 22.0),
+    "deepseek-v3": (671.0, 37.0),
+    "mixtral-8x7b": (46.7, 12.9),
+    "olmoe-1b-7b": (6.9, 1.3),
+}
+
+
+@pytest.mark.parametrize("preset", sorted(PUBLISHED))
+def test_real_shape_parameter_counts_match_the_model_cards(preset):
+    counts = count_params(meta_model(load_config(preset)))
+    total, active = PUBLISHED[preset]
+    assert (counts.total - counts.mtp) / 1e9 == pytest.approx(total, rel=0.02)
+    assert (counts.active_with_embedding - counts.mtp_active) / 1e9 == pytest.approx(active, rel=0.02)
+
+
+def test_deepseek_v3_preset_has_its_mtp_module():
+    counts = count_params(meta_model(load_config("deepseek-v3")))
+    # One MTP module: an MoE block plus eh_proj and norms (~11.6B; the checkpoint's 14B also holds
+    # copies of the embedding and head, which we share).
+    assert 11.0 < counts.mtp / 1e9 < 12.5
+
+
+def test_every_preset_is_valid():
+    assert {"tiny", "tiny-qwen3", "tiny-deepseek", "tiny-mixtral", *PUBLISHED} <= set(preset_names())
+    for name in preset_names():
+        load_config(name)
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-deepseek", "tiny-mixtral"])
+def test_tiny_family_presets_train(tmp_path, text_corpus, preset):
+    overrides = {k: v for k, v in TINY_OVERRIDES.items() if not k.startswith(("model.", "moe."))}
+    overrides.update({"data.path": str(text_corpus), "train.steps": "8", "train.seq_len": "64"})
+    run = tmp_path / "run"
+    assert main(["train", "--config", preset, "--run-dir", str(run), *cli_args(overrides)]) == 0
+    losses = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    train = [r["loss"] for r in losses if "loss" in r]
+    assert train[-1] < train[0]
+    if preset == "tiny-deepseek":
+        assert all("mtp_loss" in r for r in losses if "loss" in r)

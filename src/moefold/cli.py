@@ -7,14 +7,15 @@ User errors print one line and exit with status 2; an interrupted run exits with
 import argparse
 import dataclasses
 import difflib
+import json
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from moefold import __version__
-from moefold.config import (SECTIONS, Config, config_from_toml, field_docs, field_types, load_config,
-                            preset_names, to_toml)
+from moefold.config import (SECTIONS, Config, apply_overrides, config_from_toml, field_docs,
+                            field_types, load_config, preset_names, to_toml, validate)
 from moefold.errors import ConfigError, UserError
 
 EXIT_USAGE = 2
@@ -48,6 +49,9 @@ def _build_parser() -> argparse.ArgumentParser:
     train.add_argument("--run-dir", type=Path, help="where the run writes (default: runs/<timestamp>)")
     train.add_argument("--resume", type=Path, metavar="DIR",
                        help="continue the run in DIR (a run directory or one of its checkpoints)")
+    train.add_argument("--init-from-hf", type=Path, metavar="DIR",
+                       help="start from a Hugging Face checkpoint directory (its config.json sets "
+                            "[model] and [moe]; its tokenizer.json is used when data.tokenizer is unset)")
     _add_config_options(train)
 
     gen = commands.add_parser("generate", allow_abbrev=False, help="sample from a run's latest checkpoint")
@@ -58,6 +62,14 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest; 0 = all (default 40)")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     gen.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+
+    convert = commands.add_parser("convert", allow_abbrev=False,
+                                  help="convert between Hugging Face checkpoints and moefold runs")
+    direction = convert.add_mutually_exclusive_group(required=True)
+    direction.add_argument("--from-hf", type=Path, metavar="DIR", help="a Hugging Face model directory")
+    direction.add_argument("--run-dir", type=Path, help="a moefold run (its latest checkpoint)")
+    convert.add_argument("--out", type=Path, metavar="RUN_DIR", help="with --from-hf: the run to create")
+    convert.add_argument("--to-hf", type=Path, metavar="DIR", help="with --run-dir: the directory to write")
 
     config = commands.add_parser("config", help="inspect configs")
     config_commands = config.add_subparsers(dest="config_command", required=True)
@@ -89,20 +101,75 @@ def _train(args: argparse.Namespace) -> int:
 
     overrides = _overrides(args)
     if args.resume is not None:
-        if args.config:
-            raise ConfigError("--config cannot be combined with --resume: the run's config.toml is "
-                              "used; override single fields instead")
+        if args.config or args.init_from_hf:
+            raise ConfigError("--config and --init-from-hf cannot be combined with --resume: the "
+                              "run's config.toml is used; override single fields instead")
         run_dir = args.run_dir or _run_dir_of(args.resume)
         cfg = config_from_toml(_run_dir_of(args.resume) / "config.toml", overrides)
+    elif args.init_from_hf is not None:
+        cfg = _config_for_hf_model(args.init_from_hf, args.config, overrides)
+        run_dir = args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     else:
         cfg = load_config(args.config, overrides)
         run_dir = args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     try:
-        trainer = Trainer(cfg, run_dir, resume=args.resume)
+        trainer = Trainer(cfg, run_dir, resume=args.resume, init_from_hf=args.init_from_hf)
         trainer.fit()
     except TrainingInterrupted as e:
         print(f"moefold: {e}", file=sys.stderr)
         return 128 + e.signum
+    return 0
+
+
+def _config_for_hf_model(hf_dir: Path, preset: str | None, overrides: dict[str, Any]) -> Config:
+    """[model] and [moe] from the checkpoint's config.json, everything else from the preset; then
+    the overrides. The checkpoint's tokenizer.json is the default tokenizer."""
+    hf_cfg = _hf_config(hf_dir)
+    tokenizer = Path(hf_dir) / "tokenizer.json"
+    defaults = {"data.tokenizer": str(tokenizer)} if tokenizer.is_file() else {}
+    cfg = load_config(preset, {**defaults, **{k: v for k, v in overrides.items()
+                                              if not k.startswith(("model.", "moe."))}})
+    cfg = dataclasses.replace(cfg, model=hf_cfg.model, moe=hf_cfg.moe)
+    apply_overrides(cfg, {k: v for k, v in overrides.items() if k.startswith(("model.", "moe."))})
+    validate(cfg)
+    return cfg
+
+
+def _hf_config(hf_dir: Path) -> Config:
+    from moefold.checkpoint.hf import config_from_hf
+
+    path = Path(hf_dir) / "config.json"
+    try:
+        return config_from_hf(json.loads(path.read_text()))
+    except (OSError, ValueError) as e:
+        raise UserError(f"--init-from-hf {hf_dir}: cannot read config.json ({e.__class__.__name__}: {e})") from None
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from moefold.checkpoint.hf import load_pretrained, save_pretrained
+    from moefold.checkpoint.dcp import save_weights_only
+    from moefold.generate import load_model_from_run
+    from moefold.train.trainer import run_dir_holds_run
+
+    if args.from_hf is not None:
+        if args.out is None or args.to_hf is not None:
+            raise UserError("convert --from-hf DIR needs --out RUN_DIR (and no --to-hf)")
+        if run_dir_holds_run(args.out):
+            raise UserError(f"--out {args.out} already holds a run; choose another directory")
+        model = load_pretrained(args.from_hf)
+        tokenizer = args.from_hf / "tokenizer.json"
+        if tokenizer.is_file():
+            model.cfg.data.tokenizer = str(tokenizer.resolve())
+        args.out.mkdir(parents=True, exist_ok=True)
+        path = save_weights_only(model.state_dict(), args.out)
+        (args.out / "config.toml").write_text(to_toml(model.cfg))
+        print(f"converted {args.from_hf} -> {path} (train on with: moefold train --resume {args.out})")
+        return 0
+    if args.to_hf is None or args.out is not None:
+        raise UserError("convert --run-dir RUN_DIR needs --to-hf DIR (and no --out)")
+    model, _, _ = load_model_from_run(args.run_dir, "cpu")
+    save_pretrained(model, args.to_hf)
+    print(f"converted {args.run_dir} -> {args.to_hf}")
     return 0
 
 
@@ -149,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if unknown:
             _reject_unknown(unknown)
-        handler = {"train": _train, "generate": _generate, "config": _config}[args.command]
+        handler = {"train": _train, "generate": _generate, "convert": _convert,
+                   "config": _config}[args.command]
         return handler(args)
     except UserError as e:
         print(f"moefold: error: {e}", file=sys.stderr)

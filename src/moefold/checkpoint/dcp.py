@@ -123,6 +123,21 @@ def _reason(error: BaseException) -> str:
     return f"{type(error).__name__}: {text}"[:300]
 
 
+def checkpoint_keys(path: Path) -> set[str]:
+    """The top-level keys a checkpoint holds ("model", "optim", ...), from its metadata alone."""
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {path} is unreadable or corrupt: {_reason(e)}") from None
+    return {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
+
+
+def save_weights_only(model_state: dict[str, Any], run_dir: Path) -> Path:
+    """A step-0 checkpoint holding only model weights (a converted model): training from it starts
+    with fresh optimizer, schedule and data order."""
+    return save_checkpoint({"model": model_state, "step": 0}, run_dir, 0, keep=1)
+
+
 def rng_state() -> dict[str, torch.Tensor]:
     state = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():

@@ -18,8 +18,8 @@ import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from tqdm import tqdm
 
-from moefold.checkpoint.dcp import (load_checkpoint, resolve_checkpoint, rng_state, save_checkpoint,
-                                    set_rng_state)
+from moefold.checkpoint.dcp import (checkpoint_keys, load_checkpoint, resolve_checkpoint, rng_state,
+                                    save_checkpoint, set_rng_state)
 from moefold.config import Config, to_toml
 from moefold.data.corpus import build_token_streams
 from moefold.data.loader import Batch, PackedSequences, TrainLoader, val_batches
@@ -73,8 +73,12 @@ class _Window:
 
 class Trainer:
     def __init__(self, cfg: Config, run_dir: Path, resume: Path | None = None,
-                 out: Callable[[str], None] = print):
+                 out: Callable[[str], None] = print, init_from_hf: Path | None = None):
+        """`resume`: a run directory or checkpoint to continue (a weights-only checkpoint, as
+        `moefold convert` writes, starts a fresh optimizer); `init_from_hf`: a Hugging Face
+        checkpoint directory whose weights the model starts from (cfg.model/moe must match it)."""
         self.cfg, self.run_dir, self.out = cfg, Path(run_dir), out
+        self.init_from_hf = init_from_hf
         checkpoint = resolve_checkpoint(resume) if resume is not None else None
         if checkpoint is None and run_dir_holds_run(self.run_dir):
             raise ConfigError(f"--run-dir {self.run_dir} already holds a run; continue it with "
@@ -112,8 +116,17 @@ class Trainer:
 
     def _build_model(self) -> None:
         cfg = self.cfg
-        model = build_model(cfg, self.vocab_size, self.device.type, self.compute_dtype)
-        model.init_weights(cfg.train.seed)
+        if self.init_from_hf is not None:
+            from moefold.checkpoint.hf import load_pretrained  # needs safetensors (the hf extra)
+
+            model = load_pretrained(self.init_from_hf, device=self.device).train()
+            if model.vocab_size < self.tokenizer.vocab_size:
+                raise ConfigError(f"--init-from-hf {self.init_from_hf}: its vocabulary "
+                                  f"({model.vocab_size}) is smaller than the tokenizer's "
+                                  f"({self.tokenizer.vocab_size}); set data.tokenizer")
+        else:
+            model = build_model(cfg, self.vocab_size, self.device.type, self.compute_dtype)
+            model.init_weights(cfg.train.seed)
         self.model: Transformer = model.to(self.device)
         for layer in self.model.moe_layers():
             layer.aux_loss_scale = 1.0 / cfg.train.grad_accum  # the CE loss is averaged the same way
@@ -139,6 +152,12 @@ class Trainer:
                 "data": self.train_loader.state_dict(), "step": self.step, "rng": rng_state()}
 
     def _load(self, path: Path) -> None:
+        if "optim" not in checkpoint_keys(path):  # weights only (a converted model)
+            state = {"model": self.model.state_dict()}
+            load_checkpoint(state, path)
+            self.model.load_state_dict(state["model"])
+            self.resumed_from = path
+            return
         state = self._state()
         load_checkpoint(state, path)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],

@@ -26,8 +26,9 @@ from moefold.errors import ConfigError
 @dataclass
 class ModelConfig:
     family: str = "qwen3_moe"
-    """Hugging Face architecture the model converts to and from: qwen3_moe, deepseek_v3, mixtral or
-    olmoe (the tiny default is a Qwen3-MoE)."""
+    """Hugging Face architecture of the model: qwen3_moe, deepseek_v3 or mixtral (these convert to
+    and from Hugging Face checkpoints), deepseek_v2 or olmoe (shapes only, no conversion yet). The
+    tiny default is a Qwen3-MoE."""
     vocab_size: int = 0
     """Vocabulary size; 0 takes the tokenizer's."""
     dim: int = 128
@@ -287,7 +288,7 @@ class Config:
 
 
 SECTIONS = tuple(f.name for f in dataclasses.fields(Config))
-FAMILIES = ("qwen3_moe", "deepseek_v3", "mixtral", "olmoe")
+FAMILIES = ("qwen3_moe", "deepseek_v3", "deepseek_v2", "mixtral", "olmoe")
 DEFAULT_PRESET = "tiny"
 
 

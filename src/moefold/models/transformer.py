@@ -98,6 +98,9 @@ class Transformer(nn.Module):
             p.copy_(sample)
 
 
+MLA_LATENT_NORM_EPS = 1e-6
+
+
 def rope_scaling(m: ModelConfig) -> RopeScaling | None:
     if m.rope_scaling == "none":
         return None
@@ -115,8 +118,10 @@ def is_moe_layer(cfg: Config, layer_id: int) -> bool:
 
 def _build_attention(m: ModelConfig) -> nn.Module:
     if m.attention == "mla":
+        # The latent norms use eps 1e-6 whatever rms_norm_eps is, as DeepSeek's reference and
+        # transformers build them.
         return MLAttention(m.dim, m.n_heads, m.q_lora_rank, m.kv_lora_rank, m.qk_nope_head_dim,
-                           m.qk_rope_head_dim, m.v_head_dim, m.norm_eps,
+                           m.qk_rope_head_dim, m.v_head_dim, MLA_LATENT_NORM_EPS,
                            softmax_scale_factor=yarn_softmax_scale_factor(rope_scaling(m)),
                            interleaved_rope=m.rope_interleaved)
     head_dim = m.head_dim or m.dim // m.n_heads

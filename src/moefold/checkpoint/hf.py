@@ -1,0 +1,416 @@
+"""Hugging Face checkpoints: import into and export from a moefold `Transformer`, per family
+(Qwen3-MoE, Mixtral, DeepSeek-V3 with MLA, YaRN and MTP), one tensor at a time.
+
+E experts, D model dim, F expert hidden, L main layers.
+
+    cfg = config_from_hf(json.load(open("config.json")))      # and hf_config_from(cfg, vocab_size)
+    model = load_pretrained("ckpt/Qwen3-30B-A3B", dtype=torch.bfloat16, device="cuda")  # a local directory
+    save_pretrained(model, "out/", max_shard_bytes=5 * 2**30)
+
+A *plan* pairs every Hugging Face tensor name with the moefold tensor it fills (whole, or expert e
+of a stacked `[E, in, out]` weight, transposed); both directions walk the same plan, so an import
+that fills every tensor and an export that writes every tensor are one fact. The per-family name
+tables and config converters are data in `hf_families.py`. The files are the Hub's layout:
+`config.json`, `model.safetensors` or `model-0000i-of-0000n.safetensors` + `model.safetensors.index.json`,
+per-expert tensors, MTP module k as layer L+k with copies of the shared embedding and head.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import struct
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from moefold.checkpoint.hf_families import FAMILIES, Family, PerExpert, Rule, family_of
+from moefold.config import Config, validate
+from moefold.errors import CheckpointError, ConfigError
+from moefold.models.transformer import Transformer, build_model
+
+CONFIG = "config.json"
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+_SHARD = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
+
+__all__ = ["config_from_hf", "hf_config_from", "load_pretrained", "save_pretrained", "hf_tensors",
+           "build_plan", "FAMILIES"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Config
+# ---------------------------------------------------------------------------------------------
+
+
+def config_from_hf(hf_config: dict[str, Any]) -> Config:
+    """The moefold `Config` of a Hugging Face config.json (model and MoE sections; the rest default).
+
+    Raises CheckpointError naming the key and value of any option moefold cannot express."""
+    family = family_of(hf_config.get("model_type"), "config.json: model_type")
+    cfg = family.config_from_hf(hf_config)
+    try:
+        validate(cfg)
+    except ConfigError as e:
+        raise CheckpointError(f"config.json maps to an invalid moefold config: {e}") from None
+    return cfg
+
+
+def hf_config_from(cfg: Config, vocab_size: int) -> dict[str, Any]:
+    """The config.json of `cfg` for transformers (the Hub's keys: `rope_theta`/`rope_scaling`, which
+    transformers 5 also reads). Raises CheckpointError for a setting the family cannot express."""
+    family = family_of(cfg.model.family, "model.family")
+    hf = family.config_to_hf(cfg)
+    return {"architectures": [family.architecture], **hf, "vocab_size": vocab_size}
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan: Hugging Face name → moefold tensor
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Slot:
+    ours: str
+    """moefold state-dict name."""
+    expert: int | None = None
+    """Expert e of a stacked `[E, in, out]` weight, stored transposed `[out, in]`; None: the whole tensor."""
+
+
+@dataclass
+class Plan:
+    tensors: dict[str, torch.Tensor]
+    """moefold parameters and persistent buffers, one name per tensor (a tied head is an alias)."""
+    slots: dict[str, Slot]
+    """Every Hugging Face tensor of the checkpoint and the tensor it fills, in export order."""
+    copies: dict[str, str]
+    """HF names that duplicate a moefold tensor (MTP's embedding and head): equal on import, written."""
+    aliases: dict[str, str]
+    """HF names of tied moefold tensors (a tied `lm_head.weight`): optional, equal on import, not written."""
+
+
+def _hf_shape(t: torch.Tensor, expert: int | None) -> tuple[int, ...]:
+    """The shape of `t` (or of its expert `expert`, transposed) in the checkpoint."""
+    return tuple(t.shape) if expert is None else tuple(t.shape)[:0:-1]
+
+
+# Scopes of moefold names: (pattern, table, HF prefix from the layer number). MTP module k's tensors
+# live in HF layer L+k. Checked in order; the first match wins.
+_SCOPES = (
+    (re.compile(r"mtp\.(?:layers\.)?(\d+)\.block\.(.+)"), "block", lambda k, L: f"model.layers.{L + k}."),
+    (re.compile(r"mtp\.(?:layers\.)?(\d+)\.(.+)"), "mtp", lambda k, L: f"model.layers.{L + k}."),
+    (re.compile(r"layers\.(\d+)\.(.+)"), "block", lambda i, L: f"model.layers.{i}."),
+    (re.compile(r"()(.+)"), "top", lambda _, L: ""),
+)
+
+
+def _rule(family: Family, ours: str, n_layers: int) -> tuple[str, Rule]:
+    """(HF prefix, rule) of moefold tensor `ours`."""
+    for pattern, table, prefix in _SCOPES:
+        match = pattern.fullmatch(ours)
+        if match:
+            index, rest = match.groups()
+            rule = getattr(family, table).get(rest)
+            if rule is None:
+                break
+            return prefix(int(index or 0), n_layers), rule
+    raise CheckpointError(f"moefold tensor {ours} has no Hugging Face name in the {family.model_type} "
+                          "mapping (a model feature this family's checkpoints cannot hold)")
+
+
+def _hf_names(family: Family, ours: str, tensor: torch.Tensor, n_layers: int) -> Iterator[tuple[str, Slot]]:
+    prefix, rule = _rule(family, ours, n_layers)
+    if isinstance(rule, PerExpert):
+        for e in range(tensor.shape[0]):
+            yield prefix + rule.hf.format(e=e), Slot(ours, e)
+    else:
+        yield prefix + rule, Slot(ours)
+
+
+def build_plan(model: Transformer) -> Plan:
+    """The Hugging Face tensors of `model` and where each lives in it."""
+    family = family_of(model.cfg.model.family, "model.family")
+    L = model.cfg.model.n_layers
+    tensors, alias_of, seen = {}, {}, {}
+    for name, t in model.state_dict(keep_vars=True).items():  # persistent buffers only
+        first = seen.setdefault(id(t), name)
+        if first == name:
+            tensors[name] = t
+        else:
+            alias_of[name] = first
+    slots = {hf: slot for name, t in tensors.items() for hf, slot in _hf_names(family, name, t, L)}
+    aliases = {hf: alias_of[name] for name in alias_of
+               for hf, _ in _hf_names(family, name, tensors[alias_of[name]], L)}
+    copies = {f"model.layers.{L + k}.{hf}": alias_of.get(ours, ours)
+              for k in range(model.cfg.model.mtp_layers) for hf, ours in family.mtp_copies.items()}
+    return Plan(tensors, slots, copies, aliases)
+
+
+def hf_tensors(model: Transformer, source: dict[str, torch.Tensor] | None = None
+               ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, tensor) of every tensor the checkpoint holds, each built when reached.
+
+    `source` replaces the model's tensors by name (e.g. `{n: p.grad for n, p in
+    model.named_parameters()}` gives the gradients under Hub names)."""
+    plan = build_plan(model)
+    tensors = {**plan.tensors, **(source or {})}
+    for hf, slot in plan.slots.items():
+        yield hf, _to_hf_layout(tensors[slot.ours], slot.expert)
+    for hf, ours in plan.copies.items():
+        yield hf, tensors[ours].detach()
+
+
+def _to_hf_layout(t: torch.Tensor, expert: int | None) -> torch.Tensor:
+    t = t.detach()
+    return t if expert is None else t[expert].T
+
+
+# ---------------------------------------------------------------------------------------------
+# Import
+# ---------------------------------------------------------------------------------------------
+
+
+def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32,
+                    device: str | torch.device = "cpu") -> Transformer:
+    """The moefold model of a Hugging Face checkpoint directory, in eval mode.
+
+    Parameters are `dtype` (buffers such as the expert bias keep fp32); the model is built on the
+    meta device and materialised once on `device`, then filled one tensor at a time. Every
+    checkpoint tensor must map to the model and every model tensor must be filled, else
+    CheckpointError names them."""
+    path = Path(path)
+    hf_config = _read_json(path / CONFIG)
+    cfg = config_from_hf(hf_config)
+    file_of = _tensor_files(path)
+    _drop_absent_mtp(cfg, file_of)
+    with torch.device("meta"):
+        model = build_model(cfg, cfg.model.vocab_size, torch.device(device).type, dtype)
+    _check_names(build_plan(model), file_of, path)  # before any memory is allocated
+    _materialise(model, dtype, torch.device(device))
+    _fill(build_plan(model), file_of, path)
+    return model.eval()
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such file (not a Hugging Face checkpoint directory?)")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: invalid JSON: {e}") from None
+
+
+def _tensor_files(path: Path) -> dict[str, Path]:
+    """Every tensor name of the checkpoint and its safetensors file."""
+    from safetensors import safe_open
+
+    if (path / INDEX).is_file():
+        weight_map = _read_json(path / INDEX).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{path / INDEX}: no weight_map")
+        for file in sorted(set(weight_map.values())):
+            if not (path / file).is_file():
+                raise CheckpointError(f"{path / INDEX} names {file}, which does not exist")
+        return {name: path / file for name, file in weight_map.items()}
+    if (path / SINGLE).is_file():
+        with safe_open(path / SINGLE, framework="pt") as f:
+            return dict.fromkeys(f.keys(), path / SINGLE)
+    raise CheckpointError(f"{path}: neither {SINGLE} nor {INDEX} (only safetensors checkpoints load)")
+
+
+def _drop_absent_mtp(cfg: Config, file_of: dict[str, Path]) -> None:
+    """transformers' DeepseekV3 writes num_nextn_predict_layers but not the MTP layers themselves:
+    such a checkpoint loads without MTP modules (with a warning). Partly present MTP layers stay an
+    error (missing tensors)."""
+    first_mtp = f"model.layers.{cfg.model.n_layers}."
+    if cfg.model.mtp_layers and not any(name.startswith(first_mtp) for name in file_of):
+        warnings.warn(f"config.json asks for {cfg.model.mtp_layers} MTP layer(s) but the checkpoint "
+                      f"has no {first_mtp}* tensors: loading without MTP modules", stacklevel=3)
+        cfg.model.mtp_layers = 0
+
+
+def _materialise(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Uninitialised storage on `device` for a meta-device model: parameters in `dtype`, buffers in
+    their own dtype."""
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                owners.setdefault(id(p), []).append((module, name))
+                if p.is_floating_point():
+                    p.data = p.data.to(dtype)
+    model.to_empty(device=device)
+    # to_empty gives each module its own tensor when leaving the meta device: re-tie shared ones.
+    for (first, first_name), *others in owners.values():
+        for module, name in others:
+            setattr(module, name, getattr(first, first_name))
+    # Non-persistent buffers are the MoE layers' step counters and statistics, zero at build time;
+    # to_empty left them uninitialised.
+    persistent = model.state_dict(keep_vars=True)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name not in persistent:
+                buf.zero_()
+
+
+def _check_names(plan: Plan, file_of: dict[str, Path], path: Path) -> None:
+    known = plan.slots.keys() | plan.copies.keys() | plan.aliases.keys()
+    unknown = [name for name in file_of if name not in known]
+    missing = [f"{name} (for {slot.ours})" for name, slot in plan.slots.items() if name not in file_of]
+    problems = []
+    if unknown:
+        problems.append(f"{len(unknown)} tensor(s) with no place in the model: {_names(unknown)}")
+    if missing:
+        problems.append(f"{len(missing)} tensor(s) the model needs are missing: {_names(missing)}")
+    if problems:
+        raise CheckpointError(f"checkpoint {path}: " + "; ".join(problems))
+
+
+def _names(names: list[str], limit: int = 12) -> str:
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+@torch.no_grad()
+def _fill(plan: Plan, file_of: dict[str, Path], path: Path) -> None:
+    from safetensors import safe_open
+
+    by_file: dict[Path, list[str]] = {}
+    for name, file in file_of.items():
+        by_file.setdefault(file, []).append(name)
+    for file, names in sorted(by_file.items()):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in names:
+                if name in plan.slots:
+                    _copy_in(plan, name, f.get_tensor(name), file)
+    # Copies last: they are compared with tensors another shard may fill.
+    for name in [n for n in file_of if n in plan.copies or n in plan.aliases]:
+        with safe_open(file_of[name], framework="pt", device="cpu") as f:
+            src = f.get_tensor(name)
+        ours = plan.copies.get(name) or plan.aliases[name]
+        target = plan.tensors[ours]
+        if src.shape != target.shape or not torch.equal(src.to(target.device, target.dtype), target):
+            original = next(hf for hf, slot in plan.slots.items() if slot == Slot(ours))
+            raise CheckpointError(f"checkpoint {path}: {name} must equal {original}, the shared tensor "
+                                  "it duplicates, but differs")
+
+
+def _copy_in(plan: Plan, name: str, src: torch.Tensor, file: Path) -> None:
+    slot = plan.slots[name]
+    target = plan.tensors[slot.ours]
+    expected = _hf_shape(target, slot.expert)
+    if tuple(src.shape) != expected:
+        raise CheckpointError(f"{file.name}: {name} has shape {list(src.shape)}, the model expects "
+                              f"{list(expected)}")
+    if slot.expert is None:
+        target.copy_(src)
+    else:
+        target[slot.expert].copy_(src.T)
+
+
+# ---------------------------------------------------------------------------------------------
+# Export
+# ---------------------------------------------------------------------------------------------
+
+
+def save_pretrained(model: Transformer, path: str | Path, max_shard_bytes: int = 5 * 2**30,
+                    dtype: torch.dtype | None = None) -> None:
+    """Write `model` as a Hugging Face checkpoint that transformers' `from_pretrained` loads:
+    config.json and safetensors shards of at most `max_shard_bytes` (one tensor may exceed it),
+    with an index when there is more than one. Tensors are built and written one at a time.
+
+    `dtype` casts the parameters (e.g. bf16 for release); buffers such as the expert bias keep
+    theirs. Earlier `model*.safetensors` files and the index in `path` are replaced."""
+    hf = hf_config_from(model.cfg, model.vocab_size)  # first: fails on what the family cannot hold
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    plan = build_plan(model)
+    entries = list(_export_entries(plan, dtype))
+    shards = _assign_shards(entries, max_shard_bytes)
+    for old in path.iterdir():
+        if _SHARD.match(old.name) or old.name == INDEX:
+            old.unlink()
+    for file, shard in shards.items():
+        _write_safetensors(path / file, shard)
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(e.nbytes for e in entries)},
+                 "weight_map": {e.name: file for file, shard in shards.items() for e in shard}}
+        (path / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    hf["torch_dtype"] = str(dtype or model.tok_embeddings.weight.dtype).removeprefix("torch.")
+    (path / CONFIG).write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+
+
+@dataclass(frozen=True)
+class _Entry:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    make: Callable[[], torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def _export_entries(plan: Plan, dtype: torch.dtype | None) -> Iterator[_Entry]:
+    params = {id(t) for t in plan.tensors.values() if isinstance(t, nn.Parameter)}
+
+    def entry(name: str, ours: str, expert: int | None) -> _Entry:
+        t = plan.tensors[ours]
+        out_dtype = dtype if dtype is not None and id(t) in params and t.is_floating_point() else t.dtype
+        return _Entry(name, _hf_shape(t, expert), out_dtype,
+                      lambda: _to_hf_layout(t, expert).to("cpu", out_dtype).contiguous())
+
+    for name, slot in plan.slots.items():
+        yield entry(name, slot.ours, slot.expert)
+    for name, ours in plan.copies.items():
+        yield entry(name, ours, None)
+
+
+def _assign_shards(entries: list[_Entry], max_shard_bytes: int) -> dict[str, list[_Entry]]:
+    groups: list[list[_Entry]] = [[]]
+    size = 0
+    for e in entries:
+        if groups[-1] and size + e.nbytes > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(e)
+        size += e.nbytes
+    if len(groups) == 1:
+        return {SINGLE: groups[0]}
+    n = len(groups)
+    return {f"model-{i + 1:05d}-of-{n:05d}.safetensors": g for i, g in enumerate(groups)}
+
+
+_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+              torch.uint8: "U8", torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3",
+              torch.float8_e5m2: "F8_E5M2"}
+
+
+def _write_safetensors(file: Path, entries: list[_Entry]) -> None:
+    """One safetensors file, tensor by tensor. safetensors' own `save_file` takes a dict of every
+    tensor of the file, which for transposed expert weights means a shard's worth of copies in
+    memory; the format (8-byte header length, JSON header, raw little-endian data in header order)
+    lets us write each tensor as it is built. Files are read back with `safetensors.safe_open`."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for e in entries:
+        header[e.name] = {"dtype": _ST_DTYPES[e.dtype], "shape": list(e.shape),
+                          "data_offsets": [offset, offset + e.nbytes]}
+        offset += e.nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    with open(file, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for e in entries:
+            t = e.make()
+            assert tuple(t.shape) == e.shape and t.dtype == e.dtype, e.name
+            f.write(t.reshape(-1).view(torch.uint8).numpy().data)

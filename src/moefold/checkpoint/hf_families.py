@@ -1,0 +1,384 @@
+"""The Hugging Face families as data: config.json keys ↔ `Config`, and tensor names.
+
+A `Family` holds the tensor-name tables of one `model_type` and its two config converters; the
+generic reader and writer in `hf.py` look a family up once and never branch on it.
+
+Name tables map a moefold name inside a scope to the Hugging Face name inside the same scope:
+  top    the whole model (`tok_embeddings.weight` ↔ `model.embed_tokens.weight`)
+  block  a transformer block, `layers.{i}.` ↔ `model.layers.{i}.`; an MTP module's block,
+         `mtp.layers.{k}.block.` ↔ `model.layers.{L+k}.` (DeepSeek-V3 stores MTP module k as layer L+k)
+  mtp    the rest of MTP module k, `mtp.layers.{k}.` ↔ `model.layers.{L+k}.`
+A value is the HF name (same tensor, same layout) or a `PerExpert` pattern: our stacked `[E, in, out]`
+expert weight is E Hub tensors `[out, in]` (nn.Linear layout), one per expert. transformers 5.x
+fuses experts in memory (`experts.gate_up_proj` [E, 2F, D], `experts.down_proj` [E, D, F]) but its
+`save_pretrained` writes, and its `from_pretrained` converts from, these per-expert Hub names.
+
+Training-only knobs (aux-loss coefficients, the expert-bias update rate, capacity) are not in
+config.json's architecture and keep moefold's defaults: set them for fine-tuning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from moefold.config import Config
+from moefold.errors import CheckpointError
+from moefold.models.transformer import is_moe_layer
+
+
+@dataclass(frozen=True)
+class PerExpert:
+    """One Hub tensor per expert (`{e}` in the name), stored transposed relative to our `[E, in, out]`."""
+    hf: str
+
+
+Rule = str | PerExpert
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str
+    architecture: str
+    block: dict[str, Rule]
+    config_from_hf: Callable[[dict[str, Any]], Config]
+    config_to_hf: Callable[[Config], dict[str, Any]]
+    top: dict[str, Rule] = field(default_factory=lambda: dict(_TOP))
+    mtp: dict[str, Rule] = field(default_factory=dict)
+    mtp_copies: dict[str, str] = field(default_factory=dict)
+    """HF names inside an MTP layer that duplicate a top-level moefold tensor (shared with the main
+    model): checked equal on import, written on export."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor-name tables
+# ---------------------------------------------------------------------------------------------
+
+_TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight"}
+_NORMS = {"attn_norm.weight": "input_layernorm.weight",
+          "ffn_norm.weight": "post_attention_layernorm.weight"}
+_GQA = {f"attn.w{x}.weight": f"self_attn.{x}_proj.weight" for x in "qkvo"}
+_QK_NORM = {"attn.q_norm.weight": "self_attn.q_norm.weight", "attn.k_norm.weight": "self_attn.k_norm.weight"}
+_MLA = {"attn.wq.weight": "self_attn.q_proj.weight", "attn.wq_a.weight": "self_attn.q_a_proj.weight",
+        "attn.q_norm.weight": "self_attn.q_a_layernorm.weight", "attn.wq_b.weight": "self_attn.q_b_proj.weight",
+        "attn.wkv_a.weight": "self_attn.kv_a_proj_with_mqa.weight",
+        "attn.kv_norm.weight": "self_attn.kv_a_layernorm.weight",
+        "attn.wkv_b.weight": "self_attn.kv_b_proj.weight", "attn.wo.weight": "self_attn.o_proj.weight"}
+_DENSE_MLP = {"ffn.w1.weight": "mlp.gate_proj.weight", "ffn.w3.weight": "mlp.up_proj.weight",
+              "ffn.w2.weight": "mlp.down_proj.weight"}
+_SHARED = {"ffn.shared.w1.weight": "mlp.shared_experts.gate_proj.weight",
+           "ffn.shared.w3.weight": "mlp.shared_experts.up_proj.weight",
+           "ffn.shared.w2.weight": "mlp.shared_experts.down_proj.weight"}
+
+
+def _moe(module: str, gate: str, up: str, down: str) -> dict[str, Rule]:
+    return {"ffn.router.weight": f"{module}.gate.weight",
+            "ffn.experts.w1_EDF": PerExpert(f"{module}.experts.{{e}}.{gate}.weight"),
+            "ffn.experts.w3_EDF": PerExpert(f"{module}.experts.{{e}}.{up}.weight"),
+            "ffn.experts.w2_EFD": PerExpert(f"{module}.experts.{{e}}.{down}.weight")}
+
+
+_QWEN3_MOE_BLOCK = {**_NORMS, **_GQA, **_QK_NORM, **_DENSE_MLP, **_moe("mlp", "gate_proj", "up_proj", "down_proj")}
+_MIXTRAL_BLOCK = {**_NORMS, **_GQA, **_moe("block_sparse_moe", "w1", "w3", "w2")}
+_DEEPSEEK_V3_BLOCK = {**_NORMS, **_MLA, **_DENSE_MLP, **_moe("mlp", "gate_proj", "up_proj", "down_proj"),
+                      **_SHARED, "ffn.router.expert_bias_E": "mlp.gate.e_score_correction_bias"}
+_DEEPSEEK_V3_MTP = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight",
+                    "eh_proj.weight": "eh_proj.weight", "norm.weight": "shared_head.norm.weight"}
+_DEEPSEEK_V3_MTP_COPIES = {"embed_tokens.weight": "tok_embeddings.weight",
+                           "shared_head.head.weight": "output.weight"}
+
+
+# ---------------------------------------------------------------------------------------------
+# config.json → Config: shared helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def _get(hf: dict[str, Any], key: str, default: Any = ...) -> Any:
+    """hf[key], `default` when absent or null; without a default a missing key is an error."""
+    value = hf.get(key)
+    if value is None:
+        if default is ...:
+            raise CheckpointError(f"config.json has no {key}")
+        return default
+    return value
+
+
+def _require(hf: dict[str, Any], key: str, allowed: tuple, default: Any) -> None:
+    """hf[key] (`default` when absent or null) must be one of `allowed`."""
+    value = _get(hf, key, default)
+    if value not in allowed:
+        raise CheckpointError(f"config.json: {key}={value!r} is not supported (supported: "
+                              f"{', '.join(repr(a) for a in allowed)})")
+
+
+def _common_from_hf(hf: dict[str, Any], family: str, default_theta: float, default_eps: float) -> Config:
+    """The fields every family shares: sizes, norms, embeddings, RoPE, and the unsupported options."""
+    if hf.get("quantization_config"):
+        method = hf["quantization_config"].get("quant_method", "?")
+        raise CheckpointError(f"config.json: quantization_config (quant_method={method!r}) is not "
+                              "supported; dequantize the checkpoint to bf16/fp32 first")
+    _require(hf, "hidden_act", ("silu",), "silu")
+    _require(hf, "attention_bias", (False,), False)
+    _require(hf, "mlp_bias", (False,), False)
+    _require(hf, "attention_dropout", (0, 0.0), 0.0)
+    cfg = Config()
+    m = cfg.model
+    m.family = family
+    m.vocab_size = _get(hf, "vocab_size")
+    m.dim = _get(hf, "hidden_size")
+    m.n_layers = _get(hf, "num_hidden_layers")
+    m.n_heads = _get(hf, "num_attention_heads")
+    m.norm_eps = float(_get(hf, "rms_norm_eps", default_eps))
+    m.tie_embeddings = bool(_get(hf, "tie_word_embeddings", False))
+    m.init_std = float(_get(hf, "initializer_range", m.init_std))
+    _rope_from_hf(hf, cfg, default_theta)
+    return cfg
+
+
+def _rope_from_hf(hf: dict[str, Any], cfg: Config, default_theta: float) -> None:
+    """RoPE from the Hub's `rope_theta` + `rope_scaling` or transformers 5's `rope_parameters`,
+    resolved as transformers' `standardize_rope_params` and `_compute_yarn_parameters` do."""
+    m = cfg.model
+    params = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
+    m.rope_theta = float(params.get("rope_theta") or hf.get("rope_theta") or default_theta)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    if rope_type == "default":
+        return
+    if rope_type != "yarn":
+        raise CheckpointError(f"config.json: {key}.rope_type={rope_type!r} is not supported (default, yarn)")
+    for name, allowed in (("attention_factor", (None,)), ("truncate", (None, True)),
+                          ("partial_rotary_factor", (None, 1, 1.0))):
+        if params.get(name) not in allowed:
+            raise CheckpointError(f"config.json: {key}.{name}={params[name]!r} is not supported")
+    max_len = _get(hf, "max_position_embeddings", 0)
+    original = (hf.get("original_max_position_embeddings")
+                or params.get("original_max_position_embeddings") or max_len)
+    m.rope_scaling = "yarn"
+    m.rope_original_max_len = int(original)
+    m.rope_factor = float(params.get("factor") or max_len / original)
+    m.yarn_beta_fast = float(params.get("beta_fast") or 32.0)
+    m.yarn_beta_slow = float(params.get("beta_slow") or 1.0)
+    # transformers uses mscale only together with a non-zero mscale_all_dim; 0 keeps that reading.
+    m.yarn_mscale = float(params.get("mscale") or 0.0)
+    m.yarn_mscale_all_dim = float(params.get("mscale_all_dim") or 0.0)
+
+
+def _gqa_from_hf(hf: dict[str, Any], cfg: Config) -> None:
+    m = cfg.model
+    m.attention = "gqa"
+    m.n_kv_heads = _get(hf, "num_key_value_heads", m.n_heads)
+    m.head_dim = _get(hf, "head_dim", m.dim // m.n_heads)
+
+
+# ---------------------------------------------------------------------------------------------
+# Config → config.json: shared helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def _expressible(ok: bool, key: str, value: Any, family: str, why: str) -> None:
+    if not ok:
+        raise CheckpointError(f"{key}={value!r} cannot be saved as a {family} checkpoint: {why}")
+
+
+def _common_to_hf(cfg: Config, family: str) -> dict[str, Any]:
+    m, moe = cfg.model, cfg.moe
+    _expressible(moe.activation == "swiglu", "moe.activation", moe.activation, family, "experts use SwiGLU")
+    _expressible(moe.num_experts > 0, "moe.num_experts", moe.num_experts, family, "it is an MoE family")
+    _expressible(not moe.shared_expert_gate, "moe.shared_expert_gate", True, family, "no shared-expert gate")
+    hf = {"model_type": family, "hidden_size": m.dim, "num_hidden_layers": m.n_layers,
+          "num_attention_heads": m.n_heads, "rms_norm_eps": m.norm_eps, "hidden_act": "silu",
+          "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": m.tie_embeddings,
+          "initializer_range": m.init_std, "num_experts_per_tok": moe.top_k,
+          "rope_theta": m.rope_theta, "rope_scaling": None,
+          "max_position_embeddings": max(cfg.train.seq_len, 4096), "use_cache": True}
+    if m.rope_scaling == "yarn":
+        hf["rope_scaling"] = {"rope_type": "yarn", "factor": m.rope_factor,
+                              "original_max_position_embeddings": m.rope_original_max_len,
+                              "beta_fast": m.yarn_beta_fast, "beta_slow": m.yarn_beta_slow,
+                              "mscale": m.yarn_mscale, "mscale_all_dim": m.yarn_mscale_all_dim}
+        hf["max_position_embeddings"] = int(m.rope_original_max_len * m.rope_factor)
+    return hf
+
+
+def _gqa_to_hf(cfg: Config, family: str, qk_norm: bool) -> dict[str, Any]:
+    m = cfg.model
+    _expressible(m.attention == "gqa", "model.attention", m.attention, family, "it uses GQA")
+    _expressible(m.qk_norm == qk_norm, "model.qk_norm", m.qk_norm, family, f"its QK-norm is {qk_norm}")
+    _expressible(not m.rope_interleaved, "model.rope_interleaved", True, family, "rotate-half RoPE only")
+    _expressible(m.mtp_layers == 0, "model.mtp_layers", m.mtp_layers, family, "no MTP modules")
+    return {"num_key_value_heads": m.n_kv_heads or m.n_heads, "head_dim": m.head_dim or m.dim // m.n_heads}
+
+
+def _softmax_router_to_hf(cfg: Config, family: str) -> None:
+    moe = cfg.moe
+    for key, ok in (("score_func", moe.score_func == "softmax"), ("expert_bias", not moe.expert_bias),
+                    ("routed_scaling_factor", moe.routed_scaling_factor == 1.0),
+                    ("num_groups", moe.num_groups <= 1), ("shared_experts", moe.shared_experts == 0)):
+        _expressible(ok, f"moe.{key}", getattr(moe, key), family, "its router is a plain softmax top-k")
+
+
+def _moe_layer_ids(cfg: Config, n_blocks: int | None = None) -> list[int]:
+    """The MoE blocks among the first `n_blocks` (default: the main layers; MTP blocks follow them)."""
+    return [i for i in range(n_blocks or cfg.model.n_layers) if is_moe_layer(cfg, i)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Qwen3-MoE
+# ---------------------------------------------------------------------------------------------
+
+
+def _qwen3_moe_from_hf(hf: dict[str, Any]) -> Config:
+    cfg = _common_from_hf(hf, "qwen3_moe", default_theta=10000.0, default_eps=1e-6)
+    m, moe = cfg.model, cfg.moe
+    _gqa_from_hf(hf, cfg)
+    m.qk_norm = True
+    m.sliding_window = _get(hf, "sliding_window", 4096) if hf.get("use_sliding_window") else 0
+    m.ffn_hidden = _get(hf, "intermediate_size")
+    moe.num_experts = _get(hf, "num_experts", hf.get("num_local_experts", ...))  # 5.x writes the alias
+    moe.top_k = _get(hf, "num_experts_per_tok")
+    moe.expert_hidden = _get(hf, "moe_intermediate_size")
+    moe.score_func, moe.softmax_before_topk = "softmax", True
+    moe.norm_topk_prob = bool(_get(hf, "norm_topk_prob", False))
+    # HF: layer i is MoE iff (i+1) % decoder_sparse_step == 0 and i not in mlp_only_layers.
+    step = _get(hf, "decoder_sparse_step", 1)
+    moe.first_k_dense, moe.moe_every = step - 1, step
+    moe.dense_layers = sorted(_get(hf, "mlp_only_layers", []))
+    return cfg
+
+
+def _qwen3_moe_to_hf(cfg: Config) -> dict[str, Any]:
+    m, moe = cfg.model, cfg.moe
+    hf = {**_common_to_hf(cfg, "qwen3_moe"), **_gqa_to_hf(cfg, "qwen3_moe", qk_norm=True)}
+    _softmax_router_to_hf(cfg, "qwen3_moe")
+    # top-k of the logits then softmax over K equals softmax, top-k, renormalise.
+    norm = moe.norm_topk_prob or not moe.softmax_before_topk
+    moe_ids = _moe_layer_ids(cfg)
+    step = moe.moe_every if all((i + 1) % moe.moe_every == 0 for i in moe_ids) else 1
+    hf.update(num_experts=moe.num_experts, moe_intermediate_size=moe.expert_hidden,
+              intermediate_size=m.ffn_hidden, norm_topk_prob=norm, decoder_sparse_step=step,
+              mlp_only_layers=[i for i in range(m.n_layers) if (i + 1) % step == 0 and i not in moe_ids],
+              use_sliding_window=m.sliding_window > 0, sliding_window=m.sliding_window or None)
+    return hf
+
+
+# ---------------------------------------------------------------------------------------------
+# Mixtral
+# ---------------------------------------------------------------------------------------------
+
+
+def _mixtral_from_hf(hf: dict[str, Any]) -> Config:
+    cfg = _common_from_hf(hf, "mixtral", default_theta=1e6, default_eps=1e-5)
+    m, moe = cfg.model, cfg.moe
+    _gqa_from_hf(hf, cfg)
+    m.qk_norm = False
+    m.sliding_window = _get(hf, "sliding_window", 0)
+    m.ffn_hidden = moe.expert_hidden = _get(hf, "intermediate_size")
+    moe.num_experts = _get(hf, "num_local_experts")
+    moe.top_k = _get(hf, "num_experts_per_tok")
+    moe.first_k_dense, moe.moe_every = 0, 1
+    # Mixtral: softmax over all E, top-k, renormalise. The same as top-k of the logits then softmax
+    # over the K (softmax is monotone, and p_i / Σ_K p_j = e^{l_i} / Σ_K e^{l_j}); we take the form
+    # transformers computes, so ties and rounding follow it op for op.
+    moe.score_func, moe.softmax_before_topk, moe.norm_topk_prob = "softmax", True, True
+    moe.input_jitter = float(_get(hf, "router_jitter_noise", 0.0))
+    return cfg
+
+
+def _mixtral_to_hf(cfg: Config) -> dict[str, Any]:
+    m, moe = cfg.model, cfg.moe
+    hf = {**_common_to_hf(cfg, "mixtral"), **_gqa_to_hf(cfg, "mixtral", qk_norm=False)}
+    _softmax_router_to_hf(cfg, "mixtral")
+    _expressible(moe.norm_topk_prob or not moe.softmax_before_topk, "moe.norm_topk_prob", False,
+                 "mixtral", "Mixtral renormalises the top-k probabilities")
+    _expressible(_moe_layer_ids(cfg) == list(range(m.n_layers)), "moe.first_k_dense/moe_every/dense_layers",
+                 (moe.first_k_dense, moe.moe_every, moe.dense_layers), "mixtral", "every layer is MoE")
+    hf.update(intermediate_size=moe.expert_hidden, num_local_experts=moe.num_experts,
+              sliding_window=m.sliding_window or None, router_jitter_noise=moe.input_jitter)
+    return hf
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSeek-V3
+# ---------------------------------------------------------------------------------------------
+
+
+def _deepseek_v3_from_hf(hf: dict[str, Any]) -> Config:
+    cfg = _common_from_hf(hf, "deepseek_v3", default_theta=10000.0, default_eps=1e-6)
+    m, moe = cfg.model, cfg.moe
+    _require(hf, "topk_method", ("noaux_tc",), "noaux_tc")
+    _require(hf, "scoring_func", ("sigmoid",), "sigmoid")
+    _require(hf, "moe_layer_freq", (1,), 1)  # transformers ignores it; DeepSeek-V3 uses 1
+    _require(hf, "num_key_value_heads", (m.n_heads,), m.n_heads)  # MLA expands the latent to every head
+    m.attention, m.qk_norm = "mla", False
+    m.q_lora_rank = hf.get("q_lora_rank") or 0  # null: queries projected directly
+    m.kv_lora_rank = _get(hf, "kv_lora_rank")
+    m.qk_nope_head_dim = _get(hf, "qk_nope_head_dim")
+    m.qk_rope_head_dim = _get(hf, "qk_rope_head_dim")
+    m.v_head_dim = _get(hf, "v_head_dim")
+    m.rope_interleaved = bool(_get(hf, "rope_interleave", True))
+    m.mtp_layers = _get(hf, "num_nextn_predict_layers", hf.get("num_mtp_layers", 0))
+    m.ffn_hidden = _get(hf, "intermediate_size")
+    moe.num_experts = _get(hf, "n_routed_experts")
+    moe.top_k = _get(hf, "num_experts_per_tok")
+    moe.expert_hidden = _get(hf, "moe_intermediate_size")
+    moe.first_k_dense, moe.moe_every = _get(hf, "first_k_dense_replace", 3), 1
+    moe.shared_experts = _get(hf, "n_shared_experts", 1)
+    if moe.shared_experts < 1:
+        raise CheckpointError(f"config.json: n_shared_experts={moe.shared_experts} is not supported (>= 1)")
+    moe.score_func, moe.expert_bias = "sigmoid", True  # e_score_correction_bias; update rate stays ours
+    moe.routed_scaling_factor = float(_get(hf, "routed_scaling_factor", 2.5))
+    moe.norm_topk_prob = bool(_get(hf, "norm_topk_prob", True))
+    n_group, topk_group = _get(hf, "n_group", 8), _get(hf, "topk_group", 4)
+    if n_group > 1:  # transformers scores a group by the sum of its top-2 biased scores
+        moe.num_groups, moe.group_top_k, moe.group_score_top_k = n_group, topk_group, 2
+    return cfg
+
+
+def _deepseek_v3_to_hf(cfg: Config) -> dict[str, Any]:
+    m, moe = cfg.model, cfg.moe
+    fam = "deepseek_v3"
+    hf = _common_to_hf(cfg, fam)
+    _expressible(m.attention == "mla", "model.attention", m.attention, fam, "it uses MLA")
+    _expressible(moe.score_func == "sigmoid", "moe.score_func", moe.score_func, fam, "sigmoid routing")
+    _expressible(moe.expert_bias, "moe.expert_bias", False, fam,
+                 "it stores e_score_correction_bias (a zero bias is equivalent: enable it)")
+    _expressible(moe.shared_experts >= 1, "moe.shared_experts", moe.shared_experts, fam, "needs >= 1")
+    _expressible(moe.shared_expert_hidden in (0, moe.expert_hidden), "moe.shared_expert_hidden",
+                 moe.shared_expert_hidden, fam, "shared experts have moe_intermediate_size")
+    _expressible(moe.num_groups <= 1 or moe.group_score_top_k == 2, "moe.group_score_top_k",
+                 moe.group_score_top_k, fam, "a group scores by its top-2 experts")
+    first, n_blocks = moe.first_k_dense, m.n_layers + m.mtp_layers
+    _expressible(_moe_layer_ids(cfg, n_blocks) == list(range(first, n_blocks)),
+                 "moe.first_k_dense/moe_every/dense_layers", (moe.first_k_dense, moe.moe_every, moe.dense_layers),
+                 fam, "the first k layers are dense, the rest and the MTP blocks MoE")
+    grouped = moe.num_groups > 1
+    hf.update(num_key_value_heads=m.n_heads, q_lora_rank=m.q_lora_rank or None,
+              intermediate_size=m.ffn_hidden, moe_intermediate_size=moe.expert_hidden,
+              norm_topk_prob=moe.norm_topk_prob,
+              kv_lora_rank=m.kv_lora_rank, qk_nope_head_dim=m.qk_nope_head_dim,
+              qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim,
+              rope_interleave=m.rope_interleaved, num_nextn_predict_layers=m.mtp_layers,
+              n_routed_experts=moe.num_experts, n_shared_experts=moe.shared_experts,
+              first_k_dense_replace=first, routed_scaling_factor=moe.routed_scaling_factor,
+              n_group=moe.num_groups if grouped else 1, topk_group=moe.group_top_k if grouped else 1,
+              scoring_func="sigmoid", topk_method="noaux_tc", moe_layer_freq=1)
+    return hf
+
+
+FAMILIES = {
+    "qwen3_moe": Family("qwen3_moe", "Qwen3MoeForCausalLM", _QWEN3_MOE_BLOCK,
+                        _qwen3_moe_from_hf, _qwen3_moe_to_hf),
+    "mixtral": Family("mixtral", "MixtralForCausalLM", _MIXTRAL_BLOCK, _mixtral_from_hf, _mixtral_to_hf),
+    "deepseek_v3": Family("deepseek_v3", "DeepseekV3ForCausalLM", _DEEPSEEK_V3_BLOCK,
+                          _deepseek_v3_from_hf, _deepseek_v3_to_hf,
+                          mtp=_DEEPSEEK_V3_MTP, mtp_copies=_DEEPSEEK_V3_MTP_COPIES),
+}
+
+
+def family_of(name: str, where: str) -> Family:
+    if name not in FAMILIES:
+        raise CheckpointError(f"{where}={name!r} is not supported (supported: {', '.join(FAMILIES)})")
+    return FAMILIES[name]

@@ -1,7 +1,7 @@
 import pytest
 
 from moefold.cli import main
-from moefold.config import Config, field_docs, field_types, load_config, to_toml
+from moefold.config import field_docs, field_types, load_config, to_toml
 from moefold.errors import ConfigError
 
 

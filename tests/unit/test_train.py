@@ -1,7 +1,6 @@
 """End-to-end training runs on a tiny model: metrics, exact resume, signals, atomic checkpoints."""
 
 import json
-import os
 import signal
 import subprocess
 import sys

@@ -146,8 +146,7 @@ def _hf_config(hf_dir: Path) -> Config:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from moefold.checkpoint.hf import load_pretrained, save_pretrained
-    from moefold.checkpoint.dcp import save_weights_only
+    from moefold.checkpoint.hf import convert_to_run_checkpoint, save_pretrained
     from moefold.generate import load_model_from_run
     from moefold.train.trainer import run_dir_holds_run
 
@@ -156,13 +155,12 @@ def _convert(args: argparse.Namespace) -> int:
             raise UserError("convert --from-hf DIR needs --out RUN_DIR (and no --to-hf)")
         if run_dir_holds_run(args.out):
             raise UserError(f"--out {args.out} already holds a run; choose another directory")
-        model = load_pretrained(args.from_hf)
+        # Tensor by tensor through file-backed storage: the model is never in memory as a whole.
+        cfg, path = convert_to_run_checkpoint(args.from_hf, args.out)
         tokenizer = args.from_hf / "tokenizer.json"
         if tokenizer.is_file():
-            model.cfg.data.tokenizer = str(tokenizer.resolve())
-        args.out.mkdir(parents=True, exist_ok=True)
-        path = save_weights_only(model.state_dict(), args.out)
-        (args.out / "config.toml").write_text(to_toml(model.cfg))
+            cfg.data.tokenizer = str(tokenizer.resolve())
+        (args.out / "config.toml").write_text(to_toml(cfg))
         print(f"converted {args.from_hf} -> {path} (train on with: moefold train --resume {args.out})")
         return 0
     if args.to_hf is None or args.out is not None:

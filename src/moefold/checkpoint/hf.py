@@ -6,6 +6,7 @@ E experts, D model dim, F expert hidden, L main layers.
     cfg = config_from_hf(json.load(open("config.json")))      # and hf_config_from(cfg, vocab_size)
     model = load_pretrained("ckpt/Qwen3-30B-A3B", dtype=torch.bfloat16, device="cuda")  # a local directory
     save_pretrained(model, "out/", max_shard_bytes=5 * 2**30)
+    cfg, step_0 = convert_to_run_checkpoint("ckpt/DeepSeek-V3", "runs/v3")  # out of core, to a run
 
 A *plan* pairs every Hugging Face tensor name with the moefold tensor it fills (whole, or expert e
 of a stacked `[E, in, out]` weight, transposed); both directions walk the same plan, so an import
@@ -20,10 +21,11 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 import struct
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +42,8 @@ SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 _SHARD = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
 
-__all__ = ["config_from_hf", "hf_config_from", "load_pretrained", "save_pretrained", "hf_tensors",
-           "build_plan", "FAMILIES"]
+__all__ = ["config_from_hf", "hf_config_from", "load_pretrained", "convert_to_run_checkpoint",
+           "save_pretrained", "hf_tensors", "build_plan", "FAMILIES"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -195,6 +197,78 @@ def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32,
     _materialise(model, dtype, torch.device(device))
     _fill(build_plan(model), file_of, path)
     return model.eval()
+
+
+SCRATCH = ".convert-tmp"
+"""Directory of a run that holds `convert_to_run_checkpoint`'s file-backed tensors while it works."""
+
+
+def convert_to_run_checkpoint(path: str | Path, run_dir: str | Path, dtype: torch.dtype = torch.float32
+                              ) -> tuple[Config, Path]:
+    """Write the Hugging Face checkpoint directory `path` as the weights-only step-0 checkpoint of
+    run directory `run_dir`; return (its config, the checkpoint directory).
+
+    The checkpoint is the one `save_weights_only(load_pretrained(path, dtype).state_dict(), run_dir)`
+    writes (a `torch.distributed.checkpoint` directory with "model" and "step": 0), but the model is
+    never held in memory: it is built on the meta device for its names, shapes and dtypes, each
+    tensor gets storage in a file of `run_dir/.convert-tmp` (a shared mapping, whose pages the kernel
+    writes back and evicts rather than needing RAM), the checkpoint's tensors are copied in one at a
+    time and DCP writes the result through the usual atomic save. Memory in use beyond the page
+    cache is about one checkpoint tensor, so a checkpoint larger than host memory converts (the
+    disk holding `run_dir` needs room for the model twice while it runs).
+
+    The scratch files are removed whatever happens; on an error, so is what this call created in
+    `run_dir` (the directory itself, or its `checkpoints/`). Callers check that `run_dir` holds no
+    run: as a step-0 save it replaces earlier checkpoints."""
+    from moefold.checkpoint.dcp import CHECKPOINTS, save_weights_only
+
+    path, run_dir = Path(path), Path(run_dir)
+    cfg = config_from_hf(_read_json(path / CONFIG))
+    file_of = _tensor_files(path)
+    _drop_absent_mtp(cfg, file_of)
+    with torch.device("meta"):
+        model = build_model(cfg, cfg.model.vocab_size, "cpu", dtype)
+    plan = build_plan(model)
+    _check_names(plan, file_of, path)  # before anything is written
+    created = not run_dir.exists()
+    had_checkpoints = (run_dir / CHECKPOINTS).exists()
+    scratch = run_dir / SCRATCH
+    shutil.rmtree(scratch, ignore_errors=True)  # leftover of an interrupted conversion
+    try:
+        scratch.mkdir(parents=True)
+        state = _file_backed_state(model, dtype, scratch)
+        _fill(replace(plan, tensors={name: state[name] for name in plan.tensors}), file_of, path)
+        checkpoint = save_weights_only(state, run_dir)
+    except BaseException:
+        if created:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        elif not had_checkpoints:
+            shutil.rmtree(run_dir / CHECKPOINTS, ignore_errors=True)
+        raise
+    finally:
+        state = plan = None  # unmap before deleting the files
+        shutil.rmtree(scratch, ignore_errors=True)
+    return model.cfg, checkpoint
+
+
+def _file_backed_state(model: nn.Module, dtype: torch.dtype, scratch: Path) -> dict[str, torch.Tensor]:
+    """The state dict of meta-device `model` (what `load_pretrained` materialises: floating-point
+    parameters in `dtype`, buffers in their own dtype, tied tensors one tensor), each tensor a shared
+    mapping of its own file in `scratch`. One file per tensor: DCP writes a tensor that does not span
+    its whole storage through a copy."""
+    state: dict[str, torch.Tensor] = {}
+    made: dict[int, torch.Tensor] = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) not in made:
+            t_dtype = dtype if isinstance(t, nn.Parameter) and t.is_floating_point() else t.dtype
+            if t.numel() == 0:
+                made[id(t)] = torch.empty(t.shape, dtype=t_dtype)
+            else:
+                file = scratch / f"{len(made):06d}.bin"
+                made[id(t)] = torch.from_file(str(file), shared=True, size=t.numel(),
+                                              dtype=t_dtype).view(t.shape)
+        state[name] = made[id(t)]
+    return state
 
 
 def _read_json(path: Path) -> dict[str, Any]:

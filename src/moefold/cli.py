@@ -75,6 +75,9 @@ def _build_parser() -> argparse.ArgumentParser:
     config_commands = config.add_subparsers(dest="config_command", required=True)
     show = config_commands.add_parser("show", allow_abbrev=False, help="print the resolved config as TOML")
     _add_config_options(show)
+    show.add_argument("--world-size", type=int, default=0, metavar="N",
+                      help="print the parallel rank grid for N ranks (default: the smallest world "
+                           "the layout fits)")
     config_commands.add_parser("presets", help="list the shipped presets")
     params = config_commands.add_parser("params", allow_abbrev=False,
                                         help="count the model's parameters (built on the meta device)")
@@ -204,8 +207,21 @@ def _config(args: argparse.Namespace) -> int:
 
         print(describe_params(cfg))
         return 0
-    print(to_toml(cfg), end="")
+    grid = _rank_grid_comment(cfg, args.world_size)  # before printing: it may raise ConfigError
+    print(to_toml(cfg) + grid, end="")
     return 0
+
+
+def _rank_grid_comment(cfg: Config, world_size: int) -> str:
+    """Both parallel layouts as TOML comments, so `config show` output still loads as a config."""
+    from moefold.parallel.dims import ParallelDims, rank_grid  # torch-free
+
+    p = cfg.parallel
+    sizes = (p.tp, p.cp, p.pp, p.ep, p.etp, p.order)
+    if world_size == 0 and max(p.tp, p.cp, p.pp, p.ep, p.etp) == 1:
+        return ""  # nothing parallel to show
+    dims = ParallelDims(world_size, *sizes) if world_size else ParallelDims.smallest(*sizes)
+    return "\n# parallel layout\n" + "".join(f"# {line}\n" for line in rank_grid(dims).splitlines())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -183,6 +183,13 @@ class ParallelConfig:
     """Expert-parallel size (arrives with the parallel-folding issue)."""
     etp: int = 1
     """Expert tensor-parallel size (arrives with the parallel-folding issue)."""
+    order: str = "tp-cp-ep-dp-pp"
+    """Rank order both layouts are built from, fastest-varying first (Megatron-Core's order): the
+    attention grid (pp, dp, cp, tp) reads it with ep=1, the expert grid (pp, edp, ep, etp) with
+    cp=1, tp as etp and dp as edp. Keep pp last so a pipeline stage holds the same ranks in both."""
+    data_parallel: str = "fsdp"
+    """How parameters are replicated over dp·cp (dense) and edp (experts): fsdp (sharded, FSDP2)
+    or ddp (replicated)."""
 
 
 @dataclass
@@ -534,7 +541,7 @@ def validate(cfg: Config) -> None:
     _require(cfg.data.eos_id >= -1, f"data.eos_id={cfg.data.eos_id} must be >= -1")
     _one_of("precision.compute_dtype", cfg.precision.compute_dtype, ("auto", "bf16", "fp32"))
     _validate_model(m)
-    _validate_parallel(cfg.parallel)
+    _validate_parallel(cfg)
 
 
 def _validate_model(m: ModelConfig) -> None:
@@ -601,9 +608,22 @@ def _validate_groups(moe: MoEConfig) -> None:
              f"moe.group_top_k={moe.group_top_k} groups")
 
 
-def _validate_parallel(p: ParallelConfig) -> None:
-    for name in ("tp", "cp", "pp", "ep", "etp"):
+# Sizes the layout accepts but the trainer cannot run yet; the other checks live in ParallelDims
+# (sizes >= 1, order, pipeline stages) and ParallelDims.validate (how the model fits).
+_PARALLEL_NOT_YET = ("cp", "pp")
+
+
+def _validate_parallel(cfg: Config) -> None:
+    from moefold.parallel.dims import ParallelDims  # torch-free
+
+    p, m = cfg.parallel, cfg.model
+    _one_of("parallel.data_parallel", p.data_parallel, ("fsdp", "ddp"))
+    # The world size is known only at launch; the smallest world both grids fit checks everything
+    # that does not depend on it.
+    dims = ParallelDims.smallest(p.tp, p.cp, p.pp, p.ep, p.etp, p.order)
+    dims.validate(num_experts=cfg.moe.num_experts, n_heads=m.n_heads,
+                  n_kv_heads=m.n_kv_heads if m.attention == "gqa" else 0,
+                  n_layers=m.n_layers, seq_len=cfg.train.seq_len, expert_hidden=cfg.moe.expert_hidden)
+    for name in _PARALLEL_NOT_YET:
         size = getattr(p, name)
-        _require(size >= 1, f"parallel.{name}={size} must be >= 1")
-        _require(size == 1, f"parallel.{name}={size}: parallel layouts are not yet supported "
-                            "(only 1); they arrive with the parallel-folding work")
+        _require(size == 1, f"parallel.{name}={size} is not yet supported (only 1)")

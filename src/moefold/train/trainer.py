@@ -58,6 +58,15 @@ def resolve_compute_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp32": torch.float32}[name]
 
 
+def _refuse_parallel_layouts(cfg: Config) -> None:
+    p = cfg.parallel
+    sizes = {name: getattr(p, name) for name in ("tp", "ep", "etp") if getattr(p, name) > 1}
+    if sizes:
+        shown = ", ".join(f"parallel.{k}={v}" for k, v in sizes.items())
+        raise ConfigError(f"{shown}: parallel training is not yet supported (the layout is checked "
+                          "and `moefold config show` prints its rank grid)")
+
+
 def run_dir_holds_run(run_dir: Path) -> bool:
     return (run_dir / "config.toml").exists() or (run_dir / "checkpoints").exists()
 
@@ -79,6 +88,7 @@ class Trainer:
         checkpoint directory whose weights the model starts from (cfg.model/moe must match it)."""
         self.cfg, self.run_dir, self.out = cfg, Path(run_dir), out
         self.init_from_hf = init_from_hf
+        _refuse_parallel_layouts(cfg)
         checkpoint = resolve_checkpoint(resume) if resume is not None else None
         if checkpoint is None and run_dir_holds_run(self.run_dir):
             raise ConfigError(f"--run-dir {self.run_dir} already holds a run; continue it with "

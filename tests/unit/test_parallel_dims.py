@@ -1,0 +1,231 @@
+"""Parallel folding: the rank arithmetic of ParallelDims against a naive enumeration, its checks,
+and ParallelLayout's process groups on 4 gloo ranks."""
+
+import itertools
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from moefold.errors import ConfigError
+from moefold.parallel.dims import (
+    GROUPS,
+    ParallelDims,
+    ParallelLayout,
+    attention_coords,
+    attention_mesh,
+    expert_coords,
+    expert_mesh,
+    group_ranks,
+    rank_grid,
+)
+
+# (world, tp, cp, pp, ep, etp) in the default order tp-cp-ep-dp-pp.
+LAYOUTS = [
+    (8, 2, 2, 1, 8, 1),   # attention TP2·CP2·DP2, experts EP8: EP folds across TP×CP×DP
+    (8, 2, 1, 1, 4, 1),   # tp2 dp4 | ep4 edp2
+    (4, 2, 1, 1, 2, 2),   # tp2 dp2 | etp2 ep2 edp1
+    (16, 2, 1, 2, 4, 1),  # two pipeline stages
+    (24, 2, 3, 2, 2, 3),  # odd sizes, edp2, dp2
+    (8, 1, 1, 1, 1, 1),   # pure data parallel
+    (1, 1, 1, 1, 1, 1),
+]
+
+
+def naive_coords(world, tp, cp, pp, ep, etp):
+    """Each rank's attention (pp, dp, cp, tp) and expert (pp, edp, ep, etp) coordinates, read
+    straight off the default order: tp varies fastest, then cp, dp, pp; etp, then ep, edp, pp."""
+    dp, edp = world // (tp * cp * pp), world // (etp * ep * pp)
+    att = {r: (r // (tp * cp * dp), r // (tp * cp) % dp, r // tp % cp, r % tp)
+           for r in range(world)}
+    exp = {r: (r // (etp * ep * edp), r // (etp * ep) % edp, r // etp % ep, r % etp)
+           for r in range(world)}
+    return att, exp
+
+
+def naive_groups(coords, span_idx):
+    """Sets of ranks that agree on every coordinate outside `span_idx`."""
+    groups = {}
+    for rank, c in coords.items():
+        key = tuple(x for i, x in enumerate(c) if i not in span_idx)
+        groups.setdefault(key, set()).add(rank)
+    return {frozenset(g) for g in groups.values()}
+
+
+SPAN_IDX = {"tp": (3,), "cp": (2,), "dp": (1,), "dp_cp": (1, 2), "pp": (0,),
+            "ep": (2,), "etp": (3,), "edp": (1,), "ep_etp": (2, 3)}
+
+
+@pytest.mark.parametrize("world,tp,cp,pp,ep,etp", LAYOUTS)
+def test_grids_match_naive_enumeration(world, tp, cp, pp, ep, etp):
+    dims = ParallelDims(world, tp=tp, cp=cp, pp=pp, ep=ep, etp=etp)
+    assert dims.dp == world // (tp * cp * pp) and dims.edp == world // (etp * ep * pp)
+    att, exp = naive_coords(world, tp, cp, pp, ep, etp)
+    for rank in range(world):
+        assert attention_coords(dims, rank) == att[rank]
+        assert expert_coords(dims, rank) == exp[rank]
+        pp_, dp_, cp_, tp_ = att[rank]
+        assert attention_mesh(dims)[pp_][dp_][cp_][tp_] == rank
+        pp_, edp_, ep_, etp_ = exp[rank]
+        assert expert_mesh(dims)[pp_][edp_][ep_][etp_] == rank
+    for name, (grid, _) in GROUPS.items():
+        coords = att if grid == "attention" else exp
+        groups = group_ranks(dims, name)
+        assert {frozenset(g) for g in groups} == naive_groups(coords, SPAN_IDX[name]), name
+        # every group kind partitions the ranks
+        assert sorted(itertools.chain(*groups)) == list(range(world)), name
+        assert len({len(g) for g in groups}) == 1, name
+
+
+@pytest.mark.parametrize("world,tp,cp,pp,ep,etp", LAYOUTS)
+def test_pipeline_stages_hold_the_same_ranks_in_both_layouts(world, tp, cp, pp, ep, etp):
+    dims = ParallelDims(world, tp=tp, cp=cp, pp=pp, ep=ep, etp=etp)
+    for stage in range(pp):
+        attention = set(itertools.chain.from_iterable(
+            itertools.chain.from_iterable(attention_mesh(dims)[stage])))
+        experts = set(itertools.chain.from_iterable(
+            itertools.chain.from_iterable(expert_mesh(dims)[stage])))
+        assert attention == experts
+
+
+def test_ep_folds_across_tp_cp_dp():
+    dims = ParallelDims(8, tp=2, cp=2, ep=8)
+    assert group_ranks(dims, "tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert group_ranks(dims, "cp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert group_ranks(dims, "dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert group_ranks(dims, "dp_cp") == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert group_ranks(dims, "ep") == [list(range(8))]
+    assert group_ranks(dims, "edp") == [[r] for r in range(8)]
+
+
+def test_expert_tensor_parallel_layout():
+    dims = ParallelDims(4, tp=2, ep=2, etp=2)
+    assert group_ranks(dims, "etp") == [[0, 1], [2, 3]]
+    assert group_ranks(dims, "ep") == [[0, 2], [1, 3]]
+    assert group_ranks(dims, "ep_etp") == [[0, 1, 2, 3]]
+    assert dims.edp == 1
+
+
+def test_order_changes_which_dim_varies_fastest():
+    dims = ParallelDims(8, tp=2, cp=2, ep=2, order="tp-dp-cp-ep-pp")
+    assert group_ranks(dims, "dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert group_ranks(dims, "cp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    # experts read the same order with cp=1: etp(1), edp(4), ep(2)
+    assert group_ranks(dims, "ep") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(world=6, tp=2, cp=2),
+     "parallel: world size 6 is not divisible by tp·cp·pp = 4 (tp=2, cp=2, pp=1)"),
+    (dict(world=8, ep=3),
+     "parallel: world size 8 is not divisible by etp·ep·pp = 3 (etp=1, ep=3, pp=1)"),
+    (dict(world=8, tp=0), "parallel.tp=0 must be >= 1"),
+    (dict(world=0), "parallel: world size 0 must be >= 1"),
+    (dict(world=8, order="tp-cp-dp-pp"),
+     ("parallel.order='tp-cp-dp-pp' must name each of tp, cp, ep, dp, pp once, joined by '-' "
+      "(default tp-cp-ep-dp-pp)")),
+    (dict(world=8, tp=2, pp=2, ep=4, order="tp-pp-cp-ep-dp"),
+     ("parallel.order='tp-pp-cp-ep-dp' gives attention (dp=2) and experts (edp=1) different "
+      "pipeline stages; put pp last")),
+])
+def test_size_errors(kwargs, message):
+    with pytest.raises(ConfigError) as e:
+        ParallelDims(**kwargs)
+    assert str(e.value) == message
+
+
+def test_smallest_world_fits_both_grids():
+    assert ParallelDims.smallest(tp=2, cp=2, ep=8).world == 8
+    assert ParallelDims.smallest(tp=4, ep=6, pp=2).world == 24
+    assert ParallelDims.smallest().world == 1
+    with pytest.raises(ConfigError, match=r"^parallel.ep=0 must be >= 1$"):
+        ParallelDims.smallest(tp=2, ep=0)
+
+
+MODEL = dict(num_experts=8, n_heads=4, n_kv_heads=2, n_layers=4, seq_len=32)
+
+
+@pytest.mark.parametrize("sizes,model,message", [
+    (dict(ep=3), dict(num_experts=9), None),
+    (dict(ep=4), dict(num_experts=6), "parallel.ep=4 does not divide moe.num_experts=6"),
+    (dict(ep=2), dict(num_experts=0),
+     ("parallel.ep=2, parallel.etp=1 need routed experts "
+      "(moe.num_experts=0 makes every layer dense)")),
+    (dict(etp=2), dict(expert_hidden=33), "parallel.etp=2 does not divide moe.expert_hidden=33"),
+    (dict(tp=3), dict(n_heads=4, n_kv_heads=1),
+     "parallel.tp=3 does not divide model.n_heads=4 (each TP rank holds whole query heads)"),
+    (dict(tp=4), {},
+     "parallel.tp=4 does not divide model.n_kv_heads=2 (each TP rank holds whole key/value heads)"),
+    (dict(tp=4), dict(n_kv_heads=0), None),  # 0 means n_heads=4
+    (dict(cp=2), dict(seq_len=30), "parallel.cp=2 needs train.seq_len=30 divisible by 2·cp = 4"),
+    (dict(cp=1), dict(seq_len=31), None),  # no CP: any length
+    (dict(pp=8), {},
+     "parallel.pp=8 exceeds model.n_layers=4 (every pipeline stage needs at least one layer)"),
+])
+def test_model_checks(sizes, model, message):
+    dims = ParallelDims(world=24, **sizes)
+    if message is None:
+        dims.validate(**{**MODEL, **model})
+        return
+    with pytest.raises(ConfigError) as e:
+        dims.validate(**{**MODEL, **model})
+    assert str(e.value) == message
+
+
+def test_rank_grid_names_both_layouts():
+    text = rank_grid(ParallelDims(8, tp=2, cp=2, ep=8))
+    assert "attention (pp, dp, cp, tp) = (1, 2, 2, 2)" in text
+    assert "experts   (pp, edp, ep, etp) = (1, 1, 8, 1)" in text
+    assert "  tp      [0 1] [2 3] [4 5] [6 7]" in text
+    assert "  ep      [0 1 2 3 4 5 6 7]" in text
+    assert "   5    0   1   0   1 |    0   5    0" in text
+
+
+# ---------------------------------------------------------------------------------------------
+# Process groups on gloo ranks
+# ---------------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_entry(rank: int, fn, world: int, port: int, args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        fn(rank, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_on_ranks(fn, world: int, *args) -> None:
+    """Run `fn(rank, *args)` on `world` gloo ranks on CPU; an exception on any rank fails."""
+    mp.spawn(_rank_entry, args=(fn, world, _free_port(), args), nprocs=world, join=True)
+
+
+def _check_layout(rank: int, sizes: list[dict]) -> None:
+    for size in sizes:
+        dims = ParallelDims(4, **size)
+        layout = ParallelLayout(dims)
+        assert layout.attention_coords == attention_coords(dims, rank)
+        assert layout.expert_coords == expert_coords(dims, rank)
+        for name in GROUPS:
+            mine = next(g for g in group_ranks(dims, name) if rank in g)
+            assert dist.get_process_group_ranks(layout.group(name)) == mine, (size, name)
+        for name in ("ep", "tp"):
+            expected = sum(next(g for g in group_ranks(dims, name) if rank in g))
+            x = torch.tensor([float(rank)])
+            dist.all_reduce(x, group=layout.group(name))
+            assert x.item() == expected, (size, name, x.item(), expected)
+        assert layout.expert_dp_mesh.mesh_dim_names == ("edp",)
+        assert layout.dense_dp_mesh.size() == dims.dp * dims.cp
+
+
+def test_parallel_layout_groups_on_gloo():
+    run_on_ranks(_check_layout, 4, [dict(tp=2, ep=4), dict(tp=2, ep=2, etp=2), dict(cp=2, ep=2)])

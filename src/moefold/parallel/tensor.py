@@ -1,0 +1,124 @@
+"""Tensor parallelism (Megatron-style, through torch.distributed.tensor.parallel) of the attention
+and dense MLP of every block.
+
+`apply_tp(model, tp_mesh)` turns a built, single-process `Transformer` into its TP form in place:
+
+- GQA attention: wq/wk/wv column-wise and wo row-wise, so each TP rank holds n_heads/tp query heads
+  and n_kv_heads/tp key/value heads (whole heads; GQA groups stay on one rank because the column
+  shards are contiguous head blocks). The module's `n_heads`/`n_kv_heads` are set to the local
+  counts, as TorchTitan does, so its forward reshapes into local heads unchanged.
+- Per-head QK-norms (Qwen3) are per head-dim: their weights stay replicated and normalise the local
+  heads; since each rank only sees its heads' contribution, their gradients are summed over TP by
+  a hook.
+- MLA: wq (or wq_b) and wkv_b column-wise by heads, wo row-wise; wq_a, wkv_a and the latent norms
+  replicated. The RoPE key that wkv_a produces is shared by all heads, so the gradient of those
+  columns of wkv_a's output is summed over TP (the latent columns already arrive summed through
+  wkv_b's column-wise input).
+- Dense SwiGLU MLP: w1/w3 column-wise, w2 row-wise.
+
+Inputs and outputs of attention and dense MLPs are plain replicated tensors (use_local_output), so
+everything else — embeddings, norms, output head and MoE layers — stays replicated and computes the
+same on every TP rank (no sequence parallelism). Expert parallelism / expert TP is separate
+(parallel/expert.py); this does not touch MoE layers.
+"""
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+from moefold.errors import ConfigError
+from moefold.models.attention import Attention
+from moefold.models.mla import MLAttention
+from moefold.models.mlp import SwiGLUMLP
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Shard the attention and dense MLP of every block (main and MTP) over the 1-D `tp_mesh`, in
+    place. Raises ConfigError where the head counts do not divide by the TP size (before any
+    module is changed)."""
+    tp = tp_mesh.size()
+    if tp == 1:
+        return
+    blocks = model.blocks()
+    for block in blocks:
+        _check_heads(block.attn, tp)
+    for block in blocks:
+        if isinstance(block.attn, MLAttention):
+            _tp_mla(block.attn, tp_mesh)
+        else:
+            _tp_gqa(block.attn, tp_mesh)
+        if isinstance(block.ffn, SwiGLUMLP):
+            parallelize_module(block.ffn, tp_mesh, {"w1": ColwiseParallel(), "w3": ColwiseParallel(),
+                                                    "w2": RowwiseParallel()})
+        # MoE layers stay replicated: experts are sharded by expert parallelism, not here.
+
+
+def _check_heads(attn: nn.Module, tp: int) -> None:
+    if not isinstance(attn, (Attention, MLAttention)):
+        raise NotImplementedError(f"tensor parallelism has no plan for {type(attn).__name__}")
+    if attn.n_heads % tp:
+        raise ConfigError(f"parallel.tp={tp} does not divide model.n_heads={attn.n_heads} "
+                          "(each TP rank holds whole query heads)")
+    if isinstance(attn, Attention) and attn.n_kv_heads % tp:
+        raise ConfigError(f"parallel.tp={tp} does not divide model.n_kv_heads={attn.n_kv_heads} "
+                          "(each TP rank holds whole key/value heads)")
+
+
+def _tp_gqa(attn: Attention, tp_mesh: DeviceMesh) -> None:
+    tp = tp_mesh.size()
+    parallelize_module(attn, tp_mesh, {"wq": ColwiseParallel(), "wk": ColwiseParallel(),
+                                       "wv": ColwiseParallel(), "wo": RowwiseParallel()})
+    attn.n_heads //= tp
+    attn.n_kv_heads //= tp
+    for norm in (attn.q_norm, attn.k_norm):
+        for p in norm.parameters():  # none for nn.Identity
+            p.register_hook(_sum_over(tp_mesh))
+
+
+def _tp_mla(attn: MLAttention, tp_mesh: DeviceMesh) -> None:
+    q_proj = "wq_b" if attn.q_lora_rank > 0 else "wq"
+    parallelize_module(attn, tp_mesh, {q_proj: ColwiseParallel(), "wkv_b": ColwiseParallel(),
+                                       "wo": RowwiseParallel()})
+    attn.n_heads //= tp_mesh.size()
+    group = tp_mesh.get_group()
+    rope_start = attn.kv_lora_rank
+    attn.wkv_a.register_forward_hook(
+        lambda module, args, out: _SumGradColumns.apply(out, rope_start, group))
+
+
+def _sum_over(tp_mesh: DeviceMesh):
+    group = tp_mesh.get_group()
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        dist.all_reduce(grad, group=group)
+        return grad
+
+    return hook
+
+
+class _SumGradColumns(torch.autograd.Function):
+    """Identity forward; backward sums the gradient of the last-dim columns from `start` on over
+    the TP group (Megatron's copy-to-TP-region, for part of a tensor)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, start: int, group) -> torch.Tensor:
+        ctx.start, ctx.group = start, group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.clone()
+        cols = grad[..., ctx.start:].contiguous()
+        dist.all_reduce(cols, group=ctx.group)
+        grad[..., ctx.start:] = cols
+        return grad, None, None
+
+
+__all__ = ["apply_tp"]

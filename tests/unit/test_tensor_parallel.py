@@ -1,0 +1,94 @@
+"""Tensor parallelism (apply_tp) against the single-process model, on 2 gloo ranks.
+
+Every rank builds the same model (same seed) and keeps a deep copy as the reference, applies TP to
+the other, and runs the same batch through both: logits must match, and after one backward of
+(logits · upstream).sum() so must every gradient — TP-sharded weights gathered with full_tensor(),
+replicated ones (embeddings, norms, QK-norms, MoE layers, MLA's latent projections) as they are.
+"""
+
+import copy
+
+import pytest
+import torch
+from test_parallel_dims import run_on_ranks
+from torch.distributed.tensor import DTensor
+
+from moefold.config import load_config
+from moefold.errors import ConfigError
+from moefold.models.transformer import build_model
+from moefold.parallel.dims import ParallelDims, ParallelLayout
+from moefold.parallel.tensor import apply_tp
+
+WORLD = 2
+VOCAB = 64
+B, S = 2, 8
+TOL = {"rtol": 1e-5, "atol": 1e-5}
+
+# (preset, overrides): first_k_dense=1 so every GQA model has a dense SwiGLU layer next to an MoE one.
+CASES = [
+    ("tiny-qwen3", {"moe.first_k_dense": 1}),  # QK-norm, GQA 4/2
+    ("tiny-qwen3", {"moe.first_k_dense": 1, "model.tie_embeddings": True}),
+    ("tiny-mixtral", {"moe.first_k_dense": 1, "model.sliding_window": 4}),  # window < seq_len
+    ("tiny-deepseek", {}),  # MLA with q_lora_rank, dense first layer, an MTP block
+    ("tiny-deepseek", {"model.q_lora_rank": 0}),  # MLA with a plain wq
+]
+
+
+def _full(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _check_case(preset: str, overrides: dict, tp_mesh) -> None:
+    cfg = load_config(preset, overrides)
+    torch.manual_seed(0)
+    model = build_model(cfg, VOCAB)
+    model.init_weights(seed=1)
+    ref = copy.deepcopy(model)
+    apply_tp(model, tp_mesh)
+
+    sharded = {n for n, p in model.named_parameters() if isinstance(p, DTensor)}
+    attn0 = model.layers[0].attn
+    assert any(".attn.wo." in n for n in sharded) and "layers.0.ffn.w2.weight" in sharded
+    assert not any(".experts" in n or "tok_embeddings" in n or "norm" in n for n in sharded), sharded
+    assert attn0.n_heads == cfg.model.n_heads // WORLD
+
+    gen = torch.Generator().manual_seed(2)
+    ids_BS = torch.randint(0, VOCAB, (B, S), generator=gen)
+    upstream_BSV = torch.randn(B, S, VOCAB, generator=gen)
+    logits = model(ids_BS)
+    logits_ref = ref(ids_BS)
+    assert not isinstance(logits, DTensor)
+    torch.testing.assert_close(logits, logits_ref, **TOL)
+    (logits * upstream_BSV).sum().backward()
+    (logits_ref * upstream_BSV).sum().backward()
+
+    ref_params = dict(ref.named_parameters())
+    checked = 0
+    for name, p in model.named_parameters():
+        p_ref = ref_params[name]
+        torch.testing.assert_close(_full(p.detach()), p_ref.detach(), rtol=0, atol=0, msg=name)
+        if p_ref.grad is None:
+            assert p.grad is None, name
+            continue
+        assert p.grad is not None, name
+        torch.testing.assert_close(_full(p.grad), p_ref.grad, **TOL, msg=lambda m, name=name: f"{name}: {m}")
+        checked += 1
+    assert checked > len(sharded)
+
+
+def _check_all(rank: int) -> None:
+    tp_mesh = ParallelLayout(ParallelDims(WORLD, tp=WORLD)).tp_mesh
+    for preset, overrides in CASES:
+        _check_case(preset, overrides, tp_mesh)
+
+    # Indivisible heads: a ConfigError, before anything is sharded.
+    for overrides, what in [({"model.n_heads": 3, "model.n_kv_heads": 1, "model.head_dim": 16}, "n_heads=3"),
+                            ({"model.n_heads": 4, "model.n_kv_heads": 1}, "n_kv_heads=1")]:
+        model = build_model(load_config("tiny-qwen3", overrides), VOCAB)
+        with pytest.raises(ConfigError, match=f"parallel.tp=2 does not divide model.{what}"):
+            apply_tp(model, tp_mesh)
+        assert not any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def test_tensor_parallel_matches_single_process():
+    run_on_ranks(_check_all, WORLD)

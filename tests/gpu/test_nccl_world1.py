@@ -1,0 +1,71 @@
+"""The parallel transforms on NCCL with world size 1 (every group of size 1): the same numbers as
+the plain model, on the GPU. Multi-GPU runs are the withheld-GPU issue."""
+
+import copy
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from moe_reference import build, random_config
+from moefold.config import load_config
+from moefold.models.transformer import build_model
+from moefold.parallel.dims import ParallelDims, ParallelLayout
+from moefold.parallel.expert import apply_ep
+from moefold.parallel.tensor import apply_tp
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def layout():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    yield ParallelLayout(ParallelDims(1), device_type="cuda")
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+@pytest.mark.parametrize("seed", range(4))
+def test_expert_parallel_dispatchers_on_nccl(layout, dispatcher, seed):
+    cfg = random_config(seed)
+    cfg.capacity_factor, cfg.pad_to_capacity, cfg.pad_multiple = 0.0, False, 0  # not under EP yet
+    cfg.expert_hidden, cfg.experts_backend = 16, "grouped_mm"
+    plain = build(cfg, 32, seed).float().cuda()
+    ep = copy.deepcopy(plain)
+    apply_ep(ep, layout.ep_group, dispatcher=dispatcher)
+    x = torch.randn(64, 32, device="cuda")
+    x_ep = x.clone().requires_grad_()
+    x.requires_grad_()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y, y_ep = plain(x), ep(x_ep)
+    y.float().square().sum().backward()
+    y_ep.float().square().sum().backward()
+    torch.testing.assert_close(y_ep, y)
+    torch.testing.assert_close(x_ep.grad, x.grad)
+    for (name, p), p_ep in zip(plain.named_parameters(), ep.parameters()):
+        torch.testing.assert_close(p_ep.grad, p.grad, msg=name)
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-deepseek"])
+def test_tensor_parallel_on_nccl(layout, preset):
+    model = build_model(load_config(preset), vocab_size=300, device_type="cuda", compute_dtype=torch.bfloat16)
+    model.init_weights(seed=0)
+    model.cuda()
+    tp = copy.deepcopy(model)
+    apply_tp(tp, layout.tp_mesh)
+    ids = torch.randint(0, 300, (2, 64), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        logits, logits_tp = model(ids), tp(ids)
+    torch.testing.assert_close(logits_tp, logits)
+    logits.float().logsumexp(-1).sum().backward()
+    logits_tp.float().logsumexp(-1).sum().backward()
+    for (name, p), p_tp in zip(model.named_parameters(), tp.parameters()):
+        grad = p_tp.grad.full_tensor() if hasattr(p_tp.grad, "full_tensor") else p_tp.grad
+        torch.testing.assert_close(grad, p.grad, msg=name)

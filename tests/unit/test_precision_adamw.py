@@ -1,0 +1,152 @@
+"""PrecisionAwareAdamW against torch.optim.AdamW (the reference), on a tiny MoE model."""
+
+import functools
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from conftest import TINY_OVERRIDES
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from moefold.config import load_config
+from moefold.models.transformer import build_model
+from moefold.optim.adamw import param_groups
+from moefold.optim.precision import FP8, PrecisionAwareAdamW, join_fp32
+from moefold.train.loss import cross_entropy_loss
+
+VOCAB, STEPS = 64, 200
+HP = {"lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-8}
+
+
+def tiny_model(dtype=torch.float32):
+    cfg = load_config("tiny", {k: v for k, v in TINY_OVERRIDES.items() if k.startswith(("model.", "moe."))})
+    model = build_model(cfg, VOCAB)
+    model.init_weights(seed=0)
+    return model.to(dtype)
+
+
+def batches(n: int):
+    """A fixed stream of learnable sequences: x[t+1] = 3·x[t] + 1 (mod V), with 10% noise."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(n):
+        ids_BS = torch.empty(4, 33, dtype=torch.long)
+        ids_BS[:, 0] = torch.randint(0, VOCAB, (4,), generator=gen)
+        for t in range(32):
+            ids_BS[:, t + 1] = (3 * ids_BS[:, t] + 1) % VOCAB
+        noise_BS = torch.rand(4, 33, generator=gen) < 0.1
+        ids_BS[noise_BS] = torch.randint(0, VOCAB, (int(noise_BS.sum()),), generator=gen)
+        yield ids_BS[:, :-1], ids_BS[:, 1:]
+
+
+def train(model, opt, steps: int = STEPS, start: int = 0) -> list[float]:
+    losses = []
+    for i, (ids_BS, labels_BS) in enumerate(batches(start + steps)):
+        if i < start:
+            continue
+        loss = cross_entropy_loss(model(ids_BS), labels_BS)
+        loss.backward()
+        opt.step()
+        model.on_optimizer_step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+@functools.cache
+def final_loss(**options) -> float:
+    """Mean train loss over the last 10 of STEPS steps."""
+    model = tiny_model()
+    opt = PrecisionAwareAdamW(param_groups(model, 0.1), **HP, **options)
+    return sum(train(model, opt)[-10:]) / 10
+
+
+def test_fp32_matches_torch_adamw_step_by_step():
+    model, ref_model = tiny_model(), tiny_model()
+    opt = PrecisionAwareAdamW(param_groups(model, 0.1), **HP)
+    ref = torch.optim.AdamW(param_groups(ref_model, 0.1), **HP, foreach=False)
+    for i, (ids_BS, labels_BS) in enumerate(batches(50)):
+        for m, o in ((model, opt), (ref_model, ref)):
+            cross_entropy_loss(m(ids_BS), labels_BS).backward()
+            o.step()
+            m.on_optimizer_step()
+            o.zero_grad(set_to_none=True)
+        for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
+            assert torch.equal(p, q), f"step {i}"
+
+
+@pytest.mark.parametrize("options", [{"exp_avg_dtype": "bf16", "exp_avg_sq_dtype": "bf16"},
+                                     {"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp8"},
+                                     {"master": "bf16"}, {"master": "bf16+remainder"}],
+                         ids=["bf16-moments", "fp8-moments", "bf16-master", "bf16+remainder"])
+def test_low_precision_final_loss_within_2_percent(options):
+    reference, loss = final_loss(), final_loss(**options)
+    print(f"{options}: final loss {loss:.4f} vs fp32 {reference:.4f} ({loss / reference - 1:+.2%})")
+    assert reference < 3.0  # it learned something (uniform is ln 64 = 4.16)
+    assert abs(loss / reference - 1) < 0.02
+
+
+def test_remainder_master_is_the_fp32_adamw_master_bit_for_bit():
+    """Given the same gradients, bf16 + remainder rebuilds torch AdamW's fp32 parameter exactly;
+    the bf16 parameter is that value rounded to nearest."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1000, generator=gen)
+    ref_p, p = torch.nn.Parameter(x.clone()), torch.nn.Parameter(x.clone())
+    ref = torch.optim.AdamW([ref_p], **HP, weight_decay=0.1, foreach=False)
+    opt = PrecisionAwareAdamW([p], **HP, weight_decay=0.1, master="bf16+remainder")
+    assert p.dtype == torch.bfloat16
+    for _ in range(100):
+        g = torch.randn(1000, generator=gen).bfloat16()  # representable in both runs
+        ref_p.grad, p.grad = g.float(), g
+        ref.step()
+        opt.step()
+        master = join_fp32(p.detach(), opt.state[p]["master_remainder"])
+        assert torch.equal(master.view(torch.int32), ref_p.detach().view(torch.int32))
+        # round to nearest; ties go away from zero (TransformerEngine's layout), not to even
+        tie = (master.view(torch.int32) & 0xFFFF) == 0x8000
+        assert torch.equal(p.detach()[~tie], ref_p.detach().bfloat16()[~tie])
+
+
+OPTIONS_ALL = {"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "bf16", "master": "bf16+remainder"}
+
+
+def test_state_dict_round_trip_keeps_dtypes_and_continues_bit_identically(tmp_path):
+    model = tiny_model()
+    opt = PrecisionAwareAdamW(param_groups(model, 0.1), **HP, **OPTIONS_ALL)
+    train(model, opt, steps=5)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp_path)
+    expected = train(model, opt, steps=5, start=5)
+
+    fresh = tiny_model()
+    fresh_opt = PrecisionAwareAdamW(param_groups(fresh, 0.1), **HP, **OPTIONS_ALL)
+    model_sd, optim_sd = get_state_dict(fresh, fresh_opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=tmp_path)
+    set_state_dict(fresh, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    dtypes = {k: v.dtype for s in fresh_opt.state.values() for k, v in s.items()}
+    assert dtypes == {"step": torch.float32, "exp_avg": FP8, "exp_avg_scale": torch.float32,
+                      "exp_avg_sq": torch.bfloat16, "master_remainder": torch.int16}
+    assert train(fresh, fresh_opt, steps=5, start=5) == expected
+    for p, q in zip(model.parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(p, q)
+    for s, t in zip(opt.state.values(), fresh_opt.state.values(), strict=True):
+        for key in s:
+            assert s[key].dtype == t[key].dtype and torch.equal(s[key].float(), t[key].float()), key
+
+
+def test_plain_load_state_dict_keeps_dtypes():
+    model = tiny_model()
+    opt = PrecisionAwareAdamW(model.parameters(), **HP, exp_avg_dtype="fp8", exp_avg_sq_dtype="fp8",
+                              master="bf16+remainder")
+    train(model, opt, steps=3)
+    fresh = PrecisionAwareAdamW(tiny_model().parameters(), **HP, exp_avg_dtype="fp8",
+                                exp_avg_sq_dtype="fp8", master="bf16+remainder")
+    fresh.load_state_dict(opt.state_dict())
+    for s, t in zip(opt.state.values(), fresh.state.values(), strict=True):
+        for key in s:
+            assert t[key].dtype == s[key].dtype and torch.equal(t[key].float(), s[key].float()), key
+
+
+def test_bad_option_names_the_allowed_values():
+    with pytest.raises(ValueError, match="exp_avg_dtype='fp16'; allowed: fp32, bf16, fp8"):
+        PrecisionAwareAdamW([torch.nn.Parameter(torch.zeros(2))], exp_avg_dtype="fp16")

@@ -234,6 +234,17 @@ class TrainConfig:
 
 
 @dataclass
+class OptimConfig:
+    exp_avg_dtype: str = "fp32"
+    """AdamW first-moment storage: fp32, bf16 or fp8 (e4m3 with per-128-element scales)."""
+    exp_avg_sq_dtype: str = "fp32"
+    """AdamW second-moment storage: fp32, bf16 or fp8 (e4m3 of sqrt(v), per-block scales)."""
+    master_dtype: str = "fp32"
+    """Master weights: fp32, bf16 (the bf16 parameters are the master) or bf16+remainder (bf16
+    parameters plus int16 remainders that rebuild the fp32 value exactly)."""
+
+
+@dataclass
 class DataConfig:
     path: str = ""
     """Training data: a .txt/.jsonl/.parquet/.npy/.bin file or a directory of them; empty uses the
@@ -288,6 +299,7 @@ class Config:
     moe: MoEConfig = field(default_factory=MoEConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -540,6 +552,9 @@ def validate(cfg: Config) -> None:
     _one_of("data.token_dtype", cfg.data.token_dtype, ("uint16", "uint32"))
     _require(cfg.data.eos_id >= -1, f"data.eos_id={cfg.data.eos_id} must be >= -1")
     _one_of("precision.compute_dtype", cfg.precision.compute_dtype, ("auto", "bf16", "fp32"))
+    _one_of("optim.exp_avg_dtype", cfg.optim.exp_avg_dtype, ("fp32", "bf16", "fp8"))
+    _one_of("optim.exp_avg_sq_dtype", cfg.optim.exp_avg_sq_dtype, ("fp32", "bf16", "fp8"))
+    _one_of("optim.master_dtype", cfg.optim.master_dtype, ("fp32", "bf16", "bf16+remainder"))
     _validate_model(m)
     _validate_parallel(cfg)
 

@@ -44,7 +44,9 @@ def test_training_writes_metrics_and_learns(tmp_path, tiny_args):
     ["--moe.score_func", "sigmoid", "--moe.expert_bias", "--moe.global_aux_loss_coeff", "0.01",
      "--moe.seq_aux_loss_coeff", "0.01", "--moe.z_loss_coeff", "0.001", "--moe.shared_experts", "1",
      "--moe.capacity_factor", "1.0", "--moe.input_jitter", "0.01"],
-], ids=["default", "sigmoid-bias-capacity-shared"])
+    ["--optim.exp_avg_dtype", "fp8", "--optim.exp_avg_sq_dtype", "bf16",
+     "--optim.master_dtype", "bf16+remainder"],
+], ids=["default", "sigmoid-bias-capacity-shared", "fp8-moments-bf16-master"])
 def test_resume_reproduces_uninterrupted_losses_exactly(tmp_path, tiny_args, features):
     full = tmp_path / "full"
     assert main(["train", "--run-dir", str(full), *tiny_args, *features, "--checkpoint.every", "5",

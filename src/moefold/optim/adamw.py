@@ -1,12 +1,14 @@
 """AdamW with decoupled weight decay on matrices only (not norms, biases or embeddings).
 
-Precision-aware states (bf16/fp8 moments, bf16 master weights) arrive with the memory-wall work.
+All-fp32 states use torch's fused (GPU) or foreach (CPU) AdamW; lower-precision moments or master
+weights use `PrecisionAwareAdamW` (optim/precision.py).
 """
 
 import torch
 from torch import nn
 
-from moefold.config import TrainConfig
+from moefold.config import OptimConfig, TrainConfig
+from moefold.optim.precision import PrecisionAwareAdamW
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -19,7 +21,14 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
             {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: nn.Module, t: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, t: TrainConfig, device: torch.device,
+                    o: OptimConfig | None = None) -> torch.optim.Optimizer:
+    o = o or OptimConfig()
+    if (o.exp_avg_dtype, o.exp_avg_sq_dtype, o.master_dtype) != ("fp32", "fp32", "fp32"):
+        # Converts bf16-master parameters to bf16 in place: build it after the weights are set.
+        return PrecisionAwareAdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
+                                   eps=t.eps, weight_decay=t.weight_decay, exp_avg_dtype=o.exp_avg_dtype,
+                                   exp_avg_sq_dtype=o.exp_avg_sq_dtype, master=o.master_dtype)
     # fused on GPU (one kernel for all parameters); foreach on CPU, where fused gives no gain.
     fused = device.type == "cuda"
     return torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),

@@ -98,7 +98,7 @@ class Trainer:
         self.compute_dtype = resolve_compute_dtype(cfg.precision.compute_dtype, self.device)
         self._build_data()
         self._build_model()
-        self.optimizer = build_optimizer(self.model, cfg.train, self.device)
+        self.optimizer = build_optimizer(self.model, cfg.train, self.device, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
         self.step = 0
         if checkpoint is not None:

@@ -7,14 +7,11 @@ import dataclasses
 
 import pytest
 import torch
-import torch.distributed as dist
 from moe_reference import BACKENDS, build
+from test_expert_parallel import _check_case as check_ep_case
 from test_expert_parallel import (
     DIM,
-    TOL,
     Case,
-    _build,
-    _inputs,
     _SyncingOps,
     random_case,
 )
@@ -22,7 +19,7 @@ from test_parallel_dims import run_on_ranks
 
 from moefold.config import MoEConfig
 from moefold.parallel.dims import ParallelDims, ParallelLayout
-from moefold.parallel.expert import AllGatherDispatcher, apply_ep
+from moefold.parallel.expert import apply_ep
 
 
 def _even_case(seed: int, world: int) -> Case:
@@ -31,40 +28,7 @@ def _even_case(seed: int, world: int) -> Case:
 
 
 def _check_case(rank: int, world: int, case: Case, ep_group) -> None:
-    note = f"rank {rank}, case {case}"
-    ref, layer = _build(case), _build(case)
-    apply_ep(layer, ep_group, dispatcher="allgather")
-    assert isinstance(layer.dispatcher, AllGatherDispatcher)
-
-    x_all, upstream_all, valid_all = _inputs(case, world)
-    x_ref = x_all.clone().requires_grad_()
-    y_ref = ref(x_ref[None], valid_all[None])[0]
-    (y_ref * upstream_all).sum().backward()
-
-    T = case.tokens_per_rank[rank]
-    mine = slice(rank * T, (rank + 1) * T)
-    x = x_all[mine].clone().requires_grad_()
-    y = layer(x[None], valid_all[mine][None])[0]
-    (y * upstream_all[mine]).sum().backward()
-
-    torch.testing.assert_close(y, y_ref[mine].detach(), **TOL, msg=lambda m: f"output: {m}\n{note}")
-    torch.testing.assert_close(x.grad, x_ref.grad[mine], **TOL, msg=lambda m: f"x grad: {m}\n{note}")
-    ref_params = dict(ref.named_parameters())
-    for name, p in layer.named_parameters():
-        if name.startswith("experts."):
-            continue
-        grad = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
-        dist.all_reduce(grad, group=ep_group)
-        torch.testing.assert_close(grad, ref_params[name].grad, **TOL,
-                                   msg=lambda m, name=name: f"{name} grad (all-reduced): {m}\n{note}")
-    L = case.cfg.num_experts // world
-    for name, p in layer.experts.named_parameters():
-        expected = ref_params[f"experts.{name}"].grad[rank * L:(rank + 1) * L]
-        torch.testing.assert_close(p.grad, expected, **TOL,
-                                   msg=lambda m, name=name: f"{name} grad: {m}\n{note}")
-    for e in case.starved:  # experts without tokens get exact zero gradients
-        if e // L == rank:
-            assert layer.experts.w2_EFD.grad[e % L].abs().sum() == 0, note
+    check_ep_case(rank, world, case, ep_group, dispatcher="allgather")
 
 
 def _check_ranks(rank: int, world: int, cases: list[Case]) -> None:

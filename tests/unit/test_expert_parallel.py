@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from moefold.config import MoEConfig
 from moefold.errors import ConfigError
 from moefold.parallel.dims import ParallelDims, ParallelLayout
-from moefold.parallel.expert import AllToAllDispatcher, apply_ep
+from moefold.parallel.expert import DISPATCHERS, AllToAllDispatcher, apply_ep
 
 DIM = 8
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -78,11 +78,11 @@ def _build(case: Case):
     return layer
 
 
-def _check_case(rank: int, world: int, case: Case, ep_group) -> None:
-    note = f"rank {rank}, case {case}"
+def _check_case(rank: int, world: int, case: Case, ep_group, dispatcher: str = "alltoall") -> None:
+    note = f"rank {rank}, {dispatcher}, case {case}"
     ref, layer = _build(case), _build(case)
-    apply_ep(layer, ep_group)
-    assert isinstance(layer.dispatcher, AllToAllDispatcher)
+    apply_ep(layer, ep_group, dispatcher=dispatcher)
+    assert isinstance(layer.dispatcher, DISPATCHERS[dispatcher])
 
     x_all, upstream_all, valid_all = _inputs(case, world)
     x_ref = x_all.clone().requires_grad_()

@@ -58,7 +58,21 @@ class _Sorted:
     order_N: torch.Tensor
 
 
-class AllToAllDispatcher:
+class _ExpertParallelDispatcher:
+    """What both EP dispatchers share: the group, this rank's block of E/ep experts, and how
+    combine sums a token's K copies (plain when the experts applied the probabilities)."""
+
+    def __init__(self, top_k: int, num_experts: int, ep_group, probs_applied_by_experts: bool):
+        self.top_k, self.num_experts, self.ep_group = top_k, num_experts, ep_group
+        self.ep_size, self.ep_rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
+        if num_experts % self.ep_size:
+            raise ConfigError(f"parallel.ep={self.ep_size} does not divide "
+                              f"moe.num_experts={num_experts}")
+        self.num_local_experts = num_experts // self.ep_size
+        self._reduce = _sum_copies if probs_applied_by_experts else _weighted_sum_copies
+
+
+class AllToAllDispatcher(_ExpertParallelDispatcher):
     """Dropless all-to-all dispatch over `ep_group` (Megatron-Core's MoEAlltoAllTokenDispatcher).
 
     One device→host copy per layer call: the split sizes the all-to-all needs on the host. Tokens and
@@ -66,15 +80,6 @@ class AllToAllDispatcher:
     reverse exchanges and the router gets its gradient through the experts (memory-efficient path)
     or through combine (otherwise).
     """
-
-    def __init__(self, top_k: int, num_experts: int, ep_group, probs_applied_by_experts: bool):
-        self.top_k, self.num_experts, self.ep_group = top_k, num_experts, ep_group
-        self.ep_size = dist.get_world_size(ep_group)
-        if num_experts % self.ep_size:
-            raise ConfigError(f"parallel.ep={self.ep_size} does not divide "
-                              f"moe.num_experts={num_experts}")
-        self.num_local_experts = num_experts // self.ep_size
-        self._reduce = _sum_copies if probs_applied_by_experts else _weighted_sum_copies
 
     # ------------------------------------------------------------------------------- dispatch
 
@@ -172,7 +177,7 @@ class _Gathered:
     probs_GK: torch.Tensor
 
 
-class AllGatherDispatcher:
+class AllGatherDispatcher(_ExpertParallelDispatcher):
     """All-gather dispatch over `ep_group` (Megatron-Core's MoEAllGatherTokenDispatcher), no host sync.
 
     Every rank gathers all ranks' tokens, expert ids and probabilities (the probabilities and tokens
@@ -181,15 +186,6 @@ class AllGatherDispatcher:
     copy is computed on exactly one rank, so the sum over the group completes every token's sum over
     its K copies. Needs the same T on every EP rank (static sequence lengths); checked on the device.
     """
-
-    def __init__(self, top_k: int, num_experts: int, ep_group, probs_applied_by_experts: bool):
-        self.top_k, self.num_experts, self.ep_group = top_k, num_experts, ep_group
-        self.ep_size, self.ep_rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
-        if num_experts % self.ep_size:
-            raise ConfigError(f"parallel.ep={self.ep_size} does not divide "
-                              f"moe.num_experts={num_experts}")
-        self.num_local_experts = num_experts // self.ep_size
-        self._reduce = _sum_copies if probs_applied_by_experts else _weighted_sum_copies
 
     # ------------------------------------------------------------------------------- dispatch
 

@@ -10,6 +10,8 @@ import math
 
 import torch
 
+from moefold.moe.router import count_tokens_per_expert
+
 
 def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
     return math.ceil(capacity_factor * num_tokens * top_k / num_experts)
@@ -37,8 +39,7 @@ class CapacityDrop:
         idx_N = idx_TK.reshape(-1)
         priority_N = self._priority_order(probs_TK.reshape(-1).detach())
         by_expert_N = priority_N[torch.argsort(idx_N[priority_N], stable=True)]
-        counts_E = torch.zeros(self.num_experts, dtype=torch.int64, device=idx_N.device)
-        counts_E.scatter_add_(0, idx_N, torch.ones_like(idx_N))
+        counts_E = count_tokens_per_expert(idx_TK, self.num_experts)
         start_E = counts_E.cumsum(0) - counts_E
         rank_sorted_N = torch.arange(idx_N.numel(), device=idx_N.device) - start_E[idx_N[by_expert_N]]
         keep_N = torch.empty(idx_N.numel(), dtype=torch.bool, device=idx_N.device)

@@ -174,15 +174,18 @@ class MoEConfig:
 @dataclass
 class ParallelConfig:
     tp: int = 1
-    """Tensor-parallel size for attention and dense layers (arrives with the parallel-folding issue)."""
+    """Tensor-parallel size for attention, dense MLPs and shared experts; routed experts get the
+    tokens split along the sequence over these ranks."""
     cp: int = 1
-    """Context-parallel size (not yet supported)."""
+    """Context-parallel size (training with cp > 1 is not yet supported; the planner takes it)."""
     pp: int = 1
-    """Pipeline-parallel size (not yet supported)."""
+    """Pipeline-parallel size (training with pp > 1 is not yet supported; the planner takes it)."""
+    vpp: int = 1
+    """Virtual pipeline stages per pp rank (interleaved schedule); used by the memory planner."""
     ep: int = 1
-    """Expert-parallel size (arrives with the parallel-folding issue)."""
+    """Expert-parallel size: each EP rank holds moe.num_experts / ep experts."""
     etp: int = 1
-    """Expert tensor-parallel size (arrives with the parallel-folding issue)."""
+    """Expert tensor-parallel size: each expert's hidden dimension is split over etp ranks."""
     order: str = "tp-cp-ep-dp-pp"
     """Rank order both layouts are built from, fastest-varying first (Megatron-Core's order): the
     attention grid (pp, dp, cp, tp) reads it with ep=1, the expert grid (pp, edp, ep, etp) with
@@ -201,7 +204,10 @@ class TrainConfig:
     seq_len: int = 256
     """Tokens per sequence."""
     grad_accum: int = 1
-    """Micro-batches accumulated per optimizer step."""
+    """Micro-batches accumulated per optimizer step (per data-parallel rank)."""
+    global_batch_size: int = 0
+    """Sequences per optimizer step over all ranks; 0 means micro_batch_size · dp · grad_accum.
+    When set, grad_accum is derived from it (it must divide by micro_batch_size · dp)."""
     lr: float = 3e-3
     """Peak learning rate."""
     min_lr_ratio: float = 0.1
@@ -639,6 +645,12 @@ def _validate_parallel(cfg: Config) -> None:
     dims.validate(num_experts=cfg.moe.num_experts, n_heads=m.n_heads,
                   n_kv_heads=m.n_kv_heads if m.attention == "gqa" else 0,
                   n_layers=m.n_layers, seq_len=cfg.train.seq_len, expert_hidden=cfg.moe.expert_hidden)
+    _require(p.vpp >= 1, f"parallel.vpp={p.vpp} must be >= 1")
+
+
+def refuse_unsupported_parallel(cfg: Config) -> None:
+    """Training-time check: sizes the layout (and the memory planner) accept but training cannot
+    run yet."""
     for name in _PARALLEL_NOT_YET:
-        size = getattr(p, name)
-        _require(size == 1, f"parallel.{name}={size} is not yet supported (only 1)")
+        size = getattr(cfg.parallel, name)
+        _require(size == 1, f"parallel.{name}={size} is not yet supported in training (only 1)")

@@ -39,7 +39,7 @@ def test_toml_round_trip(tmp_path):
     ({"model.n_heads": "3"}, "model.n_heads=3 must be a multiple of model.n_kv_heads=2"),
     ({"train.schedule": "linear"}, "train.schedule='linear' is not one of cosine, wsd, constant"),
     ({"parallel.ep": "3"}, "parallel.ep=3 does not divide moe.num_experts=8"),
-    ({"parallel.cp": "2"}, "parallel.cp=2 is not yet supported (only 1)"),
+    ({"parallel.vpp": "0"}, "parallel.vpp=0 must be >= 1"),
 ])
 def test_invalid_values_name_field_value_and_rule(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -87,7 +87,7 @@ def test_config_show_prints_both_rank_grids(capsys, tmp_path):
     assert load_config(str(saved)).parallel.ep == 4
 
 
-def test_training_with_a_parallel_layout_is_refused_until_it_runs(capsys, tmp_path):
-    assert main(["train", "--run-dir", str(tmp_path / "r"), "--parallel.ep", "2"]) == 2
-    assert "parallel training is not yet supported" in capsys.readouterr().err
+def test_training_with_context_or_pipeline_parallelism_is_refused(capsys, tmp_path):
+    assert main(["train", "--run-dir", str(tmp_path / "r"), "--parallel.cp", "2"]) == 2
+    assert "parallel.cp=2 is not yet supported in training" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()

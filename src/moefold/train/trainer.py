@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from moefold.checkpoint.dcp import (checkpoint_keys, load_checkpoint, resolve_checkpoint, rng_state,
                                     save_checkpoint, set_rng_state)
-from moefold.config import Config, to_toml
+from moefold.config import Config, refuse_unsupported_parallel, to_toml
 from moefold.data.corpus import build_token_streams
 from moefold.data.loader import Batch, PackedSequences, TrainLoader, val_batches
 from moefold.data.tokenizer import build_tokenizer
@@ -59,6 +59,7 @@ def resolve_compute_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def _refuse_parallel_layouts(cfg: Config) -> None:
+    refuse_unsupported_parallel(cfg)
     p = cfg.parallel
     sizes = {name: getattr(p, name) for name in ("tp", "ep", "etp") if getattr(p, name) > 1}
     if sizes:

@@ -166,8 +166,3 @@ def test_load_balancer_with_nothing_enabled_returns_zero():
     cfg = MoEConfig(num_experts=2, top_k=1, aux_loss_coeff=0.0)
     total, values = LoadBalancer(cfg)(routing(SCORES_TE, IDX_TK), 2, None)
     assert values == {} and total.item() == 0.0 and total.dtype == torch.float32
-
-
-def test_load_balancer_has_no_distributed_path_yet():
-    with pytest.raises(NotImplementedError, match="process group"):
-        LoadBalancer(MoEConfig(), process_group=object())

@@ -11,9 +11,11 @@ every count, mean and token total. Nothing syncs with the host.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from moefold.config import MoEConfig
@@ -106,6 +108,43 @@ def _balance_loss(fraction_BE: torch.Tensor, mean_scores_BE: torch.Tensor) -> to
     return mean_scores_BE.shape[-1] * (fraction_BE * mean_scores_BE).sum(dim=-1)
 
 
+@dataclass
+class RoutedCounts:
+    """What a micro-batch routed, over the tokens the balancing losses see (padding excluded)."""
+    per_expert_E: torch.Tensor  # int64: routed copies per expert
+    tokens: torch.Tensor  # int64 scalar: valid tokens
+    dropped: torch.Tensor  # int64 scalar: valid copies dropped by the capacity limit
+
+
+class LocalCounts:
+    """Counts of this process's micro-batch: the whole micro-batch in one process."""
+
+    @torch.no_grad()
+    def __call__(self, idx_TK: torch.Tensor, keep_N: torch.Tensor, num_experts: int,
+                 valid_T: torch.Tensor | None) -> RoutedCounts:
+        per_expert_E = valid_tokens_per_expert(idx_TK, num_experts, valid_T)
+        tokens = _valid_mask(valid_T, idx_TK.shape[0], idx_TK.device).sum()
+        # keep_N already excludes padding, so kept copies are all valid
+        return RoutedCounts(per_expert_E, tokens, per_expert_E.sum() - keep_N.sum())
+
+
+class DataParallelCounts(LocalCounts):
+    """Counts summed over the data-parallel ranks (one int64 all-reduce of E + 2 values), so that
+    f_e in every balancing loss, the expert-bias update and the load statistics cover the global
+    micro-batch: a layout then trains exactly like one process. (The scores' mean P_e stays local;
+    averaging the gradients over the ranks makes it global.)"""
+
+    def __init__(self, group: ProcessGroup):
+        self.group = group
+
+    @torch.no_grad()
+    def __call__(self, idx_TK, keep_N, num_experts, valid_T) -> RoutedCounts:
+        local = super().__call__(idx_TK, keep_N, num_experts, valid_T)
+        packed = torch.cat([local.per_expert_E, local.tokens[None], local.dropped[None]])
+        dist.all_reduce(packed, group=self.group)
+        return RoutedCounts(packed[:num_experts], packed[num_experts], packed[num_experts + 1])
+
+
 class LoadBalancer(nn.Module):
     """The aux losses enabled in cfg, each with its coefficient.
 
@@ -115,15 +154,8 @@ class LoadBalancer(nn.Module):
     `reset_global_counts` after each optimizer step.
     """
 
-    def __init__(self, cfg: MoEConfig, process_group: ProcessGroup | None = None):
+    def __init__(self, cfg: MoEConfig):
         super().__init__()
-        # DATA-PARALLEL SEAM: with data parallelism the step's counts must be all-reduced over the
-        # data(/context) ranks in `_accumulate`, so that f covers the whole global batch. Not yet
-        # implemented; it arrives with the parallel-folding work.
-        if process_group is not None:
-            raise NotImplementedError("LoadBalancer: all-reducing the global-batch counts over a "
-                                      "process group is not implemented yet")
-        self.process_group = process_group
         self.num_experts = cfg.num_experts
         self.register_buffer("global_counts_E", torch.zeros(cfg.num_experts, dtype=torch.int64),
                              persistent=False)
@@ -134,12 +166,17 @@ class LoadBalancer(nn.Module):
                  ("z_loss", cfg.z_loss_coeff, self._z)]
         self.terms = [(name, coeff, loss_fn) for name, coeff, loss_fn in terms if coeff > 0]
 
-    def forward(self, routing: Routing, batch_size: int,
-                valid_T: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def forward(self, routing: Routing, batch_size: int, valid_T: torch.Tensor | None,
+                counts: RoutedCounts | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """`counts`: the micro-batch's routed counts (the MoE layer passes them summed over the
+        data-parallel ranks); None counts this micro-batch alone."""
+        if counts is None:
+            keep_N = torch.ones(routing.idx_TK.numel(), dtype=torch.bool, device=routing.idx_TK.device)
+            counts = LocalCounts()(routing.idx_TK, keep_N, self.num_experts, valid_T)
         total = torch.zeros((), dtype=torch.float32, device=routing.scores_TE.device)
         values = {}
         for name, coeff, loss_fn in self.terms:
-            loss = loss_fn(routing, batch_size, valid_T)
+            loss = loss_fn(routing, batch_size, valid_T, counts)
             total = total + coeff * loss
             values[name] = loss.detach()
         return total, values
@@ -149,24 +186,27 @@ class LoadBalancer(nn.Module):
         self.global_counts_E.zero_()
         self.global_tokens.zero_()
 
-    def _micro_batch(self, routing: Routing, batch_size: int, valid_T: torch.Tensor | None) -> torch.Tensor:
-        return micro_batch_aux_loss(routing.scores_TE, routing.idx_TK, valid_T)
+    def _micro_batch(self, routing: Routing, batch_size: int, valid_T, counts: RoutedCounts):
+        # The micro-batch loss is the global-batch formula with this micro-batch's counts (which
+        # are the global micro-batch's under data parallelism, see DataParallelCounts).
+        return global_batch_aux_loss(routing.scores_TE, routing.idx_TK, counts.per_expert_E,
+                                     counts.tokens, valid_T)
 
-    def _sequence(self, routing: Routing, batch_size: int, valid_T: torch.Tensor | None) -> torch.Tensor:
+    def _sequence(self, routing: Routing, batch_size: int, valid_T, counts: RoutedCounts):
         return sequence_aux_loss(routing.scores_TE, routing.idx_TK, batch_size, valid_T)
 
-    def _global_batch(self, routing: Routing, batch_size: int, valid_T: torch.Tensor | None) -> torch.Tensor:
-        counts_E, tokens = self._accumulate(routing.idx_TK, valid_T)
+    def _global_batch(self, routing: Routing, batch_size: int, valid_T, counts: RoutedCounts):
+        counts_E, tokens = self._accumulate(counts)
         return global_batch_aux_loss(routing.scores_TE, routing.idx_TK, counts_E, tokens, valid_T)
 
-    def _z(self, routing: Routing, batch_size: int, valid_T: torch.Tensor | None) -> torch.Tensor:
+    def _z(self, routing: Routing, batch_size: int, valid_T, counts: RoutedCounts):
         return z_loss(routing.logits_TE, valid_T)
 
     @torch.no_grad()
-    def _accumulate(self, idx_TK: torch.Tensor, valid_T: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _accumulate(self, counts: RoutedCounts) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's counts including this micro-batch; stored only in training mode."""
-        counts_E = self.global_counts_E + valid_tokens_per_expert(idx_TK, self.num_experts, valid_T)
-        tokens = self.global_tokens + _valid_mask(valid_T, idx_TK.shape[0], idx_TK.device).sum()
+        counts_E = self.global_counts_E + counts.per_expert_E
+        tokens = self.global_tokens + counts.tokens
         if self.training:
             self.global_counts_E.copy_(counts_E)
             self.global_tokens.copy_(tokens)

@@ -10,7 +10,7 @@ from torch import nn
 
 from moefold.config import MoEConfig
 from moefold.moe.activation import ACTIVATIONS
-from moefold.moe.balance import LoadBalancer, valid_tokens_per_expert
+from moefold.moe.balance import LoadBalancer, LocalCounts
 from moefold.moe.capacity import CapacityDrop, build_capacity
 from moefold.moe.dispatch import LocalDispatcher
 from moefold.moe.experts import Experts, build_experts, compute_dtype
@@ -29,6 +29,9 @@ class MoELayer(nn.Module):
         self.dispatcher, self.experts, self.shared = dispatcher, experts, shared
         self.num_experts, self.top_k = router.weight.shape[0], dispatcher.top_k
         self.aux_loss_scale = 1.0  # 1 / micro-batches per optimizer step, set by the trainer
+        # How routed copies are counted for balancing and statistics: this process's micro-batch,
+        # or (DataParallelCounts, set by parallelization) summed over the data-parallel ranks.
+        self.count_routed = LocalCounts()
         self.stats = ExpertLoadStats(self.num_experts)
         # Routed copies per expert since the last optimizer step, for the expert-bias update.
         self.register_buffer("step_tokens_per_expert_E", torch.zeros(self.num_experts, dtype=torch.int64),
@@ -54,13 +57,12 @@ class MoELayer(nn.Module):
 
     def _balance(self, y_TD, routing, keep_N, batch_size, valid_BS):
         valid_T = None if valid_BS is None else valid_BS.reshape(-1)
-        aux_total, aux_values = self.balancer(routing, batch_size, valid_T)
+        counts = self.count_routed(routing.idx_TK, keep_N, self.num_experts, valid_T)
+        aux_total, aux_values = self.balancer(routing, batch_size, valid_T, counts)
         with torch.no_grad():
-            tokens_per_expert_E = valid_tokens_per_expert(routing.idx_TK, self.num_experts, valid_T)
-            self.step_tokens_per_expert_E += tokens_per_expert_E
-            # keep_N already excludes padding, so kept copies are all valid
-            num_dropped = tokens_per_expert_E.sum() - keep_N.sum()
-            self.stats.record(tokens_per_expert_E, routing.scores_TE, num_dropped, aux_values, valid_T)
+            self.step_tokens_per_expert_E += counts.per_expert_E
+            self.stats.record(counts.per_expert_E, routing.scores_TE, counts.dropped, aux_values,
+                              valid_T)
         return inject_aux_loss(y_TD, aux_total, self.aux_loss_scale)
 
     @torch.no_grad()

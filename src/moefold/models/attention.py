@@ -49,7 +49,11 @@ class Attention(nn.Module):
         v_BGSDh = self.wv(x_BSD).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q_BHSDh = apply_rope(q_BHSDh, cos_SDh, sin_SDh)
         k_BGSDh = apply_rope(k_BGSDh, cos_SDh, sin_SDh)
-        out_BHSDh = F.scaled_dot_product_attention(
-            q_BHSDh, k_BGSDh, v_BGSDh, enable_gqa=self.n_kv_heads != self.n_heads,
-            **self.mask(S, x_BSD.device))
+        out_BHSDh = self.core(q_BHSDh, k_BGSDh, v_BGSDh, **self.mask(S, x_BSD.device))
         return self.wo(out_BHSDh.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim))
+
+    def core(self, q_BHSDh: torch.Tensor, k_BGSDh: torch.Tensor, v_BGSDh: torch.Tensor,
+             **mask) -> torch.Tensor:
+        """softmax(q·kᵀ)·v: a seam that memory.recompute / memory.offload ("attn_core") wrap."""
+        return F.scaled_dot_product_attention(q_BHSDh, k_BGSDh, v_BGSDh,
+                                              enable_gqa=self.n_kv_heads != self.n_heads, **mask)

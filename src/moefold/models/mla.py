@@ -47,27 +47,41 @@ class MLAttention(nn.Module):
         """(n_heads, qk_head_dim, v_head_dim) for `train.flops.attention_flops_per_token`."""
         return self.n_heads, self.qk_head_dim, self.v_head_dim
 
-    def _queries(self, x_BSD: torch.Tensor) -> torch.Tensor:
-        if self.q_lora_rank > 0:
-            return self.wq_b(self.q_norm(self.wq_a(x_BSD)))
-        return self.wq(x_BSD)
-
     def forward(self, x_BSD: torch.Tensor, cos_SDr: torch.Tensor, sin_SDr: torch.Tensor) -> torch.Tensor:
         B, S, _ = x_BSD.shape
+        q_in_BSX, latent_BSC, k_rope_BSDr = self.down_proj(x_BSD)
+        q_BHSDk, k_BHSDk, v_BHSDv = self.up_proj(q_in_BSX, latent_BSC, k_rope_BSDr, cos_SDr, sin_SDr)
+        out_BHSDv = self.core(q_BHSDk, k_BHSDk, v_BHSDv)
+        return self.wo(out_BHSDv.transpose(1, 2).reshape(B, S, self.n_heads * self.v_head_dim))
+
+    def down_proj(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The query input (its latent with q-LoRA, else x itself), the key/value latent and the rope
+        key shared by every head."""
+        q_in_BSX = self.wq_a(x_BSD) if self.q_lora_rank > 0 else x_BSD
+        latent_BSC, k_rope_BSDr = self.wkv_a(x_BSD).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        return q_in_BSX, latent_BSC, k_rope_BSDr
+
+    def up_proj(self, q_in_BSX: torch.Tensor, latent_BSC: torch.Tensor, k_rope_BSDr: torch.Tensor,
+                cos_SDr: torch.Tensor, sin_SDr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per-head queries, keys and values with RoPE applied, from the latents: the large tensors
+        the core keeps, which memory.recompute = ["mla_up_proj"] rebuilds instead."""
+        B, S, _ = latent_BSC.shape
         H, Dn, Dr, Dv = self.n_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
-        q_BHSDk = self._queries(x_BSD).view(B, S, H, Dn + Dr).transpose(1, 2)
-        q_nope_BHSDn, q_rope_BHSDr = q_BHSDk.split([Dn, Dr], dim=-1)
-        latent_BSC, k_rope_BSDr = self.wkv_a(x_BSD).split([self.kv_lora_rank, Dr], dim=-1)
+        q_BSX = self.wq_b(self.q_norm(q_in_BSX)) if self.q_lora_rank > 0 else self.wq(q_in_BSX)
+        q_nope_BHSDn, q_rope_BHSDr = q_BSX.view(B, S, H, Dn + Dr).transpose(1, 2).split([Dn, Dr], dim=-1)
         kv_BHSE = self.wkv_b(self.kv_norm(latent_BSC)).view(B, S, H, Dn + Dv).transpose(1, 2)
         k_nope_BHSDn, v_BHSDv = kv_BHSE.split([Dn, Dv], dim=-1)
         q_rope_BHSDr = self.rope(q_rope_BHSDr, cos_SDr, sin_SDr)
         k_rope_B1SDr = self.rope(k_rope_BSDr.unsqueeze(1), cos_SDr, sin_SDr)
         q_BHSDk = torch.cat([q_nope_BHSDn, q_rope_BHSDr], dim=-1)
         k_BHSDk = torch.cat([k_nope_BHSDn, k_rope_B1SDr.expand(B, H, S, Dr)], dim=-1)
+        return q_BHSDk, k_BHSDk, v_BHSDv
+
+    def core(self, q_BHSDk: torch.Tensor, k_BHSDk: torch.Tensor, v_BHSDv: torch.Tensor) -> torch.Tensor:
+        """softmax(q·kᵀ)·v: a seam that memory.recompute / memory.offload ("attn_core") wrap."""
         # Dv != Dk rules out SDPA's flash kernel, but on H200 (torch 2.11) it picks cuDNN, which ran
         # fwd+bwd 1.5x faster than padding v to Dk for flash (Dk 192, Dv 128, S 4096, bf16). Where
         # cuDNN attention is unavailable SDPA falls back to the memory-efficient kernel, ~4x slower
         # than padded flash.
-        out_BHSDv = F.scaled_dot_product_attention(q_BHSDk, k_BHSDk, v_BHSDv, is_causal=True,
-                                                   scale=self.softmax_scale)
-        return self.wo(out_BHSDv.transpose(1, 2).reshape(B, S, H * Dv))
+        return F.scaled_dot_product_attention(q_BHSDk, k_BHSDk, v_BHSDv, is_causal=True,
+                                              scale=self.softmax_scale)

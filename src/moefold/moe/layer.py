@@ -59,11 +59,15 @@ class MoELayer(nn.Module):
         valid_T = None if valid_BS is None else valid_BS.reshape(-1)
         counts = self.count_routed(routing.idx_TK, keep_N, self.num_experts, valid_T)
         aux_total, aux_values = self.balancer(routing, batch_size, valid_T, counts)
-        with torch.no_grad():
-            self.step_tokens_per_expert_E += counts.per_expert_E
-            self.stats.record(counts.per_expert_E, routing.scores_TE, counts.dropped, aux_values,
-                              valid_T)
+        self._record(counts, routing.scores_TE, aux_values, valid_T)
         return inject_aux_loss(y_TD, aux_total, self.aux_loss_scale)
+
+    @torch.no_grad()
+    def _record(self, counts, scores_TE, aux_values, valid_T) -> None:
+        """Once per training forward: a recompute (memory/moe_tape.py) skips it and replays the
+        routing, capacity and count decisions its forward taped."""
+        self.step_tokens_per_expert_E += counts.per_expert_E
+        self.stats.record(counts.per_expert_E, scores_TE, counts.dropped, aux_values, valid_T)
 
     @torch.no_grad()
     def on_optimizer_step(self) -> None:

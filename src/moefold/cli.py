@@ -82,7 +82,30 @@ def _build_parser() -> argparse.ArgumentParser:
     params = config_commands.add_parser("params", allow_abbrev=False,
                                         help="count the model's parameters (built on the meta device)")
     _add_config_options(params)
+    _add_plan_parser(commands)
     return parser
+
+
+def _add_plan_parser(commands) -> None:
+    from moefold.plan.memory import DEVICES_GB  # torch-free at import
+
+    plan = commands.add_parser("plan", help="predict resources of a training job")
+    plan_commands = plan.add_subparsers(dest="plan_command", required=True)
+    memory = plan_commands.add_parser(
+        "memory", allow_abbrev=False, help="predict per-GPU memory (analytic, allocates nothing)",
+        description="Predict the memory of the busiest GPU of a training job from the config and "
+                    "the parallel layout (--parallel.*), without allocating it (docs/memory.md).")
+    memory.add_argument("--gpus", type=int, default=0, metavar="N",
+                        help="GPUs of the job (default: the fewest the layout fits)")
+    memory.add_argument("--device", choices=sorted(DEVICES_GB), default="h200",
+                        help="GPU to check the fit against: "
+                             + ", ".join(f"{k} {v} GB" for k, v in DEVICES_GB.items())
+                             + " (default h200)")
+    memory.add_argument("--gpu-memory", type=float, default=0.0, metavar="GB",
+                        help="memory per GPU in GB (10^9 bytes); overrides --device")
+    memory.add_argument("--moe-imbalance", type=float, default=1.0, metavar="F",
+                        help="rows of the busiest expert rank over the balanced share (default 1)")
+    _add_config_options(memory)
 
 
 def _reject_unknown(unknown: list[str]) -> None:
@@ -212,6 +235,24 @@ def _config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from moefold.parallel.dims import ParallelDims
+    from moefold.plan.memory import DEVICES_GB, predict_memory
+    from moefold.plan.report import format_plan
+
+    cfg = load_config(args.config, _overrides(args))
+    if args.gpu_memory < 0:
+        raise UserError(f"--gpu-memory {args.gpu_memory:g} must be > 0")
+    p = cfg.parallel
+    world = args.gpus or ParallelDims.smallest(p.tp, p.cp, p.pp, p.ep, p.etp, p.order).world
+    plan = predict_memory(cfg, world, imbalance=args.moe_imbalance)
+    capacity, device = args.gpu_memory or DEVICES_GB[args.device], args.device
+    if args.gpu_memory:
+        device = "a GPU"
+    print(format_plan(plan, cfg, capacity, device))
+    return 0
+
+
 def _rank_grid_comment(cfg: Config, world_size: int) -> str:
     """Both parallel layouts as TOML comments, so `config show` output still loads as a config."""
     from moefold.parallel.dims import ParallelDims, rank_grid  # torch-free
@@ -231,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             _reject_unknown(unknown)
         handler = {"train": _train, "generate": _generate, "convert": _convert,
-                   "config": _config}[args.command]
+                   "config": _config, "plan": _plan}[args.command]
         return handler(args)
     except UserError as e:
         print(f"moefold: error: {e}", file=sys.stderr)

@@ -1,0 +1,233 @@
+"""The independent check of the memory planner: run the real model for one forward and backward
+under `FakeTensorMode` (shapes and dtypes, no memory) and measure what autograd keeps for backward.
+
+Every tensor saved for backward goes through a `saved_tensors_hooks` pack hook; its *storage* is
+counted once (views of one buffer share it), parameters excluded. Each storage is charged to the
+innermost module running when it was first saved, mapped to the planner's categories (`CATEGORIES`
+in `plan.activations`), so the analytic model can be compared module by module, not only in total.
+Single process, no parallelism: for small configs (the planner's formulas are what scale).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from moefold.config import Config
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass
+class SavedActivations:
+    """Bytes autograd keeps between forward and backward, by category and by scope."""
+    by_category: dict[str, int] = field(default_factory=dict)
+    by_scope: dict[str, int] = field(default_factory=dict)  # "layer 3", "mtp 1", "model"
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_category.values())
+
+    def add(self, scope: str, category: str, nbytes: int) -> None:
+        self.by_category[category] = self.by_category.get(category, 0) + nbytes
+        self.by_scope[scope] = self.by_scope.get(scope, 0) + nbytes
+
+
+def _category(module: nn.Module, parent: nn.Module | None) -> str:
+    """The planner category of a tensor saved while `module` (innermost) ran inside `parent`."""
+    from moefold.models.attention import Attention
+    from moefold.models.mla import MLAttention
+    from moefold.models.mlp import SwiGLUMLP
+    from moefold.models.norm import RMSNorm
+    from moefold.moe.experts import Experts
+    from moefold.moe.layer import MoELayer
+    from moefold.moe.shared import SharedExperts
+
+    if isinstance(module, RMSNorm):
+        return "norm"
+    if isinstance(module, nn.Linear) and isinstance(parent, (Attention, MLAttention)):
+        return "attn_proj"
+    if isinstance(module, (Attention, MLAttention)):
+        return "attn_core"
+    if isinstance(module, Experts):
+        return "experts"
+    if isinstance(module, MoELayer):
+        return "moe_dispatch"
+    if isinstance(module, SwiGLUMLP):
+        return "mlp"
+    for owner in (module, parent):
+        if isinstance(owner, SharedExperts):
+            return "shared_experts"
+        if isinstance(owner, SwiGLUMLP):
+            return "mlp"
+    if type(module).__name__ in ("Router", "LoadBalancer"):
+        return "router"
+    if isinstance(module, nn.Embedding):
+        return "embedding"
+    if type(module).__name__ == "MTPModule" or (parent is not None and type(parent).__name__ == "MTPModule"):
+        return "mtp_proj"
+    return "head"  # the output head and the loss (run outside any block)
+
+
+def _scope(name: str) -> str:
+    parts = name.split(".")
+    if parts[0] == "layers" and len(parts) > 1:
+        return f"layer {parts[1]}"
+    if parts[0] == "mtp" and len(parts) > 2:
+        return f"mtp {int(parts[2]) + 1}"
+    return "model"
+
+
+@dataclass
+class _Saved:
+    nbytes: int
+    scope: str
+    category: str
+    refs: list = field(default_factory=list)
+
+    def alive(self) -> bool:
+        """Graph nodes whose outputs nobody uses are freed during forward, with what they saved."""
+        return any(ref() is not None for ref in self.refs)
+
+
+class _ModuleStack:
+    """The innermost running module (and its parent), kept by forward hooks."""
+
+    def __init__(self, model: nn.Module):
+        self.stack: list[tuple[str, nn.Module]] = []
+        self.handles = []
+        for name, module in model.named_modules():
+            if module is model:
+                continue
+            self.handles.append(module.register_forward_pre_hook(self._push(name)))
+            self.handles.append(module.register_forward_hook(self._pop, always_call=True))
+
+    def _push(self, name):
+        def hook(module, args):
+            self.stack.append((name, module))
+        return hook
+
+    def _pop(self, module, args, output):
+        self.stack.pop()
+
+    def where(self) -> tuple[str, str]:
+        if not self.stack:
+            return "model", "head"
+        name, module = self.stack[-1]
+        parent = self.stack[-2][1] if len(self.stack) > 1 else None
+        return _scope(name), _category(module, parent)
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+class _FusedAttentionStandIn(torch.autograd.Function):
+    """What a fused GPU attention kernel (FlashAttention-2, cuDNN, memory-efficient) keeps for
+    backward: q, k, v, the output (in B,S,H,Dv memory order, so the output projection's reshape is
+    a view) and the fp32 log-sum-exp [B, H, S]; an attention mask as a bias in q's dtype. The CPU
+    has no fused kernel for every shape (MLA's Dk ≠ Dv falls back to the math path, which keeps the
+    [S, S] probabilities), so the check would otherwise measure a CPU artefact."""
+
+    @staticmethod
+    def forward(ctx, q_BHSD, k_BGSD, v_BGSD, attn_mask, kwargs):
+        with torch.no_grad():
+            out_BHSD = _REAL_SDPA(q_BHSD, k_BGSD, v_BGSD, attn_mask=attn_mask, **kwargs)
+        out_BHSD = out_BHSD.transpose(1, 2).contiguous().transpose(1, 2)
+        B, H, S, _ = q_BHSD.shape
+        lse_BHS = q_BHSD.new_empty(B, H, S, dtype=torch.float32)
+        bias = () if attn_mask is None else (attn_mask.to(q_BHSD.dtype),)
+        ctx.save_for_backward(q_BHSD, k_BGSD, v_BGSD, out_BHSD, lse_BHS, *bias)
+        ctx.attn_mask, ctx.kwargs = attn_mask, kwargs
+        return out_BHSD
+
+    @staticmethod
+    def backward(ctx, grad_BHSD):
+        q, k, v = (t.detach().requires_grad_() for t in ctx.saved_tensors[:3])
+        with torch.enable_grad():
+            out = _REAL_SDPA(q, k, v, attn_mask=ctx.attn_mask, **ctx.kwargs)
+        return (*torch.autograd.grad(out, (q, k, v), grad_BHSD), None, None)
+
+
+_REAL_SDPA = torch.nn.functional.scaled_dot_product_attention
+
+
+def _fused_sdpa(q, k, v, attn_mask=None, **kwargs):
+    return _FusedAttentionStandIn.apply(q, k, v, attn_mask, kwargs)
+
+
+@contextlib.contextmanager
+def _fused_attention():
+    torch.nn.functional.scaled_dot_product_attention = _fused_sdpa
+    try:
+        yield
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = _REAL_SDPA
+
+
+def _cast_params(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """`model.to(dtype)` for fake parameters (`Module.to` cannot swap them); ties kept."""
+    cast: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None and p.dtype != dtype:
+                module._parameters[name] = cast.setdefault(id(p), nn.Parameter(p.detach().to(dtype)))
+    return model
+
+
+def measure_saved_activations(cfg: Config, dtype: str = "bf16", vocab_size: int = 0) -> SavedActivations:
+    """Saved-for-backward bytes of one training micro-batch (cfg.train.micro_batch_size ×
+    cfg.train.seq_len) of the real model, run in `dtype` (bf16: bf16 parameters under bf16
+    autocast, as on GPU; fp32) under FakeTensorMode. Runs backward too, so a model that cannot
+    differentiate fails here.
+
+    fp32 runs for real on the CPU instead (keep the config small): grouped_mm's fake kernel takes
+    bf16 only, and the loop backend needs real token counts."""
+    from moefold.models.transformer import build_model
+    from moefold.moe.experts import grouped_mm_supported
+    from moefold.train.loss import build_objective
+
+    torch_dtype = DTYPES[dtype]
+    grouped_mm_supported("cpu", torch_dtype)  # cached probe with real tensors, outside fake mode
+    vocab = vocab_size or cfg.model.vocab_size or 257
+    B, S = cfg.train.micro_batch_size, cfg.train.seq_len
+    fake = FakeTensorMode() if dtype == "bf16" else contextlib.nullcontext()
+    with fake, _fused_attention():
+        model = _cast_params(build_model(cfg, vocab, "cpu", torch_dtype), torch_dtype).train()
+        if dtype == "fp32":
+            model.init_weights(cfg.train.seed)  # uninitialised memory may hold slow denormals
+        params = {p.untyped_storage()._cdata for p in model.parameters()}
+        params |= {b.untyped_storage()._cdata for b in model.buffers()}
+        ids_BS = torch.randint(0, vocab, (B, S))
+        labels_BS = torch.randint(0, vocab, (B, S))
+        stack = _ModuleStack(model)
+        saved: dict[int, _Saved] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            key = t.untyped_storage()._cdata
+            if key in params:
+                return t
+            entry = saved.get(key)
+            if entry is None or not entry.alive():  # a dead entry's address was reused
+                entry = saved[key] = _Saved(t.untyped_storage().nbytes(), *stack.where())
+            entry.refs.append(weakref.ref(t))
+            return t
+
+        autocast = (torch.autocast("cpu", dtype=torch_dtype) if torch_dtype != torch.float32
+                    else contextlib.nullcontext())
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+                loss, _ = build_objective(model)(model, ids_BS, labels_BS)
+        finally:
+            stack.remove()
+        result = SavedActivations()
+        for entry in saved.values():
+            if entry.alive():  # saved by a graph node that backward will run
+                result.add(entry.scope, entry.category, entry.nbytes)
+        loss.backward()
+    return result

@@ -1,0 +1,79 @@
+"""The `moefold plan memory` table: one GPU's predicted memory by part, and whether it fits."""
+
+from __future__ import annotations
+
+from moefold.config import Config
+from moefold.plan.memory import GIB, MemoryPlan, compute_bytes
+
+CATEGORY_LABELS = {
+    "embedding": "embedding (token ids)",
+    "norm": "norms (fp32 RMSNorm)",
+    "attn_proj": "attention projections",
+    "attn_core": "core attention (q, k, v, out)",
+    "mlp": "dense MLP",
+    "router": "router",
+    "moe_dispatch": "MoE permutation",
+    "experts": "routed experts",
+    "shared_experts": "shared experts",
+    "mtp_proj": "MTP projections",
+    "head": "output head + loss",
+}
+DTYPE_NAMES = {2: "bf16", 4: "fp32"}
+
+
+def _layer_ranges(layers: tuple[int, ...]) -> str:
+    runs, start = [], None
+    for i, layer in enumerate(layers):
+        start = layer if start is None else start
+        if i + 1 == len(layers) or layers[i + 1] != layer + 1:
+            runs.append(f"{start}" if start == layer else f"{start}-{layer}")
+            start = None
+    return ", ".join(runs)
+
+
+def _header(plan: MemoryPlan, cfg: Config) -> list[str]:
+    p, t, o = cfg.parallel, cfg.train, cfg.optim
+    world = plan.world_size
+    dp, edp = world // (p.tp * p.cp * p.pp), world // (p.etp * p.ep * p.pp)
+    layout = (f"{cfg.model.family}, {world} GPUs: attention pp {p.pp} · dp {dp} · cp {p.cp} · "
+              f"tp {p.tp}, experts pp {p.pp} · edp {edp} · ep {p.ep} · etp {p.etp}, vpp {p.vpp}, "
+              f"{p.data_parallel}")
+    precision = (f"micro-batch {t.micro_batch_size} × {t.seq_len} tokens, "
+                 f"{DTYPE_NAMES[compute_bytes(cfg)]} compute, master {o.master_dtype}, "
+                 f"moments {o.exp_avg_dtype}/{o.exp_avg_sq_dtype}")
+    busiest = (f"busiest GPU: pipeline rank {plan.pp_rank}, layers {_layer_ranges(plan.layers)} "
+               f"({len(plan.layers)}); micro-batches in flight per model chunk at the peak: "
+               f"{', '.join(map(str, plan.in_flight))}")
+    return [layout, precision, busiest]
+
+
+def _row(label: str, value: float, indent: int = 0) -> str:
+    return f"{' ' * indent}{label:<{44 - indent}}{value / GIB:>10.2f}"
+
+
+def format_plan(plan: MemoryPlan, cfg: Config, capacity_gb: float, device: str) -> str:
+    """The per-GPU breakdown in GiB, the peak, and the verdict against `capacity_gb` (10^9 bytes)."""
+    lines = _header(plan, cfg) + ["", f"{'per GPU':<44}{'GiB':>10}"]
+    lines += [_row("parameters", plan.parameters), _row("gradients", plan.gradients),
+              _row("master weights / remainders", plan.master_weights),
+              _row("optimizer moments", plan.optimizer_moments),
+              _row("activations (saved for backward)", plan.activation_total)]
+    for key, label in CATEGORY_LABELS.items():
+        if plan.activations.get(key):
+            lines.append(_row(label, plan.activations[key], indent=2))
+    lines.append(_row("transient (backward working set / loss)", plan.transient))
+    lines.append(_row("communication buffers", sum(plan.comm_buffers.values())))
+    lines += [_row(label, value, indent=2) for label, value in plan.comm_buffers.items()]
+    lines.append(_row("optimizer step workspace (after backward)", plan.optimizer_step))
+    lines += ["-" * 54, _row("peak", plan.peak)]
+    capacity = capacity_gb * 1e9
+    verdict = "fits" if plan.fits(capacity) else "does NOT fit"
+    margin = abs(capacity - plan.peak) / GIB
+    lines.append(f"{verdict} on {device} ({capacity_gb:g} GB = {capacity / GIB:.1f} GiB): "
+                 f"{margin:.1f} GiB {'left' if plan.fits(capacity) else 'over'}; not counted: CUDA "
+                 "context, NCCL, allocator fragmentation")
+    if len(plan.rank_peaks) > 1:
+        lines.append("peak by pipeline rank (GiB): "
+                     + " ".join(f"{r}:{v / GIB:.1f}" for r, v in enumerate(plan.rank_peaks)))
+    lines += [f"note: {n}" for n in plan.notes]
+    return "\n".join(lines)

@@ -1,0 +1,153 @@
+"""The memory planner against independent references: the parameter count of the meta-built
+model, the saved-for-backward bytes of the real model run under FakeTensorMode, the published
+pipeline and distributed-optimizer rules, and the CLI."""
+
+import time
+
+import pytest
+
+from moefold.cli import main
+from moefold.config import load_config, preset_names
+from moefold.plan import activations as act
+from moefold.plan import predict_memory
+from moefold.plan.measure import measure_saved_activations
+from moefold.plan.params import model_params
+from moefold.plan.pipeline import model_chunks, peak_in_flight, rank_chunks
+from moefold.train.flops import count_params, meta_model
+
+DEEPSEEK_256 = ["--config", "deepseek-v3", "--gpus", "256", "--parallel.tp", "1", "--parallel.pp", "8",
+                "--parallel.vpp", "4", "--parallel.ep", "32", "--train.micro_batch_size", "1",
+                "--train.seq_len", "4096", "--optim.exp_avg_dtype", "bf16",
+                "--optim.exp_avg_sq_dtype", "bf16"]
+
+
+@pytest.mark.parametrize("preset", preset_names())
+def test_parameter_count_equals_the_meta_model(preset):
+    cfg = load_config(preset)
+    model = meta_model(cfg)
+    assert model_params(cfg, model.vocab_size).total == count_params(model).total
+
+
+def test_parameter_count_tied_gelu_gated_shared():
+    cfg = load_config("tiny-qwen3", {"model.tie_embeddings": True, "moe.activation": "gelu",
+                                     "moe.shared_experts": 2, "moe.shared_expert_gate": True})
+    model = meta_model(cfg)
+    assert model_params(cfg, model.vocab_size).total == count_params(model).total
+
+
+ACTIVATION_CASES = [
+    ("tiny-qwen3", {}),  # GQA with QK-norm
+    ("tiny-qwen3", {"moe.memory_efficient_permute": False}),
+    ("tiny-deepseek", {}),  # MLA with q-LoRA, shared expert, groups, expert bias, MTP
+    ("tiny-deepseek", {"model.q_lora_rank": 0, "moe.memory_efficient_permute": False}),
+    ("tiny-mixtral", {}),  # sliding window, top-k before softmax
+    ("tiny-qwen3", {"moe.activation": "gelu", "moe.z_loss_coeff": 1e-3, "moe.shared_experts": 2,
+                    "moe.shared_expert_gate": True, "moe.pad_multiple": 16}),
+    ("qwen3-30b-a3b", {"model.n_layers": 1, "train.seq_len": 128, "train.micro_batch_size": 1,
+                       "model.vocab_size": 4096}),  # real Qwen3-30B-A3B layer shapes
+    ("deepseek-v2-lite", {"model.n_layers": 2, "train.seq_len": 128, "train.micro_batch_size": 1,
+                          "model.vocab_size": 4096}),
+]
+
+
+def _predicted(cfg, dtype: str) -> dict[str, int]:
+    sh = act.Shapes(cfg.train.micro_batch_size, cfg.train.seq_len, 1, 1, 1, 2 if dtype == "bf16" else 4)
+    return act.model_bytes(cfg, sh, cfg.model.vocab_size or 257)
+
+
+def _assert_close(predicted: dict[str, int], measured: dict[str, int], rel: float = 0.10) -> None:
+    total = sum(measured.values())
+    assert sum(predicted.values()) == pytest.approx(total, rel=rel)
+    for key in set(predicted) | set(measured):  # module by module, wherever a module matters
+        if max(predicted.get(key, 0), measured.get(key, 0)) > 0.01 * total:
+            assert predicted.get(key, 0) == pytest.approx(measured.get(key, 0), rel=rel), key
+
+
+@pytest.mark.parametrize("preset,overrides", ACTIVATION_CASES)
+def test_activations_match_the_model_under_fake_tensors(preset, overrides):
+    cfg = load_config(preset, overrides)
+    _assert_close(_predicted(cfg, "bf16"), measure_saved_activations(cfg, "bf16").by_category)
+
+
+def test_activations_match_a_real_fp32_run():
+    cfg = load_config("tiny-deepseek", {"train.micro_batch_size": 2})
+    _assert_close(_predicted(cfg, "fp32"), measure_saved_activations(cfg, "fp32").by_category)
+
+
+def test_memory_efficient_permute_saving_is_predicted():
+    on, off = (load_config("tiny-qwen3", {"moe.memory_efficient_permute": flag}) for flag in (True, False))
+    measured = measure_saved_activations(off).total - measure_saved_activations(on).total
+    predicted = sum(_predicted(off, "bf16").values()) - sum(_predicted(on, "bf16").values())
+    assert measured > 0
+    assert predicted == pytest.approx(measured, rel=0.10)
+
+
+@pytest.mark.parametrize("pp,vpp", [(4, 1), (8, 1), (4, 2), (8, 4)])
+def test_first_stage_holds_megatron_rule(pp, vpp):
+    # Korthikanti et al. 2022: the first stage keeps pp micro-batches of its L/pp layers, times
+    # (1 + (pp-1)/(pp·vpp)) when interleaved; in chunk units that is pp·vpp + (pp-1) with vpp > 1.
+    expected = pp * vpp + (pp - 1) if vpp > 1 else pp
+    assert peak_in_flight([1] * vpp, 8 * pp, pp, 0).bytes == expected
+    assert peak_in_flight([1] * vpp, 8 * pp, pp, pp - 1).bytes == (1 if vpp == 1 else (vpp - 1) * pp + 1)
+
+
+def test_uneven_stages_cover_every_layer_once():
+    chunks = model_chunks(61, 1, 8, 4)  # DeepSeek-V3: 61 layers + 1 MTP block over 32 chunks
+    layers = sorted(i for c in chunks for i in c.layers)
+    assert layers == list(range(62))
+    assert max(sum(len(c.layers) for c in rank_chunks(chunks, 8, r)) for r in range(8)) == 8
+
+
+def _state_bytes(plan) -> float:
+    return plan.parameters + plan.gradients + plan.master_weights + plan.optimizer_moments
+
+
+def test_distributed_optimizer_bytes_follow_megatron():
+    # Megatron's distributed optimizer (bf16 params, fp32 grads and master, fp32 Adam):
+    # 6 + 12/d bytes per parameter on d data-parallel ranks.
+    cfg = load_config("tiny-qwen3", {"parallel.data_parallel": "ddp"})
+    n = count_params(meta_model(cfg)).total
+    assert _state_bytes(predict_memory(cfg, 4)) == pytest.approx(n * (6 + 12 / 4))
+
+
+def test_fsdp_shards_everything_and_low_precision_moments_shrink_states():
+    cfg = load_config("tiny-qwen3")
+    n = count_params(meta_model(cfg)).total
+    assert _state_bytes(predict_memory(cfg, 4)) == pytest.approx(n * 16 / 4)  # fp32 master, grad, m, v
+    lean = load_config("tiny-qwen3", {"optim.exp_avg_dtype": "fp8", "optim.exp_avg_sq_dtype": "bf16",
+                                      "optim.master_dtype": "bf16+remainder"})
+    # bf16 parameter + int16 remainder, bf16 gradient, fp8 (+ a scale per 128) and bf16 moments
+    assert _state_bytes(predict_memory(lean, 1)) == pytest.approx(n * (2 + 2 + 2 + 1 + 4 / 128 + 2))
+
+
+def test_expert_parallelism_divides_expert_states():
+    base = load_config("tiny-qwen3", {"parallel.data_parallel": "ddp"})
+    sharded = load_config("tiny-qwen3", {"parallel.data_parallel": "ddp", "parallel.ep": 4})
+    expert = sum(p.numel() for name, p in meta_model(base).named_parameters() if "experts." in name)
+    # ddp: bf16 parameters (2) and fp32 gradients (4) are replicated, so ep 4 keeps a quarter of
+    # them; master and moments (12) are sharded over edp, 4 before and 1 after, so they stay.
+    saved = _state_bytes(predict_memory(base, 4)) - _state_bytes(predict_memory(sharded, 4))
+    assert saved == pytest.approx(expert * 6 * (1 - 1 / 4))
+
+
+def test_deepseek_v3_on_256_gpus(capsys):
+    start = time.monotonic()
+    assert main(["plan", "memory", *DEEPSEEK_256, "--device", "gb200"]) == 0
+    out = capsys.readouterr().out
+    assert time.monotonic() - start < 60
+    assert "pipeline rank" in out and "peak" in out and "gb200 (186 GB" in out
+    plan = predict_memory(load_config("deepseek-v3", dict(zip(
+        [a[2:] for a in DEEPSEEK_256[4::2]], DEEPSEEK_256[5::2]))), 256)
+    assert len(plan.layers) == 8 and len(plan.rank_peaks) == 8
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--config", "tiny-qwen3", "--gpus", "3", "--parallel.ep", "2"], "not divisible"),
+    (["--config", "tiny-qwen3", "--parallel.vpp", "2"], "parallel.vpp=2 needs parallel.pp > 1"),
+    (["--config", "tiny-qwen3", "--parallel.pp", "2", "--parallel.vpp", "2"], "exceeds model.n_layers"),
+    (["--config", "tiny-qwen3", "--moe-imbalance", "0.5"], "--moe-imbalance"),
+])
+def test_bad_input_is_one_line(args, message, capsys):
+    assert main(["plan", "memory", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err

@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import difflib
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -52,6 +53,9 @@ def _build_parser() -> argparse.ArgumentParser:
     train.add_argument("--init-from-hf", type=Path, metavar="DIR",
                        help="start from a Hugging Face checkpoint directory (its config.json sets "
                             "[model] and [moe]; its tokenizer.json is used when data.tokenizer is unset)")
+    train.add_argument("--nproc", type=int, default=1, metavar="N",
+                       help="start N ranks on this machine (like torchrun --standalone "
+                            "--nproc-per-node N): one per GPU, or N CPU processes with gloo")
     _add_config_options(train)
 
     gen = commands.add_parser("generate", allow_abbrev=False, help="sample from a run's latest checkpoint")
@@ -138,13 +142,49 @@ def _train(args: argparse.Namespace) -> int:
     else:
         cfg = load_config(args.config, overrides)
         run_dir = args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    if args.nproc != 1:
+        return _spawn_ranks(args, cfg, run_dir)
     try:
         trainer = Trainer(cfg, run_dir, resume=args.resume, init_from_hf=args.init_from_hf)
         trainer.fit()
     except TrainingInterrupted as e:
         print(f"moefold: {e}", file=sys.stderr)
         return 128 + e.signum
+    finally:
+        from moefold.parallel.launch import leave
+
+        leave()
     return 0
+
+
+def _spawn_ranks(args: argparse.Namespace, cfg: Config, run_dir: Path) -> int:
+    """`--nproc N`: check what can be checked once, then run the same command as N ranks."""
+    from moefold.parallel.dims import ParallelDims
+    from moefold.parallel.launch import spawn_local
+    from moefold.train.trainer import run_dir_holds_run
+
+    if args.nproc < 1:
+        raise ConfigError(f"--nproc {args.nproc} must be >= 1")
+    if "WORLD_SIZE" in os.environ:
+        raise ConfigError("--nproc cannot be used under torchrun (it already started the ranks)")
+    p = cfg.parallel
+    ParallelDims(args.nproc, p.tp, p.cp, p.pp, p.ep, p.etp, p.order)  # the layout fits N ranks
+    if args.resume is None and run_dir_holds_run(run_dir):
+        raise ConfigError(f"--run-dir {run_dir} already holds a run; continue it with "
+                          f"--resume {run_dir} or choose another --run-dir")
+    return spawn_local(args.nproc, [*_without_nproc(args.argv), "--run-dir", str(run_dir)])
+
+
+def _without_nproc(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc":
+            skip = True
+        elif not arg.startswith("--nproc="):
+            out.append(arg)
+    return out
 
 
 def _config_for_hf_model(hf_dir: Path, preset: str | None, overrides: dict[str, Any]) -> Config:
@@ -267,7 +307,9 @@ def _rank_grid_comment(cfg: Config, world_size: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = _build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args, unknown = parser.parse_known_args(argv)
+    args.argv = argv
     try:
         if unknown:
             _reject_unknown(unknown)

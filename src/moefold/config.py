@@ -193,6 +193,9 @@ class ParallelConfig:
     data_parallel: str = "fsdp"
     """How parameters are replicated over dp·cp (dense) and edp (experts): fsdp (sharded, FSDP2)
     or ddp (replicated)."""
+    ep_dispatcher: str = "alltoall"
+    """How routed tokens reach their experts under ep/etp > 1: alltoall (token all-to-all, one
+    device→host copy of split sizes per layer) or allgather (gather all tokens, no host sync)."""
 
 
 @dataclass
@@ -248,6 +251,25 @@ class OptimConfig:
     master_dtype: str = "fp32"
     """Master weights: fp32, bf16 (the bf16 parameters are the master) or bf16+remainder (bf16
     parameters plus int16 remainders that rebuild the fp32 value exactly)."""
+
+
+# Names of `memory.recompute` and `memory.offload` (memory/sites.py says where each lives).
+MEMORY_MODULES = ("norm", "attn_core", "mla_up_proj", "moe_act", "shared_experts", "mlp", "moe", "layer")
+
+
+@dataclass
+class MemoryConfig:
+    recompute: list[str] = field(default_factory=list)
+    """Activations to recompute in backward instead of keeping, any of: norm (block pre-norms, freed
+    once the next layer saved them, and QK-norms), attn_core (softmax(QK^T)V), mla_up_proj (MLA's
+    per-head q/k/v from the latents), moe_act (routed experts' activation), shared_experts, mlp
+    (dense MLP), moe (whole MoE layer, routing replayed) or layer (whole block). Results are
+    unchanged; see docs/recompute_offload.md."""
+    offload: list[str] = field(default_factory=list)
+    """Modules (same names as memory.recompute) whose saved activations move to host memory during
+    forward (pinned, on a side stream on CUDA) and back before backward needs them."""
+    offload_min_bytes: int = 1048576
+    """Only saved tensors of at least this many bytes are offloaded; parameters never are."""
 
 
 @dataclass
@@ -306,6 +328,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
     data: DataConfig = field(default_factory=DataConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -563,6 +586,7 @@ def validate(cfg: Config) -> None:
     _one_of("optim.master_dtype", cfg.optim.master_dtype, ("fp32", "bf16", "bf16+remainder"))
     _validate_model(m)
     _validate_parallel(cfg)
+    _validate_memory(cfg)
 
 
 def _validate_model(m: ModelConfig) -> None:
@@ -581,6 +605,46 @@ def _validate_model(m: ModelConfig) -> None:
         _require(m.rope_factor >= 1, f"model.rope_factor={m.rope_factor} must be >= 1")
         _require(m.rope_original_max_len > 0,
                  f"model.rope_original_max_len={m.rope_original_max_len} must be > 0")
+
+
+# A name that already recomputes everything the listed ones would.
+_RECOMPUTE_COVERS = {"layer": set(MEMORY_MODULES) - {"layer"}, "moe": {"moe_act", "shared_experts"}}
+
+
+def _validate_memory(cfg: Config) -> None:
+    mem = cfg.memory
+    _require(mem.offload_min_bytes >= 0, f"memory.offload_min_bytes={mem.offload_min_bytes} must be >= 0")
+    for key in ("recompute", "offload"):
+        names = getattr(mem, key)
+        for name in names:
+            _one_of(f"memory.{key}", name, MEMORY_MODULES)
+            _require(names.count(name) == 1, f"memory.{key}={names} lists {name!r} twice")
+            _require(_memory_module_exists(cfg, name), f"memory.{key}={name!r} does nothing here: "
+                     f"{_MEMORY_MODULE_NEEDS.get(name)}")
+    for outer, inner in _RECOMPUTE_COVERS.items():
+        both = sorted(inner & set(mem.recompute)) if outer in mem.recompute else []
+        _require(not both, f"memory.recompute={mem.recompute}: {outer!r} already recomputes "
+                 f"{', '.join(both)}; list only one of them")
+    both = sorted(set(mem.recompute) & set(mem.offload))
+    _require(not both, f"memory.offload={mem.offload}: {', '.join(both)} is also recomputed, so it "
+             f"keeps no activations to offload; list it in one of memory.recompute, memory.offload")
+
+
+_MEMORY_MODULE_NEEDS = {"mla_up_proj": "it needs model.attention='mla'",
+                        "moe_act": "it needs MoE layers (moe.num_experts > 0)",
+                        "moe": "it needs MoE layers (moe.num_experts > 0)",
+                        "shared_experts": "it needs moe.shared_experts > 0 and MoE layers",
+                        "mlp": "the model has no dense MLP layer"}
+
+
+def _memory_module_exists(cfg: Config, name: str) -> bool:
+    moe, m = cfg.moe, cfg.model
+    # The rule of models.transformer.is_moe_layer, here without importing torch.
+    is_moe = [moe.num_experts > 0 and i >= moe.first_k_dense and i not in moe.dense_layers
+              and (i - moe.first_k_dense) % moe.moe_every == 0 for i in range(m.n_layers + m.mtp_layers)]
+    return {"mla_up_proj": m.attention == "mla", "moe_act": any(is_moe), "moe": any(is_moe),
+            "shared_experts": any(is_moe) and moe.shared_experts > 0,
+            "mlp": not all(is_moe)}.get(name, True)
 
 
 def _validate_moe(moe: MoEConfig) -> None:
@@ -639,6 +703,7 @@ def _validate_parallel(cfg: Config) -> None:
 
     p, m = cfg.parallel, cfg.model
     _one_of("parallel.data_parallel", p.data_parallel, ("fsdp", "ddp"))
+    _one_of("parallel.ep_dispatcher", p.ep_dispatcher, ("alltoall", "allgather"))
     # The world size is known only at launch; the smallest world both grids fit checks everything
     # that does not depend on it.
     dims = ParallelDims.smallest(p.tp, p.cp, p.pp, p.ep, p.etp, p.order)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -71,16 +72,30 @@ def resolve_checkpoint(path: Path) -> Path:
 
 
 def save_checkpoint(state: dict[str, Any], run_dir: Path, step: int, keep: int) -> Path:
-    """Write `state` as checkpoint `step` atomically, then delete all but the newest `keep`."""
+    """Write `state` as checkpoint `step` atomically, then delete all but the newest `keep`.
+
+    With a process group this is a collective: every rank writes its shards into the same `.tmp`
+    directory, and rank 0 renames it once DCP has written the metadata (after all shards)."""
     final = checkpoint_path(run_dir, step)
     tmp = final.with_name(final.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)  # leftover of an interrupted save
+    coordinator = not dist.is_initialized() or dist.get_rank() == 0
+    if coordinator:
+        shutil.rmtree(tmp, ignore_errors=True)  # leftover of an interrupted save
+    _barrier()
     with _single_process_ok():
         dcp.save(state, checkpoint_id=tmp)
-    _replace_dir(tmp, final)
-    for _, old in complete_checkpoints(run_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    if coordinator:
+        _replace_dir(tmp, final)
+        for _, old in complete_checkpoints(run_dir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    _barrier()  # nobody reads or writes checkpoints before the rename
     return final
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def _replace_dir(src: Path, dst: Path) -> None:

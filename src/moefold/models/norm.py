@@ -13,7 +13,11 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x_fp32 = x.float()
         normed = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * self.weight.float()).to(x.dtype)
+        return (normed * self.scale().float()).to(x.dtype)
+
+    def scale(self) -> torch.Tensor:
+        """The weight as forward uses it (tensor parallelism hooks its gradient here)."""
+        return self.weight
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)

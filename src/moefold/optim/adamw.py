@@ -6,19 +6,24 @@ weights use `PrecisionAwareAdamW` (optim/precision.py).
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from moefold.config import OptimConfig, TrainConfig
 from moefold.optim.precision import PrecisionAwareAdamW
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    decay, no_decay = [], []
+    """Matrices (but not embeddings) with weight decay, the rest without; each split into DTensor
+    and plain parameters, which one foreach/fused kernel call cannot mix (replicated parameters
+    beside EP/TP-sharded ones under parallel.data_parallel=ddp)."""
+    groups: dict[tuple[bool, bool], list[nn.Parameter]] = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        (decay if p.dim() >= 2 and "tok_embeddings" not in name else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay},
-            {"params": no_decay, "weight_decay": 0.0}]
+        decay = p.dim() >= 2 and "tok_embeddings" not in name
+        groups.setdefault((decay, isinstance(p, DTensor)), []).append(p)
+    return [{"params": params, "weight_decay": weight_decay if decay else 0.0}
+            for (decay, _), params in sorted(groups.items(), key=lambda kv: (not kv[0][0], kv[0][1]))]
 
 
 def build_optimizer(model: nn.Module, t: TrainConfig, device: torch.device,

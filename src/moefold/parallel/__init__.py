@@ -1,1 +1,2 @@
-"""Parallel layouts: how the ranks of a job fold into attention and expert process groups."""
+"""Parallel folding: the layout (dims.py), tensor (tensor.py), sequence split (sequence.py),
+expert (expert.py) and data (data.py) parallelism, applied to a built model by `parallelize`."""

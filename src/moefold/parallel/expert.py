@@ -24,8 +24,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.distributed.nn.functional as dist_fn
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 from moefold.errors import ConfigError
 from moefold.moe.capacity import Dropless
@@ -37,6 +39,7 @@ from moefold.moe.dispatch import (
 )
 from moefold.moe.layer import MoELayer
 from moefold.moe.router import Routing
+from moefold.parallel.dims import expert_coords
 
 
 @dataclass
@@ -44,8 +47,9 @@ class AllToAllHandle:
     order_N: torch.Tensor  # int64: copies sorted by global expert (kept first, dropped last)
     keep_N: torch.Tensor  # bool: the copy was sent
     regroup_R: torch.Tensor  # int64: received row (source-major) at each expert-grouped row
-    send_splits: list[int]  # rows sent to each ep rank (host)
-    recv_splits: list[int]  # rows received from each ep rank (host)
+    send_per_ep: list[int]  # kept copies for each EP index (host)
+    send_splits: list[int]  # rows sent to each group rank (host)
+    recv_splits: list[int]  # rows received from each group rank (host)
     probs_TK: torch.Tensor  # combine weights, used when the experts did not apply them
 
 
@@ -60,17 +64,25 @@ class _Sorted:
 
 class _ExpertParallelDispatcher:
     """What both EP dispatchers share: the group, this rank's block of E/ep experts, and how
-    combine sums a token's K copies (plain when the experts applied the probabilities)."""
+    combine sums a token's K copies (plain when the experts applied the probabilities).
 
-    def __init__(self, top_k: int, num_experts: int, ep_group, probs_applied_by_experts: bool):
-        self.top_k, self.num_experts, self.ep_group = top_k, num_experts, ep_group
-        self.ep_size, self.ep_rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
+    `group` is the EP group, or with expert tensor parallelism the EP×ETP group; `ep_of_rank[g]` is
+    the EP index of group rank g (None: group rank = EP index, no ETP). Ranks that share an EP index
+    hold the same experts, each a slice of their hidden dimension, and each gets every copy routed
+    to those experts: their partial outputs add up in combine."""
+
+    def __init__(self, top_k: int, num_experts: int, group, probs_applied_by_experts: bool,
+                 ep_of_rank: list[int] | None = None):
+        self.top_k, self.num_experts, self.group = top_k, num_experts, group
+        self.group_size = dist.get_world_size(group)
+        self.ep_of_rank = ep_of_rank or list(range(self.group_size))
+        self.ep_size, self.ep_rank = len(set(self.ep_of_rank)), self.ep_of_rank[dist.get_rank(group)]
         if num_experts % self.ep_size:
             raise ConfigError(f"parallel.ep={self.ep_size} does not divide "
                               f"moe.num_experts={num_experts}")
         self.num_local_experts = num_experts // self.ep_size
+        self._fans_out = self.ep_of_rank != list(range(self.ep_size))
         self._reduce = _sum_copies if probs_applied_by_experts else _weighted_sum_copies
-
 
 class AllToAllDispatcher(_ExpertParallelDispatcher):
     """Dropless all-to-all dispatch over `ep_group` (Megatron-Core's MoEAlltoAllTokenDispatcher).
@@ -85,10 +97,10 @@ class AllToAllDispatcher(_ExpertParallelDispatcher):
 
     def dispatch(self, x_TD: torch.Tensor, routing: Routing, keep_N: torch.Tensor) -> Dispatched:
         sorted_ = self._preprocess(x_TD, routing, keep_N)
-        x_RD, probs_R, counts_PL, send_splits, recv_splits = self._communicate(sorted_)
-        x_RD, probs_R, rows_per_expert_L, regroup_R = self._postprocess(x_RD, probs_R, counts_PL)
-        handle = AllToAllHandle(sorted_.order_N, keep_N, regroup_R, send_splits, recv_splits,
-                                routing.probs_TK)
+        x_RD, probs_R, counts_GL, send_per_ep, send_splits, recv_splits = self._communicate(sorted_)
+        x_RD, probs_R, rows_per_expert_L, regroup_R = self._postprocess(x_RD, probs_R, counts_GL)
+        handle = AllToAllHandle(sorted_.order_N, keep_N, regroup_R, send_per_ep, send_splits,
+                                recv_splits, routing.probs_TK)
         return Dispatched(x_RD=x_RD, rows_per_expert_E=rows_per_expert_L, probs_R=probs_R, handle=handle)
 
     def _preprocess(self, x_TD, routing: Routing, keep_N) -> _Sorted:
@@ -104,19 +116,40 @@ class AllToAllDispatcher(_ExpertParallelDispatcher):
                        tokens_per_expert_E=counts_E1[:E], order_N=order_N)
 
     def _communicate(self, s: _Sorted):
-        """Counts all-to-all, the one host copy of the split sizes, then tokens and probs."""
+        """Counts all-to-all, the one host copy of the split sizes, then tokens and probs.
+        G group ranks (P·ETP); every ETP rank of an EP index gets that index's copies."""
         P, L = self.ep_size, self.num_local_experts
-        # counts_PL[p, l]: rows source rank p sends to this rank's local expert l.
-        counts_PL = torch.empty_like(s.tokens_per_expert_E)
-        dist.all_to_all_single(counts_PL, s.tokens_per_expert_E, group=self.ep_group)
-        counts_PL = counts_PL.view(P, L)
-        splits_2P = torch.cat([s.tokens_per_expert_E.view(P, L).sum(1), counts_PL.sum(1)])
-        splits = splits_2P.tolist()  # HOST SYNC: all_to_all needs split sizes on the host
-        send_splits, recv_splits = splits[:P], splits[P:]
-        S, R = sum(send_splits), sum(recv_splits)
-        x_RD = self._all_to_all(s.x_SD[:S], R, recv_splits, send_splits)
-        probs_R = self._all_to_all(s.probs_S[:S], R, recv_splits, send_splits)
-        return x_RD, probs_R, counts_PL, send_splits, recv_splits
+        counts_PL = s.tokens_per_expert_E.view(P, L)
+        ep_of_rank_G = torch.tensor(self.ep_of_rank, device=counts_PL.device)
+        # counts_GL[g, l]: rows group rank g sends to this rank's local expert l.
+        counts_GL = torch.empty(self.group_size * L, dtype=counts_PL.dtype, device=counts_PL.device)
+        dist.all_to_all_single(counts_GL, counts_PL.index_select(0, ep_of_rank_G).reshape(-1),
+                               group=self.group)
+        counts_GL = counts_GL.view(-1, L)
+        splits = torch.cat([counts_PL.sum(1), counts_GL.sum(1)]).tolist()  # HOST SYNC: all_to_all
+        send_per_ep, recv_splits = splits[:P], splits[P:]                   # needs sizes on the host
+        send_splits = [send_per_ep[p] for p in self.ep_of_rank]
+        S = sum(send_per_ep)
+        x_RD = self._all_to_all(self._fan_out(s.x_SD[:S], send_per_ep), recv_splits, send_splits)
+        probs_R = self._all_to_all(self._fan_out(s.probs_S[:S], send_per_ep), recv_splits, send_splits)
+        return x_RD, probs_R, counts_GL, send_per_ep, send_splits, recv_splits
+
+    def _fan_out(self, x_S: torch.Tensor, send_per_ep: list[int]) -> torch.Tensor:
+        """The rows for each group rank, in group order: with ETP, each EP index's rows once per
+        ETP rank of it (autograd sums the copies' gradients)."""
+        if not self._fans_out:
+            return x_S
+        chunks = x_S.split(send_per_ep)
+        return torch.cat([chunks[p] for p in self.ep_of_rank])
+
+    def _fan_in(self, y_X: torch.Tensor, handle: AllToAllHandle) -> torch.Tensor:
+        """Inverse of `_fan_out`: sum the ETP ranks' partial outputs of each EP index's rows."""
+        if not self._fans_out:
+            return y_X
+        per_ep: list[torch.Tensor | None] = [None] * self.ep_size
+        for p, piece in zip(self.ep_of_rank, y_X.split(handle.send_splits)):
+            per_ep[p] = piece if per_ep[p] is None else per_ep[p] + piece
+        return torch.cat(per_ep)
 
     def _postprocess(self, x_RD, probs_R, counts_PL):
         """Regroup the received rows (source-major) by local expert, stable within a source."""
@@ -134,8 +167,8 @@ class AllToAllDispatcher(_ExpertParallelDispatcher):
     def combine(self, y_RD: torch.Tensor, handle: AllToAllHandle) -> torch.Tensor:
         """y_TD in fp32 (the sum over K copies is done in fp32)."""
         y_RD = self._combine_preprocess(y_RD, handle)
-        y_SD = self._all_to_all(y_RD, sum(handle.send_splits), handle.send_splits, handle.recv_splits)
-        return self._combine_postprocess(y_SD, handle)
+        y_XD = self._all_to_all(y_RD, handle.send_splits, handle.recv_splits)
+        return self._combine_postprocess(self._fan_in(y_XD, handle), handle)
 
     def _combine_preprocess(self, y_RD, handle: AllToAllHandle):
         """Undo the regrouping: back to source-major order, by a gather through the inverse."""
@@ -156,10 +189,10 @@ class AllToAllDispatcher(_ExpertParallelDispatcher):
         y_ND = y_S1D.index_select(0, torch.where(handle.keep_N, position_N, S))
         return self._reduce(y_ND.view(-1, self.top_k, y_SD.shape[-1]), handle.probs_TK)
 
-    def _all_to_all(self, x: torch.Tensor, out_rows: int, out_splits: list[int],
-                    in_splits: list[int]) -> torch.Tensor:
-        out = x.new_empty(out_rows, *x.shape[1:])
-        return dist_fn.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=self.ep_group)
+    def _all_to_all(self, x: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
+        # The functional all-to-all is autograd-aware: backward runs the reverse exchange.
+        y = funcol.all_to_all_single_autograd(x.contiguous(), out_splits, in_splits, group=self.group)
+        return funcol.wait_tensor(y)
 
 
 @dataclass
@@ -204,7 +237,7 @@ class AllGatherDispatcher(_ExpertParallelDispatcher):
         unequal sizes would be undefined (NCCL reads or writes out of bounds, or hangs)."""
         bounds = torch.full((2,), T, dtype=torch.int64, device=device)
         bounds[1].neg_()
-        dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=self.ep_group)  # max T, −min T
+        dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=self.group)  # max T, −min T
         torch._assert_async(bounds.sum() == 0,
                             f"AllGatherDispatcher needs the same number of tokens (batch·sequence) on "
                             f"every EP rank; this rank has {T} and another differs (use "
@@ -212,11 +245,11 @@ class AllGatherDispatcher(_ExpertParallelDispatcher):
 
     def _communicate(self, x_TD, key_N, probs_TK) -> _Gathered:
         """Tokens and probabilities by the autograd-aware all-gather; expert ids need no gradient."""
-        key_M = key_N.new_empty(self.ep_size * key_N.numel())
-        dist.all_gather_into_tensor(key_M, key_N.contiguous(), group=self.ep_group)
-        return _Gathered(x_GD=torch.cat(dist_fn.all_gather(x_TD, group=self.ep_group)),
+        key_M = key_N.new_empty(self.group_size * key_N.numel())
+        dist.all_gather_into_tensor(key_M, key_N.contiguous(), group=self.group)
+        return _Gathered(x_GD=torch.cat(dist_fn.all_gather(x_TD, group=self.group)),
                          key_M=key_M,
-                         probs_GK=torch.cat(dist_fn.all_gather(probs_TK, group=self.ep_group)))
+                         probs_GK=torch.cat(dist_fn.all_gather(probs_TK, group=self.group)))
 
     def _postprocess(self, g: _Gathered) -> Dispatched:
         """Static-shape sort by local expert (stable: gathered order within an expert); copies for
@@ -255,21 +288,25 @@ class AllGatherDispatcher(_ExpertParallelDispatcher):
     def _combine_communicate(self, y_GD: torch.Tensor) -> torch.Tensor:
         """Sum over the group and keep this rank's T rows: the autograd-aware reduce-scatter
         (gloo has reduce_scatter in torch ≥ 2.x; its backward is an all-gather)."""
-        chunks = list(y_GD.chunk(self.ep_size))
-        return dist_fn.reduce_scatter(torch.empty_like(chunks[0]), chunks, group=self.ep_group)
+        chunks = list(y_GD.chunk(self.group_size))
+        return dist_fn.reduce_scatter(torch.empty_like(chunks[0]), chunks, group=self.group)
 
 
 DISPATCHERS = {"alltoall": AllToAllDispatcher, "allgather": AllGatherDispatcher}
 """Expert-parallel dispatchers by the name `apply_ep` takes."""
 
 
-def apply_ep(layer: MoELayer, ep_group, dispatcher: str = "alltoall") -> None:
-    """Keep this rank's E/ep experts (contiguous blocks by EP rank) and dispatch by `dispatcher`
+def apply_ep(layer: MoELayer, ep_group, dispatcher: str = "alltoall",
+             ep_of_rank: list[int] | None = None, etp_rank: int = 0, etp_size: int = 1) -> None:
+    """Keep this rank's E/ep experts (contiguous blocks by EP index) and dispatch by `dispatcher`
     ("alltoall": one host sync per call, rows sent only where needed; "allgather": no host sync,
-    every rank receives all tokens; needs the same T on every EP rank).
+    every rank receives all tokens; needs the same T on every rank of the group).
 
-    Call on a layer built for all E experts, on every rank of `ep_group` (same config); the router,
-    shared experts and load statistics stay replicated and see all E experts.
+    With expert tensor parallelism `ep_group` is the EP×ETP group, `ep_of_rank` the EP index of
+    each of its ranks, and each rank keeps hidden slice `etp_rank` of `etp_size` of its experts.
+    Call on a layer built for all E experts, on every rank of the group (same config); the router,
+    shared experts and load statistics stay replicated and see all E experts. Expert weights stay
+    plain local tensors (`distribute_experts` makes them DTensors for checkpoints and FSDP).
     """
     if dispatcher not in DISPATCHERS:
         raise ValueError(f"apply_ep: dispatcher={dispatcher!r}, expected one of {sorted(DISPATCHERS)}")
@@ -282,18 +319,56 @@ def apply_ep(layer: MoELayer, ep_group, dispatcher: str = "alltoall") -> None:
     if layer.dispatcher.layout.multiple > 1:
         raise ConfigError(f"moe.pad_multiple={layer.dispatcher.layout.multiple} is not supported with "
                           "parallel.ep > 1 yet (only 0)")
-    ep, rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
-    experts = layer.experts
-    if experts.num_experts % ep:
-        raise ConfigError(f"parallel.ep={ep} does not divide moe.num_experts={experts.num_experts}")
-    num_local = experts.num_experts // ep
-    start = rank * num_local
-    for name in ("w1_EDF", "w3_EDF", "w2_EFD"):
+    new_dispatcher = DISPATCHERS[dispatcher](
+        layer.top_k, layer.num_experts, ep_group,
+        probs_applied_by_experts=layer.experts.activation.applies_probs, ep_of_rank=ep_of_rank)
+    _keep_local_experts(layer.experts, new_dispatcher.ep_rank, new_dispatcher.num_local_experts,
+                        etp_rank, etp_size)
+    layer.dispatcher = new_dispatcher
+
+
+def _keep_local_experts(experts, ep_rank: int, num_local: int, etp_rank: int, etp_size: int) -> None:
+    hidden = experts.w1_EDF.shape[-1]
+    if hidden % etp_size:
+        raise ConfigError(f"parallel.etp={etp_size} does not divide moe.expert_hidden={hidden}")
+    e, f = slice(ep_rank * num_local, (ep_rank + 1) * num_local), hidden // etp_size
+    f_slice = slice(etp_rank * f, (etp_rank + 1) * f)
+    for name, index in (("w1_EDF", (e, slice(None), f_slice)), ("w3_EDF", (e, slice(None), f_slice)),
+                        ("w2_EFD", (e, f_slice))):
         w = getattr(experts, name, None)
         if w is not None:  # w3 only with a gated activation
-            local = w.detach()[start:start + num_local].clone()
-            setattr(experts, name, nn.Parameter(local, requires_grad=w.requires_grad))
+            setattr(experts, name, nn.Parameter(w.detach()[index].clone(), requires_grad=w.requires_grad))
     experts.num_experts = num_local
-    layer.dispatcher = DISPATCHERS[dispatcher](
-        layer.top_k, layer.num_experts, ep_group,
-        probs_applied_by_experts=experts.activation.applies_probs)
+
+
+EXPERT_WEIGHT_SHARD_DIMS = {"w1_EDF": (0, 2), "w3_EDF": (0, 2), "w2_EFD": (0, 1)}
+"""Per expert weight: the dim split over EP (experts) and the dim split over ETP (hidden)."""
+
+
+def apply_expert_parallel(layer: MoELayer, layout, dispatcher: str) -> None:
+    """EP (and ETP) of one MoE layer over `layout`'s expert grid; expert weights become DTensors on
+    the (ep, etp) mesh so that checkpoints know each slice's place in the full [E, ...] tensor."""
+    dims = layout.dims
+    if dims.ep * dims.etp == 1:
+        return
+    group = layout.ep_etp_group
+    ep_of_rank = [expert_coords(dims, r)[2] for r in dist.get_process_group_ranks(group)]
+    etp_rank = layout.expert_coords[3]
+    apply_ep(layer, group, dispatcher, ep_of_rank, etp_rank, dims.etp)
+    distribute_experts(layer.experts, layout)
+
+
+def distribute_experts(experts, layout) -> None:
+    """Wrap the local expert weights as DTensors sharded over the mesh dims of size > 1 among
+    (ep, etp): dim 0 over EP, the hidden dim over ETP."""
+    dims = layout.dims
+    names = [n for n, size in (("ep", dims.ep), ("etp", dims.etp)) if size > 1]
+    mesh = layout.expert_mesh[tuple(names)] if len(names) > 1 else layout.expert_mesh[names[0]]
+    for name, (ep_dim, etp_dim) in EXPERT_WEIGHT_SHARD_DIMS.items():
+        w = getattr(experts, name, None)
+        if w is None:
+            continue
+        placements = [Shard(ep_dim if n == "ep" else etp_dim) for n in names]
+        setattr(experts, name, nn.Parameter(DTensor.from_local(w.detach(), mesh, placements,
+                                                               run_check=False),
+                                            requires_grad=w.requires_grad))

@@ -8,18 +8,22 @@ and dense MLP of every block.
   shards are contiguous head blocks). The module's `n_heads`/`n_kv_heads` are set to the local
   counts, as TorchTitan does, so its forward reshapes into local heads unchanged.
 - Per-head QK-norms (Qwen3) are per head-dim: their weights stay replicated and normalise the local
-  heads; since each rank only sees its heads' contribution, their gradients are summed over TP by
-  a hook.
+  heads; since each rank only sees its heads' contribution, their gradients are summed over TP
+  where forward uses the weight (so this holds whatever data parallelism later does to the
+  parameter object).
 - MLA: wq (or wq_b) and wkv_b column-wise by heads, wo row-wise; wq_a, wkv_a and the latent norms
   replicated. The RoPE key that wkv_a produces is shared by all heads, so the gradient of those
   columns of wkv_a's output is summed over TP (the latent columns already arrive summed through
   wkv_b's column-wise input).
 - Dense SwiGLU MLP: w1/w3 column-wise, w2 row-wise.
 
+- Shared experts of MoE layers: like the dense MLP (w1/w3 column-wise, w2 row-wise); a shared
+  expert gate stays replicated.
+
 Inputs and outputs of attention and dense MLPs are plain replicated tensors (use_local_output), so
-everything else — embeddings, norms, output head and MoE layers — stays replicated and computes the
-same on every TP rank (no sequence parallelism). Expert parallelism / expert TP is separate
-(parallel/expert.py); this does not touch MoE layers.
+everything else — embeddings, norms, output head and routers — stays replicated and computes the
+same on every TP rank. Routed experts are not TP-sharded: each TP rank dispatches its 1/tp of the
+tokens (parallel/sequence.py), and expert parallelism / expert TP shard them (parallel/expert.py).
 """
 
 import torch
@@ -36,6 +40,7 @@ from moefold.errors import ConfigError
 from moefold.models.attention import Attention
 from moefold.models.mla import MLAttention
 from moefold.models.mlp import SwiGLUMLP
+from moefold.models.norm import RMSNorm
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
@@ -54,9 +59,16 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
         else:
             _tp_gqa(block.attn, tp_mesh)
         if isinstance(block.ffn, SwiGLUMLP):
-            parallelize_module(block.ffn, tp_mesh, {"w1": ColwiseParallel(), "w3": ColwiseParallel(),
-                                                    "w2": RowwiseParallel()})
-        # MoE layers stay replicated: experts are sharded by expert parallelism, not here.
+            _tp_mlp(block.ffn, tp_mesh)
+        elif getattr(block.ffn, "shared", None) is not None:  # an MoE layer with shared experts
+            _tp_mlp(block.ffn.shared, tp_mesh)
+
+
+def _tp_mlp(mlp: nn.Module, tp_mesh: DeviceMesh) -> None:
+    plan = {"w1": ColwiseParallel(), "w2": RowwiseParallel()}
+    if hasattr(mlp, "w3"):  # gated activations only
+        plan["w3"] = ColwiseParallel()
+    parallelize_module(mlp, tp_mesh, plan)
 
 
 def _check_heads(attn: nn.Module, tp: int) -> None:
@@ -76,9 +88,9 @@ def _tp_gqa(attn: Attention, tp_mesh: DeviceMesh) -> None:
                                        "wv": ColwiseParallel(), "wo": RowwiseParallel()})
     attn.n_heads //= tp
     attn.n_kv_heads //= tp
-    for norm in (attn.q_norm, attn.k_norm):
-        for p in norm.parameters():  # none for nn.Identity
-            p.register_hook(_sum_over(tp_mesh))
+    if isinstance(attn.q_norm, RMSNorm):
+        attn.q_norm = HeadShardedRMSNorm(attn.q_norm, tp_mesh.get_group())
+        attn.k_norm = HeadShardedRMSNorm(attn.k_norm, tp_mesh.get_group())
 
 
 def _tp_mla(attn: MLAttention, tp_mesh: DeviceMesh) -> None:
@@ -92,15 +104,31 @@ def _tp_mla(attn: MLAttention, tp_mesh: DeviceMesh) -> None:
         lambda module, args, out: _SumGradColumns.apply(out, rope_start, group))
 
 
-def _sum_over(tp_mesh: DeviceMesh):
-    group = tp_mesh.get_group()
+class HeadShardedRMSNorm(RMSNorm):
+    """A per-head RMSNorm applied to this TP rank's heads: the same weight (the same Parameter),
+    whose gradient is summed over the TP group as forward reads it."""
 
-    def hook(grad: torch.Tensor) -> torch.Tensor:
+    def __init__(self, norm: RMSNorm, group):
+        nn.Module.__init__(self)
+        self.eps, self.weight, self.group = norm.eps, norm.weight, group
+
+    def scale(self) -> torch.Tensor:
+        return _SumGrad.apply(self.weight, self.group)
+
+
+class _SumGrad(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over `group` (Megatron's copy-to-TP-region)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
         grad = grad.clone()
-        dist.all_reduce(grad, group=group)
-        return grad
-
-    return hook
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
 
 
 class _SumGradColumns(torch.autograd.Function):

@@ -68,6 +68,16 @@ class MetricsSinks:
             self.tb.close()
 
 
+class NullSinks:
+    """What ranks other than 0 write: nothing."""
+
+    def write(self, record: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def _tensorboard_writer(path: Path):
     try:
         from torch.utils.tensorboard import SummaryWriter

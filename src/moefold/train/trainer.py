@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from tqdm import tqdm
 
@@ -29,6 +30,9 @@ from moefold.models.transformer import Transformer, build_model
 from moefold.moe.stats import summarize
 from moefold.optim.adamw import build_optimizer
 from moefold.optim.schedule import build_scheduler
+from moefold.parallel.apply import parallelize
+from moefold.parallel.data import GradNormClipper
+from moefold.parallel.launch import join
 from moefold.train import metrics
 from moefold.train.heatmap import append_window, write_load_heatmap
 from moefold.train.flops import count_params, peak_tflops, train_flops_per_token
@@ -58,16 +62,6 @@ def resolve_compute_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp32": torch.float32}[name]
 
 
-def _refuse_parallel_layouts(cfg: Config) -> None:
-    refuse_unsupported_parallel(cfg)
-    p = cfg.parallel
-    sizes = {name: getattr(p, name) for name in ("tp", "ep", "etp") if getattr(p, name) > 1}
-    if sizes:
-        shown = ", ".join(f"parallel.{k}={v}" for k, v in sizes.items())
-        raise ConfigError(f"{shown}: parallel training is not yet supported (the layout is checked "
-                          "and `moefold config show` prints its rank grid)")
-
-
 def run_dir_holds_run(run_dir: Path) -> bool:
     return (run_dir / "config.toml").exists() or (run_dir / "checkpoints").exists()
 
@@ -89,13 +83,16 @@ class Trainer:
         checkpoint directory whose weights the model starts from (cfg.model/moe must match it)."""
         self.cfg, self.run_dir, self.out = cfg, Path(run_dir), out
         self.init_from_hf = init_from_hf
-        _refuse_parallel_layouts(cfg)
+        refuse_unsupported_parallel(cfg)
         checkpoint = resolve_checkpoint(resume) if resume is not None else None
         if checkpoint is None and run_dir_holds_run(self.run_dir):
             raise ConfigError(f"--run-dir {self.run_dir} already holds a run; continue it with "
                               f"--resume {self.run_dir} or choose another --run-dir")
+        self.dist, self.device = join(cfg, cfg.train.device)
+        if not self.dist.is_main:  # rank 0 speaks for the job
+            self.out = lambda line: None
+        self.grad_accum = self._grad_accum()
         torch.manual_seed(cfg.train.seed)
-        self.device = resolve_device(cfg.train.device)
         self.compute_dtype = resolve_compute_dtype(cfg.precision.compute_dtype, self.device)
         self._build_data()
         self._build_model()
@@ -104,9 +101,23 @@ class Trainer:
         self.step = 0
         if checkpoint is not None:
             self._load(checkpoint)
-        self._prepare_run_dir()
+        self.dist.barrier()  # every rank has checked the run dir before rank 0 writes into it
+        if self.dist.is_main:
+            self._prepare_run_dir()
 
     # ----------------------------------------------------------------------------------- build
+
+    def _grad_accum(self) -> int:
+        """Micro-batches per step on each data rank: train.grad_accum, or what
+        train.global_batch_size leaves after micro_batch_size · dp."""
+        t, dp = self.cfg.train, self.dist.dp_size
+        if not t.global_batch_size:
+            return t.grad_accum
+        per_micro_step = t.micro_batch_size * dp
+        if t.global_batch_size % per_micro_step:
+            raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not divisible by "
+                              f"train.micro_batch_size · dp = {t.micro_batch_size} · {dp}")
+        return t.global_batch_size // per_micro_step
 
     def _build_data(self) -> None:
         cfg = self.cfg
@@ -118,12 +129,15 @@ class Trainer:
         streams = build_token_streams(cfg.data, self.tokenizer, vocab_size=self.vocab_size)
         self.data_source = streams.source
         t = cfg.train
+        # The loader yields the global micro-batch (micro_batch_size sequences per data rank); each
+        # data rank takes its rows, so the data order does not depend on the layout.
+        global_micro_batch = t.micro_batch_size * self.dist.dp_size
         train_seqs = PackedSequences(streams.train_N, t.seq_len, name="training")
-        self.train_loader = TrainLoader(train_seqs, t.micro_batch_size, t.seed, streams.eos_id)
+        self.train_loader = TrainLoader(train_seqs, global_micro_batch, t.seed, streams.eos_id)
         self.val_batches = []
         if streams.val_N.size:  # data.val_fraction = 0 turns validation off
             val_seqs = PackedSequences(streams.val_N, t.seq_len, name="validation")
-            self.val_batches = val_batches(val_seqs, t.micro_batch_size, t.val_batches, streams.eos_id)
+            self.val_batches = val_batches(val_seqs, global_micro_batch, t.val_batches, streams.eos_id)
 
     def _build_model(self) -> None:
         cfg = self.cfg
@@ -140,10 +154,15 @@ class Trainer:
             model.init_weights(cfg.train.seed)
         self.model: Transformer = model.to(self.device)
         for layer in self.model.moe_layers():
-            layer.aux_loss_scale = 1.0 / cfg.train.grad_accum  # the CE loss is averaged the same way
+            layer.aux_loss_scale = 1.0 / self.grad_accum  # the CE loss is averaged the same way
         self.objective = build_objective(self.model)
-        self.param_counts = count_params(self.model)
+        self.param_counts = count_params(self.model)  # of the whole model, before sharding
         self.flops_per_token = train_flops_per_token(self.model, cfg.train.seq_len)
+        self.sync_gradients = lambda: None
+        if self.dist.layout is not None:
+            self.sync_gradients = parallelize(self.model, self.dist.layout, cfg.parallel)
+        self.clip_gradients = GradNormClipper(list(self.model.parameters()),
+                                              dist.group.WORLD if self.dist.layout else None)
         self.peak_tflops = peak_tflops(self.device, cfg.logging.peak_tflops)
         autocast_on = self.compute_dtype != torch.float32
         self.autocast = (partial(torch.autocast, self.device.type, dtype=self.compute_dtype)
@@ -184,14 +203,30 @@ class Trainer:
 
     # ------------------------------------------------------------------------------- the step
 
+    def _local_rows(self, batch: Batch) -> Batch:
+        """This data rank's rows of a global micro-batch."""
+        if self.dist.dp_size == 1:
+            return batch
+        rank, size = self.dist.dp_rank, self.dist.dp_size
+        return Batch(*(t.tensor_split(size)[rank] for t in
+                       (batch.input_ids_BS, batch.labels_BS, batch.doc_ids_BS)))
+
     def _to_device(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = self._local_rows(batch)
         return (batch.input_ids_BS.to(self.device, non_blocking=True),
                 batch.labels_BS.to(self.device, non_blocking=True))
 
     def train_step(self) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """One optimizer step over grad_accum micro-batches; (mean loss parts, grad norm), both on
-        the device. `lm_loss` is the next-token loss; other parts (mtp_loss) as the objective has."""
-        accum = self.cfg.train.grad_accum
+        the device. `lm_loss` is the next-token loss; other parts (mtp_loss) as the objective has.
+        Loss parts are this data rank's; the log averages them over the data ranks."""
+        parts = self.accumulate_gradients()
+        return parts, self.optimizer_step()
+
+    def accumulate_gradients(self) -> dict[str, torch.Tensor]:
+        """Forward and backward of the step's micro-batches; afterwards every parameter holds the
+        gradient of the global batch's mean loss (data-parallel reduction included)."""
+        accum = self.grad_accum
         parts_sum: dict[str, torch.Tensor] = {}
         for _ in range(accum):
             input_ids_BS, labels_BS = self._to_device(self.train_loader.next_batch())
@@ -200,27 +235,32 @@ class Trainer:
             (total / accum).backward()
             for name, value in parts.items():
                 parts_sum[name] = parts_sum.get(name, 0.0) + value
-        max_norm = self.cfg.train.grad_clip or float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=True)
+        self.sync_gradients()  # data-parallel averaging left after backward (DDP; FSDP: nothing)
+        return {name: value / accum for name, value in parts_sum.items()}
+
+    def optimizer_step(self) -> torch.Tensor:
+        """Clip (one norm across both meshes), step, update expert biases; returns the grad norm."""
+        grad_norm = self.clip_gradients(self.cfg.train.grad_clip or float("inf"))
         self.optimizer.step()
         self.model.on_optimizer_step()  # expert-bias update, global aux-loss counts reset
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return {name: value / accum for name, value in parts_sum.items()}, grad_norm
+        return grad_norm
 
     @torch.no_grad()
     def validate(self) -> float:
         """Token-weighted mean loss over the fixed validation batches (in eval mode, so MoE layers
         record no statistics and no aux losses)."""
         self.model.eval()
-        total, tokens = 0.0, 0
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss · tokens, tokens
         for batch in self.val_batches:
-            input_ids_BS, labels_BS = self._to_device(batch)
+            input_ids_BS, labels_BS = self._to_device(batch)  # this data rank's rows
             with self.autocast():
                 logits_BSV = self.model(input_ids_BS)
-            total += float(cross_entropy_loss(logits_BSV, labels_BS)) * labels_BS.numel()
-            tokens += labels_BS.numel()
+            sums[0] += cross_entropy_loss(logits_BSV, labels_BS).double() * labels_BS.numel()
+            sums[1] += labels_BS.numel()
         self.model.train()
+        total, tokens = self.dist.sum_over_data(sums).tolist()  # HOST SYNC: once per validation
         return total / tokens
 
     # ------------------------------------------------------------------------------- the loop
@@ -228,13 +268,15 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         """Train to cfg.train.steps; returns the last train and validation metrics."""
         t, log = self.cfg.train, self.cfg.logging
-        self.sinks = metrics.MetricsSinks(self.run_dir, log.tensorboard)
+        self.sinks = (metrics.MetricsSinks(self.run_dir, log.tensorboard) if self.dist.is_main
+                      else metrics.NullSinks())
         self._stop_signal: int | None = None
         self.load_history: list[tuple[int, list[list[int]]]] = []
         previous_handlers = self._install_signal_handlers()
         self._announce()
-        bar = tqdm(total=t.steps, initial=self.step, disable=not (log.progress_bar and metrics.is_interactive()),
-                   dynamic_ncols=True, leave=False)
+        show_bar = log.progress_bar and metrics.is_interactive() and self.dist.is_main
+        bar = tqdm(total=t.steps, initial=self.step, disable=not show_bar, dynamic_ncols=True,
+                   leave=False)
         emit = tqdm.write if not bar.disable else self.out
         last: dict[str, Any] = {}
         try:
@@ -255,8 +297,9 @@ class Trainer:
                     last.update(self._log_validation(emit))
                 if self._checkpoint_due():
                     self.save()
-                if self._stop_signal is not None:
-                    raise TrainingInterrupted(self._stop_signal, self.step, self.save())
+                if self._stop_requested():
+                    signum = self._stop_signal or signal.SIGTERM  # another rank got the signal
+                    raise TrainingInterrupted(signum, self.step, self.save())
             if self.cfg.checkpoint.save_at_end and t.steps > 0:
                 last["checkpoint"] = str(self.save())
             self._write_heatmap()
@@ -266,12 +309,21 @@ class Trainer:
             self._restore_signal_handlers(previous_handlers)
         return last
 
+    def _stop_requested(self) -> bool:
+        """A signal arrived (on any rank). With several ranks they agree at log steps only, which
+        costs one tiny all-reduce there instead of one per step."""
+        if self.dist.layout is None:
+            return self._stop_signal is not None
+        if self.step % self.cfg.logging.log_every and self.step < self.cfg.train.steps:
+            return False
+        return self.dist.any_rank(self._stop_signal is not None, self.device)
+
     def _validation_due(self) -> bool:
         every, steps = self.cfg.train.val_every, self.cfg.train.steps
         return bool(self.val_batches) and ((every and self.step % every == 0) or self.step == steps)
 
     def _write_heatmap(self) -> None:
-        if not (self.cfg.logging.expert_load_heatmap and self.load_history):
+        if not (self.cfg.logging.expert_load_heatmap and self.load_history and self.dist.is_main):
             return
         path = write_load_heatmap(self.load_history, self.run_dir / "expert_load.png",
                                   self.model.moe_layer_ids())
@@ -283,14 +335,18 @@ class Trainer:
         return bool(every) and self.step % every == 0 and self.step < self.cfg.train.steps
 
     def _log_window(self, window: _Window, lr: float, emit) -> dict[str, Any]:
-        # HOST SYNC: once per log step
-        losses = {name: float(total) / window.steps for name, total in window.loss_sums.items()}
+        names = list(window.loss_sums)
+        sums = self.dist.mean_over_data(torch.stack([torch.as_tensor(window.loss_sums[n]).float()
+                                                     for n in names]))
+        losses = dict(zip(names, (v / window.steps for v in sums.tolist())))  # HOST SYNC: per log step
         loss = losses.pop("lm_loss")
         grad_norm = float(window.grad_norm_sum) / window.steps
         seconds = time.perf_counter() - window.start
-        tokens = window.steps * self.cfg.train.grad_accum * self.cfg.train.micro_batch_size * self.cfg.train.seq_len
+        t, world = self.cfg.train, self.dist.world
+        tokens = window.steps * self.grad_accum * t.micro_batch_size * self.dist.dp_size * t.seq_len
+        per_device = metrics.throughput(tokens / world, seconds, self.flops_per_token, self.peak_tflops)
         record = {"step": self.step, "loss": loss, **losses, "grad_norm": grad_norm, "lr": lr,
-                  **metrics.throughput(tokens, seconds, self.flops_per_token, self.peak_tflops),
+                  **per_device, "tokens_per_s": per_device["tokens_per_s"] * world,
                   "peak_mem_gib": metrics.peak_memory_gib(self.device)}
         moe = summarize([layer.stats.pop() for layer in self.model.moe_layers()])
         counts = moe.pop("tokens_per_expert_per_layer", None)  # L×E: for the heatmap, not the log

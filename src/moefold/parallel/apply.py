@@ -1,0 +1,31 @@
+"""`parallelize`: turn a built single-process model into its folded-parallel form on this rank.
+
+Every rank builds the same full model from the same seed, then calls `parallelize`, which keeps
+this rank's share: attention and dense MLPs (and shared experts) TP-sharded over the attention
+grid's tp, routed experts EP/ETP-sharded over the expert grid, each MoE layer dispatching only its
+TP rank's tokens and counting routed copies over the data ranks, and finally every parameter
+FSDP-sharded (or replicated) over its data-parallel mesh.
+"""
+
+from torch import nn
+
+from moefold.config import ParallelConfig
+from moefold.moe.balance import DataParallelCounts
+from moefold.parallel.data import apply_data_parallel
+from moefold.parallel.dims import ParallelLayout
+from moefold.parallel.expert import apply_expert_parallel
+from moefold.parallel.sequence import split_sequence_over_tp
+from moefold.parallel.tensor import apply_tp
+
+
+def parallelize(model: nn.Module, layout: ParallelLayout, cfg: ParallelConfig):
+    """Apply TP, EP/ETP and data parallelism in place; returns the gradient-sync strategy the
+    trainer calls after each step's last backward (parallel/data.py)."""
+    dims = layout.dims
+    apply_tp(model, layout.tp_mesh)
+    for layer in model.moe_layers():
+        apply_expert_parallel(layer, layout, cfg.ep_dispatcher)
+        split_sequence_over_tp(layer, layout.tp_group)
+        if dims.dp * dims.cp > 1:
+            layer.count_routed = DataParallelCounts(layout.dp_cp_group)
+    return apply_data_parallel(model, layout, cfg.data_parallel)

@@ -1,0 +1,148 @@
+"""Data parallelism over the folded layout, and the gradient norm across both meshes.
+
+Dense (non-expert) parameters are data-parallel over dp·cp, expert parameters over edp. Both kinds
+must end up with the gradient of the same global loss, the mean of the dp·cp data ranks' losses:
+
+- a dense gradient is complete on each rank for its data, so averaging over dp·cp gives it;
+- an expert's gradient on one rank already sums the contributions of every token routed to it from
+  the whole EP(×ETP) group, so the sum over edp covers every data rank once and must be divided by
+  dp·cp, not by edp (else experts would learn ep·etp·... times too fast).
+
+`parallel.data_parallel` picks the strategy once, when the model is parallelized:
+
+- `fsdp` (default): FSDP2 `fully_shard` of every block and of the root over the dp·cp mesh and of
+  every MoE layer's experts over the edp mesh (gradient divide factor dp·cp). Parameters, gradients
+  and optimizer states are sharded; TP and EP weights (DTensors) get 2-D (FSDP × TP/EP) placements.
+- `ddp`: parameters replicated; after the step's last backward the gradients are averaged with one
+  flat all-reduce per kind (dense over dp·cp, experts over edp).
+
+The global gradient norm sums each rank's squared local gradients, each divided by how many ranks
+hold the same values (world / number of distinct shards), with one all-reduce over the world.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
+    return [p for layer in model.moe_layers() for p in layer.experts.parameters()]
+
+
+def dense_parameters(model: nn.Module) -> list[nn.Parameter]:
+    experts = {id(p) for p in expert_parameters(model)}
+    return [p for p in model.parameters() if id(p) not in experts]
+
+
+class FSDPGradients:
+    """FSDP2 reduces gradients during backward; nothing is left to do after it."""
+
+    def __call__(self) -> None:
+        pass
+
+
+class ReplicatedGradients:
+    """DDP-style: average the gradients of replicated parameters after the last micro-batch's
+    backward, one flat all-reduce per (kind, dtype)."""
+
+    def __init__(self, model: nn.Module, layout):
+        dims = layout.dims
+        self.buckets = [(dense_parameters(model), layout.dp_cp_group, dims.dp * dims.cp),
+                        (expert_parameters(model), layout.edp_group, dims.dp * dims.cp)]
+
+    @torch.no_grad()
+    def __call__(self) -> None:
+        for params, group, divide_by in self.buckets:
+            for p in params:
+                if p.grad is None:  # every rank must send the same sizes
+                    p.grad = torch.zeros_like(p)
+            by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+            for p in params:
+                by_dtype.setdefault(p.grad.dtype, []).append(_local(p.grad))
+            for grads in by_dtype.values():
+                flat = torch.cat([g.reshape(-1) for g in grads])
+                if dist.get_world_size(group) > 1:
+                    dist.all_reduce(flat, group=group)
+                flat.div_(divide_by)
+                torch._foreach_copy_(grads, [f.view_as(g) for f, g in
+                                             zip(flat.split([g.numel() for g in grads]), grads)])
+
+
+def apply_data_parallel(model: nn.Module, layout, mode: str):
+    """Shard (fsdp) or mark for replication (ddp) every parameter over its data-parallel mesh; the
+    model must already be on its device with TP/EP applied. Returns the gradient-sync strategy to
+    call after the step's last backward."""
+    if mode == "ddp":
+        return ReplicatedGradients(model, layout)
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+    dims = layout.dims
+    for layer in model.moe_layers():
+        fully_shard(layer.experts, mesh=layout.expert_dp_mesh)
+        layer.experts.set_gradient_divide_factor(float(dims.dp * dims.cp))
+        if dist.get_backend() == "gloo":  # gloo has no pre-multiplied sum: sum, then divide
+            layer.experts.set_force_sum_reduction_for_comms(True)
+    for block in model.blocks():
+        fully_shard(block, mesh=layout.dense_dp_mesh)
+    fully_shard(model, mesh=layout.dense_dp_mesh)
+    # The MTP objective runs trunk() and then the head itself: trunk must gather the root's
+    # parameters (embeddings, final norm, head) as forward does. The root keeps them gathered
+    # until backward, so the head and the MTP modules can use them after trunk returns.
+    register_fsdp_forward_method(model, "trunk")
+    return FSDPGradients()
+
+
+# ---------------------------------------------------------------------------------------------
+# Gradient norm and clipping across both meshes
+# ---------------------------------------------------------------------------------------------
+
+
+def replication(p: torch.Tensor, world: int) -> int:
+    """How many ranks hold the same values as this rank's piece of `p`: world / distinct pieces.
+    Pieces are distinct along the DTensor mesh dims `p` is sharded over; expert weights outside
+    FSDP are DTensors over (ep, etp), replicated over edp; plain tensors are replicated."""
+    if not isinstance(p, DTensor):
+        return world
+    pieces = math.prod(p.device_mesh.size(i) for i, placement in enumerate(p.placements)
+                       if placement.is_shard())
+    return world // pieces
+
+
+class GradNormClipper:
+    """clip_grad_norm_ over parameters spread across the dense and expert meshes: one all-reduce of
+    a scalar for the global norm, then every local gradient scaled by the same coefficient."""
+
+    def __init__(self, params: list[nn.Parameter], group=None):
+        self.params, self.group = params, group
+        world = dist.get_world_size(group) if group is not None else 1
+        self.weights = [1.0 / replication(p, world) for p in params]
+
+    @torch.no_grad()
+    def __call__(self, max_norm: float) -> torch.Tensor:
+        pairs = [(_local(p.grad), w) for p, w in zip(self.params, self.weights) if p.grad is not None]
+        grads = [g for g, _ in pairs]
+        if not grads:
+            return torch.zeros(())
+        norms = torch.stack(torch._foreach_norm(grads, 2.0)).float()
+        weights = torch.tensor([w for _, w in pairs], device=norms.device)
+        total_sq = (norms.square() * weights).sum()
+        if self.group is not None:
+            dist.all_reduce(total_sq, group=self.group)
+        norm = total_sq.sqrt()
+        if math.isfinite(max_norm):
+            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+            torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+        return norm
+
+
+__all__ = ["apply_data_parallel", "GradNormClipper", "expert_parameters", "dense_parameters",
+           "replication"]

@@ -1,0 +1,146 @@
+"""Joining the job: torchrun's environment → process group, device and this rank's layout.
+
+`torchrun --nproc-per-node N -m moefold train ...` (or `moefold train --nproc N`, which starts the
+N processes the same way on this machine) sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
+MASTER_PORT; NCCL on GPUs (one process per GPU), gloo on CPU. Without them the job is one process
+and no process group is created.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from moefold.config import Config
+from moefold.errors import ConfigError
+from moefold.parallel.dims import ParallelDims, ParallelLayout
+
+
+@dataclass
+class DistributedContext:
+    rank: int
+    world: int
+    layout: ParallelLayout | None  # None in a one-process job
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 prints, writes metrics and the run directory; every rank writes its checkpoint
+        shards."""
+        return self.rank == 0
+
+    @property
+    def dp_rank(self) -> int:
+        return self.layout.attention_coords[1] if self.layout else 0
+
+    @property
+    def dp_size(self) -> int:
+        return self.layout.dims.dp if self.layout else 1
+
+    def barrier(self) -> None:
+        if self.layout is not None:
+            dist.barrier()
+
+    def sum_over_data(self, values: torch.Tensor) -> torch.Tensor:
+        """Sum over the data ranks (dp·cp), which saw different shares of the batch."""
+        if self.layout is None or self.layout.dims.dp * self.layout.dims.cp == 1:
+            return values
+        values = values.clone()
+        dist.all_reduce(values, group=self.layout.dp_cp_group)
+        return values
+
+    def mean_over_data(self, values: torch.Tensor) -> torch.Tensor:
+        data_ranks = self.layout.dims.dp * self.layout.dims.cp if self.layout else 1
+        return self.sum_over_data(values) / data_ranks
+
+    def any_rank(self, flag: bool, device: torch.device) -> bool:
+        """Whether `flag` is set on any rank (a collective: every rank must call it)."""
+        if self.layout is None:
+            return flag
+        t = torch.tensor([int(flag)], device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
+
+def world_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def join(cfg: Config, device_name: str) -> tuple[DistributedContext, torch.device]:
+    """Initialise the process group when launched with several ranks, and build the layout; the
+    device is cuda:LOCAL_RANK on GPUs. Checks the layout against the world size first."""
+    world = world_from_env()
+    p = cfg.parallel
+    dims = ParallelDims(world, p.tp, p.cp, p.pp, p.ep, p.etp, p.order)  # ConfigError if it does not fit
+    if world == 1:
+        return DistributedContext(0, 1, None), _device(device_name, None)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = _device(device_name, local_rank)
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+    return DistributedContext(dist.get_rank(), world, ParallelLayout(dims, device.type)), device
+
+
+def _device(name: str, local_rank: int | None) -> torch.device:
+    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError("train.device='cuda' but no CUDA device is available (use auto or cpu)")
+    if local_rank is None:
+        return torch.device("cuda")
+    if local_rank >= torch.cuda.device_count():
+        raise ConfigError(f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} GPUs are "
+                          "visible (launch one process per GPU)")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def leave() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------
+# `moefold train --nproc N`: start N local ranks the way torchrun --standalone does
+# ---------------------------------------------------------------------------------------------
+
+
+def spawn_local(nproc: int, argv: list[str]) -> int:
+    """Run `python -m moefold <argv>` as N ranks on this machine (env:// rendezvous on a free local
+    port); returns the first non-zero exit code, terminating the other ranks, or 0."""
+    port = _free_port()
+    base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc)}
+    base.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: N ranks share this machine's cores
+    procs = [subprocess.Popen([sys.executable, "-m", "moefold", *argv],
+                              env={**base, "RANK": str(r), "LOCAL_RANK": str(r)})
+             for r in range(nproc)]
+    code = 0
+    try:
+        pending = list(procs)
+        while pending:
+            for proc in list(pending):
+                try:
+                    rc = proc.wait(timeout=0.2)
+                except subprocess.TimeoutExpired:
+                    continue
+                pending.remove(proc)
+                if rc != 0 and code == 0:
+                    code = rc
+                    for other in pending:  # a failed rank leaves the others waiting forever
+                        other.terminate()
+    except KeyboardInterrupt:  # the ranks got SIGINT too: let them save and exit
+        code = max(p.wait() for p in procs)
+    return code
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

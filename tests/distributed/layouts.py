@@ -1,0 +1,106 @@
+"""Helpers of the layout tests: a tiny training run in one process (the reference) or on gloo ranks
+under a parallel layout, recording each step's loss (averaged over the data ranks, as logged) and
+the first step's full gradients.
+
+Both runs see the same global batch and data order: micro_batch_size is the global micro-batch
+divided by dp, and the trainer hands each data rank its rows of the same global micro-batch.
+"""
+
+import os
+import socket
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
+
+from moefold.config import load_config
+from moefold.train.trainer import Trainer
+
+GLOBAL_MICRO_BATCH = 4
+STEPS = 10
+
+MODELS = {
+    # Qwen3-MoE: GQA with QK-norm, softmax top-k with the micro-batch aux loss and z-loss.
+    "qwen3": ("tiny-qwen3", {"moe.aux_loss_coeff": "0.01", "moe.z_loss_coeff": "0.001"}),
+    # DeepSeek-V3: MLA, dense first layer, shared expert, grouped sigmoid routing with expert bias
+    # and the sequence aux loss, one MTP module.
+    "deepseek": ("tiny-deepseek", {"moe.expert_bias_update_rate": "0.01"}),
+}
+
+
+def config(model: str, data_path: Path, dp: int = 1, steps: int = STEPS, **parallel: str):
+    preset, overrides = MODELS[model]
+    return load_config(preset, {
+        **overrides, "data.path": str(data_path), "train.seq_len": "16",
+        "train.micro_batch_size": str(GLOBAL_MICRO_BATCH // dp), "train.steps": str(steps),
+        "train.warmup_steps": "2", "train.val_every": "0", "data.val_fraction": "0",
+        "train.device": "cpu", "logging.tensorboard": "false", "logging.progress_bar": "false",
+        "logging.expert_load_heatmap": "false", "logging.log_every": str(steps),
+        "checkpoint.save_at_end": "false",
+        **{f"parallel.{k}": str(v) for k, v in parallel.items()}})
+
+
+def full_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's whole gradient (a collective when they are DTensors: call on all ranks)."""
+    grads = {}
+    for name, p in model.named_parameters():
+        g = p.grad
+        grads[name] = (g.full_tensor() if isinstance(g, DTensor) else g).detach().clone()
+    return grads
+
+
+def train(cfg, run_dir: Path, resume: Path | None = None, save_at: int = 0) -> dict:
+    """Losses of every step (mean over the data ranks) and the first step's gradients."""
+    trainer = Trainer(cfg, run_dir, resume=resume, out=lambda line: None)
+    losses, grads = [], None
+    while trainer.step < cfg.train.steps:
+        parts = trainer.accumulate_gradients()
+        if grads is None:
+            grads = full_gradients(trainer.model)
+        trainer.optimizer_step()
+        trainer.step += 1
+        losses.append(trainer.dist.mean_over_data(parts["lm_loss"].detach()).item())
+        if trainer.step == save_at:
+            trainer.save()
+    return {"losses": losses, "grads": grads}
+
+
+# ---------------------------------------------------------------------------------------------
+# Gloo ranks
+# ---------------------------------------------------------------------------------------------
+
+
+def run_ranks(world: int, fn, *args) -> None:
+    """`fn(rank, *args)` on `world` CPU ranks joined as torchrun would (env://); an exception on
+    any rank fails the caller."""
+    mp.spawn(_entry, args=(world, _free_port(), fn, args), nprocs=world, join=True)
+
+
+def _entry(rank: int, world: int, port: int, fn, args) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)  # several ranks share the CI machine's two cores
+    try:
+        fn(rank, *args)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train_on_rank(rank: int, runs: list[tuple], out: Path) -> None:
+    """Each run: (name, model, data_path, dp, parallel sizes, run_dir, resume, save_at); rank 0
+    saves {name: result} to `out`."""
+    results = {}
+    for name, model, data_path, dp, parallel, run_dir, resume, save_at in runs:
+        cfg = config(model, data_path, dp, **parallel)
+        results[name] = train(cfg, run_dir, resume, save_at)
+    if rank == 0:
+        torch.save(results, out)

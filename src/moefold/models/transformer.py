@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from moefold.config import Config, ModelConfig
+from moefold.memory import apply_offload, apply_recompute
 from moefold.models.attention import Attention
 from moefold.models.mla import MLAttention
 from moefold.models.mlp import SwiGLUMLP
@@ -155,6 +156,10 @@ def build_model(cfg: Config, vocab_size: int, device_type: str = "cpu",
         mtp = MultiTokenPrediction([MTPModule(block, m.dim, m.norm_eps) for block in blocks[m.n_layers:]])
     model = Transformer(cfg, vocab_size, blocks[:m.n_layers], mtp)
     model.router_replay = replay  # record / replay routing for RL (moe/replay.py)
+    # Recompute and offload wrap the chosen sites of this model instance (memory/).
+    apply_recompute(model, cfg.memory.recompute)
+    model.activation_offload = apply_offload(model, cfg.memory.offload, cfg.memory.offload_min_bytes,
+                                             device_type)
     return model
 
 

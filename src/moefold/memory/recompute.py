@@ -1,0 +1,171 @@
+"""Fine-grained activation recompute: `apply_recompute(model, names)` (memory.recompute).
+
+Two ways to recompute, chosen per site (memory/sites.py) when the model is built:
+
+* `checkpointed`: torch.utils.checkpoint, non-reentrant. The site keeps only its inputs; backward
+  runs it again (same RNG state, same autocast) to rebuild what its ops saved. A region holding MoE
+  layers (`moe`, `layer`) replays their forward's routing and records nothing (moe_tape.py).
+* `DiscardedOutput`: Megatron-Core's CheckpointWithoutOutput, for a site whose output its consumer
+  takes at once and keeps for backward (the attention after a pre-norm keeps the normed x; the
+  attention core keeps MLA's per-head q/k/v; the down-projection keeps the expert activation). The
+  site runs without a graph and keeps its inputs; once the consumer ran, the output's storage is
+  freed (`untyped_storage().resize_(0)`, which the consumer's saved reference shares), and a hook
+  on the consumer's output rebuilds it in place right before the consumer's backward. The site's own
+  backward then differentiates that one recompute: nothing runs twice. When the consumer is not the
+  output's only user as expected (another call in between, a copy instead of the tensor itself),
+  the output is simply not freed, which costs memory but never correctness.
+
+Neither way changes a result: recomputed ops see the same inputs, RNG state and autocast state, so
+losses and gradients are bit-identical to the plain run (tests/unit/test_recompute.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Sequence
+
+import torch
+from torch.utils.checkpoint import checkpoint, get_device_states, set_device_states
+
+from moefold.memory.moe_tape import moe_recompute_contexts
+from moefold.memory.sites import Site, targets
+from moefold.moe.layer import MoELayer
+
+
+def apply_recompute(model: torch.nn.Module, names: Sequence[str]) -> None:
+    """Wrap the sites of `names` (config.MEMORY_MODULES): whole regions first, then the
+    output-discarding pairs, so a consumer that is itself checkpointed frees its input too."""
+    chosen = [t for name in names for t in targets(model, name)]
+    for target in (t for t in chosen if t.consumer is None):
+        moe_layers = [m for m in target.site.modules() if isinstance(m, MoELayer)]
+        target.site.wrap(lambda fn, layers=moe_layers: checkpointed(fn, layers))
+    for target in (t for t in chosen if t.consumer is not None):
+        DiscardedOutput(target.site, target.consumer)
+
+
+def checkpointed(fn: Callable, moe_layers: list[MoELayer]) -> Callable:
+    context_fn = (lambda: moe_recompute_contexts(moe_layers)) if moe_layers else _no_contexts
+
+    def run(*args, **kwargs):
+        if not torch.is_grad_enabled():  # evaluation: nothing to save, nothing to recompute
+            return fn(*args, **kwargs)
+        return checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+    return run
+
+
+def _no_contexts():
+    return contextlib.nullcontext(), contextlib.nullcontext()
+
+
+class DiscardedOutput:
+    """One producer → consumer pair: the producer's output is freed after the consumer ran and
+    rebuilt just before the consumer's backward (see the module docstring)."""
+
+    def __init__(self, producer: Site, consumer: Site):
+        self._pending: _Run | None = None  # set by the producer, taken by the very next consumer call
+        producer.wrap(self._producing)
+        consumer.wrap(self._consuming)
+
+    def _producing(self, fn: Callable) -> Callable:
+        def produce(*args):
+            if not torch.is_grad_enabled():
+                return fn(*args)
+            self._pending = _Run(fn, args)
+            return self._pending.forward()
+        return produce
+
+    def _consuming(self, fn: Callable) -> Callable:
+        def consume(*args, **kwargs):
+            run, self._pending = self._pending, None
+            out = fn(*args, **kwargs)
+            if run is not None and run.consumed_by(args) and out.requires_grad:
+                run.discard_until_backward_of(out)
+            return out
+        return consume
+
+
+class _Holder:
+    """Stands in for one tensor the producer saved; the recompute's tensor is found by it."""
+    __slots__ = ("__weakref__",)
+
+
+class _Run:
+    """One call of a producer, run like a non-reentrant checkpoint: the forward builds the real
+    graph (so backward sums gradients in the same order as the plain run, bit for bit) but each
+    tensor it saves is replaced by a `_Holder`; the one recompute fills them and rebuilds the
+    output. A recomputed tensor is freed with its holder, when autograd releases the node."""
+
+    def __init__(self, fn: Callable, args: tuple):
+        self.fn, self.args, self.outputs, self.freed = fn, args, (), {}
+        self.holders: list[weakref.ref[_Holder]] = []
+        self.recomputed: weakref.WeakKeyDictionary[_Holder, torch.Tensor] = weakref.WeakKeyDictionary()
+        self.device_type = next(a for a in args if isinstance(a, torch.Tensor)).device.type
+        self.rng_cpu = torch.get_rng_state()
+        self.rng_devices = get_device_states(*args)
+        self.autocast = {dt: (torch.is_autocast_enabled(dt), torch.get_autocast_dtype(dt))
+                         for dt in {"cpu", self.device_type}}
+
+    def forward(self):
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            outputs = self.fn(*self.args)
+        self.outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        return outputs
+
+    def _pack(self, t: torch.Tensor) -> _Holder:
+        holder = _Holder()
+        self.holders.append(weakref.ref(holder))
+        return holder
+
+    def _unpack(self, holder: _Holder) -> torch.Tensor:
+        if self.args is not None:  # the output was never freed: recompute on first use
+            self.recompute()
+        return self.recomputed[holder]
+
+    def consumed_by(self, args: tuple) -> bool:
+        """The consumer got every output itself (not a copy), and no output shares an input's
+        storage (freeing it would free the input)."""
+        inputs = {a.untyped_storage().data_ptr() for a in self.args if isinstance(a, torch.Tensor)}
+        return (all(any(o is a for a in args) for o in self.outputs)
+                and all(o.device.type != "meta" and o.untyped_storage().data_ptr() not in inputs
+                        for o in self.outputs))
+
+    def discard_until_backward_of(self, consumer_out: torch.Tensor) -> None:
+        for o in self.outputs:
+            self.freed.setdefault(o.untyped_storage().data_ptr(), (o, o.untyped_storage().nbytes()))
+        for o, _ in self.freed.values():
+            o.untyped_storage().resize_(0)
+        consumer_out.register_hook(self._restore)
+
+    def _restore(self, grad: torch.Tensor) -> None:
+        recomputed_of = {id(o): new for o, new in zip(self.outputs, self.recompute())}
+        for o, nbytes in self.freed.values():
+            storage = o.untyped_storage()
+            storage.resize_(nbytes)
+            storage.copy_(recomputed_of[id(o)].untyped_storage())
+        self.outputs, self.freed = (), {}
+
+    def recompute(self) -> tuple[torch.Tensor, ...]:
+        args, self.args = self.args, None  # the inputs are kept only until now
+        inputs = [a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
+                  for a in args]
+        saved: list[torch.Tensor] = []
+
+        def pack(t):
+            saved.append(t.detach())
+        with torch.random.fork_rng(devices=self.rng_devices[0], device_type=self.device_type), \
+                torch.enable_grad(), contextlib.ExitStack() as stack:
+            torch.set_rng_state(self.rng_cpu)
+            set_device_states(*self.rng_devices, device_type=self.device_type)
+            for dt, (enabled, dtype) in self.autocast.items():
+                stack.enter_context(torch.autocast(dt, dtype=dtype, enabled=enabled))
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None))
+            outputs = self.fn(*inputs)
+        if len(saved) != len(self.holders):
+            raise RuntimeError(f"recompute of {self.fn} saved {len(saved)} tensors, its forward "
+                               f"{len(self.holders)}: the producer is not deterministic")
+        for ref, t in zip(self.holders, saved):
+            holder = ref()
+            if holder is not None:
+                self.recomputed[holder] = t
+        return tuple(o.detach() for o in (outputs if isinstance(outputs, tuple) else (outputs,)))

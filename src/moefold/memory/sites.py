@@ -1,0 +1,115 @@
+"""Where each `memory.recompute` / `memory.offload` name lives in a built model.
+
+A site is one callable attribute of one object: a module's `forward`, a method seam (`core`,
+`up_proj`, `_mm`) or a strategy object (`experts.activation`). Wrapping replaces that attribute on
+that instance only, so classes, parameter names and state dicts stay as they are, and transforms
+applied later (tensor/expert parallelism, which swap dispatchers and parameters) keep the wrapper.
+
+A site may name its consumer: the callable that takes the site's output straight away and keeps it
+for its own backward (the block's attention or FFN after a pre-norm, the attention core after MLA's
+up-projection, the down-projection GEMM after the expert activation). Recompute then frees that
+output once the consumer ran (recompute.DiscardedOutput).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from torch import nn
+
+from moefold.models.attention import Attention
+from moefold.models.mla import MLAttention
+from moefold.models.mlp import SwiGLUMLP
+from moefold.models.norm import RMSNorm
+from moefold.moe.layer import MoELayer
+
+
+@dataclass(frozen=True)
+class Site:
+    owner: object
+    name: str
+
+    def wrap(self, make: Callable[[Callable], Callable]) -> None:
+        """Replace the callable by `make(callable)`; a strategy object keeps its other attributes."""
+        original = getattr(self.owner, self.name)
+        wrapped = make(original)
+        if not (inspect.ismethod(original) or inspect.isfunction(original)):
+            wrapped = _CallableProxy(original, wrapped)
+        setattr(self.owner, self.name, wrapped)
+
+    def modules(self) -> list[nn.Module]:
+        return list(self.owner.modules()) if isinstance(self.owner, nn.Module) and self.name == "forward" else []
+
+
+@dataclass(frozen=True)
+class Target:
+    site: Site
+    consumer: Site | None = None  # takes the site's output at once and saves it for backward
+
+
+class _CallableProxy:
+    """A strategy object whose call is wrapped; its other attributes read through."""
+
+    def __init__(self, inner, call: Callable):
+        self._inner, self._call = inner, call
+
+    def __call__(self, *args, **kwargs):
+        return self._call(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+
+def targets(model: nn.Module, name: str) -> list[Target]:
+    """The sites of `name` (one of config.MEMORY_MODULES) in every block, MTP blocks included."""
+    return [t for block in model.blocks() for t in _BLOCK_TARGETS[name](block)]
+
+
+def _norm(block) -> Iterator[Target]:
+    yield Target(Site(block.attn_norm, "forward"), Site(block.attn, "forward"))
+    yield Target(Site(block.ffn_norm, "forward"), Site(block.ffn, "forward"))
+    if isinstance(block.attn, Attention):  # QK-norm; RoPE keeps nothing of its output
+        for norm in (block.attn.q_norm, block.attn.k_norm):
+            if isinstance(norm, RMSNorm):
+                yield Target(Site(norm, "forward"))
+
+
+def _attn_core(block) -> Iterator[Target]:
+    yield Target(Site(block.attn, "core"))
+
+
+def _mla_up_proj(block) -> Iterator[Target]:
+    if isinstance(block.attn, MLAttention):
+        yield Target(Site(block.attn, "up_proj"), Site(block.attn, "core"))
+
+
+def _moe_act(block) -> Iterator[Target]:
+    if isinstance(block.ffn, MoELayer):
+        experts = block.ffn.experts
+        yield Target(Site(experts, "activation"), Site(experts, "_mm"))
+
+
+def _shared_experts(block) -> Iterator[Target]:
+    if isinstance(block.ffn, MoELayer) and block.ffn.shared is not None:
+        yield Target(Site(block.ffn.shared, "forward"))
+
+
+def _mlp(block) -> Iterator[Target]:
+    if isinstance(block.ffn, SwiGLUMLP):
+        yield Target(Site(block.ffn, "forward"))
+
+
+def _moe(block) -> Iterator[Target]:
+    if isinstance(block.ffn, MoELayer):
+        yield Target(Site(block.ffn, "forward"))
+
+
+def _layer(block) -> Iterator[Target]:
+    yield Target(Site(block, "forward"))
+
+
+_BLOCK_TARGETS = {"norm": _norm, "attn_core": _attn_core, "mla_up_proj": _mla_up_proj,
+                  "moe_act": _moe_act, "shared_experts": _shared_experts, "mlp": _mlp, "moe": _moe,
+                  "layer": _layer}

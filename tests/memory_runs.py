@@ -4,6 +4,7 @@ routing and the RNG stream."""
 
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 from moefold.config import load_config
@@ -26,6 +27,16 @@ MODULES = {
     "deepseek": ["norm", "attn_core", "mla_up_proj", "moe_act", "shared_experts", "mlp", "moe", "layer"],
     "mixtral": ["norm", "attn_core", "moe_act", "moe", "layer"],
 }
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Import into a test module. Ops this small gain nothing from OpenMP threads, and on a shared
+    2-core machine their spinning made a 50 ms run take seconds."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @dataclass

@@ -10,6 +10,7 @@ from memory_runs import (
     assert_identical,
     batches,
     build,
+    one_thread,  # noqa: F401 (autouse fixture)
     train,
 )
 

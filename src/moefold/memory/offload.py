@@ -68,7 +68,9 @@ class ActivationOffload:
 
 
 def _is_weight(t: torch.Tensor) -> bool:
-    """A parameter-like leaf, or a dtype cast of one (`w.to(bf16)` under autocast)."""
+    """A parameter-like leaf, a view of one (an expert's slice `w_EXY[e]`), or a dtype cast of one
+    (`w.to(bf16)` under autocast)."""
+    t = t._base if t._base is not None else t
     if t.is_leaf:
         return t.requires_grad
     fn = t.grad_fn

@@ -47,7 +47,9 @@ def tiny_args(text_corpus: Path) -> list[str]:
     return cli_args({**TINY_OVERRIDES, "data.path": str(text_corpus)})
 
 
-def run_cli(args: list[str], timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:
-    """`python -m moefold ARGS` in a fresh process (what a user runs)."""
-    return subprocess.run([sys.executable, "-m", "moefold", *args], capture_output=True, text=True,
-                          timeout=timeout, **kwargs)
+def run_cli(args: list[str], timeout: float = 300, launcher: list[str] | None = None,
+            **kwargs) -> subprocess.CompletedProcess:
+    """`python -m moefold ARGS` in a fresh process (what a user runs); `launcher` replaces
+    `python -m moefold` (e.g. with torchrun's)."""
+    command = launcher or [sys.executable, "-m", "moefold"]
+    return subprocess.run([*command, *args], capture_output=True, text=True, timeout=timeout, **kwargs)

@@ -711,6 +711,10 @@ def _validate_parallel(cfg: Config) -> None:
                   n_kv_heads=m.n_kv_heads if m.attention == "gqa" else 0,
                   n_layers=m.n_layers, seq_len=cfg.train.seq_len, expert_hidden=cfg.moe.expert_hidden)
     _require(p.vpp >= 1, f"parallel.vpp={p.vpp} must be >= 1")
+    tokens = cfg.train.micro_batch_size * cfg.train.seq_len
+    _require(cfg.moe.num_experts == 0 or tokens % p.tp == 0,
+             f"parallel.tp={p.tp} does not divide the {tokens} tokens of a micro-batch "
+             "(train.micro_batch_size · train.seq_len), which its ranks split for the routed experts")
 
 
 def refuse_unsupported_parallel(cfg: Config) -> None:

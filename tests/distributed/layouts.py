@@ -52,19 +52,20 @@ def full_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def train(cfg, run_dir: Path, resume: Path | None = None, save_at: int = 0) -> dict:
-    """Losses of every step (mean over the data ranks) and the first step's gradients."""
+    """Losses and gradient norms of every step (mean over the data ranks) and the first step's
+    gradients."""
     trainer = Trainer(cfg, run_dir, resume=resume, out=lambda line: None)
-    losses, grads = [], None
+    losses, norms, grads = [], [], None
     while trainer.step < cfg.train.steps:
         parts = trainer.accumulate_gradients()
         if grads is None:
             grads = full_gradients(trainer.model)
-        trainer.optimizer_step()
+        norms.append(trainer.optimizer_step().item())
         trainer.step += 1
         losses.append(trainer.dist.mean_over_data(parts["lm_loss"].detach()).item())
         if trainer.step == save_at:
             trainer.save()
-    return {"losses": losses, "grads": grads}
+    return {"losses": losses, "grad_norms": norms, "grads": grads}
 
 
 # ---------------------------------------------------------------------------------------------

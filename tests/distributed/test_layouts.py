@@ -49,6 +49,8 @@ def _check_same_training(result: dict, ref: dict, note: str) -> None:
     assert len(result["losses"]) == len(ref["losses"]) == STEPS
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref["losses"]),
                                rtol=LOSS_RTOL, atol=0, msg=lambda m: f"{note} losses: {m}")
+    torch.testing.assert_close(torch.tensor(result["grad_norms"]), torch.tensor(ref["grad_norms"]),
+                               rtol=LOSS_RTOL, atol=0, msg=lambda m: f"{note} grad norms: {m}")
     assert result["grads"].keys() == ref["grads"].keys(), note
     for name, grad in ref["grads"].items():
         torch.testing.assert_close(result["grads"][name], grad, **GRAD_TOL,
@@ -81,8 +83,9 @@ def test_checkpoint_resumes_under_other_layouts(corpus, reference, tmp_path):
         for m in MODELS:
             torch.testing.assert_close(torch.tensor(results[m]["losses"]),
                                        torch.tensor(reference[m]["losses"][half:]), rtol=LOSS_RTOL,
-                                       atol=0, msg=lambda msg: f"resumed {name} {m}: {msg}")
+                                       atol=0, msg=lambda msg, name=name, m=m: f"resumed {name} {m}: {msg}")
     for m in MODELS:
         one = train(run_config(m, corpus), tmp_path / f"one-{m}", resume=saved[m])
         torch.testing.assert_close(torch.tensor(one["losses"]), torch.tensor(reference[m]["losses"][half:]),
-                                   rtol=LOSS_RTOL, atol=0, msg=lambda msg: f"resumed in one process {m}: {msg}")
+                                   rtol=LOSS_RTOL, atol=0,
+                                   msg=lambda msg, m=m: f"resumed in one process {m}: {msg}")

@@ -24,11 +24,14 @@ def layout():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    saved = dict(os.environ)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", rank=0, world_size=1)
     yield ParallelLayout(ParallelDims(1), device_type="cuda")
     dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(saved)  # later tests' trainers must not think torchrun launched them
 
 
 @pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])

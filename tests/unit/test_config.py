@@ -91,3 +91,10 @@ def test_training_with_context_or_pipeline_parallelism_is_refused(capsys, tmp_pa
     assert main(["train", "--run-dir", str(tmp_path / "r"), "--parallel.cp", "2"]) == 2
     assert "parallel.cp=2 is not yet supported in training" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+
+
+def test_tp_must_divide_the_tokens_of_a_micro_batch():
+    with pytest.raises(ConfigError, match=re.escape(
+            "parallel.tp=2 does not divide the 3 tokens of a micro-batch")):
+        load_config("tiny-qwen3", {"parallel.tp": "2", "train.micro_batch_size": "1",
+                                   "train.seq_len": "3"})

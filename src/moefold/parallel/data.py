@@ -89,7 +89,9 @@ def apply_data_parallel(model: nn.Module, layout, mode: str):
     for layer in model.moe_layers():
         fully_shard(layer.experts, mesh=layout.expert_dp_mesh)
         layer.experts.set_gradient_divide_factor(float(dims.dp * dims.cp))
-        if dist.get_backend() == "gloo":  # gloo has no pre-multiplied sum: sum, then divide
+        if dist.get_backend() == "gloo" and dims.edp > 1:
+            # gloo has no pre-multiplied sum: sum, then divide. (Not with one rank, where FSDP
+            # already divides while copying and would divide twice.)
             layer.experts.set_force_sum_reduction_for_comms(True)
     for block in model.blocks():
         fully_shard(block, mesh=layout.dense_dp_mesh)
@@ -112,8 +114,10 @@ def replication(p: torch.Tensor, world: int) -> int:
     FSDP are DTensors over (ep, etp), replicated over edp; plain tensors are replicated."""
     if not isinstance(p, DTensor):
         return world
+    # Any non-replicated placement splits: Shard, and FSDP's _StridedShard over an EP-sharded dim
+    # (which is not a Shard subclass).
     pieces = math.prod(p.device_mesh.size(i) for i, placement in enumerate(p.placements)
-                       if placement.is_shard())
+                       if not placement.is_replicate())
     return world // pieces
 
 
@@ -144,5 +148,10 @@ class GradNormClipper:
         return norm
 
 
-__all__ = ["apply_data_parallel", "GradNormClipper", "expert_parameters", "dense_parameters",
-           "replication"]
+__all__ = [
+    "GradNormClipper",
+    "apply_data_parallel",
+    "dense_parameters",
+    "expert_parameters",
+    "replication",
+]

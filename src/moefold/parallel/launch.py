@@ -3,7 +3,8 @@
 `torchrun --nproc-per-node N -m moefold train ...` (or `moefold train --nproc N`, which starts the
 N processes the same way on this machine) sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
 MASTER_PORT; NCCL on GPUs (one process per GPU), gloo on CPU. Without them the job is one process
-and no process group is created.
+and no process group is created (under torchrun with one rank it still is: the parallel code path
+with every group of size 1).
 """
 
 from __future__ import annotations
@@ -76,8 +77,13 @@ def join(cfg: Config, device_name: str) -> tuple[DistributedContext, torch.devic
     device is cuda:LOCAL_RANK on GPUs. Checks the layout against the world size first."""
     world = world_from_env()
     p = cfg.parallel
-    dims = ParallelDims(world, p.tp, p.cp, p.pp, p.ep, p.etp, p.order)  # ConfigError if it does not fit
-    if world == 1:
+    try:
+        dims = ParallelDims(world, p.tp, p.cp, p.pp, p.ep, p.etp, p.order)
+    except ConfigError as e:
+        hint = (" (one process: launch the ranks with torchrun --nproc-per-node N -m moefold train "
+                "or moefold train --nproc N)" if world == 1 else "")
+        raise ConfigError(f"{e}{hint}") from None
+    if world == 1 and "MASTER_ADDR" not in os.environ:  # not launched by torchrun: one process
         return DistributedContext(0, 1, None), _device(device_name, None)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = _device(device_name, local_rank)

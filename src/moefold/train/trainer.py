@@ -10,17 +10,24 @@ import dataclasses
 import os
 import signal
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from tqdm import tqdm
 
-from moefold.checkpoint.dcp import (checkpoint_keys, load_checkpoint, resolve_checkpoint, rng_state,
-                                    save_checkpoint, set_rng_state)
+from moefold.checkpoint.dcp import (
+    checkpoint_keys,
+    load_checkpoint,
+    resolve_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
 from moefold.config import Config, refuse_unsupported_parallel, to_toml
 from moefold.data.corpus import build_token_streams
 from moefold.data.loader import Batch, PackedSequences, TrainLoader, val_batches
@@ -34,8 +41,8 @@ from moefold.parallel.apply import parallelize
 from moefold.parallel.data import GradNormClipper
 from moefold.parallel.launch import join
 from moefold.train import metrics
-from moefold.train.heatmap import append_window, write_load_heatmap
 from moefold.train.flops import count_params, peak_tflops, train_flops_per_token
+from moefold.train.heatmap import append_window, write_load_heatmap
 from moefold.train.loss import build_objective, cross_entropy_loss
 
 
@@ -96,6 +103,7 @@ class Trainer:
         self.compute_dtype = resolve_compute_dtype(cfg.precision.compute_dtype, self.device)
         self._build_data()
         self._build_model()
+        self._refuse_sharded_precision_aware_states()
         self.optimizer = build_optimizer(self.model, cfg.train, self.device, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
         self.step = 0
@@ -118,6 +126,14 @@ class Trainer:
             raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not divisible by "
                               f"train.micro_batch_size · dp = {t.micro_batch_size} · {dp}")
         return t.global_batch_size // per_micro_step
+
+    def _refuse_sharded_precision_aware_states(self) -> None:
+        o = self.cfg.optim
+        lean = {k: v for k, v in dataclasses.asdict(o).items() if v != "fp32"}
+        if self.dist.layout is not None and lean:
+            shown = ", ".join(f"optim.{k}={v}" for k, v in lean.items())
+            raise ConfigError(f"{shown}: precision-aware optimizer states are not yet supported with "
+                              "several ranks (only fp32 states); train in one process or use fp32")
 
     def _build_data(self) -> None:
         cfg = self.cfg
@@ -142,7 +158,9 @@ class Trainer:
     def _build_model(self) -> None:
         cfg = self.cfg
         if self.init_from_hf is not None:
-            from moefold.checkpoint.hf import load_pretrained  # needs safetensors (the hf extra)
+            from moefold.checkpoint.hf import (
+                load_pretrained,  # needs safetensors (the hf extra)
+            )
 
             model = load_pretrained(self.init_from_hf, device=self.device).train()
             if model.vocab_size < self.tokenizer.vocab_size:
@@ -371,6 +389,12 @@ class Trainer:
                  f"data: {self.data_source}",
                  f"model: {p.total / 1e6:.2f}M parameters, {p.active / 1e6:.2f}M active; "
                  f"{self.flops_per_token / 1e6:.2f} MFLOP per token (fwd+bwd)"]
+        if self.dist.layout is not None:
+            d, par = self.dist.layout.dims, self.cfg.parallel
+            lines.append(f"parallel: {d.world} ranks ({dist.get_backend()}), attention (pp, dp, cp, "
+                         f"tp) = ({d.pp}, {d.dp}, {d.cp}, {d.tp}), experts (pp, edp, ep, etp) = "
+                         f"({d.pp}, {d.edp}, {d.ep}, {d.etp}), {par.data_parallel}, "
+                         f"{par.ep_dispatcher if d.ep * d.etp > 1 else 'local'} dispatch")
         for line in lines:
             self.out(line)
 

@@ -1,0 +1,44 @@
+"""`moefold train --nproc N` as a user runs it: N gloo ranks, one voice (rank 0 prints and writes
+metrics), every rank's checkpoint shard, the same training as one process; and layout errors that
+stop the job before anything is written."""
+
+import json
+
+from conftest import run_cli
+
+
+def _metrics(run_dir):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def test_nproc_trains_like_one_process_with_one_voice(tiny_args, tmp_path):
+    one = run_cli(["train", *tiny_args, "--run-dir", str(tmp_path / "one"), "--train.micro_batch_size", "4"])
+    assert one.returncode == 0, one.stderr
+    two = run_cli(["train", *tiny_args, "--nproc", "2", "--parallel.ep", "2", "--run-dir", str(tmp_path / "two"),
+                   "--train.micro_batch_size", "2"])  # 2 data ranks × 2 = the same global batch
+    assert two.returncode == 0, two.stderr
+    assert two.stdout.count("run dir:") == 1  # only rank 0 speaks
+    steps = [r["step"] for r in _metrics(tmp_path / "two") if "loss" in r]
+    assert steps == list(range(1, 13))  # written once per step, by one rank
+    losses_one = [r["loss"] for r in _metrics(tmp_path / "one") if "loss" in r]
+    losses_two = [r["loss"] for r in _metrics(tmp_path / "two") if "loss" in r]
+    assert max(abs(a - b) / a for a, b in zip(losses_one, losses_two)) < 1e-4
+    checkpoint = next((tmp_path / "two" / "checkpoints").iterdir())
+    assert sorted(p.name for p in checkpoint.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+
+
+def test_layout_that_does_not_fit_the_ranks_stops_before_writing(tiny_args, tmp_path):
+    run_dir = tmp_path / "r"
+    result = run_cli(["train", *tiny_args, "--run-dir", str(run_dir), "--parallel.ep", "2"])
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "moefold: error: parallel: world size 1 is not divisible by etp·ep·pp = 2 (etp=1, ep=2, pp=1) "
+        "(one process: launch the ranks with torchrun --nproc-per-node N -m moefold train or moefold "
+        "train --nproc N)"]
+    result = run_cli(["train", *tiny_args, "--run-dir", str(run_dir), "--nproc", "3", "--parallel.tp", "2",
+                      "--model.n_kv_heads", "2"])
+    assert result.returncode == 2
+    assert result.stderr.strip() == ("moefold: error: parallel: world size 3 is not divisible by "
+                                     "tp·cp·pp = 2 (tp=2, cp=1, pp=1)")
+    assert not run_dir.exists()

@@ -63,6 +63,7 @@ class ActivationOffload:
     def _offloadable(self, t: torch.Tensor) -> bool:
         # type() is not isinstance(): parameters, DTensors and fake tensors are subclasses.
         return (type(t) is torch.Tensor and t.layout == torch.strided and t.device.type != "meta"
+                and self.copier.accepts(t)
                 and t.numel() * t.element_size() >= self.min_bytes and not _is_weight(t)
                 and all(stride or size == 1 for size, stride in zip(t.shape, t.stride())))
 
@@ -99,6 +100,9 @@ class HostCopy:
     def begin_group(self) -> None:
         pass
 
+    def accepts(self, t: torch.Tensor) -> bool:
+        return True
+
     def to_host(self, t: torch.Tensor) -> _Offloaded:
         host = _empty_strided_like(t, "cpu", self.pin_memory and t.device.type != "cpu")
         host.copy_(t)
@@ -133,6 +137,10 @@ class StreamedHostCopy:
 
     def begin_group(self) -> None:
         self._group = _Group(self._group)
+
+    def accepts(self, t: torch.Tensor) -> bool:
+        """Only device tensors: attention kernels also save small host tensors (RNG state)."""
+        return t.is_cuda
 
     def to_host(self, t: torch.Tensor) -> _Offloaded:
         stream = self._stream(t.device)

@@ -193,6 +193,9 @@ class ParallelConfig:
     data_parallel: str = "fsdp"
     """How parameters are replicated over dp·cp (dense) and edp (experts): fsdp (sharded, FSDP2)
     or ddp (replicated)."""
+    sequence_parallel: bool = True
+    """With tp > 1, shard the residual stream and norms along the sequence between the TP regions
+    (Megatron's sequence parallelism): 1/tp of their activation memory."""
     ep_dispatcher: str = "alltoall"
     """How routed tokens reach their experts under ep/etp > 1: alltoall (token all-to-all, one
     device→host copy of split sizes per layer) or allgather (gather all tokens, no host sync)."""
@@ -251,6 +254,9 @@ class OptimConfig:
     master_dtype: str = "fp32"
     """Master weights: fp32, bf16 (the bf16 parameters are the master) or bf16+remainder (bf16
     parameters plus int16 remainders that rebuild the fp32 value exactly)."""
+    grad_dtype: str = "fp32"
+    """Gradients: fp32 or bf16 (reduced over the data ranks in that dtype, and rounded to it before
+    every optimizer step, also in one process)."""
 
 
 # Names of `memory.recompute` and `memory.offload` (memory/sites.py says where each lives).
@@ -584,6 +590,7 @@ def validate(cfg: Config) -> None:
     _one_of("optim.exp_avg_dtype", cfg.optim.exp_avg_dtype, ("fp32", "bf16", "fp8"))
     _one_of("optim.exp_avg_sq_dtype", cfg.optim.exp_avg_sq_dtype, ("fp32", "bf16", "fp8"))
     _one_of("optim.master_dtype", cfg.optim.master_dtype, ("fp32", "bf16", "bf16+remainder"))
+    _one_of("optim.grad_dtype", cfg.optim.grad_dtype, ("fp32", "bf16"))
     _validate_model(m)
     _validate_parallel(cfg)
     _validate_memory(cfg)
@@ -711,6 +718,9 @@ def _validate_parallel(cfg: Config) -> None:
                   n_kv_heads=m.n_kv_heads if m.attention == "gqa" else 0,
                   n_layers=m.n_layers, seq_len=cfg.train.seq_len, expert_hidden=cfg.moe.expert_hidden)
     _require(p.vpp >= 1, f"parallel.vpp={p.vpp} must be >= 1")
+    _require(not (p.sequence_parallel and p.tp > 1) or cfg.train.seq_len % p.tp == 0,
+             f"parallel.sequence_parallel needs train.seq_len={cfg.train.seq_len} divisible by "
+             f"parallel.tp={p.tp} (set parallel.sequence_parallel=false otherwise)")
     tokens = cfg.train.micro_batch_size * cfg.train.seq_len
     _require(cfg.moe.num_experts == 0 or tokens % p.tp == 0,
              f"parallel.tp={p.tp} does not divide the {tokens} tokens of a micro-batch "

@@ -18,7 +18,8 @@ MODELS = ("qwen3", "deepseek")
 LAYOUTS = [
     ("ep2", 2, 2, dict(ep=2)),
     ("dp2-fsdp", 2, 2, dict()),
-    ("tp2", 2, 1, dict(tp=2)),
+    ("tp2", 2, 1, dict(tp=2)),  # sequence-parallel (the default with tp > 1)
+    ("tp2-no-sp", 2, 1, dict(tp=2, sequence_parallel="false")),
     ("ep4", 4, 4, dict(ep=4)),
     ("tp2-ep2-folded", 4, 2, dict(tp=2, ep=2)),
     ("tp2-etp2-ep2", 4, 2, dict(tp=2, etp=2, ep=2)),

@@ -151,3 +151,42 @@ def test_bad_input_is_one_line(args, message, capsys):
     assert main(["plan", "memory", *args]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+# memory.recompute / memory.offload: the planner's saving against the real model's saved bytes with
+# the wrappers applied (fp32 on the CPU: output discarding frees real storages, and offload moves
+# only plain tensors). offload_min_bytes 4096 keeps some small tensors on the device.
+OPTION_CASES = [(preset, kind, name) for preset, names in (
+    ("tiny-qwen3", ("norm", "attn_core", "moe_act", "moe", "layer")),
+    ("tiny-deepseek", ("shared_experts", "mlp", "moe")),
+    ("tiny-mixtral", ("attn_core",))) for name in names for kind in ("recompute", "offload")]
+
+
+def _predicted_total(cfg) -> int:
+    from moefold.plan import options
+    sh = act.Shapes(cfg.train.micro_batch_size, cfg.train.seq_len, 1, 1, 1, 4)
+    total = sum(act.model_bytes(cfg, sh, cfg.model.vocab_size or 257).values())
+    total -= options.rope_offloaded(cfg, sh)
+    for layer_id in range(cfg.model.n_layers + cfg.model.mtp_layers):
+        total += sum(options.layer_delta(cfg, layer_id, sh, True)[0].values())
+    return total
+
+
+@pytest.mark.parametrize("preset,kind,name", OPTION_CASES)
+def test_recompute_and_offload_savings_match_the_wrapped_model(preset, kind, name):
+    base = {"train.micro_batch_size": 2, "memory.offload_min_bytes": 4096}
+    plain, wrapped = load_config(preset, base), load_config(preset, {**base, f"memory.{kind}": f'["{name}"]'})
+    measured = measure_saved_activations(plain, "fp32").total - measure_saved_activations(wrapped, "fp32").total
+    predicted = _predicted_total(plain) - _predicted_total(wrapped)
+    assert measured > 0
+    assert predicted == pytest.approx(measured, rel=0.05)
+
+
+def test_plan_counts_offloaded_bytes_and_recompute_lowers_the_peak():
+    args = {"model.n_layers": 2, "train.micro_batch_size": 4, "train.seq_len": 4096}
+    plain = predict_memory(load_config("qwen3-30b-a3b", args), 1)
+    layer = predict_memory(load_config("qwen3-30b-a3b", {**args, "memory.recompute": '["layer"]'}), 1)
+    offload = predict_memory(load_config("qwen3-30b-a3b", {**args, "memory.offload": '["moe"]'}), 1)
+    assert layer.activation_total < plain.activation_total and layer.offloaded == 0
+    assert offload.offloaded > 0
+    assert offload.activation_total == pytest.approx(plain.activation_total - offload.offloaded)

@@ -1,7 +1,7 @@
 """Tensor parallelism (apply_tp) against the single-process model, on 2 gloo ranks.
 
-Every rank builds the same model (same seed) and keeps a deep copy as the reference, applies TP to
-the other, and runs the same batch through both: logits must match, and after one backward of
+Every rank builds the same model (same seed) and keeps a deep copy as the reference, applies TP (with
+and without sequence parallelism) to the other, and runs the same batch through both: logits must match, and after one backward of
 (logits · upstream).sum() so must every gradient — TP-sharded weights gathered with full_tensor(),
 replicated ones (embeddings, norms, QK-norms, MoE layers, MLA's latent projections) as they are.
 """
@@ -11,7 +11,7 @@ import copy
 import pytest
 import torch
 from test_parallel_dims import run_on_ranks
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from moefold.config import load_config
 from moefold.errors import ConfigError
@@ -38,15 +38,18 @@ def _full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _check_case(preset: str, overrides: dict, tp_mesh) -> None:
+def _check_case(preset: str, overrides: dict, tp_mesh, sequence_parallel: bool = False) -> None:
     cfg = load_config(preset, overrides)
     torch.manual_seed(0)
     model = build_model(cfg, VOCAB)
     model.init_weights(seed=1)
     ref = copy.deepcopy(model)
-    apply_tp(model, tp_mesh)
+    apply_tp(model, tp_mesh, sequence_parallel)
+    seen = []  # what the last block receives: the residual stream between TP regions
+    model.layers[-1].register_forward_pre_hook(lambda module, args: seen.append(args[0]))
 
-    sharded = {n for n, p in model.named_parameters() if isinstance(p, DTensor)}
+    sharded = {n for n, p in model.named_parameters()
+               if isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements)}
     attn0 = model.layers[0].attn
     assert any(".attn.wo." in n for n in sharded) and "layers.0.ffn.w2.weight" in sharded
     assert not any(".experts" in n or "tok_embeddings" in n or "norm" in n for n in sharded), sharded
@@ -59,6 +62,11 @@ def _check_case(preset: str, overrides: dict, tp_mesh) -> None:
     logits_ref = ref(ids_BS)
     assert not isinstance(logits, DTensor)
     torch.testing.assert_close(logits, logits_ref, **TOL)
+    if sequence_parallel:  # 1/tp of the sequence per rank
+        assert isinstance(seen[0], DTensor) and seen[0].placements == (Shard(1),)
+        assert seen[0].to_local().shape == (B, S // WORLD, cfg.model.dim)
+    else:
+        assert not isinstance(seen[0], DTensor) and seen[0].shape == (B, S, cfg.model.dim)
     (logits * upstream_BSV).sum().backward()
     (logits_ref * upstream_BSV).sum().backward()
 
@@ -80,6 +88,7 @@ def _check_all(rank: int) -> None:
     tp_mesh = ParallelLayout(ParallelDims(WORLD, tp=WORLD)).tp_mesh
     for preset, overrides in CASES:
         _check_case(preset, overrides, tp_mesh)
+        _check_case(preset, overrides, tp_mesh, sequence_parallel=True)
 
     # Indivisible heads: a ConfigError, before anything is sharded.
     for overrides, what in [({"model.n_heads": 3, "model.n_kv_heads": 1, "model.head_dim": 16}, "n_heads=3"),

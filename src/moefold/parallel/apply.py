@@ -22,7 +22,7 @@ def parallelize(model: nn.Module, layout: ParallelLayout, cfg: ParallelConfig):
     """Apply TP, EP/ETP and data parallelism in place; returns the gradient-sync strategy the
     trainer calls after each step's last backward (parallel/data.py)."""
     dims = layout.dims
-    apply_tp(model, layout.tp_mesh)
+    apply_tp(model, layout.tp_mesh, cfg.sequence_parallel)
     for layer in model.moe_layers():
         apply_expert_parallel(layer, layout, cfg.ep_dispatcher)
         split_sequence_over_tp(layer, layout.tp_group)

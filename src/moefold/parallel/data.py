@@ -22,6 +22,7 @@ hold the same values (world / number of distinct shards), with one all-reduce ov
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -52,10 +53,11 @@ class FSDPGradients:
 
 class ReplicatedGradients:
     """DDP-style: average the gradients of replicated parameters after the last micro-batch's
-    backward, one flat all-reduce per (kind, dtype)."""
+    backward, one flat all-reduce per (kind, dtype), in `grad_dtype` when given (optim.grad_dtype)."""
 
-    def __init__(self, model: nn.Module, layout):
+    def __init__(self, model: nn.Module, layout, grad_dtype: torch.dtype | None = None):
         dims = layout.dims
+        self.grad_dtype = grad_dtype
         self.buckets = [(dense_parameters(model), layout.dp_cp_group, dims.dp * dims.cp),
                         (expert_parameters(model), layout.edp_group, dims.dp * dims.cp)]
 
@@ -65,11 +67,14 @@ class ReplicatedGradients:
             for p in params:
                 if p.grad is None:  # every rank must send the same sizes
                     p.grad = torch.zeros_like(p)
+                elif isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+                    # e.g. a sequence-parallel norm weight's gradient is still a partial sum
+                    p.grad = p.grad.redistribute(p.device_mesh, p.placements)
             by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
             for p in params:
                 by_dtype.setdefault(p.grad.dtype, []).append(_local(p.grad))
             for grads in by_dtype.values():
-                flat = torch.cat([g.reshape(-1) for g in grads])
+                flat = torch.cat([g.reshape(-1) for g in grads]).to(self.grad_dtype or grads[0].dtype)
                 if dist.get_world_size(group) > 1:
                     dist.all_reduce(flat, group=group)
                 flat.div_(divide_by)
@@ -77,15 +82,23 @@ class ReplicatedGradients:
                                              zip(flat.split([g.numel() for g in grads]), grads)])
 
 
-def apply_data_parallel(model: nn.Module, layout, mode: str):
+def apply_data_parallel(model: nn.Module, layout, mode: str, grad_dtype: torch.dtype | None = None):
     """Shard (fsdp) or mark for replication (ddp) every parameter over its data-parallel mesh; the
-    model must already be on its device with TP/EP applied. Returns the gradient-sync strategy to
-    call after the step's last backward."""
+    model must already be on its device with TP/EP applied. `grad_dtype`: the dtype gradients are
+    reduced in (default: the parameters'). Returns the gradient-sync strategy to call after the
+    step's last backward."""
     if mode == "ddp":
-        return ReplicatedGradients(model, layout)
-    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+        return ReplicatedGradients(model, layout, grad_dtype)
+    from torch.distributed.fsdp import (
+        MixedPrecisionPolicy,
+        fully_shard,
+        register_fsdp_forward_method,
+    )
 
     dims = layout.dims
+    # reduce_dtype only: FSDP still gathers parameters in their own dtype, and casts the reduced
+    # gradient back to it.
+    fully_shard = functools.partial(fully_shard, mp_policy=MixedPrecisionPolicy(reduce_dtype=grad_dtype))
     for layer in model.moe_layers():
         fully_shard(layer.experts, mesh=layout.expert_dp_mesh)
         layer.experts.set_gradient_divide_factor(float(dims.dp * dims.cp))

@@ -30,9 +30,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    PrepareModuleOutput,
     RowwiseParallel,
+    SequenceParallel,
     parallelize_module,
 )
 
@@ -43,29 +48,75 @@ from moefold.models.mlp import SwiGLUMLP
 from moefold.models.norm import RMSNorm
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> None:
     """Shard the attention and dense MLP of every block (main and MTP) over the 1-D `tp_mesh`, in
-    place. Raises ConfigError where the head counts do not divide by the TP size (before any
-    module is changed)."""
+    place; with `sequence_parallel`, also shard the main blocks' residual stream and norms along the
+    sequence (see `_sequence_parallel`). Raises ConfigError where the head counts do not divide by
+    the TP size (before any module is changed)."""
     tp = tp_mesh.size()
     if tp == 1:
         return
     blocks = model.blocks()
     for block in blocks:
         _check_heads(block.attn, tp)
+    sp_blocks = set(map(id, model.layers)) if sequence_parallel else set()
     for block in blocks:
+        out = _SP_OUTPUT if id(block) in sp_blocks else _REPLICATED_OUTPUT
         if isinstance(block.attn, MLAttention):
-            _tp_mla(block.attn, tp_mesh)
+            _tp_mla(block.attn, tp_mesh, out)
         else:
-            _tp_gqa(block.attn, tp_mesh)
+            _tp_gqa(block.attn, tp_mesh, out)
         if isinstance(block.ffn, SwiGLUMLP):
-            _tp_mlp(block.ffn, tp_mesh)
+            _tp_mlp(block.ffn, tp_mesh, out)
         elif getattr(block.ffn, "shared", None) is not None:  # an MoE layer with shared experts
-            _tp_mlp(block.ffn.shared, tp_mesh)
+            _tp_mlp(block.ffn.shared, tp_mesh, _REPLICATED_OUTPUT)  # summed with the routed output
+    if sequence_parallel:
+        _sequence_parallel(model, tp_mesh)
 
 
-def _tp_mlp(mlp: nn.Module, tp_mesh: DeviceMesh) -> None:
-    plan = {"w1": ColwiseParallel(), "w2": RowwiseParallel()}
+# How a row-wise output projection hands its partial sums on: all-reduced into a replicated plain
+# tensor, or (sequence parallelism) reduce-scattered into a DTensor sharded along the sequence.
+def _REPLICATED_OUTPUT() -> RowwiseParallel:
+    return RowwiseParallel()
+
+
+def _SP_OUTPUT() -> RowwiseParallel:
+    return RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+
+
+def _sequence_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Megatron's sequence parallelism for the main blocks: between TP regions the residual stream
+    and the norms hold only this rank's 1/tp of the sequence (DTensor Shard(1)). The first block's
+    input (the embeddings) is split, each attention / dense MLP all-gathers its normed input and reduce-scatters its
+    output, each MoE layer all-gathers its input (its router sees the TP group's tokens and its
+    experts get this rank's share, parallel/sequence.py) and keeps its slice of the output, and the
+    last block's output is gathered again for the final norm, head and MTP modules."""
+    seq_in = PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                desired_input_layouts=(Replicate(), None, None), use_local_output=True)
+    for block in model.layers:
+        ffn_plan = (PrepareModuleInput(input_layouts=(Shard(1), None),
+                                       desired_input_layouts=(Replicate(), None), use_local_output=True)
+                    if isinstance(block.ffn, SwiGLUMLP) else
+                    PrepareModuleInputOutput(input_layouts=(Shard(1), None),
+                                             desired_input_layouts=(Replicate(), None),
+                                             use_local_input=True, output_layouts=Replicate(),
+                                             desired_output_layouts=Shard(1), use_local_output=False))
+        parallelize_module(block, tp_mesh, {"attn_norm": SequenceParallel(), "attn": seq_in,
+                                            "ffn_norm": SequenceParallel(), "ffn": ffn_plan})
+    # Into the first block (x, cos, sin, valid): split the embeddings; out of the last: gather.
+    split = dict(input_layouts=(Replicate(), None, None, None),
+                 desired_input_layouts=(Shard(1), None, None, None))
+    gather = dict(output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True)
+    first, last = model.layers[0], model.layers[-1]
+    if first is last:
+        parallelize_module(first, tp_mesh, PrepareModuleInputOutput(**split, **gather))
+    else:
+        parallelize_module(first, tp_mesh, PrepareModuleInput(**split))
+        parallelize_module(last, tp_mesh, PrepareModuleOutput(**gather))
+
+
+def _tp_mlp(mlp: nn.Module, tp_mesh: DeviceMesh, output_style) -> None:
+    plan = {"w1": ColwiseParallel(), "w2": output_style()}
     if hasattr(mlp, "w3"):  # gated activations only
         plan["w3"] = ColwiseParallel()
     parallelize_module(mlp, tp_mesh, plan)
@@ -82,10 +133,10 @@ def _check_heads(attn: nn.Module, tp: int) -> None:
                           "(each TP rank holds whole key/value heads)")
 
 
-def _tp_gqa(attn: Attention, tp_mesh: DeviceMesh) -> None:
+def _tp_gqa(attn: Attention, tp_mesh: DeviceMesh, output_style) -> None:
     tp = tp_mesh.size()
     parallelize_module(attn, tp_mesh, {"wq": ColwiseParallel(), "wk": ColwiseParallel(),
-                                       "wv": ColwiseParallel(), "wo": RowwiseParallel()})
+                                       "wv": ColwiseParallel(), "wo": output_style()})
     attn.n_heads //= tp
     attn.n_kv_heads //= tp
     if isinstance(attn.q_norm, RMSNorm):
@@ -93,10 +144,10 @@ def _tp_gqa(attn: Attention, tp_mesh: DeviceMesh) -> None:
         attn.k_norm = HeadShardedRMSNorm(attn.k_norm, tp_mesh.get_group())
 
 
-def _tp_mla(attn: MLAttention, tp_mesh: DeviceMesh) -> None:
+def _tp_mla(attn: MLAttention, tp_mesh: DeviceMesh, output_style) -> None:
     q_proj = "wq_b" if attn.q_lora_rank > 0 else "wq"
     parallelize_module(attn, tp_mesh, {q_proj: ColwiseParallel(), "wkv_b": ColwiseParallel(),
-                                       "wo": RowwiseParallel()})
+                                       "wo": output_style()})
     attn.n_heads //= tp_mesh.size()
     group = tp_mesh.get_group()
     rope_start = attn.kv_lora_rank

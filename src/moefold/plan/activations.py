@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from moefold.config import Config
 
 CATEGORIES = ("embedding", "norm", "attn_proj", "attn_core", "mlp", "router", "moe_dispatch",
-              "experts", "shared_experts", "mtp_proj", "head")
+              "experts", "shared_experts", "mtp_proj", "head", "kept_inputs")
 GATED = {"swiglu": True, "gelu": False, "relu2": False}
 ROUTER_BYTES = {"fp32": 4, "fp64": 8}
 INT64, FP32 = 8, 4

@@ -85,7 +85,7 @@ def _scope(name: str) -> str:
 
 @dataclass
 class _Saved:
-    nbytes: int
+    storage: torch.UntypedStorage  # its size is read when forward ends (recompute may free it)
     scope: str
     category: str
     refs: list = field(default_factory=list)
@@ -170,6 +170,49 @@ def _fused_attention():
         torch.nn.functional.scaled_dot_product_attention = _REAL_SDPA
 
 
+@contextlib.contextmanager
+def _memory_wrappers_seen(pack):
+    """Let the measurement see through memory.recompute and memory.offload: a checkpoint (and an
+    output-discarding producer) keeps its tensor inputs, which no saved-tensor hook reports; an
+    offloaded site's own hooks hide what it saved, so the tensors its offload leaves on the device
+    (too small, parameters and their casts) are reported here. The outputs that output-discarding
+    frees count 0 because sizes are read when forward ends."""
+    from moefold.memory import offload, recompute
+
+    real_checkpoint, real_forward, real_pack = recompute.checkpoint, recompute._Run.forward, \
+        offload.ActivationOffload.pack
+
+    def keep(t):
+        if isinstance(t, torch.Tensor):
+            pack(t)
+            _kept.append(t)  # a strong reference, as the checkpoint holds its inputs
+
+    def checkpoint(fn, *args, **kwargs):
+        for a in (*args, *kwargs.values()):
+            keep(a)
+        return real_checkpoint(fn, *args, **kwargs)
+
+    def forward(run):
+        for a in run.args:
+            keep(a)
+        return real_forward(run)
+
+    def offload_pack(self, t):
+        packed = real_pack(self, t)
+        if packed is t:  # stays on the device
+            pack(t)
+        return packed
+
+    _kept: list[torch.Tensor] = []
+    recompute.checkpoint, recompute._Run.forward = checkpoint, forward
+    offload.ActivationOffload.pack = offload_pack
+    try:
+        yield _kept  # the caller holds them until it has counted
+    finally:
+        recompute.checkpoint, recompute._Run.forward = real_checkpoint, real_forward
+        offload.ActivationOffload.pack = real_pack
+
+
 def _cast_params(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """`model.to(dtype)` for fake parameters (`Module.to` cannot swap them); ties kept."""
     cast: dict[int, nn.Parameter] = {}
@@ -214,20 +257,22 @@ def measure_saved_activations(cfg: Config, dtype: str = "bf16", vocab_size: int 
                 return t
             entry = saved.get(key)
             if entry is None or not entry.alive():  # a dead entry's address was reused
-                entry = saved[key] = _Saved(t.untyped_storage().nbytes(), *stack.where())
+                entry = saved[key] = _Saved(t.untyped_storage(), *stack.where())
             entry.refs.append(weakref.ref(t))
             return t
 
         autocast = (torch.autocast("cpu", dtype=torch_dtype) if torch_dtype != torch.float32
                     else contextlib.nullcontext())
         try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast, \
+                    _memory_wrappers_seen(pack) as kept_inputs:
                 loss, _ = build_objective(model)(model, ids_BS, labels_BS)
         finally:
             stack.remove()
         result = SavedActivations()
         for entry in saved.values():
             if entry.alive():  # saved by a graph node that backward will run
-                result.add(entry.scope, entry.category, entry.nbytes)
+                result.add(entry.scope, entry.category, entry.storage.nbytes())
+        del kept_inputs
         loss.backward()
     return result

@@ -39,6 +39,7 @@ from moefold.config import Config
 from moefold.errors import ConfigError
 from moefold.parallel.dims import ParallelDims
 from moefold.plan import activations as act
+from moefold.plan import options
 from moefold.plan.params import ParamSplit, embedding_params, head_params, layer_params
 from moefold.plan.pipeline import (
     Chunk,
@@ -70,6 +71,7 @@ class MemoryPlan:
     transient: float
     comm_buffers: dict[str, float]
     optimizer_step: float
+    offloaded: float = 0.0  # saved activations memory.offload keeps in host memory instead
     rank_peaks: list[float] = field(default_factory=list)  # every pipeline rank's peak
     notes: list[str] = field(default_factory=list)
 
@@ -148,10 +150,18 @@ def _shapes(cfg: Config, lay: _Layout, imbalance: float) -> act.Shapes:
                       compute_bytes(cfg), imbalance)
 
 
+def params_in_compute_dtype(cfg: Config) -> bool:
+    """Parameters stored in the compute dtype (bf16 master, or fp32 compute): a linear then keeps
+    its input itself, not an autocast copy of it."""
+    return compute_bytes(cfg) == 4 or cfg.optim.master_dtype != "fp32"
+
+
 def _chunk_activations(cfg: Config, chunk: Chunk, sh: act.Shapes, vocab: int) -> dict[str, int]:
-    out = {"attn_core": act.rope_table_bytes(cfg, sh)}
+    """One micro-batch's saved bytes of a model chunk, after memory.recompute / memory.offload."""
+    out = {"attn_core": act.rope_table_bytes(cfg, sh) - options.rope_offloaded(cfg, sh)}
     for layer_id in chunk.layers:
         act._add(out, **act.layer_bytes(cfg, layer_id, sh))
+        act._add(out, **options.layer_delta(cfg, layer_id, sh, params_in_compute_dtype(cfg))[0])
     if chunk.first:
         act._add(out, **act.first_stage_bytes(cfg, sh))
     if chunk.last:
@@ -208,6 +218,9 @@ def _rank_plan(cfg: Config, lay: _Layout, chunks: list[Chunk], rank: int, sh: ac
     per_chunk = [_chunk_activations(cfg, ch, sh, vocab) for ch in mine]
     flight = peak_in_flight([sum(b.values()) for b in per_chunk], micro_batches, d.pp, rank)
     activations: dict[str, float] = {}
+    offloaded = sum(n * (options.rope_offloaded(cfg, sh) + sum(
+        options.layer_delta(cfg, i, sh, params_in_compute_dtype(cfg))[1] for i in ch.layers))
+        for n, ch in zip(flight.per_chunk, mine))
     for n, b in zip(flight.per_chunk, per_chunk):
         for key, value in b.items():
             activations[key] = activations.get(key, 0) + n * value
@@ -220,7 +233,7 @@ def _rank_plan(cfg: Config, lay: _Layout, chunks: list[Chunk], rank: int, sh: ac
                       **_states(cfg, lay, *_local(split, d)), activations=activations,
                       in_flight=flight.per_chunk, transient=max(layer_peak, loss),
                       comm_buffers=_comm_buffers(cfg, lay, mine, sh),
-                      optimizer_step=_optimizer_step(cfg, lay, split))
+                      optimizer_step=_optimizer_step(cfg, lay, split), offloaded=offloaded)
 
 
 def predict_memory(cfg: Config, world_size: int, imbalance: float = 1.0,

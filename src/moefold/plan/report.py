@@ -17,6 +17,7 @@ CATEGORY_LABELS = {
     "shared_experts": "shared experts",
     "mtp_proj": "MTP projections",
     "head": "output head + loss",
+    "kept_inputs": "inputs kept for recompute",
 }
 DTYPE_NAMES = {2: "bf16", 4: "fp32"}
 
@@ -61,6 +62,8 @@ def format_plan(plan: MemoryPlan, cfg: Config, capacity_gb: float, device: str) 
     for key, label in CATEGORY_LABELS.items():
         if plan.activations.get(key):
             lines.append(_row(label, plan.activations[key], indent=2))
+    if plan.offloaded:
+        lines.append(_row("  (offloaded to host memory, not counted)", plan.offloaded))
     lines.append(_row("transient (backward working set / loss)", plan.transient))
     lines.append(_row("communication buffers", sum(plan.comm_buffers.values())))
     lines += [_row(label, value, indent=2) for label, value in plan.comm_buffers.items()]

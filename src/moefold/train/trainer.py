@@ -371,9 +371,26 @@ class Trainer:
         if counts is not None:
             append_window(self.load_history, self.step, counts)
         record.update(moe)
+        self._add_memory_prediction(record, emit)
         self.sinks.write(record)
         emit(metrics.format_line(record, self.cfg.train.steps))
         return record
+
+    def _add_memory_prediction(self, record: dict[str, Any], emit) -> None:
+        """Once, on a GPU: the planner's per-GPU peak beside the measured one (docs/memory.md)."""
+        if self.device.type != "cuda" or getattr(self, "_memory_predicted", False):
+            return
+        self._memory_predicted = True
+        try:
+            from moefold.plan import predict_memory
+
+            predicted = predict_memory(self.cfg, self.dist.world, vocab_size=self.vocab_size).peak / 2**30
+        except Exception as e:  # a planning gap must never stop training
+            emit(f"memory: planner could not predict this run ({type(e).__name__}: {e})")
+            return
+        record["memory_predicted_gib"] = predicted
+        emit(f"memory: peak {record['peak_mem_gib']:.2f} GiB measured, {predicted:.2f} GiB predicted "
+             f"by the planner (moefold plan memory)")
 
     def _log_validation(self, emit) -> dict[str, Any]:
         record = {"step": self.step, "val_loss": self.validate()}

@@ -1,0 +1,189 @@
+"""What `memory.recompute` and `memory.offload` take off one layer's saved activations.
+
+Each name (memory/sites.py) wraps sites whose saved tensors we know from plan.activations:
+
+- **recompute**: a checkpointed site keeps its inputs instead of what its ops saved (`moe`,
+  `layer`, `attn_core`, `mlp`, `shared_experts`, the QK-norms); an output-discarding producer
+  (`norm` before the attention / FFN, `moe_act` before the down GEMM, `mla_up_proj` before the core)
+  keeps its input, and its output is freed where the consumer kept that very tensor.
+- **offload**: the tensors saved inside the site's calls leave the GPU when they hold at least
+  `memory.offload_min_bytes`; parameters and their dtype casts stay, and so do tensors a consumer
+  outside the site also keeps (the attention output the output projection keeps, the expert
+  activation the down GEMM keeps).
+
+`layer_delta(cfg, layer_id, sh, params_in_compute_dtype)` returns the change by category (negative:
+freed) and the bytes moved to the host. Checked against the real model's saved bytes with the
+wrappers applied (plan.measure on CPU, tests/unit/test_plan_memory.py).
+"""
+
+from __future__ import annotations
+
+from moefold.config import Config
+from moefold.plan import activations as act
+from moefold.plan.activations import FP32, INT64, ROUTER_BYTES, Bytes, Shapes
+
+
+def _gqa_dims(cfg: Config, sh: Shapes) -> tuple[int, int, int]:
+    m = cfg.model
+    return m.n_heads // sh.tp, (m.n_kv_heads or m.n_heads) // sh.tp, m.head_dim or m.dim // m.n_heads
+
+
+def _norm_tensors(rows: int, dim: int) -> list[int]:
+    """An RMSNorm's saved tensors that can move: fp32 input, normalised rows, rsqrt per row."""
+    return [rows * dim * FP32, rows * dim * FP32, rows * FP32]
+
+
+def _qk_norms(cfg: Config, sh: Shapes) -> list[tuple[int, int]]:
+    if cfg.model.attention != "gqa" or not cfg.model.qk_norm:
+        return []
+    H, G, Dh = _gqa_dims(cfg, sh)
+    return [(sh.tokens * H, Dh), (sh.tokens * G, Dh)]
+
+
+def _core_inputs(cfg: Config, sh: Shapes) -> list[int]:
+    """q, k, v storages the attention core keeps (MLA's v is a view of the kv up-projection)."""
+    m, T, a = cfg.model, sh.tokens, sh.act_bytes
+    if m.attention == "mla":
+        H = m.n_heads // sh.tp
+        qk = T * H * (m.qk_nope_head_dim + m.qk_rope_head_dim) * a
+        return [qk, qk, T * H * (m.qk_nope_head_dim + m.v_head_dim) * a]
+    H, G, Dh = _gqa_dims(cfg, sh)
+    return [T * H * Dh * a, T * G * Dh * a, T * G * Dh * a]
+
+
+def _core_internal(cfg: Config, sh: Shapes) -> list[int]:
+    """What the core saves besides q, k, v and its output: log-sum-exp, a window's mask bias."""
+    H = cfg.model.n_heads // sh.tp
+    out = [sh.tokens * H * FP32]
+    if cfg.model.attention == "gqa" and cfg.model.sliding_window:
+        out.append(sh.seq * sh.seq * sh.act_bytes)
+    return out
+
+
+def _moe_weight_casts(cfg: Config, sh: Shapes) -> int:
+    moe, r = cfg.moe, ROUTER_BYTES[cfg.moe.router_dtype]
+    return 0 if (sh.fp32 and r == FP32) else moe.num_experts * cfg.model.dim * r
+
+
+def _moe_tensors(cfg: Config, sh: Shapes, rows: int) -> list[int]:
+    """The MoE layer's large saved tensors (router input and scores, indices, expert rows)."""
+    moe, D, a = cfg.moe, cfg.model.dim, sh.act_bytes
+    T, F, r = sh.tokens // sh.tp, moe.expert_hidden // sh.etp, ROUTER_BYTES[moe.router_dtype]
+    gated = act.GATED[moe.activation]
+    return [T * D * r, T * moe.num_experts * r, T * moe.top_k * INT64, rows * INT64,
+            T * moe.top_k * INT64, rows * D * a, *[rows * F * a] * (3 if gated else 2), rows * FP32]
+
+
+def _small(sizes: list[int], min_bytes: int) -> int:
+    return sum(s for s in sizes if s < min_bytes)
+
+
+def _recompute(cfg: Config, name: str, layer_id: int, sh: Shapes, full: Bytes,
+               same_dtype: bool) -> Bytes:
+    from moefold.models.transformer import is_moe_layer
+
+    T, D, a = sh.tokens, cfg.model.dim, sh.act_bytes
+    moe_layer = is_moe_layer(cfg, layer_id)
+    x = T * D * a  # a block's or a sub-layer's input
+    if name == "layer":
+        return act._add({k: -v for k, v in full.items()}, kept_inputs=x)
+    if name == "moe" and moe_layer:
+        parts = ("router", "moe_dispatch", "experts", "shared_experts")
+        return act._add({k: -full.get(k, 0) for k in parts}, kept_inputs=x)
+    if name == "mlp" and not moe_layer:
+        return {"mlp": -full["mlp"], "kept_inputs": x}
+    if name == "shared_experts" and moe_layer and cfg.moe.shared_experts:
+        return {"shared_experts": -full["shared_experts"], "kept_inputs": 0 if sh.fp32 else x}
+    if name == "attn_core":
+        kept = sh.seq * sh.seq if cfg.model.attention == "gqa" and cfg.model.sliding_window else 0
+        return {"attn_core": -sum(_core_internal(cfg, sh)), "kept_inputs": kept}
+    if name == "moe_act" and moe_layer:
+        return {"experts": -act.expert_rows(cfg, sh) * (cfg.moe.expert_hidden // sh.etp) * a}
+    if name == "mla_up_proj" and cfg.model.attention == "mla":
+        return {"attn_core": -sum(_core_inputs(cfg, sh))}  # not cross-checked by a test yet
+    if name == "norm":
+        return _recompute_norms(cfg, moe_layer, sh, same_dtype)
+    return {}
+
+
+def _recompute_norms(cfg: Config, moe_layer: bool, sh: Shapes, same_dtype: bool) -> Bytes:
+    """Pre-norms keep their input (the residual) instead of their internals; the consumer's copy
+    of the normed x is freed when it kept that very tensor. QK-norms are checkpointed."""
+    T, D, a = sh.tokens, cfg.model.dim, sh.act_bytes
+    out = act._add({}, norm=2 * (-act.norm_bytes(T, D, sh) + T * D * a))
+    for rows, dim in _qk_norms(cfg, sh):
+        act._add(out, norm=-act.norm_bytes(rows, dim, sh) + rows * dim * a)
+    if not same_dtype:  # the projections keep their own compute-dtype casts of the normed x
+        return out
+    act._add(out, attn_proj=-T * D * a)
+    if not moe_layer:
+        return act._add(out, mlp=-T * D * a)
+    if sh.fp32 and ROUTER_BYTES[cfg.moe.router_dtype] == FP32:
+        act._add(out, router=-T // sh.tp * D * FP32)  # the router's "copy" is the normed x itself
+    if cfg.moe.shared_experts and not sh.fp32:
+        act._add(out, shared_experts=-T * D * a)
+    return out
+
+
+def _offloaded(cfg: Config, name: str, layer_id: int, sh: Shapes, full: Bytes,
+               min_bytes: int) -> Bytes:
+    """Bytes by category that offloading `name` moves off the GPU (positive)."""
+    from moefold.models.transformer import is_moe_layer
+
+    T, D, a = sh.tokens, cfg.model.dim, sh.act_bytes
+    moe_layer = is_moe_layer(cfg, layer_id)
+    rows = act.expert_rows(cfg, sh) if moe_layer else 0
+    if name == "norm":
+        norms = [(T, D), (T, D), *_qk_norms(cfg, sh)]
+        return {"norm": sum(s for r, d in norms for s in _norm_tensors(r, d) if s >= min_bytes)}
+    if name == "attn_core":
+        return {"attn_core": sum(s for s in _core_inputs(cfg, sh) + _core_internal(cfg, sh)
+                                 if s >= min_bytes)}
+    if name == "moe_act" and moe_layer:
+        F = cfg.moe.expert_hidden // sh.etp
+        sizes = [rows * F * a] * (2 if act.GATED[cfg.moe.activation] else 1)
+        if cfg.moe.memory_efficient_permute:
+            sizes.append(rows * FP32)
+        return {"experts": sum(s for s in sizes if s >= min_bytes)}
+    if name in ("moe", "layer") and moe_layer or name == "layer":
+        parts = ("router", "moe_dispatch", "experts", "shared_experts")
+        if name == "layer":
+            parts = tuple(full)
+        moved = {k: full.get(k, 0) for k in parts}
+        stays = _moe_weight_casts(cfg, sh) + _small(_moe_tensors(cfg, sh, rows), min_bytes) if moe_layer else 0
+        if name == "layer":
+            norms = [(T, D), (T, D), *_qk_norms(cfg, sh)]
+            stays += _small([s for r, d in norms for s in _norm_tensors(r, d)], min_bytes)
+            stays += _small(_core_inputs(cfg, sh) + _core_internal(cfg, sh), min_bytes)
+        first = "router" if "router" in moved else next(iter(moved))
+        moved[first] -= min(stays, moved[first])
+        return moved
+    if name == "mlp" and not moe_layer:
+        return {"mlp": full["mlp"]}
+    if name == "shared_experts" and moe_layer and cfg.moe.shared_experts:
+        return {"shared_experts": full["shared_experts"]}
+    if name == "mla_up_proj":
+        return {}  # the per-head q/k/v stay: the core keeps them
+    return {}
+
+
+def layer_delta(cfg: Config, layer_id: int, sh: Shapes, same_dtype: bool) -> tuple[Bytes, int]:
+    """(change of the layer's saved bytes by category, bytes moved to the host). `same_dtype`:
+    parameters are in the compute dtype, so a linear keeps the normed x itself, not a cast."""
+    full = act.layer_bytes(cfg, layer_id, sh)
+    delta: Bytes = {}
+    for name in cfg.memory.recompute:
+        act._add(delta, **_recompute(cfg, name, layer_id, sh, full, same_dtype))
+    host = 0
+    for name in cfg.memory.offload:
+        moved = _offloaded(cfg, name, layer_id, sh, full, cfg.memory.offload_min_bytes)
+        act._add(delta, **{k: -v for k, v in moved.items()})
+        host += sum(moved.values())
+    return delta, host
+
+
+def rope_offloaded(cfg: Config, sh: Shapes) -> int:
+    """With whole layers offloaded, each layer's saved RoPE tables go too (the trunk's originals
+    are freed once forward ends)."""
+    table = act.rope_table_bytes(cfg, sh) // 2
+    return 2 * table if "layer" in cfg.memory.offload and table >= cfg.memory.offload_min_bytes else 0

@@ -93,8 +93,11 @@ def test_training_with_context_or_pipeline_parallelism_is_refused(capsys, tmp_pa
     assert not (tmp_path / "r").exists()
 
 
-def test_tp_must_divide_the_tokens_of_a_micro_batch():
+def test_tp_must_divide_the_tokens_of_a_micro_batch_and_the_sequence_under_sp():
+    tp2_seq3 = {"parallel.tp": "2", "train.micro_batch_size": "1", "train.seq_len": "3"}
+    with pytest.raises(ConfigError, match=re.escape(
+            "parallel.sequence_parallel needs train.seq_len=3 divisible by parallel.tp=2")):
+        load_config("tiny-qwen3", tp2_seq3)
     with pytest.raises(ConfigError, match=re.escape(
             "parallel.tp=2 does not divide the 3 tokens of a micro-batch")):
-        load_config("tiny-qwen3", {"parallel.tp": "2", "train.micro_batch_size": "1",
-                                   "train.seq_len": "3"})
+        load_config("tiny-qwen3", {**tp2_seq3, "parallel.sequence_parallel": "false"})

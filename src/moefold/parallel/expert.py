@@ -55,11 +55,29 @@ class AllToAllHandle:
 
 @dataclass
 class _Sorted:
-    """preprocess → communicate: this rank's kept copies sorted by global expert."""
+    """preprocess → communicate: this rank's copies sorted by global expert (kept ones first)."""
     x_SD: torch.Tensor
     probs_S: torch.Tensor
-    tokens_per_expert_E: torch.Tensor
-    order_N: torch.Tensor
+
+
+class _HostCopy:
+    """A device→host copy started now and read later: into pinned memory behind an event on CUDA
+    (the host goes on launching work until `tolist`), a plain read elsewhere."""
+
+    def __init__(self, t: torch.Tensor):
+        self.event = None
+        if t.is_cuda:
+            self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self.host.copy_(t, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = t
+
+    def tolist(self) -> list:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
 
 
 class _ExpertParallelDispatcher:
@@ -96,43 +114,56 @@ class AllToAllDispatcher(_ExpertParallelDispatcher):
     # ------------------------------------------------------------------------------- dispatch
 
     def dispatch(self, x_TD: torch.Tensor, routing: Routing, keep_N: torch.Tensor) -> Dispatched:
-        sorted_ = self._preprocess(x_TD, routing, keep_N)
-        x_RD, probs_R, counts_GL, send_per_ep, send_splits, recv_splits = self._communicate(sorted_)
+        order_N, tokens_per_expert_E = self._sort_copies(routing, keep_N)
+        counts_GL, splits = self._exchange_counts(tokens_per_expert_E)  # host copy issued early ...
+        sorted_ = self._gather_sorted(x_TD, routing, order_N)  # ... the permutation meanwhile ...
+        send_per_ep, send_splits, recv_splits = self._split_sizes(splits)  # ... waited for late
+        x_RD, probs_R = self._communicate(sorted_, send_per_ep, send_splits, recv_splits)
         x_RD, probs_R, rows_per_expert_L, regroup_R = self._postprocess(x_RD, probs_R, counts_GL)
-        handle = AllToAllHandle(sorted_.order_N, keep_N, regroup_R, send_per_ep, send_splits,
+        handle = AllToAllHandle(order_N, keep_N, regroup_R, send_per_ep, send_splits,
                                 recv_splits, routing.probs_TK)
         return Dispatched(x_RD=x_RD, rows_per_expert_E=rows_per_expert_L, probs_R=probs_R, handle=handle)
 
-    def _preprocess(self, x_TD, routing: Routing, keep_N) -> _Sorted:
-        """Sort the copies by global expert (stable: token order within an expert); dropped copies
-        (padding tokens) get key E and sort last, past the S rows that are sent."""
+    def _sort_copies(self, routing: Routing, keep_N) -> tuple[torch.Tensor, torch.Tensor]:
+        """The copies' order sorted by global expert (stable: token order within an expert; dropped
+        copies, i.e. padding tokens, get key E and sort last, past the rows that are sent) and the
+        copies per expert."""
         E = self.num_experts
         key_N = torch.where(keep_N, routing.idx_TK.reshape(-1), E)
         order_N = torch.argsort(key_N, stable=True)
         counts_E1 = torch.zeros(E + 1, dtype=torch.int64, device=key_N.device)
         counts_E1.scatter_add_(0, key_N, torch.ones_like(key_N))
-        return _Sorted(x_SD=x_TD.index_select(0, order_N // self.top_k),
-                       probs_S=routing.probs_TK.reshape(-1).index_select(0, order_N),
-                       tokens_per_expert_E=counts_E1[:E], order_N=order_N)
+        return order_N, counts_E1[:E]
 
-    def _communicate(self, s: _Sorted):
-        """Counts all-to-all, the one host copy of the split sizes, then tokens and probs.
-        G group ranks (P·ETP); every ETP rank of an EP index gets that index's copies."""
+    def _exchange_counts(self, tokens_per_expert_E: torch.Tensor):
+        """Counts all-to-all over the group (G ranks, P·ETP; every ETP rank of an EP index gets that
+        index's copies), then the split sizes' device→host copy, started but not waited for."""
         P, L = self.ep_size, self.num_local_experts
-        counts_PL = s.tokens_per_expert_E.view(P, L)
+        counts_PL = tokens_per_expert_E.view(P, L)
         ep_of_rank_G = torch.tensor(self.ep_of_rank, device=counts_PL.device)
         # counts_GL[g, l]: rows group rank g sends to this rank's local expert l.
         counts_GL = torch.empty(self.group_size * L, dtype=counts_PL.dtype, device=counts_PL.device)
         dist.all_to_all_single(counts_GL, counts_PL.index_select(0, ep_of_rank_G).reshape(-1),
                                group=self.group)
         counts_GL = counts_GL.view(-1, L)
-        splits = torch.cat([counts_PL.sum(1), counts_GL.sum(1)]).tolist()  # HOST SYNC: all_to_all
-        send_per_ep, recv_splits = splits[:P], splits[P:]                   # needs sizes on the host
-        send_splits = [send_per_ep[p] for p in self.ep_of_rank]
+        return counts_GL, _HostCopy(torch.cat([counts_PL.sum(1), counts_GL.sum(1)]))
+
+    def _gather_sorted(self, x_TD, routing: Routing, order_N) -> _Sorted:
+        return _Sorted(x_SD=x_TD.index_select(0, order_N // self.top_k),
+                       probs_S=routing.probs_TK.reshape(-1).index_select(0, order_N))
+
+    def _split_sizes(self, splits: _HostCopy) -> tuple[list[int], list[int], list[int]]:
+        """(rows for each EP index, rows sent to / received from each group rank) on the host."""
+        sizes = splits.tolist()  # HOST SYNC: all_to_all needs split sizes on the host
+        send_per_ep, recv_splits = sizes[:self.ep_size], sizes[self.ep_size:]
+        return send_per_ep, [send_per_ep[p] for p in self.ep_of_rank], recv_splits
+
+    def _communicate(self, s: _Sorted, send_per_ep, send_splits, recv_splits):
+        """Tokens and their probabilities by the autograd-aware uneven all-to-all."""
         S = sum(send_per_ep)
         x_RD = self._all_to_all(self._fan_out(s.x_SD[:S], send_per_ep), recv_splits, send_splits)
         probs_R = self._all_to_all(self._fan_out(s.probs_S[:S], send_per_ep), recv_splits, send_splits)
-        return x_RD, probs_R, counts_GL, send_per_ep, send_splits, recv_splits
+        return x_RD, probs_R
 
     def _fan_out(self, x_S: torch.Tensor, send_per_ep: list[int]) -> torch.Tensor:
         """The rows for each group rank, in group order: with ETP, each EP index's rows once per

@@ -1,6 +1,7 @@
 """PrecisionAwareAdamW against torch.optim.AdamW (the reference), on a tiny MoE model."""
 
 import functools
+import math
 
 import pytest
 import torch
@@ -10,7 +11,18 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from moefold.config import load_config
 from moefold.models.transformer import build_model
-from moefold.optim.adamw import param_groups
+from moefold.optim import precision
+from moefold.optim.adamw import build_optimizer, param_groups, round_gradients
+from moefold.optim.blocks import (
+    BLOCK,
+    FP8_MIN_SUBNORMAL,
+    RowBlocks,
+    dequantize_fp8,
+    dequantize_fp8_many,
+    quantize_fp8,
+    quantize_fp8_many,
+    row_blocks,
+)
 from moefold.optim.precision import FP8, PrecisionAwareAdamW, join_fp32
 from moefold.train.loss import cross_entropy_loss
 
@@ -150,3 +162,97 @@ def test_plain_load_state_dict_keeps_dtypes():
 def test_bad_option_names_the_allowed_values():
     with pytest.raises(ValueError, match="exp_avg_dtype='fp16'; allowed: fp32, bf16, fp8"):
         PrecisionAwareAdamW([torch.nn.Parameter(torch.zeros(2))], exp_avg_dtype="fp16")
+
+
+# ---------------------------------------------------------------------- foreach and fp8 blocks
+
+FOREACH_OPTIONS = [{}, {"exp_avg_dtype": "bf16", "exp_avg_sq_dtype": "fp8", "master": "bf16+remainder"},
+                   {"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "bf16", "master": "bf16"},
+                   {"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp8"}]
+
+
+@pytest.mark.parametrize("options, chunk", [*((o, None) for o in FOREACH_OPTIONS), (FOREACH_OPTIONS[1], 2000)],
+                         ids=["fp32", "lean", "fp8-bf16-bf16master", "fp8", "lean-chunked"])
+def test_foreach_is_bit_identical_to_the_per_parameter_loop(options, chunk, monkeypatch):
+    if chunk:  # several foreach calls per group, some parameters alone
+        monkeypatch.setattr(precision, "FOREACH_ELEMENTS", chunk)
+    models = [tiny_model(), tiny_model()]
+    opts = [PrecisionAwareAdamW(param_groups(m, 0.1), **HP, **options, foreach=f)
+            for m, f in zip(models, (True, False))]
+    for i, (ids_BS, labels_BS) in enumerate(batches(20)):
+        for m, o in zip(models, opts):
+            cross_entropy_loss(m(ids_BS), labels_BS).backward()
+            o.step()
+            m.on_optimizer_step()
+            o.zero_grad(set_to_none=True)
+        for p, q in zip(*(m.parameters() for m in models), strict=True):
+            assert torch.equal(p, q), f"step {i}"
+    for s, t in zip(*(o.state.values() for o in opts), strict=True):
+        for key in s:
+            assert torch.equal(s[key].reshape(-1).view(torch.uint8), t[key].reshape(-1).view(torch.uint8)), key
+
+
+def _blocks_of(shape, col0=0, global_cols=None):
+    rows = math.prod(shape[:-1])
+    return RowBlocks(rows, shape[-1], col0, math.ceil((global_cols or shape[-1]) / BLOCK))
+
+
+def test_batched_fp8_quantisation_equals_one_tensor_at_a_time():
+    """Shapes with short last blocks, rows shorter than a block, an empty shard, and local shards
+    that start inside a block (col0 not a multiple of BLOCK: the scales cover the global row)."""
+    gen = torch.Generator().manual_seed(0)
+    cases = [((3, 300), 0, None), ((64,), 0, None), ((2, 5, 40), 0, None), ((0, 7), 0, None),
+             ((4, 100), 150, 400), ((90,), 37, 200)]
+    xs = [torch.randn(shape, generator=gen) * torch.rand(shape, generator=gen).exp2().pow(8)
+          for shape, _, _ in cases]
+    bs = [_blocks_of(shape, col0, cols) for shape, col0, cols in cases]
+    for floor in (0.0, FP8_MIN_SUBNORMAL):
+        inputs = [x.abs() for x in xs] if floor else xs  # the floor is for sqrt(v) >= 0
+        qs, scales = quantize_fp8_many(inputs, bs, floor=floor)
+        for x, b, q, scale in zip(inputs, bs, qs, scales, strict=True):
+            q1, scale1 = quantize_fp8(x, b, floor=floor)
+            assert q.shape == x.shape and q.dtype == FP8 and scale.shape == (b.rows, b.n_blocks)
+            assert torch.equal(q.view(torch.uint8), q1.view(torch.uint8)) and torch.equal(scale, scale1)
+            back = dequantize_fp8(q, scale, b)
+            assert torch.equal(back, dequantize_fp8_many([q], [scale], [b])[0])
+            if x.numel():
+                torch.testing.assert_close(back, x, rtol=2 ** -4, atol=scale.max().item() * 2 ** -9)
+
+
+def test_fp8_blocks_run_along_rows_of_the_last_dimension():
+    """A row of small values beside a row of large ones keeps its own scale: blocks never cross
+    rows (one flattened 128-element block would round the small row to zero)."""
+    x = torch.cat([torch.full((1, 64), 1e-6), torch.full((1, 64), 1e3)])
+    b = row_blocks(x)
+    q, scale = quantize_fp8(x, b)
+    assert scale.shape == (2, 1)
+    torch.testing.assert_close(dequantize_fp8(q, scale, b), x, rtol=2 ** -4, atol=0)
+
+
+# ------------------------------------------------------------------------------ optim.grad_dtype
+
+
+def test_bf16_gradients_train_within_2_percent_of_fp32():
+    """optim.grad_dtype=bf16 in one process: every gradient rounded to bf16 before the step."""
+    model = tiny_model()
+    opt = torch.optim.AdamW(param_groups(model, 0.1), **HP, foreach=False)
+    opt.register_step_pre_hook(round_gradients(torch.bfloat16))
+    loss = sum(train(model, opt)[-10:]) / 10
+    reference = final_loss()  # fp32 states: bit-identical to this AdamW without the hook
+    print(f"bf16 gradients: final loss {loss:.4f} vs fp32 {reference:.4f} ({loss / reference - 1:+.2%})")
+    assert loss != reference  # the rounding acted
+    assert abs(loss / reference - 1) < 0.02
+
+
+def test_grad_dtype_rounds_gradients_before_the_step():
+    from moefold.config import OptimConfig, TrainConfig
+
+    p = torch.nn.Parameter(torch.zeros(300))
+    model = torch.nn.Module()
+    model.w = p
+    opt = build_optimizer(model, TrainConfig(), torch.device("cpu"), OptimConfig(grad_dtype="bf16"))
+    grad = torch.randn(300, generator=torch.Generator().manual_seed(0))
+    p.grad = grad.clone()
+    opt.step()
+    assert p.grad.dtype == torch.float32 and not torch.equal(p.grad, grad)
+    assert torch.equal(p.grad, grad.bfloat16().float())

@@ -1,7 +1,8 @@
 """AdamW with decoupled weight decay on matrices only (not norms, biases or embeddings).
 
 All-fp32 states use torch's fused (GPU) or foreach (CPU) AdamW; lower-precision moments or master
-weights use `PrecisionAwareAdamW` (optim/precision.py).
+weights use `PrecisionAwareAdamW` (optim/precision.py). `optim.grad_dtype=bf16` rounds the gradients
+to bf16 before every step (parallel/data.py reduces them in it). docs/optimizer.md has the details.
 """
 
 import torch
@@ -26,9 +27,36 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
             for (decay, _), params in sorted(groups.items(), key=lambda kv: (not kv[0][0], kv[0][1]))]
 
 
+GRAD_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def round_gradients(dtype: torch.dtype):
+    """An optimizer step pre-hook that rounds every gradient to `dtype` in place (it keeps its
+    storage dtype, which autograd ties to the parameter's): the step sees `dtype` gradients
+    whether or not they were reduced in it, and after clipping, which may leave them off the grid."""
+    @torch.no_grad()
+    def hook(optimizer, args, kwargs) -> None:
+        grads = [_local(p.grad) for g in optimizer.param_groups for p in g["params"]
+                 if p.grad is not None and p.grad.dtype != dtype]
+        if grads:
+            torch._foreach_copy_(grads, [g.to(dtype) for g in grads])
+    return hook
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def build_optimizer(model: nn.Module, t: TrainConfig, device: torch.device,
                     o: OptimConfig | None = None) -> torch.optim.Optimizer:
     o = o or OptimConfig()
+    optimizer = _build(model, t, device, o)
+    if o.grad_dtype != "fp32":
+        optimizer.register_step_pre_hook(round_gradients(GRAD_DTYPES[o.grad_dtype]))
+    return optimizer
+
+
+def _build(model: nn.Module, t: TrainConfig, device: torch.device, o: OptimConfig):
     if (o.exp_avg_dtype, o.exp_avg_sq_dtype, o.master_dtype) != ("fp32", "fp32", "fp32"):
         # Converts bf16-master parameters to bf16 in place: build it after the weights are set.
         return PrecisionAwareAdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),

@@ -2,17 +2,24 @@
 parameters plus int16 remainders that rebuild the exact fp32 master (TransformerEngine's FusedAdam
 `store_param_remainders`, used by Megatron-Core's `--use-precision-aware-optimizer`).
 
-Every step dequantizes to fp32, runs the AdamW arithmetic of `torch.optim.AdamW` (single-tensor
-path, decoupled weight decay) in fp32, and stores the results back in their own dtypes. With fp32
-everything it is bit-identical to `torch.optim.AdamW(foreach=False)`.
+Every step dequantizes to fp32, runs the AdamW arithmetic of `torch.optim.AdamW` (decoupled weight
+decay) in fp32, and stores the results back in their own dtypes. With fp32 everything it is
+bit-identical to `torch.optim.AdamW(foreach=False)`. The default `foreach=True` path updates a
+param group with torch._foreach_* ops and quantises all its fp8 moments in one batch; on the CPU it
+is bit-identical to the per-parameter loop (`foreach=False`, the reference).
 
 State per parameter (all allocated at construction, so a checkpoint template is complete and
 `torch.distributed.checkpoint.state_dict.get_state_dict` sees them as they are):
   step                    fp32 scalar on the CPU (as torch AdamW)
   exp_avg, exp_avg_sq     the parameter's shape, in fp32, bf16 or float8_e4m3fn
-  exp_avg_scale,          fp8 only: one fp32 scale per block of BLOCK elements (flattened order)
-  exp_avg_sq_scale
+  exp_avg_scale,          fp8 only: fp32 scales [..., ceil(last dim / 128)], one per block of 128
+  exp_avg_sq_scale        elements along the last dimension (optim/blocks.py)
   master_remainder        "bf16+remainder" only: int16, the parameter's shape
+
+Sharded parameters (DTensors: FSDP2, TP, EP) are updated on their local shards, which is exact for
+this element-wise update; every state is a DTensor with the parameter's mesh and placements (the
+fp8 scales replicated where the parameter splits its last dimension), so DCP saves whole states by
+name and resumes them under any other layout, in their own dtypes.
 
 fp8 second moment: exp_avg_sq holds sqrt(v) in e4m3 with per-block scales, not v. sqrt halves the
 dynamic range in log space, so e4m3 (2^-9..448 within a block) spans 2^35 of v against e5m2's 2^32,
@@ -20,45 +27,70 @@ with the same relative error on the Adam denominator sqrt(v) (2^-4); and nonzero
 rounded to zero (it is clamped to the smallest subnormal), which would otherwise blow an update up
 to m/eps. Overestimating a tiny v only shrinks that element's step.
 
-Not here yet: foreach/fused multi-tensor paths (this is a per-parameter loop), stochastic rounding,
-and DTensor (FSDP/TP-sharded) parameters for the fp8 block layout.
+Not here yet: a fused GPU kernel, stochastic rounding.
 """
 
-import math
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
 
-BLOCK = 128
-"""Elements per fp8 scaling block (flattened parameter order)."""
-FP8 = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8).max  # 448
-FP8_MIN_SUBNORMAL = 2.0 ** -9
+from moefold.optim.blocks import (
+    FP8,
+    FP8_MIN_SUBNORMAL,
+    RowBlocks,
+    dequantize_fp8,
+    dequantize_fp8_many,
+    quantize_fp8,
+    quantize_fp8_many,
+    row_blocks,
+    scale_like,
+)
 
 MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": FP8}
 MASTER_MODES = ("fp32", "bf16", "bf16+remainder")
+MOMENTS = ("exp_avg", "exp_avg_sq")
+FOREACH_ELEMENTS = 2 ** 25
+"""Local elements updated by one foreach call: bounds its fp32 working copies (master, moments,
+gradient, denominator: about 20 bytes per element, 640 MiB) whatever the model's size."""
 
 
-# ------------------------------------------------------------------------------ fp8 blocks
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard (the tensor itself when it is not a DTensor)."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
-def quantize_fp8(x: torch.Tensor, floor: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (fp32) → (e4m3 tensor of x's shape, fp32 scale per BLOCK elements); x ≈ q · scale.
-    `floor` clamps |q| from below (see the module docstring on sqrt(v))."""
-    n = x.numel()
-    x_NB = F.pad(x.reshape(-1), (0, -n % BLOCK)).view(-1, BLOCK)
-    scale_N = x_NB.abs().amax(dim=1).div(FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
-    q_NB = (x_NB / scale_N[:, None]).clamp(-FP8_MAX, FP8_MAX)  # > 464 would cast to NaN
-    if floor:
-        q_NB = q_NB.clamp_min(floor)
-    return q_NB.to(FP8).reshape(-1)[:n].view_as(x), scale_N
+def _like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """`local` as a DTensor sharded like `p` (itself when `p` is a plain tensor)."""
+    if not isinstance(p, DTensor):
+        return local
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                              stride=p.stride())
 
 
-def dequantize_fp8(q: torch.Tensor, scale_N: torch.Tensor) -> torch.Tensor:
-    n = q.numel()
-    q_NB = F.pad(q.reshape(-1).float(), (0, -n % BLOCK)).view(-1, BLOCK)
-    return (q_NB * scale_N[:, None]).reshape(-1)[:n].view(q.shape)
+def _chunks(params: list[torch.Tensor], max_elements: int) -> list[list[torch.Tensor]]:
+    """Consecutive runs of parameters of at most `max_elements` local elements (a larger
+    parameter alone)."""
+    chunks: list[list[torch.Tensor]] = []
+    size = max_elements
+    for p in params:
+        n = _local(p).numel()
+        if size + n > max_elements:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(p)
+        size += n
+    return chunks
+
+
+def _replace_local(p: nn.Parameter, local: torch.Tensor) -> None:
+    """Give `p` new (differently typed) values, keeping the Parameter object that modules, FSDP
+    and the optimizer refer to. A DTensor's dtype is fixed, so its whole tensor is swapped."""
+    if not isinstance(p, DTensor):
+        p.data = local
+        return
+    torch.utils.swap_tensors(p, nn.Parameter(_like(p, local), requires_grad=p.requires_grad))
 
 
 # -------------------------------------------------------------------- bf16 + int16 remainder
@@ -98,79 +130,86 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
     master: "fp32" (parameters are fp32); "bf16" (parameters are bf16, the fp32 update is rounded
     to nearest into them); "bf16+remainder" (bf16 parameters plus an int16 remainder in the state
     that rebuilds the exact fp32 master). In the bf16 modes fp32 parameters are cast to bf16 in
-    place at construction (the remainder keeps their low bits, so nothing is lost).
+    place at construction (the remainder keeps their low bits, so nothing is lost); under FSDP2
+    build it before the first forward, which fixes the dtype FSDP gathers in.
+    foreach: one torch._foreach_* update per param group (False: the per-parameter reference).
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, exp_avg_dtype: str = "fp32",
-                 exp_avg_sq_dtype: str = "fp32", master: str = "fp32"):
+                 exp_avg_sq_dtype: str = "fp32", master: str = "fp32", foreach: bool = True):
         for name, value in (("exp_avg_dtype", exp_avg_dtype), ("exp_avg_sq_dtype", exp_avg_sq_dtype)):
             if value not in MOMENT_DTYPES:
                 raise ValueError(f"{name}={value!r}; allowed: {', '.join(MOMENT_DTYPES)}")
         if master not in MASTER_MODES:
             raise ValueError(f"master={master!r}; allowed: {', '.join(MASTER_MODES)}")
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay,
-                        "exp_avg_dtype": exp_avg_dtype, "exp_avg_sq_dtype": exp_avg_sq_dtype, "master": master}
+                    "exp_avg_dtype": exp_avg_dtype, "exp_avg_sq_dtype": exp_avg_sq_dtype,
+                    "master": master, "foreach": foreach}
         super().__init__(params, defaults)
+        self._row_blocks: dict[torch.Tensor, RowBlocks] = {}  # fp8 block layout of each shard
         for group in self.param_groups:
             for p in group["params"]:
                 self._init_state(p, group)
 
-    def _init_state(self, p: torch.Tensor, group: dict) -> None:
+    def _init_state(self, p: nn.Parameter, group: dict) -> None:
         want = torch.float32 if group["master"] == "fp32" else torch.bfloat16
         if p.dtype not in (torch.float32, want):
             raise ValueError(f"master={group['master']!r} needs fp32 or {want} parameters, got {p.dtype}")
         state = self.state[p]
         state["step"] = torch.tensor(0.0)
         if group["master"] == "bf16+remainder":
-            x = p.detach().float()  # bf16 parameters start with a zero remainder (exact)
-            p.data, state["master_remainder"] = split_fp32(x)
+            x = _local(p).detach().float()  # bf16 parameters start with a zero remainder (exact)
+            hi, remainder = split_fp32(x)
+            _replace_local(p, hi)
+            state["master_remainder"] = _like(p, remainder)
         elif p.dtype != want:
-            p.data = p.data.to(want)
-        for key in ("exp_avg", "exp_avg_sq"):
+            _replace_local(p, _local(p).detach().to(want))
+        for key in MOMENTS:
             dtype = MOMENT_DTYPES[group[f"{key}_dtype"]]
             state[key] = torch.zeros_like(p, dtype=dtype)
             if dtype == FP8:
-                state[f"{key}_scale"] = torch.ones(math.ceil(p.numel() / BLOCK), device=p.device)
+                state[f"{key}_scale"] = scale_like(p)
+                self._row_blocks[p] = row_blocks(p)
 
     # -------------------------------------------------------------- load / store one state
 
-    @staticmethod
-    def _load_moment(state: dict, key: str) -> torch.Tensor:
-        """fp32 view of a moment; the state tensor itself when it is fp32 (updated in place)."""
-        t = state[key]
+    def _load_moment(self, p: torch.Tensor, state: dict, key: str) -> torch.Tensor:
+        """fp32 view of a moment's shard; the state itself when it is fp32 (updated in place)."""
+        t = _local(state[key])
         if t.dtype != FP8:
             return t.float()  # no copy for fp32
-        x = dequantize_fp8(t, state[f"{key}_scale"])
+        x = dequantize_fp8(t, _local(state[f"{key}_scale"]), self._row_blocks[p])
         return x.square() if key == "exp_avg_sq" else x  # fp8 exp_avg_sq holds sqrt(v)
 
-    @staticmethod
-    def _store_moment(state: dict, key: str, x: torch.Tensor) -> None:
-        t = state[key]
+    def _store_moment(self, p: torch.Tensor, state: dict, key: str, x: torch.Tensor) -> None:
+        t = _local(state[key])
         if t.dtype == FP8:
             if key == "exp_avg_sq":  # store sqrt(v), never rounded to zero
-                q, scale = quantize_fp8(x.sqrt(), floor=FP8_MIN_SUBNORMAL)
+                q, scale = quantize_fp8(x.sqrt(), self._row_blocks[p], floor=FP8_MIN_SUBNORMAL)
             else:
-                q, scale = quantize_fp8(x)
+                q, scale = quantize_fp8(x, self._row_blocks[p])
             t.copy_(q)
-            state[f"{key}_scale"].copy_(scale)
+            scale_t = _local(state[f"{key}_scale"])
+            scale_t.copy_(scale.view_as(scale_t))
         elif t is not x:
             t.copy_(x)  # round to nearest
 
     @staticmethod
     def _load_master(p: torch.Tensor, state: dict) -> torch.Tensor:
         if "master_remainder" in state:
-            return join_fp32(p.detach(), state["master_remainder"])
-        return p.detach().float()  # p itself when fp32
+            return join_fp32(_local(p).detach(), _local(state["master_remainder"]))
+        return _local(p).detach().float()  # p itself when fp32
 
     @staticmethod
     def _store_master(p: torch.Tensor, state: dict, x: torch.Tensor) -> None:
+        local = _local(p).detach()
         if "master_remainder" in state:
             hi, rem = split_fp32(x)
-            p.detach().copy_(hi)
-            state["master_remainder"].copy_(rem)
-        elif x is not p:
-            p.detach().copy_(x)
+            local.copy_(hi)
+            _local(state["master_remainder"]).copy_(rem)
+        elif x is not local:
+            local.copy_(x)
 
     # ------------------------------------------------------------------------------ step
 
@@ -181,8 +220,12 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
+            params = [p for p in group["params"] if p.grad is not None]
+            if group.get("foreach", True):  # absent in checkpoints of older versions
+                for chunk in _chunks(params, FOREACH_ELEMENTS):
+                    self._step_group(chunk, group)
+            else:
+                for p in params:
                     self._step_param(p, group, self.state[p])
         return loss
 
@@ -191,9 +234,9 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
         state["step"] += 1
         step = state["step"].item()  # a CPU tensor: no device sync
-        grad = p.grad.float()
+        grad = _local(p.grad).float()
         x = self._load_master(p, state)
-        exp_avg, exp_avg_sq = self._load_moment(state, "exp_avg"), self._load_moment(state, "exp_avg_sq")
+        exp_avg, exp_avg_sq = self._load_moment(p, state, "exp_avg"), self._load_moment(p, state, "exp_avg_sq")
 
         x.mul_(1 - lr * wd)
         exp_avg.lerp_(grad, 1 - beta1)
@@ -202,9 +245,85 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         denom = (exp_avg_sq.sqrt() / (1 - beta2 ** step) ** 0.5).add_(eps)
         x.addcdiv_(exp_avg, denom, value=-step_size)
 
-        self._store_moment(state, "exp_avg", exp_avg)
-        self._store_moment(state, "exp_avg_sq", exp_avg_sq)
+        self._store_moment(p, state, "exp_avg", exp_avg)
+        self._store_moment(p, state, "exp_avg_sq", exp_avg_sq)
         self._store_master(p, state, x)
+
+    def _step_group(self, params: list[torch.Tensor], group: dict) -> None:
+        """`_step_param` for all of a group's parameters at once (same ops, same order)."""
+        if not params:
+            return
+        lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        states = [self.state[p] for p in params]
+        steps = [s["step"] for s in states]
+        torch._foreach_add_(steps, 1.0)
+        counts = [s.item() for s in steps]  # CPU tensors: no device sync
+        grads = [_local(p.grad).float() for p in params]
+        xs = self._load_masters(params, states)
+        exp_avgs, exp_avg_sqs = (self._load_moments(params, states, key) for key in MOMENTS)
+
+        torch._foreach_mul_(xs, 1 - lr * wd)
+        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+        denoms = torch._foreach_sqrt(exp_avg_sqs)
+        torch._foreach_div_(denoms, [(1 - beta2 ** k) ** 0.5 for k in counts])
+        torch._foreach_add_(denoms, eps)
+        torch._foreach_addcdiv_(xs, exp_avgs, denoms, [-(lr / (1 - beta1 ** k)) for k in counts])
+
+        self._store_moments(params, states, "exp_avg", exp_avgs)
+        self._store_moments(params, states, "exp_avg_sq", exp_avg_sqs)
+        self._store_masters(params, states, xs)
+
+    # ------------------------------------------------- load / store a group's states at once
+
+    def _load_moments(self, params, states, key: str) -> list[torch.Tensor]:
+        ts = [_local(s[key]) for s in states]
+        if ts[0].dtype != FP8:  # one dtype per group
+            return [t.float() for t in ts]
+        xs = dequantize_fp8_many(ts, [_local(s[f"{key}_scale"]) for s in states],
+                                 [self._row_blocks[p] for p in params])
+        if key == "exp_avg_sq":
+            torch._foreach_mul_(xs, xs)  # x.square(): the same product
+        return xs
+
+    def _store_moments(self, params, states, key: str, xs: list[torch.Tensor]) -> None:
+        ts = [_local(s[key]) for s in states]
+        if ts[0].dtype == torch.float32:
+            return  # updated in place
+        if ts[0].dtype != FP8:
+            torch._foreach_copy_(ts, xs)
+            return
+        bs = [self._row_blocks[p] for p in params]
+        if key == "exp_avg_sq":
+            qs, scales = quantize_fp8_many(torch._foreach_sqrt(xs), bs, floor=FP8_MIN_SUBNORMAL)
+        else:
+            qs, scales = quantize_fp8_many(xs, bs)
+        torch._foreach_copy_(ts, qs)
+        scale_ts = [_local(s[f"{key}_scale"]) for s in states]
+        torch._foreach_copy_(scale_ts, [s.view_as(t) for s, t in zip(scales, scale_ts)])
+
+    @staticmethod
+    def _load_masters(params, states) -> list[torch.Tensor]:
+        locals_ = [_local(p).detach() for p in params]
+        if "master_remainder" not in states[0]:
+            return [t.float() for t in locals_]  # the parameters themselves when fp32
+        rems = [_local(s["master_remainder"]) for s in states]
+        flat = join_fp32(torch.cat([t.reshape(-1) for t in locals_]), torch.cat([r.reshape(-1) for r in rems]))
+        return [x.view_as(t) for x, t in zip(flat.split([t.numel() for t in locals_]), locals_)]
+
+    @staticmethod
+    def _store_masters(params, states, xs: list[torch.Tensor]) -> None:
+        locals_ = [_local(p).detach() for p in params]
+        if "master_remainder" not in states[0]:
+            if locals_[0].dtype != torch.float32:
+                torch._foreach_copy_(locals_, xs)  # round to nearest
+            return
+        hi, rem = split_fp32(torch.cat([x.reshape(-1) for x in xs]))
+        sizes = [t.numel() for t in locals_]
+        torch._foreach_copy_(locals_, [h.view_as(t) for h, t in zip(hi.split(sizes), locals_)])
+        rems = [_local(s["master_remainder"]) for s in states]
+        torch._foreach_copy_(rems, [r.view_as(t) for r, t in zip(rem.split(sizes), rems)])
 
     # ---------------------------------------------------------------------------- loading
 

@@ -42,7 +42,7 @@ def constant(step: int, *, steps: int, warmup: int, min_ratio: float) -> float:
 
 
 def build_scheduler(optimizer: Optimizer, t: TrainConfig) -> LambdaLR:
-    common = dict(steps=t.steps, warmup=t.warmup_steps, min_ratio=t.min_lr_ratio)
+    common = {"steps": t.steps, "warmup": t.warmup_steps, "min_ratio": t.min_lr_ratio}
     fn = {"cosine": partial(cosine, **common),
           "wsd": partial(wsd, **common, decay_fraction=t.decay_fraction),
           "constant": partial(constant, **common)}[t.schedule]

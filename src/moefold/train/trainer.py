@@ -103,7 +103,6 @@ class Trainer:
         self.compute_dtype = resolve_compute_dtype(cfg.precision.compute_dtype, self.device)
         self._build_data()
         self._build_model()
-        self._refuse_sharded_precision_aware_states()
         self.optimizer = build_optimizer(self.model, cfg.train, self.device, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
         self.step = 0
@@ -126,14 +125,6 @@ class Trainer:
             raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not divisible by "
                               f"train.micro_batch_size · dp = {t.micro_batch_size} · {dp}")
         return t.global_batch_size // per_micro_step
-
-    def _refuse_sharded_precision_aware_states(self) -> None:
-        o = self.cfg.optim
-        lean = {k: v for k, v in dataclasses.asdict(o).items() if v != "fp32"}
-        if self.dist.layout is not None and lean:
-            shown = ", ".join(f"optim.{k}={v}" for k, v in lean.items())
-            raise ConfigError(f"{shown}: precision-aware optimizer states are not yet supported with "
-                              "several ranks (only fp32 states); train in one process or use fp32")
 
     def _build_data(self) -> None:
         cfg = self.cfg

@@ -7,6 +7,7 @@ TP rank's tokens and counting routed copies over the data ranks, and finally eve
 FSDP-sharded (or replicated) over its data-parallel mesh.
 """
 
+import torch
 from torch import nn
 
 from moefold.config import ParallelConfig
@@ -18,9 +19,11 @@ from moefold.parallel.sequence import split_sequence_over_tp
 from moefold.parallel.tensor import apply_tp
 
 
-def parallelize(model: nn.Module, layout: ParallelLayout, cfg: ParallelConfig):
+def parallelize(model: nn.Module, layout: ParallelLayout, cfg: ParallelConfig,
+                grad_dtype: torch.dtype | None = None):
     """Apply TP, EP/ETP and data parallelism in place; returns the gradient-sync strategy the
-    trainer calls after each step's last backward (parallel/data.py)."""
+    trainer calls after each step's last backward (parallel/data.py). `grad_dtype`: the dtype
+    gradients are reduced in over the data ranks (optim.grad_dtype; None keeps the parameters')."""
     dims = layout.dims
     apply_tp(model, layout.tp_mesh, cfg.sequence_parallel)
     for layer in model.moe_layers():
@@ -28,4 +31,4 @@ def parallelize(model: nn.Module, layout: ParallelLayout, cfg: ParallelConfig):
         split_sequence_over_tp(layer, layout.tp_group)
         if dims.dp * dims.cp > 1:
             layer.count_routed = DataParallelCounts(layout.dp_cp_group)
-    return apply_data_parallel(model, layout, cfg.data_parallel)
+    return apply_data_parallel(model, layout, cfg.data_parallel, grad_dtype)

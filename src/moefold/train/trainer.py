@@ -35,7 +35,7 @@ from moefold.data.tokenizer import build_tokenizer
 from moefold.errors import ConfigError
 from moefold.models.transformer import Transformer, build_model
 from moefold.moe.stats import summarize
-from moefold.optim.adamw import build_optimizer
+from moefold.optim.adamw import GRAD_DTYPES, build_optimizer
 from moefold.optim.schedule import build_scheduler
 from moefold.parallel.apply import parallelize
 from moefold.parallel.data import GradNormClipper
@@ -169,7 +169,8 @@ class Trainer:
         self.flops_per_token = train_flops_per_token(self.model, cfg.train.seq_len)
         self.sync_gradients = lambda: None
         if self.dist.layout is not None:
-            self.sync_gradients = parallelize(self.model, self.dist.layout, cfg.parallel)
+            grad_dtype = GRAD_DTYPES[cfg.optim.grad_dtype] if cfg.optim.grad_dtype != "fp32" else None
+            self.sync_gradients = parallelize(self.model, self.dist.layout, cfg.parallel, grad_dtype)
         self.clip_gradients = GradNormClipper(list(self.model.parameters()),
                                               dist.group.WORLD if self.dist.layout else None)
         self.peak_tflops = peak_tflops(self.device, cfg.logging.peak_tflops)

@@ -87,7 +87,20 @@ def _build_parser() -> argparse.ArgumentParser:
                                         help="count the model's parameters (built on the meta device)")
     _add_config_options(params)
     _add_plan_parser(commands)
+    _add_bench_parser(commands)
     return parser
+
+
+def _add_bench_parser(commands) -> None:
+    from moefold.bench.cli import add_arguments  # torch-free at import
+
+    bench = commands.add_parser(
+        "bench", allow_abbrev=False, help="time training steps on random tokens",
+        description="Time N training steps (after W warm-up steps) of any config on random tokens: "
+                    "step time, tokens/s, TFLOP/s, MFU against the measured bf16 matmul peak, peak "
+                    "memory (docs/benchmarks.md).")
+    add_arguments(bench)
+    _add_config_options(bench)
 
 
 def _add_plan_parser(commands) -> None:
@@ -275,6 +288,14 @@ def _config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from moefold.bench.cli import check_args, run
+
+    check_args(args)  # before building anything
+    overrides = _overrides(args)
+    return run(args, load_config(args.config, overrides), overrides)
+
+
 def _plan(args: argparse.Namespace) -> int:
     from moefold.parallel.dims import ParallelDims
     from moefold.plan.memory import DEVICES_GB, predict_memory
@@ -314,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             _reject_unknown(unknown)
         handler = {"train": _train, "generate": _generate, "convert": _convert,
-                   "config": _config, "plan": _plan}[args.command]
+                   "config": _config, "plan": _plan, "bench": _bench}[args.command]
         return handler(args)
     except UserError as e:
         print(f"moefold: error: {e}", file=sys.stderr)

@@ -1,0 +1,83 @@
+"""`moefold bench` behind the command line: checks the options, runs the steps, prints the table
+(and the profile and the limit when asked), writes the JSON record."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+from pathlib import Path
+from typing import Any
+
+from moefold.config import Config
+from moefold.errors import UserError
+
+
+def check_args(args: argparse.Namespace) -> None:
+    if args.steps < 1:
+        raise UserError(f"--steps {args.steps} must be >= 1")
+    if args.warmup < 0:
+        raise UserError(f"--warmup {args.warmup} must be >= 0")
+    if args.profile_steps < 1:
+        raise UserError(f"--profile-steps {args.profile_steps} must be >= 1")
+    if args.profile is not None and args.profile.exists() and not args.profile.is_dir():
+        raise UserError(f"--profile {args.profile} is a file; give a directory for the trace")
+    if args.json is not None and args.json.is_dir():
+        raise UserError(f"--json {args.json} is a directory; give a file path")
+
+
+def run(args: argparse.Namespace, cfg: Config, overrides: dict[str, Any]) -> int:
+    import torch
+
+    from moefold.bench.limit import format_limit, step_limit
+    from moefold.bench.profile import format_profile, profile_steps
+    from moefold.bench.run import format_record, run_bench
+
+    check_args(args)
+    result = run_bench(cfg, args.steps, args.warmup)
+    trainer, record = result.trainer, result.record
+    record.update(config=args.config or "tiny", overrides=overrides)
+    speak = trainer.dist.is_main
+    if args.profile is not None:
+        record["profile"] = profile_steps(trainer.train_step, trainer.device, args.profile_steps,
+                                          args.profile)
+    if args.limit:
+        device, dtype = trainer.device, trainer.compute_dtype
+        del trainer, result  # the limit builds its own tensors (and a model for the optimizer)
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        limit = step_limit(cfg, device, dtype, repeats=args.limit_repeats)
+        record["limit"] = limit
+        record["limit_fraction"] = limit["total_ms"] / record["step_ms_mean"]
+        record["limit_fraction_no_optimizer"] = limit["no_optimizer_ms"] / record["step_ms_mean"]
+    if speak:
+        print(f"moefold bench --config {record['config']}"
+              + "".join(f" --{k} {v}" for k, v in overrides.items()))
+        print(format_record(record))
+        if "profile" in record:
+            print(format_profile(record["profile"]))
+        if "limit" in record:
+            print(format_limit(record["limit"]))
+        if args.json is not None:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(record, indent=1) + "\n")
+            print(f"record: {args.json}")
+    return 0
+
+
+def add_arguments(bench: argparse.ArgumentParser) -> None:
+    bench.add_argument("--steps", type=int, default=10, metavar="N", help="timed steps (default 10)")
+    bench.add_argument("--warmup", type=int, default=3, metavar="W",
+                       help="untimed steps first (default 3)")
+    bench.add_argument("--profile", type=Path, metavar="DIR",
+                       help="after the timed steps, profile --profile-steps more: DIR/trace.json "
+                            "(Chrome trace) and the top kernels, GEMM / attention / other")
+    bench.add_argument("--profile-steps", type=int, default=2, metavar="N",
+                       help="steps under the profiler (default 2)")
+    bench.add_argument("--limit", action="store_true",
+                       help="also time the step's large kernels alone (benchmarks/limit.py) and "
+                            "report the step time against their sum")
+    bench.add_argument("--limit-repeats", type=int, default=10, metavar="N",
+                       help="repeats per kernel group for --limit (median; default 10)")
+    bench.add_argument("--json", type=Path, metavar="PATH", help="write the result record as JSON")

@@ -1,0 +1,125 @@
+"""Where a step's time goes: a torch.profiler trace of a few steps and its breakdown into GEMM,
+attention and other work.
+
+On a GPU the CUDA kernels are classified by name (attention first: flash-attention kernels carry
+"cutlass" in their template arguments); on the CPU the aten ops, each op inside an attention op
+counting as attention. Shares are of the profiled wall time per step, so on a GPU the share
+"outside" GEMM and attention includes idle gaps between kernels.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from moefold.bench.timing import synchronize
+
+ATTENTION_KERNEL = re.compile(r"flash|fmha|sdpa|attention", re.IGNORECASE)
+GEMM_KERNEL = re.compile(r"gemm|cutlass|cublas|grouped|nvjet|sm90_xmma|xmma", re.IGNORECASE)
+GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_grouped_mm"}
+ATTENTION_OP = re.compile(r"scaled_dot_product|attention", re.IGNORECASE)
+CLASSES = ("gemm", "attention", "other")
+
+
+def classify_kernel(name: str) -> str:
+    if ATTENTION_KERNEL.search(name):
+        return "attention"
+    return "gemm" if GEMM_KERNEL.search(name) else "other"
+
+
+def classify_cpu_op(name: str, ancestors: Iterable[str] = ()) -> str:
+    if ATTENTION_OP.search(name) or any(ATTENTION_OP.search(a) for a in ancestors):
+        return "attention"
+    return "gemm" if name in GEMM_OPS else "other"
+
+
+def profile_steps(step: Callable[[], object], device: torch.device, steps: int,
+                  trace_dir: Path) -> dict[str, Any]:
+    """Run `steps` calls of `step` under the profiler, write trace_dir/trace.json (Chrome trace
+    format) and return the breakdown per step."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    synchronize(device)
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        synchronize(device)
+        wall_s = time.perf_counter() - start
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    trace = trace_dir / "trace.json"
+    prof.export_chrome_trace(str(trace))
+    timed = _device_kernels(prof.events()) if device.type == "cuda" else _cpu_ops(prof.events())
+    return {"trace": str(trace), **breakdown(timed, wall_s / steps * 1e6, steps),
+            "unit": "kernels" if device.type == "cuda" else "cpu ops"}
+
+
+def _device_kernels(events) -> list[tuple[str, str, float]]:
+    """(name, class, µs) of every kernel, memcpy and memset on the device (not the GPU-side ranges
+    of record_function annotations, which span kernels)."""
+    out = []
+    for e in events:
+        if e.device_type != torch.autograd.DeviceType.CPU and not getattr(e, "is_user_annotation", False):
+            out.append((e.name, classify_kernel(e.name), float(e.time_range.elapsed_us())))
+    return out
+
+
+def _cpu_ops(events) -> list[tuple[str, str, float]]:
+    """(name, class, self µs) of every CPU op."""
+    out = []
+    for e in events:
+        if e.device_type != torch.autograd.DeviceType.CPU:
+            continue
+        ancestors, parent = [], e.cpu_parent
+        while parent is not None:
+            ancestors.append(parent.name)
+            parent = parent.cpu_parent
+        out.append((e.name, classify_cpu_op(e.name, ancestors), float(e.self_cpu_time_total)))
+    return out
+
+
+def breakdown(timed: list[tuple[str, str, float]], step_us: float, steps: int,
+              top: int = 15) -> dict[str, Any]:
+    """Per-step milliseconds by class and the top names; shares of the step time in [0, 1]."""
+    by_class = dict.fromkeys(CLASSES, 0.0)
+    by_name: dict[str, list] = defaultdict(lambda: [0.0, 0, ""])
+    for name, kind, us in timed:
+        by_class[kind] += us
+        entry = by_name[name]
+        entry[0], entry[1], entry[2] = entry[0] + us, entry[1] + 1, kind
+    step_ms = step_us / 1e3
+    ms = {k: v / steps / 1e3 for k, v in by_class.items()}
+    share = {k: min(1.0, v / step_ms) if step_ms > 0 else 0.0 for k, v in ms.items()}
+    busy_ms = sum(ms.values())
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+    return {
+        "step_ms": step_ms, "busy_ms": busy_ms, "gemm_ms": ms["gemm"],
+        "attention_ms": ms["attention"], "other_ms": ms["other"],
+        "gemm_share": share["gemm"], "attention_share": share["attention"],
+        "outside_share": max(0.0, 1.0 - share["gemm"] - share["attention"]),
+        "top": [{"name": name, "class": kind, "ms_per_step": us / steps / 1e3,
+                 "calls_per_step": calls / steps, "share": min(1.0, us / steps / step_us)}
+                for name, (us, calls, kind) in ranked],
+    }
+
+
+def format_profile(p: dict[str, Any]) -> str:
+    head = f"{'ms/step':>9s} {'share':>6s} {'calls':>6s} {'class':9s} name"
+    lines = [f"profile: {p['trace']}",
+             f"top {p['unit']} by self {'device' if p['unit'] == 'kernels' else 'CPU'} time "
+             f"(per step of {p['step_ms']:.2f} ms, profiled):", head]
+    for row in p["top"]:
+        name = row["name"] if len(row["name"]) <= 90 else row["name"][:87] + "..."
+        lines.append(f"{row['ms_per_step']:9.3f} {100 * row['share']:5.1f}% "
+                     f"{row['calls_per_step']:6.1f} {row['class']:9s} {name}")
+    lines.append(f"GEMM {p['gemm_ms']:.2f} ms ({100 * p['gemm_share']:.1f}%), attention "
+                 f"{p['attention_ms']:.2f} ms ({100 * p['attention_share']:.1f}%), other "
+                 f"{p['unit']} {p['other_ms']:.2f} ms; outside GEMM and attention: "
+                 f"{100 * p['outside_share']:.1f}% of the step")
+    return "\n".join(lines)

@@ -1,0 +1,160 @@
+"""`moefold bench`: timed training steps of any config on random tokens.
+
+The model, optimizer and step are the Trainer's own (`Trainer.accumulate_gradients` +
+`Trainer.optimizer_step`); only the data differs: uniform random token ids over the model's
+vocabulary (`model.vocab_size`, or the byte tokenizer's 257 when it is 0), so no corpus or tokenizer
+is read. Warm-up steps run first; the timed steps then run back to back with one synchronisation
+before and one after (step boundaries are CUDA events, which need no sync). Throughput follows the
+FLOP convention of `moefold.train.flops` (docs/metrics.md); MFU is against the dense bf16 matmul
+rate measured on the device (bench/timing.py), not the datasheet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import statistics
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moefold.bench.timing import StepClock, measured_peak_tflops, synchronize
+from moefold.config import Config
+from moefold.data.loader import Batch
+from moefold.train import metrics
+from moefold.train.trainer import Trainer
+
+BYTE_VOCAB = 257  # the byte tokenizer's vocabulary, what training takes when model.vocab_size = 0
+
+
+class RandomTokens:
+    """The loader interface the Trainer's step reads (`next_batch`): [B, S] uniform random ids."""
+
+    def __init__(self, batch_size: int, seq_len: int, vocab_size: int, seed: int):
+        self.shape = (batch_size, seq_len + 1)
+        self.vocab_size = vocab_size
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def next_batch(self) -> Batch:
+        windows_BS1 = torch.randint(0, self.vocab_size, self.shape, generator=self.generator)
+        input_ids_BS = windows_BS1[:, :-1].contiguous()
+        return Batch(input_ids_BS, windows_BS1[:, 1:].contiguous(),
+                     torch.zeros_like(input_ids_BS, dtype=torch.int32))
+
+
+class BenchTrainer(Trainer):
+    """The Trainer with random tokens for data and no run directory written."""
+
+    def _build_data(self) -> None:
+        t = self.cfg.train
+        self.tokenizer = None
+        self.vocab_size = self.cfg.model.vocab_size or BYTE_VOCAB
+        self.data_source = f"random tokens (vocabulary {self.vocab_size})"
+        self.train_loader = RandomTokens(t.micro_batch_size * self.dist.dp_size, t.seq_len,
+                                         self.vocab_size, t.seed)
+        self.val_batches = []
+
+    def _prepare_run_dir(self) -> None:
+        pass
+
+
+@dataclasses.dataclass
+class BenchResult:
+    record: dict[str, Any]
+    trainer: BenchTrainer
+
+
+def run_bench(cfg: Config, steps: int, warmup: int) -> BenchResult:
+    """Build as training does, run `warmup` steps, then time `steps` steps back to back."""
+    trainer = BenchTrainer(cfg, Path(tempfile.gettempdir()) / "moefold-bench-no-run-dir",
+                           out=lambda line: None)
+    device = trainer.device
+    peak = measured_peak_tflops(device)  # before the steps: its buffers are freed again
+    for _ in range(warmup):
+        trainer.train_step()
+    synchronize(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    clock = StepClock(device)
+    clock.mark()
+    for _ in range(steps):
+        parts, grad_norm = trainer.train_step()
+        clock.mark()
+    step_s = clock.seconds()  # the one synchronisation after the timed steps
+    return BenchResult(_record(cfg, trainer, step_s, peak, parts, grad_norm, warmup), trainer)
+
+
+def _record(cfg: Config, trainer: BenchTrainer, step_s: list[float], peak: float | None,
+            parts: dict, grad_norm: torch.Tensor, warmup: int) -> dict[str, Any]:
+    t, world = cfg.train, trainer.dist.world
+    tokens_per_step = trainer.grad_accum * t.micro_batch_size * trainer.dist.dp_size * t.seq_len
+    seconds = sum(step_s)
+    tokens = tokens_per_step * len(step_s) // world  # per device, as training logs them
+    rate = metrics.throughput(tokens, seconds, trainer.flops_per_token, peak)
+    datasheet = trainer.peak_tflops
+    p = trainer.param_counts
+    return {
+        "family": cfg.model.family, "device": _device_name(trainer.device),
+        "compute_dtype": str(trainer.compute_dtype).removeprefix("torch."), "world": world,
+        "torch": torch.__version__, "commit": _commit(), "date": datetime.date.today().isoformat(),
+        "steps": len(step_s), "warmup": warmup, "micro_batch_size": t.micro_batch_size,
+        "seq_len": t.seq_len, "grad_accum": trainer.grad_accum, "vocab_size": trainer.vocab_size,
+        "tokens_per_step": tokens_per_step, "tokens": tokens, "seconds": seconds,
+        "step_ms_mean": 1e3 * statistics.fmean(step_s), "step_ms_min": 1e3 * min(step_s),
+        "tokens_per_s": rate["tokens_per_s"], "flops_per_token": trainer.flops_per_token,
+        "tflops": rate["tflops"], "peak_tflops_measured": peak, "mfu": rate["mfu"],
+        "peak_tflops_datasheet": datasheet,
+        "mfu_datasheet": rate["tflops"] / datasheet if datasheet else None,
+        "peak_mem_gib": metrics.peak_memory_gib(trainer.device),
+        "params_total": p.total, "params_active": p.active,
+        "loss": float(parts["lm_loss"]), "grad_norm": float(grad_norm),
+    }
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def _commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             timeout=5, cwd=Path(__file__).parent)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def format_record(r: dict[str, Any]) -> str:
+    """The result as a two-column table (what `moefold bench` prints)."""
+    mfu = "- (no measured peak on the CPU)"
+    if r["mfu"] is not None:
+        mfu = f"{100 * r['mfu']:.1f}% of the measured {r['peak_tflops_measured']:.0f} TFLOP/s"
+        if r["mfu_datasheet"] is not None:
+            mfu += f" ({100 * r['mfu_datasheet']:.1f}% of the datasheet {r['peak_tflops_datasheet']:.0f})"
+    rows = [
+        ("device", f"{r['device']} ({r['compute_dtype']}), torch {r['torch']}"
+                   + (f", {r['world']} ranks" if r["world"] > 1 else "")),
+        ("batch", f"{r['micro_batch_size']} × {r['seq_len']} tokens × {r['grad_accum']} micro-batches"
+                  f" = {r['tokens_per_step']:,} tokens per step (vocabulary {r['vocab_size']:,})"),
+        ("model", f"{r['params_total'] / 1e6:,.2f}M parameters, {r['params_active'] / 1e6:,.2f}M "
+                  f"active; {r['flops_per_token'] / 1e6:,.2f} MFLOP per token (fwd+bwd)"),
+        ("step time", f"{r['step_ms_mean']:.2f} ms mean, {r['step_ms_min']:.2f} ms min "
+                      f"({r['steps']} steps after {r['warmup']} warm-up)"),
+        ("tokens/s", f"{r['tokens_per_s']:,.0f}" + (" per device" if r["world"] > 1 else "")),
+        ("TFLOP/s", f"{r['tflops']:.3f}"),
+        ("MFU", mfu),
+        ("peak memory", f"{r['peak_mem_gib']:.2f} GiB"
+                        + (" (process max RSS)" if r["device"] == "cpu" else " (allocated)")),
+        ("loss", f"{r['loss']:.4f} (random tokens: ln V = {torch.log(torch.tensor(float(r['vocab_size']))):.4f})"),
+    ]
+    limit = r.get("limit")
+    if limit:
+        rows.append(("limit", f"{limit['total_ms']:.2f} ms (large kernels alone; "
+                              f"{limit['no_optimizer_ms']:.2f} ms without the optimizer)"))
+        rows.append(("of the limit", f"{r['limit_fraction']:.3f} (limit / step time; "
+                                     f"{r['limit_fraction_no_optimizer']:.3f} without the optimizer)"))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

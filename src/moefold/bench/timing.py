@@ -1,0 +1,81 @@
+"""Timing on the device: CUDA events on a GPU, perf_counter on the CPU; the measured bf16 peak.
+
+Device work is asynchronous, so a GPU region is timed with events recorded on the stream and read
+after one synchronisation; warm-up runs first (module load, cuBLAS handles, autotuning) and the
+median of several repeats is the result (the device tool's METHOD.md).
+"""
+
+import functools
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class StepClock:
+    """Marks at step boundaries without a host sync: events on a GPU (read once, at `seconds`),
+    perf_counter on the CPU. `mark()` before the first step and after each step."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def seconds(self) -> list[float]:
+        """Seconds between consecutive marks (synchronises on a GPU)."""
+        if self.cuda:
+            self.marks[-1].synchronize()
+            return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
+        return [b - a for a, b in zip(self.marks, self.marks[1:])]
+
+
+def median_seconds(fn: Callable[[], object], device: torch.device, warmup: int = 3,
+                   repeats: int = 10) -> float:
+    """Median seconds of one call of `fn`, each repeat timed alone (events on a GPU)."""
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    times = []
+    for _ in range(repeats):
+        clock = StepClock(device)
+        clock.mark()
+        fn()
+        clock.mark()
+        times.extend(clock.seconds())
+    return statistics.median(times)
+
+
+@functools.cache
+def measured_peak_tflops(device: torch.device, size: int = 8192, repeats: int = 20) -> float | None:
+    """Dense bf16 matmul TFLOP/s measured on `device` (size³, random inputs rotated over three sets
+    so no repeat reads what the last one left in L2); None on the CPU. Once per process and device."""
+    if device.type != "cuda":
+        return None
+    gen = torch.Generator(device).manual_seed(0)
+    sets = [(torch.randn(size, size, device=device, dtype=torch.bfloat16, generator=gen),
+             torch.randn(size, size, device=device, dtype=torch.bfloat16, generator=gen))
+            for _ in range(3)]
+    out = torch.empty(size, size, device=device, dtype=torch.bfloat16)
+    turn = iter(range(10**9))
+
+    def matmul() -> None:
+        a, b = sets[next(turn) % len(sets)]
+        torch.mm(a, b, out=out)
+
+    seconds = median_seconds(matmul, device, warmup=5, repeats=repeats)
+    del sets, out
+    torch.cuda.empty_cache()
+    return 2 * size**3 / seconds / 1e12

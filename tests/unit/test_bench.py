@@ -1,0 +1,165 @@
+"""`moefold bench`, its profile breakdown and the step limit, on the CPU."""
+
+import importlib.util
+import json
+import math
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from moefold.bench.limit import balanced_rows, step_limit
+from moefold.bench.profile import breakdown, classify_cpu_op, classify_kernel
+from moefold.bench.run import RandomTokens
+from moefold.cli import main
+from moefold.config import load_config
+from moefold.train.flops import meta_model, train_flops_per_token
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = ["--train.micro_batch_size", "2", "--train.seq_len", "32"]  # a tiny config's step in ms
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny ops on a shared CPU: two OpenMP threads wait on each other longer than they work."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def bench(capsys, *argv: str) -> str:
+    capsys.readouterr()
+    assert main(["bench", *argv]) == 0
+    return capsys.readouterr().out
+
+
+def test_bench_tiny_prints_the_table(capsys):
+    out = bench(capsys, "--config", "tiny", "--steps", "2", "--warmup", "1")
+    for label in ("step time", "tokens/s", "TFLOP/s", "MFU", "peak memory"):
+        assert any(line.startswith(label) for line in out.splitlines()), (label, out)
+    assert "2 steps after 1 warm-up" in out and "no measured peak on the CPU" in out
+
+
+def test_json_record_is_consistent(tmp_path, capsys):
+    path = tmp_path / "r.json"
+    start = time.perf_counter()
+    bench(capsys, "--config", "tiny-qwen3", "--steps", "3", "--warmup", "1", "--json", str(path),
+          "--limit", "--limit-repeats", "1", *SMALL)
+    wall = time.perf_counter() - start
+    r = json.loads(path.read_text())
+    assert r["tokens"] == 3 * 2 * 32 and r["tokens_per_step"] == 64
+    assert 0 < r["seconds"] < wall  # the timed steps are a part of the whole run
+    assert r["tokens_per_s"] == pytest.approx(r["tokens"] / r["seconds"], rel=1e-12)
+    assert r["step_ms_mean"] == pytest.approx(1e3 * r["seconds"] / 3, rel=1e-9)
+    assert r["step_ms_min"] <= r["step_ms_mean"]
+    cfg = load_config("tiny-qwen3", {"train.micro_batch_size": "2", "train.seq_len": "32"})
+    flops = train_flops_per_token(meta_model(cfg), 32)  # the convention, counted independently
+    assert r["flops_per_token"] == flops
+    assert r["tflops"] == pytest.approx(flops * r["tokens_per_s"] / 1e12, rel=1e-12)
+    assert r["mfu"] is None and r["peak_tflops_measured"] is None  # no peak on the CPU
+    assert math.isfinite(r["loss"]) and abs(r["loss"] - math.log(257)) < 1.0  # random tokens
+    assert r["limit_fraction"] == pytest.approx(r["limit"]["total_ms"] / r["step_ms_mean"])
+    assert r["config"] == "tiny-qwen3" and r["overrides"]["train.seq_len"] == "32"
+
+
+def test_profile_writes_a_trace_and_a_breakdown(tmp_path, capsys):
+    path = tmp_path / "r.json"
+    out = bench(capsys, "--config", "tiny-qwen3", "--steps", "1", "--warmup", "1", "--profile",
+                str(tmp_path / "prof"), "--json", str(path), *SMALL)
+    trace = json.loads((tmp_path / "prof" / "trace.json").read_text())
+    assert any(e.get("name") == "aten::mm" for e in trace["traceEvents"])
+    assert "top cpu ops by self CPU time" in out and "outside GEMM and attention" in out
+    p = json.loads(path.read_text())["profile"]
+    for key in ("gemm_share", "attention_share", "outside_share"):
+        assert 0.0 <= p[key] <= 1.0
+    assert p["gemm_ms"] > 0 and p["attention_ms"] > 0 and p["other_ms"] > 0
+    assert p["gemm_share"] + p["attention_share"] + p["outside_share"] == pytest.approx(1.0)
+    assert {row["class"] for row in p["top"]} >= {"gemm", "other"}
+
+
+@pytest.mark.parametrize("name, kind", [
+    ("void flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<128, cutlass::bfloat16_t>>", "attention"),
+    ("fmha_cutlassF_bf16_aligned_64x64_rf_sm80", "attention"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3", "attention"),
+    ("nvjet_tst_128x256_64x4_1x2_h_bz_coopB_NNT", "gemm"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "gemm"),
+    ("void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_32x32_128x2_tn_align8>", "gemm"),
+    ("void at::cuda::detail::grouped_mm_kernel", "gemm"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>", "other"),
+    ("Memcpy DtoD (Device -> Device)", "other"),
+])
+def test_kernel_classes(name, kind):
+    assert classify_kernel(name) == kind
+
+
+def test_cpu_op_classes():
+    assert classify_cpu_op("aten::mm", ["MmBackward0"]) == "gemm"
+    assert classify_cpu_op("aten::_grouped_mm") == "gemm"
+    assert classify_cpu_op("aten::bmm", ["aten::_scaled_dot_product_attention_math"]) == "attention"
+    assert classify_cpu_op("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention"
+    assert classify_cpu_op("aten::mul", ["aten::linear"]) == "other"
+
+
+def test_breakdown_arithmetic():
+    timed = [("gemm_a", "gemm", 3000.0), ("gemm_a", "gemm", 1000.0), ("flash", "attention", 2000.0),
+             ("add", "other", 1000.0)]
+    b = breakdown(timed, step_us=5000.0, steps=2)  # 2 steps of 5 ms; per step 2 + 1 + 0.5 ms busy
+    assert (b["gemm_ms"], b["attention_ms"], b["other_ms"]) == (2.0, 1.0, 0.5)
+    assert b["gemm_share"] == pytest.approx(0.4) and b["outside_share"] == pytest.approx(0.4)
+    assert b["top"][0] == {"name": "gemm_a", "class": "gemm", "ms_per_step": 2.0,
+                           "calls_per_step": 1.0, "share": pytest.approx(0.4)}
+
+
+def test_random_tokens_are_shifted_windows():
+    batch = RandomTokens(3, 16, 50, seed=0).next_batch()
+    assert batch.input_ids_BS.shape == (3, 16) and int(batch.input_ids_BS.max()) < 50
+    assert torch.equal(batch.input_ids_BS[:, 1:], batch.labels_BS[:, :-1])
+
+
+def test_balanced_rows():
+    assert balanced_rows(10, 4).tolist() == [3, 3, 2, 2]
+    assert balanced_rows(10, 4, pad_multiple=8).tolist() == [8, 8, 8, 8]
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-deepseek", "tiny-mixtral"])
+def test_limit_covers_every_matrix_of_the_flop_count(preset):
+    """The GEMM rows' FLOPs are the convention's count less the 1-D parameters (norm weights): so
+    the limit times every matrix a token passes, once per use (the MTP head use included)."""
+    cfg = load_config(preset, {"train.micro_batch_size": "2", "train.seq_len": "16"})
+    r = step_limit(cfg, torch.device("cpu"), torch.float32, repeats=1, optimizer=False, loss=False,
+                   warmup=0)
+    model = meta_model(cfg)
+    vectors = sum(p.numel() for p in model.parameters() if p.dim() == 1)
+    flops = sum(row["flops_each"] * row["count"] for row in r["rows"] if row["in_sum"])
+    assert flops + 6 * 32 * vectors == train_flops_per_token(model, 16) * 32
+    assert r["no_optimizer_ms"] == pytest.approx(r["total_ms"]) and r["total_ms"] > 0
+
+
+def test_limit_script_runs(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("limit_script", ROOT / "benchmarks" / "limit.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    path = tmp_path / "limit.json"
+    assert script.main(["--config", "tiny-deepseek", "--micro-batch", "2", "--seq", "16",
+                        "--device", "cpu", "--repeats", "1", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "limit (sum)" in out and "optimizer step" in out and "core attention" in out
+    r = json.loads(path.read_text())
+    parts = sum(row["ms"] for row in r["rows"] if row["in_sum"])
+    assert r["total_ms"] == pytest.approx(parts)
+    assert r["total_ms"] > r["no_optimizer_ms"] > 0
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--config", "tinny"], "no such preset"),
+    (["--config", "tiny", "--steps", "0"], "--steps 0 must be >= 1"),
+    (["--config", "tiny", "--warmup", "-1"], "--warmup -1 must be >= 0"),
+    (["--config", "tiny", "--model.dimm", "8"], "did you mean --model.dim"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, argv, expected):
+    capsys.readouterr()
+    assert main(["bench", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err and expected in err, err

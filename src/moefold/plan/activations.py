@@ -10,6 +10,13 @@ category. Rules that recur:
   row (8·d + 4 bytes a row), whatever the compute dtype; its output is kept by the next linear.
 - Linears keep their input (shared by the q/k/v projections, which read one tensor).
 - The router runs in fp32 on an fp32 copy of its input, and keeps fp32 scores [T, E].
+- A parameter used in another dtype than its own is cast once per forward and the cast is kept
+  (category `weight_copies`): under bf16 autocast over fp32 parameters every matmul weight
+  (autocast's cast of a linear's weight, the experts' `w.to(bf16)`), with bf16 parameters the
+  norm weights (cast to fp32) and the router's (to the router dtype).
+- Under bf16 autocast over fp32 parameters the residual stream and the norm outputs are fp32, and
+  each linear that reads a normed x keeps its own bf16 cast of it (autocast caches casts of leaf
+  parameters only): q, k and v three copies, gated MLPs two.
 
 Sizes are per rank: T tokens of the rank's micro-batch after context parallelism (B·S/cp); heads and
 dense/shared hidden sizes divided by tp; norms, MLA down-projections and the output head are
@@ -19,12 +26,12 @@ rank (each TP rank dispatches its share of the tokens) and its experts see R row
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from moefold.config import Config
 
 CATEGORIES = ("embedding", "norm", "attn_proj", "attn_core", "mlp", "router", "moe_dispatch",
-              "experts", "shared_experts", "mtp_proj", "head", "kept_inputs")
+              "experts", "shared_experts", "mtp_proj", "head", "weight_copies", "kept_inputs")
 GATED = {"swiglu": True, "gelu": False, "relu2": False}
 ROUTER_BYTES = {"fp32": 4, "fp64": 8}
 INT64, FP32 = 8, 4
@@ -40,6 +47,8 @@ class Shapes:
     etp: int
     act_bytes: int  # 2 for bf16 compute, 4 for fp32
     imbalance: float = 1.0  # rows of the busiest expert rank over the balanced share
+    param_bytes: int = 0  # parameters as forward reads them (FSDP gathers them in their own dtype);
+    # 0: the compute dtype's
 
     @property
     def tokens(self) -> int:
@@ -49,10 +58,19 @@ class Shapes:
     def fp32(self) -> bool:
         return self.act_bytes == 4
 
+    @property
+    def params(self) -> int:
+        return self.param_bytes or self.act_bytes
+
+    @property
+    def input_copies(self) -> bool:
+        """Autocast over fp32 parameters: each linear keeps its own cast of an fp32 normed x."""
+        return self.params != self.act_bytes
+
 
 def norm_bytes(rows: int, dim: int, sh: Shapes) -> int:
-    """RMSNorm: fp32 input copy, normalised fp32 rows, rsqrt per row; bf16 weights cast once."""
-    return rows * (8 * dim + 4) + (0 if sh.fp32 else 4 * dim)
+    """RMSNorm: fp32 input (a copy unless it is fp32), normalised fp32 rows, rsqrt per row."""
+    return rows * (8 * dim + 4)
 
 
 Bytes = dict[str, int]
@@ -68,7 +86,8 @@ def gqa_bytes(cfg: Config, sh: Shapes) -> Bytes:
     m, T, a = cfg.model, sh.tokens, sh.act_bytes
     H, G = m.n_heads // sh.tp, (m.n_kv_heads or m.n_heads) // sh.tp
     Dh = m.head_dim or m.dim // m.n_heads
-    out = _add({}, attn_proj=T * m.dim * a)  # wo's input is a view of the attention output
+    # x (once per q, k, v projection with input copies); wo's input is a view of the core's output
+    out = _add({}, attn_proj=T * m.dim * a * (3 if sh.input_copies else 1))
     if m.qk_norm:
         _add(out, norm=norm_bytes(T * H, Dh, sh) + norm_bytes(T * G, Dh, sh))
     core = T * (2 * H + 2 * G) * Dh * a + T * H * FP32  # q, k, v, out, lse
@@ -81,7 +100,8 @@ def mla_bytes(cfg: Config, sh: Shapes) -> Bytes:
     m, T, a = cfg.model, sh.tokens, sh.act_bytes
     H, Q, C = m.n_heads // sh.tp, m.q_lora_rank, m.kv_lora_rank
     Dn, Dr, Dv = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
-    out = _add({}, attn_proj=T * (m.dim + Q + C) * a)  # x, wq_b's and wkv_b's (normed) inputs
+    # x (for wq_a or wq and for wkv_a with input copies), wq_b's and wkv_b's (normed) inputs
+    out = _add({}, attn_proj=T * (m.dim * (2 if sh.input_copies else 1) + Q + C) * a)
     # In fp32 the latent norm keeps its input as it is: a view of wkv_a's [T, C + Dr] output.
     _add(out, norm=norm_bytes(T, C, sh) + (T * Dr * FP32 if sh.fp32 else 0))
     if Q:
@@ -93,7 +113,8 @@ def mla_bytes(cfg: Config, sh: Shapes) -> Bytes:
 
 def dense_mlp_bytes(cfg: Config, sh: Shapes) -> Bytes:
     T, a = sh.tokens, sh.act_bytes
-    return {"mlp": T * cfg.model.dim * a + 4 * T * (cfg.model.ffn_hidden // sh.tp) * a}
+    inputs = 2 if sh.input_copies else 1  # w1 and w3 each cast x
+    return {"mlp": inputs * T * cfg.model.dim * a + 4 * T * (cfg.model.ffn_hidden // sh.tp) * a}
 
 
 def expert_rows(cfg: Config, sh: Shapes) -> int:
@@ -112,8 +133,6 @@ def router_bytes(cfg: Config, sh: Shapes) -> int:
     moe, D = cfg.moe, cfg.model.dim
     T, K, E, r = sh.tokens // sh.tp, moe.top_k, moe.num_experts, ROUTER_BYTES[moe.router_dtype]
     total = T * D * r + T * E * r + T * K * INT64  # fp32 input, scores, chosen ids
-    if not (sh.fp32 and r == FP32):
-        total += E * D * r  # the weight cast to the router dtype
     if moe.input_jitter:
         total += T * D * r  # the noise
     mixtral_style = moe.score_func == "softmax" and not moe.softmax_before_topk
@@ -178,10 +197,13 @@ def experts_bytes(cfg: Config, sh: Shapes, rows: int) -> int:
 def shared_bytes(cfg: Config, sh: Shapes) -> int:
     moe, T, a, D = cfg.moe, sh.tokens, sh.act_bytes, cfg.model.dim
     F = moe.shared_experts * (moe.shared_expert_hidden or moe.expert_hidden) // sh.tp
-    # In fp32 the input is the norm output the router already keeps.
-    total = (0 if sh.fp32 else T * D * a) + (4 if GATED[moe.activation] else 2) * T * F * a
+    gated = GATED[moe.activation]
+    # In fp32 the input is the norm output the router already keeps; with input copies each of
+    # w1, w3 (and the gate) keeps its own bf16 cast of it.
+    inputs = ((2 if gated else 1) + moe.shared_expert_gate) if sh.input_copies else (0 if sh.fp32 else 1)
+    total = inputs * T * D * a + (4 if gated else 2) * T * F * a
     if moe.shared_expert_gate:
-        total += T * D * a + T * a
+        total += T * D * a + T * a  # the gate's product keeps the experts' output and the gate
     return total
 
 
@@ -194,15 +216,61 @@ def moe_bytes(cfg: Config, sh: Shapes) -> Bytes:
     return out
 
 
+def _norm_weights(cfg: Config) -> int:
+    """Elements of one block's norm weights (pre-norms, QK-norms, MLA's latent norms)."""
+    m = cfg.model
+    if m.attention == "mla":
+        return 2 * m.dim + m.kv_lora_rank + m.q_lora_rank
+    return 2 * m.dim + (2 * (m.head_dim or m.dim // m.n_heads) if m.qk_norm else 0)
+
+
+def _cast(elements: float, used_bytes: int, sh: Shapes) -> int:
+    """Bytes of a parameter's cast to the dtype an op uses it in (none in its own dtype)."""
+    return int(elements * used_bytes) if used_bytes != sh.params else 0
+
+
+def weight_copies_by_part(cfg: Config, layer_id: int, sh: Shapes) -> Bytes:
+    """The casts of one block's parameters kept for backward, by the part that makes them
+    ("norms", "attn", "router", "experts", "shared", "mlp"): matmul weights in the compute dtype,
+    norm weights in fp32, the router's in the router dtype (each only where it differs)."""
+    from moefold.models.transformer import is_moe_layer
+    from moefold.plan.params import attention_params, ffn_params
+
+    moe, a, D = cfg.moe, sh.act_bytes, cfg.model.dim
+    attn = attention_params(cfg)
+    norms = _norm_weights(cfg)
+    out = {"norms": _cast(norms, FP32, sh),
+           "attn": _cast(attn.tp / sh.tp + attn.replicated - (norms - 2 * D), a, sh)}
+    if not is_moe_layer(cfg, layer_id):
+        return _add(out, mlp=_cast(ffn_params(cfg, layer_id).tp / sh.tp, a, sh))
+    ffn = ffn_params(cfg, layer_id)
+    router = moe.num_experts * D
+    return _add(out, router=_cast(router, ROUTER_BYTES[moe.router_dtype], sh),
+                experts=_cast(ffn.expert / (sh.ep * sh.etp), a, sh),
+                shared=_cast(ffn.tp / sh.tp + ffn.replicated - router, a, sh))
+
+
+def weight_copy_bytes(cfg: Config, layer_id: int, sh: Shapes) -> int:
+    return sum(weight_copies_by_part(cfg, layer_id, sh).values())
+
+
+def block_shapes(cfg: Config, layer_id: int, sh: Shapes) -> Shapes:
+    """The shapes a block's activations follow: an MTP block's input is the projection's output,
+    in the compute dtype, so its residual stream is too (no input copies)."""
+    return replace(sh, param_bytes=0) if layer_id >= cfg.model.n_layers else sh
+
+
 def layer_bytes(cfg: Config, layer_id: int, sh: Shapes) -> Bytes:
     """One transformer block (layer ids count on through the MTP blocks)."""
     from moefold.models.transformer import is_moe_layer
 
+    copies = weight_copy_bytes(cfg, layer_id, sh)
+    sh = block_shapes(cfg, layer_id, sh)
     out = _add({}, norm=2 * norm_bytes(sh.tokens, cfg.model.dim, sh))
     for part in (mla_bytes(cfg, sh) if cfg.model.attention == "mla" else gqa_bytes(cfg, sh),
                  moe_bytes(cfg, sh) if is_moe_layer(cfg, layer_id) else dense_mlp_bytes(cfg, sh)):
         _add(out, **part)
-    return out
+    return _add(out, weight_copies=copies) if copies else out
 
 
 def rope_table_bytes(cfg: Config, sh: Shapes) -> int:
@@ -223,20 +291,31 @@ def first_stage_bytes(cfg: Config, sh: Shapes) -> Bytes:
 
 def last_stage_bytes(cfg: Config, sh: Shapes, vocab: int) -> Bytes:
     """Final norm and head, and each MTP module without its block (counted as a layer)."""
-    T, D = sh.tokens, cfg.model.dim
+    T, D, mtp = sh.tokens, cfg.model.dim, cfg.model.mtp_layers
     out = {"norm": norm_bytes(T, D, sh), "head": head_bytes(cfg, sh, vocab)}
-    # In fp32 hnorm's input is the hidden state the previous norm (final or MTP) already keeps.
-    hnorm_shared = T * D * FP32 if sh.fp32 else 0
-    for _ in range(cfg.model.mtp_layers):
+    # With an fp32 residual stream hnorm's input is the hidden state the previous norm (final or
+    # MTP) already keeps.
+    hnorm_shared = T * D * FP32 if sh.params == FP32 else 0
+    for _ in range(mtp):
         _add(out, embedding=T * INT64, norm=3 * norm_bytes(T, D, sh) - hnorm_shared,
              mtp_proj=T * 2 * D * sh.act_bytes, head=head_bytes(cfg, sh, vocab))
-    return out
+    # The head's weight (the embedding's when tied) is cast once: autocast caches leaf casts.
+    copies = (_cast(vocab * D + mtp * 2 * D * D, sh.act_bytes, sh)
+              + _cast((1 + 3 * mtp) * D, FP32, sh))
+    return _add(out, weight_copies=copies) if copies else out
 
 
 def loss_workspace_bytes(sh: Shapes, vocab: int) -> int:
-    """Transient at the loss: the logits in the compute dtype and their fp32 copy next to the kept
-    log-probabilities (forward), or the fp32 and compute-dtype logit gradients (backward)."""
-    return sh.tokens * vocab * (FP32 + sh.act_bytes)
+    """Forward transient at the loss: the logits in the compute dtype and their fp32 copy (none in
+    fp32) next to the kept log-probabilities."""
+    return sh.tokens * vocab * (sh.act_bytes + (0 if sh.fp32 else FP32))
+
+
+def loss_backward_bytes(sh: Shapes, vocab: int) -> int:
+    """Backward transient at the loss: the fp32 gradients of the log-probabilities (nll's, dense)
+    and of the logits (log-softmax's), while the log-probabilities are still held; the
+    compute-dtype gradient comes after the first is freed."""
+    return 2 * sh.tokens * vocab * FP32
 
 
 def model_bytes(cfg: Config, sh: Shapes, vocab: int) -> Bytes:

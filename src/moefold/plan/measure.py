@@ -4,7 +4,9 @@ under `FakeTensorMode` (shapes and dtypes, no memory) and measure what autograd 
 Every tensor saved for backward goes through a `saved_tensors_hooks` pack hook; its *storage* is
 counted once (views of one buffer share it), parameters excluded. Each storage is charged to the
 innermost module running when it was first saved, mapped to the planner's categories (`CATEGORIES`
-in `plan.activations`), so the analytic model can be compared module by module, not only in total.
+in `plan.activations`), so the analytic model can be compared module by module, not only in total;
+casts of parameters (autocast's bf16 weights, the experts' `w.to(bf16)`, fp32 norm weights), seen
+by a dispatch mode as `_to_copy` of a parameter's storage, are charged to `weight_copies`.
 Single process, no parallelism: for small configs (the planner's formulas are what scale).
 """
 
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from moefold.config import Config
 
@@ -213,6 +216,21 @@ def _memory_wrappers_seen(pack):
         offload.ActivationOffload.pack = real_pack
 
 
+class _ParamCasts(TorchDispatchMode):
+    """Storages made by casting a parameter (`_to_copy` of a parameter's storage). Holds them, so
+    their addresses are not reused by other tensors while forward runs."""
+
+    def __init__(self, params: set[int]):
+        super().__init__()
+        self.params, self.casts = params, {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and args[0].untyped_storage()._cdata in self.params:
+            self.casts[out.untyped_storage()._cdata] = out
+        return out
+
+
 def _cast_params(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """`model.to(dtype)` for fake parameters (`Module.to` cannot swap them); ties kept."""
     cast: dict[int, nn.Parameter] = {}
@@ -223,11 +241,13 @@ def _cast_params(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     return model
 
 
-def measure_saved_activations(cfg: Config, dtype: str = "bf16", vocab_size: int = 0) -> SavedActivations:
+def measure_saved_activations(cfg: Config, dtype: str = "bf16", vocab_size: int = 0,
+                              param_dtype: str = "") -> SavedActivations:
     """Saved-for-backward bytes of one training micro-batch (cfg.train.micro_batch_size ×
-    cfg.train.seq_len) of the real model, run in `dtype` (bf16: bf16 parameters under bf16
-    autocast, as on GPU; fp32) under FakeTensorMode. Runs backward too, so a model that cannot
-    differentiate fails here.
+    cfg.train.seq_len) of the real model, run in `dtype` (bf16: under bf16 autocast, as on GPU;
+    fp32) under FakeTensorMode, with parameters in `param_dtype` (default `dtype`; "fp32" with bf16
+    autocast is the fp32-master run). Runs backward too, so a model that cannot differentiate fails
+    here.
 
     fp32 runs for real on the CPU instead (keep the config small): grouped_mm's fake kernel takes
     bf16 only, and the loop backend needs real token counts."""
@@ -235,13 +255,13 @@ def measure_saved_activations(cfg: Config, dtype: str = "bf16", vocab_size: int 
     from moefold.moe.experts import grouped_mm_supported
     from moefold.train.loss import build_objective
 
-    torch_dtype = DTYPES[dtype]
+    torch_dtype, param_torch_dtype = DTYPES[dtype], DTYPES[param_dtype or dtype]
     grouped_mm_supported("cpu", torch_dtype)  # cached probe with real tensors, outside fake mode
     vocab = vocab_size or cfg.model.vocab_size or 257
     B, S = cfg.train.micro_batch_size, cfg.train.seq_len
     fake = FakeTensorMode() if dtype == "bf16" else contextlib.nullcontext()
     with fake, _fused_attention():
-        model = _cast_params(build_model(cfg, vocab, "cpu", torch_dtype), torch_dtype).train()
+        model = _cast_params(build_model(cfg, vocab, "cpu", torch_dtype), param_torch_dtype).train()
         if dtype == "fp32":
             model.init_weights(cfg.train.seed)  # uninitialised memory may hold slow denormals
         params = {p.untyped_storage()._cdata for p in model.parameters()}
@@ -257,15 +277,18 @@ def measure_saved_activations(cfg: Config, dtype: str = "bf16", vocab_size: int 
                 return t
             entry = saved.get(key)
             if entry is None or not entry.alive():  # a dead entry's address was reused
-                entry = saved[key] = _Saved(t.untyped_storage(), *stack.where())
+                scope, category = stack.where()
+                entry = saved[key] = _Saved(t.untyped_storage(), scope,
+                                            "weight_copies" if key in casts.casts else category)
             entry.refs.append(weakref.ref(t))
             return t
 
         autocast = (torch.autocast("cpu", dtype=torch_dtype) if torch_dtype != torch.float32
                     else contextlib.nullcontext())
+        casts = _ParamCasts(params)
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast, \
-                    _memory_wrappers_seen(pack) as kept_inputs:
+                    _memory_wrappers_seen(pack) as kept_inputs, casts:
                 loss, _ = build_objective(model)(model, ids_BS, labels_BS)
         finally:
             stack.remove()
@@ -273,6 +296,6 @@ def measure_saved_activations(cfg: Config, dtype: str = "bf16", vocab_size: int 
         for entry in saved.values():
             if entry.alive():  # saved by a graph node that backward will run
                 result.add(entry.scope, entry.category, entry.storage.nbytes())
-        del kept_inputs
+        del kept_inputs, casts
         loss.backward()
     return result

@@ -19,15 +19,20 @@ What one GPU holds, and the assumptions behind each part (docs/memory.md explain
 - **Activations** (`plan.activations`): saved-for-backward bytes of one micro-batch per model chunk,
   times the micro-batches in flight on the rank under Megatron-Core's 1F1B / interleaved schedule
   (`plan.pipeline`). Routing is assumed balanced; `imbalance` scales the busiest rank's rows.
-- **Transients**: the larger of the loss workspace (logits and their fp32 copy or gradients, on the
-  rank with the head) and a backward working set taken as one layer's saved activations (an
-  estimate, not measured).
+  Under bf16 autocast over fp32 parameters they include the bf16 weight casts kept for backward.
+- **Transients**: at the loss, the logits and their fp32 copy (forward) or the fp32 gradients of
+  the log-probabilities and the logits (backward), on the rank with the head; in backward one
+  layer's working set, taken as its saved activations.
 - **Communication buffers**: the all-to-all send and receive buffers of one MoE layer (ep·etp > 1),
-  FSDP2's all-gathered compute-dtype parameters of two blocks (the current and the prefetched one)
-  and one block's fp32 gradients to reduce-scatter, the pipeline's send/receive of one micro-batch.
-- **Optimizer step**: PrecisionAwareAdamW updates one tensor at a time in fp32 (about five fp32
-  copies of the largest local tensor); it runs after backward, so the peak is the static memory plus
-  the larger of the forward/backward peak and this.
+  FSDP2's all-gathered parameters (in their own dtype) of two blocks (the current and the prefetched
+  one), the root's embedding and head (kept gathered from forward to backward), one block's
+  gradients to reduce-scatter (backward), the pipeline's send/receive of one micro-batch.
+- **Time order** (`_phases`): the peak is the largest of three moments. Forward ends with every
+  in-flight activation held and the loss workspace, and no gradients yet unless micro-batches
+  accumulate (or a pipeline interleaves them). Backward walks the layers in reverse: at layer i the
+  activations of the layers below it are still held, its own plus a working set, and the gradients
+  of the layers from i up (and the head's) exist. The optimizer step holds every gradient and
+  PrecisionAwareAdamW's fp32 copies of its largest tensor (about five), and no activations.
 Not modelled: the CUDA context, NCCL's own buffers and allocator fragmentation (a few GiB).
 """
 
@@ -68,9 +73,11 @@ class MemoryPlan:
     optimizer_moments: float
     activations: dict[str, float]  # by category (plan.activations.CATEGORIES), all in-flight
     in_flight: tuple[int, ...]  # micro-batches live per local chunk at the peak
-    transient: float
+    transient: float  # the larger working set: the loss's (forward or backward) or a layer's
     comm_buffers: dict[str, float]
-    optimizer_step: float
+    optimizer_step: float  # the optimizer's workspace
+    phases: dict[str, dict[str, float]] = field(default_factory=dict)
+    # "forward" / "backward" / "optimizer step": what is held at that phase's peak, by part
     offloaded: float = 0.0  # saved activations memory.offload keeps in host memory instead
     rank_peaks: list[float] = field(default_factory=list)  # every pipeline rank's peak
     notes: list[str] = field(default_factory=list)
@@ -83,10 +90,12 @@ class MemoryPlan:
     def activation_total(self) -> float:
         return sum(self.activations.values())
 
+    def phase_peak(self, phase: str) -> float:
+        return sum(self.phases[phase].values())
+
     @property
     def peak(self) -> float:
-        step = self.activation_total + self.transient + sum(self.comm_buffers.values())
-        return self.static + max(step, self.optimizer_step)
+        return max(self.phase_peak(p) for p in self.phases)
 
     def fits(self, capacity_bytes: float) -> bool:
         return self.peak <= capacity_bytes
@@ -147,13 +156,16 @@ def _optimizer_step(cfg: Config, lay: _Layout, split: ParamSplit) -> float:
 def _shapes(cfg: Config, lay: _Layout, imbalance: float) -> act.Shapes:
     d = lay.dims
     return act.Shapes(cfg.train.micro_batch_size, cfg.train.seq_len // d.cp, d.tp, d.ep, d.etp,
-                      compute_bytes(cfg), imbalance)
+                      compute_bytes(cfg), imbalance, param_bytes(cfg, lay))
 
 
-def params_in_compute_dtype(cfg: Config) -> bool:
-    """Parameters stored in the compute dtype (bf16 master, or fp32 compute): a linear then keeps
-    its input itself, not an autocast copy of it."""
-    return compute_bytes(cfg) == 4 or cfg.optim.master_dtype != "fp32"
+def param_bytes(cfg: Config, lay: _Layout) -> int:
+    """Bytes of a parameter as forward reads it: FSDP's are the master (gathered in their own
+    dtype); ddp's as in `_states`."""
+    master = MASTER_BYTES[cfg.optim.master_dtype]
+    if lay.fsdp:
+        return master
+    return 4 if compute_bytes(cfg) == 4 and master == 4 else 2
 
 
 def _chunk_activations(cfg: Config, chunk: Chunk, sh: act.Shapes, vocab: int) -> dict[str, int]:
@@ -161,7 +173,7 @@ def _chunk_activations(cfg: Config, chunk: Chunk, sh: act.Shapes, vocab: int) ->
     out = {"attn_core": act.rope_table_bytes(cfg, sh) - options.rope_offloaded(cfg, sh)}
     for layer_id in chunk.layers:
         act._add(out, **act.layer_bytes(cfg, layer_id, sh))
-        act._add(out, **options.layer_delta(cfg, layer_id, sh, params_in_compute_dtype(cfg))[0])
+        act._add(out, **options.layer_delta(cfg, layer_id, sh)[0])
     if chunk.first:
         act._add(out, **act.first_stage_bytes(cfg, sh))
     if chunk.last:
@@ -180,7 +192,11 @@ def _chunk_params(cfg: Config, chunk: Chunk, vocab: int) -> ParamSplit:
     return total
 
 
-def _comm_buffers(cfg: Config, lay: _Layout, chunks: list[Chunk], sh: act.Shapes) -> dict[str, float]:
+BACKWARD_ONLY = "FSDP reduce-scatter (1 block)"
+
+
+def _comm_buffers(cfg: Config, lay: _Layout, chunks: list[Chunk], sh: act.Shapes,
+                  vocab: int) -> dict[str, float]:
     from moefold.models.transformer import is_moe_layer
 
     d, c, D = lay.dims, sh.act_bytes, cfg.model.dim
@@ -188,11 +204,16 @@ def _comm_buffers(cfg: Config, lay: _Layout, chunks: list[Chunk], sh: act.Shapes
     out: dict[str, float] = {}
     if d.ep * d.etp > 1 and any(is_moe_layer(cfg, i) for i in layers):
         out["all-to-all (one MoE layer)"] = 2 * sh.tokens // d.tp * cfg.moe.top_k * D * c
+    if lay.fsdp and lay.dense_shard > 1:
+        root = _chunk_params(cfg, Chunk(-1, (), any(ch.first for ch in chunks),
+                                        any(ch.last for ch in chunks)), vocab)
+        if root.total:
+            out["FSDP root (embedding, head) gathered"] = sh.params * root.replicated
     if lay.fsdp:
         block = max(_fsdp_block(cfg, lay, i) for i in layers)
         if block:
-            out["FSDP all-gather (2 blocks)"] = 2 * c * block
-            out["FSDP reduce-scatter (1 block)"] = 4 * block
+            out["FSDP all-gather (2 blocks)"] = 2 * sh.params * block
+            out[BACKWARD_ONLY] = 4 * block
     if d.pp > 1:
         out["pipeline send/recv"] = 2 * sh.tokens * D * c
     return out
@@ -211,6 +232,49 @@ def _micro_batches(cfg: Config, lay: _Layout) -> int:
     return t.grad_accum
 
 
+@dataclass(frozen=True)
+class _Rank:
+    """What the time-ordered peaks of one rank are made of (bytes)."""
+    states: dict[str, float]  # parameters, gradients, master_weights, optimizer_moments
+    activations: float  # every in-flight micro-batch's saved activations
+    layers: list[tuple[float, float, float, float]]  # the last local chunk's layers, in forward
+    # order: (one micro-batch's saved activations, their weight copies, backward working set,
+    # gradients)
+    head: tuple[float, float, float]  # the loss's forward and backward workspace, head gradients
+    head_backward: tuple[float, float]  # log-probabilities freed by then, the logits' gradient
+    accumulating: bool  # gradients already exist when forward starts (micro-batches accumulate)
+    comm: dict[str, float]
+    optimizer: float
+
+
+def _phases(r: _Rank) -> dict[str, dict[str, float]]:
+    """Forward, backward and optimizer-step peaks, each as the parts held at that moment."""
+    st = r.states
+    grads = st["gradients"]
+    held = {k: v for k, v in st.items() if k != "gradients"}
+    before = grads if r.accumulating else 0.0
+    comm_fwd = sum(v for k, v in r.comm.items() if k != BACKWARD_ONLY)
+    fwd_ws, loss_bwd_ws, head_grads = r.head
+    forward = {**held, "gradients": before, "activations": r.activations,
+               "transient": fwd_ws, "communication": comm_fwd}
+    # Backward, in reverse: the loss first, then each layer of the last chunk (whose micro-batch
+    # is backpropagated at the in-flight peak); layers above i have freed their activations.
+    head_saved, head_grad_ws = r.head_backward
+    steps = [(r.activations, loss_bwd_ws, 0.0),  # log-softmax's backward
+             (r.activations - head_saved, head_grad_ws, head_grads)]  # the head's
+    freed, made = head_saved, head_grads
+    for saved, copies, work, layer_grads in reversed(r.layers):
+        made += layer_grads  # ... while the weight copies they replace are released
+        steps.append((r.activations - freed - copies, work, made))
+        freed += saved
+    comm = sum(r.comm.values())
+    backward = max(({**held, "gradients": grads if r.accumulating else made, "activations": acts,
+                     "transient": work, "communication": comm} for acts, work, made in steps),
+                   key=lambda parts: sum(parts.values()))
+    step = {**held, "gradients": grads, "transient": r.optimizer}
+    return {"forward": forward, "backward": backward, "optimizer step": step}
+
+
 def _rank_plan(cfg: Config, lay: _Layout, chunks: list[Chunk], rank: int, sh: act.Shapes,
                vocab: int, micro_batches: int) -> MemoryPlan:
     d = lay.dims
@@ -219,7 +283,7 @@ def _rank_plan(cfg: Config, lay: _Layout, chunks: list[Chunk], rank: int, sh: ac
     flight = peak_in_flight([sum(b.values()) for b in per_chunk], micro_batches, d.pp, rank)
     activations: dict[str, float] = {}
     offloaded = sum(n * (options.rope_offloaded(cfg, sh) + sum(
-        options.layer_delta(cfg, i, sh, params_in_compute_dtype(cfg))[1] for i in ch.layers))
+        options.layer_delta(cfg, i, sh)[1] for i in ch.layers))
         for n, ch in zip(flight.per_chunk, mine))
     for n, b in zip(flight.per_chunk, per_chunk):
         for key, value in b.items():
@@ -227,13 +291,31 @@ def _rank_plan(cfg: Config, lay: _Layout, chunks: list[Chunk], rank: int, sh: ac
     split = ParamSplit()
     for ch in mine:
         split += _chunk_params(cfg, ch, vocab)
-    layer_peak = max(sum(act.layer_bytes(cfg, i, sh).values()) for ch in mine for i in ch.layers)
-    loss = act.loss_workspace_bytes(sh, vocab) if any(ch.last for ch in mine) else 0
+    states = _states(cfg, lay, *_local(split, d))
+    grad_per_element = states["gradients"] / max(1, split.total)  # local, sharded or not
+    last = mine[-1]
+    layers = []
+    for i in last.layers:
+        full = act.layer_bytes(cfg, i, sh)
+        delta = options.layer_delta(cfg, i, sh)[0]
+        saved = sum(full.values()) + sum(delta.values())
+        copies = full.get("weight_copies", 0) + delta.get("weight_copies", 0)
+        work = sum(full.values()) - full.get("weight_copies", 0)  # a recomputed layer rebuilds them
+        layers.append((saved, copies, work, grad_per_element * layer_params(cfg, i).total))
+    head, head_backward = (0.0, 0.0, 0.0), (0.0, 0.0)
+    if last.last:
+        head = (act.loss_workspace_bytes(sh, vocab), act.loss_backward_bytes(sh, vocab),
+                grad_per_element * head_params(cfg, vocab).total)
+        heads = 1 + cfg.model.mtp_layers
+        head_backward = (heads * sh.tokens * vocab * act.FP32, sh.tokens * vocab * sh.act_bytes)
+    r = _Rank(states, sum(activations.values()), layers, head, head_backward,
+              micro_batches > 1 or d.pp > 1, _comm_buffers(cfg, lay, mine, sh, vocab),
+              _optimizer_step(cfg, lay, split))
+    transient = max([head[0], head[1]] + [w for _, _, w, _ in layers])
     return MemoryPlan(world_size=d.world, pp_rank=rank, layers=tuple(i for ch in mine for i in ch.layers),
-                      **_states(cfg, lay, *_local(split, d)), activations=activations,
-                      in_flight=flight.per_chunk, transient=max(layer_peak, loss),
-                      comm_buffers=_comm_buffers(cfg, lay, mine, sh),
-                      optimizer_step=_optimizer_step(cfg, lay, split), offloaded=offloaded)
+                      **states, activations=activations, in_flight=flight.per_chunk,
+                      transient=transient, comm_buffers=r.comm, optimizer_step=r.optimizer,
+                      phases=_phases(r), offloaded=offloaded)
 
 
 def predict_memory(cfg: Config, world_size: int, imbalance: float = 1.0,

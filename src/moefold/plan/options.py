@@ -11,8 +11,9 @@ Each name (memory/sites.py) wraps sites whose saved tensors we know from plan.ac
   outside the site also keeps (the attention output the output projection keeps, the expert
   activation the down GEMM keeps).
 
-`layer_delta(cfg, layer_id, sh, params_in_compute_dtype)` returns the change by category (negative:
-freed) and the bytes moved to the host. Checked against the real model's saved bytes with the
+`layer_delta(cfg, layer_id, sh)` returns the change by category (negative: freed) and the bytes
+moved to the host. A recomputed site's parameter casts (`weight_copies`) are made again in
+backward, so they are freed too; offload leaves them on the device. Checked against the real model's saved bytes with the
 wrappers applied (plan.measure on CPU, tests/unit/test_plan_memory.py).
 """
 
@@ -60,9 +61,14 @@ def _core_internal(cfg: Config, sh: Shapes) -> list[int]:
     return out
 
 
-def _moe_weight_casts(cfg: Config, sh: Shapes) -> int:
-    moe, r = cfg.moe, ROUTER_BYTES[cfg.moe.router_dtype]
-    return 0 if (sh.fp32 and r == FP32) else moe.num_experts * cfg.model.dim * r
+def _copies(cfg: Config, layer_id: int, sh: Shapes, *parts: str) -> int:
+    by_part = act.weight_copies_by_part(cfg, layer_id, sh)
+    return sum(by_part.get(p, 0) for p in parts)
+
+
+def _pre_and_qk_norm_copies(cfg: Config, sh: Shapes) -> int:
+    """fp32 casts of the pre-norm and QK-norm weights (bf16 parameters only)."""
+    return act._cast(2 * cfg.model.dim + sum(d for _, d in _qk_norms(cfg, sh)), FP32, sh)
 
 
 def _moe_tensors(cfg: Config, sh: Shapes, rows: int) -> list[int]:
@@ -78,10 +84,10 @@ def _small(sizes: list[int], min_bytes: int) -> int:
     return sum(s for s in sizes if s < min_bytes)
 
 
-def _recompute(cfg: Config, name: str, layer_id: int, sh: Shapes, full: Bytes,
-               same_dtype: bool) -> Bytes:
+def _recompute(cfg: Config, name: str, layer_id: int, sh_params: Shapes, full: Bytes) -> Bytes:
     from moefold.models.transformer import is_moe_layer
 
+    sh = act.block_shapes(cfg, layer_id, sh_params)  # activations; casts follow sh_params
     T, D, a = sh.tokens, cfg.model.dim, sh.act_bytes
     moe_layer = is_moe_layer(cfg, layer_id)
     x = T * D * a  # a block's or a sub-layer's input
@@ -89,21 +95,59 @@ def _recompute(cfg: Config, name: str, layer_id: int, sh: Shapes, full: Bytes,
         return act._add({k: -v for k, v in full.items()}, kept_inputs=x)
     if name == "moe" and moe_layer:
         parts = ("router", "moe_dispatch", "experts", "shared_experts")
-        return act._add({k: -full.get(k, 0) for k in parts}, kept_inputs=x)
+        return act._add({k: -full.get(k, 0) for k in parts}, kept_inputs=x,
+                        weight_copies=-_copies(cfg, layer_id, sh_params, "router", "experts", "shared"))
     if name == "mlp" and not moe_layer:
-        return {"mlp": -full["mlp"], "kept_inputs": x}
+        return {"mlp": -full["mlp"], "kept_inputs": x,
+                "weight_copies": -_copies(cfg, layer_id, sh_params, "mlp")}
     if name == "shared_experts" and moe_layer and cfg.moe.shared_experts:
-        return {"shared_experts": -full["shared_experts"], "kept_inputs": 0 if sh.fp32 else x}
+        # The input is the normed x: with an fp32 one, the router keeps it already.
+        kept = 0 if sh.fp32 or sh.input_copies else x
+        return {"shared_experts": -full["shared_experts"], "kept_inputs": kept,
+                "weight_copies": -_copies(cfg, layer_id, sh_params, "shared")}
     if name == "attn_core":
         kept = sh.seq * sh.seq if cfg.model.attention == "gqa" and cfg.model.sliding_window else 0
         return {"attn_core": -sum(_core_internal(cfg, sh)), "kept_inputs": kept}
     if name == "moe_act" and moe_layer:
         return {"experts": -act.expert_rows(cfg, sh) * (cfg.moe.expert_hidden // sh.etp) * a}
     if name == "mla_up_proj" and cfg.model.attention == "mla":
-        return {"attn_core": -sum(_core_inputs(cfg, sh))}  # not cross-checked by a test yet
+        return _recompute_mla_up_proj(cfg, sh, sh_params)
     if name == "norm":
-        return _recompute_norms(cfg, moe_layer, sh, same_dtype)
+        out = _recompute_norms(cfg, moe_layer, sh, not sh.input_copies)
+        return act._add(out, weight_copies=-_pre_and_qk_norm_copies(cfg, sh_params))
     return {}
+
+
+def _mla_up_proj_saved(cfg: Config, sh: Shapes) -> list[tuple[str, int]]:
+    """What MLA's up-projection saves inside itself: the latent norms' internals and wq_b's /
+    wkv_b's inputs (with q-LoRA off, wq's input is x: its own copy only with input copies)."""
+    m, T, a = cfg.model, sh.tokens, sh.act_bytes
+    Q, C, Dr = m.q_lora_rank, m.kv_lora_rank, m.qk_rope_head_dim
+    kv_in = T * C * FP32 if not sh.fp32 else 0  # in fp32 the input is the latent view itself
+    out = [("norm", kv_in), ("norm", T * C * FP32), ("norm", T * FP32), ("attn_proj", T * C * a)]
+    if Q:
+        out += [("norm", T * Q * FP32), ("norm", T * Q * FP32), ("norm", T * FP32),
+                ("attn_proj", T * Q * a)]
+    elif sh.input_copies:
+        out.append(("attn_proj", T * m.dim * a))
+    if sh.fp32:
+        out.append(("norm", T * (C + Dr) * FP32))  # the latent storage, norm input in fp32
+    return out
+
+
+def _recompute_mla_up_proj(cfg: Config, sh: Shapes, sh_params: Shapes) -> Bytes:
+    """Output-discarding producer: its inputs (q_in and the [T, C + Dr] latent storage) stay,
+    everything it saved and the q, k and kv outputs the core kept go (rebuilt in backward)."""
+    m, T, a = cfg.model, sh.tokens, sh.act_bytes
+    Q, C, Dr, H = m.q_lora_rank, m.kv_lora_rank, m.qk_rope_head_dim, m.n_heads // sh.tp
+    out = act._add({}, attn_core=-sum(_core_inputs(cfg, sh)))
+    for category, size in _mla_up_proj_saved(cfg, sh):
+        act._add(out, **{category: -size})
+    q_in = T * Q * a if Q else (T * m.dim * sh.params if sh.input_copies else 0)
+    wq = Q * H * (m.qk_nope_head_dim + Dr) if Q else m.dim * H * (m.qk_nope_head_dim + Dr)
+    copies = (act._cast(wq + C * H * (m.qk_nope_head_dim + m.v_head_dim), a, sh_params)
+              + act._cast(C + Q, FP32, sh_params))
+    return act._add(out, kept_inputs=q_in + T * (C + Dr) * a, weight_copies=-copies)
 
 
 def _recompute_norms(cfg: Config, moe_layer: bool, sh: Shapes, same_dtype: bool) -> Bytes:
@@ -130,6 +174,7 @@ def _offloaded(cfg: Config, name: str, layer_id: int, sh: Shapes, full: Bytes,
     """Bytes by category that offloading `name` moves off the GPU (positive)."""
     from moefold.models.transformer import is_moe_layer
 
+    sh = act.block_shapes(cfg, layer_id, sh)
     T, D, a = sh.tokens, cfg.model.dim, sh.act_bytes
     moe_layer = is_moe_layer(cfg, layer_id)
     rows = act.expert_rows(cfg, sh) if moe_layer else 0
@@ -148,9 +193,9 @@ def _offloaded(cfg: Config, name: str, layer_id: int, sh: Shapes, full: Bytes,
     if name in ("moe", "layer") and moe_layer or name == "layer":
         parts = ("router", "moe_dispatch", "experts", "shared_experts")
         if name == "layer":
-            parts = tuple(full)
+            parts = tuple(k for k in full if k != "weight_copies")  # casts stay
         moved = {k: full.get(k, 0) for k in parts}
-        stays = _moe_weight_casts(cfg, sh) + _small(_moe_tensors(cfg, sh, rows), min_bytes) if moe_layer else 0
+        stays = _small(_moe_tensors(cfg, sh, rows), min_bytes) if moe_layer else 0
         if name == "layer":
             norms = [(T, D), (T, D), *_qk_norms(cfg, sh)]
             stays += _small([s for r, d in norms for s in _norm_tensors(r, d)], min_bytes)
@@ -162,18 +207,22 @@ def _offloaded(cfg: Config, name: str, layer_id: int, sh: Shapes, full: Bytes,
         return {"mlp": full["mlp"]}
     if name == "shared_experts" and moe_layer and cfg.moe.shared_experts:
         return {"shared_experts": full["shared_experts"]}
-    if name == "mla_up_proj":
-        return {}  # the per-head q/k/v stay: the core keeps them
+    if name == "mla_up_proj" and cfg.model.attention == "mla":
+        # the per-head q, k, v stay (the core keeps them); what the up-projection saved moves
+        moved: Bytes = {}
+        for category, size in _mla_up_proj_saved(cfg, sh):
+            if size >= min_bytes:
+                act._add(moved, **{category: size})
+        return moved
     return {}
 
 
-def layer_delta(cfg: Config, layer_id: int, sh: Shapes, same_dtype: bool) -> tuple[Bytes, int]:
-    """(change of the layer's saved bytes by category, bytes moved to the host). `same_dtype`:
-    parameters are in the compute dtype, so a linear keeps the normed x itself, not a cast."""
+def layer_delta(cfg: Config, layer_id: int, sh: Shapes) -> tuple[Bytes, int]:
+    """(change of the layer's saved bytes by category, bytes moved to the host)."""
     full = act.layer_bytes(cfg, layer_id, sh)
     delta: Bytes = {}
     for name in cfg.memory.recompute:
-        act._add(delta, **_recompute(cfg, name, layer_id, sh, full, same_dtype))
+        act._add(delta, **_recompute(cfg, name, layer_id, sh, full))
     host = 0
     for name in cfg.memory.offload:
         moved = _offloaded(cfg, name, layer_id, sh, full, cfg.memory.offload_min_bytes)

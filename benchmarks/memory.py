@@ -7,11 +7,11 @@ the configured micro-batch with random tokens under bf16 autocast (the Trainer's
 backward, grad-norm clip, optimizer step, zero_grad). The first `--warmup` steps are not measured
 (fused AdamW allocates its states in its first step); the peak is `torch.cuda.max_memory_allocated`
 over the rest, also split by phase (forward, backward, optimizer step). The planner's
-`predict_memory(cfg, 1).peak` stands beside it.
+`predict_memory(cfg, 1)` peak and its forward / backward / optimizer-step peaks stand beside them.
 
     PYTHONPATH=$PWD/src python benchmarks/memory.py --config qwen3-30b-a3b --model.n_layers 6 \
         --train.micro_batch_size 4 --train.seq_len 4096 [--settings fp32,lean,...] [--steps 3] \
-        [--out DIR] [--predict-only]
+        [--out DIR] [--predict-only [--breakdown]]
 
 Settings: `fp32` (all-fp32 optimizer states), `lean-bf16` (bf16 moments, bf16 + remainder master),
 `lean` (fp8 moments, bf16 + remainder master: the recommended states), and `lean+recompute=NAME` /
@@ -84,6 +84,17 @@ def build_config(preset: str, overrides: dict[str, str], setting: str):
 def predicted_gib(cfg) -> float:
     from moefold.plan import predict_memory
     return predict_memory(cfg, 1).peak / GIB
+
+
+def predicted_phases(cfg) -> dict:
+    """The planner's peak and its forward / backward / optimizer-step peaks, with what each holds."""
+    from moefold.plan import predict_memory
+    plan = predict_memory(cfg, 1)
+    return {"predicted_gib": plan.peak / GIB,
+            **{f"predicted_{p.split()[0]}_gib": plan.phase_peak(p) / GIB for p in plan.phases},
+            "predicted_parts_gib": {p: {k: v / GIB for k, v in parts.items()}
+                                    for p, parts in plan.phases.items()},
+            "predicted_activations_gib": {k: v / GIB for k, v in plan.activations.items()}}
 
 
 # ------------------------------------------------------------------------------ one setting
@@ -206,6 +217,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--out", default="", help="directory for one JSON per setting and table.txt")
     p.add_argument("--predict-only", action="store_true")
+    p.add_argument("--breakdown", action="store_true", help="with --predict-only: what each phase holds")
     p.add_argument("--device", default="cuda", help="cpu only checks that the script runs")
     p.add_argument("--one", default="", help=argparse.SUPPRESS)  # a child process: one setting
     p.add_argument("--json", default="", help=argparse.SUPPRESS)
@@ -215,7 +227,7 @@ def main() -> None:
     if args.one:
         cfg = build_config(args.config, overrides, args.one)
         result = {"setting": args.one, **run_one(cfg, args.steps, args.warmup, args.device),
-                  "predicted_gib": predicted_gib(cfg)}
+                  **predicted_phases(cfg)}
         Path(args.json).write_text(json.dumps(result, indent=1))
         print(json.dumps(result))
         return
@@ -227,14 +239,21 @@ def main() -> None:
     rows: dict[str, dict] = {}
     for setting in settings:
         cfg = build_config(args.config, overrides, setting)
-        rows[setting] = {"predicted_gib": predicted_gib(cfg)}
+        rows[setting] = predicted_phases(cfg)
         if not args.predict_only:
             rows[setting].update(run_setting_in_subprocess(args, rest, setting, out))
-            rows[setting]["predicted_gib"] = predicted_gib(cfg)
+            rows[setting].update(predicted_phases(cfg))
             print(f"{setting}: {rows[setting]}", flush=True)
     if args.predict_only:
+        print(f"{'setting':28s} {'peak':>8s} {'fwd':>8s} {'bwd':>8s} {'optim':>8s}  (predicted GiB)")
         for setting, r in rows.items():
-            print(f"{setting:28s} predicted {r['predicted_gib']:8.2f} GiB")
+            print(f"{setting:28s} {r['predicted_gib']:8.2f} {r['predicted_forward_gib']:8.2f} "
+                  f"{r['predicted_backward_gib']:8.2f} {r['predicted_optimizer_gib']:8.2f}")
+            if args.breakdown:
+                for phase, parts in r["predicted_parts_gib"].items():
+                    print(f"    {phase:15s} " + ", ".join(f"{k} {v:.2f}" for k, v in parts.items() if v))
+                print("    activations     " + ", ".join(
+                    f"{k} {v:.2f}" for k, v in r["predicted_activations_gib"].items() if v))
         return
     table = format_table(rows)
     (out / "table.txt").write_text(table + "\n")

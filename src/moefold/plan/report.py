@@ -17,6 +17,7 @@ CATEGORY_LABELS = {
     "shared_experts": "shared experts",
     "mtp_proj": "MTP projections",
     "head": "output head + loss",
+    "weight_copies": "weight casts kept (autocast)",
     "kept_inputs": "inputs kept for recompute",
 }
 DTYPE_NAMES = {2: "bf16", 4: "fp32"}
@@ -68,7 +69,11 @@ def format_plan(plan: MemoryPlan, cfg: Config, capacity_gb: float, device: str) 
     lines.append(_row("communication buffers", sum(plan.comm_buffers.values())))
     lines += [_row(label, value, indent=2) for label, value in plan.comm_buffers.items()]
     lines.append(_row("optimizer step workspace (after backward)", plan.optimizer_step))
-    lines += ["-" * 54, _row("peak", plan.peak)]
+    lines.append("-" * 54)
+    for phase, parts in plan.phases.items():  # what is held at each phase's own peak
+        held = ", ".join(f"{k.replace('_', ' ')} {v / GIB:.1f}" for k, v in parts.items() if v)
+        lines.append(_row(f"{phase} peak", plan.phase_peak(phase)) + f"   ({held})")
+    lines += ["-" * 54, _row("peak (the largest phase)", plan.peak)]
     capacity = capacity_gb * 1e9
     verdict = "fits" if plan.fits(capacity) else "does NOT fit"
     margin = abs(capacity - plan.peak) / GIB

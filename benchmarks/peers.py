@@ -1,0 +1,296 @@
+"""moefold against its peers in one process: the same shape, batch and random tokens, one table.
+
+Systems (../shared/design/PEERS.md): TorchTitan 0.2.2 eager and with torch.compile per block (model
+classes built directly, `init_weights` under no_grad), Hugging Face transformers with grouped_mm
+experts, and moefold (the Trainer's own step, as `moefold bench` runs it). Every system trains
+with bf16 autocast over fp32 weights, fused AdamW, grad-norm clipping at 1.0, micro-batch 4 ×
+sequence 4096 of uniform random tokens, dropless routing with force-balancing off. Throughput is by
+one FLOP count for all: `moefold.train.flops.train_flops_per_token` of the moefold model of the same
+shape (Megatron's convention); each peer's parameter count is printed beside moefold's to show the
+shapes agree. A library that does not import gives a "skipped: ... not installed" row.
+
+    export PYTHONPATH=$PWD/src            # plus the carried wheels' site dir (PEERS.md)
+    python3 benchmarks/peers.py [--shapes qwen3-30b-a3b-6l,deepseek-v3-small-8l] \
+        [--systems torchtitan,torchtitan-compile,transformers,moefold] [--steps 10] [--warmup 3] \
+        [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import statistics
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+from moefold.bench.timing import StepClock, measured_peak_tflops, synchronize
+from moefold.config import Config, load_config
+from moefold.optim.adamw import param_groups
+from moefold.train.flops import count_params, meta_model, train_flops_per_token
+from moefold.train.loss import cross_entropy_loss
+
+# The two benchmark shapes of issue 7, as moefold configs; the peers are built from the same config.
+SHAPES = {
+    "qwen3-30b-a3b-6l": ("qwen3-30b-a3b", {"model.n_layers": "6"}),
+    # DeepSeek-V2-Lite dimensions (MLA without q-LoRA, 64 experts top-6 + 2 shared, first layer
+    # dense) with DeepSeek-V3's sigmoid routing and top-k renormalisation; transformers' DeepSeek-V3
+    # always has the (zero) selection bias, so moefold carries it too.
+    "deepseek-v3-small-8l": ("deepseek-v2-lite", {
+        "model.family": "deepseek_v3", "model.n_layers": "8", "moe.score_func": "sigmoid",
+        "moe.norm_topk_prob": "true", "moe.expert_bias": "true"}),
+}
+COMMON = {"train.micro_batch_size": "4", "train.seq_len": "4096", "moe.force_balanced": "false"}
+SYSTEMS = ("torchtitan", "torchtitan-compile", "transformers", "moefold")
+REFERENCE = "torchtitan-compile"  # the ratio column: moefold's TFLOP/s over each system's
+
+
+class Skipped(Exception):
+    """A system that cannot run here (library missing, shape not expressible): one table row."""
+
+
+@dataclasses.dataclass
+class Peer:
+    model: nn.Module
+    forward: Callable[[torch.Tensor], torch.Tensor]  # input ids [B, S] → logits [B, S, V]
+    note: str = ""
+
+
+# ------------------------------------------------------------------------------------ builders
+
+
+def build_torchtitan(cfg: Config, device: torch.device, compile_blocks: bool) -> Peer:
+    try:
+        import torchtitan  # noqa: F401
+        from torchtitan.models.moe import MoEArgs
+    except ImportError as e:
+        raise Skipped(f"torchtitan not installed ({e})") from None
+    m, moe = cfg.model, cfg.moe
+    moe_args = MoEArgs(num_experts=moe.num_experts, num_shared_experts=moe.shared_experts,
+                       top_k=moe.top_k, score_func=moe.score_func, route_norm=moe.norm_topk_prob,
+                       route_scale=moe.routed_scaling_factor, score_before_experts=False)
+    _set_if_present(moe_args, _debug_force_load_balance=False, use_grouped_mm=True)
+    if m.attention == "mla":
+        from torchtitan.models.deepseek_v3.model.args import DeepSeekV3ModelArgs
+        from torchtitan.models.deepseek_v3.model.model import DeepSeekV3Model
+
+        args = DeepSeekV3ModelArgs(
+            vocab_size=m.vocab_size, dim=m.dim, inter_dim=m.ffn_hidden, moe_inter_dim=moe.expert_hidden,
+            n_layers=m.n_layers, n_dense_layers=moe.first_k_dense, n_heads=m.n_heads, moe_args=moe_args,
+            q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank, qk_nope_head_dim=m.qk_nope_head_dim,
+            qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim, max_seq_len=cfg.train.seq_len)
+        args.moe_impl = "standard"  # PEERS.md: the plain (non-DeepEP) MoE of 0.2.2
+        model_cls = DeepSeekV3Model
+    else:
+        from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
+        from torchtitan.models.qwen3.model.model import Qwen3Model
+
+        args = Qwen3ModelArgs(
+            vocab_size=m.vocab_size, dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads,
+            n_kv_heads=m.n_kv_heads, head_dim=m.head_dim, hidden_dim=m.ffn_hidden, qk_norm=m.qk_norm,
+            rope_theta=m.rope_theta, norm_eps=m.norm_eps, max_seq_len=cfg.train.seq_len,
+            moe_enabled=True, moe_inter_dim=moe.expert_hidden, moe_args=moe_args)
+        model_cls = Qwen3Model
+    # SDPA with a causal mask in every version (0.2.x: use_flex_attn; later: attn_type)
+    _set_if_present(args, use_flex_attn=False, attn_type="sdpa", attn_mask_type="causal")
+    with torch.device(device):
+        model = model_cls(args)
+    with torch.no_grad():
+        try:
+            model.init_weights(buffer_device=device)
+        except TypeError:
+            model.init_weights()
+    note = ""
+    if compile_blocks:
+        note = _compile_blocks(model)
+    return Peer(model, lambda ids: model(ids), note)
+
+
+def _compile_blocks(model: nn.Module) -> str:
+    """torch.compile per transformer block, as TorchTitan's apply_compile does."""
+    try:
+        from torchtitan.models.llama4.infra.parallelize import apply_compile
+
+        apply_compile(model, SimpleNamespace(enable=True, backend="inductor", components=["model"]))
+        return "torchtitan apply_compile"
+    except Exception as e:  # another version's signature: compile the blocks the same way ourselves
+        torch._dynamo.config.capture_scalar_outputs = True
+        for name, block in list(model.layers.named_children()):
+            model.layers.register_module(name, torch.compile(block, fullgraph=False))
+        return f"per-block torch.compile (apply_compile: {type(e).__name__})"
+
+
+def build_transformers(cfg: Config, device: torch.device) -> Peer:
+    try:
+        import transformers
+    except ImportError as e:
+        raise Skipped(f"transformers not installed ({e})") from None
+    from moefold.checkpoint.hf import hf_config_from
+    from moefold.errors import UserError
+
+    try:
+        hf = hf_config_from(cfg, cfg.model.vocab_size)
+    except UserError as e:
+        raise Skipped(f"shape not expressible in transformers: {e}") from None
+    hf.pop("architectures")
+    config = transformers.AutoConfig.for_model(hf.pop("model_type"), **{**hf, "use_cache": False})
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(
+            config, dtype=torch.float32, attn_implementation="sdpa", experts_implementation="grouped_mm")
+    model.train()
+    return Peer(model, lambda ids: model(input_ids=ids, use_cache=False).logits,
+                f"transformers {transformers.__version__}")
+
+
+def _set_if_present(obj, **values) -> None:
+    for name, value in values.items():
+        if hasattr(obj, name):
+            setattr(obj, name, value)
+
+
+# ------------------------------------------------------------------------------------ timing
+
+
+def time_peer(peer: Peer, cfg: Config, device: torch.device, steps: int, warmup: int) -> dict:
+    """The training step every peer runs: autocast forward, fp32-logit cross-entropy, backward,
+    clip at 1.0, fused AdamW (moefold's parameter groups), zero_grad."""
+    t = cfg.train
+    params = [p for p in peer.model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(param_groups(peer.model, t.weight_decay), lr=t.lr,
+                                  betas=(t.beta1, t.beta2), eps=t.eps, fused=device.type == "cuda")
+    gen = torch.Generator(device).manual_seed(0)
+    B, S, V = t.micro_batch_size, t.seq_len, cfg.model.vocab_size
+
+    def step():
+        ids_BS1 = torch.randint(0, V, (B, S + 1), device=device, generator=gen)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            loss = cross_entropy_loss(peer.forward(ids_BS1[:, :-1]), ids_BS1[:, 1:])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    for _ in range(warmup):
+        step()
+    synchronize(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    clock = StepClock(device)
+    clock.mark()
+    for _ in range(steps):
+        loss = step()
+        clock.mark()
+    step_s = clock.seconds()
+    return {"step_s": step_s, "loss": float(loss), "params": sum(p.numel() for p in params),
+            "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None}
+
+
+def run_system(system: str, cfg: Config, device: torch.device, steps: int, warmup: int) -> dict:
+    if system == "moefold":
+        from moefold.bench.run import run_bench
+
+        r = run_bench(cfg, steps, warmup).record
+        return {"seconds": r["seconds"], "step_ms": r["step_ms_mean"], "params": r["params_total"],
+                "peak_gib": r["peak_mem_gib"], "loss": r["loss"], "note": r["compute_dtype"]}
+    builders = {"torchtitan": lambda: build_torchtitan(cfg, device, compile_blocks=False),
+                "torchtitan-compile": lambda: build_torchtitan(cfg, device, compile_blocks=True),
+                "transformers": lambda: build_transformers(cfg, device)}
+    peer = builders[system]()
+    r = time_peer(peer, cfg, device, steps, warmup)
+    return {"seconds": sum(r["step_s"]), "step_ms": 1e3 * statistics.fmean(r["step_s"]),
+            "params": r["params"], "peak_gib": r["peak_gib"], "loss": r["loss"], "note": peer.note}
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    torch._dynamo.reset()
+
+
+def run_shape(shape: str, systems: list[str], device: torch.device, steps: int, warmup: int) -> dict:
+    preset, overrides = SHAPES[shape]
+    cfg = load_config(preset, {**overrides, **COMMON, "train.device": device.type})
+    model = meta_model(cfg)
+    flops_per_token = train_flops_per_token(model, cfg.train.seq_len)  # one count for every system
+    ours = count_params(model).total
+    tokens_per_step = cfg.train.micro_batch_size * cfg.train.seq_len
+    rows = {}
+    for system in systems:
+        try:
+            r = run_system(system, cfg, device, steps, warmup)
+            tokens_per_s = tokens_per_step * steps / r["seconds"]
+            rows[system] = {**r, "tokens_per_s": tokens_per_s,
+                            "tflops": tokens_per_s * flops_per_token / 1e12,
+                            "params_vs_moefold": r["params"] / ours}
+        except Skipped as e:
+            rows[system] = {"skipped": str(e)}
+        except torch.OutOfMemoryError:
+            rows[system] = {"skipped": "out of memory"}
+        except Exception as e:  # a peer's failure must not cost the other rows of the run
+            traceback.print_exc()
+            rows[system] = {"skipped": f"failed: {type(e).__name__}: {str(e)[:200]}"}
+        _free(device)
+        print(f"{shape} {system}: {rows[system]}", file=sys.stderr, flush=True)
+    return {"shape": shape, "preset": preset, "overrides": {**overrides, **COMMON},
+            "flops_per_token": flops_per_token, "params": ours, "rows": rows}
+
+
+def format_shape(result: dict) -> str:
+    rows = result["rows"]
+    ref = rows.get("moefold", {}).get("tflops")
+    head = (f"{'system':22s} {'tok/s':>9s} {'TFLOP/s':>8s} {'peak GiB':>8s} {'step ms':>8s} "
+            f"{'params/ours':>11s} {'moefold ×':>9s}  note")
+    lines = [f"{result['shape']} ({result['preset']} + {result['overrides']}), "
+             f"{result['flops_per_token'] / 1e9:.3f} GFLOP per token", head]
+    for system, r in rows.items():
+        if "skipped" in r:
+            lines.append(f"{system:22s} skipped: {r['skipped']}")
+            continue
+        ratio = f"{ref / r['tflops']:9.2f}" if ref else f"{'-':>9s}"
+        peak = f"{r['peak_gib']:8.1f}" if r["peak_gib"] is not None else f"{'-':>8s}"
+        lines.append(f"{system:22s} {r['tokens_per_s']:9,.0f} {r['tflops']:8.1f} {peak} "
+                     f"{r['step_ms']:8.1f} {r['params_vs_moefold']:11.4f} {ratio}  {r['note']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--json", type=Path)
+    args = p.parse_args(argv)
+    shapes, systems = args.shapes.split(","), args.systems.split(",")
+    unknown = [s for s in shapes if s not in SHAPES] + [s for s in systems if s not in SYSTEMS]
+    if unknown:
+        print(f"peers.py: unknown {unknown}; shapes: {list(SHAPES)}, systems: {list(SYSTEMS)}",
+              file=sys.stderr)
+        return 2
+    device = torch.device(args.device)
+    peak = measured_peak_tflops(device)
+    results = [run_shape(s, systems, device, args.steps, args.warmup) for s in shapes]
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"{name}, torch {torch.__version__}, measured bf16 peak "
+          + (f"{peak:.0f} TFLOP/s" if peak else "-") + f"; {args.steps} steps after {args.warmup}")
+    for result in results:
+        print(format_shape(result))
+    if args.json:
+        args.json.write_text(json.dumps({"device": name, "torch": torch.__version__,
+                                         "peak_tflops_measured": peak, "shapes": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -11,8 +11,8 @@ from moefold.config import load_config, preset_names
 from moefold.plan import activations as act
 from moefold.plan import predict_memory
 from moefold.plan.measure import measure_saved_activations
-from moefold.plan.peaks import measure_peaks
 from moefold.plan.params import model_params
+from moefold.plan.peaks import measure_peaks
 from moefold.plan.pipeline import model_chunks, peak_in_flight, rank_chunks
 from moefold.train.flops import count_params, meta_model
 

@@ -270,6 +270,7 @@ def measure_saved_activations(cfg: Config, dtype: str = "bf16", vocab_size: int 
         labels_BS = torch.randint(0, vocab, (B, S))
         stack = _ModuleStack(model)
         saved: dict[int, _Saved] = {}
+        param_casts = _ParamCasts(params)
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             key = t.untyped_storage()._cdata
@@ -279,16 +280,15 @@ def measure_saved_activations(cfg: Config, dtype: str = "bf16", vocab_size: int 
             if entry is None or not entry.alive():  # a dead entry's address was reused
                 scope, category = stack.where()
                 entry = saved[key] = _Saved(t.untyped_storage(), scope,
-                                            "weight_copies" if key in casts.casts else category)
+                                            "weight_copies" if key in param_casts.casts else category)
             entry.refs.append(weakref.ref(t))
             return t
 
         autocast = (torch.autocast("cpu", dtype=torch_dtype) if torch_dtype != torch.float32
                     else contextlib.nullcontext())
-        casts = _ParamCasts(params)
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast, \
-                    _memory_wrappers_seen(pack) as kept_inputs, casts:
+                    _memory_wrappers_seen(pack) as kept_inputs, param_casts:
                 loss, _ = build_objective(model)(model, ids_BS, labels_BS)
         finally:
             stack.remove()
@@ -296,6 +296,7 @@ def measure_saved_activations(cfg: Config, dtype: str = "bf16", vocab_size: int 
         for entry in saved.values():
             if entry.alive():  # saved by a graph node that backward will run
                 result.add(entry.scope, entry.category, entry.storage.nbytes())
-        del kept_inputs, casts
+        del kept_inputs
+        param_casts.casts.clear()
         loss.backward()
     return result

@@ -7,7 +7,6 @@ divided by dp, and the trainer hands each data rank its rows of the same global 
 """
 
 import os
-import socket
 from pathlib import Path
 
 import torch
@@ -17,6 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from moefold.config import load_config
 from moefold.train.trainer import Trainer
+from moefold.parallel.launch import free_port
 
 GLOBAL_MICRO_BATCH = 4
 STEPS = 10
@@ -76,7 +76,7 @@ def train(cfg, run_dir: Path, resume: Path | None = None, save_at: int = 0) -> d
 def run_ranks(world: int, fn, *args) -> None:
     """`fn(rank, *args)` on `world` CPU ranks joined as torchrun would (env://); an exception on
     any rank fails the caller."""
-    mp.spawn(_entry, args=(world, _free_port(), fn, args), nprocs=world, join=True)
+    mp.spawn(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True)
 
 
 def _entry(rank: int, world: int, port: int, fn, args) -> None:
@@ -89,11 +89,6 @@ def _entry(rank: int, world: int, port: int, fn, args) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def train_on_rank(rank: int, runs: list[tuple], out: Path) -> None:

@@ -3,7 +3,6 @@ and ParallelLayout's process groups on 4 gloo ranks."""
 
 import itertools
 import os
-import socket
 
 import pytest
 import torch
@@ -22,6 +21,7 @@ from moefold.parallel.dims import (
     group_ranks,
     rank_grid,
 )
+from moefold.parallel.launch import free_port
 
 # (world, tp, cp, pp, ep, etp) in the default order tp-cp-ep-dp-pp.
 LAYOUTS = [
@@ -189,11 +189,6 @@ def test_rank_grid_names_both_layouts():
 # ---------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _rank_entry(rank: int, fn, world: int, port: int, args: tuple) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -206,7 +201,7 @@ def _rank_entry(rank: int, fn, world: int, port: int, args: tuple) -> None:
 
 def run_on_ranks(fn, world: int, *args) -> None:
     """Run `fn(rank, *args)` on `world` gloo ranks on CPU; an exception on any rank fails."""
-    mp.spawn(_rank_entry, args=(fn, world, _free_port(), args), nprocs=world, join=True)
+    mp.spawn(_rank_entry, args=(fn, world, free_port(), args), nprocs=world, join=True)
 
 
 def _check_layout(rank: int, sizes: list[dict]) -> None:

@@ -10,9 +10,9 @@ import functools
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from moefold.moe.activation import ACTIVATIONS, PlainActivation, ProbsInActivation
+from moefold.parallel.local import local_tensor
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -38,7 +38,7 @@ class Experts(nn.Module):
 
     def input_weights(self) -> list[torch.Tensor]:
         weights = [self.w1_EDF, self.w3_EDF] if self.activation.num_inputs == 2 else [self.w1_EDF]
-        return [_local(w) for w in weights]
+        return [local_tensor(w) for w in weights]
 
     def forward(self, x_RD: torch.Tensor, rows_per_expert_E: torch.Tensor,
                 probs_R: torch.Tensor | None = None) -> torch.Tensor:
@@ -47,16 +47,10 @@ class Experts(nn.Module):
         offsets_E = torch.cumsum(rows_per_expert_E, dim=0, dtype=torch.int32)
         hidden_RF = [self._mm(x_RD, w.to(dtype), offsets_E) for w in self.input_weights()]
         h_RF = self.activation(probs_R, *hidden_RF).to(dtype)
-        return self._mm(h_RF, _local(self.w2_EFD).to(dtype), offsets_E)
+        return self._mm(h_RF, local_tensor(self.w2_EFD).to(dtype), offsets_E)
 
     def _mm(self, x_RX: torch.Tensor, w_EXY: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
-
-
-def _local(w: torch.Tensor) -> torch.Tensor:
-    """This rank's slice: under expert parallelism the weights are DTensors (so that checkpoints
-    know where each slice belongs); the grouped GEMM runs on the local experts."""
-    return w.to_local() if isinstance(w, DTensor) else w
 
 
 class GroupedMMExperts(Experts):

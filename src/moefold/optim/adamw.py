@@ -11,6 +11,7 @@ from torch.distributed.tensor import DTensor
 
 from moefold.config import OptimConfig, TrainConfig
 from moefold.optim.precision import PrecisionAwareAdamW
+from moefold.parallel.local import local_tensor
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -36,15 +37,11 @@ def round_gradients(dtype: torch.dtype):
     whether or not they were reduced in it, and after clipping, which may leave them off the grid."""
     @torch.no_grad()
     def hook(optimizer, args, kwargs) -> None:
-        grads = [_local(p.grad) for g in optimizer.param_groups for p in g["params"]
+        grads = [local_tensor(p.grad) for g in optimizer.param_groups for p in g["params"]
                  if p.grad is not None and p.grad.dtype != dtype]
         if grads:
             torch._foreach_copy_(grads, [g.to(dtype) for g in grads])
     return hook
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def build_optimizer(model: nn.Module, t: TrainConfig, device: torch.device,

@@ -47,6 +47,7 @@ from moefold.optim.blocks import (
     row_blocks,
     scale_like,
 )
+from moefold.parallel.local import local_tensor
 
 MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": FP8}
 MASTER_MODES = ("fp32", "bf16", "bf16+remainder")
@@ -54,11 +55,6 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 FOREACH_ELEMENTS = 2 ** 25
 """Local elements updated by one foreach call: bounds its fp32 working copies (master, moments,
 gradient, denominator: about 20 bytes per element, 640 MiB) whatever the model's size."""
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard (the tensor itself when it is not a DTensor)."""
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
@@ -75,7 +71,7 @@ def _chunks(params: list[torch.Tensor], max_elements: int) -> list[list[torch.Te
     chunks: list[list[torch.Tensor]] = []
     size = max_elements
     for p in params:
-        n = _local(p).numel()
+        n = local_tensor(p).numel()
         if size + n > max_elements:
             chunks.append([])
             size = 0
@@ -159,12 +155,12 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         state = self.state[p]
         state["step"] = torch.tensor(0.0)
         if group["master"] == "bf16+remainder":
-            x = _local(p).detach().float()  # bf16 parameters start with a zero remainder (exact)
+            x = local_tensor(p).detach().float()  # bf16 parameters start with a zero remainder (exact)
             hi, remainder = split_fp32(x)
             _replace_local(p, hi)
             state["master_remainder"] = _like(p, remainder)
         elif p.dtype != want:
-            _replace_local(p, _local(p).detach().to(want))
+            _replace_local(p, local_tensor(p).detach().to(want))
         for key in MOMENTS:
             dtype = MOMENT_DTYPES[group[f"{key}_dtype"]]
             state[key] = torch.zeros_like(p, dtype=dtype)
@@ -176,21 +172,21 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
 
     def _load_moment(self, p: torch.Tensor, state: dict, key: str) -> torch.Tensor:
         """fp32 view of a moment's shard; the state itself when it is fp32 (updated in place)."""
-        t = _local(state[key])
+        t = local_tensor(state[key])
         if t.dtype != FP8:
             return t.float()  # no copy for fp32
-        x = dequantize_fp8(t, _local(state[f"{key}_scale"]), self._row_blocks[p])
+        x = dequantize_fp8(t, local_tensor(state[f"{key}_scale"]), self._row_blocks[p])
         return x.square() if key == "exp_avg_sq" else x  # fp8 exp_avg_sq holds sqrt(v)
 
     def _store_moment(self, p: torch.Tensor, state: dict, key: str, x: torch.Tensor) -> None:
-        t = _local(state[key])
+        t = local_tensor(state[key])
         if t.dtype == FP8:
             if key == "exp_avg_sq":  # store sqrt(v), never rounded to zero
                 q, scale = quantize_fp8(x.sqrt(), self._row_blocks[p], floor=FP8_MIN_SUBNORMAL)
             else:
                 q, scale = quantize_fp8(x, self._row_blocks[p])
             t.copy_(q)
-            scale_t = _local(state[f"{key}_scale"])
+            scale_t = local_tensor(state[f"{key}_scale"])
             scale_t.copy_(scale.view_as(scale_t))
         elif t is not x:
             t.copy_(x)  # round to nearest
@@ -198,16 +194,16 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
     @staticmethod
     def _load_master(p: torch.Tensor, state: dict) -> torch.Tensor:
         if "master_remainder" in state:
-            return join_fp32(_local(p).detach(), _local(state["master_remainder"]))
-        return _local(p).detach().float()  # p itself when fp32
+            return join_fp32(local_tensor(p).detach(), local_tensor(state["master_remainder"]))
+        return local_tensor(p).detach().float()  # p itself when fp32
 
     @staticmethod
     def _store_master(p: torch.Tensor, state: dict, x: torch.Tensor) -> None:
-        local = _local(p).detach()
+        local = local_tensor(p).detach()
         if "master_remainder" in state:
             hi, rem = split_fp32(x)
             local.copy_(hi)
-            _local(state["master_remainder"]).copy_(rem)
+            local_tensor(state["master_remainder"]).copy_(rem)
         elif x is not local:
             local.copy_(x)
 
@@ -234,7 +230,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
         state["step"] += 1
         step = state["step"].item()  # a CPU tensor: no device sync
-        grad = _local(p.grad).float()
+        grad = local_tensor(p.grad).float()
         x = self._load_master(p, state)
         exp_avg, exp_avg_sq = self._load_moment(p, state, "exp_avg"), self._load_moment(p, state, "exp_avg_sq")
 
@@ -258,7 +254,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         steps = [s["step"] for s in states]
         torch._foreach_add_(steps, 1.0)
         counts = [s.item() for s in steps]  # CPU tensors: no device sync
-        grads = [_local(p.grad).float() for p in params]
+        grads = [local_tensor(p.grad).float() for p in params]
         xs = self._load_masters(params, states)
         exp_avgs, exp_avg_sqs = (self._load_moments(params, states, key) for key in MOMENTS)
 
@@ -278,17 +274,17 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
     # ------------------------------------------------- load / store a group's states at once
 
     def _load_moments(self, params, states, key: str) -> list[torch.Tensor]:
-        ts = [_local(s[key]) for s in states]
+        ts = [local_tensor(s[key]) for s in states]
         if ts[0].dtype != FP8:  # one dtype per group
             return [t.float() for t in ts]
-        xs = dequantize_fp8_many(ts, [_local(s[f"{key}_scale"]) for s in states],
+        xs = dequantize_fp8_many(ts, [local_tensor(s[f"{key}_scale"]) for s in states],
                                  [self._row_blocks[p] for p in params])
         if key == "exp_avg_sq":
             torch._foreach_mul_(xs, xs)  # x.square(): the same product
         return xs
 
     def _store_moments(self, params, states, key: str, xs: list[torch.Tensor]) -> None:
-        ts = [_local(s[key]) for s in states]
+        ts = [local_tensor(s[key]) for s in states]
         if ts[0].dtype == torch.float32:
             return  # updated in place
         if ts[0].dtype != FP8:
@@ -300,21 +296,21 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         else:
             qs, scales = quantize_fp8_many(xs, bs)
         torch._foreach_copy_(ts, qs)
-        scale_ts = [_local(s[f"{key}_scale"]) for s in states]
+        scale_ts = [local_tensor(s[f"{key}_scale"]) for s in states]
         torch._foreach_copy_(scale_ts, [s.view_as(t) for s, t in zip(scales, scale_ts)])
 
     @staticmethod
     def _load_masters(params, states) -> list[torch.Tensor]:
-        locals_ = [_local(p).detach() for p in params]
+        locals_ = [local_tensor(p).detach() for p in params]
         if "master_remainder" not in states[0]:
             return [t.float() for t in locals_]  # the parameters themselves when fp32
-        rems = [_local(s["master_remainder"]) for s in states]
+        rems = [local_tensor(s["master_remainder"]) for s in states]
         flat = join_fp32(torch.cat([t.reshape(-1) for t in locals_]), torch.cat([r.reshape(-1) for r in rems]))
         return [x.view_as(t) for x, t in zip(flat.split([t.numel() for t in locals_]), locals_)]
 
     @staticmethod
     def _store_masters(params, states, xs: list[torch.Tensor]) -> None:
-        locals_ = [_local(p).detach() for p in params]
+        locals_ = [local_tensor(p).detach() for p in params]
         if "master_remainder" not in states[0]:
             if locals_[0].dtype != torch.float32:
                 torch._foreach_copy_(locals_, xs)  # round to nearest
@@ -322,7 +318,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         hi, rem = split_fp32(torch.cat([x.reshape(-1) for x in xs]))
         sizes = [t.numel() for t in locals_]
         torch._foreach_copy_(locals_, [h.view_as(t) for h, t in zip(hi.split(sizes), locals_)])
-        rems = [_local(s["master_remainder"]) for s in states]
+        rems = [local_tensor(s["master_remainder"]) for s in states]
         torch._foreach_copy_(rems, [r.view_as(t) for r, t in zip(rem.split(sizes), rems)])
 
     # ---------------------------------------------------------------------------- loading

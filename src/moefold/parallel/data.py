@@ -30,9 +30,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+from moefold.parallel.local import local_tensor
 
 
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -72,7 +70,7 @@ class ReplicatedGradients:
                     p.grad = p.grad.redistribute(p.device_mesh, p.placements)
             by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
             for p in params:
-                by_dtype.setdefault(p.grad.dtype, []).append(_local(p.grad))
+                by_dtype.setdefault(p.grad.dtype, []).append(local_tensor(p.grad))
             for grads in by_dtype.values():
                 flat = torch.cat([g.reshape(-1) for g in grads]).to(self.grad_dtype or grads[0].dtype)
                 if dist.get_world_size(group) > 1:
@@ -145,7 +143,7 @@ class GradNormClipper:
 
     @torch.no_grad()
     def __call__(self, max_norm: float) -> torch.Tensor:
-        pairs = [(_local(p.grad), w) for p, w in zip(self.params, self.weights) if p.grad is not None]
+        pairs = [(local_tensor(p.grad), w) for p, w in zip(self.params, self.weights) if p.grad is not None]
         grads = [g for g, _ in pairs]
         if not grads:
             return torch.zeros(())

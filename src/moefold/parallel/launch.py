@@ -120,7 +120,7 @@ def leave() -> None:
 def spawn_local(nproc: int, argv: list[str]) -> int:
     """Run `python -m moefold <argv>` as N ranks on this machine (env:// rendezvous on a free local
     port); returns the first non-zero exit code, terminating the other ranks, or 0."""
-    port = _free_port()
+    port = free_port()
     base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
             "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc)}
     base.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: N ranks share this machine's cores
@@ -146,7 +146,8 @@ def spawn_local(nproc: int, argv: list[str]) -> int:
     return code
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (for a local rendezvous)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

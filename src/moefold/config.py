@@ -235,6 +235,9 @@ class TrainConfig:
     """AdamW epsilon."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
+    loss_chunk_tokens: int = 0
+    """Tokens per chunk of the fused output head + cross-entropy, which never holds the whole
+    [tokens, vocabulary] logits (0: the plain head and loss). Models with MTP use the plain one."""
     seed: int = 0
     """Seed for initialisation and data order."""
     device: str = "auto"
@@ -562,7 +565,7 @@ def validate(cfg: Config) -> None:
               "train.lr", "train.val_batches", "logging.log_every", "checkpoint.keep")
     _non_negative(cfg, "model.vocab_size", "model.n_kv_heads", "model.head_dim", "moe.num_experts",
                   "moe.first_k_dense", "train.warmup_steps",
-                  "train.weight_decay", "train.grad_clip", "train.val_every", "train.seed",
+                  "train.weight_decay", "train.grad_clip", "train.loss_chunk_tokens", "train.val_every", "train.seed",
                   "checkpoint.every", "logging.peak_tflops")
     n_kv = m.n_kv_heads or m.n_heads
     _require(m.n_heads % n_kv == 0,

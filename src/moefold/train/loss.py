@@ -9,6 +9,8 @@ and without MTP compare).
 import torch
 import torch.nn.functional as F
 
+from moefold.train.chunked_loss import chunked_linear_cross_entropy
+
 
 def cross_entropy_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy in fp32 (bf16 logits lose too much in the log-sum-exp);
@@ -37,7 +39,22 @@ class NextTokenAndMTPLoss:
                                                   "mtp_loss": mtp_loss.detach()}
 
 
-def build_objective(model):
-    if model.mtp is None:
-        return next_token_loss
-    return NextTokenAndMTPLoss(model.cfg.model.mtp_loss_weight)
+class ChunkedNextTokenLoss:
+    """Next-token loss through the chunked head + cross-entropy (no `[T, V]` logits kept)."""
+
+    def __init__(self, chunk_tokens: int):
+        self.chunk_tokens = chunk_tokens
+
+    def __call__(self, model, input_ids_BS, labels_BS) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        h_BSD, _ = model.trunk(input_ids_BS)
+        loss = chunked_linear_cross_entropy(model.norm(h_BSD), model.output.weight, labels_BS,
+                                            self.chunk_tokens)
+        return loss, {"lm_loss": loss.detach()}
+
+
+def build_objective(model, chunk_tokens: int = 0):
+    """`chunk_tokens` > 0 (train.loss_chunk_tokens) picks the chunked head + loss for models
+    without MTP."""
+    if model.mtp is not None:
+        return NextTokenAndMTPLoss(model.cfg.model.mtp_loss_weight)
+    return ChunkedNextTokenLoss(chunk_tokens) if chunk_tokens > 0 else next_token_loss

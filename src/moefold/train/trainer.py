@@ -164,7 +164,7 @@ class Trainer:
         self.model: Transformer = model.to(self.device)
         for layer in self.model.moe_layers():
             layer.aux_loss_scale = 1.0 / self.grad_accum  # the CE loss is averaged the same way
-        self.objective = build_objective(self.model)
+        self.objective = build_objective(self.model, cfg.train.loss_chunk_tokens)
         self.param_counts = count_params(self.model)  # of the whole model, before sharding
         self.flops_per_token = train_flops_per_token(self.model, cfg.train.seq_len)
         self.sync_gradients = lambda: None

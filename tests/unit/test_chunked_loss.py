@@ -1,0 +1,56 @@
+"""The chunked output head + cross-entropy against the plain head and `F.cross_entropy`."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moefold.config import load_config
+from moefold.models.transformer import build_model
+from moefold.train.chunked_loss import chunked_linear_cross_entropy
+from moefold.train.loss import ChunkedNextTokenLoss, build_objective, next_token_loss
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, 1000])  # uneven last chunk, one chunk for all
+def test_matches_plain_head_and_cross_entropy(chunk):
+    """fp32 inputs: the loss works in fp32 whatever the input dtype."""
+    gen = torch.Generator().manual_seed(chunk)
+    B, S, D, V = 3, 21, 16, 50
+    h = torch.randn(B, S, D, dtype=torch.float32, generator=gen, requires_grad=True)
+    w = torch.randn(V, D, dtype=torch.float32, generator=gen, requires_grad=True)
+    labels = torch.randint(0, V, (B, S), generator=gen)
+    labels[0, :5] = -100  # ignored positions count neither in the loss nor in the mean
+    h_ref, w_ref = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    ref = F.cross_entropy((h_ref @ w_ref.T).flatten(0, 1), labels.flatten())
+    loss = chunked_linear_cross_entropy(h, w, labels, chunk)
+    upstream = torch.tensor(1.7)
+    (ref * upstream).backward()
+    (loss * upstream).backward()
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(h.grad, h_ref.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(w.grad, w_ref.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_objective_trains_like_the_plain_one():
+    """A few SGD steps of a tiny model: same losses and weights as the plain head and loss."""
+    cfg = load_config("tiny", {"model.vocab_size": "64"})
+    torch.manual_seed(0)
+    plain, chunked = build_model(cfg, 64), build_model(cfg, 64)
+    plain.init_weights(seed=1)
+    chunked.load_state_dict(plain.state_dict())
+    assert isinstance(build_objective(chunked, 16), ChunkedNextTokenLoss)
+    assert build_objective(plain, 0) is next_token_loss
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        ids = torch.randint(0, 64, (2, 24), generator=gen)
+        losses = []
+        for model, objective in ((plain, next_token_loss), (chunked, ChunkedNextTokenLoss(10))):
+            loss, _ = objective(model, ids[:, :-1], ids[:, 1:])
+            loss.backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.1 * p.grad
+                    p.grad = None
+            losses.append(loss.item())
+        assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    for (name, p), q in zip(plain.named_parameters(), chunked.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=name)

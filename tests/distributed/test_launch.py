@@ -24,6 +24,11 @@ def test_nproc_trains_like_one_process_with_one_voice(tiny_args, tmp_path):
     losses_one = [r["loss"] for r in _metrics(tmp_path / "one") if "loss" in r]
     losses_two = [r["loss"] for r in _metrics(tmp_path / "two") if "loss" in r]
     assert max(abs(a - b) / a for a, b in zip(losses_one, losses_two)) < 1e-4
+    for key in ("aux_loss", "load_imbalance", "routing_entropy"):  # the global batch's statistics
+        one_values = [r[key] for r in _metrics(tmp_path / "one") if key in r]
+        two_values = [r[key] for r in _metrics(tmp_path / "two") if key in r]
+        assert len(one_values) == len(two_values) == 12, key
+        assert max(abs(a - b) / abs(a) for a, b in zip(one_values, two_values)) < 1e-4, key
     checkpoint = next((tmp_path / "two" / "checkpoints").iterdir())
     assert sorted(p.name for p in checkpoint.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
 

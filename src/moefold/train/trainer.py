@@ -34,7 +34,7 @@ from moefold.data.loader import Batch, PackedSequences, TrainLoader, val_batches
 from moefold.data.tokenizer import build_tokenizer
 from moefold.errors import ConfigError
 from moefold.models.transformer import Transformer, build_model
-from moefold.moe.stats import summarize
+from moefold.moe.stats import AUX_SUM, ENTROPY_SUM, ENTROPY_TOKENS, summarize
 from moefold.optim.adamw import GRAD_DTYPES, build_optimizer
 from moefold.optim.schedule import build_scheduler
 from moefold.parallel.apply import parallelize
@@ -358,7 +358,7 @@ class Trainer:
         record = {"step": self.step, "loss": loss, **losses, "grad_norm": grad_norm, "lr": lr,
                   **per_device, "tokens_per_s": per_device["tokens_per_s"] * world,
                   "peak_mem_gib": metrics.peak_memory_gib(self.device)}
-        moe = summarize([layer.stats.pop() for layer in self.model.moe_layers()])
+        moe = summarize([self._over_data_ranks(layer.stats.pop()) for layer in self.model.moe_layers()])
         counts = moe.pop("tokens_per_expert_per_layer", None)  # L×E: for the heatmap, not the log
         if counts is not None:
             append_window(self.load_history, self.step, counts)
@@ -383,6 +383,17 @@ class Trainer:
         record["memory_predicted_gib"] = predicted
         emit(f"memory: peak {record['peak_mem_gib']:.2f} GiB measured, {predicted:.2f} GiB predicted "
              f"by the planner (moefold plan memory)")
+
+    def _over_data_ranks(self, raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A layer's popped statistics for the global batch: token counts already are (summed
+        over the data ranks as they are recorded); entropy sums add up; aux-loss sums average,
+        each data rank's loss being its share of the global one."""
+        for key, value in raw.items():
+            if key in (ENTROPY_SUM, ENTROPY_TOKENS):
+                raw[key] = self.dist.sum_over_data(value)
+            elif key.startswith(AUX_SUM):
+                raw[key] = self.dist.mean_over_data(value)
+        return raw
 
     def _log_validation(self, emit) -> dict[str, Any]:
         record = {"step": self.step, "val_loss": self.validate()}

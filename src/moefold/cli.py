@@ -160,6 +160,7 @@ def _train(args: argparse.Namespace) -> int:
     try:
         trainer = Trainer(cfg, run_dir, resume=args.resume, init_from_hf=args.init_from_hf)
         trainer.fit()
+        trainer.dist.barrier()  # every rank done before any tears the process group down
     except TrainingInterrupted as e:
         print(f"moefold: {e}", file=sys.stderr)
         return 128 + e.signum

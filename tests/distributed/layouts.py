@@ -85,6 +85,8 @@ def _entry(rank: int, world: int, port: int, fn, args) -> None:
     torch.set_num_threads(1)  # several ranks share the CI machine's two cores
     try:
         fn(rank, *args)
+        if dist.is_initialized():
+            dist.barrier()  # nobody tears gloo down while a peer still talks to it (SIGABRT)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -195,6 +195,7 @@ def _rank_entry(rank: int, fn, world: int, port: int, args: tuple) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         fn(rank, *args)
+        dist.barrier()  # nobody tears gloo down while a peer still talks to it (SIGABRT)
     finally:
         dist.destroy_process_group()
 

@@ -31,7 +31,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from moefold.bench.timing import StepClock, measured_peak_tflops, synchronize
+from moefold.bench.timing import measured_peak_tflops, time_steps
 from moefold.config import Config, load_config
 from moefold.optim.adamw import param_groups
 from moefold.train.flops import count_params, meta_model, train_flops_per_token
@@ -178,17 +178,7 @@ def time_peer(peer: Peer, cfg: Config, device: torch.device, steps: int, warmup:
         optimizer.zero_grad(set_to_none=True)
         return loss
 
-    for _ in range(warmup):
-        step()
-    synchronize(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    clock = StepClock(device)
-    clock.mark()
-    for _ in range(steps):
-        loss = step()
-        clock.mark()
-    step_s = clock.seconds()
+    step_s, loss = time_steps(step, device, steps, warmup)
     return {"step_s": step_s, "loss": float(loss), "params": sum(p.numel() for p in params),
             "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None}
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from moefold.bench.timing import StepClock, measured_peak_tflops, synchronize
+from moefold.bench.timing import measured_peak_tflops, time_steps
 from moefold.config import Config
 from moefold.data.loader import Batch
 from moefold.train import metrics
@@ -73,17 +73,7 @@ def run_bench(cfg: Config, steps: int, warmup: int) -> BenchResult:
                            out=lambda line: None)
     device = trainer.device
     peak = measured_peak_tflops(device)  # before the steps: its buffers are freed again
-    for _ in range(warmup):
-        trainer.train_step()
-    synchronize(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    clock = StepClock(device)
-    clock.mark()
-    for _ in range(steps):
-        parts, grad_norm = trainer.train_step()
-        clock.mark()
-    step_s = clock.seconds()  # the one synchronisation after the timed steps
+    step_s, (parts, grad_norm) = time_steps(trainer.train_step, device, steps, warmup)
     return BenchResult(_record(cfg, trainer, step_s, peak, parts, grad_norm, warmup), trainer)
 
 

@@ -42,6 +42,24 @@ class StepClock:
         return [b - a for a, b in zip(self.marks, self.marks[1:])]
 
 
+def time_steps(step: Callable[[], object], device: torch.device, steps: int,
+               warmup: int) -> tuple[list[float], object]:
+    """`warmup` untimed calls of `step`, the peak-memory counter reset, then `steps` calls back to
+    back: (seconds of each, the last call's result). One synchronisation, after the timed steps."""
+    for _ in range(warmup):
+        step()
+    synchronize(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    clock = StepClock(device)
+    clock.mark()
+    result = None
+    for _ in range(steps):
+        result = step()
+        clock.mark()
+    return clock.seconds(), result
+
+
 def median_seconds(fn: Callable[[], object], device: torch.device, warmup: int = 3,
                    repeats: int = 10) -> float:
     """Median seconds of one call of `fn`, each repeat timed alone (events on a GPU)."""

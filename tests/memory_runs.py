@@ -85,6 +85,16 @@ def train(model, steps: int = 2, accum: int = 2, device="cpu") -> Run:
     return Run(losses, grads, moe, model.router_replay.recorded(), torch.get_rng_state())
 
 
+_plain_runs: dict[str, Run] = {}
+
+
+def plain_run(config: str) -> Run:
+    """The plain (no recompute, no offload) run of `config`, trained once per test process."""
+    if config not in _plain_runs:
+        _plain_runs[config] = train(build(config))
+    return _plain_runs[config]
+
+
 def _moe_state(layer) -> dict[str, torch.Tensor]:
     return {"step_tokens": layer.step_tokens_per_expert_E.clone(),
             "global_counts": layer.balancer.global_counts_E.clone(),

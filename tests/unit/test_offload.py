@@ -12,19 +12,13 @@ from memory_runs import (
     batches,
     build,
     one_thread,  # noqa: F401 (autouse fixture)
+    plain_run,
     train,
 )
 
 from moefold.memory.offload import ActivationOffload, HostCopy
 
 CASES = [(config, name) for config in CONFIGS for name in MODULES[config]]
-_plain_runs = {}
-
-
-def plain_run(config: str):
-    if config not in _plain_runs:
-        _plain_runs[config] = train(build(config))
-    return _plain_runs[config]
 
 
 class SpyingCopy(HostCopy):

@@ -11,6 +11,7 @@ from memory_runs import (
     batches,
     build,
     one_thread,  # noqa: F401 (autouse fixture)
+    plain_run,
     train,
 )
 
@@ -19,13 +20,6 @@ from moefold.errors import ConfigError
 from moefold.moe.balance import LocalCounts
 
 CASES = [(config, name) for config in CONFIGS for name in MODULES[config]]
-_plain_runs = {}
-
-
-def plain_run(config: str):
-    if config not in _plain_runs:
-        _plain_runs[config] = train(build(config))
-    return _plain_runs[config]
 
 
 @pytest.mark.parametrize("config,name", CASES)

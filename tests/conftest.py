@@ -27,15 +27,18 @@ TINY_OVERRIDES = {
 }
 
 
-@pytest.fixture
-def text_corpus(tmp_path: Path) -> Path:
-    """A directory of small, varied .txt documents (deterministic)."""
-    root = tmp_path / "corpus"
-    root.mkdir()
+def write_text_corpus(root: Path) -> Path:
+    """Fill `root` with small, varied .txt documents (deterministic)."""
+    root.mkdir(parents=True, exist_ok=True)
     for i in range(40):
         words = " ".join(f"w{(i * 7 + j * 13) % 97}" for j in range(60 + i))
         (root / f"doc{i:02d}.txt").write_text(f"document {i}: {words}\n")
     return root
+
+
+@pytest.fixture
+def text_corpus(tmp_path: Path) -> Path:
+    return write_text_corpus(tmp_path / "corpus")
 
 
 def cli_args(overrides: dict[str, str]) -> list[str]:

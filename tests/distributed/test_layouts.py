@@ -7,6 +7,7 @@ One spawn per layout trains both models (spawning dominates the time on a 2-core
 
 import pytest
 import torch
+from conftest import write_text_corpus
 from layouts import STEPS, run_ranks, train, train_on_rank
 from layouts import config as run_config
 
@@ -32,11 +33,7 @@ LAYOUTS = [
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    root = tmp_path_factory.mktemp("corpus")
-    for i in range(40):
-        words = " ".join(f"w{(i * 7 + j * 13) % 97}" for j in range(60 + i))
-        (root / f"doc{i:02d}.txt").write_text(f"document {i}: {words}\n")
-    return root
+    return write_text_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ import dataclasses
 
 import pytest
 import torch
+from conftest import write_text_corpus
 from layouts import STEPS, run_ranks
 from layouts import config as layout_config
 from torch.distributed.tensor import DTensor, Replicate
@@ -139,11 +140,7 @@ def test_sharded_fp8_quantisation_is_the_one_process_quantisation():
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    root = tmp_path_factory.mktemp("corpus")
-    for i in range(40):
-        words = " ".join(f"w{(i * 7 + j * 13) % 97}" for j in range(60 + i))
-        (root / f"doc{i:02d}.txt").write_text(f"document {i}: {words}\n")
-    return root
+    return write_text_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 @pytest.fixture(scope="module")

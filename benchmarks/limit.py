@@ -45,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     from moefold.bench.limit import format_limit, step_limit
     from moefold.config import load_config
     from moefold.errors import UserError
-    from moefold.train.trainer import resolve_compute_dtype, resolve_device
+    from moefold.parallel.launch import resolve_device
+    from moefold.train.trainer import resolve_compute_dtype
 
     try:
         cfg = load_config(args.config, {**overrides, "train.device": args.device})

@@ -10,7 +10,8 @@ from moefold.config import config_from_toml
 from moefold.data.tokenizer import build_tokenizer
 from moefold.errors import CheckpointError
 from moefold.models.transformer import build_model
-from moefold.train.trainer import resolve_compute_dtype, resolve_device
+from moefold.parallel.launch import resolve_device
+from moefold.train.trainer import resolve_compute_dtype
 
 
 def load_model_from_run(run_dir: Path, device_name: str = "auto"):

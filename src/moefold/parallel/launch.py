@@ -93,13 +93,20 @@ def join(cfg: Config, device_name: str) -> tuple[DistributedContext, torch.devic
     return DistributedContext(dist.get_rank(), world, ParallelLayout(dims, device.type)), device
 
 
-def _device(name: str, local_rank: int | None) -> torch.device:
-    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
+def resolve_device(name: str) -> torch.device:
+    """train.device: auto (cuda when available, else cpu), cpu or cuda."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device='cuda' but no CUDA device is available (use auto or cpu)")
-    if local_rank is None:
-        return torch.device("cuda")
+    return torch.device(name)
+
+
+def _device(name: str, local_rank: int | None) -> torch.device:
+    """`resolve_device`, then on GPUs this rank's: cuda:LOCAL_RANK, made current."""
+    device = resolve_device(name)
+    if device.type != "cuda" or local_rank is None:
+        return device
     if local_rank >= torch.cuda.device_count():
         raise ConfigError(f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} GPUs are "
                           "visible (launch one process per GPU)")

@@ -30,7 +30,9 @@ MODELS = {
 }
 
 
-def config(model: str, data_path: Path, dp: int = 1, steps: int = STEPS, **parallel: str):
+def config(model: str, data_path: Path, dp: int = 1, steps: int = STEPS,
+           extra: dict[str, str] | None = None, **parallel: str):
+    """The run's config; `extra` overrides anything (e.g. train.device on the GPU machines)."""
     preset, overrides = MODELS[model]
     return load_config(preset, {
         **overrides, "data.path": str(data_path), "train.seq_len": "16",
@@ -39,7 +41,7 @@ def config(model: str, data_path: Path, dp: int = 1, steps: int = STEPS, **paral
         "train.device": "cpu", "logging.tensorboard": "false", "logging.progress_bar": "false",
         "logging.expert_load_heatmap": "false", "logging.log_every": str(steps),
         "checkpoint.save_at_end": "false",
-        **{f"parallel.{k}": str(v) for k, v in parallel.items()}})
+        **{f"parallel.{k}": str(v) for k, v in parallel.items()}, **(extra or {})})
 
 
 def full_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from moefold.bench.limit import balanced_rows, step_limit
-from moefold.bench.profile import breakdown, classify_cpu_op, classify_kernel
+from moefold.bench.profile import breakdown, classify_cpu_op, classify_kernel, exposed_communication
 from moefold.bench.run import RandomTokens
 from moefold.cli import main
 from moefold.config import load_config
@@ -89,6 +89,8 @@ def test_profile_writes_a_trace_and_a_breakdown(tmp_path, capsys):
     ("void at::cuda::detail::grouped_mm_kernel", "gemm"),
     ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>", "other"),
     ("Memcpy DtoD (Device -> Device)", "other"),
+    ("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", "comm"),
+    ("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "comm"),
 ])
 def test_kernel_classes(name, kind):
     assert classify_kernel(name) == kind
@@ -110,6 +112,20 @@ def test_breakdown_arithmetic():
     assert b["gemm_share"] == pytest.approx(0.4) and b["outside_share"] == pytest.approx(0.4)
     assert b["top"][0] == {"name": "gemm_a", "class": "gemm", "ms_per_step": 2.0,
                            "calls_per_step": 1.0, "share": pytest.approx(0.4)}
+
+
+def test_exposed_communication_is_what_no_compute_kernel_overlaps():
+    kernels = [  # µs on the device's timeline, 2 steps
+        ("gemm", "gemm", 0.0, 100.0), ("add", "other", 90.0, 150.0),
+        ("ncclDevKernel_SendRecv", "comm", 120.0, 200.0),  # 150..200 exposed
+        ("ncclDevKernel_ReduceScatter_RING", "comm", 180.0, 260.0),  # 200..260 exposed (with the a2a's)
+        ("ncclDevKernel_SendRecv", "comm", 300.0, 400.0), ("flash_fwd", "attention", 320.0, 380.0),
+    ]
+    c = exposed_communication(kernels, steps=2)
+    assert c["comm_busy_ms"] == pytest.approx((140 + 100) / 2 / 1e3)  # 120..260 and 300..400
+    assert c["comm_exposed_ms"] == pytest.approx((110 + 40) / 2 / 1e3)
+    assert c["all_to_all_ms"] == pytest.approx((80 + 100) / 2 / 1e3)
+    assert c["all_to_all_exposed_ms"] == pytest.approx((50 + 40) / 2 / 1e3)
 
 
 def test_random_tokens_are_shifted_windows():

@@ -39,8 +39,9 @@ def run(args: argparse.Namespace, cfg: Config, overrides: dict[str, Any]) -> int
     record.update(config=args.config or "tiny", overrides=overrides)
     speak = trainer.dist.is_main
     if args.profile is not None:
+        trace_name = "trace.json" if trainer.dist.world == 1 else f"trace-rank{trainer.dist.rank}.json"
         record["profile"] = profile_steps(trainer.train_step, trainer.device, args.profile_steps,
-                                          args.profile)
+                                          args.profile, trace_name)
     if args.limit:
         device, dtype = trainer.device, trainer.compute_dtype
         del trainer, result  # the limit builds its own tensors (and a model for the optimizer)
@@ -72,7 +73,8 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
                        help="untimed steps first (default 3)")
     bench.add_argument("--profile", type=Path, metavar="DIR",
                        help="after the timed steps, profile --profile-steps more: DIR/trace.json "
-                            "(Chrome trace) and the top kernels, GEMM / attention / other")
+                            "(Chrome trace; trace-rankR.json under several ranks) and the top "
+                            "kernels, GEMM / attention / communication / other")
     bench.add_argument("--profile-steps", type=int, default=2, metavar="N",
                        help="steps under the profiler (default 2)")
     bench.add_argument("--limit", action="store_true",

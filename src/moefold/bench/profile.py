@@ -1,10 +1,15 @@
 """Where a step's time goes: a torch.profiler trace of a few steps and its breakdown into GEMM,
-attention and other work.
+attention, communication and other work.
 
-On a GPU the CUDA kernels are classified by name (attention first: flash-attention kernels carry
-"cutlass" in their template arguments); on the CPU the aten ops, each op inside an attention op
-counting as attention. Shares are of the profiled wall time per step, so on a GPU the share
-"outside" GEMM and attention includes idle gaps between kernels.
+On a GPU the CUDA kernels are classified by name (NCCL first, then attention: flash-attention
+kernels carry "cutlass" in their template arguments); on the CPU the aten ops, each op inside an
+attention op counting as attention. Shares are of the profiled wall time per step, so on a GPU the
+share "outside" GEMM and attention includes idle gaps between kernels.
+
+Communication kernels run on their own streams and may overlap compute. The *exposed* part is what
+no compute kernel overlaps: the time the step waits on the network. It is reported for all NCCL
+kernels and for the expert all-to-all alone (NCCL implements all_to_all_single as grouped
+send/recv: `SendRecv` kernels; FSDP's all-gathers and reduce-scatters are the rest).
 """
 
 from __future__ import annotations
@@ -21,14 +26,18 @@ from torch.profiler import ProfilerActivity, profile
 
 from moefold.bench.timing import synchronize
 
+COMM_KERNEL = re.compile(r"nccl", re.IGNORECASE)
+ALL_TO_ALL_KERNEL = re.compile(r"SendRecv|AllToAll", re.IGNORECASE)
 ATTENTION_KERNEL = re.compile(r"flash|fmha|sdpa|attention", re.IGNORECASE)
 GEMM_KERNEL = re.compile(r"gemm|cutlass|cublas|grouped|nvjet|sm90_xmma|xmma", re.IGNORECASE)
 GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_grouped_mm"}
 ATTENTION_OP = re.compile(r"scaled_dot_product|attention", re.IGNORECASE)
-CLASSES = ("gemm", "attention", "other")
+CLASSES = ("gemm", "attention", "comm", "other")
 
 
 def classify_kernel(name: str) -> str:
+    if COMM_KERNEL.search(name):
+        return "comm"
     if ATTENTION_KERNEL.search(name):
         return "attention"
     return "gemm" if GEMM_KERNEL.search(name) else "other"
@@ -41,8 +50,8 @@ def classify_cpu_op(name: str, ancestors: Iterable[str] = ()) -> str:
 
 
 def profile_steps(step: Callable[[], object], device: torch.device, steps: int,
-                  trace_dir: Path) -> dict[str, Any]:
-    """Run `steps` calls of `step` under the profiler, write trace_dir/trace.json (Chrome trace
+                  trace_dir: Path, trace_name: str = "trace.json") -> dict[str, Any]:
+    """Run `steps` calls of `step` under the profiler, write trace_dir/trace_name (Chrome trace
     format) and return the breakdown per step."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     synchronize(device)
@@ -53,21 +62,65 @@ def profile_steps(step: Callable[[], object], device: torch.device, steps: int,
         synchronize(device)
         wall_s = time.perf_counter() - start
     trace_dir.mkdir(parents=True, exist_ok=True)
-    trace = trace_dir / "trace.json"
+    trace = trace_dir / trace_name
     prof.export_chrome_trace(str(trace))
-    timed = _device_kernels(prof.events()) if device.type == "cuda" else _cpu_ops(prof.events())
+    if device.type != "cuda":
+        return {"trace": str(trace), **breakdown(_cpu_ops(prof.events()), wall_s / steps * 1e6, steps),
+                "unit": "cpu ops"}
+    kernels = _device_kernels(prof.events())
+    timed = [(name, kind, end - start) for name, kind, start, end in kernels]
     return {"trace": str(trace), **breakdown(timed, wall_s / steps * 1e6, steps),
-            "unit": "kernels" if device.type == "cuda" else "cpu ops"}
+            **exposed_communication(kernels, steps), "unit": "kernels"}
 
 
-def _device_kernels(events) -> list[tuple[str, str, float]]:
-    """(name, class, µs) of every kernel, memcpy and memset on the device (not the GPU-side ranges
-    of record_function annotations, which span kernels)."""
+def _device_kernels(events) -> list[tuple[str, str, float, float]]:
+    """(name, class, start µs, end µs) of every kernel, memcpy and memset on the device (not the
+    GPU-side ranges of record_function annotations, which span kernels)."""
     out = []
     for e in events:
         if e.device_type != torch.autograd.DeviceType.CPU and not getattr(e, "is_user_annotation", False):
-            out.append((e.name, classify_kernel(e.name), float(e.time_range.elapsed_us())))
+            out.append((e.name, classify_kernel(e.name), float(e.time_range.start), float(e.time_range.end)))
     return out
+
+
+Interval = tuple[float, float]
+
+
+def _union(intervals: Iterable[Interval]) -> list[Interval]:
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def _uncovered(intervals: list[Interval], cover: list[Interval]) -> float:
+    """Total length of the (disjoint, sorted) `intervals` outside the (disjoint, sorted) `cover`."""
+    total, j = 0.0, 0
+    for start, end in intervals:
+        covered = 0.0
+        while j < len(cover) and cover[j][1] <= start:
+            j += 1
+        k = j
+        while k < len(cover) and cover[k][0] < end:
+            covered += min(end, cover[k][1]) - max(start, cover[k][0])
+            k += 1
+        total += (end - start) - covered
+    return total
+
+
+def exposed_communication(kernels: list[tuple[str, str, float, float]], steps: int) -> dict[str, float]:
+    """Per-step ms of NCCL kernels (all, and the all-to-all alone) and of the part of each that no
+    compute kernel overlaps."""
+    compute = _union((s, e) for _, kind, s, e in kernels if kind != "comm")
+    comm = _union((s, e) for _, kind, s, e in kernels if kind == "comm")
+    a2a = _union((s, e) for name, kind, s, e in kernels if kind == "comm" and ALL_TO_ALL_KERNEL.search(name))
+    ms = lambda us: us / steps / 1e3  # noqa: E731
+    return {"comm_busy_ms": ms(sum(e - s for s, e in comm)), "comm_exposed_ms": ms(_uncovered(comm, compute)),
+            "all_to_all_ms": ms(sum(e - s for s, e in a2a)),
+            "all_to_all_exposed_ms": ms(_uncovered(a2a, compute))}
 
 
 def _cpu_ops(events) -> list[tuple[str, str, float]]:
@@ -100,7 +153,7 @@ def breakdown(timed: list[tuple[str, str, float]], step_us: float, steps: int,
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
     return {
         "step_ms": step_ms, "busy_ms": busy_ms, "gemm_ms": ms["gemm"],
-        "attention_ms": ms["attention"], "other_ms": ms["other"],
+        "attention_ms": ms["attention"], "comm_ms": ms["comm"], "other_ms": ms["other"],
         "gemm_share": share["gemm"], "attention_share": share["attention"],
         "outside_share": max(0.0, 1.0 - share["gemm"] - share["attention"]),
         "top": [{"name": name, "class": kind, "ms_per_step": us / steps / 1e3,
@@ -122,4 +175,10 @@ def format_profile(p: dict[str, Any]) -> str:
                  f"{p['attention_ms']:.2f} ms ({100 * p['attention_share']:.1f}%), other "
                  f"{p['unit']} {p['other_ms']:.2f} ms; outside GEMM and attention: "
                  f"{100 * p['outside_share']:.1f}% of the step")
+    if p.get("comm_busy_ms"):
+        step = p["step_ms"]
+        lines.append(f"communication (NCCL kernels) {p['comm_busy_ms']:.2f} ms, exposed "
+                     f"{p['comm_exposed_ms']:.2f} ms ({100 * p['comm_exposed_ms'] / step:.1f}% of the "
+                     f"step); all-to-all {p['all_to_all_ms']:.2f} ms, exposed "
+                     f"{p['all_to_all_exposed_ms']:.2f} ms ({100 * p['all_to_all_exposed_ms'] / step:.1f}%)")
     return "\n".join(lines)

@@ -16,8 +16,9 @@ from moefold.parallel.local import local_tensor
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Matrices (but not embeddings) with weight decay, the rest without; each split into DTensor
-    and plain parameters, which one foreach/fused kernel call cannot mix (replicated parameters
-    beside EP/TP-sharded ones under parallel.data_parallel=ddp)."""
+    and plain parameters, which one foreach/fused kernel call cannot mix. (No layout mixes them
+    today: one process has plain parameters; FSDP2 and ZeRO-1's shards are all DTensors.) `model`
+    is the module whose parameters the optimizer updates: under ddp, ZeRO-1's `ShardModule`."""
     groups: dict[tuple[bool, bool], list[nn.Parameter]] = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:

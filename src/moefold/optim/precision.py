@@ -80,7 +80,7 @@ def _chunks(params: list[torch.Tensor], max_elements: int) -> list[list[torch.Te
     return chunks
 
 
-def _replace_local(p: nn.Parameter, local: torch.Tensor) -> None:
+def replace_local(p: nn.Parameter, local: torch.Tensor) -> None:
     """Give `p` new (differently typed) values, keeping the Parameter object that modules, FSDP
     and the optimizer refer to. A DTensor's dtype is fixed, so its whole tensor is swapped."""
     if not isinstance(p, DTensor):
@@ -157,10 +157,10 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         if group["master"] == "bf16+remainder":
             x = local_tensor(p).detach().float()  # bf16 parameters start with a zero remainder (exact)
             hi, remainder = split_fp32(x)
-            _replace_local(p, hi)
+            replace_local(p, hi)
             state["master_remainder"] = _like(p, remainder)
         elif p.dtype != want:
-            _replace_local(p, local_tensor(p).detach().to(want))
+            replace_local(p, local_tensor(p).detach().to(want))
         for key in MOMENTS:
             dtype = MOMENT_DTYPES[group[f"{key}_dtype"]]
             state[key] = torch.zeros_like(p, dtype=dtype)

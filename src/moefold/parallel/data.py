@@ -8,13 +8,15 @@ must end up with the gradient of the same global loss, the mean of the dp·cp da
   the whole EP(×ETP) group, so the sum over edp covers every data rank once and must be divided by
   dp·cp, not by edp (else experts would learn ep·etp·... times too fast).
 
-`parallel.data_parallel` picks the strategy once, when the model is parallelized:
+`parallel.data_parallel` picks the strategy once, when the model is parallelized; the trainer calls
+it around the optimizer (`DataParallel`):
 
 - `fsdp` (default): FSDP2 `fully_shard` of every block and of the root over the dp·cp mesh and of
   every MoE layer's experts over the edp mesh (gradient divide factor dp·cp). Parameters, gradients
   and optimizer states are sharded; TP and EP weights (DTensors) get 2-D (FSDP × TP/EP) placements.
-- `ddp`: parameters replicated; after the step's last backward the gradients are averaged with one
-  flat all-reduce per kind (dense over dp·cp, experts over edp).
+- `ddp`: ZeRO-1 (parallel/zero.py). Parameters replicated; after the step's last backward the
+  gradients are reduce-scattered (dense over dp·cp, experts over edp), the optimizer updates and
+  keeps states for this rank's shard only, and the updated shards are all-gathered back.
 
 The global gradient norm sums each rank's squared local gradients, each divided by how many ranks
 hold the same values (world / number of distinct shards), with one all-reduce over the world.
@@ -42,51 +44,35 @@ def dense_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if id(p) not in experts]
 
 
-class FSDPGradients:
-    """FSDP2 reduces gradients during backward; nothing is left to do after it."""
+class DataParallel:
+    """What the trainer calls around the optimizer step. This base has nothing left to do: one
+    process, or FSDP2, which reduce-scatters gradients during backward and whose sharded parameters
+    the optimizer updates in place. ZeRO-1 (parallel/zero.py) overrides every hook."""
 
-    def __call__(self) -> None:
-        pass
+    def __init__(self, optimized: nn.Module):
+        self.optimized = optimized
+        """The module whose parameters the optimizer updates, named as the model's: the model
+        itself, or ZeRO-1's shards."""
 
+    def optimizer_built(self) -> None:
+        """Once, after the optimizer over `optimized` exists (it may have recast its parameters)."""
 
-class ReplicatedGradients:
-    """DDP-style: average the gradients of replicated parameters after the last micro-batch's
-    backward, one flat all-reduce per (kind, dtype), in `grad_dtype` when given (optim.grad_dtype)."""
+    def reduce_gradients(self) -> None:
+        """After the step's last backward: average the gradients over the data ranks."""
 
-    def __init__(self, model: nn.Module, layout, grad_dtype: torch.dtype | None = None):
-        dims = layout.dims
-        self.grad_dtype = grad_dtype
-        self.buckets = [(dense_parameters(model), layout.dp_cp_group, dims.dp * dims.cp),
-                        (expert_parameters(model), layout.edp_group, dims.dp * dims.cp)]
-
-    @torch.no_grad()
-    def __call__(self) -> None:
-        for params, group, divide_by in self.buckets:
-            for p in params:
-                if p.grad is None:  # every rank must send the same sizes
-                    p.grad = torch.zeros_like(p)
-                elif isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
-                    # e.g. a sequence-parallel norm weight's gradient is still a partial sum
-                    p.grad = p.grad.redistribute(p.device_mesh, p.placements)
-            by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-            for p in params:
-                by_dtype.setdefault(p.grad.dtype, []).append(local_tensor(p.grad))
-            for grads in by_dtype.values():
-                flat = torch.cat([g.reshape(-1) for g in grads]).to(self.grad_dtype or grads[0].dtype)
-                if dist.get_world_size(group) > 1:
-                    dist.all_reduce(flat, group=group)
-                flat.div_(divide_by)
-                torch._foreach_copy_(grads, [f.view_as(g) for f, g in
-                                             zip(flat.split([g.numel() for g in grads]), grads)])
+    def gather_parameters(self) -> None:
+        """After the optimizer step: bring the updated values into the parameters forward reads."""
 
 
-def apply_data_parallel(model: nn.Module, layout, mode: str, grad_dtype: torch.dtype | None = None):
-    """Shard (fsdp) or mark for replication (ddp) every parameter over its data-parallel mesh; the
-    model must already be on its device with TP/EP applied. `grad_dtype`: the dtype gradients are
-    reduced in (default: the parameters'). Returns the gradient-sync strategy to call after the
-    step's last backward."""
-    if mode == "ddp":
-        return ReplicatedGradients(model, layout, grad_dtype)
+def apply_data_parallel(model: nn.Module, layout, mode: str,
+                        grad_dtype: torch.dtype | None = None) -> DataParallel:
+    """Shard every parameter (fsdp) or its optimizer states (ddp: ZeRO-1) over its data-parallel
+    mesh; the model must already be on its device with TP/EP applied. `grad_dtype`: the dtype
+    gradients are reduced in (default: the parameters'). Returns the strategy the trainer calls."""
+    if mode == "ddp":  # zero.py builds on this module: imported here
+        from moefold.parallel.zero import Zero1DataParallel
+
+        return Zero1DataParallel(model, layout, grad_dtype)
     from torch.distributed.fsdp import (
         MixedPrecisionPolicy,
         fully_shard,
@@ -111,7 +97,7 @@ def apply_data_parallel(model: nn.Module, layout, mode: str, grad_dtype: torch.d
     # parameters (embeddings, final norm, head) as forward does. The root keeps them gathered
     # until backward, so the head and the MTP modules can use them after trunk returns.
     register_fsdp_forward_method(model, "trunk")
-    return FSDPGradients()
+    return DataParallel(model)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -121,8 +107,8 @@ def apply_data_parallel(model: nn.Module, layout, mode: str, grad_dtype: torch.d
 
 def replication(p: torch.Tensor, world: int) -> int:
     """How many ranks hold the same values as this rank's piece of `p`: world / distinct pieces.
-    Pieces are distinct along the DTensor mesh dims `p` is sharded over; expert weights outside
-    FSDP are DTensors over (ep, etp), replicated over edp; plain tensors are replicated."""
+    Pieces are distinct along the DTensor mesh dims `p` is sharded over (ZeRO-1's shards: their
+    own TP/EP dims and the data-parallel one); plain tensors are replicated."""
     if not isinstance(p, DTensor):
         return world
     # Any non-replicated placement splits: Shard, and FSDP's _StridedShard over an EP-sharded dim
@@ -160,6 +146,7 @@ class GradNormClipper:
 
 
 __all__ = [
+    "DataParallel",
     "GradNormClipper",
     "apply_data_parallel",
     "dense_parameters",

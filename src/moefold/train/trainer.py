@@ -17,7 +17,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from tqdm import tqdm
 
 from moefold.checkpoint.dcp import (
@@ -38,7 +43,7 @@ from moefold.moe.stats import AUX_SUM, ENTROPY_SUM, ENTROPY_TOKENS, summarize
 from moefold.optim.adamw import GRAD_DTYPES, build_optimizer
 from moefold.optim.schedule import build_scheduler
 from moefold.parallel.apply import parallelize
-from moefold.parallel.data import GradNormClipper
+from moefold.parallel.data import DataParallel, GradNormClipper
 from moefold.parallel.launch import join
 from moefold.train import metrics
 from moefold.train.flops import count_params, peak_tflops, train_flops_per_token
@@ -95,7 +100,8 @@ class Trainer:
         self.compute_dtype = resolve_compute_dtype(cfg.precision.compute_dtype, self.device)
         self._build_data()
         self._build_model()
-        self.optimizer = build_optimizer(self.model, cfg.train, self.device, cfg.optim)
+        self.optimizer = build_optimizer(self.data_parallel.optimized, cfg.train, self.device, cfg.optim)
+        self.data_parallel.optimizer_built()
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
         self.step = 0
         if checkpoint is not None:
@@ -159,11 +165,11 @@ class Trainer:
         self.objective = build_objective(self.model, cfg.train.loss_chunk_tokens)
         self.param_counts = count_params(self.model)  # of the whole model, before sharding
         self.flops_per_token = train_flops_per_token(self.model, cfg.train.seq_len)
-        self.sync_gradients = lambda: None
+        self.data_parallel = DataParallel(self.model)  # the optimizer updates the model itself
         if self.dist.layout is not None:
             grad_dtype = GRAD_DTYPES[cfg.optim.grad_dtype] if cfg.optim.grad_dtype != "fp32" else None
-            self.sync_gradients = parallelize(self.model, self.dist.layout, cfg.parallel, grad_dtype)
-        self.clip_gradients = GradNormClipper(list(self.model.parameters()),
+            self.data_parallel = parallelize(self.model, self.dist.layout, cfg.parallel, grad_dtype)
+        self.clip_gradients = GradNormClipper(list(self.data_parallel.optimized.parameters()),
                                               dist.group.WORLD if self.dist.layout else None)
         self.peak_tflops = peak_tflops(self.device, cfg.logging.peak_tflops)
         autocast_on = self.compute_dtype != torch.float32
@@ -179,7 +185,9 @@ class Trainer:
     # ----------------------------------------------------------------------------- checkpoints
 
     def _state(self) -> dict[str, Any]:
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        # The optimizer's parameters may be ZeRO-1's shards: named as the model's, not the model's.
+        model_sd = get_model_state_dict(self.model)
+        optim_sd = get_optimizer_state_dict(self.data_parallel.optimized, self.optimizer)
         return {"model": model_sd, "optim": optim_sd, "scheduler": self.scheduler.state_dict(),
                 "data": self.train_loader.state_dict(), "step": self.step, "rng": rng_state()}
 
@@ -192,8 +200,8 @@ class Trainer:
             return
         state = self._state()
         load_checkpoint(state, path)
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+        set_model_state_dict(self.model, state["model"])  # ZeRO-1's shards follow (a load hook)
+        set_optimizer_state_dict(self.data_parallel.optimized, self.optimizer, state["optim"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.train_loader.load_state_dict(state["data"])
         self.step = int(state["step"])
@@ -237,13 +245,14 @@ class Trainer:
             (total / accum).backward()
             for name, value in parts.items():
                 parts_sum[name] = parts_sum.get(name, 0.0) + value
-        self.sync_gradients()  # data-parallel averaging left after backward (DDP; FSDP: nothing)
+        self.data_parallel.reduce_gradients()  # left after backward (ZeRO-1; FSDP: nothing)
         return {name: value / accum for name, value in parts_sum.items()}
 
     def optimizer_step(self) -> torch.Tensor:
         """Clip (one norm across both meshes), step, update expert biases; returns the grad norm."""
         grad_norm = self.clip_gradients(self.cfg.train.grad_clip or float("inf"))
         self.optimizer.step()
+        self.data_parallel.gather_parameters()  # ZeRO-1: the updated shards into the full parameters
         self.model.on_optimizer_step()  # expert-bias update, global aux-loss counts reset
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -11,6 +11,10 @@ by the config, not by the routing:
 
 Dropped copies (over capacity, or padding tokens) get no row. Rows past the last group are left for
 the experts to skip (torch._grouped_mm never writes them) and are never read back.
+
+Every move is a row gather whose backward is again a gather through the inverse map
+(`gather_rows`), never `index_select`'s scatter-add backward: no atomics, deterministic, and the K
+copies of a token are summed by one reduction (fp32 accumulation) instead of K read-modify-writes.
 """
 
 from collections.abc import Callable
@@ -92,10 +96,42 @@ def _exclusive_cumsum(counts_E: torch.Tensor) -> torch.Tensor:
     return torch.cat([counts_E.new_zeros(1), counts_E.cumsum(0)])
 
 
+class _GatherRows(torch.autograd.Function):
+    """out_YD = src_XD[index_Y] (zero where not valid_Y), with the backward a gather too:
+    grad_src_XD[x] = Σ_c grad_out_YD[back_index_XC[x, c]] over the c where back_valid_XC holds.
+    The caller guarantees the maps are inverse: every valid output row appears exactly once in
+    back_index_XC (valid there), pointing back at its source row."""
+
+    @staticmethod
+    def forward(ctx, src_XD, index_Y, valid_Y, back_index_XC, back_valid_XC):
+        ctx.save_for_backward(back_index_XC, back_valid_XC)
+        out_YD = src_XD.index_select(0, index_Y)
+        return out_YD if valid_Y is None else torch.where(valid_Y[:, None], out_YD, 0)
+
+    @staticmethod
+    def backward(ctx, grad_YD):
+        back_index_XC, back_valid_XC = ctx.saved_tensors
+        X, C = back_index_XC.shape
+        grad_XCD = grad_YD.index_select(0, back_index_XC.reshape(-1)).view(X, C, grad_YD.shape[-1])
+        if back_valid_XC is not None:
+            grad_XCD = torch.where(back_valid_XC[..., None], grad_XCD, 0)
+        return (grad_XCD[:, 0] if C == 1 else grad_XCD.sum(dim=1)), None, None, None, None
+
+
+def gather_rows(src_XD: torch.Tensor, index_Y: torch.Tensor, back_index_XC: torch.Tensor,
+                valid_Y: torch.Tensor | None = None,
+                back_valid_XC: torch.Tensor | None = None) -> torch.Tensor:
+    """`src_XD.index_select(0, index_Y)`, zeroed where not `valid_Y`, whose gradient is gathered
+    back through the inverse map `back_index_XC` (C output rows per source row) instead of
+    scatter-added (see _GatherRows)."""
+    return _GatherRows.apply(src_XD, index_Y, valid_Y, back_index_XC, back_valid_XC)
+
+
 def permute(x_TD: torch.Tensor, plan: PermutePlan, top_k: int) -> torch.Tensor:
-    """x_RD: each kept copy's token row at its place; zeros elsewhere (no gradient flows there)."""
-    gathered_RD = x_TD.index_select(0, plan.copy_of_row_R // top_k)
-    return torch.where(plan.row_valid_R[:, None], gathered_RD, 0)
+    """x_RD: each kept copy's token row at its place; zeros elsewhere (no gradient flows there).
+    Backward: each token's K copies' rows gathered and summed."""
+    return gather_rows(x_TD, plan.copy_of_row_R // top_k, plan.row_of_copy_N.view(-1, top_k),
+                       plan.row_valid_R, plan.keep_N.view(-1, top_k))
 
 
 def row_probs(probs_TK: torch.Tensor, plan: PermutePlan) -> torch.Tensor:
@@ -106,9 +142,9 @@ def row_probs(probs_TK: torch.Tensor, plan: PermutePlan) -> torch.Tensor:
 def unpermute(y_RD: torch.Tensor, plan: PermutePlan, top_k: int) -> torch.Tensor:
     """y_TKD: each copy's expert output back in token order; zeros for dropped copies.
 
-    A gather through `row_of_copy_N` (not a scatter-add): deterministic forward and backward, and
-    `torch.where` keeps whatever the experts left in unused rows (even NaN) out of the result.
+    A gather through `row_of_copy_N` (not a scatter-add); the mask keeps whatever the experts left
+    in unused rows (even NaN) out of the result. Backward: a gather through `copy_of_row_R`.
     """
-    y_ND = y_RD.index_select(0, plan.row_of_copy_N)
-    y_ND = torch.where(plan.keep_N[:, None], y_ND, 0)
+    y_ND = gather_rows(y_RD, plan.row_of_copy_N, plan.copy_of_row_R[:, None], plan.keep_N,
+                       plan.row_valid_R[:, None])
     return y_ND.view(-1, top_k, y_RD.shape[-1])

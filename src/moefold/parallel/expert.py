@@ -38,6 +38,7 @@ from moefold.moe.dispatch import (
     _weighted_sum_copies,
 )
 from moefold.moe.layer import MoELayer
+from moefold.moe.permute import gather_rows
 from moefold.moe.router import Routing
 from moefold.parallel.dims import expert_coords
 
@@ -45,8 +46,10 @@ from moefold.parallel.dims import expert_coords
 @dataclass
 class AllToAllHandle:
     order_N: torch.Tensor  # int64: copies sorted by global expert (kept first, dropped last)
+    position_N: torch.Tensor  # int64: each copy's place in that order (the inverse of order_N)
     keep_N: torch.Tensor  # bool: the copy was sent
     regroup_R: torch.Tensor  # int64: received row (source-major) at each expert-grouped row
+    inverse_R: torch.Tensor  # int64: each received row's expert-grouped row (inverse of regroup_R)
     send_per_ep: list[int]  # kept copies for each EP index (host)
     send_splits: list[int]  # rows sent to each group rank (host)
     recv_splits: list[int]  # rows received from each group rank (host)
@@ -58,6 +61,12 @@ class _Sorted:
     """preprocess → communicate: this rank's copies sorted by global expert (kept ones first)."""
     x_SD: torch.Tensor
     probs_S: torch.Tensor
+
+
+def _inverse(permutation_N: torch.Tensor) -> torch.Tensor:
+    """inverse[permutation[i]] = i."""
+    N = permutation_N.numel()
+    return torch.empty_like(permutation_N).scatter_(0, permutation_N, torch.arange(N, device=permutation_N.device))
 
 
 class _HostCopy:
@@ -116,12 +125,13 @@ class AllToAllDispatcher(_ExpertParallelDispatcher):
     def dispatch(self, x_TD: torch.Tensor, routing: Routing, keep_N: torch.Tensor) -> Dispatched:
         order_N, tokens_per_expert_E = self._sort_copies(routing, keep_N)
         counts_GL, splits = self._exchange_counts(tokens_per_expert_E)  # host copy issued early ...
-        sorted_ = self._gather_sorted(x_TD, routing, order_N)  # ... the permutation meanwhile ...
+        position_N = _inverse(order_N)
+        sorted_ = self._gather_sorted(x_TD, routing, order_N, position_N)  # ... the permutation ...
         send_per_ep, send_splits, recv_splits = self._split_sizes(splits)  # ... waited for late
         x_RD, probs_R = self._communicate(sorted_, send_per_ep, send_splits, recv_splits)
-        x_RD, probs_R, rows_per_expert_L, regroup_R = self._postprocess(x_RD, probs_R, counts_GL)
-        handle = AllToAllHandle(order_N, keep_N, regroup_R, send_per_ep, send_splits,
-                                recv_splits, routing.probs_TK)
+        x_RD, probs_R, rows_per_expert_L, regroup_R, inverse_R = self._postprocess(x_RD, probs_R, counts_GL)
+        handle = AllToAllHandle(order_N, position_N, keep_N, regroup_R, inverse_R, send_per_ep,
+                                send_splits, recv_splits, routing.probs_TK)
         return Dispatched(x_RD=x_RD, rows_per_expert_E=rows_per_expert_L, probs_R=probs_R, handle=handle)
 
     def _sort_copies(self, routing: Routing, keep_N) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,8 +158,9 @@ class AllToAllDispatcher(_ExpertParallelDispatcher):
         counts_GL = counts_GL.view(-1, L)
         return counts_GL, _HostCopy(torch.cat([counts_PL.sum(1), counts_GL.sum(1)]))
 
-    def _gather_sorted(self, x_TD, routing: Routing, order_N) -> _Sorted:
-        return _Sorted(x_SD=x_TD.index_select(0, order_N // self.top_k),
+    def _gather_sorted(self, x_TD, routing: Routing, order_N, position_N) -> _Sorted:
+        """Backward gathers each token's K copies back through position_N (no scatter-add)."""
+        return _Sorted(x_SD=gather_rows(x_TD, order_N // self.top_k, position_N.view(-1, self.top_k)),
                        probs_S=routing.probs_TK.reshape(-1).index_select(0, order_N))
 
     def _split_sizes(self, splits: _HostCopy) -> tuple[list[int], list[int], list[int]]:
@@ -190,8 +201,9 @@ class AllToAllDispatcher(_ExpertParallelDispatcher):
         # output_size given: no host sync for repeat_interleave's result size.
         expert_of_row_R = local_expert_PL.repeat_interleave(counts_PL.reshape(-1), output_size=R)
         regroup_R = torch.argsort(expert_of_row_R, stable=True)
-        return (x_RD.index_select(0, regroup_R), probs_R.index_select(0, regroup_R),
-                counts_PL.sum(0), regroup_R)
+        inverse_R = _inverse(regroup_R)
+        return (gather_rows(x_RD, regroup_R, inverse_R[:, None]), probs_R.index_select(0, regroup_R),
+                counts_PL.sum(0), regroup_R, inverse_R)
 
     # -------------------------------------------------------------------------------- combine
 
@@ -204,20 +216,19 @@ class AllToAllDispatcher(_ExpertParallelDispatcher):
     def _combine_preprocess(self, y_RD, handle: AllToAllHandle):
         """Undo the regrouping: back to source-major order, by a gather through the inverse."""
         R = handle.regroup_R.numel()
-        inverse_R = torch.empty_like(handle.regroup_R).scatter_(
-            0, handle.regroup_R, torch.arange(R, device=handle.regroup_R.device))
-        return y_RD[:R].index_select(0, inverse_R)
+        return gather_rows(y_RD[:R], handle.inverse_R, handle.regroup_R[:, None])
 
     def _combine_postprocess(self, y_SD, handle: AllToAllHandle):
         """Un-sort into copy order (a gather; zeros for dropped copies) and sum the K copies."""
-        N = handle.order_N.numel()
-        position_N = torch.empty_like(handle.order_N).scatter_(
-            0, handle.order_N, torch.arange(N, device=handle.order_N.device))
         # Kept copies sit at positions < S; dropped ones read an appended zero row (index S), so the
-        # result always depends on y_SD and backward reaches the all-to-all on every rank.
+        # result always depends on y_SD and backward reaches the all-to-all on every rank. Backward
+        # gathers each sent row's gradient from its copy (the zero row's from none).
         S = y_SD.shape[0]
         y_S1D = torch.cat([y_SD, y_SD.new_zeros(1, y_SD.shape[-1])])
-        y_ND = y_S1D.index_select(0, torch.where(handle.keep_N, position_N, S))
+        copy_of_row_S1 = torch.cat([handle.order_N[:S], handle.order_N.new_zeros(1)])
+        sent_S1 = torch.arange(S + 1, device=y_SD.device) < S
+        y_ND = gather_rows(y_S1D, torch.where(handle.keep_N, handle.position_N, S),
+                           copy_of_row_S1[:, None], back_valid_XC=sent_S1[:, None])
         return self._reduce(y_ND.view(-1, self.top_k, y_SD.shape[-1]), handle.probs_TK)
 
     def _all_to_all(self, x: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:

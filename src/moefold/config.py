@@ -238,6 +238,9 @@ class TrainConfig:
     loss_chunk_tokens: int = 0
     """Tokens per chunk of the fused output head + cross-entropy, which never holds the whole
     [tokens, vocabulary] logits (0: the plain head and loss). Models with MTP use the plain one."""
+    compile: bool = False
+    """torch.compile each transformer block (regional compilation; train/compile.py). For GPUs:
+    on the CPU Inductor needs a C++ compiler."""
     seed: int = 0
     """Seed for initialisation and data order."""
     device: str = "auto"

@@ -46,6 +46,7 @@ from moefold.parallel.apply import parallelize
 from moefold.parallel.data import DataParallel, GradNormClipper
 from moefold.parallel.launch import join
 from moefold.train import metrics
+from moefold.train.compile import compile_blocks
 from moefold.train.flops import count_params, peak_tflops, train_flops_per_token
 from moefold.train.heatmap import append_window, write_load_heatmap
 from moefold.train.loss import build_objective, cross_entropy_loss
@@ -169,6 +170,8 @@ class Trainer:
         if self.dist.layout is not None:
             grad_dtype = GRAD_DTYPES[cfg.optim.grad_dtype] if cfg.optim.grad_dtype != "fp32" else None
             self.data_parallel = parallelize(self.model, self.dist.layout, cfg.parallel, grad_dtype)
+        if cfg.train.compile:
+            compile_blocks(self.model, self.compute_dtype)
         self.clip_gradients = GradNormClipper(list(self.data_parallel.optimized.parameters()),
                                               dist.group.WORLD if self.dist.layout else None)
         self.peak_tflops = peak_tflops(self.device, cfg.logging.peak_tflops)

@@ -1,0 +1,35 @@
+"""Regional compilation (`train.compile`): torch.compile of each transformer block's forward.
+
+Each block is compiled on its own, as TorchTitan does: blocks of one structure share a compiled
+graph (modules are inlined, their parameters are graph inputs), compile time stays that of one
+block, and what lies between blocks (FSDP's hooks, embeddings, output head, loss, optimizer) stays
+eager. The MoE layer's shapes do not depend on the routing (the static-shape permutation of
+moe/permute.py), so its graph needs no dynamic shapes; under expert parallelism the all-to-all's
+host-side split sizes break the graph there and the rest still compiles.
+
+Inductor generates Triton kernels on GPUs and C++ on the CPU (which needs a C++ compiler): the option
+is meant for GPUs. `torch._grouped_mm`'s meta kernel accepts bf16 only (torch 2.11–2.13) while
+eager also runs fp32: outside bf16 the expert GEMMs stay eager, the graph broken around them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moefold.moe.experts import GroupedMMExperts
+
+
+@torch.compiler.disable
+def _eager_grouped_mm(x_RX: torch.Tensor, w_EXY: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    return torch._grouped_mm(x_RX, w_EXY, offs=offsets_E)
+
+
+def compile_blocks(model: nn.Module, compute_dtype: torch.dtype) -> None:
+    """Replace every block's forward (main and MTP blocks) by its compiled version, in place."""
+    if compute_dtype != torch.bfloat16:
+        for layer in model.moe_layers():
+            if isinstance(layer.experts, GroupedMMExperts):
+                layer.experts._mm = _eager_grouped_mm
+    for block in model.blocks():
+        block.forward = torch.compile(block.forward, dynamic=False)

@@ -57,51 +57,68 @@ of fp32) while keeping collectives few (Megatron-Core's buckets are of a similar
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def shard_dim(p: torch.Tensor) -> int:
-    """The first dim of `p` its own placements leave whole; 0 when they split every one."""
-    taken = {pl.dim for pl in getattr(p, "placements", ()) if pl.is_shard()}
-    return next((d for d in range(p.dim()) if d not in taken), 0)
+def shard_dim(local_shape: torch.Size, world: int) -> int:
+    """The first dim of a local piece the `world` data ranks split evenly; dim 0 (torch.chunk's
+    uneven rows) when none does."""
+    return next((d for d, n in enumerate(local_shape) if n % world == 0), 0)
 
 
-def _make_shard(p: nn.Parameter, dp_mesh: DeviceMesh, meshes: dict) -> nn.Parameter:
-    """This rank's rows of `p`: a DTensor over `p`'s own mesh followed by `dp_mesh`."""
-    if p.dim() == 0:
-        raise ValueError("parallel.data_parallel=ddp (ZeRO-1) cannot shard a 0-dim parameter")
-    d = shard_dim(p)
-    own = p.device_mesh if isinstance(p, DTensor) else None
-    key = (own, dp_mesh)
-    if key not in meshes:  # DeviceMesh._concatenate is private; FSDP2 builds its 2-D meshes with it
-        meshes[key] = dp_mesh if own is None else DeviceMesh._concatenate([own, dp_mesh])
-    placements = (*getattr(p, "placements", ()), Shard(d))
-    local = local_tensor(p).detach()
-    size, offset = Shard.local_shard_size_and_offset(local.shape[d], dp_mesh.size(), dp_mesh.get_local_rank())
-    rows = local.narrow(d, offset, size).clone(memory_format=torch.contiguous_format)
-    return nn.Parameter(DTensor.from_local(rows, meshes[key], placements, run_check=False,
-                                           shape=p.shape, stride=p.stride()),
-                        requires_grad=p.requires_grad)
+def chunk_rows(n: int, world: int, rank: int) -> tuple[int, int]:
+    """(first row, rows) of `rank`'s chunk of n rows split over `world` ranks as torch.chunk (and
+    DTensor's Shard) splits them: ceil(n / world) each, the last ones shorter or empty."""
+    per_rank = -(-n // world)
+    row0 = min(rank * per_rank, n)
+    return row0, min(per_rank, n - row0)
 
 
 @dataclass
 class _Slot:
-    """One parameter in a bucket: this rank holds rows [row0, row0 + rows) of its [P, N, Q] local
-    piece; in every segment the parameter takes P·C·Q elements from `offset`."""
+    """One parameter and its shard: this rank holds rows [row0, row0 + rows) of the [P, N, Q] local
+    piece; in every segment of a bucket the parameter takes P·C·Q elements from `offset`."""
     param: nn.Parameter  # the model's, full
-    shard: nn.Parameter  # the optimizer's
+    shard: nn.Parameter | None  # the optimizer's (set by `of`)
     P: int
     N: int
     Q: int
     C: int
     row0: int
     rows: int
+    shard_shape: tuple[int, ...]  # of the shard's local tensor
     offset: int = 0
 
     @classmethod
-    def of(cls, param: nn.Parameter, shard: nn.Parameter, world: int, rank: int) -> _Slot:
-        shape, d = local_tensor(param).shape, shard.placements[-1].dim
-        n = shape[d]
-        rows, row0 = Shard.local_shard_size_and_offset(n, world, rank)
-        return cls(param, shard, math.prod(shape[:d]), n, math.prod(shape[d + 1:]), -(-n // world),
-                   row0, rows)
+    def of(cls, p: nn.Parameter, dp_mesh: DeviceMesh, meshes: dict) -> _Slot:
+        """`p` and its new shard: a DTensor over `p`'s own mesh (if any) followed by `dp_mesh`."""
+        if p.dim() == 0:
+            raise ValueError("parallel.data_parallel=ddp (ZeRO-1) cannot shard a 0-dim parameter")
+        world, shape = dp_mesh.size(), local_tensor(p).shape
+        d = shard_dim(shape, world)
+        row0, rows = chunk_rows(shape[d], world, dp_mesh.get_local_rank())
+        own = p.device_mesh if isinstance(p, DTensor) else None
+        if (own, dp_mesh) not in meshes:  # private, but how FSDP2 builds its 2-D meshes too
+            meshes[own, dp_mesh] = dp_mesh if own is None else DeviceMesh._concatenate([own, dp_mesh])
+        slot = cls(p, None, math.prod(shape[:d]), shape[d], math.prod(shape[d + 1:]),
+                   -(-shape[d] // world), row0, rows, (*shape[:d], rows, *shape[d + 1:]))
+        placements = (*getattr(p, "placements", ()), Shard(d))
+        slot.shard = nn.Parameter(DTensor.from_local(slot.rows_as_shard(), meshes[own, dp_mesh], placements,
+                                                     run_check=False, shape=p.shape, stride=p.stride()),
+                                  requires_grad=p.requires_grad)
+        return slot
+
+    def rows_of_param(self) -> torch.Tensor:
+        """[P, rows, Q]: this rank's rows of the parameter's local piece (a view)."""
+        return local_tensor(self.param).detach().view(self.P, self.N, self.Q)[:, self.row0:self.row0 + self.rows]
+
+    def rows_as_shard(self) -> torch.Tensor:
+        """This rank's rows of the parameter as the shard's local tensor: a view where they are
+        contiguous (dim 0 split evenly), so the optimizer updates the parameter in place; else a
+        copy."""
+        rows = self.rows_of_param()
+        local = rows if rows.is_contiguous() else rows.clone(memory_format=torch.contiguous_format)
+        return local.view(self.shard_shape)
+
+    def aliased(self) -> bool:
+        return local_tensor(self.shard).data_ptr() == self.rows_of_param().data_ptr()
 
     @property
     def size(self) -> int:
@@ -115,12 +132,18 @@ class _Slot:
         """[P, rows, Q]: this rank's rows in its own segment."""
         return buf_S[self.offset:self.offset + self.size].view(self.P, self.C, self.Q)[:, :self.rows]
 
-    def rows_of(self, full: torch.Tensor) -> torch.Tensor:
-        """[P, rows, Q]: this rank's rows of a full local piece."""
-        return full.view(self.P, self.N, self.Q)[:, self.row0:self.row0 + self.rows]
-
-    def shard_local(self) -> torch.Tensor:
+    def shard_rows(self) -> torch.Tensor:
+        """[P, rows, Q]: the shard's values."""
         return local_tensor(self.shard).detach().view(self.P, self.rows, self.Q)
+
+    def set_gradient(self, rows: torch.Tensor) -> None:
+        """`rows` (this rank's averaged gradient rows) become the shard's gradient, which the model's
+        parameter shows too (a DTensor: full_tensor() gathers the whole average)."""
+        s = self.shard
+        local = rows.to(s.dtype).reshape(self.shard_shape)
+        s.grad = DTensor.from_local(local, s.device_mesh, s.placements, run_check=False, shape=s.shape,
+                                    stride=s.stride())
+        self.param.grad = s.grad
 
 
 def _full_gradient(p: nn.Parameter) -> torch.Tensor:
@@ -147,12 +170,11 @@ class _Bucket:
         self.segment = offset  # S
         self.dtype = slots[0].param.dtype
         self.reduce_dtype = reduce_dtype or self.dtype
-        self.device = slots[0].shard.device
+        self.device = local_tensor(slots[0].param).device
 
     def reduce_scatter(self) -> None:
-        """Each slot's averaged gradient rows become its shard's gradient, which the model's
-        parameter also shows (a DTensor: full_tensor() gathers the whole average); the full
-        gradients are freed as they are copied in."""
+        """Each slot's averaged gradient rows become its shard's gradient; the full gradients are
+        freed as they are copied in."""
         W = self.world
         send_WS = torch.zeros(W, self.segment, dtype=self.reduce_dtype, device=self.device)
         for slot in self.slots:
@@ -164,11 +186,7 @@ class _Bucket:
         _reduce_scatter(recv_S, send_WS.view(-1), group=self.group)
         recv_S.div_(self.divide_by)
         for slot in self.slots:
-            s = slot.shard
-            rows = slot.own_rows(recv_S).to(s.dtype).reshape(local_tensor(s).shape)
-            s.grad = DTensor.from_local(rows, s.device_mesh, s.placements, run_check=False,
-                                        shape=s.shape, stride=s.stride())
-            slot.param.grad = s.grad
+            slot.set_gradient(slot.own_rows(recv_S))
 
     def all_gather(self) -> None:
         """Every rank's updated rows into the full parameters; their gradients (the shards') are
@@ -176,12 +194,31 @@ class _Bucket:
         W = self.world
         send_S = torch.zeros(self.segment, dtype=self.dtype, device=self.device)
         for slot in self.slots:
-            slot.own_rows(send_S).copy_(slot.shard_local())
+            slot.own_rows(send_S).copy_(slot.shard_rows())
         recv_WS = torch.empty(W, self.segment, dtype=self.dtype, device=self.device)
         dist.all_gather_into_tensor(recv_WS.view(-1), send_S, group=self.group)
         for slot in self.slots:
             rows_PNQ = slot.in_segments(recv_WS).transpose(0, 1).reshape(slot.P, W * slot.C, slot.Q)
             local_tensor(slot.param).detach().view(slot.P, slot.N, slot.Q).copy_(rows_PNQ[:, :slot.N])
+            slot.param.grad = None
+
+
+class _LocalBucket:
+    """A data-parallel group of one rank (experts with edp = 1): no collective and no copy. The
+    gradient, divided in place, is the shard's; the shard is the whole parameter (a view), so the
+    optimizer has already updated it."""
+
+    def __init__(self, slots: list[_Slot], divide_by: int, reduce_dtype: torch.dtype | None):
+        assert all(slot.aliased() for slot in slots), "a one-rank group's shards view their parameters"
+        self.slots, self.divide_by, self.reduce_dtype = slots, divide_by, reduce_dtype
+
+    def reduce_scatter(self) -> None:
+        for slot in self.slots:
+            g = _full_gradient(slot.param)
+            slot.set_gradient(g.to(self.reduce_dtype or g.dtype).div_(self.divide_by))
+
+    def all_gather(self) -> None:
+        for slot in self.slots:
             slot.param.grad = None
 
 
@@ -213,44 +250,49 @@ class Zero1DataParallel(DataParallel):
     def __init__(self, model: nn.Module, layout, grad_dtype: torch.dtype | None = None):
         dims = layout.dims
         self.grad_dtype = grad_dtype
-        self.kinds = [([p for p in params if p.requires_grad], mesh) for params, mesh in
-                      ((dense_parameters(model), layout.dense_dp_mesh),
-                       (expert_parameters(model), layout.expert_dp_mesh))]
         self.divide_by = dims.dp * dims.cp  # for experts too: parallel/data.py says why
         meshes: dict = {}
-        self.shards = {id(p): _make_shard(p, mesh, meshes) for params, mesh in self.kinds for p in params}
-        super().__init__(ShardModule(model, self.shards))
+        self.kinds = [([_Slot.of(p, mesh, meshes) for p in params if p.requires_grad], mesh)
+                      for params, mesh in ((dense_parameters(model), layout.dense_dp_mesh),
+                                           (expert_parameters(model), layout.expert_dp_mesh))]
+        super().__init__(ShardModule(model, {id(s.param): s.shard for slots, _ in self.kinds for s in slots}))
         self.buckets = self._plan()
         model.register_load_state_dict_post_hook(lambda module, keys: self.take_parameters())
 
-    def _plan(self) -> list[_Bucket]:
+    def _plan(self) -> list:
         """Buckets by (data-parallel group, parameter dtype), at most BUCKET_ELEMENTS each."""
-        buckets = []
-        for params, mesh in self.kinds:
-            world, rank, group = mesh.size(), mesh.get_local_rank(), mesh.get_group()
-            by_dtype: dict[torch.dtype, list[list[_Slot]]] = {}
-            for p in params:
-                slot = _Slot.of(p, self.shards[id(p)], world, rank)
-                runs = by_dtype.setdefault(p.dtype, [[]])
-                if runs[-1] and world * (sum(s.size for s in runs[-1]) + slot.size) > BUCKET_ELEMENTS:
-                    runs.append([])
-                runs[-1].append(slot)
-            buckets += [_Bucket(slots, group, self.divide_by, self.grad_dtype)
-                        for runs in by_dtype.values() for slots in runs]
+        buckets: list = []
+        for slots, mesh in self.kinds:
+            if mesh.size() == 1:
+                by_dtype: dict[torch.dtype, list[_Slot]] = {}
+                for slot in slots:
+                    by_dtype.setdefault(slot.param.dtype, []).append(slot)
+                buckets += [_LocalBucket(group, self.divide_by, self.grad_dtype) for group in by_dtype.values()]
+                continue
+            runs: dict[torch.dtype, list[list[_Slot]]] = {}
+            for slot in slots:
+                run = runs.setdefault(slot.param.dtype, [[]])
+                if run[-1] and mesh.size() * (sum(s.size for s in run[-1]) + slot.size) > BUCKET_ELEMENTS:
+                    run.append([])
+                run[-1].append(slot)
+            buckets += [_Bucket(group, mesh.get_group(), self.divide_by, self.grad_dtype)
+                        for run in runs.values() for group in run]
         return buckets
 
     @torch.no_grad()
     def optimizer_built(self) -> None:
         """The optimizer may have recast its shards (PrecisionAwareAdamW's bf16 masters, whose
         remainders kept the fp32 low bits): the full parameters take the shards' dtypes and values,
-        as in one process, and the buckets are planned again."""
-        for params, _ in self.kinds:
-            for p in params:
-                shard = self.shards[id(p)]
-                if p.dtype != shard.dtype:
-                    replace_local(p, local_tensor(p).detach().to(shard.dtype))
+        as in one process, the shards view their parameters again, and the buckets are replanned."""
+        for slots, _ in self.kinds:
+            for slot in slots:
+                if slot.param.dtype != slot.shard.dtype:
+                    replace_local(slot.param, local_tensor(slot.param).detach().to(slot.shard.dtype))
+                if not slot.aliased():  # the optimizer's recast copy (or a copy from the start)
+                    slot.rows_of_param().copy_(slot.shard_rows())
+                    replace_local(slot.shard, slot.rows_as_shard())
         self.buckets = self._plan()
-        self.gather_parameters()
+        self.gather_parameters()  # the other ranks' rows
 
     @torch.no_grad()
     def reduce_gradients(self) -> None:
@@ -264,7 +306,9 @@ class Zero1DataParallel(DataParallel):
 
     @torch.no_grad()
     def take_parameters(self) -> None:
-        """Each shard from its full parameter's values (after the model loaded a state dict)."""
-        for bucket in self.buckets:
-            for slot in bucket.slots:
-                slot.shard_local().copy_(slot.rows_of(local_tensor(slot.param).detach()))
+        """Each shard from its full parameter's values (after the model loaded a state dict); those
+        that view their parameters have them already."""
+        for slots, _ in self.kinds:
+            for slot in slots:
+                if not slot.aliased():
+                    slot.shard_rows().copy_(slot.rows_of_param())

@@ -1,6 +1,6 @@
 """The memory planner against independent references: the parameter count of the meta-built
 model, the saved-for-backward bytes of the real model run under FakeTensorMode, the published
-pipeline and distributed-optimizer rules, and the CLI."""
+pipeline rule, ZeRO-1's sharding of optimizer states (ddp), and the CLI."""
 
 import time
 
@@ -119,12 +119,29 @@ def _state_bytes(plan) -> float:
     return plan.parameters + plan.gradients + plan.master_weights + plan.optimizer_moments
 
 
-def test_distributed_optimizer_bytes_follow_megatron():
-    # Megatron's distributed optimizer (bf16 params, fp32 grads and master, fp32 Adam):
-    # 6 + 12/d bytes per parameter on d data-parallel ranks.
+def test_ddp_zero1_shards_optimizer_states():
+    # ZeRO-1 (parallel/zero.py): fp32 parameters and gradients replicated (4 + 4), both moments (8)
+    # over d data ranks; the optimizer's shards are views of the parameters.
     cfg = load_config("tiny-qwen3", {"parallel.data_parallel": "ddp"})
     n = count_params(meta_model(cfg)).total
-    assert _state_bytes(predict_memory(cfg, 4)) == pytest.approx(n * (6 + 12 / 4))
+    plan = predict_memory(cfg, 4)
+    assert _state_bytes(plan) == pytest.approx(n * (8 + 8 / 4))
+    assert plan.master_weights == 0
+    assert plan.optimizer_moments == pytest.approx(n * 8 / 4)
+    lean = load_config("tiny-qwen3", {"parallel.data_parallel": "ddp", "optim.exp_avg_dtype": "bf16",
+                                      "optim.exp_avg_sq_dtype": "fp8", "optim.master_dtype": "bf16+remainder"})
+    # bf16 parameters and gradients; int16 remainders, bf16 and fp8 (+ a scale per 128) moments
+    assert _state_bytes(predict_memory(lean, 4)) == pytest.approx(n * (2 + 2 + (2 + 2 + 1 + 4 / 128) / 4))
+
+
+def test_ddp_zero1_step_holds_the_full_gradients_and_a_bucket_at_the_reduce_scatter():
+    cfg = load_config("tiny-qwen3", {"parallel.data_parallel": "ddp"})
+    expert = sum(p.numel() for name, p in meta_model(cfg).named_parameters() if "experts." in name)
+    dense = count_params(meta_model(cfg)).total - expert
+    plan = predict_memory(cfg, 4)
+    step = plan.phases["optimizer step"]
+    assert step["gradients"] == plan.gradients  # not yet sharded: the reduce-scatter reads them
+    assert step["communication"] == pytest.approx(4 * max(dense, expert) * (1 + 1 / 4))  # fp32 bucket
 
 
 def test_fsdp_shards_everything_and_low_precision_moments_shrink_states():
@@ -141,10 +158,11 @@ def test_expert_parallelism_divides_expert_states():
     base = load_config("tiny-qwen3", {"parallel.data_parallel": "ddp"})
     sharded = load_config("tiny-qwen3", {"parallel.data_parallel": "ddp", "parallel.ep": 4})
     expert = sum(p.numel() for name, p in meta_model(base).named_parameters() if "experts." in name)
-    # ddp: bf16 parameters (2) and fp32 gradients (4) are replicated, so ep 4 keeps a quarter of
-    # them; master and moments (12) are sharded over edp, 4 before and 1 after, so they stay.
+    # ddp: fp32 parameters and gradients (8) are replicated, so ep 4 keeps a quarter of them; the
+    # moments (8) are sharded over edp, 4 before and 1 after, so they stay.
     saved = _state_bytes(predict_memory(base, 4)) - _state_bytes(predict_memory(sharded, 4))
-    assert saved == pytest.approx(expert * 6 * (1 - 1 / 4))
+    assert saved == pytest.approx(expert * 8 * (1 - 1 / 4))
+    assert predict_memory(sharded, 4).optimizer_moments == pytest.approx(predict_memory(base, 4).optimizer_moments)
 
 
 def test_deepseek_v3_on_256_gpus(capsys):

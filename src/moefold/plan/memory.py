@@ -11,10 +11,10 @@ What one GPU holds, and the assumptions behind each part (docs/memory.md explain
   - `fsdp`: the sharded parameter is the master (fp32 4, bf16 or bf16+remainder 2; FSDP2 all-gathers
     compute-dtype copies per block), gradients in the master's dtype, moments and the int16
     remainder (2) all sharded over dp·cp (dense) or edp (experts).
-  - `ddp`: a distributed (ZeRO-1) optimizer, as Megatron's: parameters in the compute dtype (bf16 2,
-    or fp32 4 when both compute and master are fp32) and gradients in the master's dtype replicated;
-    an fp32 master copy (4, when the parameters are bf16), the remainder and the moments sharded over
-    dp·cp / edp.
+  - `ddp`: ZeRO-1 (parallel/zero.py): parameters (the master's dtype, as forward reads them) and,
+    until they are reduce-scattered, gradients replicated; the remainder and the moments sharded
+    over dp·cp / edp. The optimizer's shard of a parameter is a view of it (no copy) where a dim
+    splits evenly over the data ranks, as real model dims do; other shards are copies, not counted.
   - moments: fp32 4, bf16 2, fp8 1 + one fp32 scale per 128 elements.
 - **Activations** (`plan.activations`): saved-for-backward bytes of one micro-batch per model chunk,
   times the micro-batches in flight on the rank under Megatron-Core's 1F1B / interleaved schedule
@@ -32,7 +32,10 @@ What one GPU holds, and the assumptions behind each part (docs/memory.md explain
   accumulate (or a pipeline interleaves them). Backward walks the layers in reverse: at layer i the
   activations of the layers below it are still held, its own plus a working set, and the gradients
   of the layers from i up (and the head's) exist. The optimizer step holds every gradient and
-  PrecisionAwareAdamW's fp32 copies of its largest tensor (about five), and no activations.
+  PrecisionAwareAdamW's fp32 copies of its largest tensor (about five), and no activations. Under
+  ddp the step has three moments: the reduce-scatter (every full gradient and one bucket's flat
+  buffers), the update (the gradient shards and the optimizer's workspace) and the all-gather (the
+  gradient shards and one bucket's buffers).
 Not modelled: the CUDA context, NCCL's own buffers and allocator fragmentation (a few GiB).
 """
 
@@ -128,7 +131,7 @@ def _local(split: ParamSplit, dims: ParallelDims) -> tuple[float, float]:
 
 
 def _states(cfg: Config, lay: _Layout, dense: float, expert: float) -> dict[str, float]:
-    o, c = cfg.optim, compute_bytes(cfg)
+    o = cfg.optim
     master = MASTER_BYTES[o.master_dtype]
     remainder = 2 if o.master_dtype == "bf16+remainder" else 0
     sharded = dense / lay.dense_shard + expert / lay.expert_shard
@@ -136,10 +139,28 @@ def _states(cfg: Config, lay: _Layout, dense: float, expert: float) -> dict[str,
     if lay.fsdp:
         return {"parameters": master * sharded, "gradients": master * sharded,
                 "master_weights": remainder * sharded, "optimizer_moments": moments * sharded}
-    param = 4 if c == 4 and master == 4 else 2
-    master_copy = 4 if master == 4 and param == 2 else remainder
-    return {"parameters": param * (dense + expert), "gradients": master * (dense + expert),
-            "master_weights": master_copy * sharded, "optimizer_moments": moments * sharded}
+    return {"parameters": master * (dense + expert), "gradients": master * (dense + expert),
+            "master_weights": remainder * sharded, "optimizer_moments": moments * sharded}
+
+
+def _after_backward(cfg: Config, lay: _Layout, dense: float, expert: float, grads: float,
+                    optimizer: float) -> list[dict[str, float]]:
+    """What the optimizer step holds besides parameters and optimizer states, at each of its
+    moments. FSDP: every (sharded) gradient and the optimizer's workspace. ddp (ZeRO-1): the
+    reduce-scatter, the update and the all-gather, each bucket's flat buffers (all segments and
+    this rank's) of at most zero.BUCKET_ELEMENTS elements."""
+    if lay.fsdp:
+        return [{"gradients": grads, "transient": optimizer}]
+    from moefold.parallel.zero import BUCKET_ELEMENTS
+
+    master = MASTER_BYTES[cfg.optim.master_dtype]
+    reduced = 2 if cfg.optim.grad_dtype == "bf16" else master
+    bucket = max(min(BUCKET_ELEMENTS, n) * (1 + 1 / w)
+                 for n, w in ((dense, lay.dense_shard), (expert, lay.expert_shard)))
+    grad_shards = master * (dense / lay.dense_shard + expert / lay.expert_shard)
+    return [{"gradients": grads, "communication": reduced * bucket},
+            {"gradients": grad_shards, "transient": optimizer},
+            {"gradients": grad_shards, "communication": master * bucket}]
 
 
 def _optimizer_step(cfg: Config, lay: _Layout, split: ParamSplit) -> float:
@@ -155,17 +176,9 @@ def _optimizer_step(cfg: Config, lay: _Layout, split: ParamSplit) -> float:
 
 def _shapes(cfg: Config, lay: _Layout, imbalance: float) -> act.Shapes:
     d = lay.dims
+    # Forward reads parameters in the master's dtype: FSDP gathers them in their own, ddp keeps them.
     return act.Shapes(cfg.train.micro_batch_size, cfg.train.seq_len // d.cp, d.tp, d.ep, d.etp,
-                      compute_bytes(cfg), imbalance, param_bytes(cfg, lay))
-
-
-def param_bytes(cfg: Config, lay: _Layout) -> int:
-    """Bytes of a parameter as forward reads it: FSDP's are the master (gathered in their own
-    dtype); ddp's as in `_states`."""
-    master = MASTER_BYTES[cfg.optim.master_dtype]
-    if lay.fsdp:
-        return master
-    return 4 if compute_bytes(cfg) == 4 and master == 4 else 2
+                      compute_bytes(cfg), imbalance, MASTER_BYTES[cfg.optim.master_dtype])
 
 
 def _chunk_activations(cfg: Config, chunk: Chunk, sh: act.Shapes, vocab: int) -> dict[str, int]:
@@ -245,6 +258,7 @@ class _Rank:
     accumulating: bool  # gradients already exist when forward starts (micro-batches accumulate)
     comm: dict[str, float]
     optimizer: float
+    after_backward: list[dict[str, float]]  # the optimizer step's moments (`_after_backward`)
 
 
 def _phases(r: _Rank) -> dict[str, dict[str, float]]:
@@ -271,7 +285,7 @@ def _phases(r: _Rank) -> dict[str, dict[str, float]]:
     backward = max(({**held, "gradients": grads if r.accumulating else made, "activations": acts,
                      "transient": work, "communication": comm} for acts, work, made in steps),
                    key=lambda parts: sum(parts.values()))
-    step = {**held, "gradients": grads, "transient": r.optimizer}
+    step = max(({**held, **parts} for parts in r.after_backward), key=lambda parts: sum(parts.values()))
     return {"forward": forward, "backward": backward, "optimizer step": step}
 
 
@@ -291,7 +305,8 @@ def _rank_plan(cfg: Config, lay: _Layout, chunks: list[Chunk], rank: int, sh: ac
     split = ParamSplit()
     for ch in mine:
         split += _chunk_params(cfg, ch, vocab)
-    states = _states(cfg, lay, *_local(split, d))
+    local = _local(split, d)
+    states = _states(cfg, lay, *local)
     grad_per_element = states["gradients"] / max(1, split.total)  # local, sharded or not
     last = mine[-1]
     layers = []
@@ -308,9 +323,10 @@ def _rank_plan(cfg: Config, lay: _Layout, chunks: list[Chunk], rank: int, sh: ac
                 grad_per_element * head_params(cfg, vocab).total)
         heads = 1 + cfg.model.mtp_layers
         head_backward = (heads * sh.tokens * vocab * act.FP32, sh.tokens * vocab * sh.act_bytes)
+    optimizer = _optimizer_step(cfg, lay, split)
     r = _Rank(states, sum(activations.values()), layers, head, head_backward,
-              micro_batches > 1 or d.pp > 1, _comm_buffers(cfg, lay, mine, sh, vocab),
-              _optimizer_step(cfg, lay, split))
+              micro_batches > 1 or d.pp > 1, _comm_buffers(cfg, lay, mine, sh, vocab), optimizer,
+              _after_backward(cfg, lay, *local, states["gradients"], optimizer))
     transient = max([head[0], head[1]] + [w for _, _, w, _ in layers])
     return MemoryPlan(world_size=d.world, pp_rank=rank, layers=tuple(i for ch in mine for i in ch.layers),
                       **states, activations=activations, in_flight=flight.per_chunk,

@@ -191,8 +191,9 @@ class ParallelConfig:
     attention grid (pp, dp, cp, tp) reads it with ep=1, the expert grid (pp, edp, ep, etp) with
     cp=1, tp as etp and dp as edp. Keep pp last so a pipeline stage holds the same ranks in both."""
     data_parallel: str = "fsdp"
-    """How parameters are replicated over dp·cp (dense) and edp (experts): fsdp (sharded, FSDP2)
-    or ddp (replicated)."""
+    """Data parallelism over dp·cp (dense) and edp (experts): fsdp (FSDP2: parameters, gradients
+    and optimizer states sharded) or ddp (ZeRO-1: parameters replicated, gradients reduce-scattered,
+    optimizer states sharded)."""
     sequence_parallel: bool = True
     """With tp > 1, shard the residual stream and norms along the sequence between the TP regions
     (Megatron's sequence parallelism): 1/tp of their activation memory."""

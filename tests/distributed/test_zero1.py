@@ -90,15 +90,60 @@ def train(cfg, run_dir, resume=None, save_at: int = 0) -> dict:
             "dtensor_states": all(isinstance(s["exp_avg"], DTensor) for s in states)}
 
 
-def train_on_rank(rank: int, runs: list[tuple], out) -> None:
+UNEVEN_SHAPES = [(5,), (3, 5), (2, 3, 5), (7, 6), (6, 8), (4, 4)]
+"""Over 4 ranks: rows 2, 2, 1, 0 of [5] (an empty shard), one row of [3, 5] on three ranks, [6, 8]
+split along dim 1 (a copy), [4, 4] one row each (a view)."""
+
+
+class _Toy(torch.nn.Module):
+    """Dense parameters of UNEVEN_SHAPES (no MoE layers)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weights = torch.nn.ParameterList(torch.nn.Parameter(torch.zeros(shape)) for shape in UNEVEN_SHAPES)
+
+    def moe_layers(self) -> list:
+        return []
+
+
+def check_uneven_buckets() -> dict[str, bool]:
+    """ZeRO-1's flat buckets on uneven shapes: the shards' reduced gradients are the mean of the
+    ranks' gradients, and after each rank adds 1 to its shards every element of the full
+    parameters went up by exactly 1 (each is in exactly one shard)."""
+    from moefold.parallel.dims import ParallelDims, ParallelLayout
+    from moefold.parallel.zero import Zero1DataParallel
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    toy = _Toy()
+    zero = Zero1DataParallel(toy, ParallelLayout(ParallelDims(world)))
+    zero.optimizer_built()
+    base = [torch.arange(p.numel(), dtype=torch.float32).view(p.shape) for p in toy.weights]
+    for p, b in zip(toy.weights, base):
+        p.grad = b * (rank + 1)
+    zero.reduce_gradients()
+    mean = (world + 1) / 2
+    grads_ok = all(torch.equal(p.grad.full_tensor(), b * mean) for p, b in zip(toy.weights, base))
+    for shard in zero.optimized.parameters():
+        local_tensor(shard).detach().add_(1.0)
+    zero.gather_parameters()
+    return {"gradients averaged": grads_ok,
+            "every element in one shard": all(torch.equal(p, torch.ones_like(p)) for p in toy.weights),
+            "gradients dropped": all(p.grad is None for p in toy.weights)}
+
+
+def train_on_rank(rank: int, runs: list[tuple], out, check_buckets: bool = False) -> None:
     """Each run: (name, model, variant, data_path, dp, parallel, run_dir, resume, save_at); rank 0
-    saves {name: result}, with every rank's state_elements."""
+    saves {name: result}, with every rank's state_elements (and check_uneven_buckets')."""
     results = {}
     for name, model, variant, data_path, dp, parallel, run_dir, resume, save_at in runs:
         result = train(config(model, variant, data_path, dp, **parallel), run_dir, resume, save_at)
         per_rank = [None] * dist.get_world_size()
         dist.all_gather_object(per_rank, result.pop("elements"))
         results[name] = {**result, "elements": per_rank}
+    if check_buckets:
+        per_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, check_uneven_buckets())
+        results["uneven buckets"] = per_rank
     if rank == 0:
         torch.save(results, out)
 
@@ -115,7 +160,7 @@ def runs(corpus, tmp_path_factory):
     saved = {name: root / name for name, *_ in WORLD4}
     run_ranks(4, train_on_rank, [(name, m, v, corpus, dp, {"data_parallel": "ddp", **par}, saved[name],
                                   None, save_at) for name, m, v, dp, par, save_at in WORLD4],
-              root / "world4.pt")
+              root / "world4.pt", True)
     by_name = {name: (m, v) for name, m, v, *_ in WORLD4}
     world2 = [(name, m, v, corpus, dp, {"data_parallel": "ddp", **par}, root / name, None, 0)
               for name, m, v, dp, par, _ in WORLD2]
@@ -167,6 +212,12 @@ def test_each_rank_keeps_its_share_of_the_states(name, dp, edp, runs):
             assert counts[f"{kind}_states"] == pytest.approx(counts[f"{kind}_pieces"] / size, rel=0.05), \
                 (name, kind, counts)
         assert sum(c[f"{kind}_states"] for c in per_rank) * size == sum(c[f"{kind}_pieces"] for c in per_rank)
+
+
+def test_buckets_handle_uneven_and_empty_shards(runs):
+    results, _ = runs
+    for rank, checks in enumerate(results["uneven buckets"]):
+        assert all(checks.values()), (rank, checks)
 
 
 def test_checkpoint_resumes_in_one_process_and_other_layouts(runs, reference, corpus, tmp_path):

@@ -100,7 +100,7 @@ class _Toy(torch.nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.weights = torch.nn.ParameterList(torch.nn.Parameter(torch.zeros(shape)) for shape in UNEVEN_SHAPES)
+        self.weights = torch.nn.ParameterList(torch.nn.Parameter(torch.zeros(s)) for s in UNEVEN_SHAPES)
 
     def moe_layers(self) -> list:
         return []

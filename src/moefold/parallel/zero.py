@@ -9,11 +9,14 @@ shards are all-gathered back into the full parameters. As Megatron-Core's distri
 TorchTitan's DDP: states cost 1/dp·cp (dense) or 1/edp (experts) per rank, at the communication
 volume of one all-reduce (a reduce-scatter plus an all-gather).
 
-Shards are DTensors. A parameter's shard adds a `Shard(d)` over the data-parallel mesh to its own
-placements (TP, EP/ETP, or none), on the first tensor dim those leave whole: dense matrices and
-norms their rows (dim 0), column-parallel TP weights dim 1, experts [E, D, F] under EP dim 1; uneven
-sizes as torch.chunk. The data mesh comes last, so were every dim already split the data ranks
-would split this rank's piece further (DTensor's nested Shard). Being ordinary sharded tensors:
+Shards are DTensors. A parameter's shard adds a `Shard(d)` over the data-parallel mesh, placed
+after the parameter's own placements (TP, EP/ETP, or none), d the first dim of this rank's piece that
+the data ranks split evenly: dim 0 for nearly every tensor, nested under TP's or EP's own Shard(0)
+where they split it (DTensor shards in mesh order, so the data ranks split this rank's piece
+further). With dim 0 this rank's rows are contiguous in the parameter, so the shard is a view of it:
+the optimizer updates the parameter in place and no master copy exists, as with Megatron's buffers.
+A shard along a later dim (the tiny models' 257-row embedding splits dim 1) is a copy; a piece with
+no even dim takes dim 0's uneven torch.chunk rows (some ranks none). Being ordinary sharded tensors:
 - torch's get/set_optimizer_state_dict key their states by the model's names (through `ShardModule`,
   which registers each shard under its parameter's name) and DCP reshards them into any other layout
   or world size, FSDP and one process included, in their own dtypes;
@@ -107,7 +110,8 @@ class _Slot:
 
     def rows_of_param(self) -> torch.Tensor:
         """[P, rows, Q]: this rank's rows of the parameter's local piece (a view)."""
-        return local_tensor(self.param).detach().view(self.P, self.N, self.Q)[:, self.row0:self.row0 + self.rows]
+        full_PNQ = local_tensor(self.param).detach().view(self.P, self.N, self.Q)
+        return full_PNQ[:, self.row0:self.row0 + self.rows]
 
     def rows_as_shard(self) -> torch.Tensor:
         """This rank's rows of the parameter as the shard's local tensor: a view where they are
@@ -267,7 +271,8 @@ class Zero1DataParallel(DataParallel):
                 by_dtype: dict[torch.dtype, list[_Slot]] = {}
                 for slot in slots:
                     by_dtype.setdefault(slot.param.dtype, []).append(slot)
-                buckets += [_LocalBucket(group, self.divide_by, self.grad_dtype) for group in by_dtype.values()]
+                buckets += [_LocalBucket(group, self.divide_by, self.grad_dtype)
+                            for group in by_dtype.values()]
                 continue
             runs: dict[torch.dtype, list[list[_Slot]]] = {}
             for slot in slots:
@@ -288,9 +293,9 @@ class Zero1DataParallel(DataParallel):
             for slot in slots:
                 if slot.param.dtype != slot.shard.dtype:
                     replace_local(slot.param, local_tensor(slot.param).detach().to(slot.shard.dtype))
-                if not slot.aliased():  # the optimizer's recast copy (or a copy from the start)
-                    slot.rows_of_param().copy_(slot.shard_rows())
-                    replace_local(slot.shard, slot.rows_as_shard())
+                if not slot.aliased():  # recast by the optimizer, or a copy from the start
+                    slot.rows_of_param().copy_(slot.shard_rows())  # exact: not .to()'s rounding
+                    replace_local(slot.shard, slot.rows_as_shard())  # a view again where it can be
         self.buckets = self._plan()
         self.gather_parameters()  # the other ranks' rows
 

@@ -1,5 +1,6 @@
-"""`train.compile` (each block under torch.compile) trains like eager on the GPU: every step's loss
-and gradient norm to 1e-4 in fp32, and to 1e-2 in bf16 autocast, for Qwen3-MoE and DeepSeek-V3."""
+"""`train.compile` (each block under torch.compile) trains like eager on the GPU, for Qwen3-MoE and
+DeepSeek-V3, within the tolerances of the NCCL layout tests (gpu_runs.DTYPES): fp32 losses and
+gradient norms to 1e-4 (the expert GEMMs eager there), bf16 losses to 1e-2."""
 
 import sys
 from pathlib import Path
@@ -8,17 +9,16 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "distributed"))
+from gpu_runs import assert_same_training  # noqa: E402
 from layouts import config, train  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("dtype, rtol", [("fp32", 1e-4), ("bf16", 1e-2)])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("model", ["qwen3", "deepseek"])
-def test_compiled_blocks_train_like_eager(model, dtype, rtol, text_corpus, tmp_path):
+def test_compiled_blocks_train_like_eager(model, dtype, text_corpus, tmp_path):
     base = {"train.device": "cuda", "precision.compute_dtype": dtype}
     eager = train(config(model, text_corpus, extra=base), tmp_path / "eager")
     compiled = train(config(model, text_corpus, extra={**base, "train.compile": "true"}), tmp_path / "compiled")
-    for key in ("losses", "grad_norms"):
-        torch.testing.assert_close(torch.tensor(compiled[key]), torch.tensor(eager[key]), rtol=rtol, atol=0,
-                                   msg=lambda m, key=key: f"{model} {dtype} {key}: {m}")
+    assert_same_training(compiled, eager, dtype, f"compiled {model} {dtype}")

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import write_text_corpus
-from layouts import STEPS, run_ranks
+from layouts import STEPS, full_gradients, run_ranks
 from layouts import config as layout_config
 from torch.distributed.tensor import DTensor
 
@@ -73,19 +73,22 @@ def state_elements(trainer: Trainer) -> dict[str, int]:
 
 
 def train(cfg, run_dir, resume=None, save_at: int = 0) -> dict:
-    """Every step's loss (mean over the data ranks) and gradient norm, and after the last step the
-    optimizer's (state, dtype) kinds, whether its states are DTensors, and state_elements."""
+    """Every step's loss (mean over the data ranks) and gradient norm, the first step's whole
+    gradients, and after the last step the optimizer's (state, dtype) kinds, whether its states are
+    DTensors, and state_elements."""
     trainer = Trainer(cfg, run_dir, resume=resume, out=lambda line: None)
-    losses, norms = [], []
+    losses, norms, grads = [], [], None
     while trainer.step < cfg.train.steps:
         parts = trainer.accumulate_gradients()
+        if grads is None:  # the model's gradients are the shards' (DTensors): gathered whole
+            grads = full_gradients(trainer.model)
         norms.append(trainer.optimizer_step().item())
         trainer.step += 1
         losses.append(trainer.dist.mean_over_data(parts["lm_loss"].detach()).item())
         if trainer.step == save_at:
             trainer.save()
     states = trainer.optimizer.state.values()
-    return {"losses": losses, "grad_norms": norms, "elements": state_elements(trainer),
+    return {"losses": losses, "grad_norms": norms, "grads": grads, "elements": state_elements(trainer),
             "kinds": {(key, t.dtype) for state in states for key, t in state.items()},
             "dtensor_states": all(isinstance(s["exp_avg"], DTensor) for s in states)}
 
@@ -195,6 +198,11 @@ def test_ddp_zero1_trains_like_one_process(name, model, variant, dp, parallel, s
     result, ref = results[name], reference[model, variant]
     assert len(result["losses"]) == STEPS
     _check_losses(result, ref, variant, name)
+    if variant != "lean":  # fp32 gradients (bf16 ones: test_precision_states.py says why not)
+        assert result["grads"].keys() == ref["grads"].keys(), name
+        for key, grad in ref["grads"].items():
+            torch.testing.assert_close(result["grads"][key], grad, rtol=1e-5, atol=1e-5,
+                                       msg=lambda m, key=key: f"{name} first-step gradient {key}: {m}")
     assert result["kinds"] == ref["kinds"], name  # every state in its own dtype
     assert result["dtensor_states"], name
 

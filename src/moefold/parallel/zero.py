@@ -9,14 +9,17 @@ shards are all-gathered back into the full parameters. As Megatron-Core's distri
 TorchTitan's DDP: states cost 1/dp·cp (dense) or 1/edp (experts) per rank, at the communication
 volume of one all-reduce (a reduce-scatter plus an all-gather).
 
-Shards are DTensors. A parameter's shard adds a `Shard(d)` over the data-parallel mesh, placed
-after the parameter's own placements (TP, EP/ETP, or none), d the first dim of this rank's piece that
-the data ranks split evenly: dim 0 for nearly every tensor, nested under TP's or EP's own Shard(0)
-where they split it (DTensor shards in mesh order, so the data ranks split this rank's piece
-further). With dim 0 this rank's rows are contiguous in the parameter, so the shard is a view of it:
-the optimizer updates the parameter in place and no master copy exists, as with Megatron's buffers.
-A shard along a later dim (the tiny models' 257-row embedding splits dim 1) is a copy; a piece with
-no even dim takes dim 0's uneven torch.chunk rows (some ranks none). Being ordinary sharded tensors:
+Shards are DTensors laid out as FSDP2 lays out the same parameter: the data-parallel mesh comes
+first, the parameter's own (TP, EP/ETP) mesh dims after it, and the data ranks split d, the first
+dim of this rank's piece they split evenly — dim 0 for nearly every tensor. Where TP or EP split d
+too, the data placement is FSDP2's `_StridedShard` (the data ranks split each TP/EP piece, not the
+whole dim), else a plain `Shard(d)`. With dim 0 this rank's rows are contiguous in the parameter, so
+the shard is a view of it: the optimizer updates the parameter in place and no master copy exists,
+as with Megatron's buffers. A shard along a later dim (the tiny models' 257-row embedding splits dim
+1) is a copy; a piece with no even dim takes dim 0's uneven torch.chunk rows (some ranks none).
+(Nesting a plain Shard after TP/EP's on the same dim, data mesh last, would be simpler to write,
+but DTensor cannot redistribute it: the meshes it would merge are out of the root mesh's order.)
+Being ordinary sharded tensors:
 - torch's get/set_optimizer_state_dict key their states by the model's names (through `ShardModule`,
   which registers each shard under its parameter's name) and DCP reshards them into any other layout
   or world size, FSDP and one process included, in their own dtypes;
@@ -46,6 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from moefold.optim.precision import replace_local
 from moefold.parallel.data import DataParallel, dense_parameters, expert_parameters
@@ -74,6 +78,15 @@ def chunk_rows(n: int, world: int, rank: int) -> tuple[int, int]:
     return row0, min(per_rank, n - row0)
 
 
+def _data_placement(d: int, own_placements: tuple, own_mesh: DeviceMesh | None):
+    """The data ranks' placement of dim d, placed before the parameter's own mesh dims: Shard(d),
+    or, where TP/EP split d too, FSDP2's _StridedShard, which says the data ranks split each of
+    their pieces rather than the whole dim (DTensor reads placements left to right)."""
+    split = math.prod(own_mesh.size(i) for i, pl in enumerate(own_placements)
+                      if pl.is_shard() and pl.dim == d)
+    return _StridedShard(d, split_factor=split) if split > 1 else Shard(d)
+
+
 @dataclass
 class _Slot:
     """One parameter and its shard: this rank holds rows [row0, row0 + rows) of the [P, N, Q] local
@@ -91,7 +104,7 @@ class _Slot:
 
     @classmethod
     def of(cls, p: nn.Parameter, dp_mesh: DeviceMesh, meshes: dict) -> _Slot:
-        """`p` and its new shard: a DTensor over `p`'s own mesh (if any) followed by `dp_mesh`."""
+        """`p` and its new shard: a DTensor over `dp_mesh` followed by `p`'s own mesh (if any)."""
         if p.dim() == 0:
             raise ValueError("parallel.data_parallel=ddp (ZeRO-1) cannot shard a 0-dim parameter")
         world, shape = dp_mesh.size(), local_tensor(p).shape
@@ -99,10 +112,11 @@ class _Slot:
         row0, rows = chunk_rows(shape[d], world, dp_mesh.get_local_rank())
         own = p.device_mesh if isinstance(p, DTensor) else None
         if (own, dp_mesh) not in meshes:  # private, but how FSDP2 builds its 2-D meshes too
-            meshes[own, dp_mesh] = dp_mesh if own is None else DeviceMesh._concatenate([own, dp_mesh])
+            meshes[own, dp_mesh] = dp_mesh if own is None else DeviceMesh._concatenate([dp_mesh, own])
+        own_placements = tuple(getattr(p, "placements", ()))
         slot = cls(p, None, math.prod(shape[:d]), shape[d], math.prod(shape[d + 1:]),
                    -(-shape[d] // world), row0, rows, (*shape[:d], rows, *shape[d + 1:]))
-        placements = (*getattr(p, "placements", ()), Shard(d))
+        placements = (_data_placement(d, own_placements, own), *own_placements)
         slot.shard = nn.Parameter(DTensor.from_local(slot.rows_as_shard(), meshes[own, dp_mesh], placements,
                                                      run_check=False, shape=p.shape, stride=p.stride()),
                                   requires_grad=p.requires_grad)

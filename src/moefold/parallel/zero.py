@@ -59,9 +59,10 @@ BUCKET_ELEMENTS = 2 ** 26
 """Elements (all ranks' segments) of one bucket: bounds the flat buffers' extra memory (256 MiB
 of fp32) while keeping collectives few (Megatron-Core's buckets are of a similar size)."""
 
-# torch 2.13 deprecates reduce_scatter_tensor for reduce_scatter_single; older torch (the GPU
-# machine's 2.11) has only the former.
+# torch 2.13 deprecates reduce_scatter_tensor and all_gather_into_tensor for *_single; older torch
+# (the GPU machine's 2.11) has only the former names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def shard_dim(local_shape: torch.Size, world: int) -> int:
@@ -214,7 +215,7 @@ class _Bucket:
         for slot in self.slots:
             slot.own_rows(send_S).copy_(slot.shard_rows())
         recv_WS = torch.empty(W, self.segment, dtype=self.dtype, device=self.device)
-        dist.all_gather_into_tensor(recv_WS.view(-1), send_S, group=self.group)
+        _all_gather(recv_WS.view(-1), send_S, group=self.group)
         for slot in self.slots:
             rows_PNQ = slot.in_segments(recv_WS).transpose(0, 1).reshape(slot.P, W * slot.C, slot.Q)
             local_tensor(slot.param).detach().view(slot.P, slot.N, slot.Q).copy_(rows_PNQ[:, :slot.N])

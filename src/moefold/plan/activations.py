@@ -175,11 +175,13 @@ def dispatch_bytes(cfg: Config, sh: Shapes, rows: int) -> int:
     moe, a = cfg.moe, sh.act_bytes
     T = sh.tokens // sh.tp
     N = T * moe.top_k
-    total = rows * INT64 + (rows + 1) + N * INT64 + N  # gather index, row mask, combine index, keep
+    # The gathers' backward maps (moe/permute.py): each copy's row and keep mask (permute), each
+    # row's copy and valid mask (unpermute; the probabilities' gather shares that index).
+    total = N * INT64 + N + rows * INT64 + (rows + 1)
     if _has_aux_loss(cfg):
         total += FP32  # the summed aux loss, kept by the autograd function that injects it
     if moe.memory_efficient_permute:
-        return total + rows * INT64  # the probabilities' gather index
+        return total
     return total + N * cfg.model.dim * a + N * a
 
 

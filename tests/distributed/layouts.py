@@ -53,9 +53,9 @@ def full_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return grads
 
 
-def train(cfg, run_dir: Path, resume: Path | None = None, save_at: int = 0) -> dict:
+def train(cfg, run_dir: Path, resume: Path | None = None, save_at: int = 0, finish=None) -> dict:
     """Losses and gradient norms of every step (mean over the data ranks) and the first step's
-    gradients."""
+    gradients; `finish(trainer)` may add entries read after the last step."""
     trainer = Trainer(cfg, run_dir, resume=resume, out=lambda line: None)
     losses, norms, grads = [], [], None
     while trainer.step < cfg.train.steps:
@@ -67,7 +67,7 @@ def train(cfg, run_dir: Path, resume: Path | None = None, save_at: int = 0) -> d
         losses.append(trainer.dist.mean_over_data(parts["lm_loss"].detach()).item())
         if trainer.step == save_at:
             trainer.save()
-    return {"losses": losses, "grad_norms": norms, "grads": grads}
+    return {"losses": losses, "grad_norms": norms, "grads": grads, **(finish(trainer) if finish else {})}
 
 
 # ---------------------------------------------------------------------------------------------

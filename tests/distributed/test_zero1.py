@@ -14,7 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import write_text_corpus
-from layouts import STEPS, full_gradients, run_ranks
+from layouts import STEPS, run_ranks
+from layouts import train as train_layout
 from layouts import config as layout_config
 from torch.distributed.tensor import DTensor
 
@@ -72,25 +73,19 @@ def state_elements(trainer: Trainer) -> dict[str, int]:
     return counts
 
 
-def train(cfg, run_dir, resume=None, save_at: int = 0) -> dict:
-    """Every step's loss (mean over the data ranks) and gradient norm, the first step's whole
-    gradients, and after the last step the optimizer's (state, dtype) kinds, whether its states are
-    DTensors, and state_elements."""
-    trainer = Trainer(cfg, run_dir, resume=resume, out=lambda line: None)
-    losses, norms, grads = [], [], None
-    while trainer.step < cfg.train.steps:
-        parts = trainer.accumulate_gradients()
-        if grads is None:  # the model's gradients are the shards' (DTensors): gathered whole
-            grads = full_gradients(trainer.model)
-        norms.append(trainer.optimizer_step().item())
-        trainer.step += 1
-        losses.append(trainer.dist.mean_over_data(parts["lm_loss"].detach()).item())
-        if trainer.step == save_at:
-            trainer.save()
+def optimizer_states(trainer: Trainer) -> dict:
+    """After the last step: the optimizer's (state, dtype) kinds, whether its states are DTensors,
+    and state_elements."""
     states = trainer.optimizer.state.values()
-    return {"losses": losses, "grad_norms": norms, "grads": grads, "elements": state_elements(trainer),
+    return {"elements": state_elements(trainer),
             "kinds": {(key, t.dtype) for state in states for key, t in state.items()},
             "dtensor_states": all(isinstance(s["exp_avg"], DTensor) for s in states)}
+
+
+def train(cfg, run_dir, resume=None, save_at: int = 0) -> dict:
+    """layouts.train (every step's loss and gradient norm, the first step's whole gradients: the
+    shards' DTensor gradients gathered) and the optimizer's states."""
+    return train_layout(cfg, run_dir, resume, save_at, finish=optimizer_states)
 
 
 UNEVEN_SHAPES = [(5,), (3, 5), (2, 3, 5), (7, 6), (6, 8), (4, 4)]

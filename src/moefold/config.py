@@ -307,6 +307,20 @@ class PrecisionConfig:
     compute_dtype: str = "auto"
     """Compute precision: auto (bf16 autocast on GPU, fp32 on CPU), bf16 or fp32. Parameters and
     optimizer states stay fp32."""
+    fp8: str = "off"
+    """FP8 (e4m3) GEMMs for the attention/MLP linears and the routed experts: off, tensorwise, rowwise
+    or blockwise (DeepSeek-V3: 1x128 activations, 128x128 weights). Router, embeddings, output head,
+    norms and attention core stay in high precision; see docs/fp8.md."""
+    fp8_exclude: list[str] = field(default_factory=list)
+    """Module names kept in high precision, as fnmatch patterns over the model's module names, e.g.
+    ["layers.0.*", "*.attn.*"]."""
+    fp8_bf16_first_layers: int = 0
+    """Keep the first N blocks in high precision."""
+    fp8_bf16_last_layers: int = 0
+    """Keep the last N blocks of the main stack (and every MTP block) in high precision."""
+    fp8_saved_activations: bool = False
+    """Save FP8 copies of the GEMM inputs for backward instead of high-precision ones (not yet
+    supported)."""
 
 
 @dataclass
@@ -594,6 +608,7 @@ def validate(cfg: Config) -> None:
     _one_of("data.token_dtype", cfg.data.token_dtype, ("uint16", "uint32"))
     _require(cfg.data.eos_id >= -1, f"data.eos_id={cfg.data.eos_id} must be >= -1")
     _one_of("precision.compute_dtype", cfg.precision.compute_dtype, ("auto", "bf16", "fp32"))
+    _validate_precision(cfg)
     _one_of("optim.exp_avg_dtype", cfg.optim.exp_avg_dtype, ("fp32", "bf16", "fp8"))
     _one_of("optim.exp_avg_sq_dtype", cfg.optim.exp_avg_sq_dtype, ("fp32", "bf16", "fp8"))
     _one_of("optim.master_dtype", cfg.optim.master_dtype, ("fp32", "bf16", "bf16+remainder"))
@@ -619,6 +634,23 @@ def _validate_model(m: ModelConfig) -> None:
         _require(m.rope_factor >= 1, f"model.rope_factor={m.rope_factor} must be >= 1")
         _require(m.rope_original_max_len > 0,
                  f"model.rope_original_max_len={m.rope_original_max_len} must be > 0")
+
+
+FP8_RECIPES = ("off", "tensorwise", "rowwise", "blockwise")
+
+
+def _validate_precision(cfg: Config) -> None:
+    p = cfg.precision
+    _one_of("precision.fp8", p.fp8, FP8_RECIPES)
+    _non_negative(cfg, "precision.fp8_bf16_first_layers", "precision.fp8_bf16_last_layers")
+    for pattern in p.fp8_exclude:
+        _require(bool(pattern.strip()), f"precision.fp8_exclude={p.fp8_exclude} has an empty pattern; "
+                 "allowed: fnmatch patterns over module names, e.g. 'layers.0.*'")
+    _require(not p.fp8_saved_activations, "precision.fp8_saved_activations=true is not yet "
+             "supported (only false: GEMM inputs are saved in high precision)")
+    _require(p.fp8 == "off" or cfg.parallel.ep == 1,
+             f"precision.fp8={p.fp8!r} with parallel.ep={cfg.parallel.ep} is not yet supported (FP8 "
+             "experts need per-expert row padding, which expert parallelism lacks); use parallel.ep=1")
 
 
 # A name that already recomputes everything the listed ones would.

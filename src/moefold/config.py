@@ -317,7 +317,7 @@ class PrecisionConfig:
     fp8_bf16_first_layers: int = 0
     """Keep the first N blocks in high precision."""
     fp8_bf16_last_layers: int = 0
-    """Keep the last N blocks of the main stack (and every MTP block) in high precision."""
+    """Keep the last N blocks of the main stack in high precision (MTP blocks follow fp8_exclude)."""
     fp8_saved_activations: bool = False
     """Save FP8 copies of the GEMM inputs for backward instead of high-precision ones (not yet
     supported)."""
@@ -648,6 +648,13 @@ def _validate_precision(cfg: Config) -> None:
                  "allowed: fnmatch patterns over module names, e.g. 'layers.0.*'")
     _require(not p.fp8_saved_activations, "precision.fp8_saved_activations=true is not yet "
              "supported (only false: GEMM inputs are saved in high precision)")
+    wrapped = [k for k in ("recompute", "offload") if "moe_act" in getattr(cfg.memory, k)]
+    _require(p.fp8 == "off" or not wrapped,
+             f"precision.fp8={p.fp8!r} with 'moe_act' in memory.{wrapped[0] if wrapped else ''} is not "
+             "yet supported (it wraps the experts' GEMM before FP8 replaces it); use 'moe' instead")
+    _require(p.fp8 == "off" or cfg.parallel.tp == 1,
+             f"precision.fp8={p.fp8!r} with parallel.tp={cfg.parallel.tp} is not yet supported (FP8 "
+             "linears take plain tensors, not TP's DTensors); use parallel.tp=1")
     _require(p.fp8 == "off" or cfg.parallel.ep == 1,
              f"precision.fp8={p.fp8!r} with parallel.ep={cfg.parallel.ep} is not yet supported (FP8 "
              "experts need per-expert row padding, which expert parallelism lacks); use parallel.ep=1")

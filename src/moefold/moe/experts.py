@@ -6,11 +6,13 @@ the routing probabilities) is a strategy given at build time. Rows past the last
 read: grouped_mm skips them and the loop slices them off.
 """
 
+import contextlib
 import functools
 
 import torch
 from torch import nn
 
+from moefold.fp8.grouped import fp8_grouped_mm
 from moefold.moe.activation import ACTIVATIONS, PlainActivation, ProbsInActivation
 from moefold.parallel.local import local_tensor
 
@@ -69,6 +71,24 @@ class LoopExperts(Experts):
         outs = [x_RX[s:e] @ w_EXY[i] for i, (s, e) in enumerate(zip(starts, ends))]
         unused_rows = x_RX.new_zeros(x_RX.shape[0] - ends[-1], w_EXY.shape[-1])
         return torch.cat([*outs, unused_rows], dim=0)
+
+
+class Fp8GroupedExperts(Experts):
+    """The grouped GEMMs in FP8 (fp8/grouped.py): emulated on CPU, torch._scaled_grouped_mm on CUDA.
+
+    Built by `moefold.fp8.apply.apply_fp8` from a built layer's experts (same parameters); group
+    sizes must be multiples of `scaling.row_multiple`, which apply_fp8 makes the layer's padding.
+    """
+
+    def __init__(self, num_experts: int, dim: int, hidden: int,
+                 activation: PlainActivation | ProbsInActivation | None, gemm, scaling,
+                 device=None):
+        with torch.device(device) if device is not None else contextlib.nullcontext():
+            super().__init__(num_experts, dim, hidden, activation)
+        self.gemm, self.scaling = gemm, scaling
+
+    def _mm(self, x_RX, w_EXY, offsets_E):
+        return fp8_grouped_mm(x_RX, w_EXY, offsets_E, self.gemm, self.scaling)
 
 
 @functools.cache

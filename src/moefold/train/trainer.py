@@ -38,6 +38,7 @@ from moefold.data.corpus import build_token_streams
 from moefold.data.loader import Batch, PackedSequences, TrainLoader, val_batches
 from moefold.data.tokenizer import build_tokenizer
 from moefold.errors import ConfigError
+from moefold.fp8.apply import apply_fp8
 from moefold.models.transformer import Transformer, build_model
 from moefold.moe.stats import AUX_SUM, ENTROPY_SUM, ENTROPY_TOKENS, summarize
 from moefold.optim.adamw import GRAD_DTYPES, build_optimizer
@@ -160,6 +161,7 @@ class Trainer:
         else:
             model = build_model(cfg, self.vocab_size, self.device.type, self.compute_dtype)
             model.init_weights(cfg.train.seed)
+        apply_fp8(model, cfg.precision, self.device.type)  # FP8 GEMMs where precision.fp8 says
         self.model: Transformer = model.to(self.device)
         for layer in self.model.moe_layers():
             layer.aux_loss_scale = 1.0 / self.grad_accum  # the CE loss is averaged the same way

@@ -1,0 +1,102 @@
+"""`apply_fp8`: convert a built model's GEMMs to FP8, once, before it moves to its device and is
+parallelized (see docs/fp8.md).
+
+What runs in FP8: the nn.Linear projections inside the transformer blocks (attention q/k/v/o or
+MLA's projections, dense MLPs, shared experts) and the routed experts' grouped GEMMs. What never
+does: the router, the shared-expert gate, embeddings, the output head, norms, the attention core
+(softmax(QK^T)V) and MTP's projection; nor the blocks in `fp8_bf16_first_layers` /
+`fp8_bf16_last_layers`, modules matched by `fp8_exclude` (a module is excluded when its name or
+a parent's name matches a pattern) and linears whose features are not multiples of the recipe's
+alignment (16, or 128 for blockwise), which the FP8 kernels need.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+
+from torch import nn
+
+from moefold.config import PrecisionConfig
+from moefold.errors import ConfigError
+from moefold.fp8.gemm import build_gemm, linear_scaling
+from moefold.fp8.grouped import build_grouped_gemm, grouped_scaling
+from moefold.fp8.linear import Fp8Linear
+from moefold.moe.experts import Experts, Fp8GroupedExperts
+from moefold.moe.layer import MoELayer
+
+_NEVER_FP8 = ("gate",)  # GatedSharedExperts.gate: a [D, 1] router-like scalar gate
+
+
+def apply_fp8(model: nn.Module, precision: PrecisionConfig, device_type: str) -> list[str]:
+    """Swap the selected modules for their FP8 versions in place; returns their names.
+
+    `model` is a Transformer (blocks(), layers). The FP8 modules share the original parameters, so
+    weights, state dict and checkpoints are unchanged. precision.fp8='off' changes nothing.
+    """
+    if precision.fp8 == "off":
+        return []
+    lin, grouped = linear_scaling(precision.fp8), grouped_scaling(precision.fp8)
+    gemm, grouped_gemm = build_gemm(device_type), build_grouped_gemm(device_type)
+    excluded = _excluded_names(model, precision)
+    converted = []
+    for block_name, block in _fp8_blocks(model, precision):
+        for name, module in list(block.named_modules(prefix=block_name)):
+            if name in excluded:
+                continue
+            parent_name, _, attr = name.rpartition(".")
+            if isinstance(module, MoELayer):
+                _raise_pad_multiple(module, grouped.row_multiple)
+                continue
+            if isinstance(module, Experts):
+                setattr(model.get_submodule(parent_name), attr, _fp8_experts(module, grouped_gemm, grouped))
+            elif type(module) is nn.Linear and attr not in _NEVER_FP8 and _aligned(module, lin.row_multiple):
+                setattr(model.get_submodule(parent_name), attr, Fp8Linear.from_linear(module, gemm, lin))
+            else:
+                continue
+            converted.append(name)
+    return converted
+
+
+def _fp8_blocks(model, precision: PrecisionConfig) -> list[tuple[str, nn.Module]]:
+    """(name, block) of the blocks that may hold FP8 modules: not in the first/last N of the main
+    stack. MTP blocks follow the main-stack rule for neither end: only fp8_exclude keeps them."""
+    n = len(model.layers)
+    first, last = precision.fp8_bf16_first_layers, precision.fp8_bf16_last_layers
+    blocks = [(f"layers.{i}", b) for i, b in enumerate(model.layers) if first <= i < n - last]
+    if getattr(model, "mtp", None) is not None:
+        blocks += [(f"mtp.layers.{i}.block", m.block) for i, m in enumerate(model.mtp.layers)]
+    return blocks
+
+
+def _excluded_names(model: nn.Module, precision: PrecisionConfig) -> set[str]:
+    names = [name for name, _ in model.named_modules() if name]
+    excluded = set()
+    for pattern in precision.fp8_exclude:
+        hits = {n for n in names if fnmatch.fnmatchcase(n, pattern)}
+        if not hits:
+            raise ConfigError(f"precision.fp8_exclude: pattern {pattern!r} matches no module name "
+                              "(names look like 'layers.0.attn.wq', 'layers.1.ffn.experts')")
+        excluded |= hits
+    # A module is excluded with any of its parents.
+    return {n for n in names if any(n == e or n.startswith(e + ".") for e in excluded)}
+
+
+def _aligned(linear: nn.Linear, multiple: int) -> bool:
+    return linear.in_features % multiple == 0 and linear.out_features % multiple == 0
+
+
+def _fp8_experts(experts: Experts, gemm, scaling) -> Fp8GroupedExperts:
+    if "_mm" in vars(experts):  # config validation refuses this; a direct caller gets told too
+        raise ConfigError("precision.fp8 with 'moe_act' in memory.recompute/offload is not yet supported")
+    num_experts, dim, hidden = experts.w1_EDF.shape
+    new = Fp8GroupedExperts(num_experts, dim, hidden, experts.activation, gemm, scaling, device="meta")
+    for name, param in experts.named_parameters(recurse=False):
+        setattr(new, name, param)
+    return new
+
+
+def _raise_pad_multiple(layer: MoELayer, multiple: int) -> None:
+    """FP8 grouped kernels need every expert's row count to be a multiple of `multiple`: the
+    permutation pads each group with zero rows (moe.pad_multiple, raised here, never lowered)."""
+    layout = layer.dispatcher.layout
+    layout.multiple = max(layout.multiple, multiple)

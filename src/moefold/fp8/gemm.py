@@ -1,0 +1,157 @@
+"""FP8 GEMMs of training: how each recipe scales the three GEMMs of a linear layer, and the backends
+that run them (chosen once, when the model is built).
+
+M tokens, K input features, N output features, R routed rows (grouped by expert), E experts.
+
+A linear `y_MN = x_MK @ W_NK^T` needs three GEMMs per step, each `a @ b` with FP8 operands:
+
+| GEMM          | a                  | b              |
+|---------------|--------------------|----------------|
+| `forward`     | x_MK               | W^T (b_KN)     |
+| `grad_input`  | grad_y_MN          | W_NK           |
+| `grad_weight` | grad_y^T (a_NM)    | x_MK           |
+
+Each operand has a tile kind (which elements share a scale, see recipes.py) and a format:
+
+| recipe     | forward a, b        | grad_input a, b          | grad_weight a, b          | grads |
+|------------|---------------------|--------------------------|---------------------------|-------|
+| tensorwise | tensor, tensor      | tensor (e5m2), tensor    | tensor (e5m2), tensor     | e5m2  |
+| rowwise    | row, col            | row, col                 | row, col                  | e4m3  |
+| blockwise  | 1x128, 128x128      | 1x128, 128x128           | 1x128, 128x1              | e4m3  |
+
+Tensorwise keeps torchao's default of e5m2 gradients (one scale per tensor has to cover the
+gradients' range); rowwise and blockwise use e4m3 everywhere, as torchao's rowwise recipe and
+DeepSeek-V3 (arXiv:2412.19437 §3.3) do, since their fine scales already capture the range.
+In `grad_weight` the contraction runs over tokens, so blockwise tiles run along M (1x128 of a_NM,
+128x1 of x_MK): M is padded with zero rows to `LinearScaling.row_multiple` first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from moefold.fp8.recipes import BLOCK, E4M3, E5M2, Fp8Format, dequantize_tiles, quantize_tiles
+
+TILE_KINDS = ("tensor", "row", "col", "1x128", "128x1", "128x128")
+
+
+def tile_shape(kind: str, x: torch.Tensor) -> tuple[int, int]:
+    """The tile of `kind` for the last two dims of x ("row": one scale per row, "col": per column)."""
+    rows, cols = x.shape[-2:]
+    shapes = {"tensor": (rows, cols), "row": (1, cols), "col": (rows, 1),
+              "1x128": (1, BLOCK), "128x1": (BLOCK, 1), "128x128": (BLOCK, BLOCK)}
+    return shapes[kind]
+
+
+@dataclass(frozen=True)
+class Operand:
+    tile: str
+    fmt: Fp8Format = E4M3
+
+
+@dataclass(frozen=True)
+class GemmScaling:
+    """How the two operands of one `a @ b` are quantized."""
+    a: Operand
+    b: Operand
+
+
+@dataclass(frozen=True)
+class LinearScaling:
+    """One recipe's scaling of the three GEMMs of a linear (module docstring table)."""
+    name: str
+    forward: GemmScaling
+    grad_input: GemmScaling
+    grad_weight: GemmScaling
+    row_multiple: int
+    """Tokens are padded to this for grad_weight (the FP8 kernels' alignment along the contraction),
+    and each expert's rows to it when the experts run in FP8."""
+
+
+def linear_scaling(recipe: str) -> LinearScaling:
+    if recipe == "tensorwise":
+        t, t5 = Operand("tensor"), Operand("tensor", E5M2)
+        return LinearScaling(recipe, GemmScaling(t, t), GemmScaling(t5, t), GemmScaling(t5, t), 16)
+    if recipe == "rowwise":
+        rc = GemmScaling(Operand("row"), Operand("col"))
+        return LinearScaling(recipe, rc, rc, rc, 16)
+    if recipe == "blockwise":
+        fwd = GemmScaling(Operand("1x128"), Operand("128x128"))
+        return LinearScaling(recipe, fwd, fwd, GemmScaling(Operand("1x128"), Operand("128x1")), BLOCK)
+    raise ValueError(f"precision.fp8={recipe!r} has no linear scaling; allowed: tensorwise, rowwise, blockwise")
+
+
+def quantize(x: torch.Tensor, op: Operand) -> tuple[torch.Tensor, torch.Tensor]:
+    return quantize_tiles(x, tile_shape(op.tile, x), op.fmt, what=f"{op.tile} {op.fmt.name} operand")
+
+
+def fake_quant(x: torch.Tensor, op: Operand, dtype: torch.dtype) -> torch.Tensor:
+    """quantize → dequantize: the values an FP8 GEMM multiplies, in dtype."""
+    return dequantize_tiles(*quantize(x, op), dtype=dtype)
+
+
+def pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
+    """x with zero rows appended up to a multiple of `multiple` (zero rows add nothing to a^T b)."""
+    extra = -x.shape[0] % multiple
+    return x if extra == 0 else torch.cat([x, x.new_zeros(extra, *x.shape[1:])])
+
+
+class EmulatedFp8Gemm:
+    """quantize → dequantize → matmul in the compute dtype (recipes.py); runs on any device."""
+
+    name = "emulated"
+
+    def mm(self, a_MK: torch.Tensor, b_KN: torch.Tensor, scaling: GemmScaling,
+           dtype: torch.dtype) -> torch.Tensor:
+        return fake_quant(a_MK, scaling.a, dtype) @ fake_quant(b_KN, scaling.b, dtype)
+
+
+class ScaledMMFp8Gemm:
+    """cuBLAS FP8 GEMMs: `torch._scaled_mm` for tensorwise/rowwise scales, `F.scaled_mm` with
+    DeepSeek blockwise scales (cuBLAS ≥ 12.9 on sm90). Not run in CI: tests/gpu/test_fp8_gpu.py
+    compares it with EmulatedFp8Gemm.
+
+    cuBLAS wants a row-major, b column-major, K and N multiples of 16, and the dequantization
+    multipliers our recipes store as scales. Rowwise scaling only outputs bf16.
+    """
+
+    name = "scaled_mm"
+
+    def mm(self, a_MK, b_KN, scaling, dtype):
+        a_fp8, scale_a = quantize(a_MK, scaling.a)
+        b_fp8, scale_b = quantize(b_KN, scaling.b)
+        b_fp8 = b_fp8.t().contiguous().t()  # column-major
+        kinds = (scaling.a.tile, scaling.b.tile)
+        if kinds == ("tensor", "tensor"):
+            out = torch._scaled_mm(a_fp8, b_fp8, scale_a=scale_a.reshape(()), scale_b=scale_b.reshape(()),
+                                   out_dtype=dtype)
+        elif kinds == ("row", "col"):
+            out = torch._scaled_mm(a_fp8, b_fp8, scale_a=scale_a.contiguous(),
+                                   scale_b=scale_b.contiguous(), out_dtype=torch.bfloat16)
+        else:
+            out = self._blockwise(a_fp8, scale_a, b_fp8, scale_b, kinds)
+        return out.to(dtype)
+
+    @staticmethod
+    def _blockwise(a_fp8, scale_a, b_fp8, scale_b, kinds):
+        st = F.ScalingType
+        if kinds[0] != "1x128" or kinds[1] not in ("128x128", "128x1"):
+            raise ValueError(f"ScaledMMFp8Gemm: no cuBLAS kernel for tiles {kinds}")
+        # 1x128 scales outer-dim-major ([M, K/128] with stride 1 along M), as cuBLAS reads them;
+        # for b, 128x128 scales [K/128, N/128] column-major, 128x1 scales [K/128, N] row-major
+        # (pytorch test/test_scaled_matmul_cuda.py, test_scaled_mm_vs_emulated_block_wise).
+        scale_a = scale_a.t().contiguous().t()
+        if kinds[1] == "128x128":
+            scale_b, recipe_b = scale_b.t().contiguous().t(), st.BlockWise128x128
+        else:
+            scale_b, recipe_b = scale_b.contiguous(), st.BlockWise1x128
+        return F.scaled_mm(a_fp8, b_fp8, scale_a, st.BlockWise1x128, scale_b, recipe_b,
+                           output_dtype=torch.bfloat16)
+
+
+def build_gemm(device_type: str) -> EmulatedFp8Gemm | ScaledMMFp8Gemm:
+    """The FP8 GEMM backend for a device: cuBLAS on CUDA, the emulation elsewhere."""
+    return ScaledMMFp8Gemm() if device_type == "cuda" else EmulatedFp8Gemm()

@@ -1,0 +1,162 @@
+"""FP8 grouped GEMMs of the routed experts, forward and backward, through a backend fixed at build.
+
+R routed rows grouped by expert (`offsets_E`: cumulative row ends, as torch._grouped_mm takes
+them), K input features, N output features, E experts.
+
+| GEMM          | operands                       | rowwise (also for tensorwise)  | blockwise          |
+|---------------|--------------------------------|--------------------------------|--------------------|
+| `forward`     | x_RK, w_EKN                    | row, col (per expert)          | 1x128, 128x128     |
+| `grad_input`  | grad_RN, w_ENK (= w^T)         | row, col (per expert)          | 1x128, 128x128     |
+| `grad_weight` | x_RK, grad_RN (per group a^T b)| col, col within each group     | 128x1, 128x1       |
+
+Tensorwise has no grouped form (one scale over all experts' rows would couple the experts), so a
+tensorwise run's experts use rowwise scaling, as torchao's FP8 MoE training does. The weight
+gradient contracts over each expert's rows: its scales are per column *within each group* (rowwise,
+a segmented amax with no host sync), or 128-row tiles that never straddle two groups because every
+group is padded to a multiple of 128 (blockwise). Group sizes must be multiples of
+`GroupedScaling.row_multiple` (16 or 128): the MoE layer pads them (apply_fp8 raises its pad multiple).
+Rows past the last offset are neither read nor written, as with torch._grouped_mm.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moefold.fp8.gemm import GemmScaling, Operand, fake_quant, pad_rows, quantize
+from moefold.fp8.recipes import BLOCK
+
+
+@dataclass(frozen=True)
+class GroupedScaling:
+    name: str
+    forward: GemmScaling
+    grad_input: GemmScaling
+    grad_weight: GemmScaling
+    row_multiple: int
+
+
+def grouped_scaling(recipe: str) -> GroupedScaling:
+    if recipe in ("tensorwise", "rowwise"):
+        rc = GemmScaling(Operand("row"), Operand("col"))
+        return GroupedScaling("rowwise", rc, rc, GemmScaling(Operand("col"), Operand("col")), 16)
+    if recipe == "blockwise":
+        fwd = GemmScaling(Operand("1x128"), Operand("128x128"))
+        return GroupedScaling("blockwise", fwd, fwd, GemmScaling(Operand("128x1"), Operand("128x1")), BLOCK)
+    raise ValueError(f"precision.fp8={recipe!r} has no grouped scaling; allowed: tensorwise, rowwise, blockwise")
+
+
+def group_ids(offsets_E: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """gid_R: each row's expert; E for rows past the last offset."""
+    rows_R = torch.arange(num_rows, device=offsets_E.device, dtype=offsets_E.dtype)
+    return torch.searchsorted(offsets_E, rows_R, right=True)
+
+
+def quantize_group_columns(x_RN: torch.Tensor, offsets_E: torch.Tensor,
+                           op: Operand) -> tuple[torch.Tensor, torch.Tensor]:
+    """x in FP8 with one scale per column within each group: (x_fp8 [R, N], scale [E, N])."""
+    if op.tile != "col":
+        raise ValueError(f"quantize_group_columns: tile {op.tile!r}; allowed: 'col'")
+    E, (R, N) = offsets_E.shape[0], x_RN.shape
+    gid_R = group_ids(offsets_E, R)
+    amax_GN = torch.zeros(E + 1, N, device=x_RN.device, dtype=torch.float32)
+    amax_GN.scatter_reduce_(0, gid_R[:, None].expand(R, N), x_RN.float().abs(), "amax")
+    scale_GN = torch.where(amax_GN > 0, amax_GN / op.fmt.max, torch.ones_like(amax_GN))
+    x_fp8 = (x_RN.float() / scale_GN[gid_R]).clamp(-op.fmt.max, op.fmt.max).to(op.fmt.dtype)
+    return x_fp8, scale_GN[:E]
+
+
+def fake_quant_groups(x_RN: torch.Tensor, offsets_E: torch.Tensor, op: Operand,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """Dequantized FP8 values of a weight-gradient operand (tiles along rows, within groups)."""
+    if op.tile == "col":
+        x_fp8, scale_EN = quantize_group_columns(x_RN, offsets_E, op)
+        scale_GN = torch.cat([scale_EN, scale_EN.new_ones(1, x_RN.shape[1])])
+        return (x_fp8.float() * scale_GN[group_ids(offsets_E, x_RN.shape[0])]).to(dtype)
+    return fake_quant(pad_rows(x_RN, BLOCK), op, dtype)[: x_RN.shape[0]]
+
+
+class EmulatedFp8GroupedGemm:
+    """quantize → dequantize → torch._grouped_mm in the compute dtype; runs on any device."""
+
+    name = "emulated"
+
+    def grouped_mm(self, x_RK, w_EKN, offsets_E, scaling: GemmScaling, dtype):
+        xq_RK = fake_quant(x_RK, scaling.a, dtype)
+        wq_EKN = fake_quant(w_EKN, scaling.b, dtype)
+        return torch._grouped_mm(xq_RK, wq_EKN, offs=offsets_E)
+
+    def grouped_weight_grad(self, x_RK, grad_RN, offsets_E, scaling: GemmScaling, dtype):
+        """grad_w_EKN[e] = x_e^T @ grad_e over each expert's rows."""
+        xq_RK = fake_quant_groups(x_RK, offsets_E, scaling.a, dtype)
+        gq_RN = fake_quant_groups(grad_RN, offsets_E, scaling.b, dtype)
+        return torch._grouped_mm(xq_RK.t(), gq_RN, offs=offsets_E)
+
+
+class ScaledGroupedMMFp8Gemm(EmulatedFp8GroupedGemm):
+    """`torch._scaled_grouped_mm` (CUTLASS, sm90) for rowwise scales; blockwise grouped GEMMs have
+    no torch kernel on Hopper, so they fall back to the emulation (slower than bf16). Not run in CI:
+    tests/gpu/test_fp8_gpu.py compares it with the emulation.
+
+    The kernel wants a row-major, b column-major per expert, float32 dequantization scales: [R] and
+    [E, N] for 2d x 3d, [E·K] and [E·N] for the 2d x 2d weight gradient (torchao's fp8 MoE layout).
+    """
+
+    name = "scaled_grouped_mm"
+
+    def grouped_mm(self, x_RK, w_EKN, offsets_E, scaling, dtype):
+        if scaling.a.tile != "row":
+            return super().grouped_mm(x_RK, w_EKN, offsets_E, scaling, dtype)
+        x_fp8, scale_R1 = quantize(x_RK, scaling.a)
+        w_fp8, scale_E1N = quantize(w_EKN, scaling.b)
+        w_fp8 = w_fp8.transpose(-2, -1).contiguous().transpose(-2, -1)
+        out = torch._scaled_grouped_mm(x_fp8, w_fp8, scale_R1.reshape(-1), scale_E1N.flatten(1),
+                                       offs=offsets_E, out_dtype=torch.bfloat16)
+        return out.to(dtype)
+
+    def grouped_weight_grad(self, x_RK, grad_RN, offsets_E, scaling, dtype):
+        if scaling.a.tile != "col":
+            return super().grouped_weight_grad(x_RK, grad_RN, offsets_E, scaling, dtype)
+        x_fp8, scale_EK = quantize_group_columns(x_RK, offsets_E, scaling.a)
+        g_fp8, scale_EN = quantize_group_columns(grad_RN, offsets_E, scaling.b)
+        out = torch._scaled_grouped_mm(x_fp8.t().contiguous(), g_fp8.t().contiguous().t(),
+                                       scale_EK.reshape(-1), scale_EN.reshape(-1),
+                                       offs=offsets_E, out_dtype=torch.bfloat16)
+        return out.to(dtype)
+
+
+def build_grouped_gemm(device_type: str) -> EmulatedFp8GroupedGemm:
+    return ScaledGroupedMMFp8Gemm() if device_type == "cuda" else EmulatedFp8GroupedGemm()
+
+
+class _Fp8GroupedMMFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_RK, w_EKN, offsets_E, gemm, scaling: GroupedScaling):
+        ctx.save_for_backward(x_RK, w_EKN, offsets_E)
+        ctx.gemm, ctx.scaling = gemm, scaling
+        return gemm.grouped_mm(x_RK, w_EKN, offsets_E, scaling.forward, x_RK.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_RN):
+        x_RK, w_EKN, offsets_E = ctx.saved_tensors
+        gemm, scaling = ctx.gemm, ctx.scaling
+        grad_RN = grad_RN.to(x_RK.dtype)
+        grad_x_RK = grad_w_EKN = None
+        if ctx.needs_input_grad[0]:
+            grad_x_RK = gemm.grouped_mm(grad_RN, w_EKN.transpose(-2, -1), offsets_E,
+                                        scaling.grad_input, x_RK.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_w_EKN = gemm.grouped_weight_grad(x_RK, grad_RN, offsets_E, scaling.grad_weight,
+                                                  w_EKN.dtype)
+        return grad_x_RK, grad_w_EKN, None, None, None
+
+
+def fp8_grouped_mm(x_RK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor,
+                   gemm: EmulatedFp8GroupedGemm, scaling: GroupedScaling) -> torch.Tensor:
+    """torch._grouped_mm(x, w, offs) with FP8 operands in forward and backward."""
+    return _Fp8GroupedMMFn.apply(x_RK, w_EKN, offsets_E, gemm, scaling)
+
+
+__all__ = ["GroupedScaling", "grouped_scaling", "fp8_grouped_mm", "build_grouped_gemm",
+           "EmulatedFp8GroupedGemm", "ScaledGroupedMMFp8Gemm"]

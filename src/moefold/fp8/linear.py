@@ -1,0 +1,69 @@
+"""`Fp8Linear`: an nn.Linear whose three GEMMs run in FP8 through a GEMM backend given at build time.
+
+M tokens (all leading dims flattened), K input features, N output features.
+The backend (gemm.py: emulated or cuBLAS) and the recipe's scaling are fixed when `apply_fp8`
+converts the module; the forward never asks which one it has. Scales are computed on the fly from
+the current tensors (no amax history). The inputs saved for backward stay in the compute dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moefold.fp8.gemm import EmulatedFp8Gemm, LinearScaling, ScaledMMFp8Gemm, pad_rows
+from moefold.moe.experts import compute_dtype
+
+
+class _Fp8LinearFn(torch.autograd.Function):
+    """y_MN = x_MK @ W_NK^T; grad_x = grad_y @ W; grad_W = grad_y^T @ x, each GEMM in FP8."""
+
+    @staticmethod
+    def forward(ctx, x_MK, w_NK, gemm, scaling: LinearScaling):
+        ctx.save_for_backward(x_MK, w_NK)
+        ctx.gemm, ctx.scaling = gemm, scaling
+        return gemm.mm(x_MK, w_NK.t(), scaling.forward, x_MK.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_MN):
+        x_MK, w_NK = ctx.saved_tensors
+        gemm, scaling = ctx.gemm, ctx.scaling
+        grad_MN = grad_MN.to(x_MK.dtype)
+        grad_x_MK = grad_w_NK = None
+        if ctx.needs_input_grad[0]:
+            grad_x_MK = gemm.mm(grad_MN, w_NK, scaling.grad_input, x_MK.dtype)
+        if ctx.needs_input_grad[1]:
+            # The contraction runs over tokens: zero rows pad M to the kernels' alignment.
+            m = scaling.row_multiple
+            grad_w_NK = gemm.mm(pad_rows(grad_MN, m).t(), pad_rows(x_MK, m), scaling.grad_weight,
+                                w_NK.dtype)
+        return grad_x_MK, grad_w_NK, None, None
+
+
+class Fp8Linear(nn.Linear):
+    """nn.Linear with FP8 GEMMs; same parameters and state dict as the nn.Linear it replaces."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool,
+                 gemm: EmulatedFp8Gemm | ScaledMMFp8Gemm, scaling: LinearScaling, device=None):
+        super().__init__(in_features, out_features, bias=bias, device=device)
+        self.gemm, self.scaling = gemm, scaling
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, gemm, scaling: LinearScaling) -> Fp8Linear:
+        """Wrap `linear`'s own parameters (no copy; built on meta so nothing is allocated)."""
+        new = cls(linear.in_features, linear.out_features, linear.bias is not None, gemm, scaling,
+                  device="meta")
+        new.weight = linear.weight
+        new.bias = linear.bias
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = compute_dtype(x)
+        x_MK = x.reshape(-1, x.shape[-1]).to(dtype)
+        y_MN = _Fp8LinearFn.apply(x_MK, self.weight.to(dtype), self.gemm, self.scaling)
+        if self.bias is not None:
+            y_MN = y_MN + self.bias.to(dtype)
+        return y_MN.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, fp8={self.scaling.name}, gemm={self.gemm.name}"

@@ -164,7 +164,7 @@ def test_apply_fp8_converts_exactly_the_block_linears_and_experts():
     assert set(converted) == fp8_names
     # Every nn.Linear inside a block whose features are multiples of 16 (not MLA's wkv_a: 128 + 8
     # outputs), every experts module.
-    aligned = lambda m: m.in_features % 16 == 0 and m.out_features % 16 == 0  # noqa: E731
+    aligned = lambda m: m.in_features % 16 == 0 and m.out_features % 16 == 0
     expected = {n for n, m in before.items() if (n.startswith(("layers.", "mtp.layers.0.block.")))
                 and ((type(m) is nn.Linear and aligned(m)) or n.endswith("ffn.experts"))}
     assert "layers.0.attn.wkv_a" not in expected

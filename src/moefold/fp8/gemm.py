@@ -33,7 +33,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from moefold.fp8.recipes import BLOCK, E4M3, E5M2, Fp8Format, dequantize_tiles, quantize_tiles
+from moefold.fp8.recipes import (
+    BLOCK,
+    E4M3,
+    E5M2,
+    Fp8Format,
+    dequantize_tiles,
+    quantize_tiles,
+)
 
 TILE_KINDS = ("tensor", "row", "col", "1x128", "128x1", "128x128")
 

@@ -158,5 +158,11 @@ def fp8_grouped_mm(x_RK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Ten
     return _Fp8GroupedMMFn.apply(x_RK, w_EKN, offsets_E, gemm, scaling)
 
 
-__all__ = ["GroupedScaling", "grouped_scaling", "fp8_grouped_mm", "build_grouped_gemm",
-           "EmulatedFp8GroupedGemm", "ScaledGroupedMMFp8Gemm"]
+__all__ = [
+    "EmulatedFp8GroupedGemm",
+    "GroupedScaling",
+    "ScaledGroupedMMFp8Gemm",
+    "build_grouped_gemm",
+    "fp8_grouped_mm",
+    "grouped_scaling",
+]

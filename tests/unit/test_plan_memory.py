@@ -5,6 +5,7 @@ pipeline rule, ZeRO-1's sharding of optimizer states (ddp), and the CLI."""
 import time
 
 import pytest
+import torch
 
 from moefold.cli import main
 from moefold.config import load_config, preset_names
@@ -258,3 +259,19 @@ def test_gradients_appear_in_backward_unless_micro_batches_accumulate():
     assert one.phases["forward"]["gradients"] == 0
     assert one.phases["backward"]["gradients"] < one.gradients
     assert accumulating.phases["forward"]["gradients"] == accumulating.gradients
+
+
+@pytest.mark.parametrize("recipe", ["off", "rowwise", "blockwise"])
+def test_expert_rows_follow_the_fp8_padding_of_the_built_model(recipe):
+    """The planner's R against the row count of the model apply_fp8 converted (which raises the
+    pad multiple to the FP8 kernels' alignment)."""
+    from moefold.fp8.apply import apply_fp8
+    from moefold.models.transformer import build_model
+
+    cfg = load_config("tiny-qwen3", {"model.dim": "128", "moe.expert_hidden": "128", "moe.pad_multiple": "8",
+                                     "precision.fp8": recipe})
+    model = build_model(cfg, 257, "cpu", torch.float32)
+    apply_fp8(model, cfg.precision, "cpu")
+    B, S = cfg.train.micro_batch_size, cfg.train.seq_len
+    rows = model.moe_layers()[0].dispatcher.layout.num_rows(B * S * cfg.moe.top_k)
+    assert act.expert_rows(cfg, act.Shapes(B, S, 1, 1, 1, 2)) == rows

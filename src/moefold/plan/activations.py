@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from moefold.config import Config
+from moefold.fp8.grouped import grouped_scaling
 
 CATEGORIES = ("embedding", "norm", "attn_proj", "attn_core", "mlp", "router", "moe_dispatch",
               "experts", "shared_experts", "mtp_proj", "head", "weight_copies", "kept_inputs")
@@ -126,7 +127,16 @@ def expert_rows(cfg: Config, sh: Shapes) -> int:
     if moe.pad_to_capacity:
         factor = max(factor, moe.capacity_factor)
     local_experts = moe.num_experts // sh.ep
-    return int(copies * factor) + local_experts * (max(1, moe.pad_multiple) - 1)
+    return int(copies * factor) + local_experts * (row_multiple(cfg) - 1)
+
+
+def row_multiple(cfg: Config) -> int:
+    """What each expert's group is padded to: moe.pad_multiple, raised under FP8 to its grouped
+    kernels' alignment (fp8/apply.py; counted for every layer, excluded ones included)."""
+    multiple = max(1, cfg.moe.pad_multiple)
+    if cfg.precision.fp8 != "off":
+        multiple = max(multiple, grouped_scaling(cfg.precision.fp8).row_multiple)
+    return multiple
 
 
 def router_bytes(cfg: Config, sh: Shapes) -> int:

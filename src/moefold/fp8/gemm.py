@@ -11,7 +11,7 @@ A linear `y_MN = x_MK @ W_NK^T` needs three GEMMs per step, each `a @ b` with FP
 | `grad_input`  | grad_y_MN          | W_NK           |
 | `grad_weight` | grad_y^T (a_NM)    | x_MK           |
 
-Each operand has a tile kind (which elements share a scale, see recipes.py) and a format:
+Each operand has a tile kind (which elements share a scale: recipes.TILE_KINDS) and a format:
 
 | recipe     | forward a, b        | grad_input a, b          | grad_weight a, b          | grads |
 |------------|---------------------|--------------------------|---------------------------|-------|
@@ -33,30 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from moefold.fp8.recipes import (
-    BLOCK,
-    E4M3,
-    E5M2,
-    Fp8Format,
-    dequantize_tiles,
-    quantize_tiles,
-)
-
-TILE_KINDS = ("tensor", "row", "col", "1x128", "128x1", "128x128")
-
-
-def tile_shape(kind: str, x: torch.Tensor) -> tuple[int, int]:
-    """The tile of `kind` for the last two dims of x ("row": one scale per row, "col": per column)."""
-    rows, cols = x.shape[-2:]
-    shapes = {"tensor": (rows, cols), "row": (1, cols), "col": (rows, 1),
-              "1x128": (1, BLOCK), "128x1": (BLOCK, 1), "128x128": (BLOCK, BLOCK)}
-    return shapes[kind]
-
-
-@dataclass(frozen=True)
-class Operand:
-    tile: str
-    fmt: Fp8Format = E4M3
+from moefold.fp8.recipes import BLOCK, E5M2, Operand, fake_quant, quantize
 
 
 @dataclass(frozen=True)
@@ -89,15 +66,6 @@ def linear_scaling(recipe: str) -> LinearScaling:
         fwd = GemmScaling(Operand("1x128"), Operand("128x128"))
         return LinearScaling(recipe, fwd, fwd, GemmScaling(Operand("1x128"), Operand("128x1")), BLOCK)
     raise ValueError(f"precision.fp8={recipe!r} has no linear scaling; allowed: tensorwise, rowwise, blockwise")
-
-
-def quantize(x: torch.Tensor, op: Operand) -> tuple[torch.Tensor, torch.Tensor]:
-    return quantize_tiles(x, tile_shape(op.tile, x), op.fmt, what=f"{op.tile} {op.fmt.name} operand")
-
-
-def fake_quant(x: torch.Tensor, op: Operand, dtype: torch.dtype) -> torch.Tensor:
-    """quantize → dequantize: the values an FP8 GEMM multiplies, in dtype."""
-    return dequantize_tiles(*quantize(x, op), dtype=dtype)
 
 
 def pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:

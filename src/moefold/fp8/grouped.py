@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from moefold.fp8.gemm import GemmScaling, Operand, fake_quant, pad_rows, quantize
-from moefold.fp8.recipes import BLOCK
+from moefold.fp8.gemm import GemmScaling, pad_rows
+from moefold.fp8.recipes import BLOCK, Operand, fake_quant, quantize
 
 
 @dataclass(frozen=True)

@@ -96,33 +96,58 @@ def dequantize_tiles(x_fp8: torch.Tensor, scale: torch.Tensor,
     return out.reshape(x_fp8.shape).to(dtype)
 
 
-class Recipe:
-    """A scaling strategy: which tiles share a scale, for the activation and for the weight.
+TILE_KINDS = ("tensor", "row", "col", "1x128", "128x1", "128x128")
 
-    Subclasses set only `name` and the two tile shapes; `quantize`/`dequantize` are shared.
+
+def tile_shape(kind: str, x: torch.Tensor) -> tuple[int, int]:
+    """The tile of `kind` for the last two dims of x ("row": one scale per row, "col": per column)."""
+    rows, cols = x.shape[-2:]
+    shapes = {"tensor": (rows, cols), "row": (1, cols), "col": (rows, 1),
+              "1x128": (1, BLOCK), "128x1": (BLOCK, 1), "128x128": (BLOCK, BLOCK)}
+    return shapes[kind]
+
+
+@dataclass(frozen=True)
+class Operand:
+    """How one GEMM operand is quantized: its tile kind and FP8 format."""
+    tile: str
+    fmt: Fp8Format = E4M3
+
+
+def quantize(x: torch.Tensor, op: Operand) -> tuple[torch.Tensor, torch.Tensor]:
+    return quantize_tiles(x, tile_shape(op.tile, x), op.fmt, what=f"{op.tile} {op.fmt.name} operand")
+
+
+def fake_quant(x: torch.Tensor, op: Operand, dtype: torch.dtype) -> torch.Tensor:
+    """quantize → dequantize: the values an FP8 GEMM multiplies, in dtype."""
+    return dequantize_tiles(*quantize(x, op), dtype=dtype)
+
+
+class Recipe:
+    """A scaling strategy of `a_MK @ b_KN`: the tile kind (TILE_KINDS) of the activation and of the
+    weight, both in one format.
+
+    Subclasses set only `name` and the two kinds; `quantize`/`dequantize` are shared.
     `operand="activation"` means the contraction dim is last (`a_MK`), `"weight"` that it is
     second to last (`b_KN`, or `w_EKN` with a leading expert dim).
     """
 
     name: ClassVar[str]
+    activation_kind: ClassVar[str]
+    weight_kind: ClassVar[str]
 
     def __init__(self, fmt: Fp8Format = E4M3):
         self.fmt = fmt
 
-    def activation_tile(self, a_MK: torch.Tensor) -> tuple[int, int]:
-        raise NotImplementedError
-
-    def weight_tile(self, b_KN: torch.Tensor) -> tuple[int, int]:
-        raise NotImplementedError
+    def operand(self, operand: str) -> Operand:
+        kinds = {"activation": self.activation_kind, "weight": self.weight_kind}
+        if operand not in kinds:
+            raise ValueError(f"operand={operand!r}; allowed: 'activation', 'weight'")
+        return Operand(kinds[operand], self.fmt)
 
     def quantize(self, x: torch.Tensor, operand: str = "activation") -> tuple[torch.Tensor, torch.Tensor]:
-        if operand == "activation":
-            tile = self.activation_tile(x)
-        elif operand == "weight":
-            tile = self.weight_tile(x)
-        else:
-            raise ValueError(f"operand={operand!r}; allowed: 'activation', 'weight'")
-        return quantize_tiles(x, tile, self.fmt, what=f"{self.name} {operand}")
+        op = self.operand(operand)
+        return quantize_tiles(x, tile_shape(op.tile, x), op.fmt, what=f"{self.name} {operand}")
 
     def dequantize(self, x_fp8: torch.Tensor, scale: torch.Tensor,
                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -135,37 +160,19 @@ class Recipe:
 class TensorwiseRecipe(Recipe):
     """One scale per tensor (per expert for a stacked weight)."""
 
-    name = "tensorwise"
-
-    def activation_tile(self, a_MK):
-        return tuple(a_MK.shape[-2:])
-
-    def weight_tile(self, b_KN):
-        return tuple(b_KN.shape[-2:])
+    name, activation_kind, weight_kind = "tensorwise", "tensor", "tensor"
 
 
 class RowwiseRecipe(Recipe):
     """One scale per activation row and per weight output column (torch `_scaled_mm` rowwise)."""
 
-    name = "rowwise"
-
-    def activation_tile(self, a_MK):
-        return (1, a_MK.shape[-1])
-
-    def weight_tile(self, b_KN):
-        return (b_KN.shape[-2], 1)
+    name, activation_kind, weight_kind = "rowwise", "row", "col"
 
 
 class BlockwiseRecipe(Recipe):
     """DeepSeek-V3: 1×128 activation tiles along K, 128×128 weight blocks; K, N multiples of 128."""
 
-    name = "blockwise"
-
-    def activation_tile(self, a_MK):
-        return (1, BLOCK)
-
-    def weight_tile(self, b_KN):
-        return (BLOCK, BLOCK)
+    name, activation_kind, weight_kind = "blockwise", "1x128", "128x128"
 
 
 RECIPES: dict[str, type[Recipe]] = {r.name: r for r in (TensorwiseRecipe, RowwiseRecipe, BlockwiseRecipe)}

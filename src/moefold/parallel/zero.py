@@ -241,6 +241,17 @@ class _LocalBucket:
             slot.param.grad = None
 
 
+def _runs(slots: list[_Slot], max_segment: int) -> list[list[_Slot]]:
+    """Consecutive slots cut into runs whose segments (summed slot sizes) stay within
+    `max_segment`; a slot larger than that gets a run of its own."""
+    runs: list[list[_Slot]] = [[]]
+    for slot in slots:
+        if runs[-1] and sum(s.size for s in runs[-1]) + slot.size > max_segment:
+            runs.append([])
+        runs[-1].append(slot)
+    return runs
+
+
 class ShardModule(nn.Module):
     """The optimizer's parameters: each shard registered under its model parameter's name(s), so
     torch's get/set_optimizer_state_dict key their states as they key the model's (under FSDP or in
@@ -282,21 +293,15 @@ class Zero1DataParallel(DataParallel):
         """Buckets by (data-parallel group, parameter dtype), at most BUCKET_ELEMENTS each."""
         buckets: list = []
         for slots, mesh in self.kinds:
-            if mesh.size() == 1:
-                by_dtype: dict[torch.dtype, list[_Slot]] = {}
-                for slot in slots:
-                    by_dtype.setdefault(slot.param.dtype, []).append(slot)
-                buckets += [_LocalBucket(group, self.divide_by, self.grad_dtype)
-                            for group in by_dtype.values()]
-                continue
-            runs: dict[torch.dtype, list[list[_Slot]]] = {}
+            by_dtype: dict[torch.dtype, list[_Slot]] = {}
             for slot in slots:
-                run = runs.setdefault(slot.param.dtype, [[]])
-                if run[-1] and mesh.size() * (sum(s.size for s in run[-1]) + slot.size) > BUCKET_ELEMENTS:
-                    run.append([])
-                run[-1].append(slot)
-            buckets += [_Bucket(group, mesh.get_group(), self.divide_by, self.grad_dtype)
-                        for run in runs.values() for group in run]
+                by_dtype.setdefault(slot.param.dtype, []).append(slot)
+            for same_dtype in by_dtype.values():
+                if mesh.size() == 1:
+                    buckets.append(_LocalBucket(same_dtype, self.divide_by, self.grad_dtype))
+                else:
+                    buckets += [_Bucket(run, mesh.get_group(), self.divide_by, self.grad_dtype)
+                                for run in _runs(same_dtype, BUCKET_ELEMENTS // mesh.size())]
         return buckets
 
     @torch.no_grad()

@@ -96,11 +96,11 @@ def _entry(rank: int, world: int, port: int, fn, args) -> None:
 
 
 def train_on_rank(rank: int, runs: list[tuple], out: Path) -> None:
-    """Each run: (name, model, data_path, dp, parallel sizes, run_dir, resume, save_at); rank 0
-    saves {name: result} to `out`."""
+    """Each run: (name, model, data_path, dp, parallel sizes, run_dir, resume, save_at[, extra
+    overrides]); rank 0 saves {name: result} to `out`."""
     results = {}
-    for name, model, data_path, dp, parallel, run_dir, resume, save_at in runs:
-        cfg = config(model, data_path, dp, **parallel)
+    for name, model, data_path, dp, parallel, run_dir, resume, save_at, *extra in runs:
+        cfg = config(model, data_path, dp, extra=extra[0] if extra else None, **parallel)
         results[name] = train(cfg, run_dir, resume, save_at)
     if rank == 0:
         torch.save(results, out)

@@ -18,7 +18,7 @@ from conftest import write_text_corpus
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "distributed"))
 from gpu_runs import DTYPES, assert_same_training  # noqa: E402
-from layouts import STEPS, config, run_ranks, train  # noqa: E402
+from layouts import STEPS, config, run_ranks, train, train_on_rank  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -57,25 +57,14 @@ def reference(corpus, tmp_path_factory):
             for m in MODELS for d in DTYPES}
 
 
-def train_on_gpu_rank(rank: int, runs: list[tuple], out: Path) -> None:
-    """Each run: (key, model, data_path, dp, parallel, dtype, run_dir, resume, save_at); rank 0
-    saves {key: result} to `out`."""
-    results = {}
-    for key, model, data_path, dp, parallel, dtype, run_dir, resume, save_at in runs:
-        cfg = config(model, data_path, dp, extra=gpu_overrides(dtype), **parallel)
-        results[key] = train(cfg, run_dir, resume, save_at)
-    if rank == 0:
-        torch.save(results, out)
-
-
 @pytest.mark.parametrize("name, world, dp, parallel", LAYOUTS, ids=[lay[0] for lay in LAYOUTS])
 def test_layout_on_nccl_trains_like_one_gpu(name, world, dp, parallel, corpus, reference, tmp_path):
     if GPUS < world:
         pytest.skip(f"needs {world} GPUs, {GPUS} visible")
-    runs = [((m, d), m, corpus, dp, parallel, d, tmp_path / f"{m}-{d}", None, 0)
+    runs = [((m, d), m, corpus, dp, parallel, tmp_path / f"{m}-{d}", None, 0, gpu_overrides(d))
             for m in MODELS for d in DTYPES]
     out = tmp_path / "results.pt"
-    run_ranks(world, train_on_gpu_rank, runs, out)
+    run_ranks(world, train_on_rank, runs, out)
     results = torch.load(out)
     for m, d in results:
         assert_same_training(results[m, d], reference[m, d], d, f"{name} {m} {d}")
@@ -86,16 +75,17 @@ def test_checkpoint_from_all_gpus_resumes_on_half_and_one(corpus, reference, tmp
         pytest.skip("needs 2 GPUs")
     n, half = GPUS, STEPS // 2
     saved = {m: tmp_path / f"ep{n}-{m}" for m in MODELS}
-    run_ranks(n, train_on_gpu_rank, [(m, m, corpus, n, dict(ep=n), "fp32", saved[m], None, half)
-                                     for m in MODELS], tmp_path / "saved.pt")
+    fp32 = gpu_overrides("fp32")
+    run_ranks(n, train_on_rank, [(m, m, corpus, n, dict(ep=n), saved[m], None, half, fp32) for m in MODELS],
+              tmp_path / "saved.pt")
     resumed = {}
     if n >= 4:  # on n/2 GPUs under torchrun-style ranks (n = 2: half is the one-GPU case below)
         out = tmp_path / "half.pt"
-        run_ranks(n // 2, train_on_gpu_rank, [(m, m, corpus, n // 2, dict(ep=n // 2), "fp32",
-                                              tmp_path / f"half-{m}", saved[m], 0) for m in MODELS], out)
+        run_ranks(n // 2, train_on_rank, [(m, m, corpus, n // 2, dict(ep=n // 2), tmp_path / f"half-{m}",
+                                          saved[m], 0, fp32) for m in MODELS], out)
         resumed.update({(f"{n // 2} GPUs", m): r for m, r in torch.load(out).items()})
     for m in MODELS:
-        one = config(m, corpus, extra=gpu_overrides("fp32"))
+        one = config(m, corpus, extra=fp32)
         resumed["1 GPU", m] = train(one, tmp_path / f"one-{m}", resume=saved[m])
     for (where, m), result in resumed.items():
         torch.testing.assert_close(torch.tensor(result["losses"]),

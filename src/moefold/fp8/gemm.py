@@ -98,6 +98,7 @@ class ScaledMMFp8Gemm:
     def mm(self, a_MK, b_KN, scaling, dtype):
         a_fp8, scale_a = quantize(a_MK, scaling.a)
         b_fp8, scale_b = quantize(b_KN, scaling.b)
+        a_fp8 = a_fp8.contiguous()  # row-major (grad_weight's a is a transposed view)
         b_fp8 = b_fp8.t().contiguous().t()  # column-major
         kinds = (scaling.a.tile, scaling.b.tile)
         if kinds == ("tensor", "tensor"):
@@ -115,14 +116,16 @@ class ScaledMMFp8Gemm:
         st = F.ScalingType
         if kinds[0] != "1x128" or kinds[1] not in ("128x128", "128x1"):
             raise ValueError(f"ScaledMMFp8Gemm: no cuBLAS kernel for tiles {kinds}")
-        # 1x128 scales outer-dim-major ([M, K/128] with stride 1 along M), as cuBLAS reads them;
-        # for b, 128x128 scales [K/128, N/128] column-major, 128x1 scales [K/128, N] row-major
-        # (pytorch test/test_scaled_matmul_cuda.py, test_scaled_mm_vs_emulated_block_wise).
+        # cuBLAS reads every blockwise scale outer-dim-major: a's 1x128 scales as [M, K/128] with
+        # stride 1 along M; b's 128x1 scales as [N, K/128] with stride 1 along N; b's 128x128 scales
+        # as [K/128, N/128] with stride 1 along K/128, K/128 padded to a multiple of 4.
         scale_a = scale_a.t().contiguous().t()
         if kinds[1] == "128x128":
-            scale_b, recipe_b = scale_b.t().contiguous().t(), st.BlockWise128x128
+            kb = scale_b.shape[0]
+            scale_b = F.pad(scale_b, (0, 0, 0, -kb % 4), value=1.0).t().contiguous().t()
+            recipe_b = st.BlockWise128x128
         else:
-            scale_b, recipe_b = scale_b.contiguous(), st.BlockWise1x128
+            scale_b, recipe_b = scale_b.t(), st.BlockWise1x128
         return F.scaled_mm(a_fp8, b_fp8, scale_a, st.BlockWise1x128, scale_b, recipe_b,
                            output_dtype=torch.bfloat16)
 

@@ -118,6 +118,9 @@ class ScaledGroupedMMFp8Gemm(EmulatedFp8GroupedGemm):
     def grouped_weight_grad(self, x_RK, grad_RN, offsets_E, scaling, dtype):
         if scaling.a.tile != "col":
             return super().grouped_weight_grad(x_RK, grad_RN, offsets_E, scaling, dtype)
+        # The kernel reads x^T and grad^T with a row stride of R bytes, which must be a multiple
+        # of 16: zero rows past the last offset (never read) pad R up to it.
+        x_RK, grad_RN = pad_rows(x_RK, 16), pad_rows(grad_RN, 16)
         x_fp8, scale_EK = quantize_group_columns(x_RK, offsets_E, scaling.a)
         g_fp8, scale_EN = quantize_group_columns(grad_RN, offsets_E, scaling.b)
         out = torch._scaled_grouped_mm(x_fp8.t().contiguous(), g_fp8.t().contiguous().t(),

@@ -77,6 +77,17 @@ def fake_quant_groups(x_RN: torch.Tensor, offsets_E: torch.Tensor, op: Operand,
     return fake_quant(pad_rows(x_RN, BLOCK), op, dtype)[: x_RN.shape[0]]
 
 
+@torch.compiler.disable
+def _eager_grouped_mm(a, b, offs):
+    return torch._grouped_mm(a, b, offs=offs)
+
+
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """torch._grouped_mm; outside bf16 kept out of compiled graphs (its meta kernel takes bf16
+    only, train/compile.py)."""
+    return (torch._grouped_mm if a.dtype == torch.bfloat16 else _eager_grouped_mm)(a, b, offs=offs)
+
+
 class EmulatedFp8GroupedGemm:
     """quantize → dequantize → torch._grouped_mm in the compute dtype; runs on any device."""
 
@@ -85,13 +96,13 @@ class EmulatedFp8GroupedGemm:
     def grouped_mm(self, x_RK, w_EKN, offsets_E, scaling: GemmScaling, dtype):
         xq_RK = fake_quant(x_RK, scaling.a, dtype)
         wq_EKN = fake_quant(w_EKN, scaling.b, dtype)
-        return torch._grouped_mm(xq_RK, wq_EKN, offs=offsets_E)
+        return _grouped_mm(xq_RK, wq_EKN, offsets_E)
 
     def grouped_weight_grad(self, x_RK, grad_RN, offsets_E, scaling: GemmScaling, dtype):
         """grad_w_EKN[e] = x_e^T @ grad_e over each expert's rows."""
         xq_RK = fake_quant_groups(x_RK, offsets_E, scaling.a, dtype)
         gq_RN = fake_quant_groups(grad_RN, offsets_E, scaling.b, dtype)
-        return torch._grouped_mm(xq_RK.t(), gq_RN, offs=offsets_E)
+        return _grouped_mm(xq_RK.t(), gq_RN, offsets_E)
 
 
 class ScaledGroupedMMFp8Gemm(EmulatedFp8GroupedGemm):

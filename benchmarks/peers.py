@@ -180,8 +180,10 @@ def time_peer(peer: Peer, cfg: Config, device: torch.device, steps: int, warmup:
         return loss
 
     step_s, loss = time_steps(step, device, steps, warmup)
-    return {"step_s": step_s, "loss": float(loss), "params": sum(p.numel() for p in params),
-            "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None}
+    cuda = device.type == "cuda"
+    return {"step_s": step_s, "loss": float(loss.detach()), "params": sum(p.numel() for p in params),
+            "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
+            "alloc_retries": torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if cuda else None}
 
 
 def run_system(system: str, cfg: Config, device: torch.device, steps: int, warmup: int) -> dict:
@@ -191,15 +193,18 @@ def run_system(system: str, cfg: Config, device: torch.device, steps: int, warmu
         if system == "moefold-compile":
             cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile=True))
         r = run_bench(cfg, steps, warmup).record
-        return {"seconds": r["seconds"], "step_ms": r["step_ms_mean"], "params": r["params_total"],
-                "peak_gib": r["peak_mem_gib"], "loss": r["loss"], "note": r["compute_dtype"]}
+        return {"seconds": r["seconds"], "step_ms": r["step_ms_mean"], "step_ms_each": r["step_ms"],
+                "params": r["params_total"], "peak_gib": r["peak_mem_gib"], "loss": r["loss"],
+                "alloc_retries": r["alloc_retries"], "note": r["compute_dtype"]}
     builders = {"torchtitan": lambda: build_torchtitan(cfg, device, compile_blocks=False),
                 "torchtitan-compile": lambda: build_torchtitan(cfg, device, compile_blocks=True),
                 "transformers": lambda: build_transformers(cfg, device)}
     peer = builders[system]()
     r = time_peer(peer, cfg, device, steps, warmup)
     return {"seconds": sum(r["step_s"]), "step_ms": 1e3 * statistics.fmean(r["step_s"]),
-            "params": r["params"], "peak_gib": r["peak_gib"], "loss": r["loss"], "note": peer.note}
+            "step_ms_each": [1e3 * s for s in r["step_s"]], "params": r["params"],
+            "peak_gib": r["peak_gib"], "loss": r["loss"], "alloc_retries": r["alloc_retries"],
+            "note": peer.note}
 
 
 def _free(device: torch.device) -> None:
@@ -242,7 +247,7 @@ def format_shape(result: dict) -> str:
     rows = result["rows"]
     ref = max((rows.get(s, {}).get("tflops") or 0 for s in ("moefold", "moefold-compile")), default=0)
     head = (f"{'system':22s} {'tok/s':>9s} {'TFLOP/s':>8s} {'peak GiB':>8s} {'step ms':>8s} "
-            f"{'params/ours':>11s} {'moefold ×':>9s}  note")
+            f"{'min-max':>13s} {'retries':>7s} {'params/ours':>11s} {'moefold ×':>9s}  note")
     lines = [f"{result['shape']} ({result['preset']} + {result['overrides']}), "
              f"{result['flops_per_token'] / 1e9:.3f} GFLOP per token", head]
     for system, r in rows.items():
@@ -251,8 +256,11 @@ def format_shape(result: dict) -> str:
             continue
         ratio = f"{ref / r['tflops']:9.2f}" if ref else f"{'-':>9s}"
         peak = f"{r['peak_gib']:8.1f}" if r["peak_gib"] is not None else f"{'-':>8s}"
+        spread = f"{min(r['step_ms_each']):.0f}-{max(r['step_ms_each']):.0f}"
+        retries = "-" if r["alloc_retries"] is None else str(r["alloc_retries"])
         lines.append(f"{system:22s} {r['tokens_per_s']:9,.0f} {r['tflops']:8.1f} {peak} "
-                     f"{r['step_ms']:8.1f} {r['params_vs_moefold']:11.4f} {ratio}  {r['note']}")
+                     f"{r['step_ms']:8.1f} {spread:>13s} {retries:>7s} {r['params_vs_moefold']:11.4f} "
+                     f"{ratio}  {r['note']}")
     return "\n".join(lines)
 
 

@@ -94,14 +94,24 @@ def _record(cfg: Config, trainer: BenchTrainer, step_s: list[float], peak: float
         "seq_len": t.seq_len, "grad_accum": trainer.grad_accum, "vocab_size": trainer.vocab_size,
         "tokens_per_step": tokens_per_step, "tokens": tokens, "seconds": seconds,
         "step_ms_mean": 1e3 * statistics.fmean(step_s), "step_ms_min": 1e3 * min(step_s),
+        "step_ms_max": 1e3 * max(step_s), "step_ms": [1e3 * s for s in step_s],
         "tokens_per_s": rate["tokens_per_s"], "flops_per_token": trainer.flops_per_token,
         "tflops": rate["tflops"], "peak_tflops_measured": peak, "mfu": rate["mfu"],
         "peak_tflops_datasheet": datasheet,
         "mfu_datasheet": rate["tflops"] / datasheet if datasheet else None,
         "peak_mem_gib": metrics.peak_memory_gib(trainer.device),
+        "alloc_retries": _alloc_retries(trainer.device),
         "params_total": p.total, "params_active": p.active,
         "loss": float(parts["lm_loss"]), "grad_norm": float(grad_norm),
     }
+
+
+def _alloc_retries(device: torch.device) -> int | None:
+    """Times the CUDA caching allocator freed its cache and retried a failed cudaMalloc: each one
+    synchronizes the device, so a run near the memory limit slows down without running out."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
 
 
 def _device_name(device: torch.device) -> str:
@@ -131,13 +141,14 @@ def format_record(r: dict[str, Any]) -> str:
                   f" = {r['tokens_per_step']:,} tokens per step (vocabulary {r['vocab_size']:,})"),
         ("model", f"{r['params_total'] / 1e6:,.2f}M parameters, {r['params_active'] / 1e6:,.2f}M "
                   f"active; {r['flops_per_token'] / 1e6:,.2f} MFLOP per token (fwd+bwd)"),
-        ("step time", f"{r['step_ms_mean']:.2f} ms mean, {r['step_ms_min']:.2f} ms min "
-                      f"({r['steps']} steps after {r['warmup']} warm-up)"),
+        ("step time", f"{r['step_ms_mean']:.2f} ms mean, {r['step_ms_min']:.2f} ms min, "
+                      f"{r['step_ms_max']:.2f} ms max ({r['steps']} steps after {r['warmup']} warm-up)"),
         ("tokens/s", f"{r['tokens_per_s']:,.0f}" + (" per device" if r["world"] > 1 else "")),
         ("TFLOP/s", f"{r['tflops']:.3f}"),
         ("MFU", mfu),
         ("peak memory", f"{r['peak_mem_gib']:.2f} GiB"
-                        + (" (process max RSS)" if r["device"] == "cpu" else " (allocated)")),
+                        + (" (process max RSS)" if r["device"] == "cpu" else
+                           f" (allocated; {r['alloc_retries']} allocator retries)")),
         ("loss", f"{r['loss']:.4f} (random tokens: ln V = {torch.log(torch.tensor(float(r['vocab_size']))):.4f})"),
     ]
     limit = r.get("limit")

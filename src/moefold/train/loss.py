@@ -6,6 +6,8 @@ differentiate and the parts to log (`lm_loss` is always the plain next-token los
 and without MTP compare).
 """
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -18,22 +20,34 @@ def cross_entropy_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> tor
     return F.cross_entropy(logits_BSV.flatten(0, 1).float(), labels_BS.flatten())
 
 
-def next_token_loss(model, input_ids_BS, labels_BS) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    loss = cross_entropy_loss(model(input_ids_BS), labels_BS)
-    return loss, {"lm_loss": loss.detach()}
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class NextTokenLoss:
+    """L = cross-entropy of the model's logits against the next tokens."""
+
+    def __init__(self, loss_fn: LossFn = cross_entropy_loss):
+        self.loss_fn = loss_fn
+
+    def __call__(self, model, input_ids_BS, labels_BS) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        loss = self.loss_fn(model(input_ids_BS), labels_BS)
+        return loss, {"lm_loss": loss.detach()}
+
+
+next_token_loss = NextTokenLoss()
 
 
 class NextTokenAndMTPLoss:
     """L = L_lm + weight · mean_k L_mtp,k (DeepSeek-V3, λ = 0.3 early in training, 0.1 later)."""
 
-    def __init__(self, weight: float):
-        self.weight = weight
+    def __init__(self, weight: float, loss_fn: LossFn = cross_entropy_loss):
+        self.weight, self.loss_fn = weight, loss_fn
 
     def __call__(self, model, input_ids_BS, labels_BS) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         h_BSD, (cos, sin) = model.trunk(input_ids_BS)
-        lm_loss = cross_entropy_loss(model.output(model.norm(h_BSD)), labels_BS)
+        lm_loss = self.loss_fn(model.output(model.norm(h_BSD)), labels_BS)
         mtp_losses = model.mtp(h_BSD, input_ids_BS, labels_BS, model.tok_embeddings, model.output,
-                               cos, sin, cross_entropy_loss)
+                               cos, sin, self.loss_fn)
         mtp_loss = torch.stack(mtp_losses).mean()
         return lm_loss + self.weight * mtp_loss, {"lm_loss": lm_loss.detach(),
                                                   "mtp_loss": mtp_loss.detach()}
@@ -52,9 +66,9 @@ class ChunkedNextTokenLoss:
         return loss, {"lm_loss": loss.detach()}
 
 
-def build_objective(model, chunk_tokens: int = 0):
+def build_objective(model, chunk_tokens: int = 0, loss_fn: LossFn = cross_entropy_loss):
     """`chunk_tokens` > 0 (train.loss_chunk_tokens) picks the chunked head + loss for models
-    without MTP."""
+    without MTP; `loss_fn` is the logits' cross-entropy otherwise (train/compile.py compiles it)."""
     if model.mtp is not None:
-        return NextTokenAndMTPLoss(model.cfg.model.mtp_loss_weight)
-    return ChunkedNextTokenLoss(chunk_tokens) if chunk_tokens > 0 else next_token_loss
+        return NextTokenAndMTPLoss(model.cfg.model.mtp_loss_weight, loss_fn)
+    return ChunkedNextTokenLoss(chunk_tokens) if chunk_tokens > 0 else NextTokenLoss(loss_fn)

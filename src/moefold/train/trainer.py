@@ -47,7 +47,7 @@ from moefold.parallel.apply import parallelize
 from moefold.parallel.data import DataParallel, GradNormClipper
 from moefold.parallel.launch import join
 from moefold.train import metrics
-from moefold.train.compile import compile_blocks
+from moefold.train.compile import compile_blocks, compile_loss
 from moefold.train.flops import count_params, peak_tflops, train_flops_per_token
 from moefold.train.heatmap import append_window, write_load_heatmap
 from moefold.train.loss import build_objective, cross_entropy_loss
@@ -168,7 +168,8 @@ class Trainer:
         self.model: Transformer = model.to(self.device)
         for layer in self.model.moe_layers():
             layer.aux_loss_scale = 1.0 / self.grad_accum  # the CE loss is averaged the same way
-        self.objective = build_objective(self.model, cfg.train.loss_chunk_tokens)
+        loss_fn = compile_loss(cross_entropy_loss) if cfg.train.compile else cross_entropy_loss
+        self.objective = build_objective(self.model, cfg.train.loss_chunk_tokens, loss_fn)
         self.param_counts = count_params(self.model)  # of the whole model, before sharding
         self.flops_per_token = train_flops_per_token(self.model, cfg.train.seq_len)
         self.data_parallel = DataParallel(self.model)  # the optimizer updates the model itself

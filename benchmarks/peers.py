@@ -1,8 +1,9 @@
 """moefold against its peers in one process: the same shape, batch and random tokens, one table.
 
-Systems (../shared/design/PEERS.md): TorchTitan 0.2.2 eager and with torch.compile per block (model
-classes built directly, `init_weights` under no_grad), Hugging Face transformers with grouped_mm
-experts, and moefold (the Trainer's own step, as `moefold bench` runs it). Every system trains
+Systems (../shared/design/PEERS.md): TorchTitan 0.2.2 eager, compiled by its own `apply_compile`
+and compiled per whole block (model classes built directly, `init_weights` under no_grad), Hugging
+Face transformers with grouped_mm experts, and moefold eager and with `train.compile` (the
+Trainer's own step, as `moefold bench` runs it). Every system trains
 with bf16 autocast over fp32 weights, fused AdamW, grad-norm clipping at 1.0, micro-batch 4 ×
 sequence 4096 of uniform random tokens, dropless routing with force-balancing off. Throughput is by
 one FLOP count for all: `moefold.train.flops.train_flops_per_token` of the moefold model of the same
@@ -11,7 +12,8 @@ shapes agree. A library that does not import gives a "skipped: ... not installed
 
     export PYTHONPATH=$PWD/src            # plus the carried wheels' site dir (PEERS.md)
     python3 benchmarks/peers.py [--shapes qwen3-30b-a3b-6l,deepseek-v3-small-8l] \
-        [--systems torchtitan,torchtitan-compile,transformers,moefold,moefold-compile] [--steps 10] [--warmup 3] \
+        [--systems torchtitan,torchtitan-compile,torchtitan-compile-blocks,transformers,moefold,moefold-compile] \
+        [--steps 10] [--warmup 3] \
         [--json PATH]
 """
 
@@ -48,7 +50,8 @@ SHAPES = {
         "moe.norm_topk_prob": "true", "moe.expert_bias": "true"}),
 }
 COMMON = {"train.micro_batch_size": "4", "train.seq_len": "4096", "moe.force_balanced": "false"}
-SYSTEMS = ("torchtitan", "torchtitan-compile", "transformers", "moefold", "moefold-compile")
+SYSTEMS = ("torchtitan", "torchtitan-compile", "torchtitan-compile-blocks", "transformers", "moefold",
+           "moefold-compile")
 REFERENCE = "torchtitan-compile"  # the ratio column: moefold's best TFLOP/s over each system's
 
 
@@ -66,7 +69,10 @@ class Peer:
 # ------------------------------------------------------------------------------------ builders
 
 
-def build_torchtitan(cfg: Config, device: torch.device, compile_blocks: bool) -> Peer:
+def build_torchtitan(cfg: Config, device: torch.device, compile_mode: str | None) -> Peer:
+    """compile_mode: None (eager), "apply_compile" (TorchTitan's own: each block's attention, norms
+    and MoE routing compiled, the routed experts left eager) or "blocks" (whole blocks, experts
+    included, as PEERS.md's "torch.compile per block" figures were measured)."""
     try:
         import torchtitan  # noqa: F401
         from torchtitan.models.moe import MoEArgs
@@ -108,24 +114,30 @@ def build_torchtitan(cfg: Config, device: torch.device, compile_blocks: bool) ->
         except TypeError:
             model.init_weights()
     note = ""
-    if compile_blocks:
-        note = _compile_blocks(model)
+    if compile_mode == "apply_compile":
+        note = _apply_compile(model)
+    elif compile_mode == "blocks":
+        note = _compile_whole_blocks(model)
     return Peer(model, lambda ids: model(ids), note)
 
 
-def _compile_blocks(model: nn.Module) -> str:
-    """torch.compile per transformer block, as TorchTitan's apply_compile does."""
+def _apply_compile(model: nn.Module) -> str:
+    """TorchTitan's own compile (what `--compile.enable` runs)."""
     try:
         from torchtitan.models.llama4.infra.parallelize import apply_compile
 
         apply_compile(model, SimpleNamespace(enable=True, backend="inductor", components=["model"]),
                       ep_enabled=False)
         return "torchtitan apply_compile"
-    except Exception as e:  # another version's signature: compile the blocks the same way ourselves
-        torch._dynamo.config.capture_scalar_outputs = True
-        for name, block in list(model.layers.named_children()):
-            model.layers.register_module(name, torch.compile(block, fullgraph=False))
-        return f"per-block torch.compile (apply_compile: {type(e).__name__})"
+    except Exception as e:  # another version's signature: compile whole blocks instead
+        return _compile_whole_blocks(model) + f" (apply_compile: {type(e).__name__})"
+
+
+def _compile_whole_blocks(model: nn.Module) -> str:
+    torch._dynamo.config.capture_scalar_outputs = True
+    for name, block in list(model.layers.named_children()):
+        model.layers.register_module(name, torch.compile(block, fullgraph=False))
+    return "torch.compile per whole block"
 
 
 def build_transformers(cfg: Config, device: torch.device) -> Peer:
@@ -196,8 +208,9 @@ def run_system(system: str, cfg: Config, device: torch.device, steps: int, warmu
         return {"seconds": r["seconds"], "step_ms": r["step_ms_mean"], "step_ms_each": r["step_ms"],
                 "params": r["params_total"], "peak_gib": r["peak_mem_gib"], "loss": r["loss"],
                 "alloc_retries": r["alloc_retries"], "note": r["compute_dtype"]}
-    builders = {"torchtitan": lambda: build_torchtitan(cfg, device, compile_blocks=False),
-                "torchtitan-compile": lambda: build_torchtitan(cfg, device, compile_blocks=True),
+    builders = {"torchtitan": lambda: build_torchtitan(cfg, device, None),
+                "torchtitan-compile": lambda: build_torchtitan(cfg, device, "apply_compile"),
+                "torchtitan-compile-blocks": lambda: build_torchtitan(cfg, device, "blocks"),
                 "transformers": lambda: build_transformers(cfg, device)}
     peer = builders[system]()
     r = time_peer(peer, cfg, device, steps, warmup)

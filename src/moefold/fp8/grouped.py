@@ -12,7 +12,7 @@ them), K input features, N output features, E experts.
 Tensorwise has no grouped form (one scale over all experts' rows would couple the experts), so a
 tensorwise run's experts use rowwise scaling, as torchao's FP8 MoE training does. The weight
 gradient contracts over each expert's rows: its scales are per column *within each group* (rowwise,
-a segmented amax with no host sync), or 128-row tiles that never straddle two groups because every
+a segmented amax over 16-row chunks with no host sync), or 128-row tiles that never straddle two groups because every
 group is padded to a multiple of 128 (blockwise). Group sizes must be multiples of
 `GroupedScaling.row_multiple` (16 or 128): the MoE layer pads them (apply_fp8 raises its pad multiple).
 Rows past the last offset are neither read nor written, as with torch._grouped_mm.
@@ -47,34 +47,51 @@ def grouped_scaling(recipe: str) -> GroupedScaling:
     raise ValueError(f"precision.fp8={recipe!r} has no grouped scaling; allowed: tensorwise, rowwise, blockwise")
 
 
-def group_ids(offsets_E: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """gid_R: each row's expert; E for rows past the last offset."""
-    rows_R = torch.arange(num_rows, device=offsets_E.device, dtype=offsets_E.dtype)
-    return torch.searchsorted(offsets_E, rows_R, right=True)
+COLUMN_CHUNK = 16
+"""Rows per chunk of the per-group column scaling: the rowwise grouped row multiple, so every
+chunk lies in one group (or past the last offset)."""
+
+
+def group_ids(offsets_E: torch.Tensor, num_rows: int, step: int = 1) -> torch.Tensor:
+    """The expert of rows 0, step, 2·step, ... (num_rows of them); E past the last offset."""
+    rows = torch.arange(num_rows, device=offsets_E.device, dtype=offsets_E.dtype) * step
+    return torch.searchsorted(offsets_E, rows, right=True)
 
 
 def quantize_group_columns(x_RN: torch.Tensor, offsets_E: torch.Tensor,
                            op: Operand) -> tuple[torch.Tensor, torch.Tensor]:
-    """x in FP8 with one scale per column within each group: (x_fp8 [R, N], scale [E, N])."""
+    """x in FP8 with one scale per column within each group: (x_fp8 [R, N], scale [E, N]).
+
+    R and every group size are multiples of COLUMN_CHUNK (C chunks): the column amax is a dense
+    reduction within each chunk (fused by the compiler), and only the chunks' [C, N] maxima are
+    scattered into their groups, never an [R, N] copy.
+    """
     if op.tile != "col":
         raise ValueError(f"quantize_group_columns: tile {op.tile!r}; allowed: 'col'")
     E, (R, N) = offsets_E.shape[0], x_RN.shape
-    gid_R = group_ids(offsets_E, R)
+    C = R // COLUMN_CHUNK
+    x_CcN = x_RN.view(C, COLUMN_CHUNK, N)
+    amax_CN = x_CcN.abs().amax(dim=1).float()
+    gid_C = group_ids(offsets_E, C, COLUMN_CHUNK)
     amax_GN = torch.zeros(E + 1, N, device=x_RN.device, dtype=torch.float32)
-    amax_GN.scatter_reduce_(0, gid_R[:, None].expand(R, N), x_RN.float().abs(), "amax")
+    amax_GN.scatter_reduce_(0, gid_C[:, None].expand(C, N), amax_CN, "amax")
     scale_GN = torch.where(amax_GN > 0, amax_GN / op.fmt.max, torch.ones_like(amax_GN))
-    x_fp8 = (x_RN.float() / scale_GN[gid_R]).clamp(-op.fmt.max, op.fmt.max).to(op.fmt.dtype)
-    return x_fp8, scale_GN[:E]
+    x_fp8 = (x_CcN.float() / scale_GN[gid_C][:, None, :]).clamp(-op.fmt.max, op.fmt.max)
+    return x_fp8.to(op.fmt.dtype).view(R, N), scale_GN[:E]
 
 
 def fake_quant_groups(x_RN: torch.Tensor, offsets_E: torch.Tensor, op: Operand,
                       dtype: torch.dtype) -> torch.Tensor:
     """Dequantized FP8 values of a weight-gradient operand (tiles along rows, within groups)."""
+    R, N = x_RN.shape
     if op.tile == "col":
-        x_fp8, scale_EN = quantize_group_columns(x_RN, offsets_E, op)
-        scale_GN = torch.cat([scale_EN, scale_EN.new_ones(1, x_RN.shape[1])])
-        return (x_fp8.float() * scale_GN[group_ids(offsets_E, x_RN.shape[0])]).to(dtype)
-    return fake_quant(pad_rows(x_RN, BLOCK), op, dtype)[: x_RN.shape[0]]
+        x_pad_RN = pad_rows(x_RN, COLUMN_CHUNK)
+        x_fp8, scale_EN = quantize_group_columns(x_pad_RN, offsets_E, op)
+        scale_GN = torch.cat([scale_EN, scale_EN.new_ones(1, N)])
+        C = x_pad_RN.shape[0] // COLUMN_CHUNK
+        scale_C1N = scale_GN[group_ids(offsets_E, C, COLUMN_CHUNK)][:, None, :]
+        return (x_fp8.view(C, COLUMN_CHUNK, N).float() * scale_C1N).view(-1, N)[:R].to(dtype)
+    return fake_quant(pad_rows(x_RN, BLOCK), op, dtype)[:R]
 
 
 @torch.compiler.disable
@@ -130,8 +147,9 @@ class ScaledGroupedMMFp8Gemm(EmulatedFp8GroupedGemm):
         if scaling.a.tile != "col":
             return super().grouped_weight_grad(x_RK, grad_RN, offsets_E, scaling, dtype)
         # The kernel reads x^T and grad^T with a row stride of R bytes, which must be a multiple
-        # of 16: zero rows past the last offset (never read) pad R up to it.
-        x_RK, grad_RN = pad_rows(x_RK, 16), pad_rows(grad_RN, 16)
+        # of 16 (as quantize_group_columns' chunks): zero rows past the last offset (never read)
+        # pad R up to it.
+        x_RK, grad_RN = pad_rows(x_RK, COLUMN_CHUNK), pad_rows(grad_RN, COLUMN_CHUNK)
         x_fp8, scale_EK = quantize_group_columns(x_RK, offsets_E, scaling.a)
         g_fp8, scale_EN = quantize_group_columns(grad_RN, offsets_E, scaling.b)
         out = torch._scaled_grouped_mm(x_fp8.t().contiguous(), g_fp8.t().contiguous().t(),

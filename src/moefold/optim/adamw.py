@@ -11,6 +11,7 @@ from torch.distributed.tensor import DTensor
 
 from moefold.config import OptimConfig, TrainConfig
 from moefold.optim.precision import PrecisionAwareAdamW
+from moefold.parallel.data import scale_gradients
 from moefold.parallel.local import local_tensor
 
 
@@ -64,3 +65,23 @@ def _build(model: nn.Module, t: TrainConfig, device: torch.device, o: OptimConfi
     fused = device.type == "cuda"
     return torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
                              eps=t.eps, fused=fused, foreach=None if fused else True)
+
+
+class ClipInFusedAdamW:
+    """The clip coefficient handed to torch's fused AdamW as its gradient unscale factor
+    (`grad_scale`, which the kernel divides every gradient by as it reads it): no separate pass
+    over all gradients to scale them. The gradients are left clipped, as after in-place scaling."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+
+    def __call__(self, grads: list[torch.Tensor], coef: torch.Tensor) -> None:
+        self.optimizer.grad_scale = coef.reciprocal()
+
+
+def clip_scaling(optimizer: torch.optim.Optimizer, o: OptimConfig):
+    """How clipping scales the gradients: inside torch's fused AdamW when the step is that kernel
+    and nothing rounds the gradients before it (optim.grad_dtype fp32), else in place."""
+    fused = type(optimizer) is torch.optim.AdamW and optimizer.defaults.get("fused")
+    return ClipInFusedAdamW(optimizer) if fused and o.grad_dtype == "fp32" else scale_gradients
+

@@ -118,12 +118,18 @@ def replication(p: torch.Tensor, world: int) -> int:
     return world // pieces
 
 
+def scale_gradients(grads: list[torch.Tensor], coef: torch.Tensor) -> None:
+    """Clip by multiplying every gradient in place (one foreach pass over all gradients)."""
+    torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+
+
 class GradNormClipper:
     """clip_grad_norm_ over parameters spread across the dense and expert meshes: one all-reduce of
-    a scalar for the global norm, then every local gradient scaled by the same coefficient."""
+    a scalar for the global norm, then every local gradient scaled by the same coefficient, by a
+    strategy fixed at build (`scale_gradients`, or optim.adamw.ClipInFusedAdamW)."""
 
-    def __init__(self, params: list[nn.Parameter], group=None):
-        self.params, self.group = params, group
+    def __init__(self, params: list[nn.Parameter], group=None, scale=scale_gradients):
+        self.params, self.group, self.scale = params, group, scale
         world = dist.get_world_size(group) if group is not None else 1
         self.weights = [1.0 / replication(p, world) for p in params]
 
@@ -140,8 +146,7 @@ class GradNormClipper:
             dist.all_reduce(total_sq, group=self.group)
         norm = total_sq.sqrt()
         if math.isfinite(max_norm):
-            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-            torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+            self.scale(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))
         return norm
 
 
@@ -152,4 +157,5 @@ __all__ = [
     "dense_parameters",
     "expert_parameters",
     "replication",
+    "scale_gradients",
 ]

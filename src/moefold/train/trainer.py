@@ -41,7 +41,7 @@ from moefold.errors import ConfigError
 from moefold.fp8.apply import apply_fp8
 from moefold.models.transformer import Transformer, build_model
 from moefold.moe.stats import AUX_SUM, ENTROPY_SUM, ENTROPY_TOKENS, summarize
-from moefold.optim.adamw import GRAD_DTYPES, build_optimizer
+from moefold.optim.adamw import GRAD_DTYPES, build_optimizer, clip_scaling
 from moefold.optim.schedule import build_scheduler
 from moefold.parallel.apply import parallelize
 from moefold.parallel.data import DataParallel, GradNormClipper
@@ -104,6 +104,9 @@ class Trainer:
         self._build_model()
         self.optimizer = build_optimizer(self.data_parallel.optimized, cfg.train, self.device, cfg.optim)
         self.data_parallel.optimizer_built()
+        self.clip_gradients = GradNormClipper(list(self.data_parallel.optimized.parameters()),
+                                              dist.group.WORLD if self.dist.layout else None,
+                                              clip_scaling(self.optimizer, cfg.optim))
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
         self.step = 0
         if checkpoint is not None:
@@ -178,8 +181,6 @@ class Trainer:
             self.data_parallel = parallelize(self.model, self.dist.layout, cfg.parallel, grad_dtype)
         if cfg.train.compile:
             compile_blocks(self.model, self.compute_dtype)
-        self.clip_gradients = GradNormClipper(list(self.data_parallel.optimized.parameters()),
-                                              dist.group.WORLD if self.dist.layout else None)
         self.peak_tflops = peak_tflops(self.device, cfg.logging.peak_tflops)
         autocast_on = self.compute_dtype != torch.float32
         self.autocast = (partial(torch.autocast, self.device.type, dtype=self.compute_dtype)

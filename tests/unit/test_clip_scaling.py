@@ -1,0 +1,48 @@
+"""Gradient clipping inside torch's fused AdamW (`ClipInFusedAdamW`: the clip coefficient as the
+kernel's gradient unscale factor) steps exactly like clipping in place and then stepping, and the
+strategy is picked only where it applies."""
+
+import pytest
+import torch
+
+from moefold.config import OptimConfig
+from moefold.optim.adamw import ClipInFusedAdamW, clip_scaling
+from moefold.parallel.data import GradNormClipper, scale_gradients
+
+
+def _params(seed):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(shape, generator=gen)) for shape in ((64, 32), (32,), (8, 8))]
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 1e6])  # clipping, and a coefficient of exactly 1
+def test_clip_in_fused_adamw_steps_like_clipping_in_place(max_norm):
+    reference, folded = _params(0), _params(0)
+    opt_ref = torch.optim.AdamW(reference, lr=1e-2, weight_decay=0.1, fused=True)
+    opt_fold = torch.optim.AdamW(folded, lr=1e-2, weight_decay=0.1, fused=True)
+    clip_ref = GradNormClipper(reference, scale=scale_gradients)
+    clip_fold = GradNormClipper(folded, scale=ClipInFusedAdamW(opt_fold))
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        grads = [3 * torch.randn(p.shape, generator=gen) for p in reference]
+        for params in (reference, folded):
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+        norms = clip_ref(max_norm), clip_fold(max_norm)
+        torch.testing.assert_close(norms[0], norms[1], rtol=0, atol=0)
+        opt_ref.step()
+        opt_fold.step()
+        for a, b in zip(reference, folded):
+            torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-6, atol=1e-7)  # left clipped too
+    assert any((a - p).abs().max() > 1e-3 for a, p in zip(reference, _params(0)))  # it trained
+
+
+def test_clip_scaling_picks_the_fused_kernel_only_where_it_applies():
+    params = _params(0)
+    fused = torch.optim.AdamW(params, lr=1e-3, fused=True)
+    assert isinstance(clip_scaling(fused, OptimConfig()), ClipInFusedAdamW)
+    # gradients rounded before the step (a pre-hook): clip them first
+    assert clip_scaling(fused, OptimConfig(grad_dtype="bf16")) is scale_gradients
+    foreach = torch.optim.AdamW(params, lr=1e-3, foreach=True)
+    assert clip_scaling(foreach, OptimConfig()) is scale_gradients

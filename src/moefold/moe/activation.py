@@ -18,8 +18,24 @@ def swiglu(gate_RF: torch.Tensor, up_RF: torch.Tensor) -> torch.Tensor:
     return F.silu(gate_RF) * up_RF
 
 
+def swiglu_grad(grad_RF: torch.Tensor, gate_RF: torch.Tensor, up_RF: torch.Tensor):
+    """d(silu(g)·u): silu'(g) = σ(g)·(1 + g·(1 − σ(g))). fp32 math, inputs' dtypes out."""
+    g, u = gate_RF.float(), up_RF.float()
+    sig = torch.sigmoid(g)
+    return ((grad_RF * u * sig * (1 + g * (1 - sig))).to(gate_RF.dtype),
+            (grad_RF * g * sig).to(up_RF.dtype))
+
+
 def gelu(h_RF: torch.Tensor) -> torch.Tensor:
     return F.gelu(h_RF)
+
+
+def gelu_grad(grad_RF: torch.Tensor, h_RF: torch.Tensor):
+    """d gelu(h) = Φ(h) + h·φ(h) (the exact, erf form that F.gelu computes by default)."""
+    h = h_RF.float()
+    cdf = 0.5 * (1 + torch.erf(h * 0.7071067811865476))
+    pdf = torch.exp(-0.5 * h * h) * 0.3989422804014327
+    return ((grad_RF * (cdf + h * pdf)).to(h_RF.dtype),)
 
 
 def relu2(h_RF: torch.Tensor) -> torch.Tensor:
@@ -27,35 +43,43 @@ def relu2(h_RF: torch.Tensor) -> torch.Tensor:
     return r_RF * r_RF  # not .square(): autocast runs pow in fp32
 
 
+def relu2_grad(grad_RF: torch.Tensor, h_RF: torch.Tensor):
+    return ((grad_RF * 2 * F.relu(h_RF.float())).to(h_RF.dtype),)
+
+
 @dataclass(frozen=True)
 class Activation:
     fn: Callable[..., torch.Tensor]
     num_inputs: int  # 2 for gated (gate, up), 1 for plain
+    grad: Callable[..., tuple[torch.Tensor, ...]]
+    """(grad of the output in fp32, *inputs) → grads of the inputs: a closed form, so backward
+    needs no autograd.grad and torch.compile traces it."""
 
 
-ACTIVATIONS = {"swiglu": Activation(swiglu, 2), "gelu": Activation(gelu, 1), "relu2": Activation(relu2, 1)}
+ACTIVATIONS = {"swiglu": Activation(swiglu, 2, swiglu_grad), "gelu": Activation(gelu, 1, gelu_grad),
+               "relu2": Activation(relu2, 1, relu2_grad)}
 
 
 class _ActivationTimesProbs(torch.autograd.Function):
     """act(*inputs) · probs, saving only the inputs and probs; backward recomputes act."""
 
     @staticmethod
-    def forward(ctx, fn, probs_R, *inputs_RF):
-        ctx.fn = fn
+    def forward(ctx, act: Activation, probs_R, *inputs_RF):
+        ctx.act = act
         ctx.save_for_backward(probs_R, *inputs_RF)
-        out_RF = fn(*inputs_RF)
+        out_RF = act.fn(*inputs_RF)
         return (out_RF.float() * probs_R[:, None]).to(out_RF.dtype)
 
     @staticmethod
     def backward(ctx, grad_RF):
         probs_R, *inputs_RF = ctx.saved_tensors
-        with torch.enable_grad():
-            leaves = [t.detach().requires_grad_(t.requires_grad) for t in (probs_R, *inputs_RF)]
-            out_RF = ctx.fn(*leaves[1:])
-            weighted_RF = (out_RF.float() * leaves[0][:, None]).to(out_RF.dtype)
-            wanted = [t for t in leaves if t.requires_grad]
-            grads = iter(torch.autograd.grad(weighted_RF, wanted, grad_RF))
-        return (None, *[next(grads) if t.requires_grad else None for t in leaves])
+        grad_probs_R = grad_inputs = None
+        if ctx.needs_input_grad[1]:
+            out_RF = ctx.act.fn(*inputs_RF)
+            grad_probs_R = (grad_RF.float() * out_RF.float()).sum(dim=-1).to(probs_R.dtype)
+        if any(ctx.needs_input_grad[2:]):
+            grad_inputs = ctx.act.grad(grad_RF.float() * probs_R.float()[:, None], *inputs_RF)
+        return (None, grad_probs_R, *(grad_inputs or [None] * len(inputs_RF)))
 
 
 class PlainActivation:
@@ -74,7 +98,7 @@ class ProbsInActivation:
     applies_probs = True
 
     def __init__(self, activation: Activation):
-        self.fn, self.num_inputs = activation.fn, activation.num_inputs
+        self.act, self.num_inputs = activation, activation.num_inputs
 
     def __call__(self, probs_R: torch.Tensor, *inputs_RF: torch.Tensor) -> torch.Tensor:
-        return _ActivationTimesProbs.apply(self.fn, probs_R, *inputs_RF)
+        return _ActivationTimesProbs.apply(self.act, probs_R, *inputs_RF)

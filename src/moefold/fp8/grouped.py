@@ -70,7 +70,7 @@ def quantize_group_columns(x_RN: torch.Tensor, offsets_E: torch.Tensor,
         raise ValueError(f"quantize_group_columns: tile {op.tile!r}; allowed: 'col'")
     E, (R, N) = offsets_E.shape[0], x_RN.shape
     C = R // COLUMN_CHUNK
-    x_CcN = x_RN.view(C, COLUMN_CHUNK, N)
+    x_CcN = x_RN.reshape(C, COLUMN_CHUNK, N)  # grad_RN may come non-contiguous
     amax_CN = x_CcN.abs().amax(dim=1).float()
     gid_C = group_ids(offsets_E, C, COLUMN_CHUNK)
     amax_GN = torch.zeros(E + 1, N, device=x_RN.device, dtype=torch.float32)

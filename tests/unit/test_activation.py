@@ -1,6 +1,7 @@
-"""Expert activations × routing probabilities (`ProbsInActivation`): the closed-form backward equals
-autograd through the plain expression, for every activation, in fp32 and bf16; and torch.compile
-traces it whole (no graph break, so Inductor fuses it with its neighbours)."""
+"""Expert activations × routing probabilities (`ProbsInActivation`): the written-out backward equals
+autograd through the plain expression bit for bit (same ops, same roundings) and an fp64 reference
+within rounding, for every activation, in fp32 and bf16; and torch.compile traces it whole (no
+graph break, so Inductor fuses it with its neighbours)."""
 
 import pytest
 import torch
@@ -33,6 +34,19 @@ def test_probs_in_activation_backward_matches_autograd(name, dtype):
             torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-5)
         else:  # bf16 rounding of the recomputed output and of the results: ~2^-8 relative overall
             assert ((g.double() - w).norm() / w.norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", sorted(ACTIVATIONS))
+def test_probs_in_activation_is_bit_identical_to_autograd(name, dtype):
+    act = ACTIVATIONS[name]
+    probs_R, inputs = _inputs(act.num_inputs, dtype, seed=3)
+    grad_RF = torch.randn(64, 48, generator=torch.Generator().manual_seed(4)).to(dtype)
+    got = torch.autograd.grad(ProbsInActivation(act)(probs_R, *inputs), [probs_R, *inputs], grad_RF)
+    out_RF = act.fn(*inputs)
+    want = torch.autograd.grad((out_RF.float() * probs_R[:, None]).to(dtype), [probs_R, *inputs], grad_RF)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
 
 
 def test_only_requested_gradients_are_computed():

@@ -19,11 +19,7 @@ def swiglu(gate_RF: torch.Tensor, up_RF: torch.Tensor) -> torch.Tensor:
 
 
 def swiglu_grad(grad_RF: torch.Tensor, gate_RF: torch.Tensor, up_RF: torch.Tensor):
-    """d(silu(g)·u): silu'(g) = σ(g)·(1 + g·(1 − σ(g))). fp32 math, inputs' dtypes out."""
-    g, u = gate_RF.float(), up_RF.float()
-    sig = torch.sigmoid(g)
-    return ((grad_RF * u * sig * (1 + g * (1 - sig))).to(gate_RF.dtype),
-            (grad_RF * g * sig).to(up_RF.dtype))
+    return (torch.ops.aten.silu_backward(grad_RF * up_RF, gate_RF), grad_RF * F.silu(gate_RF))
 
 
 def gelu(h_RF: torch.Tensor) -> torch.Tensor:
@@ -31,11 +27,7 @@ def gelu(h_RF: torch.Tensor) -> torch.Tensor:
 
 
 def gelu_grad(grad_RF: torch.Tensor, h_RF: torch.Tensor):
-    """d gelu(h) = Φ(h) + h·φ(h) (the exact, erf form that F.gelu computes by default)."""
-    h = h_RF.float()
-    cdf = 0.5 * (1 + torch.erf(h * 0.7071067811865476))
-    pdf = torch.exp(-0.5 * h * h) * 0.3989422804014327
-    return ((grad_RF * (cdf + h * pdf)).to(h_RF.dtype),)
+    return (torch.ops.aten.gelu_backward(grad_RF, h_RF),)
 
 
 def relu2(h_RF: torch.Tensor) -> torch.Tensor:
@@ -44,7 +36,8 @@ def relu2(h_RF: torch.Tensor) -> torch.Tensor:
 
 
 def relu2_grad(grad_RF: torch.Tensor, h_RF: torch.Tensor):
-    return ((grad_RF * 2 * F.relu(h_RF.float())).to(h_RF.dtype),)
+    half_RF = grad_RF * F.relu(h_RF)  # d(r·r) = grad·r + grad·r, each rounded as autograd does
+    return (torch.where(h_RF > 0, half_RF + half_RF, 0),)
 
 
 @dataclass(frozen=True)
@@ -52,8 +45,9 @@ class Activation:
     fn: Callable[..., torch.Tensor]
     num_inputs: int  # 2 for gated (gate, up), 1 for plain
     grad: Callable[..., tuple[torch.Tensor, ...]]
-    """(grad of the output in fp32, *inputs) → grads of the inputs: a closed form, so backward
-    needs no autograd.grad and torch.compile traces it."""
+    """(grad of the output, *inputs) → grads of the inputs, by the same ops (and so the same
+    roundings) as autograd through `fn`, written out so that backward needs no autograd.grad and
+    torch.compile traces it."""
 
 
 ACTIVATIONS = {"swiglu": Activation(swiglu, 2, swiglu_grad), "gelu": Activation(gelu, 1, gelu_grad),
@@ -78,7 +72,8 @@ class _ActivationTimesProbs(torch.autograd.Function):
             out_RF = ctx.act.fn(*inputs_RF)
             grad_probs_R = (grad_RF.float() * out_RF.float()).sum(dim=-1).to(probs_R.dtype)
         if any(ctx.needs_input_grad[2:]):
-            grad_inputs = ctx.act.grad(grad_RF.float() * probs_R.float()[:, None], *inputs_RF)
+            grad_out_RF = (grad_RF.float() * probs_R[:, None]).to(inputs_RF[0].dtype)
+            grad_inputs = ctx.act.grad(grad_out_RF, *inputs_RF)
         return (None, grad_probs_R, *(grad_inputs or [None] * len(inputs_RF)))
 
 

@@ -22,7 +22,7 @@ What one GPU holds, and the assumptions behind each part (docs/memory.md explain
   Under bf16 autocast over fp32 parameters they include the bf16 weight casts kept for backward.
 - **Transients**: at the loss, the logits and their fp32 copy (forward) or the fp32 gradients of
   the log-probabilities and the logits (backward), on the rank with the head; in backward one
-  layer's working set, taken as its saved activations.
+  layer's working set, taken as its saved activations less the experts' [R, F] tensors.
 - **Communication buffers**: the all-to-all send and receive buffers of one MoE layer (ep·etp > 1),
   FSDP2's all-gathered parameters (in their own dtype) of two blocks (the current and the prefetched
   one), the root's embedding and head (kept gathered from forward to backward), one block's
@@ -315,7 +315,11 @@ def _rank_plan(cfg: Config, lay: _Layout, chunks: list[Chunk], rank: int, sh: ac
         delta = options.layer_delta(cfg, i, sh)[0]
         saved = sum(full.values()) + sum(delta.values())
         copies = full.get("weight_copies", 0) + delta.get("weight_copies", 0)
-        work = sum(full.values()) - full.get("weight_copies", 0)  # a recomputed layer rebuilds them
+        # A layer's backward working set: its saved activations (a recomputed layer rebuilds
+        # them), less the weight copies, and less the experts' [R, F] tensors, which backward
+        # frees one by one as it makes their same-sized gradients (the activation's backward is
+        # written out, moe/activation.py, and keeps no graph of its own).
+        work = sum(full.values()) - full.get("weight_copies", 0) - full.get("experts", 0)
         layers.append((saved, copies, work, grad_per_element * layer_params(cfg, i).total))
     head, head_backward = (0.0, 0.0, 0.0), (0.0, 0.0)
     if last.last:

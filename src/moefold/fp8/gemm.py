@@ -23,7 +23,7 @@ Tensorwise keeps torchao's default of e5m2 gradients (one scale per tensor has t
 gradients' range); rowwise and blockwise use e4m3 everywhere, as torchao's rowwise recipe and
 DeepSeek-V3 (arXiv:2412.19437 §3.3) do, since their fine scales already capture the range.
 In `grad_weight` the contraction runs over tokens, so blockwise tiles run along M (1x128 of a_NM,
-128x1 of x_MK): M is padded with zero rows to `LinearScaling.row_multiple` first.
+128x1 of x_MK): M is padded with zero rows to `Fp8Scaling.row_multiple` first.
 """
 
 from __future__ import annotations
@@ -44,8 +44,9 @@ class GemmScaling:
 
 
 @dataclass(frozen=True)
-class LinearScaling:
-    """One recipe's scaling of the three GEMMs of a linear (module docstring table)."""
+class Fp8Scaling:
+    """One recipe's scaling of the three GEMMs (forward, grad_input, grad_weight) of a linear (module
+    docstring table) or of the routed experts' grouped GEMMs (grouped.py)."""
     name: str
     forward: GemmScaling
     grad_input: GemmScaling
@@ -55,16 +56,16 @@ class LinearScaling:
     and each expert's rows to it when the experts run in FP8."""
 
 
-def linear_scaling(recipe: str) -> LinearScaling:
+def linear_scaling(recipe: str) -> Fp8Scaling:
     if recipe == "tensorwise":
         t, t5 = Operand("tensor"), Operand("tensor", E5M2)
-        return LinearScaling(recipe, GemmScaling(t, t), GemmScaling(t5, t), GemmScaling(t5, t), 16)
+        return Fp8Scaling(recipe, GemmScaling(t, t), GemmScaling(t5, t), GemmScaling(t5, t), 16)
     if recipe == "rowwise":
         rc = GemmScaling(Operand("row"), Operand("col"))
-        return LinearScaling(recipe, rc, rc, rc, 16)
+        return Fp8Scaling(recipe, rc, rc, rc, 16)
     if recipe == "blockwise":
         fwd = GemmScaling(Operand("1x128"), Operand("128x128"))
-        return LinearScaling(recipe, fwd, fwd, GemmScaling(Operand("1x128"), Operand("128x1")), BLOCK)
+        return Fp8Scaling(recipe, fwd, fwd, GemmScaling(Operand("1x128"), Operand("128x1")), BLOCK)
     raise ValueError(f"precision.fp8={recipe!r} has no linear scaling; allowed: tensorwise, rowwise, blockwise")
 
 

@@ -12,55 +12,52 @@ them), K input features, N output features, E experts.
 Tensorwise has no grouped form (one scale over all experts' rows would couple the experts), so a
 tensorwise run's experts use rowwise scaling, as torchao's FP8 MoE training does. The weight
 gradient contracts over each expert's rows: its scales are per column *within each group* (rowwise,
-a segmented amax over 16-row chunks with no host sync), or 128-row tiles that never straddle two groups because every
-group is padded to a multiple of 128 (blockwise). Group sizes must be multiples of
-`GroupedScaling.row_multiple` (16 or 128): the MoE layer pads them (apply_fp8 raises its pad multiple).
+a segmented amax over 16-row chunks with no host sync), or 128-row tiles that never straddle two
+groups because every group is padded to a multiple of 128 (blockwise). Group sizes must be multiples of
+`Fp8Scaling.row_multiple` (16 or 128): the MoE layer pads them (apply_fp8 raises its pad multiple).
 Rows past the last offset are neither read nor written, as with torch._grouped_mm.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 
-from moefold.fp8.gemm import GemmScaling, pad_rows
+from moefold.fp8.gemm import Fp8Scaling, GemmScaling, pad_rows
 from moefold.fp8.recipes import BLOCK, Operand, fake_quant, quantize
-
-
-@dataclass(frozen=True)
-class GroupedScaling:
-    name: str
-    forward: GemmScaling
-    grad_input: GemmScaling
-    grad_weight: GemmScaling
-    row_multiple: int
-
-
-def grouped_scaling(recipe: str) -> GroupedScaling:
-    if recipe in ("tensorwise", "rowwise"):
-        rc = GemmScaling(Operand("row"), Operand("col"))
-        return GroupedScaling("rowwise", rc, rc, GemmScaling(Operand("col"), Operand("col")), 16)
-    if recipe == "blockwise":
-        fwd = GemmScaling(Operand("1x128"), Operand("128x128"))
-        return GroupedScaling("blockwise", fwd, fwd, GemmScaling(Operand("128x1"), Operand("128x1")), BLOCK)
-    raise ValueError(f"precision.fp8={recipe!r} has no grouped scaling; allowed: tensorwise, rowwise, blockwise")
+from moefold.moe.grouped_mm import grouped_mm
 
 
 COLUMN_CHUNK = 16
-"""Rows per chunk of the per-group column scaling: the rowwise grouped row multiple, so every
+"""Rows per chunk of the per-group column scaling, and the rowwise grouped row multiple: every
 chunk lies in one group (or past the last offset)."""
 
 
-def group_ids(offsets_E: torch.Tensor, num_rows: int, step: int = 1) -> torch.Tensor:
-    """The expert of rows 0, step, 2·step, ... (num_rows of them); E past the last offset."""
-    rows = torch.arange(num_rows, device=offsets_E.device, dtype=offsets_E.dtype) * step
-    return torch.searchsorted(offsets_E, rows, right=True)
+def grouped_scaling(recipe: str) -> Fp8Scaling:
+    if recipe in ("tensorwise", "rowwise"):
+        rc = GemmScaling(Operand("row"), Operand("col"))
+        return Fp8Scaling("rowwise", rc, rc, GemmScaling(Operand("col"), Operand("col")), COLUMN_CHUNK)
+    if recipe == "blockwise":
+        fwd = GemmScaling(Operand("1x128"), Operand("128x128"))
+        return Fp8Scaling("blockwise", fwd, fwd, GemmScaling(Operand("128x1"), Operand("128x1")), BLOCK)
+    raise ValueError(f"precision.fp8={recipe!r} has no grouped scaling; allowed: tensorwise, rowwise, blockwise")
+
+
+def _chunk_group_ids(offsets_E: torch.Tensor, num_chunks: int) -> torch.Tensor:
+    """gid_C: the expert of each COLUMN_CHUNK-row chunk; E past the last offset."""
+    starts_C = torch.arange(num_chunks, device=offsets_E.device, dtype=offsets_E.dtype) * COLUMN_CHUNK
+    return torch.searchsorted(offsets_E, starts_C, right=True)
 
 
 def quantize_group_columns(x_RN: torch.Tensor, offsets_E: torch.Tensor,
                            op: Operand) -> tuple[torch.Tensor, torch.Tensor]:
-    """x in FP8 with one scale per column within each group: (x_fp8 [R, N], scale [E, N]).
+    """x in FP8 with one scale per column within each group: (x_fp8 [R, N], scale [E, N])."""
+    x_fp8_CcN, _, scale_GN = _quantize_chunks(x_RN, offsets_E, op)
+    return x_fp8_CcN.view(x_RN.shape), scale_GN[: offsets_E.shape[0]]
+
+
+def _quantize_chunks(x_RN: torch.Tensor, offsets_E: torch.Tensor, op: Operand):
+    """(x_fp8 [C, COLUMN_CHUNK, N], each chunk's scales [C, 1, N], the groups' scales [E+1, N]).
 
     R and every group size are multiples of COLUMN_CHUNK (C chunks): the column amax is a dense
     reduction within each chunk (fused by the compiler), and only the chunks' [C, N] maxima are
@@ -71,13 +68,13 @@ def quantize_group_columns(x_RN: torch.Tensor, offsets_E: torch.Tensor,
     E, (R, N) = offsets_E.shape[0], x_RN.shape
     C = R // COLUMN_CHUNK
     x_CcN = x_RN.reshape(C, COLUMN_CHUNK, N)  # grad_RN may come non-contiguous
-    amax_CN = x_CcN.abs().amax(dim=1).float()
-    gid_C = group_ids(offsets_E, C, COLUMN_CHUNK)
+    gid_C = _chunk_group_ids(offsets_E, C)
     amax_GN = torch.zeros(E + 1, N, device=x_RN.device, dtype=torch.float32)
-    amax_GN.scatter_reduce_(0, gid_C[:, None].expand(C, N), amax_CN, "amax")
+    amax_GN.scatter_reduce_(0, gid_C[:, None].expand(C, N), x_CcN.abs().amax(dim=1).float(), "amax")
     scale_GN = torch.where(amax_GN > 0, amax_GN / op.fmt.max, torch.ones_like(amax_GN))
-    x_fp8 = (x_CcN.float() / scale_GN[gid_C][:, None, :]).clamp(-op.fmt.max, op.fmt.max)
-    return x_fp8.to(op.fmt.dtype).view(R, N), scale_GN[:E]
+    scale_C1N = scale_GN[gid_C][:, None, :]
+    x_fp8_CcN = (x_CcN.float() / scale_C1N).clamp(-op.fmt.max, op.fmt.max).to(op.fmt.dtype)
+    return x_fp8_CcN, scale_C1N, scale_GN
 
 
 def fake_quant_groups(x_RN: torch.Tensor, offsets_E: torch.Tensor, op: Operand,
@@ -85,24 +82,9 @@ def fake_quant_groups(x_RN: torch.Tensor, offsets_E: torch.Tensor, op: Operand,
     """Dequantized FP8 values of a weight-gradient operand (tiles along rows, within groups)."""
     R, N = x_RN.shape
     if op.tile == "col":
-        x_pad_RN = pad_rows(x_RN, COLUMN_CHUNK)
-        x_fp8, scale_EN = quantize_group_columns(x_pad_RN, offsets_E, op)
-        scale_GN = torch.cat([scale_EN, scale_EN.new_ones(1, N)])
-        C = x_pad_RN.shape[0] // COLUMN_CHUNK
-        scale_C1N = scale_GN[group_ids(offsets_E, C, COLUMN_CHUNK)][:, None, :]
-        return (x_fp8.view(C, COLUMN_CHUNK, N).float() * scale_C1N).view(-1, N)[:R].to(dtype)
+        x_fp8_CcN, scale_C1N, _ = _quantize_chunks(pad_rows(x_RN, COLUMN_CHUNK), offsets_E, op)
+        return (x_fp8_CcN.float() * scale_C1N).view(-1, N)[:R].to(dtype)
     return fake_quant(pad_rows(x_RN, BLOCK), op, dtype)[:R]
-
-
-@torch.compiler.disable
-def _eager_grouped_mm(a, b, offs):
-    return torch._grouped_mm(a, b, offs=offs)
-
-
-def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """torch._grouped_mm; outside bf16 kept out of compiled graphs (its meta kernel takes bf16
-    only, train/compile.py)."""
-    return (torch._grouped_mm if a.dtype == torch.bfloat16 else _eager_grouped_mm)(a, b, offs=offs)
 
 
 class EmulatedFp8GroupedGemm:
@@ -113,13 +95,13 @@ class EmulatedFp8GroupedGemm:
     def grouped_mm(self, x_RK, w_EKN, offsets_E, scaling: GemmScaling, dtype):
         xq_RK = fake_quant(x_RK, scaling.a, dtype)
         wq_EKN = fake_quant(w_EKN, scaling.b, dtype)
-        return _grouped_mm(xq_RK, wq_EKN, offsets_E)
+        return grouped_mm(xq_RK, wq_EKN, offsets_E)
 
     def grouped_weight_grad(self, x_RK, grad_RN, offsets_E, scaling: GemmScaling, dtype):
         """grad_w_EKN[e] = x_e^T @ grad_e over each expert's rows."""
         xq_RK = fake_quant_groups(x_RK, offsets_E, scaling.a, dtype)
         gq_RN = fake_quant_groups(grad_RN, offsets_E, scaling.b, dtype)
-        return _grouped_mm(xq_RK.t(), gq_RN, offsets_E)
+        return grouped_mm(xq_RK.t(), gq_RN, offsets_E)
 
 
 class ScaledGroupedMMFp8Gemm(EmulatedFp8GroupedGemm):
@@ -164,7 +146,7 @@ def build_grouped_gemm(device_type: str) -> EmulatedFp8GroupedGemm:
 
 class _Fp8GroupedMMFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_RK, w_EKN, offsets_E, gemm, scaling: GroupedScaling):
+    def forward(ctx, x_RK, w_EKN, offsets_E, gemm, scaling: Fp8Scaling):
         ctx.save_for_backward(x_RK, w_EKN, offsets_E)
         ctx.gemm, ctx.scaling = gemm, scaling
         return gemm.grouped_mm(x_RK, w_EKN, offsets_E, scaling.forward, x_RK.dtype)
@@ -185,14 +167,13 @@ class _Fp8GroupedMMFn(torch.autograd.Function):
 
 
 def fp8_grouped_mm(x_RK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor,
-                   gemm: EmulatedFp8GroupedGemm, scaling: GroupedScaling) -> torch.Tensor:
+                   gemm: EmulatedFp8GroupedGemm, scaling: Fp8Scaling) -> torch.Tensor:
     """torch._grouped_mm(x, w, offs) with FP8 operands in forward and backward."""
     return _Fp8GroupedMMFn.apply(x_RK, w_EKN, offsets_E, gemm, scaling)
 
 
 __all__ = [
     "EmulatedFp8GroupedGemm",
-    "GroupedScaling",
     "ScaledGroupedMMFp8Gemm",
     "build_grouped_gemm",
     "fp8_grouped_mm",

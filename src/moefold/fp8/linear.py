@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moefold.fp8.gemm import EmulatedFp8Gemm, LinearScaling, ScaledMMFp8Gemm, pad_rows
+from moefold.fp8.gemm import EmulatedFp8Gemm, Fp8Scaling, ScaledMMFp8Gemm, pad_rows
 from moefold.moe.experts import compute_dtype
 
 
@@ -19,7 +19,7 @@ class _Fp8LinearFn(torch.autograd.Function):
     """y_MN = x_MK @ W_NK^T; grad_x = grad_y @ W; grad_W = grad_y^T @ x, each GEMM in FP8."""
 
     @staticmethod
-    def forward(ctx, x_MK, w_NK, gemm, scaling: LinearScaling):
+    def forward(ctx, x_MK, w_NK, gemm, scaling: Fp8Scaling):
         ctx.save_for_backward(x_MK, w_NK)
         ctx.gemm, ctx.scaling = gemm, scaling
         return gemm.mm(x_MK, w_NK.t(), scaling.forward, x_MK.dtype)
@@ -44,12 +44,12 @@ class Fp8Linear(nn.Linear):
     """nn.Linear with FP8 GEMMs; same parameters and state dict as the nn.Linear it replaces."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool,
-                 gemm: EmulatedFp8Gemm | ScaledMMFp8Gemm, scaling: LinearScaling, device=None):
+                 gemm: EmulatedFp8Gemm | ScaledMMFp8Gemm, scaling: Fp8Scaling, device=None):
         super().__init__(in_features, out_features, bias=bias, device=device)
         self.gemm, self.scaling = gemm, scaling
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, gemm, scaling: LinearScaling) -> Fp8Linear:
+    def from_linear(cls, linear: nn.Linear, gemm, scaling: Fp8Scaling) -> Fp8Linear:
         """Wrap `linear`'s own parameters (no copy; built on meta so nothing is allocated)."""
         new = cls(linear.in_features, linear.out_features, linear.bias is not None, gemm, scaling,
                   device="meta")

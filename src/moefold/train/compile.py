@@ -18,11 +18,7 @@ import torch
 from torch import nn
 
 from moefold.moe.experts import GroupedMMExperts
-
-
-@torch.compiler.disable
-def _eager_grouped_mm(x_RX: torch.Tensor, w_EXY: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
-    return torch._grouped_mm(x_RX, w_EXY, offs=offsets_E)
+from moefold.moe.grouped_mm import eager_grouped_mm
 
 
 def compile_loss(loss_fn):
@@ -37,6 +33,6 @@ def compile_blocks(model: nn.Module, compute_dtype: torch.dtype) -> None:
     if compute_dtype != torch.bfloat16:
         for layer in model.moe_layers():
             if isinstance(layer.experts, GroupedMMExperts):
-                layer.experts._mm = _eager_grouped_mm
+                layer.experts._mm = eager_grouped_mm
     for block in model.blocks():
         block.forward = torch.compile(block.forward, dynamic=False)

@@ -1,4 +1,4 @@
-"""moefold against its peers in one process: the same shape, batch and random tokens, one table.
+"""moefold against its peers in one run: the same shape, batch and random tokens, one table.
 
 Systems (../shared/design/PEERS.md): TorchTitan 0.2.2 eager, compiled by its own `apply_compile`
 and compiled per whole block (model classes built directly, `init_weights` under no_grad), Hugging
@@ -9,6 +9,9 @@ sequence 4096 of uniform random tokens, dropless routing with force-balancing of
 one FLOP count for all: `moefold.train.flops.train_flops_per_token` of the moefold model of the same
 shape (Megatron's convention); each peer's parameter count is printed beside moefold's to show the
 shapes agree. A library that does not import gives a "skipped: ... not installed" row.
+
+Every row runs in a fresh Python process (`run_isolated`), rows side by side on the visible GPUs, one
+per GPU: no row inherits another system's process-wide settings, allocator pools or compile caches.
 
     export PYTHONPATH=$PWD/src            # plus the carried wheels' site dir (PEERS.md)
     python3 benchmarks/peers.py [--shapes qwen3-30b-a3b-6l,deepseek-v3-small-8l] \
@@ -21,10 +24,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -48,6 +54,8 @@ SHAPES = {
     "deepseek-v3-small-8l": ("deepseek-v2-lite", {
         "model.family": "deepseek_v3", "model.n_layers": "8", "moe.score_func": "sigmoid",
         "moe.norm_topk_prob": "true", "moe.expert_bias": "true"}),
+    # A seconds-long CPU run of the harness itself (tests); not a benchmark shape.
+    "tiny-qwen3": ("tiny-qwen3", {"train.micro_batch_size": "2", "train.seq_len": "64"}),
 }
 COMMON = {"train.micro_batch_size": "4", "train.seq_len": "4096", "moe.force_balanced": "false"}
 SYSTEMS = ("torchtitan", "torchtitan-compile", "torchtitan-compile-blocks", "transformers", "moefold",
@@ -220,40 +228,79 @@ def run_system(system: str, cfg: Config, device: torch.device, steps: int, warmu
             "note": peer.note}
 
 
-def _free(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-    torch._dynamo.reset()
-
-
-def run_shape(shape: str, systems: list[str], device: torch.device, steps: int, warmup: int) -> dict:
+def shape_config(shape: str, device_type: str) -> Config:
     preset, overrides = SHAPES[shape]
-    cfg = load_config(preset, {**overrides, **COMMON, "train.device": device.type})
+    return load_config(preset, {**COMMON, **overrides, "train.device": device_type})
+
+
+def run_one(shape: str, system: str, device: torch.device, steps: int, warmup: int) -> dict:
+    """One row, in this (fresh) process: the system's timing, or why it was skipped."""
+    try:
+        return run_system(system, shape_config(shape, device.type), device, steps, warmup)
+    except Skipped as e:
+        return {"skipped": str(e)}
+    except torch.OutOfMemoryError:
+        return {"skipped": "out of memory"}
+    except Exception as e:  # a peer's failure must not cost the other rows of the run
+        traceback.print_exc()
+        return {"skipped": f"failed: {type(e).__name__}: {str(e)[:200]}"}
+
+
+def run_isolated(jobs: list[tuple[str, str]], args: argparse.Namespace) -> dict[tuple[str, str], dict]:
+    """Each (shape, system) in its own Python process, one per GPU at a time over `args.gpus` GPUs.
+
+    Peers change process-wide state when they build (TorchTitan's apply_compile and whole-block
+    compile turn on Dynamo's capture_scalar_outputs; allocator pools, compile caches): a row timed
+    after another system in the same process measured that leftover state (moefold compiled after
+    TorchTitan compiled: 419 ms against its own 253 ms on DeepSeek-V3-small). A fresh process per
+    row measures each system as its own users run it."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    slots = visible.split(",")[:args.gpus] if visible else [str(i) for i in range(args.gpus)]
+    pending, running, rows = list(jobs), {}, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        while pending or running:
+            for slot in [s for s in slots if s not in running]:
+                if not pending:
+                    break
+                shape, system = pending.pop(0)
+                out = Path(tmp) / f"{shape}.{system}.json"
+                cmd = [sys.executable, __file__, "--one", shape, system, str(out), "--steps", str(args.steps),
+                       "--warmup", str(args.warmup), "--device", args.device]
+                env = {**os.environ, "CUDA_VISIBLE_DEVICES": slot} if args.device == "cuda" else None
+                running[slot] = (shape, system, out, subprocess.Popen(cmd, env=env), time.monotonic())
+            time.sleep(0.5)
+            for slot, (shape, system, out, proc, t0) in list(running.items()):
+                if proc.poll() is None and time.monotonic() - t0 < args.timeout:
+                    continue
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+                row = json.loads(out.read_text()) if out.exists() else {
+                    "skipped": f"process ended with {proc.returncode} (timeout {args.timeout:.0f} s)"}
+                rows[shape, system] = row
+                print(f"{shape} {system}: {row}", file=sys.stderr, flush=True)
+                del running[slot]
+    return rows
+
+
+def shape_result(shape: str, systems: list[str], rows: dict[tuple[str, str], dict]) -> dict:
+    """A shape's table: each row's throughput by the one FLOP count of the moefold model."""
+    preset, overrides = SHAPES[shape]
+    cfg = shape_config(shape, "cpu")
     model = meta_model(cfg)
     flops_per_token = train_flops_per_token(model, cfg.train.seq_len)  # one count for every system
     ours = count_params(model).total
     tokens_per_step = cfg.train.micro_batch_size * cfg.train.seq_len
-    rows = {}
+    table = {}
     for system in systems:
-        try:
-            r = run_system(system, cfg, device, steps, warmup)
-            tokens_per_s = tokens_per_step * steps / r["seconds"]
-            rows[system] = {**r, "tokens_per_s": tokens_per_s,
-                            "tflops": tokens_per_s * flops_per_token / 1e12,
-                            "params_vs_moefold": r["params"] / ours}
-        except Skipped as e:
-            rows[system] = {"skipped": str(e)}
-        except torch.OutOfMemoryError:
-            rows[system] = {"skipped": "out of memory"}
-        except Exception as e:  # a peer's failure must not cost the other rows of the run
-            traceback.print_exc()
-            rows[system] = {"skipped": f"failed: {type(e).__name__}: {str(e)[:200]}"}
-        _free(device)
-        print(f"{shape} {system}: {rows[system]}", file=sys.stderr, flush=True)
-    return {"shape": shape, "preset": preset, "overrides": {**overrides, **COMMON},
-            "flops_per_token": flops_per_token, "params": ours, "rows": rows}
+        r = rows[shape, system]
+        if "skipped" not in r:
+            tokens_per_s = tokens_per_step * len(r["step_ms_each"]) / r["seconds"]
+            r = {**r, "tokens_per_s": tokens_per_s, "tflops": tokens_per_s * flops_per_token / 1e12,
+                 "params_vs_moefold": r["params"] / ours}
+        table[system] = r
+    return {"shape": shape, "preset": preset, "overrides": {**COMMON, **overrides},
+            "flops_per_token": flops_per_token, "params": ours, "rows": table}
 
 
 def format_shape(result: dict) -> str:
@@ -283,26 +330,43 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--device", default="cuda")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--gpus", type=int, default=None,
+                   help="rows run side by side, one per GPU (default: every visible GPU)")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds one row may take")
     p.add_argument("--json", type=Path)
+    p.add_argument("--one", nargs=3, metavar=("SHAPE", "SYSTEM", "OUT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.one:  # a child process: one row, written as JSON
+        shape, system, out = args.one
+        device = torch.device(args.device)
+        row = {**run_one(shape, system, device, args.steps, args.warmup),
+               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+               "peak_tflops_measured": measured_peak_tflops(device)}
+        Path(out).write_text(json.dumps(row))
+        return 0
     shapes, systems = args.shapes.split(","), args.systems.split(",")
     unknown = [s for s in shapes if s not in SHAPES] + [s for s in systems if s not in SYSTEMS]
     if unknown:
         print(f"peers.py: unknown {unknown}; shapes: {list(SHAPES)}, systems: {list(SYSTEMS)}",
               file=sys.stderr)
         return 2
-    device = torch.device(args.device)
-    peak = measured_peak_tflops(device)
-    results = [run_shape(s, systems, device, args.steps, args.warmup) for s in shapes]
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    if args.gpus is None:
+        args.gpus = max(torch.cuda.device_count(), 1) if args.device == "cuda" else 1
+    rows = run_isolated([(s, system) for s in shapes for system in systems], args)
+    results = [shape_result(s, systems, rows) for s in shapes]
+    timed = [r for r in rows.values() if "skipped" not in r]
+    name = timed[0]["device"] if timed else args.device
+    peaks = sorted({round(r["peak_tflops_measured"]) for r in timed if r["peak_tflops_measured"]})
     print(f"{name}, torch {torch.__version__}, measured bf16 peak "
-          + (f"{peak:.0f} TFLOP/s" if peak else "-") + f"; {args.steps} steps after {args.warmup}")
+          + (f"{'/'.join(map(str, peaks))} TFLOP/s" if peaks else "-")
+          + f"; {args.steps} steps after {args.warmup}, one process per row on {args.gpus} "
+          + ("GPU(s)" if args.device == "cuda" else "CPU"))
     for result in results:
         print(format_shape(result))
     if args.json:
-        args.json.write_text(json.dumps({"device": name, "torch": torch.__version__,
-                                         "peak_tflops_measured": peak, "shapes": results}, indent=1))
+        args.json.write_text(json.dumps({"device": name, "torch": torch.__version__, "gpus": args.gpus,
+                                         "peak_tflops_measured": peaks, "shapes": results}, indent=1))
     return 0
 
 

@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -179,3 +180,32 @@ def test_bad_input_is_one_line_and_exit_2(capsys, argv, expected):
     assert main(["bench", *argv]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err and expected in err, err
+
+
+def _peers_script():
+    spec = importlib.util.spec_from_file_location("peers_script", ROOT / "benchmarks" / "peers.py")
+    script = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = script  # its dataclasses look their module up there
+    spec.loader.exec_module(script)
+    return script
+
+
+def test_peers_rows_run_in_their_own_processes(tmp_path, capsys):
+    path = tmp_path / "peers.json"
+    assert _peers_script().main(["--device", "cpu", "--shapes", "tiny-qwen3", "--systems",
+                                 "moefold,torchtitan", "--steps", "2", "--warmup", "0",
+                                 "--json", str(path)]) == 0
+    assert "one process per row" in capsys.readouterr().out
+    rows = json.loads(path.read_text())["shapes"][0]["rows"]
+    ours = rows["moefold"]
+    assert len(ours["step_ms_each"]) == 2 and ours["tflops"] > 0
+    assert ours["params_vs_moefold"] == 1.0  # the child built the shape the parent counts FLOPs of
+    assert "skipped" in rows["torchtitan"] or rows["torchtitan"]["tflops"] > 0
+
+
+def test_peers_row_past_its_timeout_is_a_skipped_row(tmp_path):
+    path = tmp_path / "peers.json"
+    assert _peers_script().main(["--device", "cpu", "--shapes", "tiny-qwen3", "--systems", "moefold",
+                                 "--timeout", "0.01", "--json", str(path)]) == 0
+    row = json.loads(path.read_text())["shapes"][0]["rows"]["moefold"]
+    assert "timeout" in row["skipped"]

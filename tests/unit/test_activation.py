@@ -63,3 +63,21 @@ def test_compile_traces_the_activation_without_a_graph_break():
     probs_R, inputs = _inputs(2, torch.float32)
     explained = torch._dynamo.explain(lambda p, g, u: act(p, g, u).sum())(probs_R, *inputs)
     assert explained.graph_break_count == 0, explained.break_reasons
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", sorted(ACTIVATIONS))
+def test_compiled_gradients_equal_eager(name, dtype):
+    """Under torch.compile the Function's inputs get the eager gradients. torch 2.11 gave them zeros
+    when forward returned a no-op `.to(dtype)` of its product (fp32: pytorch#180642); aot_eager runs
+    the same Dynamo and AOTAutograd tracing without a C++ compiler."""
+    act = ProbsInActivation(ACTIVATIONS[name])
+    probs_R, inputs = _inputs(act.num_inputs, dtype)
+    grad_RF = torch.randn(64, 48, generator=torch.Generator().manual_seed(1)).to(dtype)
+    eager = torch.autograd.grad(act(probs_R, *inputs), [probs_R, *inputs], grad_RF)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda p, *xs: act(p, *xs), backend="aot_eager", fullgraph=True)
+    got = torch.autograd.grad(compiled(probs_R, *inputs), [probs_R, *inputs], grad_RF)
+    for g, e in zip(got, eager):
+        assert g.abs().sum() > 0
+        torch.testing.assert_close(g, e, rtol=0, atol=0)

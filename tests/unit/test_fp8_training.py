@@ -258,3 +258,28 @@ def test_trainer_applies_fp8(tmp_path, tiny_args):
     losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()
               if '"loss"' in line]
     assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
+
+
+@pytest.mark.parametrize("compute_dtype", [torch.float32, torch.bfloat16])
+def test_compiled_fp8_linear_gradients_equal_eager(compute_dtype):
+    """The cuBLAS backend (`torch._scaled_mm`, tensorwise: the recipe its CPU kernel runs) under
+    torch.compile: the same gradients as eager. On torch 2.11 its no-op `.to(out_dtype)` at the end
+    of forward made them zero (pytorch#180642), which trained every compiled FP8 run on the H200
+    without gradients through its linears and experts."""
+    from moefold.fp8.gemm import ScaledMMFp8Gemm
+
+    torch.manual_seed(0)
+    base = nn.Linear(64, 32, bias=False)
+    lin = Fp8Linear.from_linear(base, ScaledMMFp8Gemm(), linear_scaling("tensorwise"))
+    x = torch.randn(2, 16, 64).to(compute_dtype)
+    gy = torch.randn(2, 16, 32).to(compute_dtype)
+    grads = []
+    for run in (lin, torch.compile(lin, backend="aot_eager", fullgraph=True)):
+        torch._dynamo.reset()
+        xr = x.clone().requires_grad_()
+        base.weight.grad = None
+        run(xr).backward(gy)
+        grads.append((xr.grad, base.weight.grad))
+    for g, e in zip(*reversed(grads)):
+        assert g.abs().sum() > 0
+        torch.testing.assert_close(g, e, rtol=0, atol=0)

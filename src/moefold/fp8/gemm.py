@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from moefold.dtypes import cast
 from moefold.fp8.recipes import BLOCK, E5M2, Operand, fake_quant, quantize
 
 
@@ -110,7 +111,7 @@ class ScaledMMFp8Gemm:
                                    scale_b=scale_b.contiguous(), out_dtype=torch.bfloat16)
         else:
             out = self._blockwise(a_fp8, scale_a, b_fp8, scale_b, kinds)
-        return out.to(dtype)
+        return cast(out, dtype)
 
     @staticmethod
     def _blockwise(a_fp8, scale_a, b_fp8, scale_b, kinds):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from moefold.dtypes import cast
 from moefold.fp8.gemm import Fp8Scaling, GemmScaling, pad_rows
 from moefold.fp8.recipes import BLOCK, Operand, fake_quant, quantize
 from moefold.moe.grouped_mm import grouped_mm
@@ -123,7 +124,7 @@ class ScaledGroupedMMFp8Gemm(EmulatedFp8GroupedGemm):
         w_fp8 = w_fp8.transpose(-2, -1).contiguous().transpose(-2, -1)
         out = torch._scaled_grouped_mm(x_fp8, w_fp8, scale_R1.reshape(-1), scale_E1N.flatten(1),
                                        offs=offsets_E, out_dtype=torch.bfloat16)
-        return out.to(dtype)
+        return cast(out, dtype)
 
     def grouped_weight_grad(self, x_RK, grad_RN, offsets_E, scaling, dtype):
         if scaling.a.tile != "col":
@@ -137,7 +138,7 @@ class ScaledGroupedMMFp8Gemm(EmulatedFp8GroupedGemm):
         out = torch._scaled_grouped_mm(x_fp8.t().contiguous(), g_fp8.t().contiguous().t(),
                                        scale_EK.reshape(-1), scale_EN.reshape(-1),
                                        offs=offsets_E, out_dtype=torch.bfloat16)
-        return out.to(dtype)
+        return cast(out, dtype)
 
 
 def build_grouped_gemm(device_type: str) -> EmulatedFp8GroupedGemm:

@@ -13,6 +13,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from moefold.dtypes import cast
+
 
 def swiglu(gate_RF: torch.Tensor, up_RF: torch.Tensor) -> torch.Tensor:
     return F.silu(gate_RF) * up_RF
@@ -62,7 +64,7 @@ class _ActivationTimesProbs(torch.autograd.Function):
         ctx.act = act
         ctx.save_for_backward(probs_R, *inputs_RF)
         out_RF = act.fn(*inputs_RF)
-        return (out_RF.float() * probs_R[:, None]).to(out_RF.dtype)
+        return cast(out_RF.float() * probs_R[:, None], out_RF.dtype)
 
     @staticmethod
     def backward(ctx, grad_RF):
@@ -70,9 +72,9 @@ class _ActivationTimesProbs(torch.autograd.Function):
         grad_probs_R = grad_inputs = None
         if ctx.needs_input_grad[1]:
             out_RF = ctx.act.fn(*inputs_RF)
-            grad_probs_R = (grad_RF.float() * out_RF.float()).sum(dim=-1).to(probs_R.dtype)
+            grad_probs_R = cast((grad_RF.float() * out_RF.float()).sum(dim=-1), probs_R.dtype)
         if any(ctx.needs_input_grad[2:]):
-            grad_out_RF = (grad_RF.float() * probs_R[:, None]).to(inputs_RF[0].dtype)
+            grad_out_RF = cast(grad_RF.float() * probs_R[:, None], inputs_RF[0].dtype)
             grad_inputs = ctx.act.grad(grad_out_RF, *inputs_RF)
         return (None, grad_probs_R, *(grad_inputs or [None] * len(inputs_RF)))
 

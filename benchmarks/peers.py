@@ -57,6 +57,7 @@ SHAPES = {
     # A seconds-long CPU run of the harness itself (tests); not a benchmark shape.
     "tiny-qwen3": ("tiny-qwen3", {"train.micro_batch_size": "2", "train.seq_len": "64"}),
 }
+BENCHMARK_SHAPES = ("qwen3-30b-a3b-6l", "deepseek-v3-small-8l")  # issue 7's; the default
 COMMON = {"train.micro_batch_size": "4", "train.seq_len": "4096", "moe.force_balanced": "false"}
 SYSTEMS = ("torchtitan", "torchtitan-compile", "torchtitan-compile-blocks", "transformers", "moefold",
            "moefold-compile")
@@ -249,11 +250,12 @@ def run_one(shape: str, system: str, device: torch.device, steps: int, warmup: i
 def run_isolated(jobs: list[tuple[str, str]], args: argparse.Namespace) -> dict[tuple[str, str], dict]:
     """Each (shape, system) in its own Python process, one per GPU at a time over `args.gpus` GPUs.
 
-    Peers change process-wide state when they build (TorchTitan's apply_compile and whole-block
-    compile turn on Dynamo's capture_scalar_outputs; allocator pools, compile caches): a row timed
-    after another system in the same process measured that leftover state (moefold compiled after
-    TorchTitan compiled: 419 ms against its own 253 ms on DeepSeek-V3-small). A fresh process per
-    row measures each system as its own users run it."""
+    A row timed after other systems in the same process measured their leftovers: moefold compiled
+    ran DeepSeek-V3-small at 419.6 ms after TorchTitan compiled, 252.8 ms alone (same commit, same
+    H200). Not Dynamo's capture_scalar_outputs, which TorchTitan's compile sets process-wide
+    (moefold alone with it on: 255.8 ms); the leftover was not pinned down further (allocator
+    pools, compile caches and global settings all carry over). A fresh process per row measures each
+    system as its users run it."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     slots = visible.split(",")[:args.gpus] if visible else [str(i) for i in range(args.gpus)]
     pending, running, rows = list(jobs), {}, {}
@@ -326,7 +328,7 @@ def format_shape(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--shapes", default=",".join(BENCHMARK_SHAPES))
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
@@ -357,9 +359,9 @@ def main(argv: list[str] | None = None) -> int:
     results = [shape_result(s, systems, rows) for s in shapes]
     timed = [r for r in rows.values() if "skipped" not in r]
     name = timed[0]["device"] if timed else args.device
-    peaks = sorted({round(r["peak_tflops_measured"]) for r in timed if r["peak_tflops_measured"]})
+    peaks = sorted(round(r["peak_tflops_measured"]) for r in timed if r["peak_tflops_measured"])
     print(f"{name}, torch {torch.__version__}, measured bf16 peak "
-          + (f"{'/'.join(map(str, peaks))} TFLOP/s" if peaks else "-")
+          + (f"{peaks[0]}-{peaks[-1]} TFLOP/s over the rows" if peaks else "-")
           + f"; {args.steps} steps after {args.warmup}, one process per row on {args.gpus} "
           + ("GPU(s)" if args.device == "cuda" else "CPU"))
     for result in results:

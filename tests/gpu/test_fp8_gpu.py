@@ -177,8 +177,12 @@ def test_fp8_training_follows_emulation_and_bf16(tmp_path, monkeypatch, compiled
 @pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
 def test_fp8_model_gradients_match_emulation(monkeypatch, recipe, compiled):
     """One forward + backward of the 300M preset's block shapes (2 layers) on the GPU: every
-    parameter's gradient with the CUDA kernels against the emulated GEMMs. The failure message
-    names the parameters that differ most, which points at the GEMM at fault."""
+    parameter's gradient with the CUDA kernels against the emulated GEMMs, within twice the
+    emulation's own sensitivity to a one-bf16-ulp change of the embeddings (measured on the CPU:
+    23% for layer 1's experts and 10% for q/k projections, as a routing flip or one FP8 step
+    moves these sums of cancelling terms). A wrong layout or scale is off by O(1), and the zero
+    gradients torch 2.11's compile gave (pytorch#180642) by exactly 1. The failure message names
+    the parameters that differ most, which points at the GEMM at fault."""
     import moefold.fp8.apply as fp8_apply
     from moefold.config import load_config
     from moefold.models.transformer import build_model
@@ -187,8 +191,8 @@ def test_fp8_model_gradients_match_emulation(monkeypatch, recipe, compiled):
 
     cfg = load_config("qwen3-moe-300m", {"model.n_layers": "2", "precision.fp8": recipe})
     ids = torch.randint(0, 257, (2, 1025), generator=torch.Generator().manual_seed(0)).cuda()
-    grads = []
-    for kernels in (True, False):
+
+    def gradients(kernels: bool, embedding_scale: float = 1.0):
         if not kernels:
             monkeypatch.setattr(fp8_apply, "build_gemm", lambda device_type: EmulatedFp8Gemm())
             monkeypatch.setattr(fp8_apply, "build_grouped_gemm", lambda device_type: EmulatedFp8GroupedGemm())
@@ -197,13 +201,21 @@ def test_fp8_model_gradients_match_emulation(monkeypatch, recipe, compiled):
         model.init_weights(0)
         fp8_apply.apply_fp8(model, cfg.precision, "cuda")
         model = model.cuda()
+        with torch.no_grad():
+            model.tok_embeddings.weight.mul_(embedding_scale)
         if compiled and kernels:
             compile_blocks(model, torch.bfloat16)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = cross_entropy_loss(model(ids[:, :-1]), ids[:, 1:])
         loss.backward()
-        grads.append({n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None})
-    errors = {n: ((g - grads[1][n]).norm() / grads[1][n].norm().clamp(min=1e-12)).item()
-              for n, g in grads[0].items()}
-    worst = sorted(errors.items(), key=lambda kv: -kv[1])[:6]
-    assert worst[0][1] < 5e-2, f"relative gradient error, worst first: {worst}"
+        return {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
+
+    def rel(a, b):
+        return {n: ((a[n] - b[n]).norm() / b[n].norm().clamp(min=1e-12)).item() for n in b}
+
+    kernels = gradients(kernels=True)
+    emulated = gradients(kernels=False)
+    floor = rel(gradients(kernels=False, embedding_scale=1 + 2 ** -8), emulated)
+    error = rel(kernels, emulated)
+    excess = sorted(((error[n] / (2 * floor[n] + 0.02), n, error[n], floor[n]) for n in error), reverse=True)
+    assert excess[0][0] < 1, f"(error / bound, parameter, error, emulation's floor), worst first: {excess[:6]}"

@@ -16,7 +16,7 @@ per GPU: no row inherits another system's process-wide settings, allocator pools
     export PYTHONPATH=$PWD/src            # plus the carried wheels' site dir (PEERS.md)
     python3 benchmarks/peers.py [--shapes qwen3-30b-a3b-6l,deepseek-v3-small-8l] \
         [--systems torchtitan,torchtitan-compile,torchtitan-compile-blocks,transformers,moefold,moefold-compile] \
-        [--steps 10] [--warmup 3] \
+        [--steps 10] [--warmup 3] [--repeats 1] [--gpus N] [--timeout S] \
         [--json PATH]
 """
 
@@ -247,8 +247,9 @@ def run_one(shape: str, system: str, device: torch.device, steps: int, warmup: i
         return {"skipped": f"failed: {type(e).__name__}: {str(e)[:200]}"}
 
 
-def run_isolated(jobs: list[tuple[str, str]], args: argparse.Namespace) -> dict[tuple[str, str], dict]:
-    """Each (shape, system) in its own Python process, one per GPU at a time over `args.gpus` GPUs.
+def run_isolated(jobs: list[tuple[str, str]], args: argparse.Namespace) -> dict[tuple[str, str], list[dict]]:
+    """Each (shape, system) run in its own Python process, one per GPU at a time over `args.gpus`
+    GPUs; every row `args.repeats` times, the repeats interleaved with the other rows.
 
     A row timed after other systems in the same process measured their leftovers: moefold compiled
     ran DeepSeek-V3-small at 419.6 ms after TorchTitan compiled, 252.8 ms alone (same commit, same
@@ -258,14 +259,15 @@ def run_isolated(jobs: list[tuple[str, str]], args: argparse.Namespace) -> dict[
     system as its users run it."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     slots = visible.split(",")[:args.gpus] if visible else [str(i) for i in range(args.gpus)]
-    pending, running, rows = list(jobs), {}, {}
+    pending = [(shape, system, k) for k in range(args.repeats) for shape, system in jobs]
+    running, rows = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         while pending or running:
             for slot in [s for s in slots if s not in running]:
                 if not pending:
                     break
-                shape, system = pending.pop(0)
-                out = Path(tmp) / f"{shape}.{system}.json"
+                shape, system, k = pending.pop(0)
+                out = Path(tmp) / f"{shape}.{system}.{k}.json"
                 cmd = [sys.executable, __file__, "--one", shape, system, str(out), "--steps", str(args.steps),
                        "--warmup", str(args.warmup), "--device", args.device]
                 env = {**os.environ, "CUDA_VISIBLE_DEVICES": slot} if args.device == "cuda" else None
@@ -279,13 +281,30 @@ def run_isolated(jobs: list[tuple[str, str]], args: argparse.Namespace) -> dict[
                     proc.wait()
                 row = json.loads(out.read_text()) if out.exists() else {
                     "skipped": f"process ended with {proc.returncode} (timeout {args.timeout:.0f} s)"}
-                rows[shape, system] = row
+                rows.setdefault((shape, system), []).append(row)
                 print(f"{shape} {system}: {row}", file=sys.stderr, flush=True)
                 del running[slot]
     return rows
 
 
-def shape_result(shape: str, systems: list[str], rows: dict[tuple[str, str], dict]) -> dict:
+def merge_repeats(runs: list[dict]) -> dict:
+    """One row from a system's repeats: all their timed steps together (throughput = tokens over
+    time of all of them), each repeat's mean step time kept; skipped when no repeat was timed."""
+    timed = [r for r in runs if "skipped" not in r]
+    if not timed:
+        return runs[0]
+    row = {**timed[-1], "seconds": sum(r["seconds"] for r in timed),
+           "step_ms_each": [ms for r in timed for ms in r["step_ms_each"]],
+           "peak_gib": max((r["peak_gib"] for r in timed if r["peak_gib"] is not None), default=None),
+           "alloc_retries": None if timed[-1]["alloc_retries"] is None else sum(r["alloc_retries"] for r in timed),
+           "repeat_step_ms": [r["step_ms"] for r in timed]}
+    row["step_ms"] = statistics.fmean(row["step_ms_each"])
+    if len(timed) < len(runs):
+        row["note"] = f"{row['note']} ({len(runs) - len(timed)} of {len(runs)} repeats failed)".strip()
+    return row
+
+
+def shape_result(shape: str, systems: list[str], rows: dict[tuple[str, str], list[dict]]) -> dict:
     """A shape's table: each row's throughput by the one FLOP count of the moefold model."""
     preset, overrides = SHAPES[shape]
     cfg = shape_config(shape, "cpu")
@@ -295,7 +314,7 @@ def shape_result(shape: str, systems: list[str], rows: dict[tuple[str, str], dic
     tokens_per_step = cfg.train.micro_batch_size * cfg.train.seq_len
     table = {}
     for system in systems:
-        r = rows[shape, system]
+        r = merge_repeats(rows[shape, system])
         if "skipped" not in r:
             tokens_per_s = tokens_per_step * len(r["step_ms_each"]) / r["seconds"]
             r = {**r, "tokens_per_s": tokens_per_s, "tflops": tokens_per_s * flops_per_token / 1e12,
@@ -320,9 +339,11 @@ def format_shape(result: dict) -> str:
         peak = f"{r['peak_gib']:8.1f}" if r["peak_gib"] is not None else f"{'-':>8s}"
         spread = f"{min(r['step_ms_each']):.0f}-{max(r['step_ms_each']):.0f}"
         retries = "-" if r["alloc_retries"] is None else str(r["alloc_retries"])
+        repeats = r.get("repeat_step_ms", [])
+        note = r["note"] + (f" (repeats: {'/'.join(f'{ms:.1f}' for ms in repeats)} ms)" if len(repeats) > 1 else "")
         lines.append(f"{system:22s} {r['tokens_per_s']:9,.0f} {r['tflops']:8.1f} {peak} "
                      f"{r['step_ms']:8.1f} {spread:>13s} {retries:>7s} {r['params_vs_moefold']:11.4f} "
-                     f"{ratio}  {r['note']}")
+                     f"{ratio}  {note}")
     return "\n".join(lines)
 
 
@@ -336,6 +357,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpus", type=int, default=None,
                    help="rows run side by side, one per GPU (default: every visible GPU)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds one row may take")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run every row this many times, each in a fresh process (one table row)")
     p.add_argument("--json", type=Path)
     p.add_argument("--one", nargs=3, metavar=("SHAPE", "SYSTEM", "OUT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -353,16 +376,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"peers.py: unknown {unknown}; shapes: {list(SHAPES)}, systems: {list(SYSTEMS)}",
               file=sys.stderr)
         return 2
+    if args.repeats < 1 or args.steps < 1:
+        print(f"peers.py: --repeats {args.repeats} and --steps {args.steps} must be >= 1", file=sys.stderr)
+        return 2
     if args.gpus is None:
         args.gpus = max(torch.cuda.device_count(), 1) if args.device == "cuda" else 1
     rows = run_isolated([(s, system) for s in shapes for system in systems], args)
     results = [shape_result(s, systems, rows) for s in shapes]
-    timed = [r for r in rows.values() if "skipped" not in r]
+    timed = [r for runs in rows.values() for r in runs if "skipped" not in r]
     name = timed[0]["device"] if timed else args.device
     peaks = sorted(round(r["peak_tflops_measured"]) for r in timed if r["peak_tflops_measured"])
     print(f"{name}, torch {torch.__version__}, measured bf16 peak "
           + (f"{peaks[0]}-{peaks[-1]} TFLOP/s over the rows" if peaks else "-")
-          + f"; {args.steps} steps after {args.warmup}, one process per row on {args.gpus} "
+          + f"; {args.steps} steps after {args.warmup} × {args.repeats} repeat(s), one process per "
+          + f"run on {args.gpus} "
           + ("GPU(s)" if args.device == "cuda" else "CPU"))
     for result in results:
         print(format_shape(result))

@@ -193,12 +193,13 @@ def _peers_script():
 def test_peers_rows_run_in_their_own_processes(tmp_path, capsys):
     path = tmp_path / "peers.json"
     assert _peers_script().main(["--device", "cpu", "--shapes", "tiny-qwen3", "--systems",
-                                 "moefold,torchtitan", "--steps", "2", "--warmup", "0",
+                                 "moefold,torchtitan", "--steps", "2", "--warmup", "0", "--repeats", "2",
                                  "--json", str(path)]) == 0
-    assert "one process per row" in capsys.readouterr().out
+    assert "one process per run" in capsys.readouterr().out
     rows = json.loads(path.read_text())["shapes"][0]["rows"]
     ours = rows["moefold"]
-    assert len(ours["step_ms_each"]) == 2 and ours["tflops"] > 0
+    assert len(ours["repeat_step_ms"]) == 2 and len(ours["step_ms_each"]) == 4 and ours["tflops"] > 0
+    assert ours["step_ms"] == pytest.approx(sum(ours["repeat_step_ms"]) / 2)
     assert ours["params_vs_moefold"] == 1.0  # the child built the shape the parent counts FLOPs of
     assert "skipped" in rows["torchtitan"] or rows["torchtitan"]["tflops"] > 0
 

@@ -35,7 +35,7 @@ class Case:
     padding: bool  # some tokens are padding (valid=False); rank 0 all padding when tokens are few
 
 
-def random_case(seed: int, world: int) -> Case:
+def random_case(seed: int, world: int, pad_multiples: tuple[int, ...] = (0,)) -> Case:
     rng = random.Random(seed)
     E = world * rng.choice([1, 2, 3])
     L = E // world
@@ -45,7 +45,8 @@ def random_case(seed: int, world: int) -> Case:
                     activation=rng.choice(["swiglu", "gelu", "relu2"]),
                     memory_efficient_permute=rng.random() < 0.5, shared_experts=rng.choice([0, 1]),
                     shared_expert_gate=rng.random() < 0.5, router_dtype="fp32",
-                    experts_backend=rng.choice(BACKENDS))
+                    experts_backend=rng.choice(BACKENDS),
+                    pad_multiple=random.Random(-seed).choice(pad_multiples))
     if cfg.score_func == "softmax":
         cfg.softmax_before_topk = rng.random() < 0.7
     # Starve a few experts (or all of the last rank's, so that rank receives no rows at all) while
@@ -127,18 +128,19 @@ def _check_ranks(rank: int, world: int, cases: list[Case]) -> None:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_ep_matches_single_process_layer(world):
-    cases = [random_case(world * 1000 + seed, world) for seed in range(12)]
+    # a third of the cases pad each expert's rows to 8 (as FP8 experts need): PaddedRegroup
+    cases = [random_case(world * 1000 + seed, world, pad_multiples=(0, 0, 8)) for seed in range(12)]
     run_on_ranks(_check_ranks, world, world, cases)
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (dict(capacity_factor=1.25), "moe.capacity_factor=1.25 is not supported"),
-    (dict(pad_multiple=8), "moe.pad_multiple=8 is not supported"),
+@pytest.mark.parametrize("overrides, dispatcher, message", [
+    (dict(capacity_factor=1.25), "alltoall", "moe.capacity_factor=1.25 is not supported"),
+    (dict(pad_multiple=8), "allgather", "moe.pad_multiple=8 .* with parallel.ep_dispatcher=allgather"),
 ])
-def test_apply_ep_rejects_what_it_does_not_support(overrides, message):
+def test_apply_ep_rejects_what_it_does_not_support(overrides, dispatcher, message):
     cfg = MoEConfig(num_experts=4, top_k=2, expert_hidden=4, experts_backend="loop", **overrides)
     with pytest.raises(ConfigError, match=message):
-        apply_ep(build(cfg, DIM, 0), ep_group=None)  # checked before any collective
+        apply_ep(build(cfg, DIM, 0), ep_group=None, dispatcher=dispatcher)  # before any collective
 
 
 def test_apply_ep_twice_is_an_error():

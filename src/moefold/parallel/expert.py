@@ -38,7 +38,12 @@ from moefold.moe.dispatch import (
     _weighted_sum_copies,
 )
 from moefold.moe.layer import MoELayer
-from moefold.moe.permute import gather_rows
+from moefold.moe.permute import (
+    PermutePlan,
+    RowLayout,
+    gather_rows,
+    plan_permutation,
+)
 from moefold.moe.router import Routing
 from moefold.parallel.dims import expert_coords
 
@@ -48,8 +53,7 @@ class AllToAllHandle:
     order_N: torch.Tensor  # int64: copies sorted by global expert (kept first, dropped last)
     position_N: torch.Tensor  # int64: each copy's place in that order (the inverse of order_N)
     keep_N: torch.Tensor  # bool: the copy was sent
-    regroup_R: torch.Tensor  # int64: received row (source-major) at each expert-grouped row
-    inverse_R: torch.Tensor  # int64: each received row's expert-grouped row (inverse of regroup_R)
+    regrouped: "SortedRegroup | PaddedRegroup"  # how the received rows were grouped by expert
     send_per_ep: list[int]  # kept copies for each EP index (host)
     send_splits: list[int]  # rows sent to each group rank (host)
     recv_splits: list[int]  # rows received from each group rank (host)
@@ -99,8 +103,10 @@ class _ExpertParallelDispatcher:
     to those experts: their partial outputs add up in combine."""
 
     def __init__(self, top_k: int, num_experts: int, group, probs_applied_by_experts: bool,
-                 ep_of_rank: list[int] | None = None):
+                 ep_of_rank: list[int] | None = None, pad_multiple: int = 1):
         self.top_k, self.num_experts, self.group = top_k, num_experts, group
+        self.pad_multiple = pad_multiple
+        self.regroup_type = PaddedRegroup if pad_multiple > 1 else SortedRegroup
         self.group_size = dist.get_world_size(group)
         self.ep_of_rank = ep_of_rank or list(range(self.group_size))
         self.ep_size, self.ep_rank = len(set(self.ep_of_rank)), self.ep_of_rank[dist.get_rank(group)]
@@ -110,6 +116,63 @@ class _ExpertParallelDispatcher:
         self.num_local_experts = num_experts // self.ep_size
         self._fans_out = self.ep_of_rank != list(range(self.ep_size))
         self._reduce = _sum_copies if probs_applied_by_experts else _weighted_sum_copies
+
+class SortedRegroup:
+    """Received rows grouped by local expert as they are: a stable sort, its inverse for combine."""
+
+    def __init__(self, regroup_R: torch.Tensor, rows_per_expert_L: torch.Tensor):
+        self.regroup_R, self.inverse_R = regroup_R, _inverse(regroup_R)
+        self.rows_per_expert_L = rows_per_expert_L
+
+    @classmethod
+    def of(cls, expert_of_row_R, rows_per_expert_L, pad_multiple: int) -> "SortedRegroup":
+        return cls(torch.argsort(expert_of_row_R, stable=True), rows_per_expert_L)
+
+    def apply(self, x_RD, probs_R):
+        return gather_rows(x_RD, self.regroup_R, self.inverse_R[:, None]), probs_R.index_select(0, self.regroup_R)
+
+    def undo(self, y_RD):
+        R = self.regroup_R.numel()
+        return gather_rows(y_RD[:R], self.inverse_R, self.regroup_R[:, None])
+
+
+class PaddedRegroup:
+    """Received rows grouped by local expert, each expert's group padded with zero rows to a
+    multiple of `pad_multiple` (the FP8 kernels' alignment): the local static-shape permutation's
+    plan (moe/permute.py) with one copy per row, R + L·(multiple − 1) rows (no sync for the size).
+    Padding rows get probability 0 and no gradient."""
+
+    def __init__(self, plan: PermutePlan):
+        self.plan, self.rows_per_expert_L = plan, plan.rows_per_expert_E
+
+    @classmethod
+    def of(cls, expert_of_row_R, rows_per_expert_L, pad_multiple: int) -> "PaddedRegroup":
+        layout = RowLayout(rows_per_expert_L.numel(), 1, pad_multiple)
+        keep_R = torch.ones_like(expert_of_row_R, dtype=torch.bool)
+        return cls(plan_permutation(expert_of_row_R[:, None], keep_R, layout))
+
+    def apply(self, x_RD, probs_R):
+        # Padding rows read an appended zero row, so the gathers have a row to read even when this
+        # rank received none (R = 0) and the result still depends on x_RD: backward then reaches
+        # the all-to-all on every rank.
+        plan, R = self.plan, x_RD.shape[0]
+        index_R = torch.where(plan.row_valid_R, plan.copy_of_row_R, R)
+        back_R1 = torch.cat([plan.row_of_copy_N, plan.row_of_copy_N.new_zeros(1)])[:, None]
+        sent_R1 = torch.arange(R + 1, device=x_RD.device)[:, None] < R
+        x_R1D = torch.cat([x_RD, x_RD.new_zeros(1, x_RD.shape[-1])])
+        probs_R1 = torch.cat([probs_R, probs_R.new_zeros(1)])
+        return (gather_rows(x_R1D, index_R, back_R1, plan.row_valid_R, sent_R1),
+                probs_R1.index_select(0, index_R))
+
+    def undo(self, y_RD):
+        # One spare output row past the R received ones, for the padding rows' gradients to read
+        # (backward gathers from the output, which has no rows when R = 0); zero, and cut off.
+        plan, R = self.plan, self.plan.row_of_copy_N.numel()
+        index_R1 = torch.cat([plan.row_of_copy_N, plan.row_of_copy_N.new_zeros(1)])
+        valid_R1 = torch.arange(R + 1, device=y_RD.device) < R
+        back_Y1 = torch.where(plan.row_valid_R, plan.copy_of_row_R, R)[:, None]
+        return gather_rows(y_RD, index_R1, back_Y1, valid_R1, plan.row_valid_R[:, None])[:R]
+
 
 class AllToAllDispatcher(_ExpertParallelDispatcher):
     """Dropless all-to-all dispatch over `ep_group` (Megatron-Core's MoEAlltoAllTokenDispatcher).
@@ -129,8 +192,8 @@ class AllToAllDispatcher(_ExpertParallelDispatcher):
         sorted_ = self._gather_sorted(x_TD, routing, order_N, position_N)  # ... the permutation ...
         send_per_ep, send_splits, recv_splits = self._split_sizes(splits)  # ... waited for late
         x_RD, probs_R = self._communicate(sorted_, send_per_ep, send_splits, recv_splits)
-        x_RD, probs_R, rows_per_expert_L, regroup_R, inverse_R = self._postprocess(x_RD, probs_R, counts_GL)
-        handle = AllToAllHandle(order_N, position_N, keep_N, regroup_R, inverse_R, send_per_ep,
+        x_RD, probs_R, rows_per_expert_L, regrouped = self._postprocess(x_RD, probs_R, counts_GL)
+        handle = AllToAllHandle(order_N, position_N, keep_N, regrouped, send_per_ep,
                                 send_splits, recv_splits, routing.probs_TK)
         return Dispatched(x_RD=x_RD, rows_per_expert_E=rows_per_expert_L, probs_R=probs_R, handle=handle)
 
@@ -196,14 +259,11 @@ class AllToAllDispatcher(_ExpertParallelDispatcher):
     def _postprocess(self, x_RD, probs_R, counts_PL):
         """Regroup the received rows (source-major) by local expert, stable within a source."""
         P, L = counts_PL.shape
-        R = x_RD.shape[0]
         local_expert_PL = torch.arange(L, device=counts_PL.device).repeat(P)
         # output_size given: no host sync for repeat_interleave's result size.
-        expert_of_row_R = local_expert_PL.repeat_interleave(counts_PL.reshape(-1), output_size=R)
-        regroup_R = torch.argsort(expert_of_row_R, stable=True)
-        inverse_R = _inverse(regroup_R)
-        return (gather_rows(x_RD, regroup_R, inverse_R[:, None]), probs_R.index_select(0, regroup_R),
-                counts_PL.sum(0), regroup_R, inverse_R)
+        expert_of_row_R = local_expert_PL.repeat_interleave(counts_PL.reshape(-1), output_size=x_RD.shape[0])
+        regrouped = self.regroup_type.of(expert_of_row_R, counts_PL.sum(0), self.pad_multiple)
+        return (*regrouped.apply(x_RD, probs_R), regrouped.rows_per_expert_L, regrouped)
 
     # -------------------------------------------------------------------------------- combine
 
@@ -214,9 +274,8 @@ class AllToAllDispatcher(_ExpertParallelDispatcher):
         return self._combine_postprocess(self._fan_in(y_XD, handle), handle)
 
     def _combine_preprocess(self, y_RD, handle: AllToAllHandle):
-        """Undo the regrouping: back to source-major order, by a gather through the inverse."""
-        R = handle.regroup_R.numel()
-        return gather_rows(y_RD[:R], handle.inverse_R, handle.regroup_R[:, None])
+        """Undo the regrouping: back to source-major order."""
+        return handle.regrouped.undo(y_RD)
 
     def _combine_postprocess(self, y_SD, handle: AllToAllHandle):
         """Un-sort into copy order (a gather; zeros for dropped copies) and sum the K copies."""
@@ -358,12 +417,14 @@ def apply_ep(layer: MoELayer, ep_group, dispatcher: str = "alltoall",
     if not isinstance(layer.capacity, Dropless):
         raise ConfigError(f"moe.capacity_factor={layer.capacity.capacity_factor} is not supported "
                           "with parallel.ep > 1 yet (only dropless, capacity_factor=0)")
-    if layer.dispatcher.layout.multiple > 1:
-        raise ConfigError(f"moe.pad_multiple={layer.dispatcher.layout.multiple} is not supported with "
-                          "parallel.ep > 1 yet (only 0)")
+    pad_multiple = layer.dispatcher.layout.multiple
+    if pad_multiple > 1 and dispatcher != "alltoall":
+        raise ConfigError(f"moe.pad_multiple={pad_multiple} (or FP8 experts) with "
+                          f"parallel.ep_dispatcher={dispatcher} is not supported yet; use alltoall")
     new_dispatcher = DISPATCHERS[dispatcher](
         layer.top_k, layer.num_experts, ep_group,
-        probs_applied_by_experts=layer.experts.activation.applies_probs, ep_of_rank=ep_of_rank)
+        probs_applied_by_experts=layer.experts.activation.applies_probs, ep_of_rank=ep_of_rank,
+        pad_multiple=pad_multiple)
     _keep_local_experts(layer.experts, new_dispatcher.ep_rank, new_dispatcher.num_local_experts,
                         etp_rank, etp_size)
     layer.dispatcher = new_dispatcher

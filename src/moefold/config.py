@@ -655,10 +655,6 @@ def _validate_precision(cfg: Config) -> None:
     _require(p.fp8 == "off" or cfg.parallel.tp == 1,
              f"precision.fp8={p.fp8!r} with parallel.tp={cfg.parallel.tp} is not yet supported (FP8 "
              "linears take plain tensors, not TP's DTensors); use parallel.tp=1")
-    _require(p.fp8 == "off" or cfg.parallel.ep == 1 or cfg.parallel.ep_dispatcher == "alltoall",
-             f"precision.fp8={p.fp8!r} with parallel.ep={cfg.parallel.ep} needs "
-             f"parallel.ep_dispatcher=alltoall (FP8 experts need per-expert row padding, which the "
-             f"{cfg.parallel.ep_dispatcher} dispatcher lacks)")
 
 
 # A name that already recomputes everything the listed ones would.

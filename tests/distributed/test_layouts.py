@@ -94,18 +94,20 @@ ALIGNED_QWEN3 = {"model.dim": "128", "model.head_dim": "32", "model.n_kv_heads":
                  "moe.expert_hidden": "128"}  # dims the FP8 GEMMs take
 
 
-def _ep2_and_reference(corpus, tmp_path, extra: dict) -> tuple[dict, dict]:
+def _ep2_and_reference(corpus, tmp_path, extra: dict, dispatcher: str = "alltoall") -> tuple[dict, dict]:
     ref = train(run_config("qwen3", corpus, extra=extra), tmp_path / "ref")
     out = tmp_path / "results.pt"
-    run_ranks(2, train_on_rank, [("qwen3", "qwen3", corpus, 2, dict(ep=2), tmp_path / "ep2", None, 0, extra)], out)
+    parallel = dict(ep=2, ep_dispatcher=dispatcher)
+    run_ranks(2, train_on_rank, [("qwen3", "qwen3", corpus, 2, parallel, tmp_path / "ep2", None, 0, extra)], out)
     return torch.load(out)["qwen3"], ref
 
 
-def test_padded_expert_rows_under_ep_train_like_one_process(corpus, tmp_path):
-    """moe.pad_multiple=16 under ep=2: the all-to-all dispatcher pads each local expert's rows
-    (PaddedRegroup, as FP8 experts need) and trains exactly like one process."""
-    result, ref = _ep2_and_reference(corpus, tmp_path, {**ALIGNED_QWEN3, "moe.pad_multiple": "16"})
-    _check_same_training(result, ref, "pad16 ep2")
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+def test_padded_expert_rows_under_ep_train_like_one_process(dispatcher, corpus, tmp_path):
+    """moe.pad_multiple=16 under ep=2: the dispatcher pads each local expert's rows (PaddedRegroup,
+    PaddedBuffer; as FP8 experts need) and trains exactly like one process."""
+    result, ref = _ep2_and_reference(corpus, tmp_path, {**ALIGNED_QWEN3, "moe.pad_multiple": "16"}, dispatcher)
+    _check_same_training(result, ref, f"pad16 ep2 {dispatcher}")
 
 
 def test_fp8_under_ep_trains_like_one_process(corpus, tmp_path):

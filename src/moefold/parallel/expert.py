@@ -42,7 +42,10 @@ from moefold.moe.permute import (
     PermutePlan,
     RowLayout,
     gather_rows,
+    permute,
     plan_permutation,
+    row_probs,
+    unpermute,
 )
 from moefold.moe.router import Routing
 from moefold.parallel.dims import expert_coords
@@ -106,7 +109,8 @@ class _ExpertParallelDispatcher:
                  ep_of_rank: list[int] | None = None, pad_multiple: int = 1):
         self.top_k, self.num_experts, self.group = top_k, num_experts, group
         self.pad_multiple = pad_multiple
-        self.regroup_type = PaddedRegroup if pad_multiple > 1 else SortedRegroup
+        self.regroup_type = PaddedRegroup if pad_multiple > 1 else SortedRegroup  # all-to-all
+        self.buffer_type = PaddedBuffer if pad_multiple > 1 else SortedBuffer  # all-gather
         self.group_size = dist.get_world_size(group)
         self.ep_of_rank = ep_of_rank or list(range(self.group_size))
         self.ep_size, self.ep_rank = len(set(self.ep_of_rank)), self.ep_of_rank[dist.get_rank(group)]
@@ -298,9 +302,56 @@ class AllToAllDispatcher(_ExpertParallelDispatcher):
 
 @dataclass
 class AllGatherHandle:
-    position_M: torch.Tensor  # int64: each gathered copy's row in the expert buffer
-    local_M: torch.Tensor  # bool: the gathered copy is kept and routed to one of this rank's experts
+    buffer: "SortedBuffer | PaddedBuffer"  # where each gathered copy sits in the expert buffer
     probs_GK: torch.Tensor  # gathered combine weights, used when the experts did not apply them
+
+
+class SortedBuffer:
+    """The gathered copies sorted by local expert (stable), M rows: this rank's first, the rest
+    (other ranks' experts, dropped copies) after the last group as zeros, never computed."""
+
+    def __init__(self, key_M: torch.Tensor, local_M: torch.Tensor, num_local_experts: int, top_k: int,
+                 pad_multiple: int):
+        L, M = num_local_experts, key_M.numel()
+        self.top_k, self.local_M = top_k, local_M
+        self.order_M = torch.argsort(key_M, stable=True)
+        counts_L1 = torch.zeros(L + 1, dtype=torch.int64, device=key_M.device)
+        counts_L1.scatter_add_(0, key_M, torch.ones_like(key_M))
+        self.rows_per_expert_L = counts_L1[:L]
+        self.row_valid_R = local_M.index_select(0, self.order_M)  # R = M rows
+        self.position_M = torch.empty_like(self.order_M).scatter_(
+            0, self.order_M, torch.arange(M, device=key_M.device))
+
+    def fill(self, x_GD, probs_GK):
+        # Zeros (not other ranks' tokens) in the unused rows, so no gradient flows through them.
+        x_RD = torch.where(self.row_valid_R[:, None], x_GD.index_select(0, self.order_M // self.top_k), 0)
+        probs_R = torch.where(self.row_valid_R, probs_GK.reshape(-1).index_select(0, self.order_M), 0)
+        return x_RD, probs_R
+
+    def copies(self, y_RD):
+        """Each gathered copy's output [G, K, D]; `torch.where` keeps whatever the experts left in
+        unused rows, even NaN, out."""
+        y_MD = torch.where(self.local_M[:, None], y_RD.index_select(0, self.position_M), 0)
+        return y_MD.view(-1, self.top_k, y_RD.shape[-1])
+
+
+class PaddedBuffer:
+    """The gathered copies of this rank's experts grouped by local expert, each group padded with
+    zero rows to a multiple of `pad_multiple` (FP8 experts): the local permutation (moe/permute.py)
+    of the gathered tokens, other ranks' copies dropped. M + L·(multiple − 1) rows."""
+
+    def __init__(self, key_M: torch.Tensor, local_M: torch.Tensor, num_local_experts: int, top_k: int,
+                 pad_multiple: int):
+        self.top_k = top_k
+        layout = RowLayout(num_local_experts, top_k, pad_multiple)
+        self.plan = plan_permutation(key_M.view(-1, top_k), local_M, layout)
+        self.rows_per_expert_L = self.plan.rows_per_expert_E
+
+    def fill(self, x_GD, probs_GK):
+        return permute(x_GD, self.plan, self.top_k), row_probs(probs_GK, self.plan)
+
+    def copies(self, y_RD):
+        return unpermute(y_RD, self.plan, self.top_k)
 
 
 @dataclass
@@ -353,24 +404,16 @@ class AllGatherDispatcher(_ExpertParallelDispatcher):
                          probs_GK=torch.cat(dist_fn.all_gather(probs_TK, group=self.group)))
 
     def _postprocess(self, g: _Gathered) -> Dispatched:
-        """Static-shape sort by local expert (stable: gathered order within an expert); copies for
-        other ranks' experts and dropped ones get key L and sort last: rows past the last local group
-        hold zeros, are never computed, and are never read back by combine."""
-        L, M = self.num_local_experts, g.key_M.numel()
+        """Static-shape grouping by local expert (stable: gathered order within an expert); copies
+        for other ranks' experts and dropped ones get key L: never computed, never read back."""
+        L = self.num_local_experts
         local_expert_M = g.key_M - self.ep_rank * L
         local_M = (local_expert_M >= 0) & (local_expert_M < L)  # dropped copies: key E ≥ rank·L + L
         key_M = torch.where(local_M, local_expert_M, L)
-        order_M = torch.argsort(key_M, stable=True)
-        counts_L1 = torch.zeros(L + 1, dtype=torch.int64, device=key_M.device)
-        counts_L1.scatter_add_(0, key_M, torch.ones_like(key_M))
-        row_valid_R = local_M.index_select(0, order_M)  # R = M rows
-        # Zeros (not other ranks' tokens) in the unused rows, so no gradient flows through them.
-        x_RD = torch.where(row_valid_R[:, None], g.x_GD.index_select(0, order_M // self.top_k), 0)
-        probs_R = torch.where(row_valid_R, g.probs_GK.reshape(-1).index_select(0, order_M), 0)
-        position_M = torch.empty_like(order_M).scatter_(
-            0, order_M, torch.arange(M, device=order_M.device))
-        handle = AllGatherHandle(position_M, local_M, g.probs_GK)
-        return Dispatched(x_RD=x_RD, rows_per_expert_E=counts_L1[:L], probs_R=probs_R, handle=handle)
+        buffer = self.buffer_type(key_M, local_M, L, self.top_k, self.pad_multiple)
+        x_RD, probs_R = buffer.fill(g.x_GD, g.probs_GK)
+        return Dispatched(x_RD=x_RD, rows_per_expert_E=buffer.rows_per_expert_L, probs_R=probs_R,
+                          handle=AllGatherHandle(buffer, g.probs_GK))
 
     # -------------------------------------------------------------------------------- combine
 
@@ -380,11 +423,8 @@ class AllGatherDispatcher(_ExpertParallelDispatcher):
         return self._combine_communicate(y_GD)
 
     def _combine_preprocess(self, y_RD, handle: AllGatherHandle) -> torch.Tensor:
-        """Back to gathered copy order (a gather; `torch.where` keeps whatever the experts left in
-        unused rows, even NaN, out), then this rank's partial sum over each token's K copies."""
-        y_MD = y_RD.index_select(0, handle.position_M)
-        y_MD = torch.where(handle.local_M[:, None], y_MD, 0)
-        return self._reduce(y_MD.view(-1, self.top_k, y_RD.shape[-1]), handle.probs_GK)
+        """Back to gathered copy order, then this rank's partial sum over each token's K copies."""
+        return self._reduce(handle.buffer.copies(y_RD), handle.probs_GK)
 
     def _combine_communicate(self, y_GD: torch.Tensor) -> torch.Tensor:
         """Sum over the group and keep this rank's T rows: the autograd-aware reduce-scatter
@@ -418,9 +458,6 @@ def apply_ep(layer: MoELayer, ep_group, dispatcher: str = "alltoall",
         raise ConfigError(f"moe.capacity_factor={layer.capacity.capacity_factor} is not supported "
                           "with parallel.ep > 1 yet (only dropless, capacity_factor=0)")
     pad_multiple = layer.dispatcher.layout.multiple
-    if pad_multiple > 1 and dispatcher != "alltoall":
-        raise ConfigError(f"moe.pad_multiple={pad_multiple} (or FP8 experts) with "
-                          f"parallel.ep_dispatcher={dispatcher} is not supported yet; use alltoall")
     new_dispatcher = DISPATCHERS[dispatcher](
         layer.top_k, layer.num_experts, ep_group,
         probs_applied_by_experts=layer.experts.activation.applies_probs, ep_of_rank=ep_of_rank,

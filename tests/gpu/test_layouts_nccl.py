@@ -91,3 +91,23 @@ def test_checkpoint_from_all_gpus_resumes_on_half_and_one(corpus, reference, tmp
         torch.testing.assert_close(torch.tensor(result["losses"]),
                                    torch.tensor(reference[m, "fp32"]["losses"][half:]), rtol=1e-4, atol=0,
                                    msg=lambda msg, where=where, m=m: f"saved on {n} GPUs, resumed on {where} {m}: {msg}")
+
+
+ALIGNED_QWEN3 = {"model.dim": "128", "model.head_dim": "32", "model.n_kv_heads": "4", "moe.expert_hidden": "128"}
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+def test_fp8_experts_under_ep2_on_nccl(dispatcher, corpus, tmp_path):
+    """FP8 rowwise with the CUDA kernels (cuBLAS linears, CUTLASS grouped experts) under ep=2 on
+    NCCL: each rank pads its experts' rows to the kernels' multiple, and training stays within FP8
+    noise of the same FP8 run on one GPU (each data rank scales its own tokens; tolerance as on
+    gloo, tests/distributed/test_layouts.py)."""
+    if GPUS < 2:
+        pytest.skip("needs 2 GPUs")
+    extra = {**gpu_overrides("bf16"), **ALIGNED_QWEN3, "precision.fp8": "rowwise"}
+    ref = train(config("qwen3", corpus, extra=extra), tmp_path / "ref")
+    out = tmp_path / "results.pt"
+    run_ranks(2, train_on_rank, [("qwen3", "qwen3", corpus, 2, dict(ep=2, ep_dispatcher=dispatcher),
+                                  tmp_path / "ep2", None, 0, extra)], out)
+    result = torch.load(out)["qwen3"]
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref["losses"]), rtol=2e-2, atol=0)

@@ -133,7 +133,8 @@ class SortedRegroup:
         return cls(torch.argsort(expert_of_row_R, stable=True), rows_per_expert_L)
 
     def apply(self, x_RD, probs_R):
-        return gather_rows(x_RD, self.regroup_R, self.inverse_R[:, None]), probs_R.index_select(0, self.regroup_R)
+        x_RD = gather_rows(x_RD, self.regroup_R, self.inverse_R[:, None])
+        return x_RD, probs_R.index_select(0, self.regroup_R)
 
     def undo(self, y_RD):
         R = self.regroup_R.numel()
@@ -143,8 +144,8 @@ class SortedRegroup:
 class PaddedRegroup:
     """Received rows grouped by local expert, each expert's group padded with zero rows to a
     multiple of `pad_multiple` (the FP8 kernels' alignment): the local static-shape permutation's
-    plan (moe/permute.py) with one copy per row, R + L·(multiple − 1) rows (no sync for the size).
-    Padding rows get probability 0 and no gradient."""
+    plan (moe/permute.py) with one copy per row: Y = R + L·(multiple − 1) rows (no sync for the
+    size). Padding rows get probability 0 and no gradient."""
 
     def __init__(self, plan: PermutePlan):
         self.plan, self.rows_per_expert_L = plan, plan.rows_per_expert_E
@@ -159,23 +160,23 @@ class PaddedRegroup:
         # Padding rows read an appended zero row, so the gathers have a row to read even when this
         # rank received none (R = 0) and the result still depends on x_RD: backward then reaches
         # the all-to-all on every rank.
-        plan, R = self.plan, x_RD.shape[0]
-        index_R = torch.where(plan.row_valid_R, plan.copy_of_row_R, R)
+        plan, R = self.plan, x_RD.shape[0]  # plan.copy_of_row_R and row_valid_R have Y entries
+        index_Y = torch.where(plan.row_valid_R, plan.copy_of_row_R, R)
         back_R1 = torch.cat([plan.row_of_copy_N, plan.row_of_copy_N.new_zeros(1)])[:, None]
         sent_R1 = torch.arange(R + 1, device=x_RD.device)[:, None] < R
         x_R1D = torch.cat([x_RD, x_RD.new_zeros(1, x_RD.shape[-1])])
         probs_R1 = torch.cat([probs_R, probs_R.new_zeros(1)])
-        return (gather_rows(x_R1D, index_R, back_R1, plan.row_valid_R, sent_R1),
-                probs_R1.index_select(0, index_R))
+        return (gather_rows(x_R1D, index_Y, back_R1, plan.row_valid_R, sent_R1),
+                probs_R1.index_select(0, index_Y))
 
-    def undo(self, y_RD):
+    def undo(self, y_YD):
         # One spare output row past the R received ones, for the padding rows' gradients to read
         # (backward gathers from the output, which has no rows when R = 0); zero, and cut off.
         plan, R = self.plan, self.plan.row_of_copy_N.numel()
         index_R1 = torch.cat([plan.row_of_copy_N, plan.row_of_copy_N.new_zeros(1)])
-        valid_R1 = torch.arange(R + 1, device=y_RD.device) < R
-        back_Y1 = torch.where(plan.row_valid_R, plan.copy_of_row_R, R)[:, None]
-        return gather_rows(y_RD, index_R1, back_Y1, valid_R1, plan.row_valid_R[:, None])[:R]
+        valid_R1 = torch.arange(R + 1, device=y_YD.device) < R
+        back_Y = torch.where(plan.row_valid_R, plan.copy_of_row_R, R)[:, None]
+        return gather_rows(y_YD, index_R1, back_Y, valid_R1, plan.row_valid_R[:, None])[:R]
 
 
 class AllToAllDispatcher(_ExpertParallelDispatcher):

@@ -44,7 +44,7 @@ def test_compiled_blocks_give_eager_gradients(preset, monkeypatch):
         model = build_model(cfg, 257, "cpu", torch.float32)
         model.init_weights(0)
         if compiled:
-            compile_blocks(model, torch.float32)
+            compile_blocks(model)
         models.append(model)
     S = 32
     cos_SDr, sin_SDr = models[0].rope(S, torch.device("cpu"))

@@ -14,6 +14,7 @@ from torch import nn
 
 from moefold.fp8.grouped import fp8_grouped_mm
 from moefold.moe.activation import ACTIVATIONS, PlainActivation, ProbsInActivation
+from moefold.moe.grouped_mm import grouped_mm
 from moefold.parallel.local import local_tensor
 
 
@@ -56,10 +57,11 @@ class Experts(nn.Module):
 
 
 class GroupedMMExperts(Experts):
-    """One `torch._grouped_mm` per projection: no host sync, one launch for all experts."""
+    """One `torch._grouped_mm` per projection: no host sync, one launch for all experts (kept out of
+    torch.compile's graph outside bf16, moe/grouped_mm.py)."""
 
     def _mm(self, x_RX, w_EXY, offsets_E):
-        return torch._grouped_mm(x_RX, w_EXY, offs=offsets_E)
+        return grouped_mm(x_RX, w_EXY, offsets_E)
 
 
 class LoopExperts(Experts):

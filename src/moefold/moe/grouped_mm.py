@@ -1,7 +1,8 @@
 """torch._grouped_mm under torch.compile in every compute dtype.
 
 Its meta kernel accepts bf16 only (torch 2.11–2.13) while eager also runs fp32: outside bf16 the
-grouped GEMM stays eager, the compiled graph broken around it (train/compile.py).
+grouped GEMM stays eager, the compiled graph broken around it. The grouped-GEMM experts and the FP8
+emulation call `grouped_mm`.
 """
 
 import torch

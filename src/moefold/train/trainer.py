@@ -180,7 +180,7 @@ class Trainer:
             grad_dtype = GRAD_DTYPES[cfg.optim.grad_dtype] if cfg.optim.grad_dtype != "fp32" else None
             self.data_parallel = parallelize(self.model, self.dist.layout, cfg.parallel, grad_dtype)
         if cfg.train.compile:
-            compile_blocks(self.model, self.compute_dtype)
+            compile_blocks(self.model)
         self.peak_tflops = peak_tflops(self.device, cfg.logging.peak_tflops)
         autocast_on = self.compute_dtype != torch.float32
         self.autocast = (partial(torch.autocast, self.device.type, dtype=self.compute_dtype)

@@ -109,8 +109,7 @@ class _ExpertParallelDispatcher:
                  ep_of_rank: list[int] | None = None, pad_multiple: int = 1):
         self.top_k, self.num_experts, self.group = top_k, num_experts, group
         self.pad_multiple = pad_multiple
-        self.regroup_type = PaddedRegroup if pad_multiple > 1 else SortedRegroup  # all-to-all
-        self.buffer_type = PaddedBuffer if pad_multiple > 1 else SortedBuffer  # all-gather
+        self.grouping = self.GROUPINGS[pad_multiple > 1]  # how rows are grouped by local expert
         self.group_size = dist.get_world_size(group)
         self.ep_of_rank = ep_of_rank or list(range(self.group_size))
         self.ep_size, self.ep_rank = len(set(self.ep_of_rank)), self.ep_of_rank[dist.get_rank(group)]
@@ -187,6 +186,8 @@ class AllToAllDispatcher(_ExpertParallelDispatcher):
     reverse exchanges and the router gets its gradient through the experts (memory-efficient path)
     or through combine (otherwise).
     """
+
+    GROUPINGS = (SortedRegroup, PaddedRegroup)  # of the received rows: without, with padding
 
     # ------------------------------------------------------------------------------- dispatch
 
@@ -267,7 +268,7 @@ class AllToAllDispatcher(_ExpertParallelDispatcher):
         local_expert_PL = torch.arange(L, device=counts_PL.device).repeat(P)
         # output_size given: no host sync for repeat_interleave's result size.
         expert_of_row_R = local_expert_PL.repeat_interleave(counts_PL.reshape(-1), output_size=x_RD.shape[0])
-        regrouped = self.regroup_type.of(expert_of_row_R, counts_PL.sum(0), self.pad_multiple)
+        regrouped = self.grouping.of(expert_of_row_R, counts_PL.sum(0), self.pad_multiple)
         return (*regrouped.apply(x_RD, probs_R), regrouped.rows_per_expert_L, regrouped)
 
     # -------------------------------------------------------------------------------- combine
@@ -373,6 +374,8 @@ class AllGatherDispatcher(_ExpertParallelDispatcher):
     its K copies. Needs the same T on every EP rank (static sequence lengths); checked on the device.
     """
 
+    GROUPINGS = (SortedBuffer, PaddedBuffer)  # of the expert buffer: without, with padding
+
     # ------------------------------------------------------------------------------- dispatch
 
     def dispatch(self, x_TD: torch.Tensor, routing: Routing, keep_N: torch.Tensor) -> Dispatched:
@@ -411,7 +414,7 @@ class AllGatherDispatcher(_ExpertParallelDispatcher):
         local_expert_M = g.key_M - self.ep_rank * L
         local_M = (local_expert_M >= 0) & (local_expert_M < L)  # dropped copies: key E ≥ rank·L + L
         key_M = torch.where(local_M, local_expert_M, L)
-        buffer = self.buffer_type(key_M, local_M, L, self.top_k, self.pad_multiple)
+        buffer = self.grouping(key_M, local_M, L, self.top_k, self.pad_multiple)
         x_RD, probs_R = buffer.fill(g.x_GD, g.probs_GK)
         return Dispatched(x_RD=x_RD, rows_per_expert_E=buffer.rows_per_expert_L, probs_R=probs_R,
                           handle=AllGatherHandle(buffer, g.probs_GK))

@@ -30,6 +30,15 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+def benchmark_script(name: str):
+    """benchmarks/<name>.py imported as a module (the folder is not a package)."""
+    spec = importlib.util.spec_from_file_location(f"{name}_script", ROOT / "benchmarks" / f"{name}.py")
+    script = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = script  # dataclasses look their module up there
+    spec.loader.exec_module(script)
+    return script
+
+
 def bench(capsys, *argv: str) -> str:
     capsys.readouterr()
     assert main(["bench", *argv]) == 0
@@ -155,9 +164,7 @@ def test_limit_covers_every_matrix_of_the_flop_count(preset):
 
 
 def test_limit_script_runs(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("limit_script", ROOT / "benchmarks" / "limit.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = benchmark_script("limit")
     path = tmp_path / "limit.json"
     assert script.main(["--config", "tiny-deepseek", "--micro-batch", "2", "--seq", "16",
                         "--device", "cpu", "--repeats", "1", "--json", str(path)]) == 0
@@ -182,17 +189,11 @@ def test_bad_input_is_one_line_and_exit_2(capsys, argv, expected):
     assert err.count("\n") == 1 and "Traceback" not in err and expected in err, err
 
 
-def _peers_script():
-    spec = importlib.util.spec_from_file_location("peers_script", ROOT / "benchmarks" / "peers.py")
-    script = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = script  # its dataclasses look their module up there
-    spec.loader.exec_module(script)
-    return script
 
 
 def test_peers_rows_run_in_their_own_processes(tmp_path, capsys):
     path = tmp_path / "peers.json"
-    assert _peers_script().main(["--device", "cpu", "--shapes", "tiny-qwen3", "--systems",
+    assert benchmark_script("peers").main(["--device", "cpu", "--shapes", "tiny-qwen3", "--systems",
                                  "moefold,torchtitan", "--steps", "2", "--warmup", "0", "--repeats", "2",
                                  "--json", str(path)]) == 0
     assert "one process per run" in capsys.readouterr().out
@@ -206,7 +207,7 @@ def test_peers_rows_run_in_their_own_processes(tmp_path, capsys):
 
 def test_peers_row_past_its_timeout_is_a_skipped_row(tmp_path):
     path = tmp_path / "peers.json"
-    assert _peers_script().main(["--device", "cpu", "--shapes", "tiny-qwen3", "--systems", "moefold",
+    assert benchmark_script("peers").main(["--device", "cpu", "--shapes", "tiny-qwen3", "--systems", "moefold",
                                  "--timeout", "0.01", "--json", str(path)]) == 0
     row = json.loads(path.read_text())["shapes"][0]["rows"]["moefold"]
     assert "timeout" in row["skipped"]

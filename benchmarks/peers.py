@@ -39,7 +39,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from moefold.bench.timing import measured_peak_tflops, time_steps
+from moefold.bench.timing import alloc_retries, measured_peak_tflops, time_steps
 from moefold.config import Config, load_config
 from moefold.optim.adamw import param_groups
 from moefold.train.flops import count_params, meta_model, train_flops_per_token
@@ -204,7 +204,7 @@ def time_peer(peer: Peer, cfg: Config, device: torch.device, steps: int, warmup:
     cuda = device.type == "cuda"
     return {"step_s": step_s, "loss": float(loss.detach()), "params": sum(p.numel() for p in params),
             "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
-            "alloc_retries": torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if cuda else None}
+            "alloc_retries": alloc_retries(device)}
 
 
 def run_system(system: str, cfg: Config, device: torch.device, steps: int, warmup: int) -> dict:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from moefold.bench.timing import measured_peak_tflops, time_steps
+from moefold.bench.timing import alloc_retries, measured_peak_tflops, time_steps
 from moefold.config import Config
 from moefold.data.loader import Batch
 from moefold.train import metrics
@@ -100,18 +100,10 @@ def _record(cfg: Config, trainer: BenchTrainer, step_s: list[float], peak: float
         "peak_tflops_datasheet": datasheet,
         "mfu_datasheet": rate["tflops"] / datasheet if datasheet else None,
         "peak_mem_gib": metrics.peak_memory_gib(trainer.device),
-        "alloc_retries": _alloc_retries(trainer.device),
+        "alloc_retries": alloc_retries(trainer.device),
         "params_total": p.total, "params_active": p.active,
         "loss": float(parts["lm_loss"]), "grad_norm": float(grad_norm),
     }
-
-
-def _alloc_retries(device: torch.device) -> int | None:
-    """Times the CUDA caching allocator freed its cache and retried a failed cudaMalloc: each one
-    synchronizes the device, so a run near the memory limit slows down without running out."""
-    if device.type != "cuda":
-        return None
-    return torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
 
 
 def _device_name(device: torch.device) -> str:

@@ -97,3 +97,11 @@ def measured_peak_tflops(device: torch.device, size: int = 8192, repeats: int = 
     del sets, out
     torch.cuda.empty_cache()
     return 2 * size**3 / seconds / 1e12
+
+
+def alloc_retries(device: torch.device) -> int | None:
+    """Times the CUDA caching allocator freed its cache and retried a failed cudaMalloc: each one
+    synchronizes the device, so a run near the memory limit slows down without running out."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.memory_stats(device).get("num_alloc_retries", 0)

@@ -20,6 +20,8 @@ from moefold.parallel.launch import free_port
 
 GLOBAL_MICRO_BATCH = 4
 STEPS = 10
+ALIGNED_QWEN3 = {"model.dim": "128", "model.head_dim": "32", "model.n_kv_heads": "4",
+                 "moe.expert_hidden": "128"}  # tiny-qwen3 overrides with dims the FP8 GEMMs take
 
 MODELS = {
     # Qwen3-MoE: GQA with QK-norm, softmax top-k with the micro-batch aux loss and z-loss.

@@ -8,7 +8,7 @@ One spawn per layout trains both models (spawning dominates the time on a 2-core
 import pytest
 import torch
 from conftest import write_text_corpus
-from layouts import STEPS, run_ranks, train, train_on_rank
+from layouts import ALIGNED_QWEN3, STEPS, run_ranks, train, train_on_rank
 from layouts import config as run_config
 
 LOSS_RTOL = 1e-4
@@ -88,10 +88,6 @@ def test_checkpoint_resumes_under_other_layouts(corpus, reference, tmp_path):
                                    rtol=LOSS_RTOL, atol=0,
                                    msg=lambda msg, m=m: f"resumed in one process {m}: {msg}")
 
-
-
-ALIGNED_QWEN3 = {"model.dim": "128", "model.head_dim": "32", "model.n_kv_heads": "4",
-                 "moe.expert_hidden": "128"}  # dims the FP8 GEMMs take
 
 
 def _ep2_and_reference(corpus, tmp_path, extra: dict, dispatcher: str = "alltoall") -> tuple[dict, dict]:

@@ -18,7 +18,7 @@ from conftest import write_text_corpus
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "distributed"))
 from gpu_runs import DTYPES, assert_same_training  # noqa: E402
-from layouts import STEPS, config, run_ranks, train, train_on_rank  # noqa: E402
+from layouts import ALIGNED_QWEN3, STEPS, config, run_ranks, train, train_on_rank  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -91,9 +91,6 @@ def test_checkpoint_from_all_gpus_resumes_on_half_and_one(corpus, reference, tmp
         torch.testing.assert_close(torch.tensor(result["losses"]),
                                    torch.tensor(reference[m, "fp32"]["losses"][half:]), rtol=1e-4, atol=0,
                                    msg=lambda msg, where=where, m=m: f"saved on {n} GPUs, resumed on {where} {m}: {msg}")
-
-
-ALIGNED_QWEN3 = {"model.dim": "128", "model.head_dim": "32", "model.n_kv_heads": "4", "moe.expert_hidden": "128"}
 
 
 @pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])

@@ -169,7 +169,10 @@ def test_fp8_training_follows_emulation_and_bf16(tmp_path, monkeypatch, compiled
     monkeypatch.setattr(fp8_apply, "build_gemm", lambda device_type: Emulated())
     monkeypatch.setattr(fp8_apply, "build_grouped_gemm", lambda device_type: EmulatedFp8GroupedGemm())
     emulated = _train_losses(tmp_path, "emulated", *common, "--precision.fp8", "rowwise")
-    torch.testing.assert_close(kernels, emulated, rtol=2e-2, atol=0)
+    # Step by step while the runs agree closely; then as 5-step means, since a loss spike's height
+    # (step 13 reached 3.53 to 3.94 across the three runs) depends on the last bits of the weights.
+    torch.testing.assert_close(kernels[:10], emulated[:10], rtol=2e-2, atol=0)
+    torch.testing.assert_close(kernels.view(-1, 5).mean(1), emulated.view(-1, 5).mean(1), rtol=3e-2, atol=0)
     assert (kernels[-5:].mean() / bf16[-5:].mean() - 1).abs() < 0.05, (kernels, bf16)
 
 
@@ -177,10 +180,11 @@ def test_fp8_training_follows_emulation_and_bf16(tmp_path, monkeypatch, compiled
 @pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
 def test_fp8_model_gradients_match_emulation(monkeypatch, recipe, compiled):
     """One forward + backward of the 300M preset's block shapes (2 layers) on the GPU: every
-    parameter's gradient with the CUDA kernels against the emulated GEMMs, within twice the
+    parameter's gradient with the CUDA kernels against the emulated GEMMs, within three times the
     emulation's own sensitivity to a one-bf16-ulp change of the embeddings (measured on the CPU:
     23% for layer 1's experts and 10% for q/k projections, as a routing flip or one FP8 step
-    moves these sums of cancelling terms). A wrong layout or scale is off by O(1), and the zero
+    moves these sums of cancelling terms; on the H200 layer 0's norm weights reached 2.1 times
+    it, compiled). A wrong layout or scale is off by O(1), and the zero
     gradients torch 2.11's compile gave (pytorch#180642) by exactly 1. The failure message names
     the parameters that differ most, which points at the GEMM at fault."""
     import moefold.fp8.apply as fp8_apply
@@ -217,5 +221,5 @@ def test_fp8_model_gradients_match_emulation(monkeypatch, recipe, compiled):
     emulated = gradients(kernels=False)
     floor = rel(gradients(kernels=False, embedding_scale=1 + 2 ** -8), emulated)
     error = rel(kernels, emulated)
-    excess = sorted(((error[n] / (2 * floor[n] + 0.02), n, error[n], floor[n]) for n in error), reverse=True)
+    excess = sorted(((error[n] / (3 * floor[n] + 0.02), n, error[n], floor[n]) for n in error), reverse=True)
     assert excess[0][0] < 1, f"(error / bound, parameter, error, emulation's floor), worst first: {excess[:6]}"

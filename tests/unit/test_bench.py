@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from moefold.bench.limit import balanced_rows, step_limit
-from moefold.bench.profile import breakdown, classify_cpu_op, classify_kernel, exposed_communication
+from moefold.bench.profile import (breakdown, classify_cpu_op, classify_kernel, device_idle_ms,
+                                   exposed_communication)
 from moefold.bench.run import RandomTokens
 from moefold.cli import main
 from moefold.config import load_config
@@ -211,3 +212,9 @@ def test_peers_row_past_its_timeout_is_a_skipped_row(tmp_path):
                                  "--timeout", "0.01", "--json", str(path)]) == 0
     row = json.loads(path.read_text())["shapes"][0]["rows"]["moefold"]
     assert "timeout" in row["skipped"]
+
+
+def test_device_idle_is_the_wall_time_no_kernel_covers():
+    kernels = [("gemm", "gemm", 0.0, 100.0), ("add", "other", 50.0, 150.0),  # busy 0..150
+               ("flash", "attention", 300.0, 350.0)]  # busy 300..350; 2 steps over 500 µs of wall
+    assert device_idle_ms(kernels, wall_us=500.0, steps=2) == pytest.approx((500 - 200) / 2 / 1e3)

@@ -70,7 +70,8 @@ def profile_steps(step: Callable[[], object], device: torch.device, steps: int,
     kernels = _device_kernels(prof.events())
     timed = [(name, kind, end - start) for name, kind, start, end in kernels]
     return {"trace": str(trace), **breakdown(timed, wall_s / steps * 1e6, steps),
-            **exposed_communication(kernels, steps), "unit": "kernels"}
+            **exposed_communication(kernels, steps), "unit": "kernels",
+            "idle_ms": device_idle_ms(kernels, wall_s * 1e6, steps)}
 
 
 def _device_kernels(events) -> list[tuple[str, str, float, float]]:
@@ -109,6 +110,13 @@ def _uncovered(intervals: list[Interval], cover: list[Interval]) -> float:
             k += 1
         total += (end - start) - covered
     return total
+
+
+def device_idle_ms(kernels: list[tuple[str, str, float, float]], wall_us: float, steps: int) -> float:
+    """Per-step ms in which no kernel runs on the device: launch gaps and host waits, the part of
+    the step that CUDA graphs or fewer host syncs could win back."""
+    busy_us = sum(e - s for s, e in _union((s, e) for _, _, s, e in kernels))
+    return max(0.0, wall_us - busy_us) / steps / 1e3
 
 
 def exposed_communication(kernels: list[tuple[str, str, float, float]], steps: int) -> dict[str, float]:
@@ -175,6 +183,9 @@ def format_profile(p: dict[str, Any]) -> str:
                  f"{p['attention_ms']:.2f} ms ({100 * p['attention_share']:.1f}%), other "
                  f"{p['unit']} {p['other_ms']:.2f} ms; outside GEMM and attention: "
                  f"{100 * p['outside_share']:.1f}% of the step")
+    if "idle_ms" in p:
+        lines.append(f"device idle (no kernel running) {p['idle_ms']:.2f} ms "
+                     f"({100 * p['idle_ms'] / p['step_ms']:.1f}% of the step)")
     if p.get("comm_busy_ms"):
         step = p["step_ms"]
         lines.append(f"communication (NCCL kernels) {p['comm_busy_ms']:.2f} ms, exposed "

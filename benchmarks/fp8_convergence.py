@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         runs[recipe] = read(run_dir)
     print(table(runs))
     if args.plot:
-        plot(runs, args.plot, f"{args.preset}: bf16 and FP8")
+        plot(runs, args.plot, f"{' '.join([args.preset, *extra])}: bf16 and FP8")
         print(f"plot: {args.plot}")
     return 0
 

@@ -100,6 +100,8 @@ def test_profile_writes_a_trace_and_a_breakdown(tmp_path, capsys):
     ("void at::cuda::detail::grouped_mm_kernel", "gemm"),
     ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>", "other"),
     ("Memcpy DtoD (Device -> Device)", "other"),
+    ("triton_poi_fused__scaled_grouped_mm__to_copy_clamp_clone_div_expand_floor_divide_gt_3", "other"),
+    ("triton_tem_fused_mm_0", "gemm"),
     ("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", "comm"),
     ("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "comm"),
 ])

@@ -38,8 +38,8 @@ CLASSES = ("gemm", "attention", "comm", "other")
 def classify_kernel(name: str) -> str:
     if COMM_KERNEL.search(name):
         return "comm"
-    if name.startswith("triton_") and not name.startswith("triton_tem"):
-        return "other"  # Inductor's fused pointwise/reduction kernels, named after the ops they feed
+    if name.startswith("triton_"):  # Inductor: GEMM templates, else fused pointwise/reduction
+        return "gemm" if name.startswith("triton_tem") else "other"  # (named after the ops they feed)
     if ATTENTION_KERNEL.search(name):
         return "attention"
     return "gemm" if GEMM_KERNEL.search(name) else "other"

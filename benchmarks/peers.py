@@ -2,9 +2,9 @@
 
 Systems (../shared/design/PEERS.md): TorchTitan 0.2.2 eager, compiled by its own `apply_compile`
 and compiled per whole block (model classes built directly, `init_weights` under no_grad), Hugging
-Face transformers with grouped_mm experts, and moefold eager and with `train.compile` (the
-Trainer's own step, as `moefold bench` runs it). Every system trains
-with bf16 autocast over fp32 weights, fused AdamW, grad-norm clipping at 1.0, micro-batch 4 ×
+Face transformers with grouped_mm experts, and moefold eager, with `train.compile`, and compiled
+with the precision-aware optimizer ("lean", MOEFOLD_SYSTEMS) (the Trainer's own step, as `moefold
+bench` runs it). Every system but "lean" trains with bf16 autocast over fp32 weights, fused AdamW, grad-norm clipping at 1.0, micro-batch 4 ×
 sequence 4096 of uniform random tokens, dropless routing with force-balancing off. Throughput is by
 one FLOP count for all: `moefold.train.flops.train_flops_per_token` of the moefold model of the same
 shape (Megatron's convention); each peer's parameter count is printed beside moefold's to show the
@@ -15,7 +15,7 @@ per GPU: no row inherits another system's process-wide settings, allocator pools
 
     export PYTHONPATH=$PWD/src            # plus the carried wheels' site dir (PEERS.md)
     python3 benchmarks/peers.py [--shapes qwen3-30b-a3b-6l,deepseek-v3-small-8l] \
-        [--systems torchtitan,torchtitan-compile,torchtitan-compile-blocks,transformers,moefold,moefold-compile] \
+        [--systems torchtitan,torchtitan-compile,torchtitan-compile-blocks,transformers,moefold,moefold-compile,moefold-compile-lean] \
         [--steps 10] [--warmup 3] [--repeats 1] [--gpus N] [--timeout S] \
         [--json PATH]
 """
@@ -59,8 +59,18 @@ SHAPES = {
 }
 BENCHMARK_SHAPES = ("qwen3-30b-a3b-6l", "deepseek-v3-small-8l")  # issue 7's; the default
 COMMON = {"train.micro_batch_size": "4", "train.seq_len": "4096", "moe.force_balanced": "false"}
-SYSTEMS = ("torchtitan", "torchtitan-compile", "torchtitan-compile-blocks", "transformers", "moefold",
-           "moefold-compile")
+# moefold's rows: the shape's config plus these overrides. "lean" is Megatron-Core's
+# precision-aware optimizer: bf16 parameters with int16 remainders that keep the exact fp32 master,
+# bf16 gradients (what the bf16 GEMMs produce; one micro-batch accumulates nothing), fp32 moments,
+# one fused Triton update on CUDA; no fp32→bf16 weight casts in the step.
+MOEFOLD_SYSTEMS = {
+    "moefold": {},
+    "moefold-compile": {"train.compile": "true"},
+    "moefold-compile-lean": {"train.compile": "true", "optim.master_dtype": "bf16+remainder",
+                             "optim.grad_dtype": "bf16"},
+}
+SYSTEMS = ("torchtitan", "torchtitan-compile", "torchtitan-compile-blocks", "transformers",
+           *MOEFOLD_SYSTEMS)
 REFERENCE = "torchtitan-compile"  # the ratio column: moefold's best TFLOP/s over each system's
 
 
@@ -208,15 +218,15 @@ def time_peer(peer: Peer, cfg: Config, device: torch.device, steps: int, warmup:
 
 
 def run_system(system: str, cfg: Config, device: torch.device, steps: int, warmup: int) -> dict:
-    if system in ("moefold", "moefold-compile"):
+    if system in MOEFOLD_SYSTEMS:
         from moefold.bench.run import run_bench
 
-        if system == "moefold-compile":
-            cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile=True))
         r = run_bench(cfg, steps, warmup).record
+        note = ", ".join([r["compute_dtype"], *(f"{k}={v}" for k, v in MOEFOLD_SYSTEMS[system].items()
+                                                  if k != "train.compile")])
         return {"seconds": r["seconds"], "step_ms": r["step_ms_mean"], "step_ms_each": r["step_ms"],
                 "params": r["params_total"], "peak_gib": r["peak_mem_gib"], "loss": r["loss"],
-                "alloc_retries": r["alloc_retries"], "note": r["compute_dtype"]}
+                "alloc_retries": r["alloc_retries"], "note": note}
     builders = {"torchtitan": lambda: build_torchtitan(cfg, device, None),
                 "torchtitan-compile": lambda: build_torchtitan(cfg, device, "apply_compile"),
                 "torchtitan-compile-blocks": lambda: build_torchtitan(cfg, device, "blocks"),
@@ -229,15 +239,16 @@ def run_system(system: str, cfg: Config, device: torch.device, steps: int, warmu
             "note": peer.note}
 
 
-def shape_config(shape: str, device_type: str) -> Config:
+def shape_config(shape: str, device_type: str, system: str = "") -> Config:
     preset, overrides = SHAPES[shape]
-    return load_config(preset, {**COMMON, **overrides, "train.device": device_type})
+    return load_config(preset, {**COMMON, **overrides, **MOEFOLD_SYSTEMS.get(system, {}),
+                                "train.device": device_type})
 
 
 def run_one(shape: str, system: str, device: torch.device, steps: int, warmup: int) -> dict:
     """One row, in this (fresh) process: the system's timing, or why it was skipped."""
     try:
-        return run_system(system, shape_config(shape, device.type), device, steps, warmup)
+        return run_system(system, shape_config(shape, device.type, system), device, steps, warmup)
     except Skipped as e:
         return {"skipped": str(e)}
     except torch.OutOfMemoryError:
@@ -326,7 +337,7 @@ def shape_result(shape: str, systems: list[str], rows: dict[tuple[str, str], lis
 
 def format_shape(result: dict) -> str:
     rows = result["rows"]
-    ref = max((rows.get(s, {}).get("tflops") or 0 for s in ("moefold", "moefold-compile")), default=0)
+    ref = max((rows.get(s, {}).get("tflops") or 0 for s in MOEFOLD_SYSTEMS), default=0)
     head = (f"{'system':22s} {'tok/s':>9s} {'TFLOP/s':>8s} {'peak GiB':>8s} {'step ms':>8s} "
             f"{'min-max':>13s} {'retries':>7s} {'params/ours':>11s} {'moefold ×':>9s}  note")
     lines = [f"{result['shape']} ({result['preset']} + {result['overrides']}), "

@@ -256,3 +256,52 @@ def test_grad_dtype_rounds_gradients_before_the_step():
     opt.step()
     assert p.grad.dtype == torch.float32 and not torch.equal(p.grad, grad)
     assert torch.equal(p.grad, grad.bfloat16().float())
+
+
+# ------------------------------------------------------------------------------ fused=True
+
+
+@pytest.mark.skipif(precision.triton_available(), reason="Triton and a CUDA device are here")
+def test_fused_without_triton_or_cuda_names_the_option():
+    p = torch.nn.Parameter(torch.zeros(2))
+    with pytest.raises(ValueError, match=r"fused=True needs Triton and a CUDA device .*use fused=False"):
+        PrecisionAwareAdamW([p], master="bf16", fused=True)
+    assert p.dtype == torch.float32  # refused before any parameter was recast
+
+
+def test_fused_refuses_fp8_moments(monkeypatch):
+    monkeypatch.setattr(precision, "triton_available", lambda: True)
+    with pytest.raises(ValueError, match="fused=True handles fp32 and bf16 moments.*exp_avg_sq_dtype='fp8'"):
+        PrecisionAwareAdamW([torch.nn.Parameter(torch.zeros(2))], exp_avg_sq_dtype="fp8", fused=True)
+
+
+def test_build_optimizer_fuses_only_on_cuda_with_triton(monkeypatch):
+    """The strategy is chosen at build: the kernel on a CUDA device where Triton runs and the
+    moments are not fp8; the foreach path otherwise."""
+    from moefold.config import OptimConfig, TrainConfig
+    from moefold.optim import adamw
+
+    monkeypatch.setattr(adamw, "triton_available", lambda: True)
+    monkeypatch.setattr(precision, "triton_available", lambda: True)
+
+    def fused(device, **options):
+        model = torch.nn.Linear(4, 4)
+        opt = build_optimizer(model, TrainConfig(), torch.device(device), OptimConfig(**options))
+        return opt.defaults["fused"]
+
+    assert fused("cuda", exp_avg_dtype="bf16", master_dtype="bf16+remainder")
+    assert not fused("cpu", exp_avg_dtype="bf16")
+    assert not fused("cuda", exp_avg_dtype="fp8")
+    monkeypatch.setattr(adamw, "triton_available", lambda: False)
+    assert not fused("cuda", exp_avg_dtype="bf16")
+
+
+def test_fused_choice_survives_loading_a_state_dict(monkeypatch):
+    """A checkpoint's `fused` is the saver's choice; the loading process keeps its own."""
+    monkeypatch.setattr(precision, "triton_available", lambda: True)
+    saver = PrecisionAwareAdamW(tiny_model().parameters(), **HP, exp_avg_dtype="bf16", fused=True)
+    loader = PrecisionAwareAdamW(tiny_model().parameters(), **HP, exp_avg_dtype="bf16")
+    loader.load_state_dict(saver.state_dict())
+    assert [g["fused"] for g in loader.param_groups] == [False]
+    saver.load_state_dict(loader.state_dict())
+    assert [g["fused"] for g in saver.param_groups] == [True]

@@ -1,7 +1,8 @@
 """AdamW with decoupled weight decay on matrices only (not norms, biases or embeddings).
 
 All-fp32 states use torch's fused (GPU) or foreach (CPU) AdamW; lower-precision moments or master
-weights use `PrecisionAwareAdamW` (optim/precision.py). `optim.grad_dtype=bf16` rounds the gradients
+weights use `PrecisionAwareAdamW` (optim/precision.py), on the GPU with its Triton kernel where that
+handles the moments (optim/fused.py: not fp8). `optim.grad_dtype=bf16` rounds the gradients
 to bf16 before every step (parallel/data.py reduces them in it). docs/optimizer.md has the details.
 """
 
@@ -10,6 +11,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from moefold.config import OptimConfig, TrainConfig
+from moefold.optim.fused import fused_supported, triton_available
 from moefold.optim.precision import PrecisionAwareAdamW
 from moefold.parallel.data import scale_gradients
 from moefold.parallel.local import local_tensor
@@ -57,10 +59,13 @@ def build_optimizer(model: nn.Module, t: TrainConfig, device: torch.device,
 
 def _build(model: nn.Module, t: TrainConfig, device: torch.device, o: OptimConfig):
     if (o.exp_avg_dtype, o.exp_avg_sq_dtype, o.master_dtype) != ("fp32", "fp32", "fp32"):
+        # One kernel pass per parameter on the GPU, where the kernel handles the moments.
+        fused = (device.type == "cuda" and fused_supported(o.exp_avg_dtype, o.exp_avg_sq_dtype)
+                 and triton_available())
         # Converts bf16-master parameters to bf16 in place: build it after the weights are set.
         return PrecisionAwareAdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
                                    eps=t.eps, weight_decay=t.weight_decay, exp_avg_dtype=o.exp_avg_dtype,
-                                   exp_avg_sq_dtype=o.exp_avg_sq_dtype, master=o.master_dtype)
+                                   exp_avg_sq_dtype=o.exp_avg_sq_dtype, master=o.master_dtype, fused=fused)
     # fused on GPU (one kernel for all parameters); foreach on CPU, where fused gives no gain.
     fused = device.type == "cuda"
     return torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
@@ -79,9 +84,30 @@ class ClipInFusedAdamW:
         self.optimizer.grad_scale = coef.reciprocal()
 
 
+class ClipInFusedPrecisionAdamW:
+    """The clip coefficient handed to PrecisionAwareAdamW's Triton kernel as `grad_multiplier`,
+    which the kernel MULTIPLIES every gradient by as it reads it (torch's `grad_scale` divides): no
+    separate pass over the gradients. The kernel writes them back clipped, as in-place scaling leaves
+    them; the step consumes the coefficient, so a later step without clipping is not scaled. bf16
+    gradients (bf16 masters) are multiplied in fp32, one rounding fewer than scaling them in place
+    (a bf16 product by the bf16-rounded coefficient)."""
+
+    def __init__(self, optimizer: PrecisionAwareAdamW):
+        self.optimizer = optimizer
+
+    def __call__(self, grads: list[torch.Tensor], coef: torch.Tensor) -> None:
+        self.optimizer.grad_multiplier = coef
+
+
 def clip_scaling(optimizer: torch.optim.Optimizer, o: OptimConfig):
-    """How clipping scales the gradients: inside torch's fused AdamW when the step is that kernel
-    and nothing rounds the gradients before it (optim.grad_dtype fp32), else in place."""
-    fused = type(optimizer) is torch.optim.AdamW and optimizer.defaults.get("fused")
-    return ClipInFusedAdamW(optimizer) if fused and o.grad_dtype == "fp32" else scale_gradients
+    """How clipping scales the gradients: inside the step's fused kernel, else in place. torch's
+    fused AdamW only when nothing rounds the gradients before it (optim.grad_dtype fp32: with bf16
+    a pre-hook rounds the fp32 gradients unclipped). PrecisionAwareAdamW's Triton kernel always: it
+    multiplies the (possibly bf16) gradients in fp32, one rounding fewer than in place."""
+    fused = optimizer.defaults.get("fused")
+    if fused and type(optimizer) is torch.optim.AdamW and o.grad_dtype == "fp32":
+        return ClipInFusedAdamW(optimizer)
+    if fused and isinstance(optimizer, PrecisionAwareAdamW):
+        return ClipInFusedPrecisionAdamW(optimizer)
+    return scale_gradients
 

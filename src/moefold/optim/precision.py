@@ -27,7 +27,8 @@ with the same relative error on the Adam denominator sqrt(v) (2^-4); and nonzero
 rounded to zero (it is clamped to the smallest subnormal), which would otherwise blow an update up
 to m/eps. Overestimating a tiny v only shrinks that element's step.
 
-Not here yet: a fused GPU kernel, stochastic rounding.
+`fused=True` updates CUDA parameters with fp32 or bf16 moments by one Triton kernel pass each
+(optim/fused.py), with the foreach path's arithmetic. Not here yet: stochastic rounding.
 """
 
 from collections.abc import Iterable
@@ -46,6 +47,12 @@ from moefold.optim.blocks import (
     quantize_fp8_many,
     row_blocks,
     scale_like,
+)
+from moefold.optim.fused import (
+    HAS_TRITON,
+    fused_adamw_step_,
+    fused_supported,
+    triton_available,
 )
 from moefold.parallel.local import local_tensor
 
@@ -129,11 +136,21 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
     place at construction (the remainder keeps their low bits, so nothing is lost); under FSDP2
     build it before the first forward, which fixes the dtype FSDP gathers in.
     foreach: one torch._foreach_* update per param group (False: the per-parameter reference).
+    fused: one Triton kernel pass per parameter for the groups on CUDA (optim/fused.py: Triton, and
+    fp32 or bf16 moments); it takes precedence over foreach there.
+
+    grad_multiplier: None, or an fp32 one-element tensor that multiplies every gradient of the next
+    step (the clip coefficient, optim.adamw.ClipInFusedPrecisionAdamW): the kernel applies it as it
+    reads the gradients, other paths scale them in place first; either way they are left scaled.
+    The step consumes it (sets it back to None).
     """
+
+    grad_multiplier: torch.Tensor | None = None
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, exp_avg_dtype: str = "fp32",
-                 exp_avg_sq_dtype: str = "fp32", master: str = "fp32", foreach: bool = True):
+                 exp_avg_sq_dtype: str = "fp32", master: str = "fp32", foreach: bool = True,
+                 fused: bool = False):
         for name, value in (("exp_avg_dtype", exp_avg_dtype), ("exp_avg_sq_dtype", exp_avg_sq_dtype)):
             if value not in MOMENT_DTYPES:
                 raise ValueError(f"{name}={value!r}; allowed: {', '.join(MOMENT_DTYPES)}")
@@ -141,12 +158,27 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             raise ValueError(f"master={master!r}; allowed: {', '.join(MASTER_MODES)}")
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay,
                     "exp_avg_dtype": exp_avg_dtype, "exp_avg_sq_dtype": exp_avg_sq_dtype,
-                    "master": master, "foreach": foreach}
+                    "master": master, "foreach": foreach, "fused": fused}
         super().__init__(params, defaults)
+        self._check_fused()  # before _init_state recasts any parameter
         self._row_blocks: dict[torch.Tensor, RowBlocks] = {}  # fp8 block layout of each shard
         for group in self.param_groups:
             for p in group["params"]:
                 self._init_state(p, group)
+
+    def _check_fused(self) -> None:
+        for i, group in enumerate(self.param_groups):
+            if not group["fused"]:
+                continue
+            if not triton_available():
+                raise ValueError(f"fused=True needs Triton and a CUDA device (here: triton "
+                                 f"{'installed' if HAS_TRITON else 'not installed'}, "
+                                 f"{torch.cuda.device_count()} CUDA devices); use fused=False")
+            moments = group["exp_avg_dtype"], group["exp_avg_sq_dtype"]
+            if not fused_supported(*moments):
+                raise ValueError(f"fused=True handles fp32 and bf16 moments, param group {i} has "
+                                 f"exp_avg_dtype={moments[0]!r}, exp_avg_sq_dtype={moments[1]!r}; "
+                                 f"use fused=False for fp8 moments")
 
     def _init_state(self, p: nn.Parameter, group: dict) -> None:
         want = torch.float32 if group["master"] == "fp32" else torch.bfloat16
@@ -215,15 +247,39 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        multiplier = self.grad_multiplier
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            if group.get("fused") and local_tensor(params[0]).is_cuda:
+                self._step_fused(params, group, multiplier)
+                continue
+            if multiplier is not None:  # as scale_gradients (parallel/data.py)
+                grads = [local_tensor(p.grad) for p in params]
+                torch._foreach_mul_(grads, multiplier.to(grads[0].device, grads[0].dtype))
             if group.get("foreach", True):  # absent in checkpoints of older versions
                 for chunk in _chunks(params, FOREACH_ELEMENTS):
                     self._step_group(chunk, group)
             else:
                 for p in params:
                     self._step_param(p, group, self.state[p])
+        self.grad_multiplier = None  # it scaled this step's gradients only
         return loss
+
+    def _step_fused(self, params: list[torch.Tensor], group: dict, multiplier: torch.Tensor | None) -> None:
+        """`_step_group`'s arithmetic, one Triton kernel pass per parameter (optim/fused.py)."""
+        lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        for p in params:
+            state = self.state[p]
+            state["step"] += 1
+            remainder = state.get("master_remainder")
+            fused_adamw_step_(local_tensor(p).detach(), local_tensor(p.grad), local_tensor(state["exp_avg"]),
+                              local_tensor(state["exp_avg_sq"]),
+                              None if remainder is None else local_tensor(remainder), lr=lr, beta1=beta1,
+                              beta2=beta2, eps=eps, weight_decay=wd,
+                              step=int(state["step"].item()),  # a CPU tensor: no device sync
+                              grad_multiplier=multiplier)
 
     def _step_param(self, p: torch.Tensor, group: dict, state: dict) -> None:
         """The arithmetic of torch's `_single_tensor_adam` (decoupled weight decay), in fp32."""
@@ -326,8 +382,12 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """As torch, but keeps each state tensor's own dtype: torch casts floating state to the
         parameter's dtype (`Optimizer._process_value_according_to_param_policy`), which would
-        widen fp8 moments and corrupt int16 remainders through bf16."""
+        widen fp8 moments and corrupt int16 remainders through bf16. Each group keeps its own
+        `fused`: the kernel is this process's choice (its device, Triton), not the saver's."""
+        fused = [group.get("fused", False) for group in self.param_groups]
         super().load_state_dict(state_dict)
+        for group, f in zip(self.param_groups, fused):
+            group["fused"] = f
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         for saved_id, p in zip(saved_ids, params, strict=True):

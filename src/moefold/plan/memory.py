@@ -164,9 +164,11 @@ def _after_backward(cfg: Config, lay: _Layout, dense: float, expert: float, grad
 
 
 def _optimizer_step(cfg: Config, lay: _Layout, split: ParamSplit) -> float:
-    """PrecisionAwareAdamW's fp32 working copies of its largest tensor (fused AdamW: none)."""
+    """PrecisionAwareAdamW's fp32 working copies of its largest tensor on its foreach path, which
+    the GPU takes for fp8 moments only: torch's fused AdamW (all fp32) and the Triton update
+    (optim/fused.py: fp32/bf16 moments) make none."""
     o = cfg.optim
-    if (o.exp_avg_dtype, o.exp_avg_sq_dtype, o.master_dtype) == ("fp32", "fp32", "fp32"):
+    if "fp8" not in (o.exp_avg_dtype, o.exp_avg_sq_dtype):
         return 0.0
     d = lay.dims
     largest = max(split.largest_dense / lay.dense_shard,

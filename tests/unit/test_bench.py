@@ -220,3 +220,28 @@ def test_device_idle_is_the_wall_time_no_kernel_covers():
     kernels = [("gemm", "gemm", 0.0, 100.0), ("add", "other", 50.0, 150.0),  # busy 0..150
                ("flash", "attention", 300.0, 350.0)]  # busy 300..350; 2 steps over 500 µs of wall
     assert device_idle_ms(kernels, wall_us=500.0, steps=2) == pytest.approx((500 - 200) / 2 / 1e3)
+
+
+def test_fp8_grouped_benchmark_operands_and_cpu_refusal(capsys):
+    """benchmarks/fp8_grouped.py: every expert's rows padded to the FP8 multiple (its wgrad scales
+    chunk 16 rows), and without an FP8 GPU a one-line refusal with status 2."""
+    script = benchmark_script("fp8_grouped")
+    x_RK, grad_RN, w_EKN, offsets_E = script.operands(100, 8, 64, 32, torch.device("cpu"))
+    rows_E = torch.diff(offsets_E, prepend=offsets_E.new_zeros(1))
+    assert (rows_E % 16 == 0).all() and int(offsets_E[-1]) == x_RK.shape[0] == grad_RN.shape[0] >= 100
+    spans = _spans(offsets_E)
+    per_expert = {  # the bf16 row's GEMMs, one expert at a time
+        "forward": lambda: torch.cat([x_RK[a:b] @ w_EKN[e] for e, (a, b) in enumerate(spans)]),
+        "grad_input": lambda: torch.cat([grad_RN[a:b] @ w_EKN[e].t() for e, (a, b) in enumerate(spans)]),
+        "grad_weight": lambda: torch.stack([x_RK[a:b].t() @ grad_RN[a:b] for a, b in spans]),
+    }
+    for kind, call in script.bf16_calls(x_RK, grad_RN, w_EKN, offsets_E).items():
+        torch.testing.assert_close(call().float(), per_expert[kind]().float(), rtol=2e-2, atol=2e-2, msg=kind)
+    if not torch.cuda.is_available():
+        assert script.main([]) == 2
+        assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def _spans(offsets_E):
+    ends = offsets_E.tolist()
+    return list(zip([0, *ends[:-1]], ends))

@@ -1,0 +1,116 @@
+"""The routed experts' grouped GEMMs alone, bf16 against FP8 rowwise, one row per GEMM kind.
+
+Issue 8's FP8 step is slower than bf16 because `torch._scaled_grouped_mm` took 96 ms of the
+Qwen3-30B-A3B-6L step where bf16's grouped GEMMs take about 34 (docs/fp8.md). This script says
+which of the three GEMMs is slow, and how much the quantization around them adds:
+
+  forward      x_RK · w_EKN            (2d × 3d, groups along the rows)
+  grad_input   grad_RN · w_ENK         (2d × 3d, the transposed weight)
+  grad_weight  x_eᵀ · grad_e per group  (2d × 2d, groups along the contraction)
+
+Rows "kernel": the GEMM alone, on operands already in the layout and dtype it reads (FP8 scales
+precomputed). Rows "with quantization": `moefold.fp8.grouped`'s backend call as training makes it
+(amax, scale, cast and layout copies included). Balanced routing: R = T·K rows, R/E per expert.
+Needs a CUDA GPU with FP8 (sm90).
+
+    PYTHONPATH=src python benchmarks/fp8_grouped.py [--tokens 16384] [--top-k 8] [--experts 128] \
+        [--dim 2048] [--hidden 768]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from moefold.bench.limit import balanced_rows
+from moefold.bench.timing import median_seconds
+from moefold.fp8.grouped import (
+    ScaledGroupedMMFp8Gemm,
+    grouped_scaling,
+    quantize_group_columns,
+)
+from moefold.fp8.recipes import quantize
+
+
+def operands(routed: int, E: int, K: int, N: int, device: torch.device):
+    """x, grad, w and the groups' row ends; each group padded to 16 rows, as the FP8 layer pads."""
+    rows_E = balanced_rows(routed, E, pad_multiple=16)
+    R = int(rows_E.sum())
+    g = torch.Generator(device=device).manual_seed(0)
+    x_RK = torch.randn(R, K, device=device, dtype=torch.bfloat16, generator=g)
+    grad_RN = torch.randn(R, N, device=device, dtype=torch.bfloat16, generator=g)
+    w_EKN = torch.randn(E, K, N, device=device, dtype=torch.bfloat16, generator=g) * 0.02
+    offsets_E = rows_E.to(device).cumsum(0).to(torch.int32)
+    return x_RK, grad_RN, w_EKN, offsets_E
+
+
+def bf16_calls(x_RK, grad_RN, w_EKN, offsets_E) -> dict:
+    w_ENK = w_EKN.transpose(-2, -1)
+    return {"forward": lambda: torch._grouped_mm(x_RK, w_EKN, offs=offsets_E),
+            "grad_input": lambda: torch._grouped_mm(grad_RN, w_ENK, offs=offsets_E),
+            "grad_weight": lambda: torch._grouped_mm(x_RK.t(), grad_RN, offs=offsets_E)}
+
+
+def fp8_kernel_calls(x_RK, grad_RN, w_EKN, offsets_E) -> dict:
+    """The FP8 GEMMs on pre-quantized operands, in the layouts ScaledGroupedMMFp8Gemm passes."""
+    s = grouped_scaling("rowwise")
+    x8, sx = quantize(x_RK, s.forward.a)
+    g8, sg = quantize(grad_RN, s.grad_input.a)
+    w8, sw = quantize(w_EKN, s.forward.b)
+    w8_fwd = w8.transpose(-2, -1).contiguous().transpose(-2, -1)  # column-major per expert
+    wt8, swt = quantize(w_EKN.transpose(-2, -1), s.grad_input.b)
+    wt8 = wt8.transpose(-2, -1).contiguous().transpose(-2, -1)
+    xc8, sxc = quantize_group_columns(x_RK, offsets_E, s.grad_weight.a)
+    gc8, sgc = quantize_group_columns(grad_RN, offsets_E, s.grad_weight.b)
+    xc8_t, gc8_t = xc8.t().contiguous(), gc8.t().contiguous().t()
+    out = {"offs": offsets_E, "out_dtype": torch.bfloat16}
+    return {
+        "forward": lambda: torch._scaled_grouped_mm(x8, w8_fwd, sx.reshape(-1), sw.flatten(1), **out),
+        "grad_input": lambda: torch._scaled_grouped_mm(g8, wt8, sg.reshape(-1), swt.flatten(1), **out),
+        "grad_weight": lambda: torch._scaled_grouped_mm(xc8_t, gc8_t, sxc.reshape(-1), sgc.reshape(-1), **out),
+    }
+
+
+def fp8_backend_calls(x_RK, grad_RN, w_EKN, offsets_E) -> dict:
+    """The backend as the experts' autograd Function calls it: quantization included."""
+    gemm, s = ScaledGroupedMMFp8Gemm(), grouped_scaling("rowwise")
+    bf16 = torch.bfloat16
+    return {"forward": lambda: gemm.grouped_mm(x_RK, w_EKN, offsets_E, s.forward, bf16),
+            "grad_input": lambda: gemm.grouped_mm(grad_RN, w_EKN.transpose(-2, -1), offsets_E,
+                                                  s.grad_input, bf16),
+            "grad_weight": lambda: gemm.grouped_weight_grad(x_RK, grad_RN, offsets_E, s.grad_weight, bf16)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--experts", type=int, default=128)
+    p.add_argument("--dim", type=int, default=2048)
+    p.add_argument("--hidden", type=int, default=768, help="one projection's width (w1, w3 or w2's input)")
+    p.add_argument("--repeats", type=int, default=20)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
+        print("fp8_grouped.py: needs a CUDA GPU with FP8 grouped GEMMs (sm90 or newer)", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    R, E, K, N = args.tokens * args.top_k, args.experts, args.dim, args.hidden
+    tensors = operands(R, E, K, N, device)
+    R = tensors[0].shape[0]
+    flop = 2 * R * K * N
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; R={R} rows over E={E} experts "
+          f"(balanced), K={K}, N={N}: {flop / 1e9:.1f} GFLOP per GEMM")
+    print(f"{'GEMM':12s} {'bf16 ms':>8s} {'fp8 kernel ms':>14s} {'fp8+quant ms':>13s} "
+          f"{'bf16 TF/s':>10s} {'fp8 TF/s':>9s} {'fp8+q TF/s':>11s}")
+    variants = [bf16_calls(*tensors), fp8_kernel_calls(*tensors), fp8_backend_calls(*tensors)]
+    for kind in ("forward", "grad_input", "grad_weight"):
+        ms = [1e3 * median_seconds(v[kind], device, repeats=args.repeats) for v in variants]
+        tf = [flop / (m / 1e3) / 1e12 for m in ms]
+        print(f"{kind:12s} {ms[0]:8.3f} {ms[1]:14.3f} {ms[2]:13.3f} {tf[0]:10.1f} {tf[1]:9.1f} {tf[2]:11.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

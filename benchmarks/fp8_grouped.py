@@ -8,9 +8,10 @@ which of the three GEMMs is slow, and how much the quantization around them adds
   grad_input   grad_RN · w_ENK         (2d × 3d, the transposed weight)
   grad_weight  x_eᵀ · grad_e per group  (2d × 2d, groups along the contraction)
 
-Rows "kernel": the GEMM alone, on operands already in the layout and dtype it reads (FP8 scales
-precomputed). Rows "with quantization": `moefold.fp8.grouped`'s backend call as training makes it
-(amax, scale, cast and layout copies included). Balanced routing: R = T·K rows, R/E per expert.
+Columns "kernel": the GEMM alone, on operands already in the layout and dtype it reads (FP8 scales
+precomputed), for torch's CUTLASS kernel and moefold's Triton one (`precision.fp8_grouped_gemm`).
+Columns "+quant": `moefold.fp8.grouped`'s backend call as training makes it (amax, scale, cast and
+layout copies included). Balanced routing: R = T·K rows, R/E per expert.
 Needs a CUDA GPU with FP8 (sm90).
 
     PYTHONPATH=src python benchmarks/fp8_grouped.py [--tokens 16384] [--top-k 8] [--experts 128] \
@@ -28,10 +29,12 @@ from moefold.bench.limit import balanced_rows
 from moefold.bench.timing import median_seconds
 from moefold.fp8.grouped import (
     ScaledGroupedMMFp8Gemm,
+    TritonFp8GroupedGemm,
     grouped_scaling,
     quantize_group_columns,
 )
 from moefold.fp8.recipes import quantize
+from moefold.fp8.triton_grouped import HAS_TRITON
 
 
 def operands(routed: int, E: int, K: int, N: int, device: torch.device):
@@ -53,8 +56,8 @@ def bf16_calls(x_RK, grad_RN, w_EKN, offsets_E) -> dict:
             "grad_weight": lambda: torch._grouped_mm(x_RK.t(), grad_RN, offs=offsets_E)}
 
 
-def fp8_kernel_calls(x_RK, grad_RN, w_EKN, offsets_E) -> dict:
-    """The FP8 GEMMs on pre-quantized operands, in the layouts ScaledGroupedMMFp8Gemm passes."""
+def fp8_kernel_calls(x_RK, grad_RN, w_EKN, offsets_E, backend) -> dict:
+    """The backend's FP8 GEMMs on pre-quantized operands, in the layouts its quantization makes."""
     s = grouped_scaling("rowwise")
     x8, sx = quantize(x_RK, s.forward.a)
     g8, sg = quantize(grad_RN, s.grad_input.a)
@@ -65,17 +68,17 @@ def fp8_kernel_calls(x_RK, grad_RN, w_EKN, offsets_E) -> dict:
     xc8, sxc = quantize_group_columns(x_RK, offsets_E, s.grad_weight.a)
     gc8, sgc = quantize_group_columns(grad_RN, offsets_E, s.grad_weight.b)
     xc8_t, gc8_t = xc8.t().contiguous(), gc8.t().contiguous().t()
-    out = {"offs": offsets_E, "out_dtype": torch.bfloat16}
+    rows, contract = backend._rows, backend._contract
     return {
-        "forward": lambda: torch._scaled_grouped_mm(x8, w8_fwd, sx.reshape(-1), sw.flatten(1), **out),
-        "grad_input": lambda: torch._scaled_grouped_mm(g8, wt8, sg.reshape(-1), swt.flatten(1), **out),
-        "grad_weight": lambda: torch._scaled_grouped_mm(xc8_t, gc8_t, sxc.reshape(-1), sgc.reshape(-1), **out),
+        "forward": lambda: rows(x8, w8_fwd, sx.reshape(-1), sw.flatten(1), offsets_E),
+        "grad_input": lambda: rows(g8, wt8, sg.reshape(-1), swt.flatten(1), offsets_E),
+        "grad_weight": lambda: contract(xc8_t, gc8_t, sxc.reshape(-1), sgc.reshape(-1), offsets_E),
     }
 
 
-def fp8_backend_calls(x_RK, grad_RN, w_EKN, offsets_E) -> dict:
+def fp8_backend_calls(x_RK, grad_RN, w_EKN, offsets_E, gemm) -> dict:
     """The backend as the experts' autograd Function calls it: quantization included."""
-    gemm, s = ScaledGroupedMMFp8Gemm(), grouped_scaling("rowwise")
+    s = grouped_scaling("rowwise")
     bf16 = torch.bfloat16
     return {"forward": lambda: gemm.grouped_mm(x_RK, w_EKN, offsets_E, s.forward, bf16),
             "grad_input": lambda: gemm.grouped_mm(grad_RN, w_EKN.transpose(-2, -1), offsets_E,
@@ -102,13 +105,17 @@ def main(argv: list[str] | None = None) -> int:
     flop = 2 * R * K * N
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; R={R} rows over E={E} experts "
           f"(balanced), K={K}, N={N}: {flop / 1e9:.1f} GFLOP per GEMM")
-    print(f"{'GEMM':12s} {'bf16 ms':>8s} {'fp8 kernel ms':>14s} {'fp8+quant ms':>13s} "
-          f"{'bf16 TF/s':>10s} {'fp8 TF/s':>9s} {'fp8+q TF/s':>11s}")
-    variants = [bf16_calls(*tensors), fp8_kernel_calls(*tensors), fp8_backend_calls(*tensors)]
+    backends = {"cutlass": ScaledGroupedMMFp8Gemm()}
+    if HAS_TRITON:
+        backends["triton"] = TritonFp8GroupedGemm()
+    variants = {"bf16": bf16_calls(*tensors)}
+    for name, backend in backends.items():
+        variants[f"{name} kernel"] = fp8_kernel_calls(*tensors, backend)
+        variants[f"{name}+quant"] = fp8_backend_calls(*tensors, backend)
+    print(f"{'ms (TFLOP/s)':12s} " + " ".join(f"{name:>16s}" for name in variants))
     for kind in ("forward", "grad_input", "grad_weight"):
-        ms = [1e3 * median_seconds(v[kind], device, repeats=args.repeats) for v in variants]
-        tf = [flop / (m / 1e3) / 1e12 for m in ms]
-        print(f"{kind:12s} {ms[0]:8.3f} {ms[1]:14.3f} {ms[2]:13.3f} {tf[0]:10.1f} {tf[1]:9.1f} {tf[2]:11.1f}")
+        ms = [1e3 * median_seconds(v[kind], device, repeats=args.repeats) for v in variants.values()]
+        print(f"{kind:12s} " + " ".join(f"{m:8.3f} ({flop / m / 1e9:5.0f})" for m in ms))
     return 0
 
 

@@ -318,6 +318,9 @@ class PrecisionConfig:
     """Keep the first N blocks in high precision."""
     fp8_bf16_last_layers: int = 0
     """Keep the last N blocks of the main stack in high precision (MTP blocks follow fp8_exclude)."""
+    fp8_grouped_gemm: str = "cutlass"
+    """The routed experts' FP8 grouped GEMM on CUDA: cutlass (torch._scaled_grouped_mm) or triton
+    (moefold's kernels, fp8/triton_grouped.py). Elsewhere the emulation runs either way."""
     fp8_saved_activations: bool = False
     """Save FP8 copies of the GEMM inputs for backward instead of high-precision ones (not yet
     supported)."""
@@ -642,6 +645,7 @@ FP8_RECIPES = ("off", "tensorwise", "rowwise", "blockwise")
 def _validate_precision(cfg: Config) -> None:
     p = cfg.precision
     _one_of("precision.fp8", p.fp8, FP8_RECIPES)
+    _one_of("precision.fp8_grouped_gemm", p.fp8_grouped_gemm, ("cutlass", "triton"))
     _non_negative(cfg, "precision.fp8_bf16_first_layers", "precision.fp8_bf16_last_layers")
     for pattern in p.fp8_exclude:
         _require(bool(pattern.strip()), f"precision.fp8_exclude={p.fp8_exclude} has an empty pattern; "

@@ -12,6 +12,8 @@ from moefold.fp8.gemm import EmulatedFp8Gemm, ScaledMMFp8Gemm, linear_scaling
 from moefold.fp8.grouped import (
     EmulatedFp8GroupedGemm,
     ScaledGroupedMMFp8Gemm,
+    TritonFp8GroupedGemm,
+    build_grouped_gemm,
     fp8_grouped_mm,
     grouped_scaling,
 )
@@ -55,8 +57,12 @@ def test_scaled_mm_matches_emulation(recipe, gemm):
     assert_bf16_close(out, ref)
 
 
+GROUPED_KERNELS = ["cutlass", "triton"]  # precision.fp8_grouped_gemm
+
+
+@pytest.mark.parametrize("kernel", GROUPED_KERNELS)
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_scaled_grouped_mm_matches_emulation_forward_backward(recipe):
+def test_scaled_grouped_mm_matches_emulation_forward_backward(recipe, kernel):
     multiple = grouped_scaling(recipe).row_multiple
     sizes = [2 * multiple, 0, 5 * multiple, multiple]
     E, K, N = len(sizes), 512, 1024
@@ -67,13 +73,40 @@ def test_scaled_grouped_mm_matches_emulation_forward_backward(recipe):
     w = torch.randn(E, K, N, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02
     gy = torch.randn(R, N, device="cuda", generator=g, dtype=torch.bfloat16)
     results = []
-    for gemm in (ScaledGroupedMMFp8Gemm(), EmulatedFp8GroupedGemm()):
+    for gemm in (build_grouped_gemm("cuda", kernel), EmulatedFp8GroupedGemm()):
         xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
         y = fp8_grouped_mm(xr, wr, offsets_E, gemm, grouped_scaling(recipe))
         y.backward(gy)
         results.append((y.detach()[:sum(sizes)], xr.grad[:sum(sizes)], wr.grad))
     for out, ref in zip(*results):
         assert_bf16_close(out, ref)
+
+
+@pytest.mark.parametrize("gemm", GEMMS)
+def test_triton_grouped_gemm_matches_cutlass(gemm):
+    """fp8/triton_grouped.py against torch._scaled_grouped_mm on the same FP8 operands, scales and
+    layouts, at a Qwen3-30B-A3B expert shape (128 experts, uneven groups, an empty one, rows past
+    the last group): equal to bf16 rounding."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    E, K, N = 128, 2048, 768
+    sizes_E = torch.randint(0, 40, (E,), generator=g, device="cuda") * 16
+    sizes_E[7] = 0
+    offsets_E = sizes_E.cumsum(0).to(torch.int32)
+    R = int(offsets_E[-1]) + 48
+    x = torch.randn(R, K, device="cuda", generator=g, dtype=torch.bfloat16)
+    gy = torch.randn(R, N, device="cuda", generator=g, dtype=torch.bfloat16)
+    w = torch.randn(E, K, N, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02
+    s = grouped_scaling("rowwise")
+    outs = []
+    bf16, rows = torch.bfloat16, R - 48
+    for backend in (TritonFp8GroupedGemm(), ScaledGroupedMMFp8Gemm()):
+        if gemm == "forward":
+            outs.append(backend.grouped_mm(x, w, offsets_E, s.forward, bf16)[:rows])
+        elif gemm == "grad_input":
+            outs.append(backend.grouped_mm(gy, w.transpose(-2, -1), offsets_E, s.grad_input, bf16)[:rows])
+        else:
+            outs.append(backend.grouped_weight_grad(x, gy, offsets_E, s.grad_weight, bf16))
+    assert_bf16_close(*outs)
 
 
 def _linear_grads(lin, x, gy):
@@ -106,8 +139,9 @@ def test_fp8_linear_as_trained_matches_emulation(recipe, compiled):
         (assert_norm_close if compiled else assert_bf16_close)(out, ref)
 
 
+@pytest.mark.parametrize("kernel", GROUPED_KERNELS)
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_scaled_grouped_mm_compiled_matches_eager(recipe):
+def test_scaled_grouped_mm_compiled_matches_eager(recipe, kernel):
     """fp8_grouped_mm inside torch.compile (Inductor lowers the FP8 kernels and the quantization)
     against the eager emulation, at the MoE layer's shapes (many groups, a zero group, unaligned R)."""
     multiple = grouped_scaling(recipe).row_multiple
@@ -127,7 +161,7 @@ def test_scaled_grouped_mm_compiled_matches_eager(recipe):
         return y
 
     results = []
-    for gemm, fn in ((ScaledGroupedMMFp8Gemm(), torch.compile(step)), (EmulatedFp8GroupedGemm(), step)):
+    for gemm, fn in ((build_grouped_gemm("cuda", kernel), torch.compile(step)), (EmulatedFp8GroupedGemm(), step)):
         xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
         y = fn(gemm, xr, wr)
         results.append((y.detach()[:sum(sizes)], xr.grad[:sum(sizes)], wr.grad))
@@ -167,7 +201,7 @@ def test_fp8_training_follows_emulation_and_bf16(tmp_path, monkeypatch, compiled
     kernels = _train_losses(tmp_path, "kernels", *common, "--precision.fp8", "rowwise")
     bf16 = _train_losses(tmp_path, "bf16", *common)
     monkeypatch.setattr(fp8_apply, "build_gemm", lambda device_type: Emulated())
-    monkeypatch.setattr(fp8_apply, "build_grouped_gemm", lambda device_type: EmulatedFp8GroupedGemm())
+    monkeypatch.setattr(fp8_apply, "build_grouped_gemm", lambda *args: EmulatedFp8GroupedGemm())
     emulated = _train_losses(tmp_path, "emulated", *common, "--precision.fp8", "rowwise")
     # Step by step while the runs agree closely; then as 5-step means, since a loss spike's height
     # (step 13 reached 3.53 to 3.94 across the three runs) depends on the last bits of the weights.
@@ -199,7 +233,7 @@ def test_fp8_model_gradients_match_emulation(monkeypatch, recipe, compiled):
     def gradients(kernels: bool, embedding_scale: float = 1.0):
         if not kernels:
             monkeypatch.setattr(fp8_apply, "build_gemm", lambda device_type: EmulatedFp8Gemm())
-            monkeypatch.setattr(fp8_apply, "build_grouped_gemm", lambda device_type: EmulatedFp8GroupedGemm())
+            monkeypatch.setattr(fp8_apply, "build_grouped_gemm", lambda *args: EmulatedFp8GroupedGemm())
         torch.manual_seed(0)
         model = build_model(cfg, 257, "cuda", torch.bfloat16)
         model.init_weights(0)

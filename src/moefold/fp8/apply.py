@@ -36,7 +36,7 @@ def apply_fp8(model: nn.Module, precision: PrecisionConfig, device_type: str) ->
     if precision.fp8 == "off":
         return []
     lin, grouped = linear_scaling(precision.fp8), grouped_scaling(precision.fp8)
-    gemm, grouped_gemm = build_gemm(device_type), build_grouped_gemm(device_type)
+    gemm, grouped_gemm = build_gemm(device_type), build_grouped_gemm(device_type, precision.fp8_grouped_gemm)
     excluded = _excluded_names(model, precision)
     converted = []
     for block_name, block in _fp8_blocks(model, precision):

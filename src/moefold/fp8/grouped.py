@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from moefold.dtypes import cast
+from moefold.errors import ConfigError
 from moefold.fp8.gemm import Fp8Scaling, GemmScaling, pad_rows
 from moefold.fp8.recipes import BLOCK, Operand, fake_quant, quantize
 from moefold.moe.grouped_mm import grouped_mm
@@ -122,8 +123,7 @@ class ScaledGroupedMMFp8Gemm(EmulatedFp8GroupedGemm):
         x_fp8, scale_R1 = quantize(x_RK, scaling.a)
         w_fp8, scale_E1N = quantize(w_EKN, scaling.b)
         w_fp8 = w_fp8.transpose(-2, -1).contiguous().transpose(-2, -1)
-        out = torch._scaled_grouped_mm(x_fp8, w_fp8, scale_R1.reshape(-1), scale_E1N.flatten(1),
-                                       offs=offsets_E, out_dtype=torch.bfloat16)
+        out = self._rows(x_fp8, w_fp8, scale_R1.reshape(-1), scale_E1N.flatten(1), offsets_E)
         return cast(out, dtype)
 
     def grouped_weight_grad(self, x_RK, grad_RN, offsets_E, scaling, dtype):
@@ -135,14 +135,50 @@ class ScaledGroupedMMFp8Gemm(EmulatedFp8GroupedGemm):
         x_RK, grad_RN = pad_rows(x_RK, COLUMN_CHUNK), pad_rows(grad_RN, COLUMN_CHUNK)
         x_fp8, scale_EK = quantize_group_columns(x_RK, offsets_E, scaling.a)
         g_fp8, scale_EN = quantize_group_columns(grad_RN, offsets_E, scaling.b)
-        out = torch._scaled_grouped_mm(x_fp8.t().contiguous(), g_fp8.t().contiguous().t(),
-                                       scale_EK.reshape(-1), scale_EN.reshape(-1),
-                                       offs=offsets_E, out_dtype=torch.bfloat16)
+        out = self._contract(x_fp8.t().contiguous(), g_fp8.t().contiguous().t(),
+                             scale_EK.reshape(-1), scale_EN.reshape(-1), offsets_E)
         return cast(out, dtype)
 
+    @staticmethod
+    def _rows(a_RK, b_EKN, sa_R, sb_EN, offsets_E):
+        """bf16 a·b[e(r)] scaled, groups along the rows (b column-major per expert)."""
+        return torch._scaled_grouped_mm(a_RK, b_EKN, sa_R, sb_EN, offs=offsets_E, out_dtype=torch.bfloat16)
 
-def build_grouped_gemm(device_type: str) -> EmulatedFp8GroupedGemm:
-    return ScaledGroupedMMFp8Gemm() if device_type == "cuda" else EmulatedFp8GroupedGemm()
+    @staticmethod
+    def _contract(a_MR, b_RN, sa_EM, sb_EN, offsets_E):
+        """bf16 a[:, rows e]·b[rows e] scaled per expert, groups along the contraction."""
+        return torch._scaled_grouped_mm(a_MR, b_RN, sa_EM, sb_EN, offs=offsets_E, out_dtype=torch.bfloat16)
+
+
+class TritonFp8GroupedGemm(ScaledGroupedMMFp8Gemm):
+    """The same quantization and layouts as ScaledGroupedMMFp8Gemm, the GEMMs in Triton
+    (fp8/triton_grouped.py) instead of torch's CUTLASS kernel. Not run in CI:
+    tests/gpu/test_fp8_gpu.py compares it with torch's kernel and the emulation."""
+
+    name = "triton"
+
+    def __init__(self):
+        from moefold.fp8 import triton_grouped  # registers the torch.ops.moefold kernels
+
+        if not triton_grouped.HAS_TRITON:
+            raise ConfigError("precision.fp8_grouped_gemm=triton needs the triton package, which is not "
+                              "installed; use cutlass")
+
+    @staticmethod
+    def _rows(a_RK, b_EKN, sa_R, sb_EN, offsets_E):
+        return torch.ops.moefold.fp8_grouped_mm_rows(a_RK, b_EKN, sa_R, sb_EN.contiguous(), offsets_E)
+
+    @staticmethod
+    def _contract(a_MR, b_RN, sa_EM, sb_EN, offsets_E):
+        return torch.ops.moefold.fp8_grouped_mm_contract(a_MR, b_RN, sa_EM.contiguous(), sb_EN.contiguous(),
+                                                         offsets_E)
+
+
+def build_grouped_gemm(device_type: str, kernel: str = "cutlass") -> EmulatedFp8GroupedGemm:
+    """The backend for `precision.fp8_grouped_gemm` on this device: the emulation off CUDA."""
+    if device_type != "cuda":
+        return EmulatedFp8GroupedGemm()
+    return TritonFp8GroupedGemm() if kernel == "triton" else ScaledGroupedMMFp8Gemm()
 
 
 class _Fp8GroupedMMFn(torch.autograd.Function):
@@ -176,6 +212,7 @@ def fp8_grouped_mm(x_RK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Ten
 __all__ = [
     "EmulatedFp8GroupedGemm",
     "ScaledGroupedMMFp8Gemm",
+    "TritonFp8GroupedGemm",
     "build_grouped_gemm",
     "fp8_grouped_mm",
     "grouped_scaling",

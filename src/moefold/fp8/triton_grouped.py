@@ -1,0 +1,149 @@
+"""FP8 grouped GEMMs of the routed experts in Triton, rowwise scales applied in the epilogue.
+
+The twin of `torch._scaled_grouped_mm` for the two shapes the experts need (fp8/grouped.py), on the
+same operands, layouts and fp32 dequantization scales:
+
+  rows      out_RN = (a_RK · b_EKN[e(r)]) · sa_R[r] · sb_EN[e(r)]      (forward, grad_input)
+            groups along the rows; row r belongs to the expert whose row range holds it.
+  contract  out_EMN[e] = (a_MR[:, rows e] · b_RN[rows e]) · sa_EM[e] · sb_EN[e]   (grad_weight)
+            groups along the contraction.
+
+`offsets_E` holds the groups' cumulative row ends (int32, as torch._grouped_mm takes them); rows
+past the last end are neither read nor written. Nothing syncs with the host: the rows kernel is
+launched over an upper bound of its tiles, cdiv(R, BM) + E, and each program finds its expert by a
+binary search over the tiles' cumulative counts, computed on the device; programs past the last
+tile run no K iterations and store nothing. torch's kernel (CUTLASS) reached about 230 TFLOP/s at
+Qwen3-30B-A3B's expert shapes on the H200, a third of bf16's `torch._grouped_mm`; this one exists to
+beat it (`benchmarks/fp8_grouped.py`). Operand layouts: both K-major (a row-major, b column-major
+per expert), as Hopper's FP8 tensor cores read them, and as the CUTLASS backend already builds them.
+
+Registered as torch custom ops through `torch.library.triton_op`, so `torch.compile` traces them.
+Triton is optional: without it this module imports, `HAS_TRITON` is False and the ops are absent.
+
+Legend: R rows, K contraction (rows kernel), M and N output features, E experts; BM, BN, BK tiles.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+    from torch.library import triton_op, wrap_triton
+except ImportError:  # CPU-only installs
+    triton = None
+HAS_TRITON = triton is not None
+
+ROWS_TILES = {"BM": 128, "BN": 128, "BK": 128, "num_warps": 8, "num_stages": 4}
+CONTRACT_TILES = {"BM": 128, "BN": 128, "BK": 128, "num_warps": 8, "num_stages": 4}
+
+
+def _row_tile_ends(offsets_E: torch.Tensor, bm: int) -> torch.Tensor:
+    """Cumulative count of BM-row tiles over the experts (int32, on the device)."""
+    rows_E = torch.diff(offsets_E, prepend=offsets_E.new_zeros(1))
+    return ((rows_E + bm - 1) // bm).cumsum(0).to(torch.int32)
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _expert_of_tile(tile_ends_ptr, pid_m, E, SEARCH_STEPS: tl.constexpr):
+        """The smallest e in [0, E] with tile_ends[e] > pid_m (E: past the last tile), by a binary
+        search of SEARCH_STEPS >= log2(E + 1) halvings; once found, further steps change nothing."""
+        lo = pid_m * 0
+        hi = lo + E
+        for _ in tl.static_range(SEARCH_STEPS):
+            searching = lo < hi
+            mid = (lo + hi) // 2
+            right = tl.load(tile_ends_ptr + tl.minimum(mid, E - 1)) <= pid_m
+            hi = tl.where(searching & ~right, mid, hi)
+            lo = tl.where(searching & right, mid + 1, lo)
+        return lo
+
+    @triton.jit
+    def _rows_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, out_ptr, offsets_ptr, tile_ends_ptr, N, K, E,
+                     stride_ar, stride_ak, stride_be, stride_bk, stride_bn, stride_or, stride_on,
+                     SEARCH_STEPS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        e = _expert_of_tile(tile_ends_ptr, pid_m, E, SEARCH_STEPS)
+        valid = e < E
+        e = tl.minimum(e, E - 1)
+        tiles_before = tl.load(tile_ends_ptr + e - 1, mask=e > 0, other=0)
+        row_start = tl.load(offsets_ptr + e - 1, mask=e > 0, other=0)
+        row_end = tl.where(valid, tl.load(offsets_ptr + e), row_start)  # past the last tile: no rows
+        rows_M = row_start + (pid_m - tiles_before) * BM + tl.arange(0, BM)
+        cols_N = pid_n * BN + tl.arange(0, BN)
+        ks_K = tl.arange(0, BK)
+        in_rows_M, in_cols_N = rows_M < row_end, cols_N < N
+        a_ptrs = a_ptr + rows_M[:, None].to(tl.int64) * stride_ar + ks_K[None, :] * stride_ak
+        b_ptrs = b_ptr + e.to(tl.int64) * stride_be + ks_K[:, None] * stride_bk + cols_N[None, :] * stride_bn
+        acc_MN = tl.zeros((BM, BN), dtype=tl.float32)
+        for k in range(0, tl.where(valid, tl.cdiv(K, BK), 0)):
+            in_k = ks_K + k * BK < K
+            a = tl.load(a_ptrs, mask=in_rows_M[:, None] & in_k[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=in_k[:, None] & in_cols_N[None, :], other=0.0)
+            acc_MN = tl.dot(a, b, acc_MN)
+            a_ptrs += BK * stride_ak
+            b_ptrs += BK * stride_bk
+        sa_M = tl.load(sa_ptr + rows_M, mask=in_rows_M, other=0.0)
+        sb_N = tl.load(sb_ptr + e * N + cols_N, mask=in_cols_N, other=0.0)
+        out_MN = (acc_MN * sa_M[:, None] * sb_N[None, :]).to(out_ptr.dtype.element_ty)
+        out_ptrs = out_ptr + rows_M[:, None].to(tl.int64) * stride_or + cols_N[None, :] * stride_on
+        tl.store(out_ptrs, out_MN, mask=in_rows_M[:, None] & in_cols_N[None, :])
+
+    @triton.jit
+    def _contract_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, out_ptr, offsets_ptr, M, N,
+                         stride_am, stride_ar, stride_br, stride_bn, stride_oe, stride_om, stride_on,
+                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        e, pid_m, pid_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        row_start = tl.load(offsets_ptr + e - 1, mask=e > 0, other=0)
+        row_end = tl.load(offsets_ptr + e)
+        ms_M = pid_m * BM + tl.arange(0, BM)
+        ns_N = pid_n * BN + tl.arange(0, BN)
+        rs_K = row_start + tl.arange(0, BK)
+        in_m, in_n = ms_M < M, ns_N < N
+        a_ptrs = a_ptr + ms_M[:, None].to(tl.int64) * stride_am + rs_K[None, :].to(tl.int64) * stride_ar
+        b_ptrs = b_ptr + rs_K[:, None].to(tl.int64) * stride_br + ns_N[None, :].to(tl.int64) * stride_bn
+        acc_MN = tl.zeros((BM, BN), dtype=tl.float32)
+        for k in range(0, tl.cdiv(row_end - row_start, BK)):
+            in_r = rs_K + k * BK < row_end
+            a = tl.load(a_ptrs, mask=in_m[:, None] & in_r[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=in_r[:, None] & in_n[None, :], other=0.0)
+            acc_MN = tl.dot(a, b, acc_MN)
+            a_ptrs += BK * stride_ar
+            b_ptrs += BK * stride_br
+        sa_M = tl.load(sa_ptr + e * M + ms_M, mask=in_m, other=0.0)
+        sb_N = tl.load(sb_ptr + e * N + ns_N, mask=in_n, other=0.0)
+        out_MN = (acc_MN * sa_M[:, None] * sb_N[None, :]).to(out_ptr.dtype.element_ty)
+        out_ptrs = out_ptr + e.to(tl.int64) * stride_oe + ms_M[:, None] * stride_om + ns_N[None, :] * stride_on
+        tl.store(out_ptrs, out_MN, mask=in_m[:, None] & in_n[None, :])
+
+    @triton_op("moefold::fp8_grouped_mm_rows", mutates_args=())
+    def fp8_grouped_mm_rows(a_RK: torch.Tensor, b_EKN: torch.Tensor, sa_R: torch.Tensor,
+                            sb_EN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+        """bf16 out_RN: groups along the rows (forward and grad_input); rows past the end are 0."""
+        (R, K), (E, _, N) = a_RK.shape, b_EKN.shape
+        t = ROWS_TILES
+        out_RN = torch.zeros(R, N, device=a_RK.device, dtype=torch.bfloat16)
+        tile_ends_E = _row_tile_ends(offsets_E, t["BM"])
+        grid = (triton.cdiv(R, t["BM"]) + E, triton.cdiv(N, t["BN"]))
+        wrap_triton(_rows_kernel)[grid](
+            a_RK, b_EKN, sa_R, sb_EN, out_RN, offsets_E, tile_ends_E, N, K, E,
+            a_RK.stride(0), a_RK.stride(1), b_EKN.stride(0), b_EKN.stride(1), b_EKN.stride(2),
+            out_RN.stride(0), out_RN.stride(1), SEARCH_STEPS=E.bit_length(), **t)
+        return out_RN
+
+    @triton_op("moefold::fp8_grouped_mm_contract", mutates_args=())
+    def fp8_grouped_mm_contract(a_MR: torch.Tensor, b_RN: torch.Tensor, sa_EM: torch.Tensor,
+                                sb_EN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+        """bf16 out_EMN: groups along the contraction (grad_weight); an empty group gives zeros."""
+        (M, _), N, E = a_MR.shape, b_RN.shape[1], offsets_E.shape[0]
+        t = CONTRACT_TILES
+        out_EMN = torch.empty(E, M, N, device=a_MR.device, dtype=torch.bfloat16)
+        grid = (E, triton.cdiv(M, t["BM"]), triton.cdiv(N, t["BN"]))
+        wrap_triton(_contract_kernel)[grid](
+            a_MR, b_RN, sa_EM, sb_EN, out_EMN, offsets_E, M, N,
+            a_MR.stride(0), a_MR.stride(1), b_RN.stride(0), b_RN.stride(1),
+            out_EMN.stride(0), out_EMN.stride(1), out_EMN.stride(2), **t)
+        return out_EMN

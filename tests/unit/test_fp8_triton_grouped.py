@@ -1,0 +1,63 @@
+"""The Triton FP8 grouped GEMMs (fp8/triton_grouped.py) off the GPU: the tile schedule's arithmetic,
+the backend choice, and — where Triton is installed — the kernels themselves under Triton's CPU
+interpreter, through the experts' autograd Function, against the emulation. (CI's CPU torch has no
+Triton: there the interpreter test skips; tests/gpu/test_fp8_gpu.py runs them compiled on the H200.)"""
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from moefold.errors import ConfigError
+from moefold.fp8.grouped import EmulatedFp8GroupedGemm, TritonFp8GroupedGemm, build_grouped_gemm
+from moefold.fp8.triton_grouped import HAS_TRITON, _row_tile_ends
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+
+
+def test_row_tiles_count_each_experts_tiles_cumulatively():
+    offsets_E = torch.tensor([32, 32, 200, 456], dtype=torch.int32)  # rows 32, 0, 168, 256
+    assert _row_tile_ends(offsets_E, 128).tolist() == [1, 1, 3, 5]
+
+
+def test_backend_choice():
+    assert type(build_grouped_gemm("cpu", "triton")) is EmulatedFp8GroupedGemm  # off CUDA: emulation
+    if not HAS_TRITON:
+        with pytest.raises(ConfigError, match="fp8_grouped_gemm=triton needs the triton package"):
+            TritonFp8GroupedGemm()
+
+
+INTERPRETED = """
+import torch
+from moefold.fp8.grouped import EmulatedFp8GroupedGemm, TritonFp8GroupedGemm, fp8_grouped_mm, grouped_scaling
+torch.manual_seed(0)
+sizes = [32, 0, 160, 16, 48]
+E, K, N = len(sizes), 256, 128
+R = sum(sizes) + 21  # rows past the last group
+offsets_E = torch.tensor(sizes).cumsum(0).to(torch.int32)
+x = torch.randn(R, K, dtype=torch.bfloat16)
+w = torch.randn(E, K, N, dtype=torch.bfloat16) * 0.02
+gy = torch.randn(R, N, dtype=torch.bfloat16)
+results = []
+for gemm in (TritonFp8GroupedGemm(), EmulatedFp8GroupedGemm()):
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = fp8_grouped_mm(xr, wr, offsets_E, gemm, grouped_scaling("rowwise"))
+    y.backward(gy)
+    results.append((y.detach()[:sum(sizes)], xr.grad[:sum(sizes)], wr.grad))
+for name, out, ref in zip(("forward", "grad_input", "grad_weight"), *results):
+    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    assert err < 2 ** -7, (name, err)  # the same FP8 operands; bf16 output rounding apart
+print("ok")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs the triton package")
+def test_kernels_under_the_triton_interpreter_match_the_emulation():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]

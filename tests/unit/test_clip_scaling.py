@@ -23,6 +23,18 @@ def _params(seed):
     return [torch.nn.Parameter(torch.randn(shape, generator=gen)) for shape in ((64, 32), (32,), (8, 8))]
 
 
+def _clip_and_step(reference, folded, clippers, optimizers, max_norm, gen) -> None:
+    """The same random gradients on both parameter lists, clipped (the same norm), then a step."""
+    grads = [3 * torch.randn(p.shape, generator=gen).to(p.dtype) for p in reference]
+    for params in (reference, folded):
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+    norms = [clip(max_norm) for clip in clippers]
+    torch.testing.assert_close(norms[0], norms[1], rtol=0, atol=0)
+    for opt in optimizers:
+        opt.step()
+
+
 @pytest.mark.parametrize("max_norm", [0.5, 1e6])  # clipping, and a coefficient of exactly 1
 def test_clip_in_fused_adamw_steps_like_clipping_in_place(max_norm):
     reference, folded = _params(0), _params(0)
@@ -32,14 +44,7 @@ def test_clip_in_fused_adamw_steps_like_clipping_in_place(max_norm):
     clip_fold = GradNormClipper(folded, scale=ClipInFusedAdamW(opt_fold))
     gen = torch.Generator().manual_seed(1)
     for _ in range(4):
-        grads = [3 * torch.randn(p.shape, generator=gen) for p in reference]
-        for params in (reference, folded):
-            for p, g in zip(params, grads):
-                p.grad = g.clone()
-        norms = clip_ref(max_norm), clip_fold(max_norm)
-        torch.testing.assert_close(norms[0], norms[1], rtol=0, atol=0)
-        opt_ref.step()
-        opt_fold.step()
+        _clip_and_step(reference, folded, (clip_ref, clip_fold), (opt_ref, opt_fold), max_norm, gen)
         for a, b in zip(reference, folded):
             torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
             torch.testing.assert_close(b.grad, a.grad, rtol=1e-6, atol=1e-7)  # left clipped too
@@ -84,14 +89,7 @@ def test_precision_adamw_grad_multiplier_steps_like_clipping_in_place(master, fu
     clip_fold = GradNormClipper(folded, scale=ClipInFusedPrecisionAdamW(opt_fold))
     gen = torch.Generator().manual_seed(1)
     for max_norm in (0.5, 0.5, float("inf"), 0.5):  # the third step does not clip
-        grads = [3 * torch.randn(p.shape, generator=gen).to(p.dtype) for p in reference]
-        for params in (reference, folded):
-            for p, g in zip(params, grads):
-                p.grad = g.clone()
-        norms = clip_ref(max_norm), clip_fold(max_norm)
-        torch.testing.assert_close(norms[0], norms[1], rtol=0, atol=0)
-        opt_ref.step()
-        opt_fold.step()
+        _clip_and_step(reference, folded, (clip_ref, clip_fold), (opt_ref, opt_fold), max_norm, gen)
         assert opt_fold.grad_multiplier is None
         for a, b in zip(reference, folded):
             assert torch.equal(b, a) and torch.equal(b.grad, a.grad)

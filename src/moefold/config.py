@@ -322,8 +322,8 @@ class PrecisionConfig:
     """The routed experts' FP8 grouped GEMM on CUDA: cutlass (torch._scaled_grouped_mm) or triton
     (moefold's kernels, fp8/triton_grouped.py). Elsewhere the emulation runs either way."""
     fp8_saved_activations: bool = False
-    """Save FP8 copies of the GEMM inputs for backward instead of high-precision ones (not yet
-    supported)."""
+    """Keep the FP8 GEMMs' inputs for backward in FP8 (the forward's own tiles, 1 byte per element
+    plus scales) instead of the compute dtype; the weight gradient then rounds them twice."""
 
 
 @dataclass
@@ -650,8 +650,6 @@ def _validate_precision(cfg: Config) -> None:
     for pattern in p.fp8_exclude:
         _require(bool(pattern.strip()), f"precision.fp8_exclude={p.fp8_exclude} has an empty pattern; "
                  "allowed: fnmatch patterns over module names, e.g. 'layers.0.*'")
-    _require(not p.fp8_saved_activations, "precision.fp8_saved_activations=true is not yet "
-             "supported (only false: GEMM inputs are saved in high precision)")
     wrapped = [k for k in ("recompute", "offload") if "moe_act" in getattr(cfg.memory, k)]
     _require(p.fp8 == "off" or not wrapped,
              f"precision.fp8={p.fp8!r} with 'moe_act' in memory.{wrapped[0] if wrapped else ''} is not "

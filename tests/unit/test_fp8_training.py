@@ -16,10 +16,11 @@ from moefold.cli import main
 from moefold.config import load_config
 from moefold.errors import ConfigError
 from moefold.fp8.apply import apply_fp8
-from moefold.fp8.gemm import EmulatedFp8Gemm, linear_scaling
+from moefold.fp8.gemm import EmulatedFp8Gemm, linear_scaling, pad_rows
 from moefold.fp8.grouped import EmulatedFp8GroupedGemm, fp8_grouped_mm, grouped_scaling
 from moefold.fp8.linear import Fp8Linear
-from moefold.fp8.recipes import E4M3, E5M2
+from moefold.fp8.recipes import E4M3, E5M2, fake_quant
+from moefold.fp8.saved import SaveFp8Input, SaveInput
 from moefold.models.transformer import build_model
 from moefold.moe.experts import Fp8GroupedExperts
 from moefold.moe.router import Router
@@ -206,7 +207,7 @@ def test_apply_fp8_off_changes_nothing_and_bad_pattern_is_one_line():
 
 @pytest.mark.parametrize("overrides,message", [
     ({"precision.fp8": "fp4"}, "precision.fp8='fp4' is not one of off, tensorwise, rowwise, blockwise"),
-    ({"precision.fp8_saved_activations": True}, "precision.fp8_saved_activations=true is not yet supported"),
+    ({"precision.fp8_grouped_gemm": "cublas"}, "precision.fp8_grouped_gemm='cublas' is not one of cutlass, triton"),
     ({"precision.fp8": "rowwise", "memory.recompute": '["moe_act"]'}, "'moe_act' in memory.recompute"),
     ({"precision.fp8_bf16_last_layers": -1}, "precision.fp8_bf16_last_layers=-1 must be >= 0"),
 ])
@@ -283,3 +284,70 @@ def test_compiled_fp8_linear_gradients_equal_eager(compute_dtype):
     for g, e in zip(*reversed(grads)):
         assert g.abs().sum() > 0
         torch.testing.assert_close(g, e, rtol=0, atol=0)
+
+
+def _saved_inputs(fn):
+    """Run fn() (a forward) and return the tensors autograd saved for backward."""
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = fn()
+    return out, saved
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fp8_saved_activations_keep_the_forward_fp8_input(recipe):
+    """precision.fp8_saved_activations: Fp8Linear keeps x as the forward's FP8 tiles (1 byte per
+    element plus scales, not the compute dtype's 4 here); grad_input is unchanged (it never reads
+    x), and grad_weight is the GEMM of the dequantized saved x — the plain run's within FP8 noise."""
+    M, K, N = 64, 256, 128
+    scaling = linear_scaling(recipe)
+    base = nn.Linear(K, N, bias=False)
+    x, gy = rand((M, K), 0), torch.randn(M, N, generator=torch.Generator().manual_seed(1))
+    grads = {}
+    for saver in (SaveInput(), SaveFp8Input(scaling.forward.a)):
+        lin = Fp8Linear.from_linear(base, EmulatedFp8Gemm(), scaling, saver)
+        xr = x.clone().requires_grad_()
+        base.weight.grad = None
+        y, saved = _saved_inputs(lambda lin=lin, xr=xr: lin(xr))
+        y.backward(gy)
+        grads[saver.name] = (xr.grad, base.weight.grad.clone(), saved)
+    (gx, gw, saved), (gx8, gw8, saved8) = grads["input"], grads["fp8"]
+    assert any(t.dtype == torch.float32 and t.shape == (M, K) for t in saved)
+    assert not any(t.shape == (M, K) and t.dtype != torch.float8_e4m3fn for t in saved8)
+    assert any(t.dtype == torch.float8_e4m3fn and t.shape == (M, K) for t in saved8)
+    assert torch.equal(gx8, gx)
+    x_saved = fake_quant(x, scaling.forward.a, torch.float32)
+    m = scaling.row_multiple
+    expected = EmulatedFp8Gemm().mm(pad_rows(gy, m).t(), pad_rows(x_saved, m), scaling.grad_weight, torch.float32)
+    torch.testing.assert_close(gw8, expected, rtol=0, atol=0)
+    assert ((gw8 - gw).norm() / gw.norm()).item() < 0.1
+
+
+def test_fp8_saved_activations_in_the_experts():
+    """The grouped experts keep their inputs in FP8 too (rows tiles); grad_input is unchanged."""
+    scaling = grouped_scaling("rowwise")
+    sizes = [32, 0, 48, 16]
+    offsets_E = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    x, w = rand((sum(sizes) + 5, 64), 2), 0.05 * rand((4, 64, 32), 3, outliers=False)
+    gy = torch.randn(sum(sizes) + 5, 32, generator=torch.Generator().manual_seed(4))
+    results = []
+    for saver in (SaveInput(), SaveFp8Input(scaling.forward.a)):
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y, saved = _saved_inputs(lambda xr=xr, wr=wr, saver=saver: fp8_grouped_mm(
+            xr, wr, offsets_E, EmulatedFp8GroupedGemm(), scaling, saver))
+        y.backward(gy)
+        results.append((xr.grad, wr.grad, [t.dtype for t in saved if t.shape == x.shape]))
+    (gx, gw, kept), (gx8, gw8, kept8) = results
+    assert kept == [torch.float32] and kept8 == [torch.float8_e4m3fn]
+    rows = sum(sizes)  # past the last group torch._grouped_mm leaves its output unwritten
+    assert torch.equal(gx8[:rows], gx[:rows])
+    assert ((gw8 - gw).norm() / gw.norm()).item() < 0.1
+
+
+@pytest.mark.parametrize("preset,overrides", [("tiny-qwen3", QWEN3), ("tiny-deepseek", DEEPSEEK)])
+def test_tiny_models_train_with_fp8_saved_activations(preset, overrides):
+    """Rowwise FP8 with FP8-saved inputs learns like fp32, by the same 8% rule as without."""
+    ref = train_losses(preset, overrides, "off")
+    losses = train_losses(preset, {**overrides, "precision.fp8_saved_activations": "true"}, "rowwise")
+    ref_tail, tail = sum(ref[-10:]) / 10, sum(losses[-10:]) / 10
+    assert abs(tail - ref_tail) / ref_tail < 0.08, (tail, ref_tail)

@@ -20,6 +20,7 @@ from moefold.config import PrecisionConfig
 from moefold.errors import ConfigError
 from moefold.fp8.gemm import build_gemm, linear_scaling
 from moefold.fp8.grouped import build_grouped_gemm, grouped_scaling
+from moefold.fp8.saved import saved_input
 from moefold.fp8.linear import Fp8Linear
 from moefold.moe.experts import Experts, Fp8GroupedExperts
 from moefold.moe.layer import MoELayer
@@ -37,6 +38,8 @@ def apply_fp8(model: nn.Module, precision: PrecisionConfig, device_type: str) ->
         return []
     lin, grouped = linear_scaling(precision.fp8), grouped_scaling(precision.fp8)
     gemm, grouped_gemm = build_gemm(device_type), build_grouped_gemm(device_type, precision.fp8_grouped_gemm)
+    keep = precision.fp8_saved_activations
+    lin_saver, grouped_saver = saved_input(keep, lin.forward.a), saved_input(keep, grouped.forward.a)
     excluded = _excluded_names(model, precision)
     converted = []
     for block_name, block in _fp8_blocks(model, precision):
@@ -48,9 +51,11 @@ def apply_fp8(model: nn.Module, precision: PrecisionConfig, device_type: str) ->
                 _raise_pad_multiple(module, grouped.row_multiple)
                 continue
             if isinstance(module, Experts):
-                setattr(model.get_submodule(parent_name), attr, _fp8_experts(module, grouped_gemm, grouped))
+                setattr(model.get_submodule(parent_name), attr,
+                        _fp8_experts(module, grouped_gemm, grouped, grouped_saver))
             elif type(module) is nn.Linear and attr not in _NEVER_FP8 and _aligned(module, lin.row_multiple):
-                setattr(model.get_submodule(parent_name), attr, Fp8Linear.from_linear(module, gemm, lin))
+                setattr(model.get_submodule(parent_name), attr,
+                        Fp8Linear.from_linear(module, gemm, lin, lin_saver))
             else:
                 continue
             converted.append(name)
@@ -85,11 +90,11 @@ def _aligned(linear: nn.Linear, multiple: int) -> bool:
     return linear.in_features % multiple == 0 and linear.out_features % multiple == 0
 
 
-def _fp8_experts(experts: Experts, gemm, scaling) -> Fp8GroupedExperts:
+def _fp8_experts(experts: Experts, gemm, scaling, saver) -> Fp8GroupedExperts:
     if "_mm" in vars(experts):  # config validation refuses this; a direct caller gets told too
         raise ConfigError("precision.fp8 with 'moe_act' in memory.recompute/offload is not yet supported")
     num_experts, dim, hidden = experts.w1_EDF.shape
-    new = Fp8GroupedExperts(num_experts, dim, hidden, experts.activation, gemm, scaling, device="meta")
+    new = Fp8GroupedExperts(num_experts, dim, hidden, experts.activation, gemm, scaling, saver, device="meta")
     for name, param in experts.named_parameters(recurse=False):
         setattr(new, name, param)
     return new

@@ -27,6 +27,7 @@ from moefold.dtypes import cast
 from moefold.errors import ConfigError
 from moefold.fp8.gemm import Fp8Scaling, GemmScaling, pad_rows
 from moefold.fp8.recipes import BLOCK, Operand, fake_quant, quantize
+from moefold.fp8.saved import SaveInput
 from moefold.moe.grouped_mm import grouped_mm
 
 
@@ -183,15 +184,16 @@ def build_grouped_gemm(device_type: str, kernel: str = "cutlass") -> EmulatedFp8
 
 class _Fp8GroupedMMFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_RK, w_EKN, offsets_E, gemm, scaling: Fp8Scaling):
-        ctx.save_for_backward(x_RK, w_EKN, offsets_E)
-        ctx.gemm, ctx.scaling = gemm, scaling
+    def forward(ctx, x_RK, w_EKN, offsets_E, gemm, scaling: Fp8Scaling, saver: SaveInput):
+        ctx.save_for_backward(w_EKN, offsets_E, *saver.pack(x_RK))
+        ctx.gemm, ctx.scaling, ctx.saver, ctx.x_dtype = gemm, scaling, saver, x_RK.dtype
         return gemm.grouped_mm(x_RK, w_EKN, offsets_E, scaling.forward, x_RK.dtype)
 
     @staticmethod
     def backward(ctx, grad_RN):
-        x_RK, w_EKN, offsets_E = ctx.saved_tensors
+        w_EKN, offsets_E, *packed = ctx.saved_tensors
         gemm, scaling = ctx.gemm, ctx.scaling
+        x_RK = ctx.saver.unpack(packed, ctx.x_dtype)
         grad_RN = grad_RN.to(x_RK.dtype)
         grad_x_RK = grad_w_EKN = None
         if ctx.needs_input_grad[0]:
@@ -200,13 +202,15 @@ class _Fp8GroupedMMFn(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             grad_w_EKN = gemm.grouped_weight_grad(x_RK, grad_RN, offsets_E, scaling.grad_weight,
                                                   w_EKN.dtype)
-        return grad_x_RK, grad_w_EKN, None, None, None
+        return grad_x_RK, grad_w_EKN, None, None, None, None
 
 
 def fp8_grouped_mm(x_RK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor,
-                   gemm: EmulatedFp8GroupedGemm, scaling: Fp8Scaling) -> torch.Tensor:
-    """torch._grouped_mm(x, w, offs) with FP8 operands in forward and backward."""
-    return _Fp8GroupedMMFn.apply(x_RK, w_EKN, offsets_E, gemm, scaling)
+                   gemm: EmulatedFp8GroupedGemm, scaling: Fp8Scaling,
+                   saver: SaveInput | None = None) -> torch.Tensor:
+    """torch._grouped_mm(x, w, offs) with FP8 operands in forward and backward; x is kept for the
+    backward as `saver` says (fp8/saved.py; by default as it is)."""
+    return _Fp8GroupedMMFn.apply(x_RK, w_EKN, offsets_E, gemm, scaling, saver or SaveInput())
 
 
 __all__ = [

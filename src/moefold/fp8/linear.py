@@ -3,7 +3,8 @@
 M tokens (all leading dims flattened), K input features, N output features.
 The backend (gemm.py: emulated or cuBLAS) and the recipe's scaling are fixed when `apply_fp8`
 converts the module; the forward never asks which one it has. Scales are computed on the fly from
-the current tensors (no amax history). The inputs saved for backward stay in the compute dtype.
+the current tensors (no amax history). The input is saved for backward as `saver` says
+(fp8/saved.py: in the compute dtype, or in FP8 with precision.fp8_saved_activations).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 from torch import nn
 
 from moefold.fp8.gemm import EmulatedFp8Gemm, Fp8Scaling, ScaledMMFp8Gemm, pad_rows
+from moefold.fp8.saved import SaveInput
 from moefold.moe.experts import compute_dtype
 
 
@@ -19,15 +21,16 @@ class _Fp8LinearFn(torch.autograd.Function):
     """y_MN = x_MK @ W_NK^T; grad_x = grad_y @ W; grad_W = grad_y^T @ x, each GEMM in FP8."""
 
     @staticmethod
-    def forward(ctx, x_MK, w_NK, gemm, scaling: Fp8Scaling):
-        ctx.save_for_backward(x_MK, w_NK)
-        ctx.gemm, ctx.scaling = gemm, scaling
+    def forward(ctx, x_MK, w_NK, gemm, scaling: Fp8Scaling, saver: SaveInput):
+        ctx.save_for_backward(w_NK, *saver.pack(x_MK))
+        ctx.gemm, ctx.scaling, ctx.saver = gemm, scaling, saver
         return gemm.mm(x_MK, w_NK.t(), scaling.forward, x_MK.dtype)
 
     @staticmethod
     def backward(ctx, grad_MN):
-        x_MK, w_NK = ctx.saved_tensors
+        w_NK, *packed = ctx.saved_tensors
         gemm, scaling = ctx.gemm, ctx.scaling
+        x_MK = ctx.saver.unpack(packed, w_NK.dtype)  # x and w arrive in the one compute dtype
         grad_MN = grad_MN.to(x_MK.dtype)
         grad_x_MK = grad_w_NK = None
         if ctx.needs_input_grad[0]:
@@ -37,22 +40,24 @@ class _Fp8LinearFn(torch.autograd.Function):
             m = scaling.row_multiple
             grad_w_NK = gemm.mm(pad_rows(grad_MN, m).t(), pad_rows(x_MK, m), scaling.grad_weight,
                                 w_NK.dtype)
-        return grad_x_MK, grad_w_NK, None, None
+        return grad_x_MK, grad_w_NK, None, None, None
 
 
 class Fp8Linear(nn.Linear):
     """nn.Linear with FP8 GEMMs; same parameters and state dict as the nn.Linear it replaces."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool,
-                 gemm: EmulatedFp8Gemm | ScaledMMFp8Gemm, scaling: Fp8Scaling, device=None):
+                 gemm: EmulatedFp8Gemm | ScaledMMFp8Gemm, scaling: Fp8Scaling,
+                 saver: SaveInput | None = None, device=None):
         super().__init__(in_features, out_features, bias=bias, device=device)
-        self.gemm, self.scaling = gemm, scaling
+        self.gemm, self.scaling, self.saver = gemm, scaling, saver or SaveInput()
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, gemm, scaling: Fp8Scaling) -> Fp8Linear:
+    def from_linear(cls, linear: nn.Linear, gemm, scaling: Fp8Scaling,
+                    saver: SaveInput | None = None) -> Fp8Linear:
         """Wrap `linear`'s own parameters (no copy; built on meta so nothing is allocated)."""
         new = cls(linear.in_features, linear.out_features, linear.bias is not None, gemm, scaling,
-                  device="meta")
+                  saver, device="meta")
         new.weight = linear.weight
         new.bias = linear.bias
         return new
@@ -60,10 +65,11 @@ class Fp8Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = compute_dtype(x)
         x_MK = x.reshape(-1, x.shape[-1]).to(dtype)
-        y_MN = _Fp8LinearFn.apply(x_MK, self.weight.to(dtype), self.gemm, self.scaling)
+        y_MN = _Fp8LinearFn.apply(x_MK, self.weight.to(dtype), self.gemm, self.scaling, self.saver)
         if self.bias is not None:
             y_MN = y_MN + self.bias.to(dtype)
         return y_MN.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, fp8={self.scaling.name}, gemm={self.gemm.name}"
+        return (f"{super().extra_repr()}, fp8={self.scaling.name}, gemm={self.gemm.name}, "
+                f"saves={self.saver.name}")

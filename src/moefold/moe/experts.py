@@ -84,13 +84,13 @@ class Fp8GroupedExperts(Experts):
 
     def __init__(self, num_experts: int, dim: int, hidden: int,
                  activation: PlainActivation | ProbsInActivation | None, gemm, scaling,
-                 device=None):
+                 saver=None, device=None):
         with torch.device(device) if device is not None else contextlib.nullcontext():
             super().__init__(num_experts, dim, hidden, activation)
-        self.gemm, self.scaling = gemm, scaling
+        self.gemm, self.scaling, self.saver = gemm, scaling, saver  # saver: fp8/saved.py
 
     def _mm(self, x_RX, w_EXY, offsets_E):
-        return fp8_grouped_mm(x_RX, w_EXY, offsets_E, self.gemm, self.scaling)
+        return fp8_grouped_mm(x_RX, w_EXY, offsets_E, self.gemm, self.scaling, self.saver)
 
 
 @functools.cache

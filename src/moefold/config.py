@@ -654,9 +654,6 @@ def _validate_precision(cfg: Config) -> None:
     _require(p.fp8 == "off" or not wrapped,
              f"precision.fp8={p.fp8!r} with 'moe_act' in memory.{wrapped[0] if wrapped else ''} is not "
              "yet supported (it wraps the experts' GEMM before FP8 replaces it); use 'moe' instead")
-    _require(p.fp8 == "off" or cfg.parallel.tp == 1,
-             f"precision.fp8={p.fp8!r} with parallel.tp={cfg.parallel.tp} is not yet supported (FP8 "
-             "linears take plain tensors, not TP's DTensors); use parallel.tp=1")
 
 
 # A name that already recomputes everything the listed ones would.

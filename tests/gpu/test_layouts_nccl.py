@@ -108,3 +108,16 @@ def test_fp8_experts_under_ep2_on_nccl(dispatcher, corpus, tmp_path):
     run_ranks(2, train_on_rank, [("qwen3", "qwen3", corpus, 2, dict(ep=2, ep_dispatcher=dispatcher),
                                   tmp_path / "ep2", None, 0, extra)], out)
     assert_fp8_training_close(torch.load(out)["qwen3"], ref, f"fp8 ep2 {dispatcher} on NCCL")
+
+
+def test_fp8_linears_under_tp2_on_nccl(corpus, tmp_path):
+    """FP8 rowwise with the CUDA kernels under tp=2 (sequence-parallel) on NCCL: each FP8 linear
+    computes on its local shard (fp8/linear.py: TensorParallelShards); within FP8 noise of one GPU
+    (bounds as on gloo, tests/distributed/test_layouts.py)."""
+    if GPUS < 2:
+        pytest.skip("needs 2 GPUs")
+    extra = {**gpu_overrides("bf16"), **ALIGNED_QWEN3, "precision.fp8": "rowwise"}
+    ref = train(config("qwen3", corpus, extra=extra), tmp_path / "ref")
+    out = tmp_path / "results.pt"
+    run_ranks(2, train_on_rank, [("qwen3", "qwen3", corpus, 1, dict(tp=2), tmp_path / "tp2", None, 0, extra)], out)
+    assert_fp8_training_close(torch.load(out)["qwen3"], ref, "fp8 tp2 on NCCL", grad_rtol=0.2, late_rtol=3e-2)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Shard
 
 from moefold.fp8.gemm import EmulatedFp8Gemm, Fp8Scaling, ScaledMMFp8Gemm, pad_rows
 from moefold.fp8.saved import SaveInput
@@ -43,6 +44,46 @@ class _Fp8LinearFn(torch.autograd.Function):
         return grad_x_MK, grad_w_NK, None, None, None
 
 
+class PlainShards:
+    """Input, weight and output are plain tensors (no tensor parallelism)."""
+
+    def local(self, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, w
+
+    def wrap(self, y: torch.Tensor) -> torch.Tensor:
+        return y
+
+
+class TensorParallelShards(PlainShards):
+    """Under tensor parallelism (parallel/tensor.py) the input and weight arrive as DTensors: the
+    FP8 GEMMs run on the local shards, and the output becomes a DTensor again for the TP style's
+    output hook. A column-wise weight (Shard(0): this rank's output features) reads the whole,
+    replicated input, whose gradient is then partial over the TP group, and gives Shard(-1) of the
+    output; a row-wise weight (Shard(1): its input features) reads the input's matching shard and
+    gives partial sums. Scales are the shards' own (as each data rank scales its own tokens), so
+    TP is close to one process, not equal."""
+
+    def __init__(self, weight: DTensor):
+        self.mesh = weight.device_mesh
+        self.colwise = weight.placements[0] == Shard(0)
+
+    def local(self, x: DTensor, w: DTensor) -> tuple[torch.Tensor, torch.Tensor]:
+        grad_x = Partial() if self.colwise else Shard(x.ndim - 1)
+        return x.to_local(grad_placements=[grad_x]), w.to_local()
+
+    def wrap(self, y: torch.Tensor) -> DTensor:
+        out = Shard(y.ndim - 1) if self.colwise else Partial()
+        return DTensor.from_local(y, self.mesh, [out], run_check=False)
+
+
+def shard_fp8_linears(module: nn.Module) -> None:
+    """Give every Fp8Linear in `module` whose weight tensor parallelism sharded the local-shard
+    strategy (called by parallel/tensor.py after it parallelizes a module)."""
+    for m in module.modules():
+        if isinstance(m, Fp8Linear) and isinstance(m.weight, DTensor):
+            m.shards = TensorParallelShards(m.weight)
+
+
 class Fp8Linear(nn.Linear):
     """nn.Linear with FP8 GEMMs; same parameters and state dict as the nn.Linear it replaces."""
 
@@ -51,6 +92,7 @@ class Fp8Linear(nn.Linear):
                  saver: SaveInput | None = None, device=None):
         super().__init__(in_features, out_features, bias=bias, device=device)
         self.gemm, self.scaling, self.saver = gemm, scaling, saver or SaveInput()
+        self.shards: PlainShards = PlainShards()  # TensorParallelShards once TP shards the weight
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, gemm, scaling: Fp8Scaling,
@@ -64,11 +106,11 @@ class Fp8Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = compute_dtype(x)
+        x, w_NK = self.shards.local(x, self.weight)
         x_MK = x.reshape(-1, x.shape[-1]).to(dtype)
-        y_MN = _Fp8LinearFn.apply(x_MK, self.weight.to(dtype), self.gemm, self.scaling, self.saver)
-        if self.bias is not None:
-            y_MN = y_MN + self.bias.to(dtype)
-        return y_MN.view(*x.shape[:-1], self.out_features)
+        y_MN = _Fp8LinearFn.apply(x_MK, w_NK.to(dtype), self.gemm, self.scaling, self.saver)
+        y = self.shards.wrap(y_MN.view(*x.shape[:-1], w_NK.shape[0]))
+        return y if self.bias is None else y + self.bias.to(dtype)
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, fp8={self.scaling.name}, gemm={self.gemm.name}, "

@@ -42,6 +42,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from moefold.errors import ConfigError
+from moefold.fp8.linear import shard_fp8_linears
 from moefold.models.attention import Attention
 from moefold.models.mla import MLAttention
 from moefold.models.mlp import SwiGLUMLP
@@ -72,6 +73,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = Fa
             _tp_mlp(block.ffn.shared, tp_mesh, _REPLICATED_OUTPUT)  # summed with the routed output
     if sequence_parallel:
         _sequence_parallel(model, tp_mesh)
+    shard_fp8_linears(model)  # FP8 linears (precision.fp8) compute on their local shards
 
 
 # How a row-wise output projection hands its partial sums on: all-reduced into a replicated plain

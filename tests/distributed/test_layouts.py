@@ -113,7 +113,7 @@ def test_padded_expert_rows_under_ep_train_like_one_process(dispatcher, corpus, 
 ], ids=["tp2", "tp2-no-sp", "tp2-etp2-ep2"])
 def test_fp8_under_tp_trains_like_one_process(name, world, dp, parallel, corpus, tmp_path):
     """FP8 rowwise linears under TP compute on their local shards (fp8/linear.py:
-    TensorParallelShards), the experts under ETP on their hidden slices: within FP8 noise of one
+    ColumnShards, RowShards), the experts under ETP on their hidden slices: within FP8 noise of one
     process. Unlike EP, TP changes the forward's scales (wo's input rows span this rank's heads),
     so first-step gradients move like the one-process FP8 run's own under a one-ulp change of the
     embeddings (measured: experts 8%, router 7%; tp2 gave router 13%, the rest <= 6.5%; bf16 and

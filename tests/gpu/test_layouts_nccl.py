@@ -112,7 +112,7 @@ def test_fp8_experts_under_ep2_on_nccl(dispatcher, corpus, tmp_path):
 
 def test_fp8_linears_under_tp2_on_nccl(corpus, tmp_path):
     """FP8 rowwise with the CUDA kernels under tp=2 (sequence-parallel) on NCCL: each FP8 linear
-    computes on its local shard (fp8/linear.py: TensorParallelShards); within FP8 noise of one GPU
+    computes on its local shard (fp8/linear.py: ColumnShards, RowShards); within FP8 noise of one GPU
     (bounds as on gloo, tests/distributed/test_layouts.py)."""
     if GPUS < 2:
         pytest.skip("needs 2 GPUs")

@@ -54,34 +54,40 @@ class PlainShards:
         return y
 
 
-class TensorParallelShards(PlainShards):
-    """Under tensor parallelism (parallel/tensor.py) the input and weight arrive as DTensors: the
-    FP8 GEMMs run on the local shards, and the output becomes a DTensor again for the TP style's
-    output hook. A column-wise weight (Shard(0): this rank's output features) reads the whole,
-    replicated input, whose gradient is then partial over the TP group, and gives Shard(-1) of the
-    output; a row-wise weight (Shard(1): its input features) reads the input's matching shard and
-    gives partial sums. Scales are the shards' own (as each data rank scales its own tokens), so
-    TP is close to one process, not equal."""
+class ColumnShards(PlainShards):
+    """Under tensor parallelism (parallel/tensor.py) the input and weight arrive as DTensors and the
+    FP8 GEMMs run on the local shards. A column-wise weight (Shard(0): this rank's output features)
+    reads the whole, replicated input, whose gradient is then partial over the TP group, and gives
+    this rank's Shard(-1) of the output. Scales are the shards' own (as each data rank scales its
+    own tokens), so TP is close to one process, not equal."""
 
     def __init__(self, weight: DTensor):
         self.mesh = weight.device_mesh
-        self.colwise = weight.placements[0] == Shard(0)
 
     def local(self, x: DTensor, w: DTensor) -> tuple[torch.Tensor, torch.Tensor]:
-        grad_x = Partial() if self.colwise else Shard(x.ndim - 1)
-        return x.to_local(grad_placements=[grad_x]), w.to_local()
+        return x.to_local(grad_placements=[Partial()]), w.to_local()
 
     def wrap(self, y: torch.Tensor) -> DTensor:
-        out = Shard(y.ndim - 1) if self.colwise else Partial()
-        return DTensor.from_local(y, self.mesh, [out], run_check=False)
+        return DTensor.from_local(y, self.mesh, [Shard(y.ndim - 1)], run_check=False)
+
+
+class RowShards(ColumnShards):
+    """A row-wise weight (Shard(1): this rank's input features) reads the input's matching shard and
+    gives partial sums, which the TP style's output hook reduces."""
+
+    def local(self, x: DTensor, w: DTensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x.to_local(grad_placements=[Shard(x.ndim - 1)]), w.to_local()
+
+    def wrap(self, y: torch.Tensor) -> DTensor:
+        return DTensor.from_local(y, self.mesh, [Partial()], run_check=False)
 
 
 def shard_fp8_linears(module: nn.Module) -> None:
     """Give every Fp8Linear in `module` whose weight tensor parallelism sharded the local-shard
-    strategy (called by parallel/tensor.py after it parallelizes a module)."""
+    strategy of its sharding (called by parallel/tensor.py after it parallelizes the model)."""
     for m in module.modules():
         if isinstance(m, Fp8Linear) and isinstance(m.weight, DTensor):
-            m.shards = TensorParallelShards(m.weight)
+            m.shards = ColumnShards(m.weight) if m.weight.placements[0] == Shard(0) else RowShards(m.weight)
 
 
 class Fp8Linear(nn.Linear):
@@ -92,7 +98,7 @@ class Fp8Linear(nn.Linear):
                  saver: SaveInput | None = None, device=None):
         super().__init__(in_features, out_features, bias=bias, device=device)
         self.gemm, self.scaling, self.saver = gemm, scaling, saver or SaveInput()
-        self.shards: PlainShards = PlainShards()  # TensorParallelShards once TP shards the weight
+        self.shards: PlainShards = PlainShards()  # Column/RowShards once TP shards the weight
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, gemm, scaling: Fp8Scaling,

@@ -5,8 +5,8 @@ chosen once when `apply_fp8` converts a module.
 in FP8 with the forward GEMM's own activation tiles (rows for rowwise, 1x128 for blockwise, one
 scale for tensorwise) — 1 byte per element plus the scales instead of 2 — and dequantizes it for
 the backward. grad_weight then quantizes those values again with its own tiles (columns, 128x1): a
-second rounding, the price of the memory (DeepSeek-V3 caches its 1x128 FP8 activations the same
-way, §3.3). grad_input never reads the input.
+second rounding, the price of the memory (DeepSeek-V3 also caches activations in FP8 with 1x128
+tiles). grad_input never reads the input.
 """
 
 from __future__ import annotations

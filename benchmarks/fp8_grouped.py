@@ -30,10 +30,10 @@ from moefold.bench.timing import median_seconds
 from moefold.fp8.grouped import (
     ScaledGroupedMMFp8Gemm,
     TritonFp8GroupedGemm,
+    contract_operands,
     grouped_scaling,
-    quantize_group_columns,
+    rows_operands,
 )
-from moefold.fp8.recipes import quantize
 from moefold.fp8.triton_grouped import HAS_TRITON
 
 
@@ -57,23 +57,14 @@ def bf16_calls(x_RK, grad_RN, w_EKN, offsets_E) -> dict:
 
 
 def fp8_kernel_calls(x_RK, grad_RN, w_EKN, offsets_E, backend) -> dict:
-    """The backend's FP8 GEMMs on pre-quantized operands, in the layouts its quantization makes."""
+    """The backend's FP8 GEMMs on operands quantized beforehand, in the layouts its calls make."""
     s = grouped_scaling("rowwise")
-    x8, sx = quantize(x_RK, s.forward.a)
-    g8, sg = quantize(grad_RN, s.grad_input.a)
-    w8, sw = quantize(w_EKN, s.forward.b)
-    w8_fwd = w8.transpose(-2, -1).contiguous().transpose(-2, -1)  # column-major per expert
-    wt8, swt = quantize(w_EKN.transpose(-2, -1), s.grad_input.b)
-    wt8 = wt8.transpose(-2, -1).contiguous().transpose(-2, -1)
-    xc8, sxc = quantize_group_columns(x_RK, offsets_E, s.grad_weight.a)
-    gc8, sgc = quantize_group_columns(grad_RN, offsets_E, s.grad_weight.b)
-    xc8_t, gc8_t = xc8.t().contiguous(), gc8.t().contiguous().t()
-    rows, contract = backend._rows, backend._contract
-    return {
-        "forward": lambda: rows(x8, w8_fwd, sx.reshape(-1), sw.flatten(1), offsets_E),
-        "grad_input": lambda: rows(g8, wt8, sg.reshape(-1), swt.flatten(1), offsets_E),
-        "grad_weight": lambda: contract(xc8_t, gc8_t, sxc.reshape(-1), sgc.reshape(-1), offsets_E),
-    }
+    forward = rows_operands(x_RK, w_EKN, s.forward)
+    grad_input = rows_operands(grad_RN, w_EKN.transpose(-2, -1), s.grad_input)
+    grad_weight = contract_operands(x_RK, grad_RN, offsets_E, s.grad_weight)
+    return {"forward": lambda: backend._rows(*forward, offsets_E),
+            "grad_input": lambda: backend._rows(*grad_input, offsets_E),
+            "grad_weight": lambda: backend._contract(*grad_weight, offsets_E)}
 
 
 def fp8_backend_calls(x_RK, grad_RN, w_EKN, offsets_E, gemm) -> dict:

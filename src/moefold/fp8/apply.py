@@ -20,8 +20,8 @@ from moefold.config import PrecisionConfig
 from moefold.errors import ConfigError
 from moefold.fp8.gemm import build_gemm, linear_scaling
 from moefold.fp8.grouped import build_grouped_gemm, grouped_scaling
-from moefold.fp8.saved import saved_input
 from moefold.fp8.linear import Fp8Linear
+from moefold.fp8.saved import saved_input
 from moefold.moe.experts import Experts, Fp8GroupedExperts
 from moefold.moe.layer import MoELayer
 

@@ -121,24 +121,12 @@ class ScaledGroupedMMFp8Gemm(EmulatedFp8GroupedGemm):
     def grouped_mm(self, x_RK, w_EKN, offsets_E, scaling, dtype):
         if scaling.a.tile != "row":
             return super().grouped_mm(x_RK, w_EKN, offsets_E, scaling, dtype)
-        x_fp8, scale_R1 = quantize(x_RK, scaling.a)
-        w_fp8, scale_E1N = quantize(w_EKN, scaling.b)
-        w_fp8 = w_fp8.transpose(-2, -1).contiguous().transpose(-2, -1)
-        out = self._rows(x_fp8, w_fp8, scale_R1.reshape(-1), scale_E1N.flatten(1), offsets_E)
-        return cast(out, dtype)
+        return cast(self._rows(*rows_operands(x_RK, w_EKN, scaling), offsets_E), dtype)
 
     def grouped_weight_grad(self, x_RK, grad_RN, offsets_E, scaling, dtype):
         if scaling.a.tile != "col":
             return super().grouped_weight_grad(x_RK, grad_RN, offsets_E, scaling, dtype)
-        # The kernel reads x^T and grad^T with a row stride of R bytes, which must be a multiple
-        # of 16 (as quantize_group_columns' chunks): zero rows past the last offset (never read)
-        # pad R up to it.
-        x_RK, grad_RN = pad_rows(x_RK, COLUMN_CHUNK), pad_rows(grad_RN, COLUMN_CHUNK)
-        x_fp8, scale_EK = quantize_group_columns(x_RK, offsets_E, scaling.a)
-        g_fp8, scale_EN = quantize_group_columns(grad_RN, offsets_E, scaling.b)
-        out = self._contract(x_fp8.t().contiguous(), g_fp8.t().contiguous().t(),
-                             scale_EK.reshape(-1), scale_EN.reshape(-1), offsets_E)
-        return cast(out, dtype)
+        return cast(self._contract(*contract_operands(x_RK, grad_RN, offsets_E, scaling), offsets_E), dtype)
 
     @staticmethod
     def _rows(a_RK, b_EKN, sa_R, sb_EN, offsets_E):
@@ -173,6 +161,26 @@ class TritonFp8GroupedGemm(ScaledGroupedMMFp8Gemm):
     def _contract(a_MR, b_RN, sa_EM, sb_EN, offsets_E):
         return torch.ops.moefold.fp8_grouped_mm_contract(a_MR, b_RN, sa_EM.contiguous(), sb_EN.contiguous(),
                                                          offsets_E)
+
+
+def rows_operands(x_RK, w_EKN, scaling: GemmScaling):
+    """FP8 operands and fp32 scales of a rows-grouped GEMM (forward, grad_input) in the layout the
+    kernels read: x row-major, each expert's w column-major; scales [R] and [E, N]."""
+    x_fp8, scale_R1 = quantize(x_RK, scaling.a)
+    w_fp8, scale_E1N = quantize(w_EKN, scaling.b)
+    w_fp8 = w_fp8.transpose(-2, -1).contiguous().transpose(-2, -1)
+    return x_fp8, w_fp8, scale_R1.reshape(-1), scale_E1N.flatten(1)
+
+
+def contract_operands(x_RK, grad_RN, offsets_E, scaling: GemmScaling):
+    """FP8 operands and fp32 scales of the weight gradient (contraction over each expert's rows):
+    x^T row-major, grad column-major, per-group column scales [E·K] and [E·N]. The kernels read x^T
+    and grad^T with a row stride of R bytes, which must be a multiple of 16 (as
+    quantize_group_columns' chunks): zero rows past the last offset (never read) pad R up to it."""
+    x_RK, grad_RN = pad_rows(x_RK, COLUMN_CHUNK), pad_rows(grad_RN, COLUMN_CHUNK)
+    x_fp8, scale_EK = quantize_group_columns(x_RK, offsets_E, scaling.a)
+    g_fp8, scale_EN = quantize_group_columns(grad_RN, offsets_E, scaling.b)
+    return x_fp8.t().contiguous(), g_fp8.t().contiguous().t(), scale_EK.reshape(-1), scale_EN.reshape(-1)
 
 
 def build_grouped_gemm(device_type: str, kernel: str = "cutlass") -> EmulatedFp8GroupedGemm:

@@ -3,9 +3,10 @@
 Systems (../shared/design/PEERS.md): TorchTitan 0.2.2 eager, compiled by its own `apply_compile`
 and compiled per whole block (model classes built directly, `init_weights` under no_grad), Hugging
 Face transformers with grouped_mm experts, and moefold eager, with `train.compile`, and compiled
-with the precision-aware optimizer ("lean", MOEFOLD_SYSTEMS) (the Trainer's own step, as `moefold
-bench` runs it). Every system but "lean" trains with bf16 autocast over fp32 weights, fused AdamW, grad-norm clipping at 1.0, micro-batch 4 ×
-sequence 4096 of uniform random tokens, dropless routing with force-balancing off. Throughput is by
+with the precision-aware optimizer ("lean", MOEFOLD_SYSTEMS), each the Trainer's own step as
+`moefold bench` runs it. Every system trains with bf16 autocast, grad-norm clipping at 1.0,
+micro-batch 4 × sequence 4096 of uniform random tokens, dropless routing with force-balancing off;
+all but "lean" over fp32 weights with fused AdamW. Throughput is by
 one FLOP count for all: `moefold.train.flops.train_flops_per_token` of the moefold model of the same
 shape (Megatron's convention); each peer's parameter count is printed beside moefold's to show the
 shapes agree. A library that does not import gives a "skipped: ... not installed" row.

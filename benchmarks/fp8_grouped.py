@@ -85,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dim", type=int, default=2048)
     p.add_argument("--hidden", type=int, default=768, help="one projection's width (w1, w3 or w2's input)")
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--sweep", action="store_true",
+                   help="also time the Triton kernels over candidate tile configurations")
     args = p.parse_args(argv)
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
         print("fp8_grouped.py: needs a CUDA GPU with FP8 grouped GEMMs (sm90 or newer)", file=sys.stderr)
@@ -107,7 +109,38 @@ def main(argv: list[str] | None = None) -> int:
     for kind in ("forward", "grad_input", "grad_weight"):
         ms = [1e3 * median_seconds(v[kind], device, repeats=args.repeats) for v in variants.values()]
         print(f"{kind:12s} " + " ".join(f"{m:8.3f} ({flop / m / 1e9:5.0f})" for m in ms))
+    if args.sweep and HAS_TRITON:
+        sweep_tiles(tensors, flop, device, args.repeats)
     return 0
+
+
+TILE_CANDIDATES = [dict(BM=bm, BN=bn, BK=bk, num_warps=w, num_stages=s)
+                   for bm, bn, bk, w, s in [(128, 128, 128, 8, 4), (128, 128, 128, 4, 4), (128, 256, 128, 8, 3),
+                                            (256, 128, 128, 8, 3), (64, 128, 128, 4, 4), (128, 64, 128, 4, 4),
+                                            (128, 128, 64, 4, 5), (128, 128, 64, 8, 6), (64, 256, 128, 8, 3)]]
+
+
+def sweep_tiles(tensors, flop: float, device: torch.device, repeats: int) -> None:
+    """Each candidate tile configuration of the Triton kernels, kernel-only, one line per config."""
+    from moefold.fp8 import triton_grouped
+
+    calls = fp8_kernel_calls(*tensors, TritonFp8GroupedGemm())
+    tables = triton_grouped.ROWS_TILES, triton_grouped.WIDE_ROWS_TILES, triton_grouped.CONTRACT_TILES
+    saved = [dict(t) for t in tables]
+    print("\nTriton tiles (BM, BN, BK, warps, stages): forward, grad_input, grad_weight ms (TFLOP/s)")
+    for tiles in TILE_CANDIDATES:
+        for table in tables:
+            table.update(tiles)
+        cells = []
+        for kind in ("forward", "grad_input", "grad_weight"):
+            try:
+                m = 1e3 * median_seconds(calls[kind], device, repeats=repeats)
+                cells.append(f"{m:8.3f} ({flop / m / 1e9:5.0f})")
+            except Exception as e:  # a config over the shared-memory limit: say so, go on
+                cells.append(f"{type(e).__name__:>16s}")
+        print(f"{tuple(tiles.values())!s:28s} " + " ".join(cells))
+    for table, before in zip(tables, saved):
+        table.update(before)
 
 
 if __name__ == "__main__":

@@ -36,21 +36,22 @@ import torch
 from moefold.fp8.grouped import EmulatedFp8GroupedGemm, TritonFp8GroupedGemm, fp8_grouped_mm, grouped_scaling
 torch.manual_seed(0)
 sizes = [32, 0, 160, 16, 48]
-E, K, N = len(sizes), 256, 128
-R = sum(sizes) + 21  # rows past the last group
-offsets_E = torch.tensor(sizes).cumsum(0).to(torch.int32)
-x = torch.randn(R, K, dtype=torch.bfloat16)
-w = torch.randn(E, K, N, dtype=torch.bfloat16) * 0.02
-gy = torch.randn(R, N, dtype=torch.bfloat16)
-results = []
-for gemm in (TritonFp8GroupedGemm(), EmulatedFp8GroupedGemm()):
-    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
-    y = fp8_grouped_mm(xr, wr, offsets_E, gemm, grouped_scaling("rowwise"))
-    y.backward(gy)
-    results.append((y.detach()[:sum(sizes)], xr.grad[:sum(sizes)], wr.grad))
-for name, out, ref in zip(("forward", "grad_input", "grad_weight"), *results):
-    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-    assert err < 2 ** -7, (name, err)  # the same FP8 operands; bf16 output rounding apart
+for N in (128, 1024):  # narrow and wide output tiles (triton_grouped.rows_tiles)
+    E, K = len(sizes), 256
+    R = sum(sizes) + 21  # rows past the last group
+    offsets_E = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    x = torch.randn(R, K, dtype=torch.bfloat16)
+    w = torch.randn(E, K, N, dtype=torch.bfloat16) * 0.02
+    gy = torch.randn(R, N, dtype=torch.bfloat16)
+    results = []
+    for gemm in (TritonFp8GroupedGemm(), EmulatedFp8GroupedGemm()):
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = fp8_grouped_mm(xr, wr, offsets_E, gemm, grouped_scaling("rowwise"))
+        y.backward(gy)
+        results.append((y.detach()[:sum(sizes)], xr.grad[:sum(sizes)], wr.grad))
+    for name, out, ref in zip(("forward", "grad_input", "grad_weight"), *results):
+        err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+        assert err < 2 ** -7, (N, name, err)  # the same FP8 operands; bf16 output rounding apart
 print("ok")
 """
 

@@ -35,8 +35,21 @@ except ImportError:  # CPU-only installs
     triton = None
 HAS_TRITON = triton is not None
 
-ROWS_TILES = {"BM": 128, "BN": 128, "BK": 128, "num_warps": 8, "num_stages": 4}
+ROW_MULTIPLE = 16
+"""Every group's row count is a multiple of this (fp8/grouped.py's COLUMN_CHUNK, the MoE layer's
+padding under FP8): the contraction kernel's loads along rows rely on it."""
+
+# Tiles measured on the H200 at the Qwen3-30B-A3B and DeepSeek-V2-Lite expert shapes
+# (benchmarks/fp8_grouped.py --sweep, docs/benchmarks.md): 128x256 tiles win for wide outputs,
+# 128x128 with 4 warps for narrow ones.
+WIDE_ROWS_TILES = {"BM": 128, "BN": 256, "BK": 128, "num_warps": 8, "num_stages": 3}
+ROWS_TILES = {"BM": 128, "BN": 128, "BK": 128, "num_warps": 4, "num_stages": 4}
+WIDE_N = 1024
 CONTRACT_TILES = {"BM": 128, "BN": 128, "BK": 128, "num_warps": 8, "num_stages": 4}
+
+
+def rows_tiles(N: int) -> dict:
+    return WIDE_ROWS_TILES if N >= WIDE_N else ROWS_TILES
 
 
 def _row_tile_ends(offsets_E: torch.Tensor, bm: int) -> torch.Tensor:
@@ -95,9 +108,12 @@ if HAS_TRITON:
     @triton.jit
     def _contract_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, out_ptr, offsets_ptr, M, N,
                          stride_am, stride_ar, stride_br, stride_bn, stride_oe, stride_om, stride_on,
-                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                         ROW_MULTIPLE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                         BK: tl.constexpr):
         e, pid_m, pid_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        row_start = tl.load(offsets_ptr + e - 1, mask=e > 0, other=0)
+        # Group starts are multiples of 16 rows (the FP8 layer's padding): said here, the loads
+        # along the contraction are 16-byte vectors instead of single bytes.
+        row_start = tl.multiple_of(tl.load(offsets_ptr + e - 1, mask=e > 0, other=0), ROW_MULTIPLE)
         row_end = tl.load(offsets_ptr + e)
         ms_M = pid_m * BM + tl.arange(0, BM)
         ns_N = pid_n * BN + tl.arange(0, BN)
@@ -124,7 +140,7 @@ if HAS_TRITON:
                             sb_EN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
         """bf16 out_RN: groups along the rows (forward and grad_input); rows past the end are 0."""
         (R, K), (E, _, N) = a_RK.shape, b_EKN.shape
-        t = ROWS_TILES
+        t = rows_tiles(N)
         out_RN = torch.zeros(R, N, device=a_RK.device, dtype=torch.bfloat16)
         tile_ends_E = _row_tile_ends(offsets_E, t["BM"])
         grid = (triton.cdiv(R, t["BM"]) + E, triton.cdiv(N, t["BN"]))
@@ -145,5 +161,5 @@ if HAS_TRITON:
         wrap_triton(_contract_kernel)[grid](
             a_MR, b_RN, sa_EM, sb_EN, out_EMN, offsets_E, M, N,
             a_MR.stride(0), a_MR.stride(1), b_RN.stride(0), b_RN.stride(1),
-            out_EMN.stride(0), out_EMN.stride(1), out_EMN.stride(2), **t)
+            out_EMN.stride(0), out_EMN.stride(1), out_EMN.stride(2), ROW_MULTIPLE=ROW_MULTIPLE, **t)
         return out_EMN

@@ -321,6 +321,10 @@ class PrecisionConfig:
     fp8_grouped_gemm: str = "cutlass"
     """The routed experts' FP8 grouped GEMM on CUDA: cutlass (torch._scaled_grouped_mm) or triton
     (moefold's kernels, fp8/triton_grouped.py). Elsewhere the emulation runs either way."""
+    fp8_weight_grad: str = "fp8"
+    """The weight-gradient GEMMs (grad_y^T x) of the FP8 modules: fp8 (the recipe's scaling) or bf16
+    (unquantized, in the compute dtype; torchao's rowwise_with_gw_hp). Forward and grad_input stay
+    FP8 either way."""
     fp8_saved_activations: bool = False
     """Keep the FP8 GEMMs' inputs for backward in FP8 (the forward's own tiles, 1 byte per element
     plus scales) instead of the compute dtype; the weight gradient then rounds them twice."""
@@ -646,6 +650,7 @@ def _validate_precision(cfg: Config) -> None:
     p = cfg.precision
     _one_of("precision.fp8", p.fp8, FP8_RECIPES)
     _one_of("precision.fp8_grouped_gemm", p.fp8_grouped_gemm, ("cutlass", "triton"))
+    _one_of("precision.fp8_weight_grad", p.fp8_weight_grad, ("fp8", "bf16"))
     _non_negative(cfg, "precision.fp8_bf16_first_layers", "precision.fp8_bf16_last_layers")
     for pattern in p.fp8_exclude:
         _require(bool(pattern.strip()), f"precision.fp8_exclude={p.fp8_exclude} has an empty pattern; "

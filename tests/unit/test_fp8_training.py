@@ -16,8 +16,13 @@ from moefold.cli import main
 from moefold.config import load_config
 from moefold.errors import ConfigError
 from moefold.fp8.apply import apply_fp8
-from moefold.fp8.gemm import EmulatedFp8Gemm, linear_scaling, pad_rows
-from moefold.fp8.grouped import EmulatedFp8GroupedGemm, fp8_grouped_mm, grouped_scaling
+from moefold.fp8.gemm import EmulatedFp8Gemm, HighPrecisionWeightGrad, linear_scaling, pad_rows
+from moefold.fp8.grouped import (
+    EmulatedFp8GroupedGemm,
+    HighPrecisionGroupedWeightGrad,
+    fp8_grouped_mm,
+    grouped_scaling,
+)
 from moefold.fp8.linear import Fp8Linear
 from moefold.fp8.recipes import E4M3, E5M2, fake_quant
 from moefold.fp8.saved import SaveFp8Input, SaveInput
@@ -208,6 +213,7 @@ def test_apply_fp8_off_changes_nothing_and_bad_pattern_is_one_line():
 @pytest.mark.parametrize("overrides,message", [
     ({"precision.fp8": "fp4"}, "precision.fp8='fp4' is not one of off, tensorwise, rowwise, blockwise"),
     ({"precision.fp8_grouped_gemm": "cublas"}, "precision.fp8_grouped_gemm='cublas' is not one of cutlass, triton"),
+    ({"precision.fp8_weight_grad": "fp16"}, "precision.fp8_weight_grad='fp16' is not one of fp8, bf16"),
     ({"precision.fp8": "rowwise", "memory.recompute": '["moe_act"]'}, "'moe_act' in memory.recompute"),
     ({"precision.fp8_bf16_last_layers": -1}, "precision.fp8_bf16_last_layers=-1 must be >= 0"),
 ])
@@ -349,5 +355,62 @@ def test_tiny_models_train_with_fp8_saved_activations(preset, overrides):
     """Rowwise FP8 with FP8-saved inputs learns like fp32, by the same 8% rule as without."""
     ref = train_losses(preset, overrides, "off")
     losses = train_losses(preset, {**overrides, "precision.fp8_saved_activations": "true"}, "rowwise")
+    ref_tail, tail = sum(ref[-10:]) / 10, sum(losses[-10:]) / 10
+    assert abs(tail - ref_tail) / ref_tail < 0.08, (tail, ref_tail)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_bf16_weight_grad_linear(recipe):
+    """precision.fp8_weight_grad=bf16: forward and grad_input are the FP8 backend's, bit for bit;
+    grad_weight is grad_y^T x unquantized (fp64 reference), not the FP8 one."""
+    M, K, N = 200, 256, 128
+    base = nn.Linear(K, N, bias=False)
+    x, gy = rand((M, K), 0), rand((M, N), 2)
+    out = {}
+    for gemm in (EmulatedFp8Gemm(), HighPrecisionWeightGrad(EmulatedFp8Gemm())):
+        lin = Fp8Linear.from_linear(base, gemm, linear_scaling(recipe))
+        xr = x.clone().requires_grad_()
+        base.weight.grad = None
+        y = lin(xr)
+        y.backward(gy)
+        out[gemm.name] = (y.detach(), xr.grad, base.weight.grad.clone())
+    (y, gx, gw_fp8), (y_hp, gx_hp, gw_hp) = out["emulated"], out["emulated, bf16 grad_weight"]
+    assert torch.equal(y_hp, y) and torch.equal(gx_hp, gx)
+    assert_close64(gw_hp, gy.double().t() @ x.double())
+    assert not torch.allclose(gw_hp, gw_fp8, rtol=1e-3, atol=0)
+
+
+def test_bf16_weight_grad_experts():
+    """The experts' form: FP8 forward and grad_input unchanged, each expert's weight gradient its
+    rows' x_e^T gy_e unquantized (per-expert loop in fp64; an empty expert's is zero)."""
+    sizes, K, N = [32, 0, 48, 16], 128, 64
+    offsets_E = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    x, w = rand((sum(sizes) + 5, K), 2), 0.05 * rand((4, K, N), 3, outliers=False)
+    gy = torch.cat([rand((sum(sizes), N), 4), torch.zeros(5, N)])
+    results = []
+    for gemm in (EmulatedFp8GroupedGemm(), HighPrecisionGroupedWeightGrad(EmulatedFp8GroupedGemm())):
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = fp8_grouped_mm(xr, wr, offsets_E, gemm, grouped_scaling("rowwise"))
+        y.backward(gy)
+        results.append((y.detach(), xr.grad, wr.grad))
+    (y, gx, gw_fp8), (y_hp, gx_hp, gw_hp) = results
+    rows = sum(sizes)
+    assert torch.equal(y_hp[:rows], y[:rows]) and torch.equal(gx_hp[:rows], gx[:rows])
+    starts = [0, *torch.tensor(sizes).cumsum(0).tolist()]
+    ref = torch.stack([x[a:b].double().t() @ gy[a:b].double() for a, b in zip(starts, starts[1:])])
+    assert_close64(gw_hp, ref)
+    assert not torch.allclose(gw_hp, gw_fp8, rtol=1e-3, atol=0)
+
+
+@pytest.mark.parametrize("preset,overrides", [("tiny-qwen3", QWEN3), ("tiny-deepseek", DEEPSEEK)])
+def test_tiny_models_train_with_bf16_weight_grad(preset, overrides):
+    """apply_fp8 builds the high-precision weight-gradient backends, and the model learns like fp32
+    by the same 8% rule."""
+    cfg, model = built(preset, {**overrides, "precision.fp8_weight_grad": "bf16"}, "rowwise")
+    apply_fp8(model, cfg.precision, "cpu")
+    gemms = {type(m.gemm) for m in model.modules() if isinstance(m, (Fp8Linear, Fp8GroupedExperts))}
+    assert gemms == {HighPrecisionWeightGrad, HighPrecisionGroupedWeightGrad}
+    ref = train_losses(preset, overrides, "off")
+    losses = train_losses(preset, {**overrides, "precision.fp8_weight_grad": "bf16"}, "rowwise")
     ref_tail, tail = sum(ref[-10:]) / 10, sum(losses[-10:]) / 10
     assert abs(tail - ref_tail) / ref_tail < 0.08, (tail, ref_tail)

@@ -76,7 +76,24 @@ def pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
     return x if extra == 0 else torch.cat([x, x.new_zeros(extra, *x.shape[1:])])
 
 
-class EmulatedFp8Gemm:
+class Fp8GemmBase:
+    """What every linear backend shares: the weight gradient as one more FP8 GEMM."""
+
+    name = "base"
+
+    def mm(self, a_MK: torch.Tensor, b_KN: torch.Tensor, scaling: GemmScaling,
+           dtype: torch.dtype) -> torch.Tensor:
+        raise NotImplementedError
+
+    def weight_grad(self, grad_MN: torch.Tensor, x_MK: torch.Tensor, scaling: Fp8Scaling,
+                    dtype: torch.dtype) -> torch.Tensor:
+        """grad_W_NK = grad_y^T x: the contraction runs over tokens, padded with zero rows to the
+        kernels' alignment."""
+        m = scaling.row_multiple
+        return self.mm(pad_rows(grad_MN, m).t(), pad_rows(x_MK, m), scaling.grad_weight, dtype)
+
+
+class EmulatedFp8Gemm(Fp8GemmBase):
     """quantize → dequantize → matmul in the compute dtype (recipes.py); runs on any device."""
 
     name = "emulated"
@@ -86,7 +103,7 @@ class EmulatedFp8Gemm:
         return fake_quant(a_MK, scaling.a, dtype) @ fake_quant(b_KN, scaling.b, dtype)
 
 
-class ScaledMMFp8Gemm:
+class ScaledMMFp8Gemm(Fp8GemmBase):
     """cuBLAS FP8 GEMMs: `torch._scaled_mm` for tensorwise/rowwise scales, `F.scaled_mm` with
     DeepSeek blockwise scales (cuBLAS ≥ 12.9 on sm90). Not run in CI: tests/gpu/test_fp8_gpu.py
     compares it with EmulatedFp8Gemm.
@@ -132,6 +149,25 @@ class ScaledMMFp8Gemm:
                            output_dtype=torch.bfloat16)
 
 
-def build_gemm(device_type: str) -> EmulatedFp8Gemm | ScaledMMFp8Gemm:
-    """The FP8 GEMM backend for a device: cuBLAS on CUDA, the emulation elsewhere."""
-    return ScaledMMFp8Gemm() if device_type == "cuda" else EmulatedFp8Gemm()
+class HighPrecisionWeightGrad(Fp8GemmBase):
+    """`precision.fp8_weight_grad=bf16`: forward and grad_input through `inner` in FP8, the weight
+    gradient unquantized in the compute dtype (torchao's "rowwise_with_gw_hp"). The weight gradient
+    is the GEMM most sensitive to FP8 and, for the routed experts, the costliest to quantize (per
+    column within each expert's rows, two transposed operands)."""
+
+    def __init__(self, inner: Fp8GemmBase):
+        self.inner = inner
+        self.name = f"{inner.name}, bf16 grad_weight"
+
+    def mm(self, a_MK, b_KN, scaling, dtype):
+        return self.inner.mm(a_MK, b_KN, scaling, dtype)
+
+    def weight_grad(self, grad_MN, x_MK, scaling, dtype):
+        return cast(grad_MN.t() @ x_MK, dtype)
+
+
+def build_gemm(device_type: str, weight_grad: str = "fp8") -> Fp8GemmBase:
+    """The FP8 GEMM backend for a device: cuBLAS on CUDA, the emulation elsewhere; the weight
+    gradient in FP8 or in the compute dtype (`precision.fp8_weight_grad`)."""
+    gemm = ScaledMMFp8Gemm() if device_type == "cuda" else EmulatedFp8Gemm()
+    return HighPrecisionWeightGrad(gemm) if weight_grad == "bf16" else gemm

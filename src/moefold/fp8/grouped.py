@@ -183,11 +183,30 @@ def contract_operands(x_RK, grad_RN, offsets_E, scaling: GemmScaling):
     return x_fp8.t().contiguous(), g_fp8.t().contiguous().t(), scale_EK.reshape(-1), scale_EN.reshape(-1)
 
 
-def build_grouped_gemm(device_type: str, kernel: str = "cutlass") -> EmulatedFp8GroupedGemm:
-    """The backend for `precision.fp8_grouped_gemm` on this device: the emulation off CUDA."""
+class HighPrecisionGroupedWeightGrad:
+    """`precision.fp8_weight_grad=bf16` for the experts: forward and grad_input through `inner` in
+    FP8, each expert's weight gradient a plain `torch._grouped_mm` in the compute dtype — no
+    per-group column scaling, no transposed FP8 copies of x and grad."""
+
+    def __init__(self, inner: EmulatedFp8GroupedGemm):
+        self.inner = inner
+        self.name = f"{inner.name}, bf16 grad_weight"
+
+    def grouped_mm(self, x_RK, w_EKN, offsets_E, scaling, dtype):
+        return self.inner.grouped_mm(x_RK, w_EKN, offsets_E, scaling, dtype)
+
+    def grouped_weight_grad(self, x_RK, grad_RN, offsets_E, scaling, dtype):
+        return cast(grouped_mm(x_RK.t(), grad_RN, offsets_E), dtype)
+
+
+def build_grouped_gemm(device_type: str, kernel: str = "cutlass", weight_grad: str = "fp8"):
+    """The backend for `precision.fp8_grouped_gemm` on this device (the emulation off CUDA), its
+    weight gradient as `precision.fp8_weight_grad` says."""
     if device_type != "cuda":
-        return EmulatedFp8GroupedGemm()
-    return TritonFp8GroupedGemm() if kernel == "triton" else ScaledGroupedMMFp8Gemm()
+        gemm = EmulatedFp8GroupedGemm()
+    else:
+        gemm = TritonFp8GroupedGemm() if kernel == "triton" else ScaledGroupedMMFp8Gemm()
+    return HighPrecisionGroupedWeightGrad(gemm) if weight_grad == "bf16" else gemm
 
 
 class _Fp8GroupedMMFn(torch.autograd.Function):
@@ -223,6 +242,7 @@ def fp8_grouped_mm(x_RK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Ten
 
 __all__ = [
     "EmulatedFp8GroupedGemm",
+    "HighPrecisionGroupedWeightGrad",
     "ScaledGroupedMMFp8Gemm",
     "TritonFp8GroupedGemm",
     "build_grouped_gemm",

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Shard
 
-from moefold.fp8.gemm import EmulatedFp8Gemm, Fp8Scaling, ScaledMMFp8Gemm, pad_rows
+from moefold.fp8.gemm import Fp8GemmBase, Fp8Scaling
 from moefold.fp8.saved import SaveInput
 from moefold.moe.experts import compute_dtype
 
@@ -37,10 +37,7 @@ class _Fp8LinearFn(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x_MK = gemm.mm(grad_MN, w_NK, scaling.grad_input, x_MK.dtype)
         if ctx.needs_input_grad[1]:
-            # The contraction runs over tokens: zero rows pad M to the kernels' alignment.
-            m = scaling.row_multiple
-            grad_w_NK = gemm.mm(pad_rows(grad_MN, m).t(), pad_rows(x_MK, m), scaling.grad_weight,
-                                w_NK.dtype)
+            grad_w_NK = gemm.weight_grad(grad_MN, x_MK, scaling, w_NK.dtype)
         return grad_x_MK, grad_w_NK, None, None, None
 
 
@@ -94,7 +91,7 @@ class Fp8Linear(nn.Linear):
     """nn.Linear with FP8 GEMMs; same parameters and state dict as the nn.Linear it replaces."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool,
-                 gemm: EmulatedFp8Gemm | ScaledMMFp8Gemm, scaling: Fp8Scaling,
+                 gemm: Fp8GemmBase, scaling: Fp8Scaling,
                  saver: SaveInput | None = None, device=None):
         super().__init__(in_features, out_features, bias=bias, device=device)
         self.gemm, self.scaling, self.saver = gemm, scaling, saver or SaveInput()

@@ -102,6 +102,8 @@ def test_profile_writes_a_trace_and_a_breakdown(tmp_path, capsys):
     ("Memcpy DtoD (Device -> Device)", "other"),
     ("triton_poi_fused__scaled_grouped_mm__to_copy_clamp_clone_div_expand_floor_divide_gt_3", "other"),
     ("triton_tem_fused_mm_0", "gemm"),
+    ("_fp8_grouped_gemm_rows", "gemm"),  # moefold's Triton GEMMs (fp8/triton_grouped.py)
+    ("_fp8_grouped_gemm_contract", "gemm"),
     ("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", "comm"),
     ("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "comm"),
 ])

@@ -75,7 +75,7 @@ if HAS_TRITON:
         return lo
 
     @triton.jit
-    def _rows_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, out_ptr, offsets_ptr, tile_ends_ptr, N, K, E,
+    def _fp8_grouped_gemm_rows(a_ptr, b_ptr, sa_ptr, sb_ptr, out_ptr, offsets_ptr, tile_ends_ptr, N, K, E,
                      stride_ar, stride_ak, stride_be, stride_bk, stride_bn, stride_or, stride_on,
                      SEARCH_STEPS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
@@ -106,7 +106,7 @@ if HAS_TRITON:
         tl.store(out_ptrs, out_MN, mask=in_rows_M[:, None] & in_cols_N[None, :])
 
     @triton.jit
-    def _contract_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, out_ptr, offsets_ptr, M, N,
+    def _fp8_grouped_gemm_contract(a_ptr, b_ptr, sa_ptr, sb_ptr, out_ptr, offsets_ptr, M, N,
                          stride_am, stride_ar, stride_br, stride_bn, stride_oe, stride_om, stride_on,
                          ROW_MULTIPLE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                          BK: tl.constexpr):
@@ -144,7 +144,7 @@ if HAS_TRITON:
         out_RN = torch.zeros(R, N, device=a_RK.device, dtype=torch.bfloat16)
         tile_ends_E = _row_tile_ends(offsets_E, t["BM"])
         grid = (triton.cdiv(R, t["BM"]) + E, triton.cdiv(N, t["BN"]))
-        wrap_triton(_rows_kernel)[grid](
+        wrap_triton(_fp8_grouped_gemm_rows)[grid](
             a_RK, b_EKN, sa_R, sb_EN, out_RN, offsets_E, tile_ends_E, N, K, E,
             a_RK.stride(0), a_RK.stride(1), b_EKN.stride(0), b_EKN.stride(1), b_EKN.stride(2),
             out_RN.stride(0), out_RN.stride(1), SEARCH_STEPS=E.bit_length(), **t)
@@ -158,7 +158,7 @@ if HAS_TRITON:
         t = CONTRACT_TILES
         out_EMN = torch.empty(E, M, N, device=a_MR.device, dtype=torch.bfloat16)
         grid = (E, triton.cdiv(M, t["BM"]), triton.cdiv(N, t["BN"]))
-        wrap_triton(_contract_kernel)[grid](
+        wrap_triton(_fp8_grouped_gemm_contract)[grid](
             a_MR, b_RN, sa_EM, sb_EN, out_EMN, offsets_E, M, N,
             a_MR.stride(0), a_MR.stride(1), b_RN.stride(0), b_RN.stride(1),
             out_EMN.stride(0), out_EMN.stride(1), out_EMN.stride(2), ROW_MULTIPLE=ROW_MULTIPLE, **t)

@@ -111,19 +111,22 @@ if HAS_TRITON:
                          ROW_MULTIPLE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                          BK: tl.constexpr):
         e, pid_m, pid_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        # Group starts are multiples of 16 rows (the FP8 layer's padding): said here, the loads
-        # along the contraction are 16-byte vectors instead of single bytes.
+        # Group bounds are multiples of 16 rows (the FP8 layer's padding). Said to the compiler,
+        # the row masks are constant over 16 rows, so the loads along the contraction can be
+        # 16-byte vectors.
         row_start = tl.multiple_of(tl.load(offsets_ptr + e - 1, mask=e > 0, other=0), ROW_MULTIPLE)
-        row_end = tl.load(offsets_ptr + e)
+        row_end = tl.multiple_of(tl.load(offsets_ptr + e), ROW_MULTIPLE)
         ms_M = pid_m * BM + tl.arange(0, BM)
         ns_N = pid_n * BN + tl.arange(0, BN)
-        rs_K = row_start + tl.arange(0, BK)
+        rs_K = tl.arange(0, BK)  # rows within the current K step, from row_start
         in_m, in_n = ms_M < M, ns_N < N
-        a_ptrs = a_ptr + ms_M[:, None].to(tl.int64) * stride_am + rs_K[None, :].to(tl.int64) * stride_ar
-        b_ptrs = b_ptr + rs_K[:, None].to(tl.int64) * stride_br + ns_N[None, :].to(tl.int64) * stride_bn
+        a_ptrs = (a_ptr + row_start.to(tl.int64) * stride_ar + ms_M[:, None].to(tl.int64) * stride_am
+                  + rs_K[None, :] * stride_ar)
+        b_ptrs = (b_ptr + row_start.to(tl.int64) * stride_br + ns_N[None, :].to(tl.int64) * stride_bn
+                  + rs_K[:, None] * stride_br)
         acc_MN = tl.zeros((BM, BN), dtype=tl.float32)
         for k in range(0, tl.cdiv(row_end - row_start, BK)):
-            in_r = rs_K + k * BK < row_end
+            in_r = row_start + k * BK + rs_K < row_end
             a = tl.load(a_ptrs, mask=in_m[:, None] & in_r[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=in_r[:, None] & in_n[None, :], other=0.0)
             acc_MN = tl.dot(a, b, acc_MN)

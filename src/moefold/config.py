@@ -318,9 +318,10 @@ class PrecisionConfig:
     """Keep the first N blocks in high precision."""
     fp8_bf16_last_layers: int = 0
     """Keep the last N blocks of the main stack in high precision (MTP blocks follow fp8_exclude)."""
-    fp8_grouped_gemm: str = "cutlass"
-    """The routed experts' FP8 grouped GEMM on CUDA: cutlass (torch._scaled_grouped_mm) or triton
-    (moefold's kernels, fp8/triton_grouped.py). Elsewhere the emulation runs either way."""
+    fp8_grouped_gemm: str = "triton"
+    """The routed experts' FP8 grouped GEMM on CUDA: triton (moefold's kernels, fp8/triton_grouped.py;
+    faster on the H200) or cutlass (torch._scaled_grouped_mm). Elsewhere the emulation runs either
+    way."""
     fp8_weight_grad: str = "fp8"
     """The weight-gradient GEMMs (grad_y^T x) of the FP8 modules: fp8 (the recipe's scaling) or bf16
     (unquantized, in the compute dtype; torchao's rowwise_with_gw_hp). Forward and grad_input stay

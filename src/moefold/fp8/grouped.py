@@ -199,7 +199,7 @@ class HighPrecisionGroupedWeightGrad:
         return cast(grouped_mm(x_RK.t(), grad_RN, offsets_E), dtype)
 
 
-def build_grouped_gemm(device_type: str, kernel: str = "cutlass", weight_grad: str = "fp8"):
+def build_grouped_gemm(device_type: str, kernel: str = "triton", weight_grad: str = "fp8"):
     """The backend for `precision.fp8_grouped_gemm` on this device (the emulation off CUDA), its
     weight gradient as `precision.fp8_weight_grad` says."""
     if device_type != "cuda":

@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-TILE_CANDIDATES = [dict(BM=bm, BN=bn, BK=bk, num_warps=w, num_stages=s)
+TILE_CANDIDATES = [{"BM": bm, "BN": bn, "BK": bk, "num_warps": w, "num_stages": s}
                    for bm, bn, bk, w, s in [(128, 128, 128, 8, 4), (128, 128, 128, 4, 4), (128, 256, 128, 8, 3),
                                             (256, 128, 128, 8, 3), (64, 128, 128, 4, 4), (128, 64, 128, 4, 4),
                                             (128, 128, 64, 4, 5), (128, 128, 64, 8, 6), (64, 256, 128, 8, 3)]]
@@ -122,6 +122,8 @@ TILE_CANDIDATES = [dict(BM=bm, BN=bn, BK=bk, num_warps=w, num_stages=s)
 
 def sweep_tiles(tensors, flop: float, device: torch.device, repeats: int) -> None:
     """Each candidate tile configuration of the Triton kernels, kernel-only, one line per config."""
+    from triton.runtime.errors import OutOfResources
+
     from moefold.fp8 import triton_grouped
 
     calls = fp8_kernel_calls(*tensors, TritonFp8GroupedGemm())
@@ -136,7 +138,7 @@ def sweep_tiles(tensors, flop: float, device: torch.device, repeats: int) -> Non
             try:
                 m = 1e3 * median_seconds(calls[kind], device, repeats=repeats)
                 cells.append(f"{m:8.3f} ({flop / m / 1e9:5.0f})")
-            except Exception as e:  # a config over the shared-memory limit: say so, go on
+            except (OutOfResources, RuntimeError) as e:  # over the shared-memory limit: say so, go on
                 cells.append(f"{type(e).__name__:>16s}")
         print(f"{tuple(tiles.values())!s:28s} " + " ".join(cells))
     for table, before in zip(tables, saved):

@@ -74,7 +74,7 @@ def test_scaled_grouped_mm_matches_emulation_forward_backward(recipe, kernel):
     w = torch.randn(E, K, N, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02
     gy = torch.randn(R, N, device="cuda", generator=g, dtype=torch.bfloat16)
     results = []
-    for gemm in (build_grouped_gemm("cuda", kernel), EmulatedFp8GroupedGemm()):
+    for gemm in (build_grouped_gemm("cuda", kernel, recipe=recipe), EmulatedFp8GroupedGemm()):
         xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
         y = fp8_grouped_mm(xr, wr, offsets_E, gemm, grouped_scaling(recipe))
         y.backward(gy)
@@ -162,7 +162,8 @@ def test_scaled_grouped_mm_compiled_matches_eager(recipe, kernel):
         return y
 
     results = []
-    for gemm, fn in ((build_grouped_gemm("cuda", kernel), torch.compile(step)), (EmulatedFp8GroupedGemm(), step)):
+    for gemm, fn in ((build_grouped_gemm("cuda", kernel, recipe=recipe), torch.compile(step)),
+                     (EmulatedFp8GroupedGemm(), step)):
         xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
         y = fn(gemm, xr, wr)
         results.append((y.detach()[:sum(sizes)], xr.grad[:sum(sizes)], wr.grad))

@@ -25,7 +25,8 @@ def test_row_tiles_count_each_experts_tiles_cumulatively():
 
 
 def test_backend_choice():
-    assert type(build_grouped_gemm("cpu", "triton")) is EmulatedFp8GroupedGemm  # off CUDA: emulation
+    for recipe in ("rowwise", "blockwise"):  # off CUDA: the emulation
+        assert type(build_grouped_gemm("cpu", "triton", recipe=recipe)) is EmulatedFp8GroupedGemm
     if not HAS_TRITON:
         with pytest.raises(ConfigError, match="fp8_grouped_gemm=triton needs the triton package"):
             TritonFp8GroupedGemm()
@@ -33,25 +34,31 @@ def test_backend_choice():
 
 INTERPRETED = """
 import torch
-from moefold.fp8.grouped import EmulatedFp8GroupedGemm, TritonFp8GroupedGemm, fp8_grouped_mm, grouped_scaling
+from moefold.fp8.grouped import (EmulatedFp8GroupedGemm, TritonBlockwiseFp8GroupedGemm, TritonFp8GroupedGemm,
+                                 fp8_grouped_mm, grouped_scaling)
 torch.manual_seed(0)
-sizes = [32, 0, 160, 16, 48]
-for N in (128, 1024):  # narrow and wide output tiles (triton_grouped.rows_tiles)
-    E, K = len(sizes), 256
-    R = sum(sizes) + 21  # rows past the last group
-    offsets_E = torch.tensor(sizes).cumsum(0).to(torch.int32)
-    x = torch.randn(R, K, dtype=torch.bfloat16)
-    w = torch.randn(E, K, N, dtype=torch.bfloat16) * 0.02
-    gy = torch.randn(R, N, dtype=torch.bfloat16)
-    results = []
-    for gemm in (TritonFp8GroupedGemm(), EmulatedFp8GroupedGemm()):
-        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
-        y = fp8_grouped_mm(xr, wr, offsets_E, gemm, grouped_scaling("rowwise"))
-        y.backward(gy)
-        results.append((y.detach()[:sum(sizes)], xr.grad[:sum(sizes)], wr.grad))
-    for name, out, ref in zip(("forward", "grad_input", "grad_weight"), *results):
-        err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-        assert err < 2 ** -7, (N, name, err)  # the same FP8 operands; bf16 output rounding apart
+cases = [  # recipe, kernel, group sizes (multiples of the recipe's row multiple, one empty), widths
+    ("rowwise", TritonFp8GroupedGemm, [32, 0, 160, 16, 48], (128, 1024)),  # narrow and wide tiles
+    ("blockwise", TritonBlockwiseFp8GroupedGemm, [128, 0, 256, 128], (256,)),
+]
+for recipe, kernel, sizes, widths in cases:
+    for N in widths:
+        E, K = len(sizes), 256
+        R = sum(sizes) + 21  # rows past the last group
+        offsets_E = torch.tensor(sizes).cumsum(0).to(torch.int32)
+        x = torch.randn(R, K, dtype=torch.bfloat16)
+        x[:, :128] *= 64  # K blocks of different magnitude: blockwise scales must follow them
+        w = torch.randn(E, K, N, dtype=torch.bfloat16) * 0.02
+        gy = torch.randn(R, N, dtype=torch.bfloat16)
+        results = []
+        for gemm in (kernel(), EmulatedFp8GroupedGemm()):
+            xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+            y = fp8_grouped_mm(xr, wr, offsets_E, gemm, grouped_scaling(recipe))
+            y.backward(gy)
+            results.append((y.detach()[:sum(sizes)], xr.grad[:sum(sizes)], wr.grad))
+        for name, out, ref in zip(("forward", "grad_input", "grad_weight"), *results):
+            err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+            assert err < 2 ** -7, (recipe, N, name, err)  # the same FP8 operands; bf16 rounding apart
 print("ok")
 """
 

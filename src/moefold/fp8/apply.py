@@ -38,7 +38,8 @@ def apply_fp8(model: nn.Module, precision: PrecisionConfig, device_type: str) ->
         return []
     lin, grouped = linear_scaling(precision.fp8), grouped_scaling(precision.fp8)
     gemm = build_gemm(device_type, precision.fp8_weight_grad)
-    grouped_gemm = build_grouped_gemm(device_type, precision.fp8_grouped_gemm, precision.fp8_weight_grad)
+    grouped_gemm = build_grouped_gemm(device_type, precision.fp8_grouped_gemm, precision.fp8_weight_grad,
+                                      precision.fp8)
     keep = precision.fp8_saved_activations
     lin_saver, grouped_saver = saved_input(keep, lin.forward.a), saved_input(keep, grouped.forward.a)
     excluded = _excluded_names(model, precision)

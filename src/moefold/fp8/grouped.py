@@ -163,6 +163,43 @@ class TritonFp8GroupedGemm(ScaledGroupedMMFp8Gemm):
                                                          offsets_E)
 
 
+class TritonBlockwiseFp8GroupedGemm(EmulatedFp8GroupedGemm):
+    """DeepSeek-V3's blockwise scaling for the experts (1x128 activations, 128x128 weights, 128x1
+    along the rows for the weight gradient) in Triton (fp8/triton_grouped.py): torch has no
+    blockwise grouped FP8 kernel on Hopper. Quantization as the emulation's, so both multiply the
+    same FP8 values; the kernels apply each 128-deep block's scales in fp32."""
+
+    name = "triton-blockwise"
+
+    def __init__(self):
+        TritonFp8GroupedGemm()  # the same requirement: raises without triton
+
+    def grouped_mm(self, x_RK, w_EKN, offsets_E, scaling, dtype):
+        operands = blockwise_rows_operands(x_RK, w_EKN, scaling)
+        return cast(torch.ops.moefold.fp8_grouped_mm_rows_blockwise(*operands, offsets_E), dtype)
+
+    def grouped_weight_grad(self, x_RK, grad_RN, offsets_E, scaling, dtype):
+        operands = blockwise_contract_operands(x_RK, grad_RN, scaling)
+        return cast(torch.ops.moefold.fp8_grouped_mm_contract_blockwise(*operands, offsets_E), dtype)
+
+
+def blockwise_rows_operands(x_RK, w_EKN, scaling: GemmScaling):
+    """x row-major with [R, K/128] scales, each expert's w column-major with [E, K/128, N/128]."""
+    x_fp8, scale_RKb = quantize(x_RK, scaling.a)
+    w_fp8, scale_EKbNb = quantize(w_EKN, scaling.b)
+    w_fp8 = w_fp8.transpose(-2, -1).contiguous().transpose(-2, -1)
+    return x_fp8, w_fp8, scale_RKb.contiguous(), scale_EKbNb.contiguous()
+
+
+def blockwise_contract_operands(x_RK, grad_RN, scaling: GemmScaling):
+    """x^T row-major and grad column-major, each with [R/128, features] scales of its 128x1 tiles;
+    R padded with zero rows to 128 (past the last offset: never read)."""
+    x_RK, grad_RN = pad_rows(x_RK, BLOCK), pad_rows(grad_RN, BLOCK)
+    x_fp8, scale_RbK = quantize(x_RK, scaling.a)
+    g_fp8, scale_RbN = quantize(grad_RN, scaling.b)
+    return x_fp8.t().contiguous(), g_fp8.t().contiguous().t(), scale_RbK.contiguous(), scale_RbN.contiguous()
+
+
 def rows_operands(x_RK, w_EKN, scaling: GemmScaling):
     """FP8 operands and fp32 scales of a rows-grouped GEMM (forward, grad_input) in the layout the
     kernels read: x row-major, each expert's w column-major; scales [R] and [E, N]."""
@@ -199,13 +236,17 @@ class HighPrecisionGroupedWeightGrad:
         return cast(grouped_mm(x_RK.t(), grad_RN, offsets_E), dtype)
 
 
-def build_grouped_gemm(device_type: str, kernel: str = "triton", weight_grad: str = "fp8"):
-    """The backend for `precision.fp8_grouped_gemm` on this device (the emulation off CUDA), its
-    weight gradient as `precision.fp8_weight_grad` says."""
+def build_grouped_gemm(device_type: str, kernel: str = "triton", weight_grad: str = "fp8",
+                       recipe: str = "rowwise"):
+    """The backend for `precision.fp8_grouped_gemm` and recipe on this device (the emulation off
+    CUDA), its weight gradient as `precision.fp8_weight_grad` says. Blockwise has a kernel in
+    Triton only: with `cutlass` it runs the emulation."""
     if device_type != "cuda":
         gemm = EmulatedFp8GroupedGemm()
+    elif kernel == "triton":
+        gemm = TritonBlockwiseFp8GroupedGemm() if recipe == "blockwise" else TritonFp8GroupedGemm()
     else:
-        gemm = TritonFp8GroupedGemm() if kernel == "triton" else ScaledGroupedMMFp8Gemm()
+        gemm = ScaledGroupedMMFp8Gemm()
     return HighPrecisionGroupedWeightGrad(gemm) if weight_grad == "bf16" else gemm
 
 
@@ -244,6 +285,7 @@ __all__ = [
     "EmulatedFp8GroupedGemm",
     "HighPrecisionGroupedWeightGrad",
     "ScaledGroupedMMFp8Gemm",
+    "TritonBlockwiseFp8GroupedGemm",
     "TritonFp8GroupedGemm",
     "build_grouped_gemm",
     "fp8_grouped_mm",

@@ -1,4 +1,5 @@
-"""FP8 grouped GEMMs of the routed experts in Triton, rowwise scales applied in the epilogue.
+"""FP8 grouped GEMMs of the routed experts in Triton: rowwise scales applied in the epilogue, blockwise
+scales per 128-deep block.
 
 The twin of `torch._scaled_grouped_mm` for the two shapes the experts need (fp8/grouped.py), on the
 same operands, layouts and fp32 dequantization scales:
@@ -12,10 +13,14 @@ same operands, layouts and fp32 dequantization scales:
 past the last end are neither read nor written. Nothing syncs with the host: the rows kernel is
 launched over an upper bound of its tiles, cdiv(R, BM) + E, and each program finds its expert by a
 binary search over the tiles' cumulative counts, computed on the device; programs past the last
-tile run no K iterations and store nothing. torch's kernel (CUTLASS) reached about 230 TFLOP/s at
-Qwen3-30B-A3B's expert shapes on the H200, a third of bf16's `torch._grouped_mm`; this one exists to
-beat it (`benchmarks/fp8_grouped.py`). Operand layouts: both K-major (a row-major, b column-major
+tile run no K iterations and store nothing. At the Qwen3-30B-A3B and DeepSeek-V2-Lite expert
+shapes on the H200 these kernels run at 400–680 TFLOP/s, torch's (CUTLASS) at 240–330 and bf16's
+`torch._grouped_mm` at 600–680 (`benchmarks/fp8_grouped.py`, docs/benchmarks.md). Operand layouts: both K-major (a row-major, b column-major
 per expert), as Hopper's FP8 tensor cores read them, and as the CUTLASS backend already builds them.
+
+Blockwise (DeepSeek-V3's 1x128 activation, 128x128 weight and 128x1 weight-gradient scales, for
+which torch has no grouped kernel on Hopper) has its own pair, `*_blockwise`: the K loop steps one
+128-wide scale block at a time and scales each partial product before accumulating it in fp32.
 
 Registered as torch custom ops through `torch.library.triton_op`, so `torch.compile` traces them.
 Triton is optional: without it this module imports, `HAS_TRITON` is False and the ops are absent.
@@ -46,6 +51,11 @@ WIDE_ROWS_TILES = {"BM": 128, "BN": 256, "BK": 128, "num_warps": 8, "num_stages"
 ROWS_TILES = {"BM": 128, "BN": 128, "BK": 128, "num_warps": 4, "num_stages": 4}
 WIDE_N = 1024
 CONTRACT_TILES = {"BM": 128, "BN": 128, "BK": 128, "num_warps": 8, "num_stages": 4}
+# Blockwise (DeepSeek-V3's 1x128 / 128x128 / 128x1 scales): the K step is the 128-wide scale block,
+# and the rows kernel's output tile is one 128-column weight block. Not yet tuned on a GPU.
+BLOCK = 128
+BLOCKWISE_TILES = {"BM": 128, "num_warps": 8, "num_stages": 3}
+BLOCKWISE_CONTRACT_TILES = {"BM": 128, "BN": 128, "num_warps": 8, "num_stages": 3}
 
 
 def rows_tiles(N: int) -> dict:
@@ -75,10 +85,9 @@ if HAS_TRITON:
         return lo
 
     @triton.jit
-    def _fp8_grouped_gemm_rows(a_ptr, b_ptr, sa_ptr, sb_ptr, out_ptr, offsets_ptr, tile_ends_ptr, N, K, E,
-                     stride_ar, stride_ak, stride_be, stride_bk, stride_bn, stride_or, stride_on,
-                     SEARCH_STEPS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    def _row_tile(tile_ends_ptr, offsets_ptr, pid_m, E, SEARCH_STEPS: tl.constexpr, BM: tl.constexpr):
+        """Row tile pid_m of the rows kernels: (its expert e, whether it holds rows at all, its
+        BM row indices, the expert's row end)."""
         e = _expert_of_tile(tile_ends_ptr, pid_m, E, SEARCH_STEPS)
         valid = e < E
         e = tl.minimum(e, E - 1)
@@ -86,6 +95,14 @@ if HAS_TRITON:
         row_start = tl.load(offsets_ptr + e - 1, mask=e > 0, other=0)
         row_end = tl.where(valid, tl.load(offsets_ptr + e), row_start)  # past the last tile: no rows
         rows_M = row_start + (pid_m - tiles_before) * BM + tl.arange(0, BM)
+        return e, valid, rows_M, row_end
+
+    @triton.jit
+    def _fp8_grouped_gemm_rows(a_ptr, b_ptr, sa_ptr, sb_ptr, out_ptr, offsets_ptr, tile_ends_ptr, N, K, E,
+                     stride_ar, stride_ak, stride_be, stride_bk, stride_bn, stride_or, stride_on,
+                     SEARCH_STEPS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        e, valid, rows_M, row_end = _row_tile(tile_ends_ptr, offsets_ptr, pid_m, E, SEARCH_STEPS, BM)
         cols_N = pid_n * BN + tl.arange(0, BN)
         ks_K = tl.arange(0, BK)
         in_rows_M, in_cols_N = rows_M < row_end, cols_N < N
@@ -138,6 +155,68 @@ if HAS_TRITON:
         out_ptrs = out_ptr + e.to(tl.int64) * stride_oe + ms_M[:, None] * stride_om + ns_N[None, :] * stride_on
         tl.store(out_ptrs, out_MN, mask=in_m[:, None] & in_n[None, :])
 
+    @triton.jit
+    def _fp8_grouped_gemm_rows_blockwise(
+            a_ptr, b_ptr, sa_ptr, sb_ptr, out_ptr, offsets_ptr, tile_ends_ptr, N, K, E,
+            stride_ar, stride_ak, stride_be, stride_bk, stride_bn, stride_or, stride_on,
+            stride_sar, stride_sbe, stride_sbk, SEARCH_STEPS: tl.constexpr, BM: tl.constexpr,
+            BLOCK: tl.constexpr):
+        """The rows GEMM with DeepSeek-V3's scales: a's per row and 128-column block
+        (sa_R,Kb), b's per 128x128 block (sb_E,Kb,Nb). Each 128-deep partial product is scaled
+        before it is added to the fp32 accumulator (the scales change along K)."""
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        e, valid, rows_M, row_end = _row_tile(tile_ends_ptr, offsets_ptr, pid_m, E, SEARCH_STEPS, BM)
+        cols_N = pid_n * BLOCK + tl.arange(0, BLOCK)
+        ks_K = tl.arange(0, BLOCK)
+        in_rows_M = rows_M < row_end
+        a_ptrs = a_ptr + rows_M[:, None].to(tl.int64) * stride_ar + ks_K[None, :] * stride_ak
+        b_ptrs = b_ptr + e.to(tl.int64) * stride_be + ks_K[:, None] * stride_bk + cols_N[None, :] * stride_bn
+        sa_ptrs = sa_ptr + rows_M.to(tl.int64) * stride_sar
+        sb_ptr_e = sb_ptr + e * stride_sbe + pid_n
+        acc_MN = tl.zeros((BM, BLOCK), dtype=tl.float32)
+        for kb in range(0, tl.where(valid, K // BLOCK, 0)):  # K, N: multiples of BLOCK
+            a = tl.load(a_ptrs, mask=in_rows_M[:, None], other=0.0)
+            b = tl.load(b_ptrs)
+            sa_M = tl.load(sa_ptrs + kb, mask=in_rows_M, other=0.0)
+            sb = tl.load(sb_ptr_e + kb * stride_sbk)
+            acc_MN += tl.dot(a, b) * (sa_M[:, None] * sb)
+            a_ptrs += BLOCK * stride_ak
+            b_ptrs += BLOCK * stride_bk
+        out_ptrs = out_ptr + rows_M[:, None].to(tl.int64) * stride_or + cols_N[None, :] * stride_on
+        tl.store(out_ptrs, acc_MN.to(out_ptr.dtype.element_ty), mask=in_rows_M[:, None])
+
+    @triton.jit
+    def _fp8_grouped_gemm_contract_blockwise(
+            a_ptr, b_ptr, sa_ptr, sb_ptr, out_ptr, offsets_ptr, M, N,
+            stride_am, stride_ar, stride_br, stride_bn, stride_sar, stride_sbr,
+            stride_oe, stride_om, stride_on, BM: tl.constexpr, BN: tl.constexpr, BLOCK: tl.constexpr):
+        """The weight gradient with 128x1 scales along the rows (sa_Rb,M for a^T's columns, sb_Rb,N):
+        group bounds are multiples of BLOCK, so every 128-row block lies in one expert and each
+        block's partial product is scaled before it is accumulated."""
+        e, pid_m, pid_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        row_start = tl.multiple_of(tl.load(offsets_ptr + e - 1, mask=e > 0, other=0), BLOCK)
+        row_end = tl.multiple_of(tl.load(offsets_ptr + e), BLOCK)
+        ms_M = pid_m * BM + tl.arange(0, BM)
+        ns_N = pid_n * BN + tl.arange(0, BN)
+        rs_K = tl.arange(0, BLOCK)
+        in_m, in_n = ms_M < M, ns_N < N
+        a_ptrs = (a_ptr + row_start.to(tl.int64) * stride_ar + ms_M[:, None].to(tl.int64) * stride_am
+                  + rs_K[None, :] * stride_ar)
+        b_ptrs = (b_ptr + row_start.to(tl.int64) * stride_br + ns_N[None, :].to(tl.int64) * stride_bn
+                  + rs_K[:, None] * stride_br)
+        first_block = row_start // BLOCK
+        acc_MN = tl.zeros((BM, BN), dtype=tl.float32)
+        for rb in range(first_block, row_end // BLOCK):
+            a = tl.load(a_ptrs, mask=in_m[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=in_n[None, :], other=0.0)
+            sa_M = tl.load(sa_ptr + rb * stride_sar + ms_M, mask=in_m, other=0.0)
+            sb_N = tl.load(sb_ptr + rb * stride_sbr + ns_N, mask=in_n, other=0.0)
+            acc_MN += tl.dot(a, b) * (sa_M[:, None] * sb_N[None, :])
+            a_ptrs += BLOCK * stride_ar
+            b_ptrs += BLOCK * stride_br
+        out_ptrs = out_ptr + e.to(tl.int64) * stride_oe + ms_M[:, None] * stride_om + ns_N[None, :] * stride_on
+        tl.store(out_ptrs, acc_MN.to(out_ptr.dtype.element_ty), mask=in_m[:, None] & in_n[None, :])
+
     @triton_op("moefold::fp8_grouped_mm_rows", mutates_args=())
     def fp8_grouped_mm_rows(a_RK: torch.Tensor, b_EKN: torch.Tensor, sa_R: torch.Tensor,
                             sb_EN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
@@ -165,4 +244,34 @@ if HAS_TRITON:
             a_MR, b_RN, sa_EM, sb_EN, out_EMN, offsets_E, M, N,
             a_MR.stride(0), a_MR.stride(1), b_RN.stride(0), b_RN.stride(1),
             out_EMN.stride(0), out_EMN.stride(1), out_EMN.stride(2), ROW_MULTIPLE=ROW_MULTIPLE, **t)
+        return out_EMN
+
+    @triton_op("moefold::fp8_grouped_mm_rows_blockwise", mutates_args=())
+    def fp8_grouped_mm_rows_blockwise(a_RK: torch.Tensor, b_EKN: torch.Tensor, sa_RKb: torch.Tensor,
+                                      sb_EKbNb: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+        """bf16 out_RN with 1x128 scales of a and 128x128 of b; rows past the end are 0."""
+        (R, K), (E, _, N) = a_RK.shape, b_EKN.shape
+        t = BLOCKWISE_TILES
+        out_RN = torch.zeros(R, N, device=a_RK.device, dtype=torch.bfloat16)
+        tile_ends_E = _row_tile_ends(offsets_E, t["BM"])
+        grid = (triton.cdiv(R, t["BM"]) + E, N // BLOCK)
+        wrap_triton(_fp8_grouped_gemm_rows_blockwise)[grid](
+            a_RK, b_EKN, sa_RKb, sb_EKbNb, out_RN, offsets_E, tile_ends_E, N, K, E,
+            a_RK.stride(0), a_RK.stride(1), b_EKN.stride(0), b_EKN.stride(1), b_EKN.stride(2),
+            out_RN.stride(0), out_RN.stride(1), sa_RKb.stride(0), sb_EKbNb.stride(0), sb_EKbNb.stride(1),
+            SEARCH_STEPS=E.bit_length(), BLOCK=BLOCK, **t)
+        return out_RN
+
+    @triton_op("moefold::fp8_grouped_mm_contract_blockwise", mutates_args=())
+    def fp8_grouped_mm_contract_blockwise(a_MR: torch.Tensor, b_RN: torch.Tensor, sa_RbM: torch.Tensor,
+                                          sb_RbN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+        """bf16 out_EMN with 128x1 scales along the rows of both; an empty group gives zeros."""
+        (M, _), N, E = a_MR.shape, b_RN.shape[1], offsets_E.shape[0]
+        t = BLOCKWISE_CONTRACT_TILES
+        out_EMN = torch.empty(E, M, N, device=a_MR.device, dtype=torch.bfloat16)
+        grid = (E, triton.cdiv(M, t["BM"]), triton.cdiv(N, t["BN"]))
+        wrap_triton(_fp8_grouped_gemm_contract_blockwise)[grid](
+            a_MR, b_RN, sa_RbM, sb_RbN, out_EMN, offsets_E, M, N,
+            a_MR.stride(0), a_MR.stride(1), b_RN.stride(0), b_RN.stride(1), sa_RbM.stride(0),
+            sb_RbN.stride(0), out_EMN.stride(0), out_EMN.stride(1), out_EMN.stride(2), BLOCK=BLOCK, **t)
         return out_EMN

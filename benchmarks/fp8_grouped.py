@@ -9,7 +9,8 @@ which of the three GEMMs is slow, and how much the quantization around them adds
   grad_weight  x_eᵀ · grad_e per group  (2d × 2d, groups along the contraction)
 
 Columns "kernel": the GEMM alone, on operands already in the layout and dtype it reads (FP8 scales
-precomputed), for torch's CUTLASS kernel and moefold's Triton one (`precision.fp8_grouped_gemm`).
+precomputed), for torch's CUTLASS kernel and moefold's Triton one (`precision.fp8_grouped_gemm`),
+rowwise, and moefold's blockwise Triton kernels (DeepSeek-V3's scales; no torch kernel exists).
 Columns "+quant": `moefold.fp8.grouped`'s backend call as training makes it (amax, scale, cast and
 layout copies included). Balanced routing: R = T·K rows, R/E per expert.
 Needs a CUDA GPU with FP8 (sm90).
@@ -29,7 +30,10 @@ from moefold.bench.limit import balanced_rows
 from moefold.bench.timing import median_seconds
 from moefold.fp8.grouped import (
     ScaledGroupedMMFp8Gemm,
+    TritonBlockwiseFp8GroupedGemm,
     TritonFp8GroupedGemm,
+    blockwise_contract_operands,
+    blockwise_rows_operands,
     contract_operands,
     grouped_scaling,
     rows_operands,
@@ -38,8 +42,9 @@ from moefold.fp8.triton_grouped import HAS_TRITON
 
 
 def operands(routed: int, E: int, K: int, N: int, device: torch.device):
-    """x, grad, w and the groups' row ends; each group padded to 16 rows, as the FP8 layer pads."""
-    rows_E = balanced_rows(routed, E, pad_multiple=16)
+    """x, grad, w and the groups' row ends; each group padded to 128 rows, as the FP8 layer pads
+    for blockwise (a multiple of rowwise's 16; the default shapes need no padding)."""
+    rows_E = balanced_rows(routed, E, pad_multiple=128)
     R = int(rows_E.sum())
     g = torch.Generator(device=device).manual_seed(0)
     x_RK = torch.randn(R, K, device=device, dtype=torch.bfloat16, generator=g)
@@ -67,9 +72,20 @@ def fp8_kernel_calls(x_RK, grad_RN, w_EKN, offsets_E, backend) -> dict:
             "grad_weight": lambda: backend._contract(*grad_weight, offsets_E)}
 
 
-def fp8_backend_calls(x_RK, grad_RN, w_EKN, offsets_E, gemm) -> dict:
+def blockwise_kernel_calls(x_RK, grad_RN, w_EKN, offsets_E) -> dict:
+    """The blockwise Triton GEMMs on operands quantized beforehand (1x128, 128x128, 128x1 scales)."""
+    s, ops = grouped_scaling("blockwise"), torch.ops.moefold
+    forward = blockwise_rows_operands(x_RK, w_EKN, s.forward)
+    grad_input = blockwise_rows_operands(grad_RN, w_EKN.transpose(-2, -1), s.grad_input)
+    grad_weight = blockwise_contract_operands(x_RK, grad_RN, s.grad_weight)
+    return {"forward": lambda: ops.fp8_grouped_mm_rows_blockwise(*forward, offsets_E),
+            "grad_input": lambda: ops.fp8_grouped_mm_rows_blockwise(*grad_input, offsets_E),
+            "grad_weight": lambda: ops.fp8_grouped_mm_contract_blockwise(*grad_weight, offsets_E)}
+
+
+def fp8_backend_calls(x_RK, grad_RN, w_EKN, offsets_E, gemm, recipe: str = "rowwise") -> dict:
     """The backend as the experts' autograd Function calls it: quantization included."""
-    s = grouped_scaling("rowwise")
+    s = grouped_scaling(recipe)
     bf16 = torch.bfloat16
     return {"forward": lambda: gemm.grouped_mm(x_RK, w_EKN, offsets_E, s.forward, bf16),
             "grad_input": lambda: gemm.grouped_mm(grad_RN, w_EKN.transpose(-2, -1), offsets_E,
@@ -105,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, backend in backends.items():
         variants[f"{name} kernel"] = fp8_kernel_calls(*tensors, backend)
         variants[f"{name}+quant"] = fp8_backend_calls(*tensors, backend)
+    if HAS_TRITON:
+        variants["blockwise kernel"] = blockwise_kernel_calls(*tensors)
+        variants["blockwise+quant"] = fp8_backend_calls(*tensors, TritonBlockwiseFp8GroupedGemm(), "blockwise")
     print(f"{'ms (TFLOP/s)':12s} " + " ".join(f"{name:>16s}" for name in variants))
     for kind in ("forward", "grad_input", "grad_weight"):
         ms = [1e3 * median_seconds(v[kind], device, repeats=args.repeats) for v in variants.values()]

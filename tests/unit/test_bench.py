@@ -225,12 +225,12 @@ def test_device_idle_is_the_wall_time_no_kernel_covers():
 
 
 def test_fp8_grouped_benchmark_operands_and_cpu_refusal(capsys):
-    """benchmarks/fp8_grouped.py: every expert's rows padded to the FP8 multiple (its wgrad scales
-    chunk 16 rows), and without an FP8 GPU a one-line refusal with status 2."""
+    """benchmarks/fp8_grouped.py: every expert's rows padded to the blockwise FP8 multiple (128, a
+    multiple of rowwise's 16), and without an FP8 GPU a one-line refusal with status 2."""
     script = benchmark_script("fp8_grouped")
     x_RK, grad_RN, w_EKN, offsets_E = script.operands(100, 8, 64, 32, torch.device("cpu"))
     rows_E = torch.diff(offsets_E, prepend=offsets_E.new_zeros(1))
-    assert (rows_E % 16 == 0).all() and int(offsets_E[-1]) == x_RK.shape[0] == grad_RN.shape[0] >= 100
+    assert (rows_E % 128 == 0).all() and int(offsets_E[-1]) == x_RK.shape[0] == grad_RN.shape[0] >= 100
     spans = _spans(offsets_E)
     per_expert = {  # the bf16 row's GEMMs, one expert at a time
         "forward": lambda: torch.cat([x_RK[a:b] @ w_EKN[e] for e, (a, b) in enumerate(spans)]),

@@ -14,7 +14,7 @@ import torch
 
 from moefold.errors import ConfigError
 from moefold.fp8.grouped import EmulatedFp8GroupedGemm, TritonFp8GroupedGemm, build_grouped_gemm
-from moefold.fp8.triton_grouped import HAS_TRITON, _row_tile_ends
+from moefold.fp8.triton_grouped import HAS_TRITON, _row_tile_ends, _row_tiles_bound
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 
@@ -22,6 +22,12 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 def test_row_tiles_count_each_experts_tiles_cumulatively():
     offsets_E = torch.tensor([32, 32, 200, 456], dtype=torch.int32)  # rows 32, 0, 168, 256
     assert _row_tile_ends(offsets_E, 128).tolist() == [1, 1, 3, 5]
+
+
+def test_row_tile_bound_fits_a_cuda_grid():
+    assert _row_tiles_bound(131072, 128, 128) == 1024 + 128
+    with pytest.raises(ValueError, match="more than a CUDA grid holds"):
+        _row_tiles_bound(65535 * 128, 8, 128)
 
 
 def test_backend_choice():

@@ -238,10 +238,11 @@ if HAS_TRITON:
     @triton_op("moefold::fp8_grouped_mm_rows", mutates_args=())
     def fp8_grouped_mm_rows(a_RK: torch.Tensor, b_EKN: torch.Tensor, sa_R: torch.Tensor,
                             sb_EN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
-        """bf16 out_RN: groups along the rows (forward and grad_input); rows past the end are 0."""
+        """bf16 out_RN: groups along the rows (forward and grad_input). Rows past the last group
+        are left unwritten, as torch._grouped_mm leaves them (the MoE layer never reads them)."""
         (R, K), (E, _, N) = a_RK.shape, b_EKN.shape
         t = rows_tiles(N)
-        out_RN = torch.zeros(R, N, device=a_RK.device, dtype=torch.bfloat16)
+        out_RN = torch.empty(R, N, device=a_RK.device, dtype=torch.bfloat16)
         tile_ends_E = _row_tile_ends(offsets_E, t["BM"])
         grid = (triton.cdiv(N, t["BN"]), _row_tiles_bound(R, E, t["BM"]))
         wrap_triton(_fp8_grouped_gemm_rows)[grid](
@@ -267,10 +268,10 @@ if HAS_TRITON:
     @triton_op("moefold::fp8_grouped_mm_rows_blockwise", mutates_args=())
     def fp8_grouped_mm_rows_blockwise(a_RK: torch.Tensor, b_EKN: torch.Tensor, sa_RKb: torch.Tensor,
                                       sb_EKbNb: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
-        """bf16 out_RN with 1x128 scales of a and 128x128 of b; rows past the end are 0."""
+        """bf16 out_RN with 1x128 scales of a and 128x128 of b; rows past the last group unwritten."""
         (R, K), (E, _, N) = a_RK.shape, b_EKN.shape
         t = BLOCKWISE_TILES
-        out_RN = torch.zeros(R, N, device=a_RK.device, dtype=torch.bfloat16)
+        out_RN = torch.empty(R, N, device=a_RK.device, dtype=torch.bfloat16)
         tile_ends_E = _row_tile_ends(offsets_E, t["BM"])
         grid = (N // BLOCK, _row_tiles_bound(R, E, t["BM"]))
         wrap_triton(_fp8_grouped_gemm_rows_blockwise)[grid](

@@ -414,3 +414,23 @@ def test_tiny_models_train_with_bf16_weight_grad(preset, overrides):
     losses = train_losses(preset, {**overrides, "precision.fp8_weight_grad": "bf16"}, "rowwise")
     ref_tail, tail = sum(ref[-10:]) / 10, sum(losses[-10:]) / 10
     assert abs(tail - ref_tail) / ref_tail < 0.08, (tail, ref_tail)
+
+
+@pytest.mark.parametrize("preset,overrides,param_dtype", [
+    ("tiny-qwen3", QWEN3, ""), ("tiny-qwen3", QWEN3, "fp32"), ("tiny-deepseek", DEEPSEEK, "")])
+def test_fp8_saved_activations_never_keep_more(preset, overrides, param_dtype):
+    """precision.fp8_saved_activations keeps less for backward than plain FP8, and no module kind
+    keeps more: counted on the real model (plan.measure, bf16 under FakeTensorMode) with bf16
+    parameters (q/k/v share one input, which stays bf16) and with fp32 parameters under autocast
+    (each linear casts its own input; FP8 halves each). Before the sibling rule q/k/v kept three
+    FP8 copies of one bf16 input: attention projections 65,536 → 135,168 bytes."""
+    from moefold.plan.measure import measure_saved_activations
+
+    base = {**overrides, "train.seq_len": 64, "train.micro_batch_size": 2, "precision.fp8": "rowwise"}
+    plain = measure_saved_activations(load_config(preset, base), "bf16", param_dtype=param_dtype)
+    saved = measure_saved_activations(load_config(preset, {**base, "precision.fp8_saved_activations": "true"}),
+                                      "bf16", param_dtype=param_dtype)
+    assert saved.total < plain.total
+    for category, nbytes in saved.by_category.items():
+        assert nbytes <= plain.by_category[category], category
+    assert saved.by_category["experts"] < plain.by_category["experts"]  # w2's input in FP8

@@ -21,18 +21,22 @@ from moefold.errors import ConfigError
 from moefold.fp8.gemm import build_gemm, linear_scaling
 from moefold.fp8.grouped import build_grouped_gemm, grouped_scaling
 from moefold.fp8.linear import Fp8Linear
-from moefold.fp8.saved import saved_input
+from moefold.fp8.saved import SaveInput, saved_input
 from moefold.moe.experts import Experts, Fp8GroupedExperts
 from moefold.moe.layer import MoELayer
 
 _NEVER_FP8 = ("gate",)  # GatedSharedExperts.gate: a [D, 1] router-like scalar gate
 
 
-def apply_fp8(model: nn.Module, precision: PrecisionConfig, device_type: str) -> list[str]:
+def apply_fp8(model: nn.Module, precision: PrecisionConfig, device_type: str,
+              shared_inputs: bool = True) -> list[str]:
     """Swap the selected modules for their FP8 versions in place; returns their names.
 
     `model` is a Transformer (blocks(), layers). The FP8 modules share the original parameters, so
     weights, state dict and checkpoints are unchanged. precision.fp8='off' changes nothing.
+    `shared_inputs`: the parameters will be in the compute dtype, so sibling linears (q/k/v, gate
+    and up) read one input tensor instead of each casting its own copy (fp32 parameters under
+    bf16 autocast); it decides which linears keep their input in FP8 (`_keeps_fp8_input`).
     """
     if precision.fp8 == "off":
         return []
@@ -56,8 +60,9 @@ def apply_fp8(model: nn.Module, precision: PrecisionConfig, device_type: str) ->
                 setattr(model.get_submodule(parent_name), attr,
                         _fp8_experts(module, grouped_gemm, grouped, grouped_saver))
             elif type(module) is nn.Linear and attr not in _NEVER_FP8 and _aligned(module, lin.row_multiple):
-                setattr(model.get_submodule(parent_name), attr,
-                        Fp8Linear.from_linear(module, gemm, lin, lin_saver))
+                parent = model.get_submodule(parent_name)
+                saver = lin_saver if _keeps_fp8_input(parent, attr, shared_inputs) else SaveInput()
+                setattr(parent, attr, Fp8Linear.from_linear(module, gemm, lin, saver))
             else:
                 continue
             converted.append(name)
@@ -86,6 +91,22 @@ def _excluded_names(model: nn.Module, precision: PrecisionConfig) -> set[str]:
         excluded |= hits
     # A module is excluded with any of its parents.
     return {n for n in names if any(n == e or n.startswith(e + ".") for e in excluded)}
+
+
+# Linears that read one tensor together: while any of them keeps it for backward, it is kept once.
+_SIBLINGS = ({"wq", "wk", "wv"}, {"wq", "wkv_a"}, {"wq_a", "wkv_a"}, {"w1", "w3"})
+
+
+def _keeps_fp8_input(parent: nn.Module, attr: str, shared_inputs: bool) -> bool:
+    """Whether precision.fp8_saved_activations should keep this linear's input in FP8: only where
+    that frees the input's compute-dtype copy. Not for `wo`, whose input is a view of the attention
+    core's output, which the core keeps for its own backward; not for siblings reading one shared
+    tensor, which would each keep an FP8 copy (q, k, v: 3 bytes per element instead of 2). With
+    fp32 parameters under autocast every sibling casts its own copy, and FP8 halves each."""
+    if attr == "wo":
+        return False
+    siblings = any(attr in group and all(hasattr(parent, n) for n in group) for group in _SIBLINGS)
+    return not (siblings and shared_inputs)
 
 
 def _aligned(linear: nn.Linear, multiple: int) -> bool:

@@ -251,6 +251,7 @@ def measure_saved_activations(cfg: Config, dtype: str = "bf16", vocab_size: int 
 
     fp32 runs for real on the CPU instead (keep the config small): grouped_mm's fake kernel takes
     bf16 only, and the loop backend needs real token counts."""
+    from moefold.fp8.apply import apply_fp8
     from moefold.models.transformer import build_model
     from moefold.moe.experts import grouped_mm_supported
     from moefold.train.loss import build_objective
@@ -261,7 +262,9 @@ def measure_saved_activations(cfg: Config, dtype: str = "bf16", vocab_size: int 
     B, S = cfg.train.micro_batch_size, cfg.train.seq_len
     fake = FakeTensorMode() if dtype == "bf16" else contextlib.nullcontext()
     with fake, _fused_attention():
-        model = _cast_params(build_model(cfg, vocab, "cpu", torch_dtype), param_torch_dtype).train()
+        model = build_model(cfg, vocab, "cpu", torch_dtype)
+        apply_fp8(model, cfg.precision, "cpu", shared_inputs=param_torch_dtype == torch_dtype)
+        model = _cast_params(model, param_torch_dtype).train()
         if dtype == "fp32":
             model.init_weights(cfg.train.seed)  # uninitialised memory may hold slow denormals
         params = {p.untyped_storage()._cdata for p in model.parameters()}

@@ -164,10 +164,13 @@ class Trainer:
         else:
             model = build_model(cfg, self.vocab_size, self.device.type, self.compute_dtype)
             model.init_weights(cfg.train.seed)
-        apply_fp8(model, cfg.precision, self.device.type)  # FP8 GEMMs where precision.fp8 says
+        # FP8 GEMMs where precision.fp8 says. Parameters end up in the compute dtype unless fp32
+        # masters train under bf16 autocast, where every linear casts its own copy of its input.
+        autocast_over_fp32 = cfg.optim.master_dtype == "fp32" and self.compute_dtype != torch.float32
+        apply_fp8(model, cfg.precision, self.device.type, shared_inputs=not autocast_over_fp32)
         if cfg.precision.fp8 != "off" and self.device.type == "cuda":
-            self.out("warning: precision.fp8 on CUDA trains like bf16 but runs slower than it with "
-                     "torch's FP8 grouped GEMM for the experts (docs/fp8.md)")
+            self.out("warning: precision.fp8 on CUDA trains like bf16 but does not yet run faster than "
+                     "it (docs/fp8.md)")
         self.model: Transformer = model.to(self.device)
         for layer in self.model.moe_layers():
             layer.aux_loss_scale = 1.0 / self.grad_accum  # the CE loss is averaged the same way

@@ -3,6 +3,7 @@ model, the saved-for-backward bytes of the real model run under FakeTensorMode, 
 pipeline rule, ZeRO-1's sharding of optimizer states (ddp), and the CLI."""
 
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -69,6 +70,32 @@ def _assert_close(predicted: dict[str, int], measured: dict[str, int], rel: floa
 def test_activations_match_the_model_under_fake_tensors(preset, overrides):
     cfg = load_config(preset, overrides)
     _assert_close(_predicted(cfg, "bf16"), measure_saved_activations(cfg, "bf16").by_category)
+
+
+FP8_KEPT_CASES = [  # dims aligned to 128, so blockwise converts the experts too
+    ("tiny-qwen3", {"moe.expert_hidden": 128, "moe.shared_experts": 1, "moe.shared_expert_gate": True},
+     "rowwise", 0),
+    ("tiny-qwen3", {"moe.expert_hidden": 128, "model.ffn_hidden": 128}, "tensorwise", 4),
+    ("tiny-deepseek", {"moe.expert_hidden": 128, "model.ffn_hidden": 128}, "blockwise", 0),
+    ("tiny-deepseek", {"moe.expert_hidden": 128, "model.ffn_hidden": 128, "model.q_lora_rank": 0,
+                       "moe.memory_efficient_permute": False}, "rowwise", 4),
+]
+
+
+@pytest.mark.parametrize("preset,overrides,recipe,param_bytes", FP8_KEPT_CASES)
+def test_fp8_kept_inputs_are_predicted(preset, overrides, recipe, param_bytes):
+    """precision.fp8_saved_activations: the analytic count of every module kind equals the FP8
+    model's under fake tensors (apply_fp8's choice of which linears keep FP8 inputs, their scales,
+    unaligned linears left in bf16, MTP blocks sharing their inputs), with bf16 and with fp32
+    parameters under autocast; and it is below plain FP8's."""
+    cfg = load_config(preset, {**overrides, "model.dim": 128, "precision.fp8": recipe,
+                               "precision.fp8_saved_activations": True})
+    sh = act.Shapes(cfg.train.micro_batch_size, cfg.train.seq_len, 1, 1, 1, 2, param_bytes=param_bytes)
+    predicted = act.model_bytes(cfg, sh, cfg.model.vocab_size or 257)
+    measured = measure_saved_activations(cfg, "bf16", param_dtype="fp32" if param_bytes else "").by_category
+    _assert_close(predicted, measured, rel=1e-3)
+    plain = replace(cfg, precision=replace(cfg.precision, fp8_saved_activations=False))
+    assert sum(predicted.values()) < sum(act.model_bytes(plain, sh, cfg.model.vocab_size or 257).values())
 
 
 WEIGHT_COPY_CASES = [ACTIVATION_CASES[i] for i in (2, 3, 5, 6)]

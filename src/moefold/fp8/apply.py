@@ -49,6 +49,8 @@ def apply_fp8(model: nn.Module, precision: PrecisionConfig, device_type: str,
     excluded = _excluded_names(model, precision)
     converted = []
     for block_name, block in _fp8_blocks(model, precision):
+        # An MTP block reads the projection's output, in the compute dtype: its inputs are shared.
+        block_shares_inputs = shared_inputs or block_name.startswith("mtp.")
         for name, module in list(block.named_modules(prefix=block_name)):
             if name in excluded:
                 continue
@@ -61,7 +63,7 @@ def apply_fp8(model: nn.Module, precision: PrecisionConfig, device_type: str,
                         _fp8_experts(module, grouped_gemm, grouped, grouped_saver))
             elif type(module) is nn.Linear and attr not in _NEVER_FP8 and _aligned(module, lin.row_multiple):
                 parent = model.get_submodule(parent_name)
-                saver = lin_saver if _keeps_fp8_input(parent, attr, shared_inputs) else SaveInput()
+                saver = lin_saver if _keeps_fp8_input(parent, attr, block_shares_inputs) else SaveInput()
                 setattr(parent, attr, Fp8Linear.from_linear(module, gemm, lin, saver))
             else:
                 continue

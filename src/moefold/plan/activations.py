@@ -50,6 +50,8 @@ class Shapes:
     imbalance: float = 1.0  # rows of the busiest expert rank over the balanced share
     param_bytes: int = 0  # parameters as forward reads them (FSDP gathers them in their own dtype);
     # 0: the compute dtype's
+    fp8_kept: str = ""  # precision.fp8's recipe where this block keeps GEMM inputs in FP8
+    # (precision.fp8_saved_activations), else ""; set per block by block_shapes
 
     @property
     def tokens(self) -> int:
@@ -77,6 +79,32 @@ def norm_bytes(rows: int, dim: int, sh: Shapes) -> int:
 Bytes = dict[str, int]
 
 
+def kept_input(rows: int, cols: int, sh: Shapes, fp8: bool = True) -> int:
+    """Bytes a linear keeps of its [rows, cols] input: the compute dtype, or, where inputs are kept
+    in FP8 (fp8/saved.py) and this linear runs in FP8, 1 byte per element plus the forward tiles'
+    fp32 scales — one per row (rowwise), per 128 columns of a row (blockwise), one (tensorwise)."""
+    if not (sh.fp8_kept and fp8):
+        return rows * cols * sh.act_bytes
+    scales = {"rowwise": rows, "blockwise": rows * (cols // 128), "tensorwise": 1}[sh.fp8_kept]
+    return rows * cols + scales * FP32
+
+
+def sibling_inputs(rows: int, cols: int, sh: Shapes, fp8: list[bool]) -> int:
+    """Siblings reading one input (q/k/v, gate and up; `fp8`: which run in FP8): with input copies
+    each keeps its own, in FP8 where inputs are; otherwise one shared compute-dtype tensor
+    (fp8/apply.py keeps a shared input as it is: FP8 copies would each cost half of it)."""
+    if sh.input_copies:
+        return sum(kept_input(rows, cols, sh, f) for f in fp8)
+    return rows * cols * sh.act_bytes
+
+
+def fp8_linear(cfg: Config, in_features: int, out_features: int) -> bool:
+    """Whether apply_fp8 converts a linear of these (global) features: both multiples of the
+    recipe's alignment (16; 128 for blockwise)."""
+    multiple = 128 if cfg.precision.fp8 == "blockwise" else 16
+    return in_features % multiple == 0 and out_features % multiple == 0
+
+
 def _add(into: Bytes, **parts: int) -> Bytes:
     for key, value in parts.items():
         into[key] = into.get(key, 0) + int(value)
@@ -88,7 +116,9 @@ def gqa_bytes(cfg: Config, sh: Shapes) -> Bytes:
     H, G = m.n_heads // sh.tp, (m.n_kv_heads or m.n_heads) // sh.tp
     Dh = m.head_dim or m.dim // m.n_heads
     # x (once per q, k, v projection with input copies); wo's input is a view of the core's output
-    out = _add({}, attn_proj=T * m.dim * a * (3 if sh.input_copies else 1))
+    Hg, Gg = m.n_heads * Dh, (m.n_kv_heads or m.n_heads) * Dh
+    qkv_fp8 = [fp8_linear(cfg, m.dim, Hg), fp8_linear(cfg, m.dim, Gg), fp8_linear(cfg, m.dim, Gg)]
+    out = _add({}, attn_proj=sibling_inputs(T, m.dim, sh, qkv_fp8))
     if m.qk_norm:
         _add(out, norm=norm_bytes(T * H, Dh, sh) + norm_bytes(T * G, Dh, sh))
     core = T * (2 * H + 2 * G) * Dh * a + T * H * FP32  # q, k, v, out, lse
@@ -102,7 +132,10 @@ def mla_bytes(cfg: Config, sh: Shapes) -> Bytes:
     H, Q, C = m.n_heads // sh.tp, m.q_lora_rank, m.kv_lora_rank
     Dn, Dr, Dv = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
     # x (for wq_a or wq and for wkv_a with input copies), wq_b's and wkv_b's (normed) inputs
-    out = _add({}, attn_proj=T * (m.dim * (2 if sh.input_copies else 1) + Q + C) * a)
+    Hq, Hkv = m.n_heads * (Dn + Dr), m.n_heads * (Dn + Dv)  # global output features
+    x_fp8 = [fp8_linear(cfg, m.dim, Q or Hq), fp8_linear(cfg, m.dim, C + Dr)]  # wq_a or wq, wkv_a
+    q_b = kept_input(T, Q, sh, fp8_linear(cfg, Q, Hq)) if Q else 0
+    out = _add({}, attn_proj=sibling_inputs(T, m.dim, sh, x_fp8) + q_b + kept_input(T, C, sh, fp8_linear(cfg, C, Hkv)))
     # In fp32 the latent norm keeps its input as it is: a view of wkv_a's [T, C + Dr] output.
     _add(out, norm=norm_bytes(T, C, sh) + (T * Dr * FP32 if sh.fp32 else 0))
     if Q:
@@ -113,9 +146,11 @@ def mla_bytes(cfg: Config, sh: Shapes) -> Bytes:
 
 
 def dense_mlp_bytes(cfg: Config, sh: Shapes) -> Bytes:
-    T, a = sh.tokens, sh.act_bytes
-    inputs = 2 if sh.input_copies else 1  # w1 and w3 each cast x
-    return {"mlp": inputs * T * cfg.model.dim * a + 4 * T * (cfg.model.ffn_hidden // sh.tp) * a}
+    T, a, H = sh.tokens, sh.act_bytes, cfg.model.ffn_hidden // sh.tp
+    # x (w1 and w3 each cast it with input copies); gate, up, silu(gate) and w2's input h
+    D, Hg = cfg.model.dim, cfg.model.ffn_hidden
+    fp8_in, fp8_out = fp8_linear(cfg, D, Hg), fp8_linear(cfg, Hg, D)
+    return {"mlp": sibling_inputs(T, D, sh, [fp8_in, fp8_in]) + 3 * T * H * a + kept_input(T, H, sh, fp8_out)}
 
 
 def expert_rows(cfg: Config, sh: Shapes) -> int:
@@ -196,14 +231,19 @@ def dispatch_bytes(cfg: Config, sh: Shapes, rows: int) -> int:
 
 
 def experts_bytes(cfg: Config, sh: Shapes, rows: int) -> int:
-    moe, a = cfg.moe, sh.act_bytes
+    moe, a, D = cfg.moe, sh.act_bytes, cfg.model.dim
     F = moe.expert_hidden // sh.etp
+    if sh.fp8_kept == "tensorwise":  # the experts' FP8 GEMMs scale rows even then (fp8/grouped.py)
+        sh = replace(sh, fp8_kept="rowwise")
     gated = GATED[moe.activation]
-    total = rows * cfg.model.dim * a + moe.num_experts // sh.ep * 4  # input rows, int32 offsets
+    # The input rows (in FP8 once per input GEMM where inputs are kept in FP8), int32 offsets,
+    # and the activation's output h, which the down GEMM keeps.
+    inputs = (2 if gated else 1) * kept_input(rows, D, sh) if sh.fp8_kept else rows * D * a
+    total = inputs + moe.num_experts // sh.ep * 4 + kept_input(rows, F, sh)
     if moe.memory_efficient_permute:
-        # gate, up and the activation output (kept by the down GEMM), and the [R] probabilities
-        return total + (3 if gated else 2) * rows * F * a + rows * FP32
-    return total + (4 if gated else 2) * rows * F * a
+        # gate and up, and the [R] probabilities
+        return total + (2 if gated else 1) * rows * F * a + rows * FP32
+    return total + (3 if gated else 1) * rows * F * a
 
 
 def shared_bytes(cfg: Config, sh: Shapes) -> int:
@@ -212,8 +252,13 @@ def shared_bytes(cfg: Config, sh: Shapes) -> int:
     gated = GATED[moe.activation]
     # In fp32 the input is the norm output the router already keeps; with input copies each of
     # w1, w3 (and the gate) keeps its own bf16 cast of it.
-    inputs = ((2 if gated else 1) + moe.shared_expert_gate) if sh.input_copies else (0 if sh.fp32 else 1)
-    total = inputs * T * D * a + (4 if gated else 2) * T * F * a
+    Fg = moe.shared_experts * (moe.shared_expert_hidden or moe.expert_hidden)  # global
+    fp8_in, fp8_out = fp8_linear(cfg, D, Fg), fp8_linear(cfg, Fg, D)
+    if sh.input_copies:
+        inputs = (2 if gated else 1) * kept_input(T, D, sh, fp8_in) + moe.shared_expert_gate * T * D * a
+    else:
+        inputs = 0 if sh.fp32 else T * D * a
+    total = inputs + (3 if gated else 1) * T * F * a + kept_input(T, F, sh, fp8_out)  # ..., w2's input h
     if moe.shared_expert_gate:
         total += T * D * a + T * a  # the gate's product keeps the experts' output and the gate
     return total
@@ -268,8 +313,13 @@ def weight_copy_bytes(cfg: Config, layer_id: int, sh: Shapes) -> int:
 
 def block_shapes(cfg: Config, layer_id: int, sh: Shapes) -> Shapes:
     """The shapes a block's activations follow: an MTP block's input is the projection's output,
-    in the compute dtype, so its residual stream is too (no input copies)."""
-    return replace(sh, param_bytes=0) if layer_id >= cfg.model.n_layers else sh
+    in the compute dtype, so its residual stream is too (no input copies); FP8-kept inputs in the
+    blocks apply_fp8 converts (all but the first/last `fp8_bf16_*_layers` of the main stack;
+    `fp8_exclude` is not modelled: excluded modules are counted as converted)."""
+    p, n = cfg.precision, cfg.model.n_layers
+    fp8_block = p.fp8 != "off" and (layer_id >= n or p.fp8_bf16_first_layers <= layer_id < n - p.fp8_bf16_last_layers)
+    sh = replace(sh, fp8_kept=p.fp8 if fp8_block and p.fp8_saved_activations else "")
+    return replace(sh, param_bytes=0) if layer_id >= n else sh
 
 
 def layer_bytes(cfg: Config, layer_id: int, sh: Shapes) -> Bytes:

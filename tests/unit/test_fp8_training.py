@@ -200,6 +200,22 @@ def test_apply_fp8_exclusions_first_last_layers_and_alignment():
     assert type(model.layers[0].attn.wk) is nn.Linear and isinstance(model.layers[0].attn.wq, Fp8Linear)
 
 
+def test_unaligned_experts_are_refused_in_one_line_with_the_way_out(tmp_path):
+    """Blockwise tiles the experts' features by 128: tiny-qwen3's 64/32 are refused before anything
+    is written (exit 2), and fp8_exclude, the way out the message names, keeps them in bf16."""
+    cfg, model = built("tiny-qwen3", {}, "blockwise")
+    with pytest.raises(ConfigError, match=r"^precision.fp8=blockwise needs model.dim \(64\) and "
+                                          r"moe.expert_hidden \(32\) to be multiples of 128") as err:
+        apply_fp8(model, cfg.precision, "cpu")
+    assert "\n" not in str(err.value) and "fp8_exclude" in str(err.value)
+    run = tmp_path / "run"
+    assert main(["train", "--config", "tiny-qwen3", "--run-dir", str(run), "--precision.fp8", "blockwise"]) == 2
+    assert not (run / "metrics.jsonl").exists()
+    cfg, model = built("tiny-qwen3", {"precision.fp8_exclude": '["*.experts"]'}, "blockwise")
+    apply_fp8(model, cfg.precision, "cpu")  # no error; the (unaligned) experts stay as they were
+    assert not any(isinstance(m, Fp8GroupedExperts) for m in model.modules())
+
+
 def test_apply_fp8_off_changes_nothing_and_bad_pattern_is_one_line():
     cfg, model = built("tiny-qwen3", QWEN3, "off")
     before = [(n, type(m)) for n, m in model.named_modules()]

@@ -7,7 +7,9 @@ does: the router, the shared-expert gate, embeddings, the output head, norms, th
 (softmax(QK^T)V) and MTP's projection; nor the blocks in `fp8_bf16_first_layers` /
 `fp8_bf16_last_layers`, modules matched by `fp8_exclude` (a module is excluded when its name or
 a parent's name matches a pattern) and linears whose features are not multiples of the recipe's
-alignment (16, or 128 for blockwise), which the FP8 kernels need.
+alignment (16, or 128 for blockwise), which the FP8 kernels need. Routed experts whose features
+are not aligned are refused (ConfigError) rather than silently left in bf16: they are most of an
+MoE's GEMM time, and `fp8_exclude` keeps them in bf16 on purpose.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ def apply_fp8(model: nn.Module, precision: PrecisionConfig, device_type: str,
                 _raise_pad_multiple(module, grouped.row_multiple)
                 continue
             if isinstance(module, Experts):
+                _check_experts_aligned(module, precision.fp8, grouped.row_multiple)
                 setattr(model.get_submodule(parent_name), attr,
                         _fp8_experts(module, grouped_gemm, grouped, grouped_saver))
             elif type(module) is nn.Linear and attr not in _NEVER_FP8 and _aligned(module, lin.row_multiple):
@@ -113,6 +116,16 @@ def _keeps_fp8_input(parent: nn.Module, attr: str, shared_inputs: bool) -> bool:
 
 def _aligned(linear: nn.Linear, multiple: int) -> bool:
     return linear.in_features % multiple == 0 and linear.out_features % multiple == 0
+
+
+def _check_experts_aligned(experts: Experts, recipe: str, multiple: int) -> None:
+    """The grouped FP8 kernels tile the experts' features: unlike an unaligned linear, which stays
+    bf16, unaligned experts (most of an MoE's GEMM time) are refused with the way out."""
+    _, dim, hidden = experts.w1_EDF.shape
+    if dim % multiple or hidden % multiple:
+        raise ConfigError(f"precision.fp8={recipe} needs model.dim ({dim}) and moe.expert_hidden ({hidden}) "
+                          f"to be multiples of {multiple} for the routed experts; keep them in bf16 with "
+                          "precision.fp8_exclude=['*.experts'] or choose another recipe")
 
 
 def _fp8_experts(experts: Experts, gemm, scaling, saver) -> Fp8GroupedExperts:

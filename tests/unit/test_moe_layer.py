@@ -133,3 +133,47 @@ def test_expert_bias_lowers_load_imbalance_of_a_skewed_router():
     late_with, late_without = sum(with_bias[-20:]) / 20, sum(without[-20:]) / 20
     assert late_with < 2.0, late_with
     assert late_without > 3.0, late_without
+
+
+class _GarbagePastTheEnd(torch.autograd.Function):
+    """torch._grouped_mm with NaN in every output row past the last group, forward and grad_input:
+    what the CUDA kernels (torch's, moefold's Triton ones) may leave in those unwritten rows."""
+
+    @staticmethod
+    def forward(ctx, x_RX, w_EXY, offsets_E):
+        ctx.save_for_backward(x_RX, w_EXY, offsets_E)
+        out = torch._grouped_mm(x_RX, w_EXY, offs=offsets_E)
+        out[int(offsets_E[-1]):] = float("nan")
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_RY):
+        x_RX, w_EXY, offsets_E = ctx.saved_tensors
+        grad_RY = grad_RY.clone()
+        grad_RY[int(offsets_E[-1]):] = 0.0  # what autograd hands back for rows nobody read
+        grad_x = torch._grouped_mm(grad_RY, w_EXY.transpose(-2, -1), offs=offsets_E)
+        grad_x[int(offsets_E[-1]):] = float("nan")
+        return grad_x, torch._grouped_mm(x_RX.t(), grad_RY, offs=offsets_E), None
+
+
+@pytest.mark.skipif("grouped_mm" not in BACKENDS, reason="needs torch._grouped_mm on the CPU")
+@pytest.mark.parametrize("memory_efficient", [True, False])
+def test_rows_past_the_last_group_are_never_read(monkeypatch, memory_efficient):
+    """The grouped GEMM never writes rows past the last group (the buffer's tail, R = N + E·(m−1)
+    rows with padding): the layer must not read them, forward or backward. With NaN there, the
+    output and every gradient equal the clean run's."""
+    cfg = MoEConfig(num_experts=4, top_k=2, expert_hidden=8, experts_backend="grouped_mm", pad_multiple=8,
+                    memory_efficient_permute=memory_efficient)
+    x = torch.randn(20, 16, generator=torch.Generator().manual_seed(0))
+    results = []
+    for garbage in (False, True):
+        if garbage:
+            monkeypatch.setattr("moefold.moe.experts.grouped_mm", _GarbagePastTheEnd.apply)
+        layer = build(cfg, 16, seed=0).float()
+        xr = x.clone().requires_grad_()
+        y = layer(xr)
+        y.square().sum().backward()
+        results.append([y.detach(), xr.grad, *(p.grad for p in layer.parameters())])
+    for clean, dirty in zip(*results):
+        assert torch.isfinite(dirty).all()
+        torch.testing.assert_close(dirty, clean, rtol=0, atol=0)

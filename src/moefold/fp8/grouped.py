@@ -139,6 +139,15 @@ class ScaledGroupedMMFp8Gemm(EmulatedFp8GroupedGemm):
         return torch._scaled_grouped_mm(a_MR, b_RN, sa_EM, sb_EN, offs=offsets_E, out_dtype=torch.bfloat16)
 
 
+def _require_triton() -> None:
+    """Import the Triton kernels (registering the torch.ops.moefold ops), or say what is missing."""
+    from moefold.fp8 import triton_grouped
+
+    if not triton_grouped.HAS_TRITON:
+        raise ConfigError("precision.fp8_grouped_gemm=triton needs the triton package, which is not "
+                          "installed; use cutlass")
+
+
 class TritonFp8GroupedGemm(ScaledGroupedMMFp8Gemm):
     """The same quantization and layouts as ScaledGroupedMMFp8Gemm, the GEMMs in Triton
     (fp8/triton_grouped.py) instead of torch's CUTLASS kernel. Not run in CI:
@@ -147,11 +156,7 @@ class TritonFp8GroupedGemm(ScaledGroupedMMFp8Gemm):
     name = "triton"
 
     def __init__(self):
-        from moefold.fp8 import triton_grouped  # registers the torch.ops.moefold kernels
-
-        if not triton_grouped.HAS_TRITON:
-            raise ConfigError("precision.fp8_grouped_gemm=triton needs the triton package, which is not "
-                              "installed; use cutlass")
+        _require_triton()
 
     @staticmethod
     def _rows(a_RK, b_EKN, sa_R, sb_EN, offsets_E):
@@ -172,7 +177,7 @@ class TritonBlockwiseFp8GroupedGemm(EmulatedFp8GroupedGemm):
     name = "triton-blockwise"
 
     def __init__(self):
-        TritonFp8GroupedGemm()  # the same requirement: raises without triton
+        _require_triton()
 
     def grouped_mm(self, x_RK, w_EKN, offsets_E, scaling, dtype):
         operands = blockwise_rows_operands(x_RK, w_EKN, scaling)
@@ -183,11 +188,22 @@ class TritonBlockwiseFp8GroupedGemm(EmulatedFp8GroupedGemm):
         return cast(torch.ops.moefold.fp8_grouped_mm_contract_blockwise(*operands, offsets_E), dtype)
 
 
+def _rows_layout(x_RK, w_EKN, scaling: GemmScaling):
+    """x and w in FP8 as the rows kernels read them (x row-major, each expert's w column-major),
+    with their scales as `quantize` gives them."""
+    x_fp8, scale_x = quantize(x_RK, scaling.a)
+    w_fp8, scale_w = quantize(w_EKN, scaling.b)
+    return x_fp8, w_fp8.transpose(-2, -1).contiguous().transpose(-2, -1), scale_x, scale_w
+
+
+def _contract_layout(x_fp8_RK, g_fp8_RN):
+    """x^T row-major and grad column-major: both read along the rows (the contraction)."""
+    return x_fp8_RK.t().contiguous(), g_fp8_RN.t().contiguous().t()
+
+
 def blockwise_rows_operands(x_RK, w_EKN, scaling: GemmScaling):
     """x row-major with [R, K/128] scales, each expert's w column-major with [E, K/128, N/128]."""
-    x_fp8, scale_RKb = quantize(x_RK, scaling.a)
-    w_fp8, scale_EKbNb = quantize(w_EKN, scaling.b)
-    w_fp8 = w_fp8.transpose(-2, -1).contiguous().transpose(-2, -1)
+    x_fp8, w_fp8, scale_RKb, scale_EKbNb = _rows_layout(x_RK, w_EKN, scaling)
     return x_fp8, w_fp8, scale_RKb.contiguous(), scale_EKbNb.contiguous()
 
 
@@ -197,15 +213,13 @@ def blockwise_contract_operands(x_RK, grad_RN, scaling: GemmScaling):
     x_RK, grad_RN = pad_rows(x_RK, BLOCK), pad_rows(grad_RN, BLOCK)
     x_fp8, scale_RbK = quantize(x_RK, scaling.a)
     g_fp8, scale_RbN = quantize(grad_RN, scaling.b)
-    return x_fp8.t().contiguous(), g_fp8.t().contiguous().t(), scale_RbK.contiguous(), scale_RbN.contiguous()
+    return *_contract_layout(x_fp8, g_fp8), scale_RbK.contiguous(), scale_RbN.contiguous()
 
 
 def rows_operands(x_RK, w_EKN, scaling: GemmScaling):
     """FP8 operands and fp32 scales of a rows-grouped GEMM (forward, grad_input) in the layout the
     kernels read: x row-major, each expert's w column-major; scales [R] and [E, N]."""
-    x_fp8, scale_R1 = quantize(x_RK, scaling.a)
-    w_fp8, scale_E1N = quantize(w_EKN, scaling.b)
-    w_fp8 = w_fp8.transpose(-2, -1).contiguous().transpose(-2, -1)
+    x_fp8, w_fp8, scale_R1, scale_E1N = _rows_layout(x_RK, w_EKN, scaling)
     return x_fp8, w_fp8, scale_R1.reshape(-1), scale_E1N.flatten(1)
 
 
@@ -217,7 +231,7 @@ def contract_operands(x_RK, grad_RN, offsets_E, scaling: GemmScaling):
     x_RK, grad_RN = pad_rows(x_RK, COLUMN_CHUNK), pad_rows(grad_RN, COLUMN_CHUNK)
     x_fp8, scale_EK = quantize_group_columns(x_RK, offsets_E, scaling.a)
     g_fp8, scale_EN = quantize_group_columns(grad_RN, offsets_E, scaling.b)
-    return x_fp8.t().contiguous(), g_fp8.t().contiguous().t(), scale_EK.reshape(-1), scale_EN.reshape(-1)
+    return *_contract_layout(x_fp8, g_fp8), scale_EK.reshape(-1), scale_EN.reshape(-1)
 
 
 class HighPrecisionGroupedWeightGrad:

@@ -86,6 +86,12 @@ def _row_tile_ends(offsets_E: torch.Tensor, bm: int) -> torch.Tensor:
     return ((rows_E + bm - 1) // bm).cumsum(0).to(torch.int32)
 
 
+def _row_schedule(offsets_E: torch.Tensor, R: int, bm: int) -> tuple[torch.Tensor, int]:
+    """The rows kernels' sync-free schedule: each expert's cumulative tile count (on the device)
+    and the bound of all tiles that the grid's second axis launches."""
+    return _row_tile_ends(offsets_E, bm), _row_tiles_bound(R, offsets_E.shape[0], bm)
+
+
 if HAS_TRITON:
 
     @triton.jit
@@ -243,8 +249,8 @@ if HAS_TRITON:
         (R, K), (E, _, N) = a_RK.shape, b_EKN.shape
         t = rows_tiles(N)
         out_RN = torch.empty(R, N, device=a_RK.device, dtype=torch.bfloat16)
-        tile_ends_E = _row_tile_ends(offsets_E, t["BM"])
-        grid = (triton.cdiv(N, t["BN"]), _row_tiles_bound(R, E, t["BM"]))
+        tile_ends_E, row_tiles = _row_schedule(offsets_E, R, t["BM"])
+        grid = (triton.cdiv(N, t["BN"]), row_tiles)
         wrap_triton(_fp8_grouped_gemm_rows)[grid](
             a_RK, b_EKN, sa_R, sb_EN, out_RN, offsets_E, tile_ends_E, N, K, E,
             a_RK.stride(0), a_RK.stride(1), b_EKN.stride(0), b_EKN.stride(1), b_EKN.stride(2),
@@ -272,8 +278,8 @@ if HAS_TRITON:
         (R, K), (E, _, N) = a_RK.shape, b_EKN.shape
         t = BLOCKWISE_TILES
         out_RN = torch.empty(R, N, device=a_RK.device, dtype=torch.bfloat16)
-        tile_ends_E = _row_tile_ends(offsets_E, t["BM"])
-        grid = (N // BLOCK, _row_tiles_bound(R, E, t["BM"]))
+        tile_ends_E, row_tiles = _row_schedule(offsets_E, R, t["BM"])
+        grid = (N // BLOCK, row_tiles)
         wrap_triton(_fp8_grouped_gemm_rows_blockwise)[grid](
             a_RK, b_EKN, sa_RKb, sb_EKbNb, out_RN, offsets_E, tile_ends_E, N, K, E,
             a_RK.stride(0), a_RK.stride(1), b_EKN.stride(0), b_EKN.stride(1), b_EKN.stride(2),

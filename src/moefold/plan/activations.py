@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from moefold.config import Config
+from moefold.fp8.gemm import linear_scaling
 from moefold.fp8.grouped import grouped_scaling
 
 CATEGORIES = ("embedding", "norm", "attn_proj", "attn_core", "mlp", "router", "moe_dispatch",
@@ -50,8 +51,8 @@ class Shapes:
     imbalance: float = 1.0  # rows of the busiest expert rank over the balanced share
     param_bytes: int = 0  # parameters as forward reads them (FSDP gathers them in their own dtype);
     # 0: the compute dtype's
-    fp8_kept: str = ""  # precision.fp8's recipe where this block keeps GEMM inputs in FP8
-    # (precision.fp8_saved_activations), else ""; set per block by block_shapes
+    fp8_kept: str = ""  # the tile kind of the FP8 inputs this block keeps ("tensor", "row",
+    # "1x128"; precision.fp8_saved_activations), else ""; set per block by block_shapes
 
     @property
     def tokens(self) -> int:
@@ -82,10 +83,10 @@ Bytes = dict[str, int]
 def kept_input(rows: int, cols: int, sh: Shapes, fp8: bool = True) -> int:
     """Bytes a linear keeps of its [rows, cols] input: the compute dtype, or, where inputs are kept
     in FP8 (fp8/saved.py) and this linear runs in FP8, 1 byte per element plus the forward tiles'
-    fp32 scales — one per row (rowwise), per 128 columns of a row (blockwise), one (tensorwise)."""
+    fp32 scales — one per row, per 128 columns of a row (1x128 tiles), or one for the tensor."""
     if not (sh.fp8_kept and fp8):
         return rows * cols * sh.act_bytes
-    scales = {"rowwise": rows, "blockwise": rows * (cols // 128), "tensorwise": 1}[sh.fp8_kept]
+    scales = {"row": rows, "1x128": rows * (cols // 128), "tensor": 1}[sh.fp8_kept]
     return rows * cols + scales * FP32
 
 
@@ -101,7 +102,9 @@ def sibling_inputs(rows: int, cols: int, sh: Shapes, fp8: list[bool]) -> int:
 def fp8_linear(cfg: Config, in_features: int, out_features: int) -> bool:
     """Whether apply_fp8 converts a linear of these (global) features: both multiples of the
     recipe's alignment (16; 128 for blockwise)."""
-    multiple = 128 if cfg.precision.fp8 == "blockwise" else 16
+    if cfg.precision.fp8 == "off":
+        return False
+    multiple = linear_scaling(cfg.precision.fp8).row_multiple
     return in_features % multiple == 0 and out_features % multiple == 0
 
 
@@ -233,8 +236,8 @@ def dispatch_bytes(cfg: Config, sh: Shapes, rows: int) -> int:
 def experts_bytes(cfg: Config, sh: Shapes, rows: int) -> int:
     moe, a, D = cfg.moe, sh.act_bytes, cfg.model.dim
     F = moe.expert_hidden // sh.etp
-    if sh.fp8_kept == "tensorwise":  # the experts' FP8 GEMMs scale rows even then (fp8/grouped.py)
-        sh = replace(sh, fp8_kept="rowwise")
+    if sh.fp8_kept:  # the experts' own tiles (a tensorwise run's experts scale rows: fp8/grouped.py)
+        sh = replace(sh, fp8_kept=grouped_scaling(cfg.precision.fp8).forward.a.tile)
     gated = GATED[moe.activation]
     # The input rows (in FP8 once per input GEMM where inputs are kept in FP8), int32 offsets,
     # and the activation's output h, which the down GEMM keeps.
@@ -318,7 +321,8 @@ def block_shapes(cfg: Config, layer_id: int, sh: Shapes) -> Shapes:
     `fp8_exclude` is not modelled: excluded modules are counted as converted)."""
     p, n = cfg.precision, cfg.model.n_layers
     fp8_block = p.fp8 != "off" and (layer_id >= n or p.fp8_bf16_first_layers <= layer_id < n - p.fp8_bf16_last_layers)
-    sh = replace(sh, fp8_kept=p.fp8 if fp8_block and p.fp8_saved_activations else "")
+    kept = linear_scaling(p.fp8).forward.a.tile if fp8_block and p.fp8_saved_activations else ""
+    sh = replace(sh, fp8_kept=kept)
     return replace(sh, param_bytes=0) if layer_id >= n else sh
 
 

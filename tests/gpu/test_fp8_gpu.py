@@ -9,10 +9,13 @@ import pytest
 import torch
 
 from moefold.fp8.gemm import EmulatedFp8Gemm, ScaledMMFp8Gemm, linear_scaling
+from moefold.fp8.recipes import E4M3, E5M2, Operand
 from moefold.fp8.grouped import (
     EmulatedFp8GroupedGemm,
     HighPrecisionGroupedWeightGrad,
     ScaledGroupedMMFp8Gemm,
+    TorchColumnQuantizer,
+    TritonColumnQuantizer,
     TritonFp8GroupedGemm,
     build_grouped_gemm,
     fp8_grouped_mm,
@@ -81,6 +84,35 @@ def test_scaled_grouped_mm_matches_emulation_forward_backward(recipe, kernel):
         results.append((y.detach()[:sum(sizes)], xr.grad[:sum(sizes)], wr.grad))
     for out, ref in zip(*results):
         assert_bf16_close(out, ref)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_triton_column_quantizers_match_torch_byte_for_byte(fmt, compiled):
+    """fp8/triton_quant.py (eager, and traced by torch.compile as training runs it) against the
+    eager plain-PyTorch quantizer at a Qwen3 expert shape: the same FP8 bytes and the same scales, for the
+    weight gradient's grouped columns (uneven groups, an empty one, rows past the last group,
+    row- and column-major input) and for each expert's weight and its transpose."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    E, K, N = 128, 2048, 768
+    sizes_E = torch.randint(0, 40, (E,), generator=g, device="cuda") * 16
+    sizes_E[3] = 0
+    offsets_E = sizes_E.cumsum(0).to(torch.int32)
+    ends = int(offsets_E[-1])
+    x = torch.randn(ends + 40, K, device="cuda", generator=g, dtype=torch.bfloat16) * 3
+    w = torch.randn(E, K, N, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02
+    op, torch_q, triton_q = Operand("col", fmt), TorchColumnQuantizer(), TritonColumnQuantizer()
+    run = torch.compile if compiled else (lambda f: f)
+    for xx in (x, x.t().contiguous().t()):
+        ref_t, ref_s = torch_q.group_columns_t(xx, offsets_E, op)
+        out_t, out_s = run(triton_q.group_columns_t)(xx, offsets_E, op)
+        assert torch.equal(out_s, ref_s)
+        assert torch.equal(out_t[:, :ends].view(torch.uint8), ref_t[:, :ends].view(torch.uint8))
+    for ww in (w, w.transpose(-2, -1)):
+        ref_w, ref_s = torch_q.weight(ww, op)
+        out_w, out_s = run(triton_q.weight)(ww, op)
+        assert torch.equal(out_s, ref_s) and out_w.stride() == ref_w.stride()
+        assert torch.equal(out_w.view(torch.uint8), ref_w.view(torch.uint8))
 
 
 @pytest.mark.parametrize("gemm", GEMMS)
@@ -241,7 +273,7 @@ def test_fp8_training_follows_emulation_and_bf16(tmp_path, monkeypatch, compiled
     common = ("--train.compile", compiled)
     kernels = _train_losses(tmp_path, "kernels", *common, "--precision.fp8", "rowwise")
     bf16 = _train_losses(tmp_path, "bf16", *common)
-    monkeypatch.setattr(fp8_apply, "build_gemm", lambda device_type: Emulated())
+    monkeypatch.setattr(fp8_apply, "build_gemm", lambda *args: Emulated())
     monkeypatch.setattr(fp8_apply, "build_grouped_gemm", lambda *args: EmulatedFp8GroupedGemm())
     emulated = _train_losses(tmp_path, "emulated", *common, "--precision.fp8", "rowwise")
     # Step by step while the runs agree closely; then as 5-step means, since a loss spike's height
@@ -273,7 +305,7 @@ def test_fp8_model_gradients_match_emulation(monkeypatch, recipe, compiled):
 
     def gradients(kernels: bool, embedding_scale: float = 1.0):
         if not kernels:
-            monkeypatch.setattr(fp8_apply, "build_gemm", lambda device_type: EmulatedFp8Gemm())
+            monkeypatch.setattr(fp8_apply, "build_gemm", lambda *args: EmulatedFp8Gemm())
             monkeypatch.setattr(fp8_apply, "build_grouped_gemm", lambda *args: EmulatedFp8GroupedGemm())
         torch.manual_seed(0)
         model = build_model(cfg, 257, "cuda", torch.bfloat16)

@@ -40,8 +40,11 @@ def test_backend_choice():
 
 INTERPRETED = """
 import torch
-from moefold.fp8.grouped import (EmulatedFp8GroupedGemm, TritonBlockwiseFp8GroupedGemm, TritonFp8GroupedGemm,
-                                 fp8_grouped_mm, grouped_scaling)
+from moefold.fp8.grouped import (TORCH_COLUMNS, EmulatedFp8GroupedGemm, TritonBlockwiseFp8GroupedGemm,
+                                 TritonFp8GroupedGemm, fp8_grouped_mm, grouped_scaling)
+# The GEMM kernels alone: the interpreter's fp32 -> fp8 cast is not the GPU's, so the Triton column
+# quantizers (tested on their own in test_fp8_triton_quant.py) would not give the emulation's bytes.
+TritonFp8GroupedGemm.columns = TORCH_COLUMNS
 torch.manual_seed(0)
 cases = [  # recipe, kernel, group sizes (multiples of the recipe's row multiple, one empty), widths
     ("rowwise", TritonFp8GroupedGemm, [32, 0, 160, 16, 48], (128, 1024)),  # narrow and wide tiles

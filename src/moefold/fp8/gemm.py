@@ -132,21 +132,36 @@ class ScaledMMFp8Gemm(Fp8GemmBase):
 
     @staticmethod
     def _blockwise(a_fp8, scale_a, b_fp8, scale_b, kinds):
-        st = F.ScalingType
         if kinds[0] != "1x128" or kinds[1] not in ("128x128", "128x1"):
             raise ValueError(f"ScaledMMFp8Gemm: no cuBLAS kernel for tiles {kinds}")
-        # cuBLAS reads every blockwise scale outer-dim-major: a's 1x128 scales as [M, K/128] with
-        # stride 1 along M; b's 128x1 scales as [N, K/128] with stride 1 along N; b's 128x128 scales
-        # as [K/128, N/128] with stride 1 along K/128, K/128 padded to a multiple of 4.
-        scale_a = scale_a.t().contiguous().t()
-        if kinds[1] == "128x128":
-            kb = scale_b.shape[0]
-            scale_b = F.pad(scale_b, (0, 0, 0, -kb % 4), value=1.0).t().contiguous().t()
-            recipe_b = st.BlockWise128x128
-        else:
-            scale_b, recipe_b = scale_b.t(), st.BlockWise1x128
-        return F.scaled_mm(a_fp8, b_fp8, scale_a, st.BlockWise1x128, scale_b, recipe_b,
-                           output_dtype=torch.bfloat16)
+        return torch.ops.moefold.scaled_mm_blockwise(a_fp8, scale_a, b_fp8, scale_b, kinds[1])
+
+
+@torch.library.custom_op("moefold::scaled_mm_blockwise", mutates_args=())
+def scaled_mm_blockwise(a_fp8: torch.Tensor, scale_a: torch.Tensor, b_fp8: torch.Tensor,
+                        scale_b: torch.Tensor, b_tile: str) -> torch.Tensor:
+    """bf16 a_MK·b_KN with DeepSeek's scales (a: 1x128 [M, K/128]; b: "128x128" [K/128, N/128] or
+    "128x1" [K/128, N]) through cuBLAS (`F.scaled_mm`). An opaque op to torch.compile: Dynamo
+    cannot trace torch 2.11's F.scaled_mm, and a graph break there would leave every quantization
+    around the blockwise linears eager."""
+    st = F.ScalingType
+    # cuBLAS reads every blockwise scale outer-dim-major: a's 1x128 scales as [M, K/128] with
+    # stride 1 along M; b's 128x1 scales as [N, K/128] with stride 1 along N; b's 128x128 scales
+    # as [K/128, N/128] with stride 1 along K/128, K/128 padded to a multiple of 4.
+    scale_a = scale_a.t().contiguous().t()
+    if b_tile == "128x128":
+        kb = scale_b.shape[0]
+        scale_b = F.pad(scale_b, (0, 0, 0, -kb % 4), value=1.0).t().contiguous().t()
+        recipe_b = st.BlockWise128x128
+    else:
+        scale_b, recipe_b = scale_b.t(), st.BlockWise1x128
+    return F.scaled_mm(a_fp8.contiguous(), b_fp8.t().contiguous().t(), scale_a, st.BlockWise1x128,
+                       scale_b, recipe_b, output_dtype=torch.bfloat16)
+
+
+@scaled_mm_blockwise.register_fake
+def _(a_fp8, scale_a, b_fp8, scale_b, b_tile):
+    return a_fp8.new_empty(a_fp8.shape[0], b_fp8.shape[1], dtype=torch.bfloat16)
 
 
 class HighPrecisionWeightGrad(Fp8GemmBase):

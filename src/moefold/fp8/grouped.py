@@ -74,7 +74,7 @@ def _quantize_chunks(x_RN: torch.Tensor, offsets_E: torch.Tensor, op: Operand):
     gid_C = _chunk_group_ids(offsets_E, C)
     amax_GN = torch.zeros(E + 1, N, device=x_RN.device, dtype=torch.float32)
     amax_GN.scatter_reduce_(0, gid_C[:, None].expand(C, N), x_CcN.abs().amax(dim=1).float(), "amax")
-    scale_GN = torch.where(amax_GN > 0, amax_GN / op.fmt.max, torch.ones_like(amax_GN))
+    scale_GN = torch.where(amax_GN > 0, amax_GN * op.fmt.inv_max, torch.ones_like(amax_GN))
     scale_C1N = scale_GN[gid_C][:, None, :]
     x_fp8_CcN = (x_CcN.float() / scale_C1N).clamp(-op.fmt.max, op.fmt.max).to(op.fmt.dtype)
     return x_fp8_CcN, scale_C1N, scale_GN
@@ -88,6 +88,48 @@ def fake_quant_groups(x_RN: torch.Tensor, offsets_E: torch.Tensor, op: Operand,
         x_fp8_CcN, scale_C1N, _ = _quantize_chunks(pad_rows(x_RN, COLUMN_CHUNK), offsets_E, op)
         return (x_fp8_CcN.float() * scale_C1N).view(-1, N)[:R].to(dtype)
     return fake_quant(pad_rows(x_RN, BLOCK), op, dtype)[:R]
+
+
+class TorchColumnQuantizer:
+    """The column-scaled operands of the rowwise grouped GEMMs in plain PyTorch (any device):
+    quantize, then a transposing copy into the layout the kernels read. The reference for
+    TritonColumnQuantizer."""
+
+    name = "torch"
+
+    def weight(self, w_EKN, op: Operand):
+        """(each expert's w in FP8, column-major, as [E, K, N]; its per-column scales [E, N])."""
+        w_fp8, scale_E1N = quantize(w_EKN, op)
+        return w_fp8.transpose(-2, -1).contiguous().transpose(-2, -1), scale_E1N.flatten(1)
+
+    def group_columns_t(self, x_RK, offsets_E, op: Operand):
+        """(x^T in FP8, [K, R'] row-major, R' = R rounded up to 16; per-group column scales [E, K]).
+        The kernels read x^T with a row stride of R' bytes, which must be a multiple of 16 (as
+        quantize_group_columns' chunks): zero rows past the last offset (never read) pad R."""
+        x_fp8, scale_EK = quantize_group_columns(pad_rows(x_RK, COLUMN_CHUNK), offsets_E, op)
+        return x_fp8.t().contiguous(), scale_EK
+
+
+class TritonColumnQuantizer:
+    """TorchColumnQuantizer's operands, bit for bit, from one Triton kernel each (fp8/triton_quant.py):
+    the amax, the cast and the transposed store in one pass over the group's columns, instead of
+    Inductor's scatter-reduce and a separate transposing copy. CUDA only."""
+
+    name = "triton"
+
+    def weight(self, w_EKN, op: Operand):
+        from moefold.fp8.triton_quant import quantize_batch_columns_t
+
+        wT_ENK, scale_EN = quantize_batch_columns_t(w_EKN, op.fmt)
+        return wT_ENK.transpose(-2, -1), scale_EN
+
+    def group_columns_t(self, x_RK, offsets_E, op: Operand):
+        from moefold.fp8.triton_quant import quantize_group_columns_t
+
+        return quantize_group_columns_t(x_RK, offsets_E, op.fmt)
+
+
+TORCH_COLUMNS = TorchColumnQuantizer()
 
 
 class EmulatedFp8GroupedGemm:
@@ -117,16 +159,18 @@ class ScaledGroupedMMFp8Gemm(EmulatedFp8GroupedGemm):
     """
 
     name = "scaled_grouped_mm"
+    columns = TORCH_COLUMNS
 
     def grouped_mm(self, x_RK, w_EKN, offsets_E, scaling, dtype):
         if scaling.a.tile != "row":
             return super().grouped_mm(x_RK, w_EKN, offsets_E, scaling, dtype)
-        return cast(self._rows(*rows_operands(x_RK, w_EKN, scaling), offsets_E), dtype)
+        return cast(self._rows(*rows_operands(x_RK, w_EKN, scaling, self.columns), offsets_E), dtype)
 
     def grouped_weight_grad(self, x_RK, grad_RN, offsets_E, scaling, dtype):
         if scaling.a.tile != "col":
             return super().grouped_weight_grad(x_RK, grad_RN, offsets_E, scaling, dtype)
-        return cast(self._contract(*contract_operands(x_RK, grad_RN, offsets_E, scaling), offsets_E), dtype)
+        operands = contract_operands(x_RK, grad_RN, offsets_E, scaling, self.columns)
+        return cast(self._contract(*operands, offsets_E), dtype)
 
     @staticmethod
     def _rows(a_RK, b_EKN, sa_R, sb_EN, offsets_E):
@@ -149,11 +193,13 @@ def _require_triton() -> None:
 
 
 class TritonFp8GroupedGemm(ScaledGroupedMMFp8Gemm):
-    """The same quantization and layouts as ScaledGroupedMMFp8Gemm, the GEMMs in Triton
-    (fp8/triton_grouped.py) instead of torch's CUTLASS kernel. Not run in CI:
+    """The same FP8 operands and layouts as ScaledGroupedMMFp8Gemm, the GEMMs in Triton
+    (fp8/triton_grouped.py) instead of torch's CUTLASS kernel, the column-scaled operands quantized
+    by Triton kernels too (fp8/triton_quant.py). Not run in CI:
     tests/gpu/test_fp8_gpu.py compares it with torch's kernel and the emulation."""
 
     name = "triton"
+    columns = TritonColumnQuantizer()
 
     def __init__(self):
         _require_triton()
@@ -216,22 +262,20 @@ def blockwise_contract_operands(x_RK, grad_RN, scaling: GemmScaling):
     return *_contract_layout(x_fp8, g_fp8), scale_RbK.contiguous(), scale_RbN.contiguous()
 
 
-def rows_operands(x_RK, w_EKN, scaling: GemmScaling):
+def rows_operands(x_RK, w_EKN, scaling: GemmScaling, columns=TORCH_COLUMNS):
     """FP8 operands and fp32 scales of a rows-grouped GEMM (forward, grad_input) in the layout the
     kernels read: x row-major, each expert's w column-major; scales [R] and [E, N]."""
-    x_fp8, w_fp8, scale_R1, scale_E1N = _rows_layout(x_RK, w_EKN, scaling)
-    return x_fp8, w_fp8, scale_R1.reshape(-1), scale_E1N.flatten(1)
+    x_fp8, scale_R1 = quantize(x_RK, scaling.a)
+    w_fp8, scale_EN = columns.weight(w_EKN, scaling.b)
+    return x_fp8, w_fp8, scale_R1.reshape(-1), scale_EN
 
 
-def contract_operands(x_RK, grad_RN, offsets_E, scaling: GemmScaling):
+def contract_operands(x_RK, grad_RN, offsets_E, scaling: GemmScaling, columns=TORCH_COLUMNS):
     """FP8 operands and fp32 scales of the weight gradient (contraction over each expert's rows):
-    x^T row-major, grad column-major, per-group column scales [E·K] and [E·N]. The kernels read x^T
-    and grad^T with a row stride of R bytes, which must be a multiple of 16 (as
-    quantize_group_columns' chunks): zero rows past the last offset (never read) pad R up to it."""
-    x_RK, grad_RN = pad_rows(x_RK, COLUMN_CHUNK), pad_rows(grad_RN, COLUMN_CHUNK)
-    x_fp8, scale_EK = quantize_group_columns(x_RK, offsets_E, scaling.a)
-    g_fp8, scale_EN = quantize_group_columns(grad_RN, offsets_E, scaling.b)
-    return *_contract_layout(x_fp8, g_fp8), scale_EK.reshape(-1), scale_EN.reshape(-1)
+    x^T row-major, grad column-major, per-group column scales [E·K] and [E·N]."""
+    xT_KR, scale_EK = columns.group_columns_t(x_RK, offsets_E, scaling.a)
+    gT_NR, scale_EN = columns.group_columns_t(grad_RN, offsets_E, scaling.b)
+    return xT_KR, gT_NR.t(), scale_EK.reshape(-1), scale_EN.reshape(-1)
 
 
 class HighPrecisionGroupedWeightGrad:

@@ -4,7 +4,7 @@ Legend: M rows of the activation (tokens), K contraction dim, N output features,
 R routed rows (all experts' rows, grouped by expert), Bm/Bk/Bn counts of scale blocks along M/K/N.
 
 Every recipe is the same operation with a different tile shape: split the operand into tiles, take
-each tile's amax, store `scale = amax / fp8_max` (the *dequantization* multiplier, as
+each tile's amax, store `scale = amax · (1 / fp8_max)` (the *dequantization* multiplier, as
 `torch._scaled_mm` takes it) and cast `x / scale`, clamped to ±fp8_max, to FP8. The operands of
 `a_MK @ b_KN` are tiled as follows.
 
@@ -41,6 +41,13 @@ class Fp8Format:
     mantissa_bits: int
     min_normal_exp: int
     """Exponent of the smallest normal number (values below it are subnormal)."""
+
+    @property
+    def inv_max(self) -> float:
+        """1 / max, exact in fp32. Scales are `amax * inv_max`, the same bits on every device and in
+        the Triton kernels (torch on CUDA divides by a Python scalar this way; on the CPU it
+        divides, which can differ in the last bit)."""
+        return 1.0 / self.max
 
     @property
     def unit_roundoff(self) -> float:
@@ -80,7 +87,7 @@ def quantize_tiles(x: torch.Tensor, tile: tuple[int, int], fmt: Fp8Format,
     br, bc = tile
     tiles = x.float().reshape(*batch, rows // br, br, cols // bc, bc)
     amax = tiles.abs().amax(dim=(-3, -1), keepdim=True)
-    scale = torch.where(amax > 0, amax / fmt.max, torch.ones_like(amax))
+    scale = torch.where(amax > 0, amax * fmt.inv_max, torch.ones_like(amax))
     # Saturate: x / scale can land a rounding step above fp8_max, and e4m3fn has no inf to absorb it.
     x_fp8 = (tiles / scale).clamp(-fmt.max, fmt.max).to(fmt.dtype).reshape(x.shape)
     return x_fp8, scale.reshape(*batch, rows // br, cols // bc)

@@ -25,6 +25,7 @@ import torch
 
 from moefold.dtypes import cast
 from moefold.errors import ConfigError
+from moefold.fp8 import triton_quant
 from moefold.fp8.gemm import Fp8Scaling, GemmScaling, pad_rows
 from moefold.fp8.recipes import BLOCK, Operand, fake_quant, quantize
 from moefold.fp8.saved import SaveInput
@@ -118,15 +119,11 @@ class TritonColumnQuantizer:
     name = "triton"
 
     def weight(self, w_EKN, op: Operand):
-        from moefold.fp8.triton_quant import quantize_batch_columns_t
-
-        wT_ENK, scale_EN = quantize_batch_columns_t(w_EKN, op.fmt)
+        wT_ENK, scale_EN = triton_quant.quantize_batch_columns_t(w_EKN, op.fmt)
         return wT_ENK.transpose(-2, -1), scale_EN
 
     def group_columns_t(self, x_RK, offsets_E, op: Operand):
-        from moefold.fp8.triton_quant import quantize_group_columns_t
-
-        return quantize_group_columns_t(x_RK, offsets_E, op.fmt)
+        return triton_quant.quantize_group_columns_t(x_RK, offsets_E, op.fmt)
 
 
 TORCH_COLUMNS = TorchColumnQuantizer()

@@ -3,20 +3,17 @@ the backend choice, and — where Triton is installed — the kernels themselves
 interpreter, through the experts' autograd Function, against the emulation. (CI's CPU torch has no
 Triton: there the interpreter test skips; tests/gpu/test_fp8_gpu.py runs them compiled on the H200.)"""
 
-import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from triton_interpreter import needs_triton, run_interpreted
 
 from moefold.errors import ConfigError
-from moefold.fp8.grouped import EmulatedFp8GroupedGemm, TritonFp8GroupedGemm, build_grouped_gemm
+from moefold.fp8.grouped import (
+    EmulatedFp8GroupedGemm,
+    TritonFp8GroupedGemm,
+    build_grouped_gemm,
+)
 from moefold.fp8.triton_grouped import HAS_TRITON, _row_tile_ends, _row_tiles_bound
-
-SRC = Path(__file__).resolve().parents[2] / "src"
 
 
 def test_row_tiles_count_each_experts_tiles_cumulatively():
@@ -72,9 +69,6 @@ print("ok")
 """
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs the triton package")
+@needs_triton
 def test_kernels_under_the_triton_interpreter_match_the_emulation():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "",
-           "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
+    run_interpreted(INTERPRETED)

@@ -2,15 +2,7 @@
 under Triton's CPU interpreter (skipped where Triton is not installed, as in CI;
 tests/gpu/test_fp8_gpu.py runs the same comparison compiled on the H200)."""
 
-import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-import pytest
-
-SRC = Path(__file__).resolve().parents[2] / "src"
+from triton_interpreter import needs_triton, run_interpreted
 
 COMPARE = """
 import torch
@@ -76,9 +68,6 @@ print("ok")
 """
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs the triton package")
+@needs_triton
 def test_triton_column_quantizers_match_the_reference_byte_for_byte():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "",
-           "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, "-c", COMPARE], env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
+    run_interpreted(COMPARE)

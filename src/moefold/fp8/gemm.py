@@ -76,6 +76,12 @@ def pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
     return x if extra == 0 else torch.cat([x, x.new_zeros(extra, *x.shape[1:])])
 
 
+def column_major(x: torch.Tensor) -> torch.Tensor:
+    """x with its last two dims column-major (stride 1 down the rows), as cuBLAS and the FP8
+    grouped kernels read b and some scales: a copy unless x already is."""
+    return x.transpose(-2, -1).contiguous().transpose(-2, -1)
+
+
 class Fp8GemmBase:
     """What every linear backend shares: the weight gradient as one more FP8 GEMM."""
 
@@ -118,7 +124,7 @@ class ScaledMMFp8Gemm(Fp8GemmBase):
         a_fp8, scale_a = quantize(a_MK, scaling.a)
         b_fp8, scale_b = quantize(b_KN, scaling.b)
         a_fp8 = a_fp8.contiguous()  # row-major (grad_weight's a is a transposed view)
-        b_fp8 = b_fp8.t().contiguous().t()  # column-major
+        b_fp8 = column_major(b_fp8)
         kinds = (scaling.a.tile, scaling.b.tile)
         if kinds == ("tensor", "tensor"):
             out = torch._scaled_mm(a_fp8, b_fp8, scale_a=scale_a.reshape(()), scale_b=scale_b.reshape(()),
@@ -148,14 +154,14 @@ def scaled_mm_blockwise(a_fp8: torch.Tensor, scale_a: torch.Tensor, b_fp8: torch
     # cuBLAS reads every blockwise scale outer-dim-major: a's 1x128 scales as [M, K/128] with
     # stride 1 along M; b's 128x1 scales as [N, K/128] with stride 1 along N; b's 128x128 scales
     # as [K/128, N/128] with stride 1 along K/128, K/128 padded to a multiple of 4.
-    scale_a = scale_a.t().contiguous().t()
+    scale_a = column_major(scale_a)
     if b_tile == "128x128":
         kb = scale_b.shape[0]
-        scale_b = F.pad(scale_b, (0, 0, 0, -kb % 4), value=1.0).t().contiguous().t()
+        scale_b = column_major(F.pad(scale_b, (0, 0, 0, -kb % 4), value=1.0))
         recipe_b = st.BlockWise128x128
     else:
         scale_b, recipe_b = scale_b.t(), st.BlockWise1x128
-    return F.scaled_mm(a_fp8.contiguous(), b_fp8.t().contiguous().t(), scale_a, st.BlockWise1x128,
+    return F.scaled_mm(a_fp8.contiguous(), column_major(b_fp8), scale_a, st.BlockWise1x128,
                        scale_b, recipe_b, output_dtype=torch.bfloat16)
 
 

@@ -20,17 +20,15 @@ Rows past the last offset are neither read nor written, as with torch._grouped_m
 
 from __future__ import annotations
 
-
 import torch
 
 from moefold.dtypes import cast
 from moefold.errors import ConfigError
 from moefold.fp8 import triton_quant
-from moefold.fp8.gemm import Fp8Scaling, GemmScaling, pad_rows
+from moefold.fp8.gemm import Fp8Scaling, GemmScaling, column_major, pad_rows
 from moefold.fp8.recipes import BLOCK, Operand, fake_quant, quantize
 from moefold.fp8.saved import SaveInput
 from moefold.moe.grouped_mm import grouped_mm
-
 
 COLUMN_CHUNK = 16
 """Rows per chunk of the per-group column scaling, and the rowwise grouped row multiple: every
@@ -96,12 +94,10 @@ class TorchColumnQuantizer:
     quantize, then a transposing copy into the layout the kernels read. The reference for
     TritonColumnQuantizer."""
 
-    name = "torch"
-
     def weight(self, w_EKN, op: Operand):
         """(each expert's w in FP8, column-major, as [E, K, N]; its per-column scales [E, N])."""
         w_fp8, scale_E1N = quantize(w_EKN, op)
-        return w_fp8.transpose(-2, -1).contiguous().transpose(-2, -1), scale_E1N.flatten(1)
+        return column_major(w_fp8), scale_E1N.flatten(1)
 
     def group_columns_t(self, x_RK, offsets_E, op: Operand):
         """(x^T in FP8, [K, R'] row-major, R' = R rounded up to 16; per-group column scales [E, K]).
@@ -115,8 +111,6 @@ class TritonColumnQuantizer:
     """TorchColumnQuantizer's operands, bit for bit, from one Triton kernel each (fp8/triton_quant.py):
     the amax, the cast and the transposed store in one pass over the group's columns, instead of
     Inductor's scatter-reduce and a separate transposing copy. CUDA only."""
-
-    name = "triton"
 
     def weight(self, w_EKN, op: Operand):
         wT_ENK, scale_EN = triton_quant.quantize_batch_columns_t(w_EKN, op.fmt)
@@ -236,12 +230,12 @@ def _rows_layout(x_RK, w_EKN, scaling: GemmScaling):
     with their scales as `quantize` gives them."""
     x_fp8, scale_x = quantize(x_RK, scaling.a)
     w_fp8, scale_w = quantize(w_EKN, scaling.b)
-    return x_fp8, w_fp8.transpose(-2, -1).contiguous().transpose(-2, -1), scale_x, scale_w
+    return x_fp8, column_major(w_fp8), scale_x, scale_w
 
 
 def _contract_layout(x_fp8_RK, g_fp8_RN):
     """x^T row-major and grad column-major: both read along the rows (the contraction)."""
-    return x_fp8_RK.t().contiguous(), g_fp8_RN.t().contiguous().t()
+    return x_fp8_RK.t().contiguous(), column_major(g_fp8_RN)
 
 
 def blockwise_rows_operands(x_RK, w_EKN, scaling: GemmScaling):

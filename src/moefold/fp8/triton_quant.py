@@ -38,9 +38,6 @@ ROW_ALIGN = 16
 """The transposed outputs' row count is padded to this: the GEMMs read them with a row stride of
 R bytes, which must be a multiple of 16."""
 
-_FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
-
-
 def _format_constants(fmt: str) -> dict:
     """The format's bounds as compile-time constants (a float argument would arrive as fp64 when
     Inductor launches the kernel)."""
@@ -95,7 +92,7 @@ if HAS_TRITON:
         (R, C), E = x_RC.shape, offsets_E.shape[0]
         t = QUANT_TILES
         r_out = -(-R // ROW_ALIGN) * ROW_ALIGN
-        xT_CR = torch.empty(C, r_out, device=x_RC.device, dtype=_FP8_DTYPES[fmt])
+        xT_CR = torch.empty(C, r_out, device=x_RC.device, dtype=FORMATS[fmt].dtype)
         scale_EC = torch.empty(E, C, device=x_RC.device, dtype=torch.float32)
         wrap_triton(_fp8_quantize_columns_t)[(triton.cdiv(C, t["BC"]), E)](
             x_RC, xT_CR, scale_EC, offsets_E, C, 0, 0, x_RC.stride(0), x_RC.stride(1),
@@ -107,7 +104,7 @@ if HAS_TRITON:
         """(xT_fp8 [G, C, R] contiguous, scale [G, C]): per-column scales over each entry's rows."""
         G, R, C = x_GRC.shape
         t = QUANT_TILES
-        xT_GCR = torch.empty(G, C, R, device=x_GRC.device, dtype=_FP8_DTYPES[fmt])
+        xT_GCR = torch.empty(G, C, R, device=x_GRC.device, dtype=FORMATS[fmt].dtype)
         scale_GC = torch.empty(G, C, device=x_GRC.device, dtype=torch.float32)
         dummy_offsets = scale_GC  # not read: rows are uniform
         wrap_triton(_fp8_quantize_columns_t)[(triton.cdiv(C, t["BC"]), G)](

@@ -142,6 +142,30 @@ def test_triton_grouped_gemm_matches_cutlass(gemm):
     assert_bf16_close(*outs)
 
 
+def test_triton_weight_grad_ignores_bytes_past_the_last_group():
+    """The contraction kernel's last tile of a group reaches past the group; past the last group
+    the quantizers leave the transposed operands unwritten (any bytes, NaN included). Those bytes
+    must not reach the result: NaN there gives the same gradient as zeros (with a 0·NaN in the
+    product this is NaN)."""
+    from moefold.fp8.grouped import contract_operands
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    sizes_E = torch.tensor([48, 0, 160, 208], device="cuda")  # each group's tail is partial
+    offsets_E = sizes_E.cumsum(0).to(torch.int32)
+    rows = int(offsets_E[-1])
+    x = torch.randn(rows + 64, 512, device="cuda", generator=g, dtype=torch.bfloat16)
+    gy = torch.randn(rows + 64, 256, device="cuda", generator=g, dtype=torch.bfloat16)
+    xT, grad, scale_x, scale_g = contract_operands(x, gy, offsets_E, grouped_scaling("rowwise").grad_weight,
+                                                   TritonColumnQuantizer())
+    TritonFp8GroupedGemm()  # registers the op
+    clean = torch.ops.moefold.fp8_grouped_mm_contract(xT, grad, scale_x, scale_g, offsets_E)
+    xT[:, rows:] = float("nan")
+    grad.t()[:, rows:] = float("nan")
+    dirty = torch.ops.moefold.fp8_grouped_mm_contract(xT, grad, scale_x, scale_g, offsets_E)
+    assert not clean.isnan().any()
+    assert torch.equal(clean, dirty)
+
+
 def _linear_grads(lin, x, gy):
     x = x.clone().requires_grad_()
     lin.weight.grad = None

@@ -1,8 +1,8 @@
 """The routed experts' grouped GEMMs alone, bf16 against FP8 rowwise, one row per GEMM kind.
 
-Issue 8's FP8 step is slower than bf16 because `torch._scaled_grouped_mm` took 96 ms of the
-Qwen3-30B-A3B-6L step where bf16's grouped GEMMs take about 34 (docs/fp8.md). This script says
-which of the three GEMMs is slow, and how much the quantization around them adds:
+Written when issue 8's FP8 step was slower than bf16 because `torch._scaled_grouped_mm` took 96 ms
+of the Qwen3-30B-A3B-6L step where bf16's grouped GEMMs take about 34 (docs/fp8.md). This script
+says how fast each of the three GEMMs is, and how much the quantization around them adds:
 
   forward      x_RK · w_EKN            (2d × 3d, groups along the rows)
   grad_input   grad_RN · w_ENK         (2d × 3d, the transposed weight)

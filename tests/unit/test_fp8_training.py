@@ -21,6 +21,7 @@ from moefold.fp8.grouped import (
     EmulatedFp8GroupedGemm,
     HighPrecisionGroupedWeightGrad,
     fp8_grouped_mm,
+    fp8_grouped_mms,
     grouped_scaling,
 )
 from moefold.fp8.linear import Fp8Linear
@@ -142,6 +143,66 @@ def test_fp8_grouped_mm_matches_per_expert_loop(recipe, sizes):
     assert_close64(y_RN.detach()[:used], out)
     assert_close64(x_RK.grad[:used], gx)
     assert_close64(w_EKN.grad, gw)
+
+
+@pytest.mark.parametrize("fp8_saved", [False, True], ids=["input", "fp8-input"])
+@pytest.mark.parametrize("weight_grad", ["fp8", "bf16"])
+@pytest.mark.parametrize("recipe,sizes", [("rowwise", [32, 0, 48, 16]), ("blockwise", [128, 0, 256, 128])])
+def test_gate_and_up_in_one_function_equal_one_call_each(recipe, sizes, weight_grad, fp8_saved):
+    """fp8_grouped_mms (gate and up reading one x, which it quantizes and keeps once) gives the
+    outputs and gradients of one fp8_grouped_mm per weight bit for bit, and keeps x once: with
+    FP8 saved activations one FP8 copy where separate calls keep two. A frozen weight gets no
+    gradient."""
+    scaling = grouped_scaling(recipe)
+    gemm = EmulatedFp8GroupedGemm()
+    gemm = HighPrecisionGroupedWeightGrad(gemm) if weight_grad == "bf16" else gemm
+    saver = SaveFp8Input(scaling.forward.a) if fp8_saved else SaveInput()
+    E, K, N, used = len(sizes), 128, 256, sum(sizes)
+    offsets_E = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    x = rand((used + 16, K), 3)
+    w1, w3 = (0.05 * rand((E, K, N), seed, outliers=False) for seed in (4, 6))
+    g1, g3 = (torch.cat([rand((used, N), seed), torch.zeros(16, N)]) for seed in (5, 7))
+
+    def run(joint: bool, frozen_w3: bool = False):
+        xr, w1r, w3r = x.clone().requires_grad_(), w1.clone().requires_grad_(), w3.clone().requires_grad_(not frozen_w3)
+        if joint:
+            (y1, y3), saved = _saved_inputs(lambda: fp8_grouped_mms(xr, [w1r, w3r], offsets_E, gemm, scaling, saver))
+        else:
+            (y1, y3), saved = _saved_inputs(lambda: [fp8_grouped_mm(xr, w, offsets_E, gemm, scaling, saver)
+                                                     for w in (w1r, w3r)])
+        torch.autograd.backward([y1, y3], [g1, g3])
+        kept_x = [t for t in saved if t.shape == x.shape]
+        return [y1.detach()[:used], y3.detach()[:used], xr.grad[:used], w1r.grad, w3r.grad], kept_x
+
+    (joint, kept_joint), (separate, kept_separate) = run(True), run(False)
+    for a, b in zip(joint, separate):
+        assert torch.equal(a, b)
+    assert len(kept_joint) == 1 and len(kept_separate) == 2
+    assert kept_joint[0].dtype == (torch.float8_e4m3fn if fp8_saved else x.dtype)
+    frozen, _ = run(True, frozen_w3=True)
+    assert frozen[4] is None and all(torch.equal(a, b) for a, b in zip(frozen[:4], joint[:4]))
+
+
+def test_gate_and_up_function_traces_whole_under_compile():
+    """Dynamo traces fp8_grouped_mms (a variadic autograd Function with a tuple of outputs) in one
+    graph, and the compiled gradients equal eager's."""
+    scaling, gemm = grouped_scaling("rowwise"), EmulatedFp8GroupedGemm()
+    sizes = [32, 0, 48, 16]
+    offsets_E = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    x = rand((sum(sizes), 64), 2).bfloat16()  # grouped_mm stays out of the graph outside bf16
+    w1, w3 = ((0.05 * rand((4, 64, 32), seed, outliers=False)).bfloat16() for seed in (3, 4))
+
+    def loss(x, w1, w3):
+        y1, y3 = fp8_grouped_mms(x, [w1, w3], offsets_E, gemm, scaling)
+        return (F.silu(y1) * y3).float().square().sum()
+
+    grads = []
+    for run in (loss, torch.compile(loss, backend="aot_eager", fullgraph=True)):
+        leaves = [t.clone().requires_grad_() for t in (x, w1, w3)]
+        run(*leaves).backward()
+        grads.append([t.grad for t in leaves])
+    for eager, compiled in zip(*grads):
+        torch.testing.assert_close(compiled, eager, rtol=2 ** -7, atol=0)
 
 
 def test_tensorwise_experts_use_rowwise_grouped_scaling():

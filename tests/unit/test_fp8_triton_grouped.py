@@ -38,7 +38,7 @@ def test_backend_choice():
 INTERPRETED = """
 import torch
 from moefold.fp8.grouped import (TORCH_COLUMNS, EmulatedFp8GroupedGemm, TritonBlockwiseFp8GroupedGemm,
-                                 TritonFp8GroupedGemm, fp8_grouped_mm, grouped_scaling)
+                                 TritonFp8GroupedGemm, fp8_grouped_mm, fp8_grouped_mms, grouped_scaling)
 # The GEMM kernels alone: the interpreter's fp32 -> fp8 cast is not the GPU's, so the Triton column
 # quantizers (tested on their own in test_fp8_triton_quant.py) would not give the emulation's bytes.
 TritonFp8GroupedGemm.columns = TORCH_COLUMNS
@@ -65,6 +65,18 @@ for recipe, kernel, sizes, widths in cases:
         for name, out, ref in zip(("forward", "grad_input", "grad_weight"), *results):
             err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
             assert err < 2 ** -7, (recipe, N, name, err)  # the same FP8 operands; bf16 rounding apart
+    # Gate and up in one Function (x quantized once) against one call each: bit for bit.
+    w3, gy3 = torch.randn(E, K, N, dtype=torch.bfloat16) * 0.02, torch.randn(R, N, dtype=torch.bfloat16)
+    runs = []
+    for joint in (True, False):
+        xr, wr, w3r = (t.clone().requires_grad_() for t in (x, w, w3))
+        gemm, s = kernel(), grouped_scaling(recipe)
+        ys = (fp8_grouped_mms(xr, [wr, w3r], offsets_E, gemm, s) if joint
+              else [fp8_grouped_mm(xr, v, offsets_E, gemm, s) for v in (wr, w3r)])
+        torch.autograd.backward(ys, [gy, gy3])
+        runs.append([ys[0].detach()[:sum(sizes)], ys[1].detach()[:sum(sizes)], xr.grad[:sum(sizes)],
+                     wr.grad, w3r.grad])
+    assert all(torch.equal(a, b) for a, b in zip(*runs)), recipe
 print("ok")
 """
 

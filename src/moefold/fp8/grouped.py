@@ -124,20 +124,30 @@ TORCH_COLUMNS = TorchColumnQuantizer()
 
 
 class EmulatedFp8GroupedGemm:
-    """quantize → dequantize → torch._grouped_mm in the compute dtype; runs on any device."""
+    """quantize → dequantize → torch._grouped_mm in the compute dtype; runs on any device.
+
+    Every backend's GEMMs come in list form — several weights against one input (gate and up read
+    the same x), several gradients against one input (their weight gradients) — so that the shared
+    operand is quantized once; `grouped_mm` and `grouped_weight_grad` are the one-element cases."""
 
     name = "emulated"
 
     def grouped_mm(self, x_RK, w_EKN, offsets_E, scaling: GemmScaling, dtype):
-        xq_RK = fake_quant(x_RK, scaling.a, dtype)
-        wq_EKN = fake_quant(w_EKN, scaling.b, dtype)
-        return grouped_mm(xq_RK, wq_EKN, offsets_E)
+        """x·w[e] over each expert's rows."""
+        return self.grouped_mms(x_RK, [w_EKN], offsets_E, scaling, dtype)[0]
 
     def grouped_weight_grad(self, x_RK, grad_RN, offsets_E, scaling: GemmScaling, dtype):
         """grad_w_EKN[e] = x_e^T @ grad_e over each expert's rows."""
+        return self.grouped_weight_grads(x_RK, [grad_RN], offsets_E, scaling, dtype)[0]
+
+    def grouped_mms(self, x_RK, ws_EKN, offsets_E, scaling: GemmScaling, dtype) -> list:
+        xq_RK = fake_quant(x_RK, scaling.a, dtype)
+        return [grouped_mm(xq_RK, fake_quant(w_EKN, scaling.b, dtype), offsets_E) for w_EKN in ws_EKN]
+
+    def grouped_weight_grads(self, x_RK, grads_RN, offsets_E, scaling: GemmScaling, dtype) -> list:
         xq_RK = fake_quant_groups(x_RK, offsets_E, scaling.a, dtype)
-        gq_RN = fake_quant_groups(grad_RN, offsets_E, scaling.b, dtype)
-        return grouped_mm(xq_RK.t(), gq_RN, offsets_E)
+        return [grouped_mm(xq_RK.t(), fake_quant_groups(grad_RN, offsets_E, scaling.b, dtype), offsets_E)
+                for grad_RN in grads_RN]
 
 
 class ScaledGroupedMMFp8Gemm(EmulatedFp8GroupedGemm):
@@ -152,16 +162,26 @@ class ScaledGroupedMMFp8Gemm(EmulatedFp8GroupedGemm):
     name = "scaled_grouped_mm"
     columns = TORCH_COLUMNS
 
-    def grouped_mm(self, x_RK, w_EKN, offsets_E, scaling, dtype):
+    def grouped_mms(self, x_RK, ws_EKN, offsets_E, scaling, dtype):
         if scaling.a.tile != "row":
-            return super().grouped_mm(x_RK, w_EKN, offsets_E, scaling, dtype)
-        return cast(self._rows(*rows_operands(x_RK, w_EKN, scaling, self.columns), offsets_E), dtype)
+            return super().grouped_mms(x_RK, ws_EKN, offsets_E, scaling, dtype)
+        x_fp8, scale_R = rows_input(x_RK, scaling.a)
+        outs = []
+        for w_EKN in ws_EKN:
+            w_fp8, scale_EN = self.columns.weight(w_EKN, scaling.b)
+            outs.append(cast(self._rows(x_fp8, w_fp8, scale_R, scale_EN, offsets_E), dtype))
+        return outs
 
-    def grouped_weight_grad(self, x_RK, grad_RN, offsets_E, scaling, dtype):
+    def grouped_weight_grads(self, x_RK, grads_RN, offsets_E, scaling, dtype):
         if scaling.a.tile != "col":
-            return super().grouped_weight_grad(x_RK, grad_RN, offsets_E, scaling, dtype)
-        operands = contract_operands(x_RK, grad_RN, offsets_E, scaling, self.columns)
-        return cast(self._contract(*operands, offsets_E), dtype)
+            return super().grouped_weight_grads(x_RK, grads_RN, offsets_E, scaling, dtype)
+        xT_KR, scale_EK = self.columns.group_columns_t(x_RK, offsets_E, scaling.a)
+        outs = []
+        for grad_RN in grads_RN:
+            gT_NR, scale_EN = self.columns.group_columns_t(grad_RN, offsets_E, scaling.b)
+            out_EKN = self._contract(xT_KR, gT_NR.t(), scale_EK.reshape(-1), scale_EN.reshape(-1), offsets_E)
+            outs.append(cast(out_EKN, dtype))
+        return outs
 
     @staticmethod
     def _rows(a_RK, b_EKN, sa_R, sb_EN, offsets_E):
@@ -216,49 +236,38 @@ class TritonBlockwiseFp8GroupedGemm(EmulatedFp8GroupedGemm):
     def __init__(self):
         _require_triton()
 
-    def grouped_mm(self, x_RK, w_EKN, offsets_E, scaling, dtype):
-        operands = blockwise_rows_operands(x_RK, w_EKN, scaling)
-        return cast(torch.ops.moefold.fp8_grouped_mm_rows_blockwise(*operands, offsets_E), dtype)
+    def grouped_mms(self, x_RK, ws_EKN, offsets_E, scaling, dtype):
+        x_fp8, scale_RKb = blockwise_rows_input(x_RK, scaling.a)
+        outs = []
+        for w_EKN in ws_EKN:
+            w_fp8, scale_EKbNb = blockwise_weight(w_EKN, scaling.b)
+            out_RN = torch.ops.moefold.fp8_grouped_mm_rows_blockwise(x_fp8, w_fp8, scale_RKb, scale_EKbNb, offsets_E)
+            outs.append(cast(out_RN, dtype))
+        return outs
 
-    def grouped_weight_grad(self, x_RK, grad_RN, offsets_E, scaling, dtype):
-        operands = blockwise_contract_operands(x_RK, grad_RN, scaling)
-        return cast(torch.ops.moefold.fp8_grouped_mm_contract_blockwise(*operands, offsets_E), dtype)
-
-
-def _rows_layout(x_RK, w_EKN, scaling: GemmScaling):
-    """x and w in FP8 as the rows kernels read them (x row-major, each expert's w column-major),
-    with their scales as `quantize` gives them."""
-    x_fp8, scale_x = quantize(x_RK, scaling.a)
-    w_fp8, scale_w = quantize(w_EKN, scaling.b)
-    return x_fp8, column_major(w_fp8), scale_x, scale_w
-
-
-def _contract_layout(x_fp8_RK, g_fp8_RN):
-    """x^T row-major and grad column-major: both read along the rows (the contraction)."""
-    return x_fp8_RK.t().contiguous(), column_major(g_fp8_RN)
+    def grouped_weight_grads(self, x_RK, grads_RN, offsets_E, scaling, dtype):
+        xT_KR, scale_RbK = blockwise_contract_input(x_RK, scaling.a)
+        outs = []
+        for grad_RN in grads_RN:
+            gT_NR, scale_RbN = blockwise_contract_input(grad_RN, scaling.b)
+            out_EKN = torch.ops.moefold.fp8_grouped_mm_contract_blockwise(xT_KR, gT_NR.t(), scale_RbK, scale_RbN,
+                                                                          offsets_E)
+            outs.append(cast(out_EKN, dtype))
+        return outs
 
 
-def blockwise_rows_operands(x_RK, w_EKN, scaling: GemmScaling):
-    """x row-major with [R, K/128] scales, each expert's w column-major with [E, K/128, N/128]."""
-    x_fp8, w_fp8, scale_RKb, scale_EKbNb = _rows_layout(x_RK, w_EKN, scaling)
-    return x_fp8, w_fp8, scale_RKb.contiguous(), scale_EKbNb.contiguous()
-
-
-def blockwise_contract_operands(x_RK, grad_RN, scaling: GemmScaling):
-    """x^T row-major and grad column-major, each with [R/128, features] scales of its 128x1 tiles;
-    R padded with zero rows to 128 (past the last offset: never read)."""
-    x_RK, grad_RN = pad_rows(x_RK, BLOCK), pad_rows(grad_RN, BLOCK)
-    x_fp8, scale_RbK = quantize(x_RK, scaling.a)
-    g_fp8, scale_RbN = quantize(grad_RN, scaling.b)
-    return *_contract_layout(x_fp8, g_fp8), scale_RbK.contiguous(), scale_RbN.contiguous()
+def rows_input(x_RK, op: Operand):
+    """x in FP8 per row, row-major, as the rows kernels read it: (x_fp8 [R, K], scale [R])."""
+    x_fp8, scale_R1 = quantize(x_RK, op)
+    return x_fp8, scale_R1.reshape(-1)
 
 
 def rows_operands(x_RK, w_EKN, scaling: GemmScaling, columns=TORCH_COLUMNS):
     """FP8 operands and fp32 scales of a rows-grouped GEMM (forward, grad_input) in the layout the
     kernels read: x row-major, each expert's w column-major; scales [R] and [E, N]."""
-    x_fp8, scale_R1 = quantize(x_RK, scaling.a)
+    x_fp8, scale_R = rows_input(x_RK, scaling.a)
     w_fp8, scale_EN = columns.weight(w_EKN, scaling.b)
-    return x_fp8, w_fp8, scale_R1.reshape(-1), scale_EN
+    return x_fp8, w_fp8, scale_R, scale_EN
 
 
 def contract_operands(x_RK, grad_RN, offsets_E, scaling: GemmScaling, columns=TORCH_COLUMNS):
@@ -267,6 +276,39 @@ def contract_operands(x_RK, grad_RN, offsets_E, scaling: GemmScaling, columns=TO
     xT_KR, scale_EK = columns.group_columns_t(x_RK, offsets_E, scaling.a)
     gT_NR, scale_EN = columns.group_columns_t(grad_RN, offsets_E, scaling.b)
     return xT_KR, gT_NR.t(), scale_EK.reshape(-1), scale_EN.reshape(-1)
+
+
+def blockwise_rows_input(x_RK, op: Operand):
+    """x row-major in FP8 with its 1x128 scales [R, K/128]."""
+    x_fp8, scale_RKb = quantize(x_RK, op)
+    return x_fp8, scale_RKb.contiguous()
+
+
+def blockwise_weight(w_EKN, op: Operand):
+    """Each expert's w column-major in FP8 with its 128x128 scales [E, K/128, N/128]."""
+    w_fp8, scale_EKbNb = quantize(w_EKN, op)
+    return column_major(w_fp8), scale_EKbNb.contiguous()
+
+
+def blockwise_contract_input(x_RK, op: Operand):
+    """x^T row-major in FP8 ([K, R'], read along the rows) with the [R'/128, K] scales of its
+    128x1 tiles; R padded with zero rows to R' (a multiple of 128, past the last offset: never read)."""
+    x_fp8, scale_RbK = quantize(pad_rows(x_RK, BLOCK), op)
+    return x_fp8.t().contiguous(), scale_RbK.contiguous()
+
+
+def blockwise_rows_operands(x_RK, w_EKN, scaling: GemmScaling):
+    """x row-major with [R, K/128] scales, each expert's w column-major with [E, K/128, N/128]."""
+    x_fp8, scale_RKb = blockwise_rows_input(x_RK, scaling.a)
+    w_fp8, scale_EKbNb = blockwise_weight(w_EKN, scaling.b)
+    return x_fp8, w_fp8, scale_RKb, scale_EKbNb
+
+
+def blockwise_contract_operands(x_RK, grad_RN, scaling: GemmScaling):
+    """x^T row-major and grad column-major, each with [R'/128, features] scales of its 128x1 tiles."""
+    xT_KR, scale_RbK = blockwise_contract_input(x_RK, scaling.a)
+    gT_NR, scale_RbN = blockwise_contract_input(grad_RN, scaling.b)
+    return xT_KR, gT_NR.t(), scale_RbK, scale_RbN
 
 
 class HighPrecisionGroupedWeightGrad:
@@ -281,8 +323,14 @@ class HighPrecisionGroupedWeightGrad:
     def grouped_mm(self, x_RK, w_EKN, offsets_E, scaling, dtype):
         return self.inner.grouped_mm(x_RK, w_EKN, offsets_E, scaling, dtype)
 
+    def grouped_mms(self, x_RK, ws_EKN, offsets_E, scaling, dtype):
+        return self.inner.grouped_mms(x_RK, ws_EKN, offsets_E, scaling, dtype)
+
     def grouped_weight_grad(self, x_RK, grad_RN, offsets_E, scaling, dtype):
         return cast(grouped_mm(x_RK.t(), grad_RN, offsets_E), dtype)
+
+    def grouped_weight_grads(self, x_RK, grads_RN, offsets_E, scaling, dtype):
+        return [self.grouped_weight_grad(x_RK, grad_RN, offsets_E, scaling, dtype) for grad_RN in grads_RN]
 
 
 def build_grouped_gemm(device_type: str, kernel: str = "triton", weight_grad: str = "fp8",
@@ -300,26 +348,49 @@ def build_grouped_gemm(device_type: str, kernel: str = "triton", weight_grad: st
 
 
 class _Fp8GroupedMMFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_RK, w_EKN, offsets_E, gemm, scaling: Fp8Scaling, saver: SaveInput):
-        ctx.save_for_backward(w_EKN, offsets_E, *saver.pack(x_RK))
-        ctx.gemm, ctx.scaling, ctx.saver, ctx.x_dtype = gemm, scaling, saver, x_RK.dtype
-        return gemm.grouped_mm(x_RK, w_EKN, offsets_E, scaling.forward, x_RK.dtype)
+    """x·w_i per group for each weight w_i given (gate and up read the same x): x is quantized once
+    for the forward GEMMs and once for the weight gradients, and kept once for the backward."""
 
     @staticmethod
-    def backward(ctx, grad_RN):
-        w_EKN, offsets_E, *packed = ctx.saved_tensors
+    def forward(ctx, x_RK, offsets_E, gemm, scaling: Fp8Scaling, saver: SaveInput, *ws_EKN):
+        packed = saver.pack(x_RK)
+        ctx.save_for_backward(offsets_E, *ws_EKN, *packed)
+        ctx.gemm, ctx.scaling, ctx.saver, ctx.x_dtype = gemm, scaling, saver, x_RK.dtype
+        ctx.num_weights = len(ws_EKN)
+        return tuple(gemm.grouped_mms(x_RK, ws_EKN, offsets_E, scaling.forward, x_RK.dtype))
+
+    @staticmethod
+    def backward(ctx, *grads_RN):
+        offsets_E, *saved = ctx.saved_tensors
+        ws_EKN, packed = saved[:ctx.num_weights], saved[ctx.num_weights:]
         gemm, scaling = ctx.gemm, ctx.scaling
         x_RK = ctx.saver.unpack(packed, ctx.x_dtype)
-        grad_RN = grad_RN.to(x_RK.dtype)
-        grad_x_RK = grad_w_EKN = None
+        grads_RN = [grad_RN.to(x_RK.dtype) for grad_RN in grads_RN]
+        grad_x_RK = None
         if ctx.needs_input_grad[0]:
-            grad_x_RK = gemm.grouped_mm(grad_RN, w_EKN.transpose(-2, -1), offsets_E,
-                                        scaling.grad_input, x_RK.dtype)
-        if ctx.needs_input_grad[1]:
-            grad_w_EKN = gemm.grouped_weight_grad(x_RK, grad_RN, offsets_E, scaling.grad_weight,
-                                                  w_EKN.dtype)
-        return grad_x_RK, grad_w_EKN, None, None, None, None
+            # Summed in the compute dtype, as autograd sums the gradients of an input read twice.
+            for grad_RN, w_EKN in zip(grads_RN, ws_EKN):
+                part_RK = gemm.grouped_mm(grad_RN, w_EKN.transpose(-2, -1), offsets_E, scaling.grad_input,
+                                          x_RK.dtype)
+                grad_x_RK = part_RK if grad_x_RK is None else grad_x_RK + part_RK
+        grad_ws_EKN = [None] * ctx.num_weights
+        wanted = [i for i in range(ctx.num_weights) if ctx.needs_input_grad[5 + i]]
+        if wanted:
+            grads = gemm.grouped_weight_grads(x_RK, [grads_RN[i] for i in wanted], offsets_E,
+                                              scaling.grad_weight, ws_EKN[0].dtype)
+            for i, grad_w_EKN in zip(wanted, grads):
+                grad_ws_EKN[i] = grad_w_EKN
+        return grad_x_RK, None, None, None, None, *grad_ws_EKN
+
+
+def fp8_grouped_mms(x_RK: torch.Tensor, ws_EKN: list[torch.Tensor], offsets_E: torch.Tensor,
+                    gemm: EmulatedFp8GroupedGemm, scaling: Fp8Scaling,
+                    saver: SaveInput | None = None) -> list[torch.Tensor]:
+    """[torch._grouped_mm(x, w, offs) for w in ws] with FP8 operands in forward and backward, x
+    quantized once for all of them (forward and weight gradients) and kept for the backward once,
+    as `saver` says (fp8/saved.py; by default as it is). Equal, bit for bit, to one fp8_grouped_mm
+    per weight."""
+    return list(_Fp8GroupedMMFn.apply(x_RK, offsets_E, gemm, scaling, saver or SaveInput(), *ws_EKN))
 
 
 def fp8_grouped_mm(x_RK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor,
@@ -327,7 +398,7 @@ def fp8_grouped_mm(x_RK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Ten
                    saver: SaveInput | None = None) -> torch.Tensor:
     """torch._grouped_mm(x, w, offs) with FP8 operands in forward and backward; x is kept for the
     backward as `saver` says (fp8/saved.py; by default as it is)."""
-    return _Fp8GroupedMMFn.apply(x_RK, w_EKN, offsets_E, gemm, scaling, saver or SaveInput())
+    return fp8_grouped_mms(x_RK, [w_EKN], offsets_E, gemm, scaling, saver)[0]
 
 
 __all__ = [
@@ -338,5 +409,6 @@ __all__ = [
     "TritonFp8GroupedGemm",
     "build_grouped_gemm",
     "fp8_grouped_mm",
+    "fp8_grouped_mms",
     "grouped_scaling",
 ]

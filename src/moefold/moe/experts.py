@@ -1,8 +1,9 @@
 """Routed experts: E MLPs stored as stacked `[E, ...]` weights, ready for EP/ETP sharding.
 
 R rows grouped by expert, D model dim, F expert hidden, E experts.
-Backends differ only in `_mm`, the grouped matrix product; the activation (and whether it applies
-the routing probabilities) is a strategy given at build time. Rows past the last group are never
+Backends differ only in `_mm`, the grouped matrix product (FP8 also in `_input_mms`, the gate and
+up projections together, so that their shared input is quantized once); the activation (and
+whether it applies the routing probabilities) is a strategy given at build time. Rows past the last group are never
 read: grouped_mm skips them and the loop slices them off.
 """
 
@@ -12,7 +13,7 @@ import functools
 import torch
 from torch import nn
 
-from moefold.fp8.grouped import fp8_grouped_mm
+from moefold.fp8.grouped import fp8_grouped_mm, fp8_grouped_mms
 from moefold.moe.activation import ACTIVATIONS, PlainActivation, ProbsInActivation
 from moefold.moe.grouped_mm import grouped_mm
 from moefold.parallel.local import local_tensor
@@ -48,9 +49,14 @@ class Experts(nn.Module):
         dtype = compute_dtype(x_RD)
         x_RD = x_RD.to(dtype)
         offsets_E = torch.cumsum(rows_per_expert_E, dim=0, dtype=torch.int32)
-        hidden_RF = [self._mm(x_RD, w.to(dtype), offsets_E) for w in self.input_weights()]
+        hidden_RF = self._input_mms(x_RD, [w.to(dtype) for w in self.input_weights()], offsets_E)
         h_RF = self.activation(probs_R, *hidden_RF).to(dtype)
         return self._mm(h_RF, local_tensor(self.w2_EFD).to(dtype), offsets_E)
+
+    def _input_mms(self, x_RD: torch.Tensor, ws_EDF: list[torch.Tensor],
+                   offsets_E: torch.Tensor) -> list[torch.Tensor]:
+        """The input projections (gate and up, or the only one), which read the same x."""
+        return [self._mm(x_RD, w_EDF, offsets_E) for w_EDF in ws_EDF]
 
     def _mm(self, x_RX: torch.Tensor, w_EXY: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -88,6 +94,10 @@ class Fp8GroupedExperts(Experts):
         with torch.device(device) if device is not None else contextlib.nullcontext():
             super().__init__(num_experts, dim, hidden, activation)
         self.gemm, self.scaling, self.saver = gemm, scaling, saver  # saver: fp8/saved.py
+
+    def _input_mms(self, x_RD, ws_EDF, offsets_E):
+        """Gate and up in one autograd Function: x quantized (and kept) once for both."""
+        return fp8_grouped_mms(x_RD, ws_EDF, offsets_E, self.gemm, self.scaling, self.saver)
 
     def _mm(self, x_RX, w_EXY, offsets_E):
         return fp8_grouped_mm(x_RX, w_EXY, offsets_E, self.gemm, self.scaling, self.saver)

@@ -239,9 +239,9 @@ def experts_bytes(cfg: Config, sh: Shapes, rows: int) -> int:
     if sh.fp8_kept:  # the experts' own tiles (a tensorwise run's experts scale rows: fp8/grouped.py)
         sh = replace(sh, fp8_kept=grouped_scaling(cfg.precision.fp8).forward.a.tile)
     gated = GATED[moe.activation]
-    # The input rows (in FP8 once per input GEMM where inputs are kept in FP8), int32 offsets,
-    # and the activation's output h, which the down GEMM keeps.
-    inputs = (2 if gated else 1) * kept_input(rows, D, sh) if sh.fp8_kept else rows * D * a
+    # The input rows (once: in FP8 gate and up keep one copy, fp8/grouped.py's fp8_grouped_mms),
+    # int32 offsets, and the activation's output h, which the down GEMM keeps.
+    inputs = kept_input(rows, D, sh) if sh.fp8_kept else rows * D * a
     total = inputs + moe.num_experts // sh.ep * 4 + kept_input(rows, F, sh)
     if moe.memory_efficient_permute:
         # gate and up, and the [R] probabilities

@@ -73,6 +73,13 @@ def test_activations_match_the_model_under_fake_tensors(preset, overrides):
 
 
 FP8_KEPT_CASES = [  # dims aligned to 128, so blockwise converts the experts too
+    # fp8_exclude, module by module: one of q/k/v, the routed experts, one shared-expert input
+    ("tiny-qwen3", {"moe.expert_hidden": 128, "moe.shared_experts": 1,
+                    "precision.fp8_exclude": '["layers.0.attn.wq", "*.experts", "layers.1.ffn.shared.w3"]'},
+     "rowwise", 4),
+    # a whole dense layer, an MTP projection, and the last layer through fp8_bf16_last_layers
+    ("tiny-deepseek", {"moe.expert_hidden": 128, "model.ffn_hidden": 128, "precision.fp8_bf16_last_layers": 1,
+                       "precision.fp8_exclude": '["layers.0.ffn", "mtp.*.wkv_b"]'}, "blockwise", 4),
     ("tiny-qwen3", {"moe.expert_hidden": 128, "moe.shared_experts": 1, "moe.shared_expert_gate": True},
      "rowwise", 0),
     ("tiny-qwen3", {"moe.expert_hidden": 128, "model.ffn_hidden": 128}, "tensorwise", 4),
@@ -290,15 +297,20 @@ def test_gradients_appear_in_backward_unless_micro_batches_accumulate():
 
 @pytest.mark.parametrize("recipe", ["off", "rowwise", "blockwise"])
 def test_expert_rows_follow_the_fp8_padding_of_the_built_model(recipe):
-    """The planner's R against the row count of the model apply_fp8 converted (which raises the
-    pad multiple to the FP8 kernels' alignment)."""
+    """The planner's R, layer by layer, against the row counts of the model apply_fp8 converted
+    (which raises the pad multiple to the FP8 kernels' alignment), also where fp8_exclude or the
+    first-layers option keeps a MoE layer in bf16 (its padding stays moe.pad_multiple)."""
     from moefold.fp8.apply import apply_fp8
     from moefold.models.transformer import build_model
 
-    cfg = load_config("tiny-qwen3", {"model.dim": "128", "moe.expert_hidden": "128", "moe.pad_multiple": "8",
-                                     "precision.fp8": recipe})
-    model = build_model(cfg, 257, "cpu", torch.float32)
-    apply_fp8(model, cfg.precision, "cpu")
-    B, S = cfg.train.micro_batch_size, cfg.train.seq_len
-    rows = model.moe_layers()[0].dispatcher.layout.num_rows(B * S * cfg.moe.top_k)
-    assert act.expert_rows(cfg, act.Shapes(B, S, 1, 1, 1, 2)) == rows
+    for extra in ({}, {"precision.fp8_exclude": '["layers.0.ffn"]'}, {"precision.fp8_bf16_first_layers": "1"}):
+        cfg = load_config("tiny-qwen3", {"model.dim": "128", "moe.expert_hidden": "128", "moe.pad_multiple": "8",
+                                         "precision.fp8": recipe, **extra})
+        model = build_model(cfg, 257, "cpu", torch.float32)
+        apply_fp8(model, cfg.precision, "cpu")
+        B, S = cfg.train.micro_batch_size, cfg.train.seq_len
+        built = [layer.dispatcher.layout.num_rows(B * S * cfg.moe.top_k) for layer in model.moe_layers()]
+        planned = [act.expert_rows(cfg, act.block_shapes(cfg, i, act.Shapes(B, S, 1, 1, 1, 2)))
+                   for i in range(cfg.model.n_layers)]
+        assert planned == built, extra
+    assert (built[0] < built[1]) == (recipe != "off")  # the bf16 layer pads less

@@ -26,6 +26,7 @@ rank (each TP rank dispatches its share of the tokens) and its experts see R row
 
 from __future__ import annotations
 
+import fnmatch
 from dataclasses import dataclass, replace
 
 from moefold.config import Config
@@ -53,6 +54,8 @@ class Shapes:
     # 0: the compute dtype's
     fp8_kept: str = ""  # the tile kind of the FP8 inputs this block keeps ("tensor", "row",
     # "1x128"; precision.fp8_saved_activations), else ""; set per block by block_shapes
+    fp8_block: str = ""  # the block's module name ("layers.3", "mtp.layers.0.block") where
+    # apply_fp8 converts its modules (FP8 on, not a first/last bf16 layer), else ""; block_shapes
 
     @property
     def tokens(self) -> int:
@@ -99,10 +102,21 @@ def sibling_inputs(rows: int, cols: int, sh: Shapes, fp8: list[bool]) -> int:
     return rows * cols * sh.act_bytes
 
 
-def fp8_linear(cfg: Config, in_features: int, out_features: int) -> bool:
-    """Whether apply_fp8 converts a linear of these (global) features: both multiples of the
-    recipe's alignment (16; 128 for blockwise)."""
-    if cfg.precision.fp8 == "off":
+def fp8_module(cfg: Config, sh: Shapes, name: str) -> bool:
+    """Whether apply_fp8 may convert the block's module `name` ("attn.wq", "ffn.experts"): the
+    block runs FP8 and no `precision.fp8_exclude` pattern matches the module or a parent of it."""
+    if not sh.fp8_block:
+        return False
+    parts = f"{sh.fp8_block}.{name}".split(".")
+    names = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]  # the module and its parents
+    return not any(fnmatch.fnmatchcase(n, pattern) for n in names for pattern in cfg.precision.fp8_exclude)
+
+
+def fp8_linear(cfg: Config, sh: Shapes, name: str, in_features: int, out_features: int) -> bool:
+    """Whether apply_fp8 converts the block's linear `name` of these (global) features: an FP8
+    module (fp8_module) whose features are multiples of the recipe's alignment (16; 128 for
+    blockwise)."""
+    if not fp8_module(cfg, sh, name):
         return False
     multiple = linear_scaling(cfg.precision.fp8).row_multiple
     return in_features % multiple == 0 and out_features % multiple == 0
@@ -120,7 +134,8 @@ def gqa_bytes(cfg: Config, sh: Shapes) -> Bytes:
     Dh = m.head_dim or m.dim // m.n_heads
     # x (once per q, k, v projection with input copies); wo's input is a view of the core's output
     Hg, Gg = m.n_heads * Dh, (m.n_kv_heads or m.n_heads) * Dh
-    qkv_fp8 = [fp8_linear(cfg, m.dim, Hg), fp8_linear(cfg, m.dim, Gg), fp8_linear(cfg, m.dim, Gg)]
+    qkv_fp8 = [fp8_linear(cfg, sh, "attn.wq", m.dim, Hg), fp8_linear(cfg, sh, "attn.wk", m.dim, Gg),
+               fp8_linear(cfg, sh, "attn.wv", m.dim, Gg)]
     out = _add({}, attn_proj=sibling_inputs(T, m.dim, sh, qkv_fp8))
     if m.qk_norm:
         _add(out, norm=norm_bytes(T * H, Dh, sh) + norm_bytes(T * G, Dh, sh))
@@ -136,9 +151,11 @@ def mla_bytes(cfg: Config, sh: Shapes) -> Bytes:
     Dn, Dr, Dv = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
     # x (for wq_a or wq and for wkv_a with input copies), wq_b's and wkv_b's (normed) inputs
     Hq, Hkv = m.n_heads * (Dn + Dr), m.n_heads * (Dn + Dv)  # global output features
-    x_fp8 = [fp8_linear(cfg, m.dim, Q or Hq), fp8_linear(cfg, m.dim, C + Dr)]  # wq_a or wq, wkv_a
-    q_b = kept_input(T, Q, sh, fp8_linear(cfg, Q, Hq)) if Q else 0
-    out = _add({}, attn_proj=sibling_inputs(T, m.dim, sh, x_fp8) + q_b + kept_input(T, C, sh, fp8_linear(cfg, C, Hkv)))
+    x_fp8 = [fp8_linear(cfg, sh, "attn.wq_a" if Q else "attn.wq", m.dim, Q or Hq),
+             fp8_linear(cfg, sh, "attn.wkv_a", m.dim, C + Dr)]
+    q_b = kept_input(T, Q, sh, fp8_linear(cfg, sh, "attn.wq_b", Q, Hq)) if Q else 0
+    kv_b = kept_input(T, C, sh, fp8_linear(cfg, sh, "attn.wkv_b", C, Hkv))
+    out = _add({}, attn_proj=sibling_inputs(T, m.dim, sh, x_fp8) + q_b + kv_b)
     # In fp32 the latent norm keeps its input as it is: a view of wkv_a's [T, C + Dr] output.
     _add(out, norm=norm_bytes(T, C, sh) + (T * Dr * FP32 if sh.fp32 else 0))
     if Q:
@@ -152,8 +169,9 @@ def dense_mlp_bytes(cfg: Config, sh: Shapes) -> Bytes:
     T, a, H = sh.tokens, sh.act_bytes, cfg.model.ffn_hidden // sh.tp
     # x (w1 and w3 each cast it with input copies); gate, up, silu(gate) and w2's input h
     D, Hg = cfg.model.dim, cfg.model.ffn_hidden
-    fp8_in, fp8_out = fp8_linear(cfg, D, Hg), fp8_linear(cfg, Hg, D)
-    return {"mlp": sibling_inputs(T, D, sh, [fp8_in, fp8_in]) + 3 * T * H * a + kept_input(T, H, sh, fp8_out)}
+    fp8_in = [fp8_linear(cfg, sh, f"ffn.{w}", D, Hg) for w in ("w1", "w3")]
+    fp8_out = fp8_linear(cfg, sh, "ffn.w2", Hg, D)
+    return {"mlp": sibling_inputs(T, D, sh, fp8_in) + 3 * T * H * a + kept_input(T, H, sh, fp8_out)}
 
 
 def expert_rows(cfg: Config, sh: Shapes) -> int:
@@ -165,14 +183,14 @@ def expert_rows(cfg: Config, sh: Shapes) -> int:
     if moe.pad_to_capacity:
         factor = max(factor, moe.capacity_factor)
     local_experts = moe.num_experts // sh.ep
-    return int(copies * factor) + local_experts * (row_multiple(cfg) - 1)
+    return int(copies * factor) + local_experts * (row_multiple(cfg, sh) - 1)
 
 
-def row_multiple(cfg: Config) -> int:
-    """What each expert's group is padded to: moe.pad_multiple, raised under FP8 to its grouped
-    kernels' alignment (fp8/apply.py; counted for every layer, excluded ones included)."""
+def row_multiple(cfg: Config, sh: Shapes) -> int:
+    """What each expert's group is padded to: moe.pad_multiple, raised to the FP8 grouped kernels'
+    alignment in the MoE layers apply_fp8 converts (fp8/apply.py)."""
     multiple = max(1, cfg.moe.pad_multiple)
-    if cfg.precision.fp8 != "off":
+    if fp8_module(cfg, sh, "ffn"):
         multiple = max(multiple, grouped_scaling(cfg.precision.fp8).row_multiple)
     return multiple
 
@@ -236,7 +254,9 @@ def dispatch_bytes(cfg: Config, sh: Shapes, rows: int) -> int:
 def experts_bytes(cfg: Config, sh: Shapes, rows: int) -> int:
     moe, a, D = cfg.moe, sh.act_bytes, cfg.model.dim
     F = moe.expert_hidden // sh.etp
-    if sh.fp8_kept:  # the experts' own tiles (a tensorwise run's experts scale rows: fp8/grouped.py)
+    if not fp8_module(cfg, sh, "ffn.experts"):
+        sh = replace(sh, fp8_kept="")  # excluded: the experts keep their inputs as they are
+    elif sh.fp8_kept:  # the experts' own tiles (a tensorwise run's experts scale rows: fp8/grouped.py)
         sh = replace(sh, fp8_kept=grouped_scaling(cfg.precision.fp8).forward.a.tile)
     gated = GATED[moe.activation]
     # The input rows (once: in FP8 gate and up keep one copy, fp8/grouped.py's fp8_grouped_mms),
@@ -256,9 +276,10 @@ def shared_bytes(cfg: Config, sh: Shapes) -> int:
     # In fp32 the input is the norm output the router already keeps; with input copies each of
     # w1, w3 (and the gate) keeps its own bf16 cast of it.
     Fg = moe.shared_experts * (moe.shared_expert_hidden or moe.expert_hidden)  # global
-    fp8_in, fp8_out = fp8_linear(cfg, D, Fg), fp8_linear(cfg, Fg, D)
+    fp8_in = [fp8_linear(cfg, sh, f"ffn.shared.{w}", D, Fg) for w in (("w1", "w3") if gated else ("w1",))]
+    fp8_out = fp8_linear(cfg, sh, "ffn.shared.w2", Fg, D)
     if sh.input_copies:
-        inputs = (2 if gated else 1) * kept_input(T, D, sh, fp8_in) + moe.shared_expert_gate * T * D * a
+        inputs = sum(kept_input(T, D, sh, f) for f in fp8_in) + moe.shared_expert_gate * T * D * a
     else:
         inputs = 0 if sh.fp32 else T * D * a
     total = inputs + (3 if gated else 1) * T * F * a + kept_input(T, F, sh, fp8_out)  # ..., w2's input h
@@ -316,13 +337,14 @@ def weight_copy_bytes(cfg: Config, layer_id: int, sh: Shapes) -> int:
 
 def block_shapes(cfg: Config, layer_id: int, sh: Shapes) -> Shapes:
     """The shapes a block's activations follow: an MTP block's input is the projection's output,
-    in the compute dtype, so its residual stream is too (no input copies); FP8-kept inputs in the
-    blocks apply_fp8 converts (all but the first/last `fp8_bf16_*_layers` of the main stack;
-    `fp8_exclude` is not modelled: excluded modules are counted as converted)."""
+    in the compute dtype, so its residual stream is too (no input copies); FP8 in the blocks
+    apply_fp8 converts (all but the first/last `fp8_bf16_*_layers` of the main stack; within them
+    `fp8_exclude` is matched module by module, fp8_module), with FP8-kept inputs where asked."""
     p, n = cfg.precision, cfg.model.n_layers
     fp8_block = p.fp8 != "off" and (layer_id >= n or p.fp8_bf16_first_layers <= layer_id < n - p.fp8_bf16_last_layers)
     kept = linear_scaling(p.fp8).forward.a.tile if fp8_block and p.fp8_saved_activations else ""
-    sh = replace(sh, fp8_kept=kept)
+    name = f"layers.{layer_id}" if layer_id < n else f"mtp.layers.{layer_id - n}.block"
+    sh = replace(sh, fp8_kept=kept, fp8_block=name if fp8_block else "")
     return replace(sh, param_bytes=0) if layer_id >= n else sh
 
 

@@ -255,6 +255,11 @@ def test_apply_fp8_exclusions_first_last_layers_and_alignment():
     assert not any(".attn." in n for n in converted)
     # MoE layers 1, 2, 3 and MTP's: only the FP8 ones pad their experts' rows.
     assert [layer.dispatcher.layout.multiple for layer in model.moe_layers()] == [128, 128, 1, 1]
+    # Experts kept in bf16 keep their layer's padding as it was; the layer's linears still convert.
+    cfg, model = built("tiny-qwen3", {**QWEN3, "precision.fp8_exclude": '["layers.0.ffn.experts"]'}, "rowwise")
+    apply_fp8(model, cfg.precision, "cpu")
+    assert [layer.dispatcher.layout.multiple for layer in model.moe_layers()][:2] == [1, 16]
+    assert isinstance(model.layers[0].attn.wq, Fp8Linear)
     # A linear not a multiple of the blockwise tile (128) stays nn.Linear.
     cfg, model = built("tiny-qwen3", {**QWEN3, "model.n_kv_heads": 2}, "blockwise")
     apply_fp8(model, cfg.precision, "cpu")

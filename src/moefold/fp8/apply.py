@@ -57,13 +57,11 @@ def apply_fp8(model: nn.Module, precision: PrecisionConfig, device_type: str,
             if name in excluded:
                 continue
             parent_name, _, attr = name.rpartition(".")
-            if isinstance(module, MoELayer):
-                _raise_pad_multiple(module, grouped.row_multiple)
-                continue
             if isinstance(module, Experts):
                 _check_experts_aligned(module, precision.fp8, grouped.row_multiple)
-                setattr(model.get_submodule(parent_name), attr,
-                        _fp8_experts(module, grouped_gemm, grouped, grouped_saver))
+                layer = model.get_submodule(parent_name)
+                _raise_pad_multiple(layer, grouped.row_multiple)  # only where the experts run FP8
+                setattr(layer, attr, _fp8_experts(module, grouped_gemm, grouped, grouped_saver))
             elif type(module) is nn.Linear and attr not in _NEVER_FP8 and _aligned(module, lin.row_multiple):
                 parent = model.get_submodule(parent_name)
                 saver = lin_saver if _keeps_fp8_input(parent, attr, block_shares_inputs) else SaveInput()

@@ -188,9 +188,9 @@ def expert_rows(cfg: Config, sh: Shapes) -> int:
 
 def row_multiple(cfg: Config, sh: Shapes) -> int:
     """What each expert's group is padded to: moe.pad_multiple, raised to the FP8 grouped kernels'
-    alignment in the MoE layers apply_fp8 converts (fp8/apply.py)."""
+    alignment in the MoE layers whose experts apply_fp8 converts (fp8/apply.py)."""
     multiple = max(1, cfg.moe.pad_multiple)
-    if fp8_module(cfg, sh, "ffn"):
+    if fp8_module(cfg, sh, "ffn.experts"):
         multiple = max(multiple, grouped_scaling(cfg.precision.fp8).row_multiple)
     return multiple
 

@@ -175,12 +175,11 @@ class ScaledGroupedMMFp8Gemm(EmulatedFp8GroupedGemm):
     def grouped_weight_grads(self, x_RK, grads_RN, offsets_E, scaling, dtype):
         if scaling.a.tile != "col":
             return super().grouped_weight_grads(x_RK, grads_RN, offsets_E, scaling, dtype)
-        xT_KR, scale_EK = self.columns.group_columns_t(x_RK, offsets_E, scaling.a)
+        xT_KR, scale_EK = contract_input(x_RK, offsets_E, scaling.a, self.columns)
         outs = []
         for grad_RN in grads_RN:
-            gT_NR, scale_EN = self.columns.group_columns_t(grad_RN, offsets_E, scaling.b)
-            out_EKN = self._contract(xT_KR, gT_NR.t(), scale_EK.reshape(-1), scale_EN.reshape(-1), offsets_E)
-            outs.append(cast(out_EKN, dtype))
+            gT_NR, scale_EN = contract_input(grad_RN, offsets_E, scaling.b, self.columns)
+            outs.append(cast(self._contract(xT_KR, gT_NR.t(), scale_EK, scale_EN, offsets_E), dtype))
         return outs
 
     @staticmethod
@@ -217,12 +216,11 @@ class TritonFp8GroupedGemm(ScaledGroupedMMFp8Gemm):
 
     @staticmethod
     def _rows(a_RK, b_EKN, sa_R, sb_EN, offsets_E):
-        return torch.ops.moefold.fp8_grouped_mm_rows(a_RK, b_EKN, sa_R, sb_EN.contiguous(), offsets_E)
+        return torch.ops.moefold.fp8_grouped_mm_rows(a_RK, b_EKN, sa_R, sb_EN, offsets_E)
 
     @staticmethod
     def _contract(a_MR, b_RN, sa_EM, sb_EN, offsets_E):
-        return torch.ops.moefold.fp8_grouped_mm_contract(a_MR, b_RN, sa_EM.contiguous(), sb_EN.contiguous(),
-                                                         offsets_E)
+        return torch.ops.moefold.fp8_grouped_mm_contract(a_MR, b_RN, sa_EM, sb_EN, offsets_E)
 
 
 class TritonBlockwiseFp8GroupedGemm(EmulatedFp8GroupedGemm):
@@ -270,12 +268,19 @@ def rows_operands(x_RK, w_EKN, scaling: GemmScaling, columns=TORCH_COLUMNS):
     return x_fp8, w_fp8, scale_R, scale_EN
 
 
+def contract_input(x_RK, offsets_E, op: Operand, columns=TORCH_COLUMNS):
+    """x^T in FP8, row-major ([K, R'], read along the rows), with its per-group column scales
+    flattened to [E·K], as the contraction kernels read them."""
+    xT_KR, scale_EK = columns.group_columns_t(x_RK, offsets_E, op)
+    return xT_KR, scale_EK.reshape(-1)
+
+
 def contract_operands(x_RK, grad_RN, offsets_E, scaling: GemmScaling, columns=TORCH_COLUMNS):
     """FP8 operands and fp32 scales of the weight gradient (contraction over each expert's rows):
     x^T row-major, grad column-major, per-group column scales [E·K] and [E·N]."""
-    xT_KR, scale_EK = columns.group_columns_t(x_RK, offsets_E, scaling.a)
-    gT_NR, scale_EN = columns.group_columns_t(grad_RN, offsets_E, scaling.b)
-    return xT_KR, gT_NR.t(), scale_EK.reshape(-1), scale_EN.reshape(-1)
+    xT_KR, scale_EK = contract_input(x_RK, offsets_E, scaling.a, columns)
+    gT_NR, scale_EN = contract_input(grad_RN, offsets_E, scaling.b, columns)
+    return xT_KR, gT_NR.t(), scale_EK, scale_EN
 
 
 def blockwise_rows_input(x_RK, op: Operand):

@@ -3,8 +3,8 @@
 R rows grouped by expert, D model dim, F expert hidden, E experts.
 Backends differ only in `_mm`, the grouped matrix product (FP8 also in `_input_mms`, the gate and
 up projections together, so that their shared input is quantized once); the activation (and
-whether it applies the routing probabilities) is a strategy given at build time. Rows past the last group are never
-read: grouped_mm skips them and the loop slices them off.
+whether it applies the routing probabilities) is a strategy given at build time. Rows past the
+last group are never read: grouped_mm skips them and the loop slices them off.
 """
 
 import contextlib

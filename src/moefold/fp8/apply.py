@@ -83,17 +83,22 @@ def _fp8_blocks(model, precision: PrecisionConfig) -> list[tuple[str, nn.Module]
     return blocks
 
 
+def excluded_by(patterns: list[str], name: str) -> bool:
+    """Whether `precision.fp8_exclude` keeps module `name` in high precision: a pattern matches it
+    or one of its parents (a module is excluded with any of its parents). The memory planner asks
+    the same of the names it models."""
+    parts = name.split(".")
+    return any(fnmatch.fnmatchcase(".".join(parts[:i]), pattern)
+               for i in range(1, len(parts) + 1) for pattern in patterns)
+
+
 def _excluded_names(model: nn.Module, precision: PrecisionConfig) -> set[str]:
     names = [name for name, _ in model.named_modules() if name]
-    excluded = set()
     for pattern in precision.fp8_exclude:
-        hits = {n for n in names if fnmatch.fnmatchcase(n, pattern)}
-        if not hits:
+        if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
             raise ConfigError(f"precision.fp8_exclude: pattern {pattern!r} matches no module name "
                               "(names look like 'layers.0.attn.wq', 'layers.1.ffn.experts')")
-        excluded |= hits
-    # A module is excluded with any of its parents.
-    return {n for n in names if any(n == e or n.startswith(e + ".") for e in excluded)}
+    return {n for n in names if excluded_by(precision.fp8_exclude, n)}
 
 
 # Linears that read one tensor together: while any of them keeps it for backward, it is kept once.

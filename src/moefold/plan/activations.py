@@ -26,10 +26,10 @@ rank (each TP rank dispatches its share of the tokens) and its experts see R row
 
 from __future__ import annotations
 
-import fnmatch
 from dataclasses import dataclass, replace
 
 from moefold.config import Config
+from moefold.fp8.apply import excluded_by
 from moefold.fp8.gemm import linear_scaling
 from moefold.fp8.grouped import grouped_scaling
 
@@ -105,11 +105,7 @@ def sibling_inputs(rows: int, cols: int, sh: Shapes, fp8: list[bool]) -> int:
 def fp8_module(cfg: Config, sh: Shapes, name: str) -> bool:
     """Whether apply_fp8 may convert the block's module `name` ("attn.wq", "ffn.experts"): the
     block runs FP8 and no `precision.fp8_exclude` pattern matches the module or a parent of it."""
-    if not sh.fp8_block:
-        return False
-    parts = f"{sh.fp8_block}.{name}".split(".")
-    names = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]  # the module and its parents
-    return not any(fnmatch.fnmatchcase(n, pattern) for n in names for pattern in cfg.precision.fp8_exclude)
+    return bool(sh.fp8_block) and not excluded_by(cfg.precision.fp8_exclude, f"{sh.fp8_block}.{name}")
 
 
 def fp8_linear(cfg: Config, sh: Shapes, name: str, in_features: int, out_features: int) -> bool:

@@ -184,8 +184,8 @@ def test_gate_and_up_in_one_function_equal_one_call_each(recipe, sizes, weight_g
 
 
 def test_gate_and_up_function_traces_whole_under_compile():
-    """Dynamo traces fp8_grouped_mms (a variadic autograd Function with a tuple of outputs) in one
-    graph, and the compiled gradients equal eager's."""
+    """Dynamo traces fp8_grouped_mms (an autograd Function with a tuple of outputs) in one graph,
+    with and without grad, and the compiled results equal eager's."""
     scaling, gemm = grouped_scaling("rowwise"), EmulatedFp8GroupedGemm()
     sizes = [32, 0, 48, 16]
     offsets_E = torch.tensor(sizes).cumsum(0).to(torch.int32)
@@ -196,13 +196,16 @@ def test_gate_and_up_function_traces_whole_under_compile():
         y1, y3 = fp8_grouped_mms(x, [w1, w3], offsets_E, gemm, scaling)
         return (F.silu(y1) * y3).float().square().sum()
 
-    grads = []
+    grads, no_grad_losses = [], []
     for run in (loss, torch.compile(loss, backend="aot_eager", fullgraph=True)):
         leaves = [t.clone().requires_grad_() for t in (x, w1, w3)]
         run(*leaves).backward()
         grads.append([t.grad for t in leaves])
+        with torch.no_grad():  # validation: Dynamo inlines forward itself (it once dropped ctx here)
+            no_grad_losses.append(run(x, w1, w3))
     for eager, compiled in zip(*grads):
         torch.testing.assert_close(compiled, eager, rtol=2 ** -7, atol=0)
+    torch.testing.assert_close(no_grad_losses[1], no_grad_losses[0], rtol=2 ** -7, atol=0)
 
 
 def test_tensorwise_experts_use_rowwise_grouped_scaling():

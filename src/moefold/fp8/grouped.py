@@ -353,11 +353,16 @@ def build_grouped_gemm(device_type: str, kernel: str = "triton", weight_grad: st
 
 
 class _Fp8GroupedMMFn(torch.autograd.Function):
-    """x·w_i per group for each weight w_i given (gate and up read the same x): x is quantized once
-    for the forward GEMMs and once for the weight gradients, and kept once for the backward."""
+    """x·w per group, and x·w2 when given (gate and up read the same x): x is quantized once for
+    the forward GEMMs and once for the weight gradients, and kept once for the backward.
+
+    Two weight parameters, not `*ws`: without grad, Dynamo (torch 2.11-2.13) inlines `forward` and
+    drops ctx whenever the argument count equals the signature's length, which a variadic forward
+    meets with two weights."""
 
     @staticmethod
-    def forward(ctx, x_RK, offsets_E, gemm, scaling: Fp8Scaling, saver: SaveInput, *ws_EKN):
+    def forward(ctx, x_RK, offsets_E, gemm, scaling: Fp8Scaling, saver: SaveInput, w_EKN, w2_EKN=None):
+        ws_EKN = [w_EKN] if w2_EKN is None else [w_EKN, w2_EKN]
         packed = saver.pack(x_RK)
         ctx.save_for_backward(offsets_E, *ws_EKN, *packed)
         ctx.gemm, ctx.scaling, ctx.saver, ctx.x_dtype = gemm, scaling, saver, x_RK.dtype
@@ -378,7 +383,7 @@ class _Fp8GroupedMMFn(torch.autograd.Function):
                 part_RK = gemm.grouped_mm(grad_RN, w_EKN.transpose(-2, -1), offsets_E, scaling.grad_input,
                                           x_RK.dtype)
                 grad_x_RK = part_RK if grad_x_RK is None else grad_x_RK + part_RK
-        grad_ws_EKN = [None] * ctx.num_weights
+        grad_ws_EKN = [None, None]
         wanted = [i for i in range(ctx.num_weights) if ctx.needs_input_grad[5 + i]]
         if wanted:
             grads = gemm.grouped_weight_grads(x_RK, [grads_RN[i] for i in wanted], offsets_E,
@@ -391,10 +396,12 @@ class _Fp8GroupedMMFn(torch.autograd.Function):
 def fp8_grouped_mms(x_RK: torch.Tensor, ws_EKN: list[torch.Tensor], offsets_E: torch.Tensor,
                     gemm: EmulatedFp8GroupedGemm, scaling: Fp8Scaling,
                     saver: SaveInput | None = None) -> list[torch.Tensor]:
-    """[torch._grouped_mm(x, w, offs) for w in ws] with FP8 operands in forward and backward, x
-    quantized once for all of them (forward and weight gradients) and kept for the backward once,
-    as `saver` says (fp8/saved.py; by default as it is). Equal, bit for bit, to one fp8_grouped_mm
-    per weight."""
+    """[torch._grouped_mm(x, w, offs) for w in ws] (one or two weights: gate and up) with FP8
+    operands in forward and backward, x quantized once for all of them (forward and weight
+    gradients) and kept for the backward once, as `saver` says (fp8/saved.py; by default as it
+    is). Equal, bit for bit, to one fp8_grouped_mm per weight."""
+    if len(ws_EKN) not in (1, 2):
+        raise ValueError(f"fp8_grouped_mms takes one or two weights, got {len(ws_EKN)}")
     return list(_Fp8GroupedMMFn.apply(x_RK, offsets_E, gemm, scaling, saver or SaveInput(), *ws_EKN))
 
 

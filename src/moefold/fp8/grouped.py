@@ -357,8 +357,8 @@ class _Fp8GroupedMMFn(torch.autograd.Function):
     the forward GEMMs and once for the weight gradients, and kept once for the backward.
 
     Two weight parameters, not `*ws`: without grad, Dynamo (torch 2.11-2.13) inlines `forward` and
-    drops ctx whenever the argument count equals the signature's length, which a variadic forward
-    meets with two weights."""
+    drops ctx whenever the argument count equals the signature's length (its test for a forward
+    without ctx, pytorch#137809), which a variadic forward meets with two weights."""
 
     @staticmethod
     def forward(ctx, x_RK, offsets_E, gemm, scaling: Fp8Scaling, saver: SaveInput, w_EKN, w2_EKN=None):

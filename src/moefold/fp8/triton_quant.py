@@ -46,6 +46,7 @@ ROW_ALIGN = 16
 """The transposed outputs' row count is padded to this: the GEMMs read them with a row stride of
 R bytes, which must be a multiple of 16."""
 
+
 def _format_constants(fmt: str) -> dict:
     """The format's bounds as compile-time constants (a float argument would arrive as fp64 when
     Inductor launches the kernel)."""

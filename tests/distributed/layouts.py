@@ -6,6 +6,7 @@ Both runs see the same global batch and data order: micro_batch_size is the glob
 divided by dp, and the trainer hands each data rank its rows of the same global micro-batch.
 """
 
+import faulthandler
 import os
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from moefold.config import load_config
 from moefold.train.trainer import Trainer
-from moefold.parallel.launch import free_port
+from moefold.parallel.launch import exit_rank, free_port, leave
 
 GLOBAL_MICRO_BATCH = 4
 STEPS = 10
@@ -104,13 +105,14 @@ def _entry(rank: int, world: int, port: int, fn, args) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # several ranks share the CI machine's two cores
+    faulthandler.enable()  # an abort prints every thread's Python stack
     try:
         fn(rank, *args)
         if dist.is_initialized():
             dist.barrier()  # nobody tears gloo down while a peer still talks to it (SIGABRT)
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave()
+    exit_rank(0)  # as the CLI's ranks do: no interpreter shutdown racing gloo's threads
 
 
 

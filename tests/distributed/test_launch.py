@@ -1,8 +1,11 @@
 """`moefold train --nproc N` as a user runs it: N gloo ranks, one voice (rank 0 prints and writes
-metrics), every rank's checkpoint shard, the same training as one process; and layout errors that
-stop the job before anything is written."""
+metrics), every rank's checkpoint shard, the same training as one process; layout errors that
+stop the job before anything is written; and how a rank's process ends."""
 
 import json
+import os
+import subprocess
+import sys
 
 from conftest import run_cli
 
@@ -47,3 +50,16 @@ def test_layout_that_does_not_fit_the_ranks_stops_before_writing(tiny_args, tmp_
     assert result.stderr.strip() == ("moefold: error: parallel: world size 3 is not divisible by "
                                      "tp·cp·pp = 2 (tp=2, cp=1, pp=1)")
     assert not run_dir.exists()
+
+
+def test_exit_rank_flushes_and_skips_interpreter_shutdown():
+    script = ("import atexit, sys\n"
+              "from moefold.parallel.launch import exit_rank\n"
+              "atexit.register(lambda: print('shutdown ran'))\n"
+              "print('out', end='')\n"
+              "sys.stderr.write('err')\n"
+              "exit_rank(3)\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # stdout buffered
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=120, env=env)
+    assert (result.returncode, result.stdout, result.stderr) == (3, "out", "err")

@@ -1,6 +1,7 @@
 """Parallel folding: the rank arithmetic of ParallelDims against a naive enumeration, its checks,
 and ParallelLayout's process groups on 4 gloo ranks."""
 
+import faulthandler
 import itertools
 import os
 
@@ -21,7 +22,7 @@ from moefold.parallel.dims import (
     group_ranks,
     rank_grid,
 )
-from moefold.parallel.launch import free_port
+from moefold.parallel.launch import exit_rank, free_port, leave
 
 # (world, tp, cp, pp, ep, etp) in the default order tp-cp-ep-dp-pp.
 LAYOUTS = [
@@ -191,13 +192,15 @@ def test_rank_grid_names_both_layouts():
 
 
 def _rank_entry(rank: int, fn, world: int, port: int, args: tuple) -> None:
+    faulthandler.enable()  # an abort prints every thread's Python stack
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         fn(rank, *args)
         dist.barrier()  # nobody tears gloo down while a peer still talks to it (SIGABRT)
     finally:
-        dist.destroy_process_group()
+        leave()
+    exit_rank(0)  # as the CLI's ranks do: no interpreter shutdown racing gloo's threads
 
 
 def run_on_ranks(fn, world: int, *args) -> None:

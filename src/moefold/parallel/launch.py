@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -117,6 +118,17 @@ def _device(name: str, local_rank: int | None) -> torch.device:
 def leave() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def exit_rank(code: int) -> NoReturn:
+    """End a rank's process now, skipping interpreter shutdown. The backends' worker threads
+    outlive destroy_process_group (DTensor's caches keep meshes, and so their groups, reachable),
+    and a worker that frees a tensor while Python finalizes needs the GIL: Python ends that thread
+    inside a C++ destructor, which aborts the process ('terminate called without an active
+    exception', SIGABRT) after a run that succeeded. Whatever the run wrote is closed by then."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 # ---------------------------------------------------------------------------------------------

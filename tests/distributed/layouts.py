@@ -6,18 +6,14 @@ Both runs see the same global batch and data order: micro_batch_size is the glob
 divided by dp, and the trainer hands each data rank its rows of the same global micro-batch.
 """
 
-import faulthandler
-import os
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from ranks import run_ranks  # noqa: F401 (the layout tests import it from here)
 from torch.distributed.tensor import DTensor
 
 from moefold.config import load_config
 from moefold.train.trainer import Trainer
-from moefold.parallel.launch import exit_rank, free_port, leave
 
 GLOBAL_MICRO_BATCH = 4
 STEPS = 10
@@ -88,32 +84,6 @@ def assert_fp8_training_close(result: dict, ref: dict, what: str, grad_rtol: flo
                                msg=lambda m: f"{what}, first five losses: {m}")
     late, ref_late = losses[-5:].mean().item(), ref_losses[-5:].mean().item()
     assert abs(late / ref_late - 1) < late_rtol, f"{what}: last five losses' mean {late:.4f} against {ref_late:.4f}"
-
-
-# ---------------------------------------------------------------------------------------------
-# Gloo ranks
-# ---------------------------------------------------------------------------------------------
-
-
-def run_ranks(world: int, fn, *args) -> None:
-    """`fn(rank, *args)` on `world` CPU ranks joined as torchrun would (env://); an exception on
-    any rank fails the caller."""
-    mp.spawn(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True)
-
-
-def _entry(rank: int, world: int, port: int, fn, args) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)  # several ranks share the CI machine's two cores
-    faulthandler.enable()  # an abort prints every thread's Python stack
-    try:
-        fn(rank, *args)
-        if dist.is_initialized():
-            dist.barrier()  # nobody tears gloo down while a peer still talks to it (SIGABRT)
-    finally:
-        leave()
-    exit_rank(0)  # as the CLI's ranks do: no interpreter shutdown racing gloo's threads
-
 
 
 def train_on_rank(rank: int, runs: list[tuple], out: Path) -> None:

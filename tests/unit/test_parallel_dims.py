@@ -1,14 +1,12 @@
 """Parallel folding: the rank arithmetic of ParallelDims against a naive enumeration, its checks,
 and ParallelLayout's process groups on 4 gloo ranks."""
 
-import faulthandler
 import itertools
-import os
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from ranks import run_ranks
 
 from moefold.errors import ConfigError
 from moefold.parallel.dims import (
@@ -22,7 +20,6 @@ from moefold.parallel.dims import (
     group_ranks,
     rank_grid,
 )
-from moefold.parallel.launch import exit_rank, free_port, leave
 
 # (world, tp, cp, pp, ep, etp) in the default order tp-cp-ep-dp-pp.
 LAYOUTS = [
@@ -190,22 +187,15 @@ def test_rank_grid_names_both_layouts():
 # ---------------------------------------------------------------------------------------------
 
 
-
-def _rank_entry(rank: int, fn, world: int, port: int, args: tuple) -> None:
-    faulthandler.enable()  # an abort prints every thread's Python stack
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        fn(rank, *args)
-        dist.barrier()  # nobody tears gloo down while a peer still talks to it (SIGABRT)
-    finally:
-        leave()
-    exit_rank(0)  # as the CLI's ranks do: no interpreter shutdown racing gloo's threads
+def _in_gloo_group(rank: int, fn, *args) -> None:
+    dist.init_process_group("gloo")  # env://, as ranks.run_ranks sets it
+    fn(rank, *args)
 
 
 def run_on_ranks(fn, world: int, *args) -> None:
-    """Run `fn(rank, *args)` on `world` gloo ranks on CPU; an exception on any rank fails."""
-    mp.spawn(_rank_entry, args=(fn, world, free_port(), args), nprocs=world, join=True)
+    """Run `fn(rank, *args)` on `world` gloo ranks on CPU, in the process group; an exception on
+    any rank fails."""
+    run_ranks(world, _in_gloo_group, fn, *args)
 
 
 def _check_layout(rank: int, sizes: list[dict]) -> None:

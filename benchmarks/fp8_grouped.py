@@ -33,11 +33,9 @@ from moefold.fp8.grouped import (
     TritonBlockwiseFp8GroupedGemm,
     TritonFp8GroupedGemm,
     blockwise_contract_operands,
-    blockwise_rows_input,
     blockwise_rows_operands,
     contract_operands,
     grouped_scaling,
-    rows_input,
     rows_operands,
 )
 from moefold.fp8.triton_grouped import HAS_TRITON
@@ -67,11 +65,7 @@ def fp8_kernel_calls(x_RK, grad_RN, w_EKN, offsets_E, backend) -> dict:
     """The backend's FP8 GEMMs on operands quantized beforehand, in the layouts its calls make."""
     s = grouped_scaling("rowwise")
     forward = rows_operands(x_RK, w_EKN, s.forward)
-    # grad_input's operands: the forward's FP8 weight as it lies (unit scales), grad per row
-    _, (w_fp8_EKN, _) = backend.expert_weights([w_EKN], s.forward.b, torch.bfloat16, with_backward=True)
-    unit_EK = torch.ones(w_EKN.shape[:2], device=w_EKN.device)
-    g_fp8, g_scale_R = rows_input(grad_RN, s.grad_input.a)
-    grad_input = (g_fp8, w_fp8_EKN.transpose(-2, -1), g_scale_R, unit_EK)
+    grad_input = rows_operands(grad_RN, w_EKN.transpose(-2, -1), s.grad_input)
     grad_weight = contract_operands(x_RK, grad_RN, offsets_E, s.grad_weight)
     return {"forward": lambda: backend._rows(*forward, offsets_E),
             "grad_input": lambda: backend._rows(*grad_input, offsets_E),
@@ -82,10 +76,7 @@ def blockwise_kernel_calls(x_RK, grad_RN, w_EKN, offsets_E) -> dict:
     """The blockwise Triton GEMMs on operands quantized beforehand (1x128, 128x128, 128x1 scales)."""
     s, ops = grouped_scaling("blockwise"), torch.ops.moefold
     forward = blockwise_rows_operands(x_RK, w_EKN, s.forward)
-    _, (wT_fp8, wT_scale) = TritonBlockwiseFp8GroupedGemm().expert_weights([w_EKN], s.forward.b, torch.bfloat16,
-                                                                           with_backward=True)
-    g_fp8, g_scale = blockwise_rows_input(grad_RN, s.grad_input.a)
-    grad_input = (g_fp8, wT_fp8, g_scale, wT_scale)
+    grad_input = blockwise_rows_operands(grad_RN, w_EKN.transpose(-2, -1), s.grad_input)
     grad_weight = blockwise_contract_operands(x_RK, grad_RN, s.grad_weight)
     return {"forward": lambda: ops.fp8_grouped_mm_rows_blockwise(*forward, offsets_E),
             "grad_input": lambda: ops.fp8_grouped_mm_rows_blockwise(*grad_input, offsets_E),
@@ -93,18 +84,12 @@ def blockwise_kernel_calls(x_RK, grad_RN, w_EKN, offsets_E) -> dict:
 
 
 def fp8_backend_calls(x_RK, grad_RN, w_EKN, offsets_E, gemm, recipe: str = "rowwise") -> dict:
-    """The backend as the experts' autograd Function calls it: quantization included (the weight's
-    once, in the forward's column: grad_input reuses it)."""
+    """The backend as the experts' autograd Function calls it: quantization included."""
     s = grouped_scaling(recipe)
     bf16 = torch.bfloat16
-    _, backward_w = gemm.expert_weights([w_EKN], s.forward.b, bf16, with_backward=True)
-
-    def forward():
-        forward_w, _ = gemm.expert_weights([w_EKN], s.forward.b, bf16, with_backward=True)
-        return gemm.forward_mm(x_RK, forward_w, offsets_E, s.forward, bf16)
-
-    return {"forward": forward,
-            "grad_input": lambda: gemm.grad_input_mm(grad_RN, backward_w, offsets_E, s.grad_input, bf16),
+    return {"forward": lambda: gemm.grouped_mm(x_RK, w_EKN, offsets_E, s.forward, bf16),
+            "grad_input": lambda: gemm.grouped_mm(grad_RN, w_EKN.transpose(-2, -1), offsets_E,
+                                                  s.grad_input, bf16),
             "grad_weight": lambda: gemm.grouped_weight_grad(x_RK, grad_RN, offsets_E, s.grad_weight, bf16)}
 
 

@@ -92,8 +92,7 @@ def test_triton_column_quantizers_match_torch_byte_for_byte(fmt, compiled):
     """fp8/triton_quant.py (eager, and traced by torch.compile as training runs it) against the
     eager plain-PyTorch quantizer at a Qwen3 expert shape: the same FP8 bytes and the same scales, for the
     weight gradient's grouped columns (uneven groups, an empty one, rows past the last group,
-    row- and column-major input) and for the experts' weights (gate and up side by side, w2 read
-    through its transpose), the forward's layout and grad_input's."""
+    row- and column-major input) and for each expert's weight and its transpose."""
     g = torch.Generator(device="cuda").manual_seed(5)
     E, K, N = 128, 2048, 768
     sizes_E = torch.randint(0, 40, (E,), generator=g, device="cuda") * 16
@@ -102,7 +101,6 @@ def test_triton_column_quantizers_match_torch_byte_for_byte(fmt, compiled):
     ends = int(offsets_E[-1])
     x = torch.randn(ends + 40, K, device="cuda", generator=g, dtype=torch.bfloat16) * 3
     w = torch.randn(E, K, N, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02
-    w3 = torch.randn(E, K, N, device="cuda", generator=g, dtype=torch.bfloat16) * 0.5
     op, torch_q, triton_q = Operand("col", fmt), TorchColumnQuantizer(), TritonColumnQuantizer()
     run = torch.compile if compiled else (lambda f: f)
     for xx in (x, x.t().contiguous().t()):
@@ -110,17 +108,11 @@ def test_triton_column_quantizers_match_torch_byte_for_byte(fmt, compiled):
         out_t, out_s = run(triton_q.group_columns_t)(xx, offsets_E, op)
         assert torch.equal(out_s, ref_s)
         assert torch.equal(out_t[:, :ends].view(torch.uint8), ref_t[:, :ends].view(torch.uint8))
-    for with_backward in (True, False):  # gate and up side by side; w2 (through its transpose) alone
-        for ws in ([w, w3], [w.transpose(-2, -1)]):
-            refs = torch_q.weights(ws, op, with_backward)
-            outs = run(triton_q.weights)(ws, op, with_backward)
-            for ref, out in zip(refs, outs):
-                if ref is None:
-                    assert out is None
-                    continue
-                assert out.dtype == ref.dtype and out.shape == ref.shape and out.stride() == ref.stride()
-                assert torch.equal(out.view(torch.uint8) if out.element_size() == 1 else out,
-                                   ref.view(torch.uint8) if ref.element_size() == 1 else ref)
+    for ww in (w, w.transpose(-2, -1)):
+        ref_w, ref_s = torch_q.weight(ww, op)
+        out_w, out_s = run(triton_q.weight)(ww, op)
+        assert torch.equal(out_s, ref_s) and out_w.stride() == ref_w.stride()
+        assert torch.equal(out_w.view(torch.uint8), ref_w.view(torch.uint8))
 
 
 @pytest.mark.parametrize("gemm", GEMMS)
@@ -143,9 +135,8 @@ def test_triton_grouped_gemm_matches_cutlass(gemm):
     for backend in (TritonFp8GroupedGemm(), ScaledGroupedMMFp8Gemm()):
         if gemm == "forward":
             outs.append(backend.grouped_mm(x, w, offsets_E, s.forward, bf16)[:rows])
-        elif gemm == "grad_input":  # the forward's FP8 weight, its column scales folded into gy
-            _, backward_w = backend.expert_weights([w], s.forward.b, bf16, with_backward=True)
-            outs.append(backend.grad_input_mm(gy, backward_w, offsets_E, s.grad_input, bf16)[:rows])
+        elif gemm == "grad_input":
+            outs.append(backend.grouped_mm(gy, w.transpose(-2, -1), offsets_E, s.grad_input, bf16)[:rows])
         else:
             outs.append(backend.grouped_weight_grad(x, gy, offsets_E, s.grad_weight, bf16))
     assert_bf16_close(*outs)
@@ -209,8 +200,7 @@ def test_fp8_linear_as_trained_matches_emulation(recipe, compiled):
 @pytest.mark.parametrize("kernel", GROUPED_KERNELS)
 @pytest.mark.parametrize("recipe", ["rowwise", "blockwise"])
 def test_gate_and_up_in_one_function_on_the_gpu(recipe, kernel, compiled):
-    """fp8_grouped_mms (x quantized once for gate and up, grad_x one GEMM over both) against one
-    fp8_grouped_mm on the weights side by side (everything) and one per weight (all but grad_x),
+    """fp8_grouped_mms (x quantized once for gate and up) against one fp8_grouped_mm per weight,
     with each CUDA backend, eager (bit for bit) and compiled (to FP8 noise: Inductor may round a
     scale differently in one graph than in the other)."""
     from moefold.fp8.grouped import fp8_grouped_mms
@@ -232,21 +222,17 @@ def test_gate_and_up_in_one_function_on_the_gpu(recipe, kernel, compiled):
     def separate(x, w1, w3):
         return [fp8_grouped_mm(x, w, offsets_E, gemm, scaling) for w in (w1, w3)]
 
-    def side_by_side(x, w1, w3):
-        return fp8_grouped_mm(x, torch.cat([w1, w3], -1), offsets_E, gemm, scaling).split(N, dim=-1)
-
     runs = []
-    for fn in (joint, separate, side_by_side):
+    for fn in (joint, separate):
         leaves = [t.clone().requires_grad_() for t in (x, w1, w3)]
         ys = (torch.compile(fn) if compiled else fn)(*leaves)
         torch.autograd.backward(ys, [g1, g3])
         runs.append([ys[0][:rows], ys[1][:rows], leaves[0].grad[:rows], leaves[1].grad, leaves[2].grad])
-    for i, (a, b, c) in enumerate(zip(*runs)):
-        for other in (b, c) if i != 2 else (c,):  # grad_x: one GEMM over both, not a sum of two
-            if compiled:
-                assert_norm_close(a.detach(), other.detach())
-            else:
-                assert torch.equal(a, other)
+    for a, b in zip(*runs):
+        if compiled:
+            assert_norm_close(a.detach(), b.detach())
+        else:
+            assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("kernel", GROUPED_KERNELS)

@@ -111,22 +111,8 @@ def test_fp8_linear_keeps_leading_dims_and_bias():
     assert fp8.state_dict().keys() == linear.state_dict().keys()
 
 
-def ref_column_quant(w_KN, fmt=E4M3):
-    """(the FP8 values as fp64, each column's fp32 scale): one scale per column, column by column."""
-    q, scales = torch.empty(w_KN.shape, dtype=torch.float64), torch.empty(w_KN.shape[1])
-    for j in range(w_KN.shape[1]):
-        col = w_KN[:, j].float()
-        amax = col.abs().max()
-        scale = amax / fmt.max if amax > 0 else torch.tensor(1.0)
-        q[:, j] = (col / scale).clamp(-fmt.max, fmt.max).to(fmt.dtype).double()
-        scales[j] = scale
-    return q, scales
-
-
 def ref_grouped(x_RK, w_EKN, gy_RN, sizes, recipe):
-    """Per-expert loop: forward, grad_x, grad_w with each expert's rows quantized on their own.
-    grad_x multiplies the forward's FP8 weight: rowwise with its column scales moved onto gy's
-    columns, blockwise with its 128x128 blocks transposed (the same values as quantizing w^T)."""
+    """Per-expert loop: forward, grad_x, grad_w with each expert's rows quantized on their own."""
     block = recipe == "blockwise"
     act, wt = ((1, 128), (128, 128)) if block else ((1, 0), (0, 1))
     wgrad = (128, 1) if block else (0, 1)  # along the expert's rows: per column of its group
@@ -135,11 +121,7 @@ def ref_grouped(x_RK, w_EKN, gy_RN, sizes, recipe):
         x, gy = x_RK[start:start + n], gy_RN[start:start + n]
         start += n
         out.append(ref_fake_quant(x, act, E4M3) @ ref_fake_quant(w_EKN[e], wt, E4M3))
-        if block:
-            gx.append(ref_fake_quant(gy, act, E4M3) @ ref_fake_quant(w_EKN[e].t(), wt, E4M3))
-        else:
-            q_KN, scale_N = ref_column_quant(w_EKN[e])
-            gx.append(ref_fake_quant(gy.float() * scale_N, act, E4M3) @ q_KN.t())
+        gx.append(ref_fake_quant(gy, act, E4M3) @ ref_fake_quant(w_EKN[e].t(), wt, E4M3))
         if n == 0:
             gw.append(torch.zeros(w_EKN.shape[1:], dtype=torch.float64))
         else:
@@ -168,10 +150,9 @@ def test_fp8_grouped_mm_matches_per_expert_loop(recipe, sizes):
 @pytest.mark.parametrize("recipe,sizes", [("rowwise", [32, 0, 48, 16]), ("blockwise", [128, 0, 256, 128])])
 def test_gate_and_up_in_one_function_equal_one_call_each(recipe, sizes, weight_grad, fp8_saved):
     """fp8_grouped_mms (gate and up reading one x, which it quantizes and keeps once) gives the
-    outputs and weight gradients of one fp8_grouped_mm per weight bit for bit, and everything —
-    grad_x included, one GEMM over both weights — of one fp8_grouped_mm on the weights side by
-    side; it keeps x once: with FP8 saved activations one FP8 copy where separate calls keep two.
-    A frozen weight gets no gradient."""
+    outputs and gradients of one fp8_grouped_mm per weight bit for bit, and keeps x once: with
+    FP8 saved activations one FP8 copy where separate calls keep two. A frozen weight gets no
+    gradient."""
     scaling = grouped_scaling(recipe)
     gemm = EmulatedFp8GroupedGemm()
     gemm = HighPrecisionGroupedWeightGrad(gemm) if weight_grad == "bf16" else gemm
@@ -182,29 +163,23 @@ def test_gate_and_up_in_one_function_equal_one_call_each(recipe, sizes, weight_g
     w1, w3 = (0.05 * rand((E, K, N), seed, outliers=False) for seed in (4, 6))
     g1, g3 = (torch.cat([rand((used, N), seed), torch.zeros(16, N)]) for seed in (5, 7))
 
-    def run(calls: str, frozen_w3: bool = False):
+    def run(joint: bool, frozen_w3: bool = False):
         xr, w1r, w3r = x.clone().requires_grad_(), w1.clone().requires_grad_(), w3.clone().requires_grad_(not frozen_w3)
-        if calls == "joint":
+        if joint:
             (y1, y3), saved = _saved_inputs(lambda: fp8_grouped_mms(xr, [w1r, w3r], offsets_E, gemm, scaling, saver))
-        elif calls == "separate":
+        else:
             (y1, y3), saved = _saved_inputs(lambda: [fp8_grouped_mm(xr, w, offsets_E, gemm, scaling, saver)
                                                      for w in (w1r, w3r)])
-        else:  # one weight, [w1 | w3]
-            y, saved = _saved_inputs(lambda: fp8_grouped_mm(xr, torch.cat([w1r, w3r], -1), offsets_E, gemm,
-                                                            scaling, saver))
-            y1, y3 = y.split(N, dim=-1)
         torch.autograd.backward([y1, y3], [g1, g3])
         kept_x = [t for t in saved if t.shape == x.shape]
         return [y1.detach()[:used], y3.detach()[:used], xr.grad[:used], w1r.grad, w3r.grad], kept_x
 
-    (joint, kept_joint), (separate, kept_separate) = run("joint"), run("separate")
-    side_by_side, _ = run("side_by_side")
-    for i, (a, b, c) in enumerate(zip(joint, separate, side_by_side)):
-        assert torch.equal(a, c)
-        assert i == 2 or torch.equal(a, b)  # grad_x: one GEMM over both weights, not a sum of two
+    (joint, kept_joint), (separate, kept_separate) = run(True), run(False)
+    for a, b in zip(joint, separate):
+        assert torch.equal(a, b)
     assert len(kept_joint) == 1 and len(kept_separate) == 2
     assert kept_joint[0].dtype == (torch.float8_e4m3fn if fp8_saved else x.dtype)
-    frozen, _ = run("joint", frozen_w3=True)
+    frozen, _ = run(True, frozen_w3=True)
     assert frozen[4] is None and all(torch.equal(a, b) for a, b in zip(frozen[:4], joint[:4]))
 
 

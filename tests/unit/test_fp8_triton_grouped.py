@@ -65,24 +65,18 @@ for recipe, kernel, sizes, widths in cases:
         for name, out, ref in zip(("forward", "grad_input", "grad_weight"), *results):
             err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
             assert err < 2 ** -7, (recipe, N, name, err)  # the same FP8 operands; bf16 rounding apart
-    # Gate and up in one Function (x quantized once, grad_x one GEMM over both weights): bit for bit
-    # one call on the weights side by side; its outputs and weight gradients those of one call each.
+    # Gate and up in one Function (x quantized once) against one call each: bit for bit.
     w3, gy3 = torch.randn(E, K, N, dtype=torch.bfloat16) * 0.02, torch.randn(R, N, dtype=torch.bfloat16)
-    runs = {}
-    for calls in ("joint", "separate", "side_by_side"):
+    runs = []
+    for joint in (True, False):
         xr, wr, w3r = (t.clone().requires_grad_() for t in (x, w, w3))
         gemm, s = kernel(), grouped_scaling(recipe)
-        if calls == "joint":
-            ys = fp8_grouped_mms(xr, [wr, w3r], offsets_E, gemm, s)
-        elif calls == "separate":
-            ys = [fp8_grouped_mm(xr, v, offsets_E, gemm, s) for v in (wr, w3r)]
-        else:
-            ys = fp8_grouped_mm(xr, torch.cat([wr, w3r], -1), offsets_E, gemm, s).split(N, dim=-1)
+        ys = (fp8_grouped_mms(xr, [wr, w3r], offsets_E, gemm, s) if joint
+              else [fp8_grouped_mm(xr, v, offsets_E, gemm, s) for v in (wr, w3r)])
         torch.autograd.backward(ys, [gy, gy3])
-        runs[calls] = [ys[0].detach()[:sum(sizes)], ys[1].detach()[:sum(sizes)], xr.grad[:sum(sizes)],
-                       wr.grad, w3r.grad]
-    assert all(torch.equal(a, b) for a, b in zip(runs["joint"], runs["side_by_side"])), recipe
-    assert all(torch.equal(a, b) for i, (a, b) in enumerate(zip(runs["joint"], runs["separate"])) if i != 2), recipe
+        runs.append([ys[0].detach()[:sum(sizes)], ys[1].detach()[:sum(sizes)], xr.grad[:sum(sizes)],
+                     wr.grad, w3r.grad])
+    assert all(torch.equal(a, b) for a, b in zip(*runs)), recipe
 print("ok")
 """
 

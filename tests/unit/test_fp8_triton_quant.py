@@ -55,23 +55,15 @@ for fmt in (E4M3, E5M2):
             q_RC, scale_C = naive_columns(x[s:s + n], fmt)
             assert torch.equal(scale_EC[e], scale_C), ("group scales", e)
             same_bytes(xT_CR[:, s:s + n], interpreter_cast(q_RC.t(), fmt.dtype), ("group values", e))
-    # gate and up side by side (one in its own layout, one through a transpose): each column of each
-    # expert scaled on its own; the bytes column-major for the forward and as they lie for grad_input
-    w1_EKN = torch.randn(3, 200, 72, dtype=torch.bfloat16) * 0.02
-    w3_EKN = (torch.randn(3, 40, 200, dtype=torch.bfloat16) * 0.5).transpose(-2, -1)
-    for with_backward in (True, False):
-        fwd_EKS, bwd_EKS, scale_ES = quantizer.weights([w1_EKN, w3_EKN], op, with_backward)
-        assert fwd_EKS.shape == (3, 200, 112) and fwd_EKS.transpose(-2, -1).is_contiguous()
-        assert (bwd_EKS is None) != with_backward
-        for e in range(3):
-            q_KS, scale_S = (torch.cat(parts, dim=-1) for parts in zip(*(naive_columns(w[e], fmt)
-                                                                           for w in (w1_EKN, w3_EKN))))
-            assert torch.equal(scale_ES[e], scale_S), ("weight scales", e)
-            expected = interpreter_cast(q_KS, fmt.dtype)
-            same_bytes(fwd_EKS[e], expected, ("forward weight values", e))
-            if with_backward:
-                assert bwd_EKS.is_contiguous()
-                same_bytes(bwd_EKS[e], expected, ("grad_input weight values", e))
+    # each expert's weight, column-major as the rows kernels read it, and its transpose (grad_input)
+    w_EKN = torch.randn(3, 200, 72, dtype=torch.bfloat16) * 0.02
+    for w in (w_EKN, w_EKN.transpose(-2, -1)):
+        w_fp8, scale_EN = quantizer.weight(w, op)
+        assert w_fp8.shape == w.shape and w_fp8.transpose(-2, -1).is_contiguous()
+        for e in range(w.shape[0]):
+            q_KN, scale_N = naive_columns(w[e], fmt)
+            assert torch.equal(scale_EN[e], scale_N), ("weight scales", e)
+            same_bytes(w_fp8[e], interpreter_cast(q_KN, fmt.dtype), ("weight values", e))
 print("ok")
 """
 

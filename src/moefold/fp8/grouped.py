@@ -26,7 +26,7 @@ from moefold.dtypes import cast
 from moefold.errors import ConfigError
 from moefold.fp8 import triton_quant
 from moefold.fp8.gemm import Fp8Scaling, GemmScaling, column_major, pad_rows
-from moefold.fp8.recipes import BLOCK, Operand, dequantize_tiles, fake_quant, quantize
+from moefold.fp8.recipes import BLOCK, Operand, fake_quant, quantize
 from moefold.fp8.saved import SaveInput
 from moefold.moe.grouped_mm import grouped_mm
 
@@ -89,41 +89,15 @@ def fake_quant_groups(x_RN: torch.Tensor, offsets_E: torch.Tensor, op: Operand,
     return fake_quant(pad_rows(x_RN, BLOCK), op, dtype)[:R]
 
 
-def row_experts(offsets_E: torch.Tensor, rows: int) -> torch.Tensor:
-    """e_R: each row's expert (rows past the last group: the last expert; their results are never
-    stored), on the device."""
-    rows_R = torch.arange(rows, device=offsets_E.device, dtype=offsets_E.dtype)
-    return torch.searchsorted(offsets_E, rows_R, right=True).clamp_(max=offsets_E.shape[0] - 1)
-
-
-def fold_column_scales(grad_RS: torch.Tensor, scale_ES: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
-    """grad · diag(scale[e(r)]) in fp32. The forward multiplies x by w ≈ w_fp8 · diag(scale) (a
-    scale per output column); so grad_input, grad · wᵀ, equals (grad · diag(scale)) · w_fp8ᵀ, and
-    the forward's FP8 weight serves grad_input unchanged, its scales moved onto grad's columns
-    before grad is quantized per row."""
-    return grad_RS.float() * scale_ES[row_experts(offsets_E, grad_RS.shape[0])]
-
-
-def quantize_side_by_side(ws_EKN, op: Operand) -> tuple[torch.Tensor, torch.Tensor]:
-    """The weights quantized each on its own, side by side along N (S = their N summed): (FP8
-    [E, K, S], scales [E, K/tile, S/tile]: [E, 1, S] per column, [E, K/128, S/128] per block)."""
-    quantized = [quantize(w_EKN, op) for w_EKN in ws_EKN]
-    # Bytes, not FP8: autocast's cat policy has no rule for FP8 dtypes and raises.
-    w_bytes_EKS = torch.cat([w_fp8.view(torch.uint8) for w_fp8, _ in quantized], dim=-1)
-    return w_bytes_EKS.view(op.fmt.dtype), torch.cat([scale for _, scale in quantized], dim=-1)
-
-
 class TorchColumnQuantizer:
     """The column-scaled operands of the rowwise grouped GEMMs in plain PyTorch (any device):
-    quantize, then the copies into the layouts the kernels read. The reference for
+    quantize, then a transposing copy into the layout the kernels read. The reference for
     TritonColumnQuantizer."""
 
-    def weights(self, ws_EKN, op: Operand, with_backward: bool):
-        """The weights side by side (S = their N summed), one scale per column of each expert:
-        (FP8 column-major [E, K, S] for the forward; the same bytes row-major [E, K, S] for
-        grad_input, or None; scales [E, S])."""
-        w_fp8_EKS, scale_E1S = quantize_side_by_side(ws_EKN, op)
-        return column_major(w_fp8_EKS), (w_fp8_EKS if with_backward else None), scale_E1S.flatten(1)
+    def weight(self, w_EKN, op: Operand):
+        """(each expert's w in FP8, column-major, as [E, K, N]; its per-column scales [E, N])."""
+        w_fp8, scale_E1N = quantize(w_EKN, op)
+        return column_major(w_fp8), scale_E1N.flatten(1)
 
     def group_columns_t(self, x_RK, offsets_E, op: Operand):
         """(x^T in FP8, [K, R'] row-major, R' = R rounded up to 16; per-group column scales [E, K]).
@@ -134,13 +108,13 @@ class TorchColumnQuantizer:
 
 
 class TritonColumnQuantizer:
-    """TorchColumnQuantizer's operands, bit for bit, from Triton kernels (fp8/triton_quant.py): the
-    amax, the cast and the stores in one pass over the group's columns, instead of Inductor's
-    scatter-reduce and separate copies. CUDA only."""
+    """TorchColumnQuantizer's operands, bit for bit, from one Triton kernel each (fp8/triton_quant.py):
+    the amax, the cast and the transposed store in one pass over the group's columns, instead of
+    Inductor's scatter-reduce and a separate transposing copy. CUDA only."""
 
-    def weights(self, ws_EKN, op: Operand, with_backward: bool):
-        fwd_ESK, bwd_EKS, scale_ES = triton_quant.quantize_expert_weights(ws_EKN, op.fmt, with_backward)
-        return fwd_ESK.transpose(-2, -1), (bwd_EKS if with_backward else None), scale_ES
+    def weight(self, w_EKN, op: Operand):
+        wT_ENK, scale_EN = triton_quant.quantize_batch_columns_t(w_EKN, op.fmt)
+        return wT_ENK.transpose(-2, -1), scale_EN
 
     def group_columns_t(self, x_RK, offsets_E, op: Operand):
         return triton_quant.quantize_group_columns_t(x_RK, offsets_E, op.fmt)
@@ -152,48 +126,23 @@ TORCH_COLUMNS = TorchColumnQuantizer()
 class EmulatedFp8GroupedGemm:
     """quantize → dequantize → torch._grouped_mm in the compute dtype; runs on any device.
 
-    The GEMMs of one projection — its weights side by side (gate and up read the same x) — as the
-    autograd Function calls them:
-      `expert_weights`   each weight quantized once per step: the forward's operand, and
-                         grad_input's (the same FP8 values) kept for the backward
-      `forward_mm`       x · [w1 | w3]                     → [R, S]
-      `grad_input_mm`    grad_RS · [w1 | w3]ᵀ              → [R, K], one GEMM over S
-      `grouped_weight_grads`  x_eᵀ · grad_e per weight, x quantized once for all of them.
-    Rowwise ("col" weights): grad_input scales grad's columns by the forward's weight scales
-    (fold_column_scales) and multiplies the FP8 weight itself. Blockwise: a 128x128 block's scale
-    holds for its transpose, so grad_input multiplies the forward's blocks transposed."""
+    Every backend's GEMMs come in list form — several weights against one input (gate and up read
+    the same x), several gradients against one input (their weight gradients) — so that the shared
+    operand is quantized once; `grouped_mm` and `grouped_weight_grad` are the one-element cases."""
 
     name = "emulated"
 
-    def expert_weights(self, ws_EKN, op: Operand, dtype, with_backward: bool):
-        """(the forward's operand, grad_input's or None): here the dequantized [E, K, S] weights in
-        dtype, and the FP8 values with their scales."""
-        w_fp8_EKS, scale_EKS = quantize_side_by_side(ws_EKN, op)
-        forward = dequantize_tiles(w_fp8_EKS, scale_EKS, dtype)
-        if op.tile == "col":  # grad_input folds the column scales into grad: kept as [E, S]
-            scale_EKS = scale_EKS.flatten(1)
-        return forward, ((w_fp8_EKS, scale_EKS) if with_backward else None)
-
-    def forward_mm(self, x_RK, forward_w, offsets_E, scaling: GemmScaling, dtype):
-        return grouped_mm(fake_quant(x_RK, scaling.a, dtype), forward_w, offsets_E)
-
-    def grad_input_mm(self, grad_RS, backward_w, offsets_E, scaling: GemmScaling, dtype):
-        w_fp8_EKS, scale_EKS = backward_w
-        if scale_EKS.dim() == 2:  # one scale per column, [E, S]: fold it into grad (class docstring)
-            grad_RS = fold_column_scales(grad_RS, scale_EKS, offsets_E)
-            wT_ESK = w_fp8_EKS.to(dtype).transpose(-2, -1)  # FP8 values are exact in bf16
-        else:
-            wT_ESK = dequantize_tiles(w_fp8_EKS, scale_EKS, dtype).transpose(-2, -1)
-        return grouped_mm(fake_quant(grad_RS, scaling.a, dtype), wT_ESK, offsets_E)
-
     def grouped_mm(self, x_RK, w_EKN, offsets_E, scaling: GemmScaling, dtype):
-        """x·w[e] over each expert's rows: one weight's forward, as training runs it."""
-        forward_w, _ = self.expert_weights([w_EKN], scaling.b, dtype, with_backward=False)
-        return self.forward_mm(x_RK, forward_w, offsets_E, scaling, dtype)
+        """x·w[e] over each expert's rows."""
+        return self.grouped_mms(x_RK, [w_EKN], offsets_E, scaling, dtype)[0]
 
     def grouped_weight_grad(self, x_RK, grad_RN, offsets_E, scaling: GemmScaling, dtype):
         """grad_w_EKN[e] = x_e^T @ grad_e over each expert's rows."""
         return self.grouped_weight_grads(x_RK, [grad_RN], offsets_E, scaling, dtype)[0]
+
+    def grouped_mms(self, x_RK, ws_EKN, offsets_E, scaling: GemmScaling, dtype) -> list:
+        xq_RK = fake_quant(x_RK, scaling.a, dtype)
+        return [grouped_mm(xq_RK, fake_quant(w_EKN, scaling.b, dtype), offsets_E) for w_EKN in ws_EKN]
 
     def grouped_weight_grads(self, x_RK, grads_RN, offsets_E, scaling: GemmScaling, dtype) -> list:
         xq_RK = fake_quant_groups(x_RK, offsets_E, scaling.a, dtype)
@@ -208,33 +157,20 @@ class ScaledGroupedMMFp8Gemm(EmulatedFp8GroupedGemm):
 
     The kernel wants a row-major, b column-major per expert, float32 dequantization scales: [R] and
     [E, N] for 2d x 3d, [E·K] and [E·N] for the 2d x 2d weight gradient (torchao's fp8 MoE layout).
-    grad_input's weight scales are ones: they are folded into grad (fold_column_scales).
     """
 
     name = "scaled_grouped_mm"
     columns = TORCH_COLUMNS
 
-    def expert_weights(self, ws_EKN, op, dtype, with_backward):
-        if op.tile != "col":
-            return super().expert_weights(ws_EKN, op, dtype, with_backward)
-        fwd_EKS, bwd_EKS, scale_ES = self.columns.weights(ws_EKN, op, with_backward)
-        return (fwd_EKS, scale_ES), ((bwd_EKS, scale_ES) if with_backward else None)
-
-    def forward_mm(self, x_RK, forward_w, offsets_E, scaling, dtype):
+    def grouped_mms(self, x_RK, ws_EKN, offsets_E, scaling, dtype):
         if scaling.a.tile != "row":
-            return super().forward_mm(x_RK, forward_w, offsets_E, scaling, dtype)
-        w_fp8_EKS, scale_ES = forward_w
+            return super().grouped_mms(x_RK, ws_EKN, offsets_E, scaling, dtype)
         x_fp8, scale_R = rows_input(x_RK, scaling.a)
-        return cast(self._rows(x_fp8, w_fp8_EKS, scale_R, scale_ES, offsets_E), dtype)
-
-    def grad_input_mm(self, grad_RS, backward_w, offsets_E, scaling, dtype):
-        if scaling.a.tile != "row":
-            return super().grad_input_mm(grad_RS, backward_w, offsets_E, scaling, dtype)
-        w_fp8_EKS, scale_ES = backward_w
-        g_fp8, scale_R = rows_input(fold_column_scales(grad_RS, scale_ES, offsets_E), scaling.a)
-        E, K, _ = w_fp8_EKS.shape
-        unit_EK = torch.ones(E, K, device=w_fp8_EKS.device, dtype=torch.float32)
-        return cast(self._rows(g_fp8, w_fp8_EKS.transpose(-2, -1), scale_R, unit_EK, offsets_E), dtype)
+        outs = []
+        for w_EKN in ws_EKN:
+            w_fp8, scale_EN = self.columns.weight(w_EKN, scaling.b)
+            outs.append(cast(self._rows(x_fp8, w_fp8, scale_R, scale_EN, offsets_E), dtype))
+        return outs
 
     def grouped_weight_grads(self, x_RK, grads_RN, offsets_E, scaling, dtype):
         if scaling.a.tile != "col":
@@ -291,32 +227,21 @@ class TritonBlockwiseFp8GroupedGemm(EmulatedFp8GroupedGemm):
     """DeepSeek-V3's blockwise scaling for the experts (1x128 activations, 128x128 weights, 128x1
     along the rows for the weight gradient) in Triton (fp8/triton_grouped.py): torch has no
     blockwise grouped FP8 kernel on Hopper. Quantization as the emulation's, so both multiply the
-    same FP8 values; the kernels apply each 128-deep block's scales in fp32. grad_input reads the
-    forward's FP8 blocks transposed (their scales too)."""
+    same FP8 values; the kernels apply each 128-deep block's scales in fp32."""
 
     name = "triton-blockwise"
 
     def __init__(self):
         _require_triton()
 
-    def expert_weights(self, ws_EKN, op, dtype, with_backward):
-        w_fp8_EKS, scale_EKbSb = quantize_side_by_side(ws_EKN, op)
-        forward = (column_major(w_fp8_EKS), scale_EKbSb.contiguous())
-        # grad_input's b is w^T [E, S, K]: column-major, it is w_fp8_EKS as it lies.
-        backward = (w_fp8_EKS.transpose(-2, -1), scale_EKbSb.transpose(-2, -1).contiguous())
-        return forward, (backward if with_backward else None)
-
-    def forward_mm(self, x_RK, forward_w, offsets_E, scaling, dtype):
-        return self._rows(x_RK, *forward_w, offsets_E, scaling, dtype)
-
-    def grad_input_mm(self, grad_RS, backward_w, offsets_E, scaling, dtype):
-        return self._rows(grad_RS, *backward_w, offsets_E, scaling, dtype)
-
-    @staticmethod
-    def _rows(a_RK, b_fp8_EKN, scale_EKbNb, offsets_E, scaling, dtype):
-        a_fp8, scale_RKb = blockwise_rows_input(a_RK, scaling.a)
-        out_RN = torch.ops.moefold.fp8_grouped_mm_rows_blockwise(a_fp8, b_fp8_EKN, scale_RKb, scale_EKbNb, offsets_E)
-        return cast(out_RN, dtype)
+    def grouped_mms(self, x_RK, ws_EKN, offsets_E, scaling, dtype):
+        x_fp8, scale_RKb = blockwise_rows_input(x_RK, scaling.a)
+        outs = []
+        for w_EKN in ws_EKN:
+            w_fp8, scale_EKbNb = blockwise_weight(w_EKN, scaling.b)
+            out_RN = torch.ops.moefold.fp8_grouped_mm_rows_blockwise(x_fp8, w_fp8, scale_RKb, scale_EKbNb, offsets_E)
+            outs.append(cast(out_RN, dtype))
+        return outs
 
     def grouped_weight_grads(self, x_RK, grads_RN, offsets_E, scaling, dtype):
         xT_KR, scale_RbK = blockwise_contract_input(x_RK, scaling.a)
@@ -336,10 +261,10 @@ def rows_input(x_RK, op: Operand):
 
 
 def rows_operands(x_RK, w_EKN, scaling: GemmScaling, columns=TORCH_COLUMNS):
-    """FP8 operands and fp32 scales of a rows-grouped GEMM in the layout the kernels read: x
-    row-major, each expert's w column-major; scales [R] and [E, N]."""
+    """FP8 operands and fp32 scales of a rows-grouped GEMM (forward, grad_input) in the layout the
+    kernels read: x row-major, each expert's w column-major; scales [R] and [E, N]."""
     x_fp8, scale_R = rows_input(x_RK, scaling.a)
-    w_fp8, _, scale_EN = columns.weights([w_EKN], scaling.b, with_backward=False)
+    w_fp8, scale_EN = columns.weight(w_EKN, scaling.b)
     return x_fp8, w_fp8, scale_R, scale_EN
 
 
@@ -400,17 +325,11 @@ class HighPrecisionGroupedWeightGrad:
         self.inner = inner
         self.name = f"{inner.name}, bf16 grad_weight"
 
-    def expert_weights(self, ws_EKN, op, dtype, with_backward):
-        return self.inner.expert_weights(ws_EKN, op, dtype, with_backward)
-
-    def forward_mm(self, x_RK, forward_w, offsets_E, scaling, dtype):
-        return self.inner.forward_mm(x_RK, forward_w, offsets_E, scaling, dtype)
-
-    def grad_input_mm(self, grad_RS, backward_w, offsets_E, scaling, dtype):
-        return self.inner.grad_input_mm(grad_RS, backward_w, offsets_E, scaling, dtype)
-
     def grouped_mm(self, x_RK, w_EKN, offsets_E, scaling, dtype):
         return self.inner.grouped_mm(x_RK, w_EKN, offsets_E, scaling, dtype)
+
+    def grouped_mms(self, x_RK, ws_EKN, offsets_E, scaling, dtype):
+        return self.inner.grouped_mms(x_RK, ws_EKN, offsets_E, scaling, dtype)
 
     def grouped_weight_grad(self, x_RK, grad_RN, offsets_E, scaling, dtype):
         return cast(grouped_mm(x_RK.t(), grad_RN, offsets_E), dtype)
@@ -434,9 +353,8 @@ def build_grouped_gemm(device_type: str, kernel: str = "triton", weight_grad: st
 
 
 class _Fp8GroupedMMFn(torch.autograd.Function):
-    """x·[w | w2] per group (gate and up read the same x): one output [R, S], S = the weights' N
-    summed. Each weight is quantized once, its FP8 form for grad_input kept from the forward; x is
-    quantized once for the forward GEMM and once for the weight gradients, and kept once.
+    """x·w per group, and x·w2 when given (gate and up read the same x): x is quantized once for
+    the forward GEMMs and once for the weight gradients, and kept once for the backward.
 
     Two weight parameters, not `*ws`: without grad, Dynamo (torch 2.11-2.13) inlines `forward` and
     drops ctx whenever the argument count equals the signature's length (its test for a forward
@@ -445,32 +363,31 @@ class _Fp8GroupedMMFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_RK, offsets_E, gemm, scaling: Fp8Scaling, saver: SaveInput, w_EKN, w2_EKN=None):
         ws_EKN = [w_EKN] if w2_EKN is None else [w_EKN, w2_EKN]
-        dtype = x_RK.dtype
-        forward_w, backward_w = gemm.expert_weights(ws_EKN, scaling.forward.b, dtype,
-                                                    with_backward=ctx.needs_input_grad[0])
-        backward_w = backward_w or ()
         packed = saver.pack(x_RK)
-        ctx.save_for_backward(offsets_E, *backward_w, *packed)
-        ctx.gemm, ctx.scaling, ctx.saver, ctx.x_dtype, ctx.w_dtype = gemm, scaling, saver, dtype, w_EKN.dtype
-        ctx.widths, ctx.num_backward_w = [w.shape[-1] for w in ws_EKN], len(backward_w)
-        return gemm.forward_mm(x_RK, forward_w, offsets_E, scaling.forward, dtype)
+        ctx.save_for_backward(offsets_E, *ws_EKN, *packed)
+        ctx.gemm, ctx.scaling, ctx.saver, ctx.x_dtype = gemm, scaling, saver, x_RK.dtype
+        ctx.num_weights = len(ws_EKN)
+        return tuple(gemm.grouped_mms(x_RK, ws_EKN, offsets_E, scaling.forward, x_RK.dtype))
 
     @staticmethod
-    def backward(ctx, grad_RS):
+    def backward(ctx, *grads_RN):
         offsets_E, *saved = ctx.saved_tensors
-        backward_w, packed = tuple(saved[:ctx.num_backward_w]), saved[ctx.num_backward_w:]
-        gemm, scaling, dtype = ctx.gemm, ctx.scaling, ctx.x_dtype
-        grad_RS = grad_RS.to(dtype)
+        ws_EKN, packed = saved[:ctx.num_weights], saved[ctx.num_weights:]
+        gemm, scaling = ctx.gemm, ctx.scaling
+        x_RK = ctx.saver.unpack(packed, ctx.x_dtype)
+        grads_RN = [grad_RN.to(x_RK.dtype) for grad_RN in grads_RN]
         grad_x_RK = None
         if ctx.needs_input_grad[0]:
-            grad_x_RK = gemm.grad_input_mm(grad_RS, backward_w, offsets_E, scaling.grad_input, dtype)
+            # Summed in the compute dtype, as autograd sums the gradients of an input read twice.
+            for grad_RN, w_EKN in zip(grads_RN, ws_EKN):
+                part_RK = gemm.grouped_mm(grad_RN, w_EKN.transpose(-2, -1), offsets_E, scaling.grad_input,
+                                          x_RK.dtype)
+                grad_x_RK = part_RK if grad_x_RK is None else grad_x_RK + part_RK
         grad_ws_EKN = [None, None]
-        wanted = [i for i in range(len(ctx.widths)) if ctx.needs_input_grad[5 + i]]
+        wanted = [i for i in range(ctx.num_weights) if ctx.needs_input_grad[5 + i]]
         if wanted:
-            x_RK = ctx.saver.unpack(packed, dtype)
-            grads_RN = grad_RS.split(ctx.widths, dim=-1)
             grads = gemm.grouped_weight_grads(x_RK, [grads_RN[i] for i in wanted], offsets_E,
-                                              scaling.grad_weight, ctx.w_dtype)
+                                              scaling.grad_weight, ws_EKN[0].dtype)
             for i, grad_w_EKN in zip(wanted, grads):
                 grad_ws_EKN[i] = grad_w_EKN
         return grad_x_RK, None, None, None, None, *grad_ws_EKN
@@ -480,13 +397,12 @@ def fp8_grouped_mms(x_RK: torch.Tensor, ws_EKN: list[torch.Tensor], offsets_E: t
                     gemm: EmulatedFp8GroupedGemm, scaling: Fp8Scaling,
                     saver: SaveInput | None = None) -> list[torch.Tensor]:
     """[torch._grouped_mm(x, w, offs) for w in ws] (one or two weights: gate and up) with FP8
-    operands in forward and backward, as one GEMM against the weights side by side: x quantized
-    once (forward and weight gradients) and kept for the backward once, as `saver` says
-    (fp8/saved.py; by default as it is), and grad_input one GEMM over both weights."""
+    operands in forward and backward, x quantized once for all of them (forward and weight
+    gradients) and kept for the backward once, as `saver` says (fp8/saved.py; by default as it
+    is). Equal, bit for bit, to one fp8_grouped_mm per weight."""
     if len(ws_EKN) not in (1, 2):
         raise ValueError(f"fp8_grouped_mms takes one or two weights, got {len(ws_EKN)}")
-    out_RS = _Fp8GroupedMMFn.apply(x_RK, offsets_E, gemm, scaling, saver or SaveInput(), *ws_EKN)
-    return list(out_RS.split([w.shape[-1] for w in ws_EKN], dim=-1))
+    return list(_Fp8GroupedMMFn.apply(x_RK, offsets_E, gemm, scaling, saver or SaveInput(), *ws_EKN))
 
 
 def fp8_grouped_mm(x_RK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor,
@@ -494,7 +410,7 @@ def fp8_grouped_mm(x_RK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Ten
                    saver: SaveInput | None = None) -> torch.Tensor:
     """torch._grouped_mm(x, w, offs) with FP8 operands in forward and backward; x is kept for the
     backward as `saver` says (fp8/saved.py; by default as it is)."""
-    return _Fp8GroupedMMFn.apply(x_RK, offsets_E, gemm, scaling, saver or SaveInput(), w_EKN)
+    return fp8_grouped_mms(x_RK, [w_EKN], offsets_E, gemm, scaling, saver)[0]
 
 
 __all__ = [

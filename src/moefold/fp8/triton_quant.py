@@ -4,11 +4,11 @@ the grouped GEMMs read them (fp8/grouped.py's layout table).
 
   group columns   x_RC with groups of rows [offsets_E[e-1], offsets_E[e])  → xT_CR, scale_EC
                   the weight gradient's x and grad (contraction over each expert's rows)
-  expert weights  ws_EKN side by side along N (S in all), per column over K → fwd_ESK, bwd_EKS, scale_ES
-                  gate and up (or w2 alone): the forward's operand transposed, and grad_input's,
-                  the same bytes as they lie (fp8/grouped.py: fold_column_scales)
+  batch columns   x_GRC, every batch entry one group of R rows              → xT_GCR, scale_GC
+                  each expert's weight, scaled per output column over the contraction
 
-The plain-PyTorch path (fp8/grouped.py: `TorchColumnQuantizer`) is the reference; tests/gpu/test_fp8_gpu.py checks that both give the same
+The plain-PyTorch path (fp8/grouped.py: `quantize_group_columns`, `quantize` with "col" tiles,
+then a transposing copy) is the reference; tests/gpu/test_fp8_gpu.py checks that both give the same
 FP8 bytes and scales. Why a kernel: under torch.compile the reference's per-group amax is a
 scatter-reduce that Inductor leaves to aten (664 GB/s at Qwen3's shape on the H200) and the
 transposed copy is one more pass; here each program reads its group's column block twice (amax,
@@ -57,16 +57,13 @@ def _format_constants(fmt: str) -> dict:
 if HAS_TRITON:
 
     @triton.jit
-    def _fp8_quantize_columns_t(x_ptr, out_ptr, own_ptr, scale_ptr, offsets_ptr, C, rows_per_group, col0,
+    def _fp8_quantize_columns_t(x_ptr, out_ptr, scale_ptr, offsets_ptr, C, rows_per_group,
                                 stride_xg, stride_xr, stride_xc, stride_og, stride_or, stride_oc,
-                                stride_wg, stride_wr, stride_sg,
                                 FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr, GROUPED_ROWS: tl.constexpr,
-                                WRITE_OWN: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+                                BR: tl.constexpr, BC: tl.constexpr):
         """Program (column block, group): the group's column amax, then its rows scaled, cast and
-        stored transposed (and, with WRITE_OWN, also in x's own layout, unit column stride).
-        Grouped rows are global indices from offsets; batched rows start at 0 in each batch entry
-        (stride_xg, stride_og, stride_wg). The outputs' and scales' columns start at col0: several
-        inputs may fill one output side by side."""
+        stored transposed. Grouped rows are global indices from offsets; batched rows start at 0
+        in each batch entry (stride_xg, stride_og)."""
         pid_c, g = tl.program_id(0), tl.program_id(1)
         if GROUPED_ROWS:
             row_start = tl.load(offsets_ptr + g - 1, mask=g > 0, other=0)
@@ -85,10 +82,8 @@ if HAS_TRITON:
                            mask=mask, other=0.0)
             amax_C = tl.maximum(amax_C, tl.max(tl.abs(x_RC.to(tl.float32)), axis=0))
         scale_C = tl.where(amax_C > 0, amax_C * INV_FP8_MAX, 1.0)  # as recipes.quantize_tiles
-        out_cols_C = col0 + cols_C
-        tl.store(scale_ptr + g * stride_sg + out_cols_C, scale_C, mask=in_cols_C)
+        tl.store(scale_ptr + g * C + cols_C, scale_C, mask=in_cols_C)
         out_g = out_ptr + g.to(tl.int64) * stride_og
-        own_g = own_ptr + g.to(tl.int64) * stride_wg
         for r in range(row_start, row_end, BR):
             rows_R = r + tl.arange(0, BR)
             mask = (rows_R < row_end)[:, None] & in_cols_C[None, :]
@@ -96,10 +91,8 @@ if HAS_TRITON:
                            mask=mask, other=0.0)
             q_RC = tl.div_rn(x_RC.to(tl.float32), scale_C[None, :])
             q_RC = tl.minimum(tl.maximum(q_RC, -FP8_MAX), FP8_MAX).to(out_ptr.dtype.element_ty)
-            tl.store(out_g + rows_R[:, None].to(tl.int64) * stride_or + out_cols_C[None, :].to(tl.int64) * stride_oc,
+            tl.store(out_g + rows_R[:, None].to(tl.int64) * stride_or + cols_C[None, :].to(tl.int64) * stride_oc,
                      q_RC, mask=mask)
-            if WRITE_OWN:
-                tl.store(own_g + rows_R[:, None].to(tl.int64) * stride_wr + out_cols_C[None, :], q_RC, mask=mask)
 
     @triton_op("moefold::fp8_quantize_group_columns_t", mutates_args=())
     def fp8_quantize_group_columns_t(x_RC: torch.Tensor, offsets_E: torch.Tensor,
@@ -111,34 +104,23 @@ if HAS_TRITON:
         xT_CR = torch.empty(C, r_out, device=x_RC.device, dtype=FORMATS[fmt].dtype)
         scale_EC = torch.empty(E, C, device=x_RC.device, dtype=torch.float32)
         wrap_triton(_fp8_quantize_columns_t)[(triton.cdiv(C, t["BC"]), E)](
-            x_RC, xT_CR, xT_CR, scale_EC, offsets_E, C, 0, 0, 0, x_RC.stride(0), x_RC.stride(1),
-            0, xT_CR.stride(1), xT_CR.stride(0), 0, 0, C, **_format_constants(fmt), GROUPED_ROWS=True,
-            WRITE_OWN=False, **t)
+            x_RC, xT_CR, scale_EC, offsets_E, C, 0, 0, x_RC.stride(0), x_RC.stride(1),
+            0, xT_CR.stride(1), xT_CR.stride(0), **_format_constants(fmt), GROUPED_ROWS=True, **t)
         return xT_CR, scale_EC
 
-    @triton_op("moefold::fp8_quantize_expert_weights", mutates_args=())
-    def fp8_quantize_expert_weights(ws_EKN: list[torch.Tensor], fmt: str,
-                                    with_backward: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(fwd [E, S, K], bwd [E, K, S], scale [E, S]): the weights side by side (S = their N
-        summed), each column of each expert scaled over its K rows; the FP8 values written once
-        transposed (fwd: the forward's column-major operand) and, with_backward, once more as they
-        lie (bwd: grad_input's operand; else an empty tensor)."""
-        (E, K, _), dev = ws_EKN[0].shape, ws_EKN[0].device
-        S = sum(w.shape[2] for w in ws_EKN)
-        dtype = FORMATS[fmt].dtype
-        fwd_ESK = torch.empty(E, S, K, device=dev, dtype=dtype)
-        bwd_EKS = torch.empty((E, K, S) if with_backward else (0,), device=dev, dtype=dtype)
-        scale_ES = torch.empty(E, S, device=dev, dtype=torch.float32)
-        col0 = 0
-        for w_EKN in ws_EKN:
-            N = w_EKN.shape[2]
-            t = WEIGHT_TILES if w_EKN.stride(2) == 1 else TALL_TILES
-            wrap_triton(_fp8_quantize_columns_t)[(triton.cdiv(N, t["BC"]), E)](
-                w_EKN, fwd_ESK, bwd_EKS if with_backward else fwd_ESK, scale_ES, scale_ES, N, K, col0,
-                w_EKN.stride(0), w_EKN.stride(1), w_EKN.stride(2), S * K, 1, K, K * S, S, S,
-                **_format_constants(fmt), GROUPED_ROWS=False, WRITE_OWN=with_backward, **t)
-            col0 += N
-        return fwd_ESK, bwd_EKS, scale_ES
+    @triton_op("moefold::fp8_quantize_batch_columns_t", mutates_args=())
+    def fp8_quantize_batch_columns_t(x_GRC: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(xT_fp8 [G, C, R] contiguous, scale [G, C]): per-column scales over each entry's rows."""
+        G, R, C = x_GRC.shape
+        t = WEIGHT_TILES if x_GRC.stride(2) == 1 else TALL_TILES
+        xT_GCR = torch.empty(G, C, R, device=x_GRC.device, dtype=FORMATS[fmt].dtype)
+        scale_GC = torch.empty(G, C, device=x_GRC.device, dtype=torch.float32)
+        dummy_offsets = scale_GC  # not read: rows are uniform
+        wrap_triton(_fp8_quantize_columns_t)[(triton.cdiv(C, t["BC"]), G)](
+            x_GRC, xT_GCR, scale_GC, dummy_offsets, C, R, x_GRC.stride(0), x_GRC.stride(1),
+            x_GRC.stride(2), xT_GCR.stride(0), xT_GCR.stride(2), xT_GCR.stride(1),
+            **_format_constants(fmt), GROUPED_ROWS=False, **t)
+        return xT_GCR, scale_GC
 
 
 def quantize_group_columns_t(x_RC: torch.Tensor, offsets_E: torch.Tensor,
@@ -146,6 +128,5 @@ def quantize_group_columns_t(x_RC: torch.Tensor, offsets_E: torch.Tensor,
     return torch.ops.moefold.fp8_quantize_group_columns_t(x_RC, offsets_E, fmt.name)
 
 
-def quantize_expert_weights(ws_EKN: list[torch.Tensor], fmt: Fp8Format,
-                            with_backward: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return torch.ops.moefold.fp8_quantize_expert_weights(ws_EKN, fmt.name, with_backward)
+def quantize_batch_columns_t(x_GRC: torch.Tensor, fmt: Fp8Format) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.ops.moefold.fp8_quantize_batch_columns_t(x_GRC, fmt.name)

@@ -12,7 +12,7 @@ category. Rules that recur:
 - The router runs in fp32 on an fp32 copy of its input, and keeps fp32 scores [T, E].
 - A parameter used in another dtype than its own is cast once per forward and the cast is kept
   (category `weight_copies`): under bf16 autocast over fp32 parameters every matmul weight
-  (autocast's cast of a linear's weight, the experts' `w.to(bf16)` unless they run in FP8), with bf16 parameters the
+  (autocast's cast of a linear's weight, the experts' `w.to(bf16)`), with bf16 parameters the
   norm weights (cast to fp32) and the router's (to the router dtype).
 - Under bf16 autocast over fp32 parameters the residual stream and the norm outputs are fp32, and
   each linear that reads a normed x keeps its own bf16 cast of it (autocast caches casts of leaf
@@ -259,27 +259,10 @@ def experts_bytes(cfg: Config, sh: Shapes, rows: int) -> int:
     # int32 offsets, and the activation's output h, which the down GEMM keeps.
     inputs = kept_input(rows, D, sh) if sh.fp8_kept else rows * D * a
     total = inputs + moe.num_experts // sh.ep * 4 + kept_input(rows, F, sh)
-    if fp8_module(cfg, sh, "ffn.experts"):
-        total += fp8_expert_weight_bytes(cfg, sh)
     if moe.memory_efficient_permute:
         # gate and up, and the [R] probabilities
         return total + (2 if gated else 1) * rows * F * a + rows * FP32
     return total + (3 if gated else 1) * rows * F * a
-
-
-def fp8_expert_weight_bytes(cfg: Config, sh: Shapes) -> int:
-    """The FP8 experts keep each weight's FP8 form from the forward for grad_input (fp8/grouped.py):
-    1 byte per local weight element, and its scales (fp32: per column of the forward's weight, or
-    per 128x128 block)."""
-    moe, D = cfg.moe, cfg.model.dim
-    E, F = moe.num_experts // sh.ep, moe.expert_hidden // sh.etp
-    S = (2 if GATED[moe.activation] else 1) * F  # gate and up side by side
-    elements = E * D * (S + F)
-    if grouped_scaling(cfg.precision.fp8).forward.b.tile == "col":
-        scales = E * (S + D)
-    else:  # 128x128 blocks
-        scales = E * (S // 128) * (D // 128) + E * (F // 128) * (D // 128)
-    return elements + scales * FP32
 
 
 def shared_bytes(cfg: Config, sh: Shapes) -> int:
@@ -339,10 +322,8 @@ def weight_copies_by_part(cfg: Config, layer_id: int, sh: Shapes) -> Bytes:
         return _add(out, mlp=_cast(ffn_params(cfg, layer_id).tp / sh.tp, a, sh))
     ffn = ffn_params(cfg, layer_id)
     router = moe.num_experts * D
-    # FP8 experts keep their weights' FP8 forms instead (fp8_expert_weight_bytes)
-    fp8_experts = fp8_module(cfg, block_shapes(cfg, layer_id, sh), "ffn.experts")
     return _add(out, router=_cast(router, ROUTER_BYTES[moe.router_dtype], sh),
-                experts=0 if fp8_experts else _cast(ffn.expert / (sh.ep * sh.etp), a, sh),
+                experts=_cast(ffn.expert / (sh.ep * sh.etp), a, sh),
                 shared=_cast(ffn.tp / sh.tp + ffn.replicated - router, a, sh))
 
 

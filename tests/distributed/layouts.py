@@ -9,7 +9,6 @@ divided by dp, and the trainer hands each data rank its rows of the same global 
 from pathlib import Path
 
 import torch
-from ranks import run_ranks  # noqa: F401 (the layout tests import it from here)
 from torch.distributed.tensor import DTensor
 
 from moefold.config import load_config

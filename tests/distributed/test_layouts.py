@@ -8,7 +8,8 @@ One spawn per layout trains both models (spawning dominates the time on a 2-core
 import pytest
 import torch
 from conftest import write_text_corpus
-from layouts import ALIGNED_QWEN3, STEPS, assert_fp8_training_close, run_ranks, train, train_on_rank
+from layouts import ALIGNED_QWEN3, STEPS, assert_fp8_training_close, train, train_on_rank
+from ranks import run_ranks
 from layouts import config as run_config
 
 LOSS_RTOL = 1e-4

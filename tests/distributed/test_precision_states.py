@@ -16,8 +16,9 @@ import dataclasses
 import pytest
 import torch
 from conftest import write_text_corpus
-from layouts import STEPS, run_ranks
+from layouts import STEPS
 from layouts import config as layout_config
+from ranks import run_ranks
 from torch.distributed.tensor import DTensor, Replicate
 
 from moefold.optim.blocks import (

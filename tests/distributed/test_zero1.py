@@ -14,9 +14,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import write_text_corpus
-from layouts import STEPS, run_ranks
-from layouts import train as train_layout
+from layouts import STEPS
 from layouts import config as layout_config
+from layouts import train as train_layout
+from ranks import run_ranks
 from torch.distributed.tensor import DTensor
 
 from moefold.optim.blocks import FP8

@@ -18,8 +18,9 @@ from conftest import write_text_corpus
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "distributed"))
 from gpu_runs import DTYPES, assert_same_training  # noqa: E402
-from layouts import (ALIGNED_QWEN3, STEPS, assert_fp8_training_close, config, run_ranks, train,  # noqa: E402
+from layouts import (ALIGNED_QWEN3, STEPS, assert_fp8_training_close, config, train,  # noqa: E402
                      train_on_rank)
+from ranks import run_ranks  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

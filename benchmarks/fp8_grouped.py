@@ -13,10 +13,14 @@ precomputed), for torch's CUTLASS kernel and moefold's Triton one (`precision.fp
 rowwise, and moefold's blockwise Triton kernels (DeepSeek-V3's scales; no torch kernel exists).
 Columns "+quant": `moefold.fp8.grouped`'s backend call as training makes it (amax, scale, cast and
 layout copies included). Balanced routing: R = T·K rows, R/E per expert.
+Timing: each call's device work, replayed from a CUDA graph (`--timing graph`, the default: the
+host's launch cost does not count, as in a compiled step whose host runs ahead of the GPU), or
+each call as issued eagerly (`--timing eager`: the Triton ops' host-side launch, ~0.3-0.4 ms on
+the H200's host, then shows up as idle device time and doubles their apparent time).
 Needs a CUDA GPU with FP8 (sm90).
 
     PYTHONPATH=src python benchmarks/fp8_grouped.py [--tokens 16384] [--top-k 8] [--experts 128] \
-        [--dim 2048] [--hidden 768]
+        [--dim 2048] [--hidden 768] [--timing graph|eager] [--sweep]
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import sys
 import torch
 
 from moefold.bench.limit import balanced_rows
-from moefold.bench.timing import median_seconds
+from moefold.bench.timing import graph_median_seconds, median_seconds
 from moefold.fp8.grouped import (
     ScaledGroupedMMFp8Gemm,
     TritonBlockwiseFp8GroupedGemm,
@@ -39,6 +43,9 @@ from moefold.fp8.grouped import (
     rows_operands,
 )
 from moefold.fp8.triton_grouped import HAS_TRITON
+
+
+TIMERS = {"graph": graph_median_seconds, "eager": median_seconds}
 
 
 def operands(routed: int, E: int, K: int, N: int, device: torch.device):
@@ -101,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dim", type=int, default=2048)
     p.add_argument("--hidden", type=int, default=768, help="one projection's width (w1, w3 or w2's input)")
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--timing", choices=("graph", "eager"), default="graph",
+                   help="device work replayed from a CUDA graph, or each call as issued eagerly")
     p.add_argument("--sweep", action="store_true",
                    help="also time the Triton kernels over candidate tile configurations")
     args = p.parse_args(argv)
@@ -124,12 +133,13 @@ def main(argv: list[str] | None = None) -> int:
     if HAS_TRITON:
         variants["blockwise kernel"] = blockwise_kernel_calls(*tensors)
         variants["blockwise+quant"] = fp8_backend_calls(*tensors, TritonBlockwiseFp8GroupedGemm(), "blockwise")
-    print(f"{'ms (TFLOP/s)':12s} " + " ".join(f"{name:>16s}" for name in variants))
+    timer = TIMERS[args.timing]
+    print(f"{'ms (TFLOP/s)':12s} " + " ".join(f"{name:>16s}" for name in variants) + f"   ({args.timing} timing)")
     for kind in ("forward", "grad_input", "grad_weight"):
-        ms = [1e3 * median_seconds(v[kind], device, repeats=args.repeats) for v in variants.values()]
+        ms = [1e3 * timer(v[kind], device, repeats=args.repeats) for v in variants.values()]
         print(f"{kind:12s} " + " ".join(f"{m:8.3f} ({flop / m / 1e9:5.0f})" for m in ms))
     if args.sweep and HAS_TRITON:
-        sweep_tiles(tensors, flop, device, args.repeats)
+        sweep_tiles(tensors, flop, device, args.repeats, timer)
     return 0
 
 
@@ -139,7 +149,7 @@ TILE_CANDIDATES = [{"BM": bm, "BN": bn, "BK": bk, "num_warps": w, "num_stages": 
                                             (128, 128, 64, 4, 6)]]
 
 
-def sweep_tiles(tensors, flop: float, device: torch.device, repeats: int) -> None:
+def sweep_tiles(tensors, flop: float, device: torch.device, repeats: int, timer) -> None:
     """Each candidate tile configuration of the Triton kernels, kernel-only, one line per config."""
     from triton.runtime.errors import OutOfResources
 
@@ -155,7 +165,7 @@ def sweep_tiles(tensors, flop: float, device: torch.device, repeats: int) -> Non
         cells = []
         for kind in ("forward", "grad_input", "grad_weight"):
             try:
-                m = 1e3 * median_seconds(calls[kind], device, repeats=repeats)
+                m = 1e3 * timer(calls[kind], device, repeats=repeats)
                 cells.append(f"{m:8.3f} ({flop / m / 1e9:5.0f})")
             except (OutOfResources, RuntimeError) as e:  # over the shared-memory limit: say so, go on
                 cells.append(f"{type(e).__name__:>16s}")

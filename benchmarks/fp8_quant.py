@@ -1,6 +1,8 @@
 """The quantization around the rowwise FP8 grouped GEMMs alone, compiled, torch (Inductor) against
 the Triton column quantizers (fp8/triton_quant.py): ms and GB/s over the fewest bytes the operation
 must move (bf16 read + FP8 write), with a bf16 copy of the same tensors as the bandwidth yardstick.
+Each call's device work is timed, replayed from a CUDA graph (the host's launch cost does not
+count, as in a compiled step whose host runs ahead of the GPU).
 
 Default shape: Qwen3-30B-A3B's experts at micro-batch 4 × 4096 (R = 131,072 routed rows, balanced
 over E = 128 experts, K = 2048, F = 768). Needs a CUDA GPU with Triton.
@@ -15,7 +17,7 @@ import sys
 
 import torch
 
-from moefold.bench.timing import median_seconds
+from moefold.bench.timing import graph_median_seconds
 from moefold.fp8.grouped import (
     TorchColumnQuantizer,
     TritonColumnQuantizer,
@@ -29,7 +31,7 @@ from moefold.fp8.recipes import Operand, quantize
 
 def timed(name: str, fn, nbytes: int, device: torch.device) -> None:
     torch._dynamo.reset()
-    ms = 1e3 * median_seconds(torch.compile(fn), device, repeats=20)
+    ms = 1e3 * graph_median_seconds(torch.compile(fn), device, repeats=20)
     print(f"{name:42s} {ms:8.3f} {nbytes / ms / 1e6:8.0f} {nbytes / 1e9:8.2f}", flush=True)
 
 

@@ -27,3 +27,23 @@ def test_bench_on_cuda_reports_mfu_profile_and_limit(tmp_path, capsys):
     for key in ("gemm_share", "attention_share", "outside_share"):
         assert 0 <= p[key] <= 1
     assert r["limit"]["total_ms"] > 0 and r["limit_fraction"] > 0
+
+
+def test_graph_timing_counts_device_work_not_the_hosts_launch():
+    """A call whose host side sleeps 20 ms before one small kernel: eager timing sees the sleep as
+    idle device time, graph replay sees the kernel alone (what a step whose host runs ahead pays)."""
+    import time
+
+    import torch
+
+    from moefold.bench.timing import graph_median_seconds, median_seconds
+
+    device = torch.device("cuda")
+    x = torch.randn(1024, 1024, device=device)
+
+    def slow_host_call():
+        time.sleep(0.02)
+        return x * 2
+
+    assert median_seconds(slow_host_call, device, warmup=1, repeats=3) > 0.015
+    assert graph_median_seconds(slow_host_call, device, warmup=1, repeats=3) < 0.002

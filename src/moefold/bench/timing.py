@@ -76,6 +76,26 @@ def median_seconds(fn: Callable[[], object], device: torch.device, warmup: int =
     return statistics.median(times)
 
 
+
+def graph_median_seconds(fn: Callable[[], object], device: torch.device, warmup: int = 3,
+                         repeats: int = 10) -> float:
+    """Median seconds of the device work of one call of `fn`: on a GPU the call is captured once
+    in a CUDA graph and each replay timed alone, so the host's cost of launching it (Python, the
+    dispatcher, TMA descriptors, Triton's launcher) does not count. That is what a step pays
+    whose host runs ahead of the GPU, as a compiled training step's does. `median_seconds` times
+    the call as eager code issues it: a launch that costs the host longer than the kernel runs
+    shows up there as idle device time. On the CPU: `median_seconds`."""
+    if device.type != "cuda":
+        return median_seconds(fn, device, warmup, repeats)
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return median_seconds(graph.replay, device, warmup=1, repeats=repeats)
+
+
 @functools.cache
 def measured_peak_tflops(device: torch.device, size: int = 8192, repeats: int = 20) -> float | None:
     """Dense bf16 matmul TFLOP/s measured on `device` (size³, random inputs rotated over three sets

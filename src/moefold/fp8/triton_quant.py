@@ -14,12 +14,6 @@ scatter-reduce that Inductor leaves to aten (664 GB/s at Qwen3's shape on the H2
 transposed copy is one more pass; here each program reads its group's column block twice (amax,
 then scale, cast and a transposed store), the second read mostly from L2.
 
-A weight whose rows fit on chip (R ≤ RESIDENT_ROWS_MAX: every expert weight of Qwen3-30B-A3B and
-DeepSeek-V2-Lite, both layouts) takes a second kernel: each program loads its [R, BC] column block
-once, keeps it in registers for the amax and the cast, and stores it transposed. The two-pass
-kernel reads the block twice, and at these shapes the second read misses L2 (the programs in
-flight hold more than L2 does), so it moves twice the bytes.
-
 Rows past the last group are neither read nor written (the GEMMs never read them). The scale is
 `amax * (1 / fp8_max)` and the division by it IEEE-rounded (`div_rn`: Triton's `/` is not), as
 the reference computes them, so the FP8 values and scales match it bit for bit.
@@ -48,11 +42,6 @@ on the H200 at Qwen3's and DeepSeek-V2-Lite's expert shapes (docs/benchmarks.md,
 against the 128x64 tiles of 4 warps before: 10-35% faster for the tall ones' operands, 0-16% for
 a weight's own layout (where Inductor's fusion of the plain-PyTorch path is faster still, 0.29 ms
 against 0.31-0.36 per Qwen3 weight, but only when compiled)."""
-RESIDENT_ROWS_MAX = 2048
-"""Weights with at most this many rows (the reduction, padded to a power of two) are quantized by
-the one-read kernel; its block of RESIDENT_TILES["BC"] columns stays in registers."""
-RESIDENT_TILES = {"BC": 16, "num_warps": 16}
-"""Untuned first choice: 64 fp32 values per thread at R = 2048."""
 ROW_ALIGN = 16
 """The transposed outputs' row count is padded to this: the GEMMs read them with a row stride of
 R bytes, which must be a multiple of 16."""
@@ -105,28 +94,6 @@ if HAS_TRITON:
             tl.store(out_g + rows_R[:, None].to(tl.int64) * stride_or + cols_C[None, :].to(tl.int64) * stride_oc,
                      q_RC, mask=mask)
 
-    @triton.jit
-    def _fp8_quantize_columns_t_resident(x_ptr, out_ptr, scale_ptr, R, C, stride_xg, stride_xr, stride_xc,
-                                         stride_og, stride_or, stride_oc, FP8_MAX: tl.constexpr,
-                                         INV_FP8_MAX: tl.constexpr, RP: tl.constexpr, BC: tl.constexpr):
-        """Program (column block, batch entry): the entry's whole [R, BC] block loaded once (RP, the
-        rows padded to a power of two), its column amax, then scaled, cast and stored transposed from
-        registers."""
-        pid_c, g = tl.program_id(0), tl.program_id(1)
-        rows_R = tl.arange(0, RP)
-        cols_C = pid_c * BC + tl.arange(0, BC)
-        in_cols_C = cols_C < C
-        mask = (rows_R < R)[:, None] & in_cols_C[None, :]
-        x_RC = tl.load(x_ptr + g.to(tl.int64) * stride_xg + rows_R[:, None] * stride_xr + cols_C[None, :] * stride_xc,
-                       mask=mask, other=0.0).to(tl.float32)
-        amax_C = tl.max(tl.abs(x_RC), axis=0)
-        scale_C = tl.where(amax_C > 0, amax_C * INV_FP8_MAX, 1.0)  # as recipes.quantize_tiles
-        tl.store(scale_ptr + g * C + cols_C, scale_C, mask=in_cols_C)
-        q_RC = tl.div_rn(x_RC, scale_C[None, :])
-        q_RC = tl.minimum(tl.maximum(q_RC, -FP8_MAX), FP8_MAX).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + g.to(tl.int64) * stride_og + rows_R[:, None] * stride_or + cols_C[None, :] * stride_oc,
-                 q_RC, mask=mask)
-
     @triton_op("moefold::fp8_quantize_group_columns_t", mutates_args=())
     def fp8_quantize_group_columns_t(x_RC: torch.Tensor, offsets_E: torch.Tensor,
                                      fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,16 +112,9 @@ if HAS_TRITON:
     def fp8_quantize_batch_columns_t(x_GRC: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(xT_fp8 [G, C, R] contiguous, scale [G, C]): per-column scales over each entry's rows."""
         G, R, C = x_GRC.shape
+        t = WEIGHT_TILES if x_GRC.stride(2) == 1 else TALL_TILES
         xT_GCR = torch.empty(G, C, R, device=x_GRC.device, dtype=FORMATS[fmt].dtype)
         scale_GC = torch.empty(G, C, device=x_GRC.device, dtype=torch.float32)
-        if R <= RESIDENT_ROWS_MAX:
-            t = RESIDENT_TILES
-            wrap_triton(_fp8_quantize_columns_t_resident)[(triton.cdiv(C, t["BC"]), G)](
-                x_GRC, xT_GCR, scale_GC, R, C, x_GRC.stride(0), x_GRC.stride(1), x_GRC.stride(2),
-                xT_GCR.stride(0), xT_GCR.stride(2), xT_GCR.stride(1), **_format_constants(fmt),
-                RP=triton.next_power_of_2(R), **t)
-            return xT_GCR, scale_GC
-        t = WEIGHT_TILES if x_GRC.stride(2) == 1 else TALL_TILES
         dummy_offsets = scale_GC  # not read: rows are uniform
         wrap_triton(_fp8_quantize_columns_t)[(triton.cdiv(C, t["BC"]), G)](
             x_GRC, xT_GCR, scale_GC, dummy_offsets, C, R, x_GRC.stride(0), x_GRC.stride(1),

@@ -15,8 +15,8 @@ Columns "+quant": `moefold.fp8.grouped`'s backend call as training makes it (ama
 layout copies included). Balanced routing: R = T·K rows, R/E per expert.
 Timing: each call's device work, replayed from a CUDA graph (`--timing graph`, the default: the
 host's launch cost does not count, as in a compiled step whose host runs ahead of the GPU), or
-each call as issued eagerly (`--timing eager`: the Triton ops' host-side launch, ~0.3-0.4 ms on
-the H200's host, then shows up as idle device time and doubles their apparent time).
+each call as issued eagerly (`--timing eager`: the Triton ops' host-side launch, 0.1-0.4 ms on
+the H200's host, then shows up as idle device time, up to doubling their apparent time).
 Needs a CUDA GPU with FP8 (sm90).
 
     PYTHONPATH=src python benchmarks/fp8_grouped.py [--tokens 16384] [--top-k 8] [--experts 128] \

@@ -23,9 +23,10 @@ flattened into the K loop so the next tile's loads overlap this one's epilogue).
 run past its expert's rows: the rows kernel computes the next expert's rows and does not store
 them; the contraction zeroes the rows past its group in both operands of its last tile (groups
 are multiples of 16 rows, the tile 128 deep; past the last group the bytes are unwritten and may
-be NaN). On the H200 they run at 650–870 TFLOP/s at the Qwen3-30B-A3B and DeepSeek-V2-Lite expert
-shapes, against bf16 `torch._grouped_mm`'s 550–680 (the pointer-based kernels before them:
-460–760; docs/benchmarks.md, fourth pass). They are opaque custom ops to torch.compile: torch
+be NaN). On the H200 they run at 900–1160 TFLOP/s at the Qwen3-30B-A3B and DeepSeek-V2-Lite
+expert shapes, against bf16 `torch._grouped_mm`'s 620–710 (each call's device work, replayed from
+a CUDA graph: timed eagerly their host-side launch adds 0.1-0.4 ms; docs/benchmarks.md, seventh
+pass). They are opaque custom ops to torch.compile: torch
 2.11's Inductor fails on a traced kernel that takes TensorDescriptors ("tolist() shouldn't be
 called on a tensor with unallocated storage"), and a standalone kernel gains nothing from tracing.
 

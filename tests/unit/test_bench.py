@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from moefold.bench.limit import balanced_rows, step_limit
-from moefold.bench.profile import (breakdown, classify_cpu_op, classify_kernel, device_idle_ms,
-                                   exposed_communication)
+from moefold.bench.profile import (breakdown, by_name, classify_cpu_op, classify_kernel, device_idle_ms,
+                                   exposed_communication, write_by_name)
 from moefold.bench.run import RandomTokens
 from moefold.cli import main
 from moefold.config import load_config
@@ -88,6 +88,13 @@ def test_profile_writes_a_trace_and_a_breakdown(tmp_path, capsys):
     assert p["gemm_ms"] > 0 and p["attention_ms"] > 0 and p["other_ms"] > 0
     assert p["gemm_share"] + p["attention_share"] + p["outside_share"] == pytest.approx(1.0)
     assert {row["class"] for row in p["top"]} >= {"gemm", "other"}
+    table = (tmp_path / "prof" / "by-name.tsv").read_text().splitlines()
+    assert p["by_name"] == str(tmp_path / "prof" / "by-name.tsv") and "by-name.tsv" in out
+    rows = [line.split("\t") for line in table[1:]]
+    assert table[0] == "ms_per_step\tcalls_per_step\tclass\tname" and len(rows) > len(p["top"])
+    assert [r[3] for r in rows[:len(p["top"])]] == [t["name"] for t in p["top"]]  # same order, more names
+    for kind in ("gemm", "attention", "other"):  # the table holds every op the classes sum
+        assert sum(float(r[0]) for r in rows if r[2] == kind) == pytest.approx(p[f"{kind}_ms"], rel=1e-3, abs=1e-3)
 
 
 @pytest.mark.parametrize("name, kind", [
@@ -117,6 +124,16 @@ def test_cpu_op_classes():
     assert classify_cpu_op("aten::bmm", ["aten::_scaled_dot_product_attention_math"]) == "attention"
     assert classify_cpu_op("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention"
     assert classify_cpu_op("aten::mul", ["aten::linear"]) == "other"
+
+
+def test_by_name_table(tmp_path):
+    timed = [("b", "other", 500.0), ("a", "gemm", 3000.0), ("b", "other", 1500.0), ("c", "comm", 4000.0)]
+    rows = by_name(timed, steps=2)
+    assert [(r["name"], r["ms_per_step"], r["calls_per_step"]) for r in rows] == [
+        ("c", 2.0, 0.5), ("a", 1.5, 0.5), ("b", 1.0, 1.0)]
+    write_by_name(rows, tmp_path / "t.tsv")
+    assert (tmp_path / "t.tsv").read_text().splitlines()[1:] == ["2.0000\t0.5\tcomm\tc", "1.5000\t0.5\tgemm\ta",
+                                                               "1.0000\t1\tother\tb"]
 
 
 def test_breakdown_arithmetic():

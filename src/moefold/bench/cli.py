@@ -73,8 +73,9 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
                        help="untimed steps first (default 3)")
     bench.add_argument("--profile", type=Path, metavar="DIR",
                        help="after the timed steps, profile --profile-steps more: DIR/trace.json "
-                            "(Chrome trace; trace-rankR.json under several ranks) and the top "
-                            "kernels, GEMM / attention / communication / other")
+                            "(Chrome trace; trace-rankR.json under several ranks), DIR/by-name.tsv "
+                            "(every kernel's time per step) and the top kernels, GEMM / attention / "
+                            "communication / other")
     bench.add_argument("--profile-steps", type=int, default=2, metavar="N",
                        help="steps under the profiler (default 2)")
     bench.add_argument("--limit", action="store_true",

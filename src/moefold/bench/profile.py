@@ -66,12 +66,16 @@ def profile_steps(step: Callable[[], object], device: torch.device, steps: int,
     trace_dir.mkdir(parents=True, exist_ok=True)
     trace = trace_dir / trace_name
     prof.export_chrome_trace(str(trace))
+    table = trace_dir / trace_name.replace("trace", "by-name").replace(".json", ".tsv")
     if device.type != "cuda":
-        return {"trace": str(trace), **breakdown(_cpu_ops(prof.events()), wall_s / steps * 1e6, steps),
-                "unit": "cpu ops"}
+        timed = _cpu_ops(prof.events())
+        write_by_name(by_name(timed, steps), table)
+        return {"trace": str(trace), "by_name": str(table),
+                **breakdown(timed, wall_s / steps * 1e6, steps), "unit": "cpu ops"}
     kernels = _device_kernels(prof.events())
     timed = [(name, kind, end - start) for name, kind, start, end in kernels]
-    return {"trace": str(trace), **breakdown(timed, wall_s / steps * 1e6, steps),
+    write_by_name(by_name(timed, steps), table)
+    return {"trace": str(trace), "by_name": str(table), **breakdown(timed, wall_s / steps * 1e6, steps),
             **exposed_communication(kernels, steps), "unit": "kernels",
             "idle_ms": device_idle_ms(kernels, wall_s * 1e6, steps)}
 
@@ -147,34 +151,49 @@ def _cpu_ops(events) -> list[tuple[str, str, float]]:
     return out
 
 
+def by_name(timed: list[tuple[str, str, float]], steps: int) -> list[dict[str, Any]]:
+    """Every name's time and calls per step, the most time first; one row per name and class (a
+    CPU op's class depends on its callers: aten::bmm inside attention or not)."""
+    totals: dict[tuple[str, str], list] = defaultdict(lambda: [0.0, 0])
+    for name, kind, us in timed:
+        entry = totals[name, kind]
+        entry[0], entry[1] = entry[0] + us, entry[1] + 1
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])
+    return [{"name": name, "class": kind, "ms_per_step": us / steps / 1e3, "calls_per_step": calls / steps}
+            for (name, kind), (us, calls) in ranked]
+
+
+def write_by_name(rows: list[dict[str, Any]], path: Path) -> None:
+    """The whole by-name table as tab-separated text: where the top names leave off, this is what a
+    comparison of two runs' kernels needs."""
+    lines = ["ms_per_step\tcalls_per_step\tclass\tname"]
+    lines += [f"{r['ms_per_step']:.4f}\t{r['calls_per_step']:g}\t{r['class']}\t{r['name']}" for r in rows]
+    path.write_text("\n".join(lines) + "\n")
+
+
 def breakdown(timed: list[tuple[str, str, float]], step_us: float, steps: int,
               top: int = 15) -> dict[str, Any]:
     """Per-step milliseconds by class and the top names; shares of the step time in [0, 1]."""
     by_class = dict.fromkeys(CLASSES, 0.0)
-    by_name: dict[str, list] = defaultdict(lambda: [0.0, 0, ""])
-    for name, kind, us in timed:
+    for _, kind, us in timed:
         by_class[kind] += us
-        entry = by_name[name]
-        entry[0], entry[1], entry[2] = entry[0] + us, entry[1] + 1, kind
     step_ms = step_us / 1e3
     ms = {k: v / steps / 1e3 for k, v in by_class.items()}
     share = {k: min(1.0, v / step_ms) if step_ms > 0 else 0.0 for k, v in ms.items()}
     busy_ms = sum(ms.values())
-    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
     return {
         "step_ms": step_ms, "busy_ms": busy_ms, "gemm_ms": ms["gemm"],
         "attention_ms": ms["attention"], "comm_ms": ms["comm"], "other_ms": ms["other"],
         "gemm_share": share["gemm"], "attention_share": share["attention"],
         "outside_share": max(0.0, 1.0 - share["gemm"] - share["attention"]),
-        "top": [{"name": name, "class": kind, "ms_per_step": us / steps / 1e3,
-                 "calls_per_step": calls / steps, "share": min(1.0, us / steps / step_us)}
-                for name, (us, calls, kind) in ranked],
+        "top": [{**row, "share": min(1.0, row["ms_per_step"] / step_ms) if step_ms > 0 else 0.0}
+                for row in by_name(timed, steps)[:top]],
     }
 
 
 def format_profile(p: dict[str, Any]) -> str:
     head = f"{'ms/step':>9s} {'share':>6s} {'calls':>6s} {'class':9s} name"
-    lines = [f"profile: {p['trace']}",
+    lines = [f"profile: {p['trace']}; every {p['unit'][:-1]} by name: {p['by_name']}",
              f"top {p['unit']} by self {'device' if p['unit'] == 'kernels' else 'CPU'} time "
              f"(per step of {p['step_ms']:.2f} ms, profiled):", head]
     for row in p["top"]:

@@ -167,7 +167,7 @@ def write_by_name(rows: list[dict[str, Any]], path: Path) -> None:
     """The whole by-name table as tab-separated text: where the top names leave off, this is what a
     comparison of two runs' kernels needs."""
     lines = ["ms_per_step\tcalls_per_step\tclass\tname"]
-    lines += [f"{r['ms_per_step']:.4f}\t{r['calls_per_step']:g}\t{r['class']}\t{r['name']}" for r in rows]
+    lines += [f"{r['ms_per_step']:.6f}\t{r['calls_per_step']:g}\t{r['class']}\t{r['name']}" for r in rows]
     path.write_text("\n".join(lines) + "\n")
 
 

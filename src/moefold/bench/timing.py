@@ -76,7 +76,6 @@ def median_seconds(fn: Callable[[], object], device: torch.device, warmup: int =
     return statistics.median(times)
 
 
-
 def graph_median_seconds(fn: Callable[[], object], device: torch.device, warmup: int = 3,
                          repeats: int = 10) -> float:
     """Median seconds of the device work of one call of `fn`: on a GPU the call is captured once

@@ -26,9 +26,9 @@ are multiples of 16 rows, the tile 128 deep; past the last group the bytes are u
 be NaN). On the H200 they run at 900–1160 TFLOP/s at the Qwen3-30B-A3B and DeepSeek-V2-Lite
 expert shapes, against bf16 `torch._grouped_mm`'s 620–710 (each call's device work, replayed from
 a CUDA graph: timed eagerly their host-side launch adds 0.1-0.4 ms; docs/benchmarks.md, seventh
-pass). They are opaque custom ops to torch.compile: torch
-2.11's Inductor fails on a traced kernel that takes TensorDescriptors ("tolist() shouldn't be
-called on a tensor with unallocated storage"), and a standalone kernel gains nothing from tracing.
+pass). They are opaque custom ops to torch.compile: torch 2.11's Inductor fails on a traced
+kernel that takes TensorDescriptors ("tolist() shouldn't be called on a tensor with unallocated
+storage"), and a standalone kernel gains nothing from tracing.
 
 Blockwise (DeepSeek-V3's 1x128 activation, 128x128 weight and 128x1 weight-gradient scales, for
 which torch has no grouped kernel on Hopper) has its own pair, `*_blockwise`, pointer-based and

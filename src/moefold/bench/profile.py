@@ -66,18 +66,17 @@ def profile_steps(step: Callable[[], object], device: torch.device, steps: int,
     trace_dir.mkdir(parents=True, exist_ok=True)
     trace = trace_dir / trace_name
     prof.export_chrome_trace(str(trace))
-    table = trace_dir / trace_name.replace("trace", "by-name").replace(".json", ".tsv")
     if device.type != "cuda":
-        timed = _cpu_ops(prof.events())
-        write_by_name(by_name(timed, steps), table)
-        return {"trace": str(trace), "by_name": str(table),
-                **breakdown(timed, wall_s / steps * 1e6, steps), "unit": "cpu ops"}
-    kernels = _device_kernels(prof.events())
-    timed = [(name, kind, end - start) for name, kind, start, end in kernels]
+        timed, device_fields = _cpu_ops(prof.events()), {"unit": "cpu ops"}
+    else:
+        kernels = _device_kernels(prof.events())
+        timed = [(name, kind, end - start) for name, kind, start, end in kernels]
+        device_fields = {**exposed_communication(kernels, steps), "unit": "kernels",
+                       "idle_ms": device_idle_ms(kernels, wall_s * 1e6, steps)}
+    table = trace_dir / trace_name.replace("trace", "by-name").replace(".json", ".tsv")
     write_by_name(by_name(timed, steps), table)
     return {"trace": str(trace), "by_name": str(table), **breakdown(timed, wall_s / steps * 1e6, steps),
-            **exposed_communication(kernels, steps), "unit": "kernels",
-            "idle_ms": device_idle_ms(kernels, wall_s * 1e6, steps)}
+            **device_fields}
 
 
 def _device_kernels(events) -> list[tuple[str, str, float, float]]:

@@ -9,8 +9,8 @@ import pytest
 import torch
 from conftest import write_text_corpus
 from layouts import ALIGNED_QWEN3, STEPS, assert_fp8_training_close, train, train_on_rank
-from ranks import run_ranks
 from layouts import config as run_config
+from ranks import run_ranks
 
 LOSS_RTOL = 1e-4
 GRAD_TOL = dict(rtol=1e-5, atol=1e-5)

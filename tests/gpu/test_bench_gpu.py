@@ -1,9 +1,13 @@
-"""`moefold bench` on CUDA: the measured peak, MFU, the kernel profile and the limit (tiny-qwen3)."""
+"""`moefold bench` on CUDA: the measured peak, MFU, the kernel profile and the limit (tiny-qwen3);
+graph-replayed timing against eager timing."""
 
 import json
+import time
 
 import pytest
+import torch
 
+from moefold.bench.timing import graph_median_seconds, median_seconds
 from moefold.cli import main
 
 pytestmark = pytest.mark.gpu
@@ -34,12 +38,6 @@ def test_bench_on_cuda_reports_mfu_profile_and_limit(tmp_path, capsys):
 def test_graph_timing_counts_device_work_not_the_hosts_launch():
     """A call whose host side sleeps 20 ms before one small kernel: eager timing sees the sleep as
     idle device time, graph replay sees the kernel alone (what a step whose host runs ahead pays)."""
-    import time
-
-    import torch
-
-    from moefold.bench.timing import graph_median_seconds, median_seconds
-
     device = torch.device("cuda")
     x = torch.randn(1024, 1024, device=device)
 

@@ -653,6 +653,10 @@ def _validate_precision(cfg: Config) -> None:
     _one_of("precision.fp8_grouped_gemm", p.fp8_grouped_gemm, ("cutlass", "triton"))
     _one_of("precision.fp8_weight_grad", p.fp8_weight_grad, ("fp8", "bf16"))
     _non_negative(cfg, "precision.fp8_bf16_first_layers", "precision.fp8_bf16_last_layers")
+    for key in ("fp8_bf16_first_layers", "fp8_bf16_last_layers"):  # as fp8_exclude: name real layers
+        value = getattr(p, key)
+        _require(value <= cfg.model.n_layers, f"precision.{key}={value} exceeds model.n_layers="
+                 f"{cfg.model.n_layers}; allowed: 0 to {cfg.model.n_layers}")
     for pattern in p.fp8_exclude:
         _require(bool(pattern.strip()), f"precision.fp8_exclude={p.fp8_exclude} has an empty pattern; "
                  "allowed: fnmatch patterns over module names, e.g. 'layers.0.*'")

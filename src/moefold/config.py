@@ -329,6 +329,10 @@ class PrecisionConfig:
     fp8_saved_activations: bool = False
     """Keep the FP8 GEMMs' inputs for backward in FP8 (the forward's own tiles, 1 byte per element
     plus scales) instead of the compute dtype; the weight gradient then rounds them twice."""
+    fp8_emulate: bool = False
+    """Run every FP8 GEMM as its emulation (quantize → dequantize → GEMM in the compute dtype) on
+    CUDA too, as it always runs on CPU: the kernels' numerical reference in a real run (torchao's
+    `emulate`); slower than bf16."""
 
 
 @dataclass

@@ -8,7 +8,7 @@ accumulation order and the bf16 output rounding: compared within a few bf16 ulps
 import pytest
 import torch
 
-from moefold.fp8.gemm import EmulatedFp8Gemm, HighPrecisionWeightGrad, ScaledMMFp8Gemm, linear_scaling
+from moefold.fp8.gemm import EmulatedFp8Gemm, ScaledMMFp8Gemm, linear_scaling
 from moefold.fp8.recipes import E4M3, E5M2, Operand
 from moefold.fp8.grouped import (
     EmulatedFp8GroupedGemm,
@@ -325,20 +325,16 @@ def _train_losses(tmp_path, name, *extra):
 
 
 @pytest.mark.parametrize("compiled", ["false", "true"], ids=["eager", "compiled"])
-def test_fp8_training_follows_emulation_and_bf16(tmp_path, monkeypatch, compiled):
+def test_fp8_training_follows_emulation_and_bf16(tmp_path, compiled):
     """30 steps of the tiny aligned Qwen3 in FP8 (rowwise) with the CUDA kernels follow the same
     run with the emulated GEMMs on the same GPU (same quantization, only accumulation order and
     rounding differ), and stay near bf16. (A 1,000-step run on the H200 once plateaued at 2.6× the
     bf16 validation loss while the CPU emulation followed bf16: this localizes such a fault.)"""
-    import moefold.fp8.apply as fp8_apply
-    from moefold.fp8.gemm import EmulatedFp8Gemm as Emulated
-
     common = ("--train.compile", compiled)
     kernels = _train_losses(tmp_path, "kernels", *common, "--precision.fp8", "rowwise")
     bf16 = _train_losses(tmp_path, "bf16", *common)
-    monkeypatch.setattr(fp8_apply, "build_gemm", lambda *args: Emulated())
-    monkeypatch.setattr(fp8_apply, "build_grouped_gemm", lambda *args: EmulatedFp8GroupedGemm())
-    emulated = _train_losses(tmp_path, "emulated", *common, "--precision.fp8", "rowwise")
+    emulated = _train_losses(tmp_path, "emulated", *common, "--precision.fp8", "rowwise",
+                             "--precision.fp8_emulate", "true")
     # Step by step while the runs agree closely; then as 5-step means, since a loss spike's height
     # (step 13 reached 3.53 to 3.94 across the three runs) depends on the last bits of the weights.
     torch.testing.assert_close(kernels[:10], emulated[:10], rtol=2e-2, atol=0)
@@ -349,10 +345,10 @@ def test_fp8_training_follows_emulation_and_bf16(tmp_path, monkeypatch, compiled
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("weight_grad", ["fp8", "bf16"])
 @pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
-def test_fp8_model_gradients_match_emulation(monkeypatch, recipe, weight_grad, compiled):
+def test_fp8_model_gradients_match_emulation(recipe, weight_grad, compiled):
     """One forward + backward of the 300M preset's block shapes (2 layers) on the GPU, with FP8 or
     bf16 weight gradients: every parameter's gradient with the CUDA kernels against the emulated
-    GEMMs (wrapped alike), within three times the
+    GEMMs (`precision.fp8_emulate`, same weight-gradient mode), within three times the
     emulation's own sensitivity to a one-bf16-ulp change of the embeddings (measured on the CPU:
     23% for layer 1's experts and 10% for q/k projections, as a routing flip or one FP8 step
     moves these sums of cancelling terms; on the H200 layer 0's norm weights reached 2.1 times
@@ -365,18 +361,12 @@ def test_fp8_model_gradients_match_emulation(monkeypatch, recipe, weight_grad, c
     from moefold.train.compile import compile_blocks
     from moefold.train.loss import cross_entropy_loss
 
-    cfg = load_config("qwen3-moe-300m", {"model.n_layers": "2", "precision.fp8": recipe,
-                                         "precision.fp8_weight_grad": weight_grad})
-    high_precision = weight_grad == "bf16"  # the emulation wrapped as the kernels are
     ids = torch.randint(0, 257, (2, 1025), generator=torch.Generator().manual_seed(0)).cuda()
 
     def gradients(kernels: bool, embedding_scale: float = 1.0):
-        if not kernels:
-            monkeypatch.setattr(fp8_apply, "build_gemm", lambda *args: (
-                HighPrecisionWeightGrad(EmulatedFp8Gemm()) if high_precision else EmulatedFp8Gemm()))
-            monkeypatch.setattr(fp8_apply, "build_grouped_gemm", lambda *args: (
-                HighPrecisionGroupedWeightGrad(EmulatedFp8GroupedGemm()) if high_precision
-                else EmulatedFp8GroupedGemm()))
+        cfg = load_config("qwen3-moe-300m", {"model.n_layers": "2", "precision.fp8": recipe,
+                                             "precision.fp8_weight_grad": weight_grad,
+                                             "precision.fp8_emulate": str(not kernels).lower()})
         torch.manual_seed(0)
         model = build_model(cfg, 257, "cuda", torch.bfloat16)
         model.init_weights(0)

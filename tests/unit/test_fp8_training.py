@@ -16,10 +16,11 @@ from moefold.cli import main
 from moefold.config import load_config
 from moefold.errors import ConfigError
 from moefold.fp8.apply import apply_fp8
-from moefold.fp8.gemm import EmulatedFp8Gemm, HighPrecisionWeightGrad, linear_scaling, pad_rows
+from moefold.fp8.gemm import EmulatedFp8Gemm, HighPrecisionWeightGrad, ScaledMMFp8Gemm, linear_scaling, pad_rows
 from moefold.fp8.grouped import (
     EmulatedFp8GroupedGemm,
     HighPrecisionGroupedWeightGrad,
+    ScaledGroupedMMFp8Gemm,
     fp8_grouped_mm,
     fp8_grouped_mms,
     grouped_scaling,
@@ -283,6 +284,25 @@ def test_unaligned_experts_are_refused_in_one_line_with_the_way_out(tmp_path):
     cfg, model = built("tiny-qwen3", {"precision.fp8_exclude": '["*.experts"]'}, "blockwise")
     apply_fp8(model, cfg.precision, "cpu")  # no error; the (unaligned) experts stay as they were
     assert not any(isinstance(m, Fp8GroupedExperts) for m in model.modules())
+
+
+@pytest.mark.parametrize("weight_grad", ["fp8", "bf16"])
+def test_fp8_emulate_picks_the_emulation_on_cuda(weight_grad):
+    """precision.fp8_emulate swaps CUDA's kernels for the emulation in every FP8 module (built for
+    "cuda" without a GPU: choosing a backend touches no device), keeping the weight-gradient mode."""
+    overrides = {**QWEN3, "precision.fp8_grouped_gemm": "cutlass", "precision.fp8_weight_grad": weight_grad}
+    kinds = {}
+    for emulate in (False, True):
+        cfg, model = built("tiny-qwen3", {**overrides, "precision.fp8_emulate": emulate}, "rowwise")
+        apply_fp8(model, cfg.precision, "cuda")
+        backends = {type(m.gemm) for m in model.modules() if isinstance(m, (Fp8Linear, Fp8GroupedExperts))}
+        if weight_grad == "bf16":
+            assert backends == {HighPrecisionWeightGrad, HighPrecisionGroupedWeightGrad}
+            backends = {type(m.gemm.inner) for m in model.modules()
+                        if isinstance(m, (Fp8Linear, Fp8GroupedExperts))}
+        kinds[emulate] = backends
+    assert kinds[False] == {ScaledMMFp8Gemm, ScaledGroupedMMFp8Gemm}
+    assert kinds[True] == {EmulatedFp8Gemm, EmulatedFp8GroupedGemm}
 
 
 def test_apply_fp8_off_changes_nothing_and_bad_pattern_is_one_line():

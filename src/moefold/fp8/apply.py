@@ -43,9 +43,9 @@ def apply_fp8(model: nn.Module, precision: PrecisionConfig, device_type: str,
     if precision.fp8 == "off":
         return []
     lin, grouped = linear_scaling(precision.fp8), grouped_scaling(precision.fp8)
-    gemm = build_gemm(device_type, precision.fp8_weight_grad)
+    gemm = build_gemm(device_type, precision.fp8_weight_grad, precision.fp8_emulate)
     grouped_gemm = build_grouped_gemm(device_type, precision.fp8_grouped_gemm, precision.fp8_weight_grad,
-                                      precision.fp8)
+                                      precision.fp8, precision.fp8_emulate)
     keep = precision.fp8_saved_activations
     lin_saver, grouped_saver = saved_input(keep, lin.forward.a), saved_input(keep, grouped.forward.a)
     excluded = _excluded_names(model, precision)

@@ -187,8 +187,9 @@ class HighPrecisionWeightGrad(Fp8GemmBase):
         return cast(grad_MN.t() @ x_MK, dtype)
 
 
-def build_gemm(device_type: str, weight_grad: str = "fp8") -> Fp8GemmBase:
-    """The FP8 GEMM backend for a device: cuBLAS on CUDA, the emulation elsewhere; the weight
-    gradient in FP8 or in the compute dtype (`precision.fp8_weight_grad`)."""
-    gemm = ScaledMMFp8Gemm() if device_type == "cuda" else EmulatedFp8Gemm()
+def build_gemm(device_type: str, weight_grad: str = "fp8", emulate: bool = False) -> Fp8GemmBase:
+    """The FP8 GEMM backend for a device: cuBLAS on CUDA, the emulation elsewhere or when asked
+    (`precision.fp8_emulate`); the weight gradient in FP8 or in the compute dtype
+    (`precision.fp8_weight_grad`)."""
+    gemm = ScaledMMFp8Gemm() if device_type == "cuda" and not emulate else EmulatedFp8Gemm()
     return HighPrecisionWeightGrad(gemm) if weight_grad == "bf16" else gemm

@@ -339,11 +339,11 @@ class HighPrecisionGroupedWeightGrad:
 
 
 def build_grouped_gemm(device_type: str, kernel: str = "triton", weight_grad: str = "fp8",
-                       recipe: str = "rowwise"):
+                       recipe: str = "rowwise", emulate: bool = False):
     """The backend for `precision.fp8_grouped_gemm` and recipe on this device (the emulation off
-    CUDA), its weight gradient as `precision.fp8_weight_grad` says. Blockwise has a kernel in
-    Triton only: with `cutlass` it runs the emulation."""
-    if device_type != "cuda":
+    CUDA or when `precision.fp8_emulate` asks), its weight gradient as `precision.fp8_weight_grad`
+    says. Blockwise has a kernel in Triton only: with `cutlass` it runs the emulation."""
+    if device_type != "cuda" or emulate:
         gemm = EmulatedFp8GroupedGemm()
     elif kernel == "triton":
         gemm = TritonBlockwiseFp8GroupedGemm() if recipe == "blockwise" else TritonFp8GroupedGemm()

@@ -295,12 +295,11 @@ def test_fp8_emulate_picks_the_emulation_on_cuda(weight_grad):
     for emulate in (False, True):
         cfg, model = built("tiny-qwen3", {**overrides, "precision.fp8_emulate": emulate}, "rowwise")
         apply_fp8(model, cfg.precision, "cuda")
-        backends = {type(m.gemm) for m in model.modules() if isinstance(m, (Fp8Linear, Fp8GroupedExperts))}
+        gemms = [m.gemm for m in model.modules() if isinstance(m, (Fp8Linear, Fp8GroupedExperts))]
         if weight_grad == "bf16":
-            assert backends == {HighPrecisionWeightGrad, HighPrecisionGroupedWeightGrad}
-            backends = {type(m.gemm.inner) for m in model.modules()
-                        if isinstance(m, (Fp8Linear, Fp8GroupedExperts))}
-        kinds[emulate] = backends
+            assert {type(g) for g in gemms} == {HighPrecisionWeightGrad, HighPrecisionGroupedWeightGrad}
+            gemms = [g.inner for g in gemms]
+        kinds[emulate] = {type(g) for g in gemms}
     assert kinds[False] == {ScaledMMFp8Gemm, ScaledGroupedMMFp8Gemm}
     assert kinds[True] == {EmulatedFp8Gemm, EmulatedFp8GroupedGemm}
 

@@ -24,7 +24,7 @@ import torch
 
 from moefold.dtypes import cast
 from moefold.errors import ConfigError
-from moefold.fp8 import triton_quant
+from moefold.fp8 import triton_grouped, triton_quant
 from moefold.fp8.gemm import Fp8Scaling, GemmScaling, column_major, pad_rows
 from moefold.fp8.recipes import BLOCK, Operand, fake_quant, quantize
 from moefold.fp8.saved import SaveInput
@@ -194,9 +194,7 @@ class ScaledGroupedMMFp8Gemm(EmulatedFp8GroupedGemm):
 
 
 def _require_triton() -> None:
-    """Import the Triton kernels (registering the torch.ops.moefold ops), or say what is missing."""
-    from moefold.fp8 import triton_grouped
-
+    """The Triton kernels' ops are registered (at import), or say what is missing."""
     if not triton_grouped.HAS_TRITON:
         raise ConfigError("precision.fp8_grouped_gemm=triton needs the triton package, which is not "
                           "installed; use cutlass")
@@ -216,7 +214,8 @@ class TritonFp8GroupedGemm(ScaledGroupedMMFp8Gemm):
 
     @staticmethod
     def _rows(a_RK, b_EKN, sa_R, sb_EN, offsets_E):
-        return torch.ops.moefold.fp8_grouped_mm_rows(a_RK, b_EKN, sa_R, sb_EN, offsets_E)
+        tile_ends_E = triton_grouped.row_tile_ends(offsets_E)
+        return torch.ops.moefold.fp8_grouped_mm_rows(a_RK, b_EKN, sa_R, sb_EN, offsets_E, tile_ends_E)
 
     @staticmethod
     def _contract(a_MR, b_RN, sa_EM, sb_EN, offsets_E):

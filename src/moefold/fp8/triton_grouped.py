@@ -96,6 +96,13 @@ def _row_tile_ends(offsets_E: torch.Tensor, bm: int) -> torch.Tensor:
     return ((rows_E + bm - 1) // bm).cumsum(0).to(torch.int32)
 
 
+def row_tile_ends(offsets_E: torch.Tensor) -> torch.Tensor:
+    """The rowwise rows op's schedule (`fp8_grouped_mm_rows`' tile_ends_E), built by its caller:
+    there torch.compile fuses its few ops into one kernel, where inside the opaque op they would
+    launch one by one, on every call (36 calls a step at six MoE layers)."""
+    return _row_tile_ends(offsets_E, ROWS_TILES["BM"])
+
+
 def _row_schedule(offsets_E: torch.Tensor, R: int, bm: int) -> tuple[torch.Tensor, int]:
     """The blockwise rows kernel's sync-free schedule: each expert's cumulative tile count (on the device)
     and the bound of all tiles that the grid's second axis launches."""
@@ -258,14 +265,14 @@ if HAS_TRITON:
         tl.store(out_ptrs, acc_MN.to(out_ptr.dtype.element_ty), mask=in_m[:, None] & in_n[None, :])
 
     @torch.library.custom_op("moefold::fp8_grouped_mm_rows", mutates_args=())
-    def fp8_grouped_mm_rows(a_RK: torch.Tensor, b_EKN: torch.Tensor, sa_R: torch.Tensor,
-                            sb_EN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    def fp8_grouped_mm_rows(a_RK: torch.Tensor, b_EKN: torch.Tensor, sa_R: torch.Tensor, sb_EN: torch.Tensor,
+                            offsets_E: torch.Tensor, tile_ends_E: torch.Tensor) -> torch.Tensor:
         """bf16 out_RN: groups along the rows (forward and grad_input). Rows past the last group
-        are left unwritten, as torch._grouped_mm leaves them (the MoE layer never reads them)."""
+        are left unwritten, as torch._grouped_mm leaves them (the MoE layer never reads them).
+        tile_ends_E: `row_tile_ends(offsets_E)`."""
         (R, K), (E, _, N) = a_RK.shape, b_EKN.shape
         t = ROWS_TILES
         out_RN = torch.empty(R, N, device=a_RK.device, dtype=torch.bfloat16)
-        tile_ends_E = _row_tile_ends(offsets_E, t["BM"])
         tiles_bound = (triton.cdiv(R, t["BM"]) + E) * triton.cdiv(N, t["BN"])
         b_NK = b_EKN.transpose(-2, -1).contiguous().view(E * N, K)  # no copy: column-major per expert
         a_desc = TensorDescriptor.from_tensor(a_RK.contiguous(), [t["BM"], t["BK"]])
@@ -277,7 +284,7 @@ if HAS_TRITON:
         return out_RN
 
     @fp8_grouped_mm_rows.register_fake
-    def _(a_RK, b_EKN, sa_R, sb_EN, offsets_E):
+    def _(a_RK, b_EKN, sa_R, sb_EN, offsets_E, tile_ends_E):
         return a_RK.new_empty(a_RK.shape[0], b_EKN.shape[2], dtype=torch.bfloat16)
 
     @torch.library.custom_op("moefold::fp8_grouped_mm_contract", mutates_args=())

@@ -194,7 +194,8 @@ class ScaledGroupedMMFp8Gemm(EmulatedFp8GroupedGemm):
 
 
 def _require_triton() -> None:
-    """The Triton kernels' ops are registered (at import), or say what is missing."""
+    """Refuse the Triton backends without the triton package (fp8/triton_grouped.py registers
+    their torch.ops.moefold ops when it is imported, above)."""
     if not triton_grouped.HAS_TRITON:
         raise ConfigError("precision.fp8_grouped_gemm=triton needs the triton package, which is not "
                           "installed; use cutlass")

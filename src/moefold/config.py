@@ -329,6 +329,11 @@ class PrecisionConfig:
     fp8_saved_activations: bool = False
     """Keep the FP8 GEMMs' inputs for backward in FP8 (the forward's own tiles, 1 byte per element
     plus scales) instead of the compute dtype; the weight gradient then rounds them twice."""
+    fp8_weight_cache: bool = False
+    """Quantize the routed experts' weights to FP8 once per optimizer step, both layouts their GEMMs
+    read kept until the next (2 bytes per expert parameter for the whole run), instead of in every
+    micro-batch's forward and backward: faster with train.grad_accum > 1, no gain with one
+    micro-batch. Needs precision.fp8; not with FSDP sharding the experts (edp > 1)."""
     fp8_emulate: bool = False
     """Run every FP8 GEMM as its emulation (quantize → dequantize → GEMM in the compute dtype) on
     CUDA too, as it always runs on CPU: the kernels' numerical reference in a real run (torchao's
@@ -664,6 +669,9 @@ def _validate_precision(cfg: Config) -> None:
     for pattern in p.fp8_exclude:
         _require(bool(pattern.strip()), f"precision.fp8_exclude={p.fp8_exclude} has an empty pattern; "
                  "allowed: fnmatch patterns over module names, e.g. 'layers.0.*'")
+    _require(p.fp8 != "off" or not p.fp8_weight_cache,
+             "precision.fp8_weight_cache=true caches FP8 weights: it needs precision.fp8 "
+             f"({', '.join(FP8_RECIPES[1:])}), not 'off'")
     wrapped = [k for k in ("recompute", "offload") if "moe_act" in getattr(cfg.memory, k)]
     _require(p.fp8 == "off" or not wrapped,
              f"precision.fp8={p.fp8!r} with 'moe_act' in memory.{wrapped[0] if wrapped else ''} is not "

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import fnmatch
 
+import torch
 from torch import nn
 
 from moefold.config import PrecisionConfig
@@ -24,6 +25,7 @@ from moefold.fp8.gemm import build_gemm, linear_scaling
 from moefold.fp8.grouped import build_grouped_gemm, grouped_scaling
 from moefold.fp8.linear import Fp8Linear
 from moefold.fp8.saved import SaveInput, saved_input
+from moefold.fp8.weight_cache import build_weight_cache
 from moefold.moe.experts import Experts, Fp8GroupedExperts
 from moefold.moe.layer import MoELayer
 
@@ -31,7 +33,7 @@ _NEVER_FP8 = ("gate",)  # GatedSharedExperts.gate: a [D, 1] router-like scalar g
 
 
 def apply_fp8(model: nn.Module, precision: PrecisionConfig, device_type: str,
-              shared_inputs: bool = True) -> list[str]:
+              shared_inputs: bool = True, compute_dtype: torch.dtype | None = None) -> list[str]:
     """Swap the selected modules for their FP8 versions in place; returns their names.
 
     `model` is a Transformer (blocks(), layers). The FP8 modules share the original parameters, so
@@ -39,6 +41,8 @@ def apply_fp8(model: nn.Module, precision: PrecisionConfig, device_type: str,
     `shared_inputs`: the parameters will be in the compute dtype, so sibling linears (q/k/v, gate
     and up) read one input tensor instead of each casting its own copy (fp32 parameters under
     bf16 autocast); it decides which linears keep their input in FP8 (`_keeps_fp8_input`).
+    `compute_dtype`: what the experts cast their weights to, which `precision.fp8_weight_cache`
+    quantizes from (needed only with it; the cache is empty until refresh_weight_caches).
     """
     if precision.fp8 == "off":
         return []
@@ -46,6 +50,7 @@ def apply_fp8(model: nn.Module, precision: PrecisionConfig, device_type: str,
     gemm = build_gemm(device_type, precision.fp8_weight_grad, precision.fp8_emulate)
     grouped_gemm = build_grouped_gemm(device_type, precision.fp8_grouped_gemm, precision.fp8_weight_grad,
                                       precision.fp8, precision.fp8_emulate)
+    weight_cache = build_weight_cache(precision.fp8_weight_cache, compute_dtype)
     keep = precision.fp8_saved_activations
     lin_saver, grouped_saver = saved_input(keep, lin.forward.a), saved_input(keep, grouped.forward.a)
     excluded = _excluded_names(model, precision)
@@ -61,7 +66,7 @@ def apply_fp8(model: nn.Module, precision: PrecisionConfig, device_type: str,
                 _check_experts_aligned(module, precision.fp8, grouped.row_multiple)
                 layer = model.get_submodule(parent_name)
                 _raise_pad_multiple(layer, grouped.row_multiple)  # only where the experts run FP8
-                setattr(layer, attr, _fp8_experts(module, grouped_gemm, grouped, grouped_saver))
+                setattr(layer, attr, _fp8_experts(module, grouped_gemm, grouped, grouped_saver, weight_cache))
             elif type(module) is nn.Linear and attr not in _NEVER_FP8 and _aligned(module, lin.row_multiple):
                 parent = model.get_submodule(parent_name)
                 saver = lin_saver if _keeps_fp8_input(parent, attr, block_shares_inputs) else SaveInput()
@@ -131,11 +136,12 @@ def _check_experts_aligned(experts: Experts, recipe: str, multiple: int) -> None
                           "precision.fp8_exclude=['*.experts'] or choose another recipe")
 
 
-def _fp8_experts(experts: Experts, gemm, scaling, saver) -> Fp8GroupedExperts:
+def _fp8_experts(experts: Experts, gemm, scaling, saver, weight_cache) -> Fp8GroupedExperts:
     if "_mm" in vars(experts):  # config validation refuses this; a direct caller gets told too
         raise ConfigError("precision.fp8 with 'moe_act' in memory.recompute/offload is not yet supported")
     num_experts, dim, hidden = experts.w1_EDF.shape
-    new = Fp8GroupedExperts(num_experts, dim, hidden, experts.activation, gemm, scaling, saver, device="meta")
+    new = Fp8GroupedExperts(num_experts, dim, hidden, experts.activation, gemm, scaling, saver, device="meta",
+                            weight_cache=weight_cache)
     for name, param in experts.named_parameters(recurse=False):
         setattr(new, name, param)
     return new

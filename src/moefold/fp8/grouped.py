@@ -141,8 +141,18 @@ class EmulatedFp8GroupedGemm:
         return self.grouped_weight_grads(x_RK, [grad_RN], offsets_E, scaling, dtype)[0]
 
     def grouped_mms(self, x_RK, ws_EKN, offsets_E, scaling: GemmScaling, dtype) -> list:
+        return self.grouped_mms_with(x_RK, [self.weight_operands(w_EKN, scaling.b) for w_EKN in ws_EKN],
+                                     offsets_E, scaling, dtype)
+
+    def weight_operands(self, w_EKN, op: Operand) -> tuple[torch.Tensor, ...]:
+        """w as the rows GEMMs (forward, grad_input) multiply it, quantized as `op` says; here its
+        dequantized FP8 values, in w's dtype. What `precision.fp8_weight_cache` keeps."""
+        return (fake_quant(w_EKN, op, w_EKN.dtype),)
+
+    def grouped_mms_with(self, x_RK, ws_operands, offsets_E, scaling: GemmScaling, dtype) -> list:
+        """grouped_mms with each weight already in its operands (`weight_operands`)."""
         xq_RK = fake_quant(x_RK, scaling.a, dtype)
-        return [grouped_mm(xq_RK, fake_quant(w_EKN, scaling.b, dtype), offsets_E) for w_EKN in ws_EKN]
+        return [grouped_mm(xq_RK, wq_EKN, offsets_E) for (wq_EKN,) in ws_operands]
 
     def grouped_weight_grads(self, x_RK, grads_RN, offsets_E, scaling: GemmScaling, dtype) -> list:
         xq_RK = fake_quant_groups(x_RK, offsets_E, scaling.a, dtype)
@@ -162,15 +172,18 @@ class ScaledGroupedMMFp8Gemm(EmulatedFp8GroupedGemm):
     name = "scaled_grouped_mm"
     columns = TORCH_COLUMNS
 
-    def grouped_mms(self, x_RK, ws_EKN, offsets_E, scaling, dtype):
+    def weight_operands(self, w_EKN, op):
+        """(w in FP8, each expert column-major; its per-column scales [E, N])."""
+        if op.tile != "col":
+            return super().weight_operands(w_EKN, op)
+        return self.columns.weight(w_EKN, op)
+
+    def grouped_mms_with(self, x_RK, ws_operands, offsets_E, scaling, dtype):
         if scaling.a.tile != "row":
-            return super().grouped_mms(x_RK, ws_EKN, offsets_E, scaling, dtype)
+            return super().grouped_mms_with(x_RK, ws_operands, offsets_E, scaling, dtype)
         x_fp8, scale_R = rows_input(x_RK, scaling.a)
-        outs = []
-        for w_EKN in ws_EKN:
-            w_fp8, scale_EN = self.columns.weight(w_EKN, scaling.b)
-            outs.append(cast(self._rows(x_fp8, w_fp8, scale_R, scale_EN, offsets_E), dtype))
-        return outs
+        return [cast(self._rows(x_fp8, w_fp8, scale_R, scale_EN, offsets_E), dtype)
+                for w_fp8, scale_EN in ws_operands]
 
     def grouped_weight_grads(self, x_RK, grads_RN, offsets_E, scaling, dtype):
         if scaling.a.tile != "col":
@@ -234,14 +247,15 @@ class TritonBlockwiseFp8GroupedGemm(EmulatedFp8GroupedGemm):
     def __init__(self):
         _require_triton()
 
-    def grouped_mms(self, x_RK, ws_EKN, offsets_E, scaling, dtype):
+    def weight_operands(self, w_EKN, op):
+        """(w in FP8, each expert column-major; its 128x128 scales [E, K/128, N/128])."""
+        return blockwise_weight(w_EKN, op)
+
+    def grouped_mms_with(self, x_RK, ws_operands, offsets_E, scaling, dtype):
         x_fp8, scale_RKb = blockwise_rows_input(x_RK, scaling.a)
-        outs = []
-        for w_EKN in ws_EKN:
-            w_fp8, scale_EKbNb = blockwise_weight(w_EKN, scaling.b)
-            out_RN = torch.ops.moefold.fp8_grouped_mm_rows_blockwise(x_fp8, w_fp8, scale_RKb, scale_EKbNb, offsets_E)
-            outs.append(cast(out_RN, dtype))
-        return outs
+        return [cast(torch.ops.moefold.fp8_grouped_mm_rows_blockwise(x_fp8, w_fp8, scale_RKb, scale_EKbNb,
+                                                                     offsets_E), dtype)
+                for w_fp8, scale_EKbNb in ws_operands]
 
     def grouped_weight_grads(self, x_RK, grads_RN, offsets_E, scaling, dtype):
         xT_KR, scale_RbK = blockwise_contract_input(x_RK, scaling.a)
@@ -331,6 +345,12 @@ class HighPrecisionGroupedWeightGrad:
     def grouped_mms(self, x_RK, ws_EKN, offsets_E, scaling, dtype):
         return self.inner.grouped_mms(x_RK, ws_EKN, offsets_E, scaling, dtype)
 
+    def weight_operands(self, w_EKN, op):
+        return self.inner.weight_operands(w_EKN, op)
+
+    def grouped_mms_with(self, x_RK, ws_operands, offsets_E, scaling, dtype):
+        return self.inner.grouped_mms_with(x_RK, ws_operands, offsets_E, scaling, dtype)
+
     def grouped_weight_grad(self, x_RK, grad_RN, offsets_E, scaling, dtype):
         return cast(grouped_mm(x_RK.t(), grad_RN, offsets_E), dtype)
 
@@ -356,61 +376,82 @@ class _Fp8GroupedMMFn(torch.autograd.Function):
     """x·w per group, and x·w2 when given (gate and up read the same x): x is quantized once for
     the forward GEMMs and once for the weight gradients, and kept once for the backward.
 
+    The weights' FP8 operands come from `cached` when given (`CachedWeightOperands.operands`:
+    the forward's and grad_input's, quantized once per optimizer step), else each GEMM quantizes
+    its weight when it runs: the forward's here, grad_input's in the backward from the kept w.
+
     Two weight parameters, not `*ws`: without grad, Dynamo (torch 2.11-2.13) inlines `forward` and
     drops ctx whenever the argument count equals the signature's length (its test for a forward
     without ctx, pytorch#137809), which a variadic forward meets with two weights."""
 
     @staticmethod
-    def forward(ctx, x_RK, offsets_E, gemm, scaling: Fp8Scaling, saver: SaveInput, w_EKN, w2_EKN=None):
+    def forward(ctx, x_RK, offsets_E, gemm, scaling: Fp8Scaling, saver: SaveInput, cached, w_EKN, w2_EKN=None):
         ws_EKN = [w_EKN] if w2_EKN is None else [w_EKN, w2_EKN]
+        if cached is None:
+            forward_operands = [gemm.weight_operands(w, scaling.forward.b) for w in ws_EKN]
+            kept = ws_EKN  # grad_input quantizes their transposes in the backward
+        else:
+            forward_operands, grad_input_operands = cached
+            kept = [t for operands in grad_input_operands for t in operands]
         packed = saver.pack(x_RK)
-        ctx.save_for_backward(offsets_E, *ws_EKN, *packed)
+        ctx.save_for_backward(offsets_E, *kept, *packed)
         ctx.gemm, ctx.scaling, ctx.saver, ctx.x_dtype = gemm, scaling, saver, x_RK.dtype
-        ctx.num_weights = len(ws_EKN)
-        return tuple(gemm.grouped_mms(x_RK, ws_EKN, offsets_E, scaling.forward, x_RK.dtype))
+        ctx.num_weights, ctx.num_kept, ctx.cached = len(ws_EKN), len(kept), cached is not None
+        ctx.w_dtype = w_EKN.dtype
+        return tuple(gemm.grouped_mms_with(x_RK, forward_operands, offsets_E, scaling.forward, x_RK.dtype))
 
     @staticmethod
     def backward(ctx, *grads_RN):
         offsets_E, *saved = ctx.saved_tensors
-        ws_EKN, packed = saved[:ctx.num_weights], saved[ctx.num_weights:]
+        kept, packed = saved[:ctx.num_kept], saved[ctx.num_kept:]
         gemm, scaling = ctx.gemm, ctx.scaling
         x_RK = ctx.saver.unpack(packed, ctx.x_dtype)
         grads_RN = [grad_RN.to(x_RK.dtype) for grad_RN in grads_RN]
         grad_x_RK = None
         if ctx.needs_input_grad[0]:
             # Summed in the compute dtype, as autograd sums the gradients of an input read twice.
-            for grad_RN, w_EKN in zip(grads_RN, ws_EKN):
-                part_RK = gemm.grouped_mm(grad_RN, w_EKN.transpose(-2, -1), offsets_E, scaling.grad_input,
-                                          x_RK.dtype)
+            for i, grad_RN in enumerate(grads_RN):
+                part_RK = gemm.grouped_mms_with(grad_RN, [_grad_input_operands(ctx, kept, i)], offsets_E,
+                                                scaling.grad_input, x_RK.dtype)[0]
                 grad_x_RK = part_RK if grad_x_RK is None else grad_x_RK + part_RK
         grad_ws_EKN = [None, None]
-        wanted = [i for i in range(ctx.num_weights) if ctx.needs_input_grad[5 + i]]
+        wanted = [i for i in range(ctx.num_weights) if ctx.needs_input_grad[6 + i]]
         if wanted:
             grads = gemm.grouped_weight_grads(x_RK, [grads_RN[i] for i in wanted], offsets_E,
-                                              scaling.grad_weight, ws_EKN[0].dtype)
+                                              scaling.grad_weight, ctx.w_dtype)
             for i, grad_w_EKN in zip(wanted, grads):
                 grad_ws_EKN[i] = grad_w_EKN
-        return grad_x_RK, None, None, None, None, *grad_ws_EKN
+        return grad_x_RK, None, None, None, None, None, *grad_ws_EKN
+
+
+def _grad_input_operands(ctx, kept, i: int) -> tuple[torch.Tensor, ...]:
+    """Weight i's operands of grad_input (w^T): cached, or quantized now from the kept w (one
+    weight at a time, so that one FP8 copy lives at once)."""
+    if ctx.cached:
+        per_weight = ctx.num_kept // ctx.num_weights
+        return tuple(kept[i * per_weight:(i + 1) * per_weight])
+    return ctx.gemm.weight_operands(kept[i].transpose(-2, -1), ctx.scaling.grad_input.b)
 
 
 def fp8_grouped_mms(x_RK: torch.Tensor, ws_EKN: list[torch.Tensor], offsets_E: torch.Tensor,
                     gemm: EmulatedFp8GroupedGemm, scaling: Fp8Scaling,
-                    saver: SaveInput | None = None) -> list[torch.Tensor]:
+                    saver: SaveInput | None = None, cached=None) -> list[torch.Tensor]:
     """[torch._grouped_mm(x, w, offs) for w in ws] (one or two weights: gate and up) with FP8
     operands in forward and backward, x quantized once for all of them (forward and weight
     gradients) and kept for the backward once, as `saver` says (fp8/saved.py; by default as it
-    is). Equal, bit for bit, to one fp8_grouped_mm per weight."""
+    is). Equal, bit for bit, to one fp8_grouped_mm per weight. `cached`: the weights' FP8
+    operands, quantized beforehand (`CachedWeightOperands.operands`); None quantizes them here."""
     if len(ws_EKN) not in (1, 2):
         raise ValueError(f"fp8_grouped_mms takes one or two weights, got {len(ws_EKN)}")
-    return list(_Fp8GroupedMMFn.apply(x_RK, offsets_E, gemm, scaling, saver or SaveInput(), *ws_EKN))
+    return list(_Fp8GroupedMMFn.apply(x_RK, offsets_E, gemm, scaling, saver or SaveInput(), cached, *ws_EKN))
 
 
 def fp8_grouped_mm(x_RK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor,
                    gemm: EmulatedFp8GroupedGemm, scaling: Fp8Scaling,
-                   saver: SaveInput | None = None) -> torch.Tensor:
+                   saver: SaveInput | None = None, cached=None) -> torch.Tensor:
     """torch._grouped_mm(x, w, offs) with FP8 operands in forward and backward; x is kept for the
-    backward as `saver` says (fp8/saved.py; by default as it is)."""
-    return fp8_grouped_mms(x_RK, [w_EKN], offsets_E, gemm, scaling, saver)[0]
+    backward as `saver` says (fp8/saved.py; by default as it is); `cached` as fp8_grouped_mms'."""
+    return fp8_grouped_mms(x_RK, [w_EKN], offsets_E, gemm, scaling, saver, cached)[0]
 
 
 __all__ = [

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from moefold.fp8.grouped import fp8_grouped_mm, fp8_grouped_mms
+from moefold.fp8.weight_cache import PerCallWeights
 from moefold.moe.activation import ACTIVATIONS, PlainActivation, ProbsInActivation
 from moefold.moe.grouped_mm import grouped_mm
 from moefold.parallel.local import local_tensor
@@ -90,17 +91,24 @@ class Fp8GroupedExperts(Experts):
 
     def __init__(self, num_experts: int, dim: int, hidden: int,
                  activation: PlainActivation | ProbsInActivation | None, gemm, scaling,
-                 saver=None, device=None):
+                 saver=None, device=None, weight_cache=None):
         with torch.device(device) if device is not None else contextlib.nullcontext():
             super().__init__(num_experts, dim, hidden, activation)
         self.gemm, self.scaling, self.saver = gemm, scaling, saver  # saver: fp8/saved.py
+        self.weight_cache = weight_cache or PerCallWeights()  # fp8/weight_cache.py
+
+    def weight_names(self) -> list[str]:
+        return ["w1_EDF", "w3_EDF", "w2_EFD"] if self.activation.num_inputs == 2 else ["w1_EDF", "w2_EFD"]
 
     def _input_mms(self, x_RD, ws_EDF, offsets_E):
         """Gate and up in one autograd Function: x quantized (and kept) once for both."""
-        return fp8_grouped_mms(x_RD, ws_EDF, offsets_E, self.gemm, self.scaling, self.saver)
+        cached = self.weight_cache.operands(self, self.weight_names()[:-1])
+        return fp8_grouped_mms(x_RD, ws_EDF, offsets_E, self.gemm, self.scaling, self.saver, cached)
 
     def _mm(self, x_RX, w_EXY, offsets_E):
-        return fp8_grouped_mm(x_RX, w_EXY, offsets_E, self.gemm, self.scaling, self.saver)
+        """The down projection (`_input_mms` takes the others)."""
+        cached = self.weight_cache.operands(self, ["w2_EFD"])
+        return fp8_grouped_mm(x_RX, w_EXY, offsets_E, self.gemm, self.scaling, self.saver, cached)
 
 
 @functools.cache

@@ -39,6 +39,7 @@ from moefold.data.loader import Batch, PackedSequences, TrainLoader, val_batches
 from moefold.data.tokenizer import build_tokenizer
 from moefold.errors import ConfigError
 from moefold.fp8.apply import apply_fp8
+from moefold.fp8.weight_cache import refresh_weight_caches
 from moefold.models.transformer import Transformer, build_model
 from moefold.moe.stats import AUX_SUM, ENTROPY_SUM, ENTROPY_TOKENS, summarize
 from moefold.optim.adamw import GRAD_DTYPES, build_optimizer, clip_scaling
@@ -68,6 +69,16 @@ def resolve_compute_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp32": torch.float32}[name]
 
 
+def _refuse_weight_cache_over_fsdp(cfg: Config, layout) -> None:
+    """The cache quantizes each rank's whole expert weights between steps, which FSDP shards
+    over edp (it gathers them only inside the forward and backward)."""
+    if cfg.precision.fp8_weight_cache and layout is not None and cfg.parallel.data_parallel == "fsdp" \
+            and layout.dims.edp > 1:
+        raise ConfigError(f"precision.fp8_weight_cache=true needs the experts' weights whole on each rank; "
+                          f"parallel.data_parallel=fsdp shards them over edp={layout.dims.edp}: use "
+                          "parallel.data_parallel=ddp, or set precision.fp8_weight_cache=false")
+
+
 def run_dir_holds_run(run_dir: Path) -> bool:
     return (run_dir / "config.toml").exists() or (run_dir / "checkpoints").exists()
 
@@ -95,6 +106,7 @@ class Trainer:
             raise ConfigError(f"--run-dir {self.run_dir} already holds a run; continue it with "
                               f"--resume {self.run_dir} or choose another --run-dir")
         self.dist, self.device = join(cfg, cfg.train.device)
+        _refuse_weight_cache_over_fsdp(cfg, self.dist.layout)
         if not self.dist.is_main:  # rank 0 speaks for the job
             self.out = lambda line: None
         self.grad_accum = self._grad_accum()
@@ -111,6 +123,7 @@ class Trainer:
         self.step = 0
         if checkpoint is not None:
             self._load(checkpoint)
+        refresh_weight_caches(self.model)  # precision.fp8_weight_cache: from the weights it starts with
         self.dist.barrier()  # every rank has checked the run dir before rank 0 writes into it
         if self.dist.is_main:
             self._prepare_run_dir()
@@ -167,7 +180,8 @@ class Trainer:
         # FP8 GEMMs where precision.fp8 says. Parameters end up in the compute dtype unless fp32
         # masters train under bf16 autocast, where every linear casts its own copy of its input.
         autocast_over_fp32 = cfg.optim.master_dtype == "fp32" and self.compute_dtype != torch.float32
-        apply_fp8(model, cfg.precision, self.device.type, shared_inputs=not autocast_over_fp32)
+        apply_fp8(model, cfg.precision, self.device.type, shared_inputs=not autocast_over_fp32,
+                  compute_dtype=self.compute_dtype)
         if cfg.precision.fp8 != "off" and self.device.type == "cuda":
             self.out("warning: precision.fp8 on CUDA trains like bf16 but does not yet run faster than "
                      "it (docs/fp8.md)")
@@ -266,6 +280,7 @@ class Trainer:
         grad_norm = self.clip_gradients(self.cfg.train.grad_clip or float("inf"))
         self.optimizer.step()
         self.data_parallel.gather_parameters()  # ZeRO-1: the updated shards into the full parameters
+        refresh_weight_caches(self.model)  # precision.fp8_weight_cache: quantized once per step
         self.model.on_optimizer_step()  # expert-bias update, global aux-loss counts reset
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)

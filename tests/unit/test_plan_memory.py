@@ -315,3 +315,50 @@ def test_expert_rows_follow_the_fp8_padding_of_the_built_model(recipe):
                    for i in range(cfg.model.n_layers)]
         assert planned == built, extra
     assert (built[0] < built[1]) == (recipe != "off")  # the bf16 layer pads less
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "blockwise"])
+def test_fp8_weight_cache_bytes_equal_the_built_cache(recipe):
+    """precision.fp8_weight_cache: the planner's bytes against the FP8 buffers a refresh writes
+    into the built model (with the CUDA backends' layouts, quantized here on the CPU), also where
+    fp8_exclude, the first-layers option or ep keep experts out of it or split them."""
+    from moefold.fp8.apply import apply_fp8
+    from moefold.fp8.grouped import ScaledGroupedMMFp8Gemm, TritonBlockwiseFp8GroupedGemm
+    from moefold.fp8.weight_cache import refresh_weight_caches
+    from moefold.models.transformer import build_model
+    from moefold.moe.experts import Fp8GroupedExperts
+
+    cuda_gemm = ScaledGroupedMMFp8Gemm if recipe == "rowwise" else TritonBlockwiseFp8GroupedGemm
+    for extra in ({}, {"precision.fp8_exclude": '["layers.1.ffn.experts"]'}, {"precision.fp8_bf16_first_layers": "1"},
+                  {"model.n_layers": "3", "moe.first_k_dense": "0"}):
+        cfg = load_config("tiny-qwen3", {"model.dim": "128", "moe.expert_hidden": "128", "precision.fp8": recipe,
+                                         "precision.fp8_weight_cache": "true", **extra})
+        model = build_model(cfg, 257, "cpu", torch.bfloat16)
+        apply_fp8(model, cfg.precision, "cpu", compute_dtype=torch.bfloat16)
+        experts = [m for m in model.modules() if isinstance(m, Fp8GroupedExperts)]
+        for m in experts:  # the CUDA backend's weight layouts (plain PyTorch: no triton needed)
+            m.gemm = object.__new__(cuda_gemm)
+        refresh_weight_caches(model)
+        fp8_bytes = sum(b.numel() for m in experts for b in m.buffers() if b.dtype == torch.float8_e4m3fn)
+        assert fp8_bytes == 2 * sum(p.numel() for m in experts for p in m.parameters()) > 0, extra
+        for ep in (1, 2):
+            planned = predict_memory(replace(cfg, parallel=replace(cfg.parallel, ep=ep)), world_size=ep).fp8_weight_cache
+            assert planned == fp8_bytes / ep, (extra, ep)
+    no_cache = load_config("tiny-qwen3", {"precision.fp8": recipe})
+    assert predict_memory(no_cache, world_size=1).fp8_weight_cache == 0
+
+
+@pytest.mark.parametrize("param_dtype", ["", "fp32"])
+def test_fp8_weight_cache_activations_are_predicted(param_dtype):
+    """With the cache the FP8 experts' backward keeps the cached FP8 w^T (a buffer) instead of w:
+    under fp32 parameters the experts' bf16 weight casts are no longer kept. The analytic count
+    equals the model's under fake tensors, with bf16 and with fp32 parameters."""
+    saved = {}
+    for cache in (False, True):
+        cfg = load_config("tiny-qwen3", {"model.dim": 128, "moe.expert_hidden": 128, "precision.fp8": "rowwise",
+                                         "precision.fp8_weight_cache": cache})
+        sh = act.Shapes(cfg.train.micro_batch_size, cfg.train.seq_len, 1, 1, 1, 2, param_bytes=4 if param_dtype else 0)
+        measured = measure_saved_activations(cfg, "bf16", param_dtype=param_dtype).by_category
+        _assert_close(act.model_bytes(cfg, sh, 257), measured, rel=1e-3)
+        saved[cache] = measured.get("weight_copies", 0)
+    assert (saved[True] < saved[False]) == bool(param_dtype)

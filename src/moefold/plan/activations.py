@@ -322,8 +322,10 @@ def weight_copies_by_part(cfg: Config, layer_id: int, sh: Shapes) -> Bytes:
         return _add(out, mlp=_cast(ffn_params(cfg, layer_id).tp / sh.tp, a, sh))
     ffn = ffn_params(cfg, layer_id)
     router = moe.num_experts * D
+    # precision.fp8_weight_cache: the FP8 experts' backward keeps the cached FP8 w^T, not the cast w.
+    cached = cfg.precision.fp8_weight_cache and fp8_module(cfg, block_shapes(cfg, layer_id, sh), "ffn.experts")
     return _add(out, router=_cast(router, ROUTER_BYTES[moe.router_dtype], sh),
-                experts=_cast(ffn.expert / (sh.ep * sh.etp), a, sh),
+                experts=0 if cached else _cast(ffn.expert / (sh.ep * sh.etp), a, sh),
                 shared=_cast(ffn.tp / sh.tp + ffn.replicated - router, a, sh))
 
 

@@ -252,6 +252,7 @@ def measure_saved_activations(cfg: Config, dtype: str = "bf16", vocab_size: int 
     fp32 runs for real on the CPU instead (keep the config small): grouped_mm's fake kernel takes
     bf16 only, and the loop backend needs real token counts."""
     from moefold.fp8.apply import apply_fp8
+    from moefold.fp8.weight_cache import refresh_weight_caches
     from moefold.models.transformer import build_model
     from moefold.moe.experts import grouped_mm_supported
     from moefold.train.loss import build_objective
@@ -263,8 +264,10 @@ def measure_saved_activations(cfg: Config, dtype: str = "bf16", vocab_size: int 
     fake = FakeTensorMode() if dtype == "bf16" else contextlib.nullcontext()
     with fake, _fused_attention():
         model = build_model(cfg, vocab, "cpu", torch_dtype)
-        apply_fp8(model, cfg.precision, "cpu", shared_inputs=param_torch_dtype == torch_dtype)
+        apply_fp8(model, cfg.precision, "cpu", shared_inputs=param_torch_dtype == torch_dtype,
+                  compute_dtype=torch_dtype)
         model = _cast_params(model, param_torch_dtype).train()
+        refresh_weight_caches(model)  # precision.fp8_weight_cache's buffers: not activations
         if dtype == "fp32":
             model.init_weights(cfg.train.seed)  # uninitialised memory may hold slow denormals
         params = {p.untyped_storage()._cdata for p in model.parameters()}

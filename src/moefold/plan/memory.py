@@ -16,6 +16,8 @@ What one GPU holds, and the assumptions behind each part (docs/memory.md explain
     over dp·cp / edp. The optimizer's shard of a parameter is a view of it (no copy) where a dim
     splits evenly over the data ranks, as real model dims do; other shards are copies, not counted.
   - moments: fp32 4, bf16 2, fp8 1 + one fp32 scale per 128 elements.
+  - `precision.fp8_weight_cache`: both FP8 layouts of every local FP8 expert weight, 2 bytes per
+    element, held for the whole run (fp8/weight_cache.py).
 - **Activations** (`plan.activations`): saved-for-backward bytes of one micro-batch per model chunk,
   times the micro-batches in flight on the rank under Megatron-Core's 1F1B / interleaved schedule
   (`plan.pipeline`). Routing is assumed balanced; `imbalance` scales the busiest rank's rows.
@@ -82,12 +84,14 @@ class MemoryPlan:
     phases: dict[str, dict[str, float]] = field(default_factory=dict)
     # "forward" / "backward" / "optimizer step": what is held at that phase's peak, by part
     offloaded: float = 0.0  # saved activations memory.offload keeps in host memory instead
+    fp8_weight_cache: float = 0.0  # precision.fp8_weight_cache: the experts' FP8 weights, both layouts
     rank_peaks: list[float] = field(default_factory=list)  # every pipeline rank's peak
     notes: list[str] = field(default_factory=list)
 
     @property
     def static(self) -> float:
-        return self.parameters + self.gradients + self.master_weights + self.optimizer_moments
+        return (self.parameters + self.gradients + self.master_weights + self.optimizer_moments
+                + self.fp8_weight_cache)
 
     @property
     def activation_total(self) -> float:
@@ -196,6 +200,17 @@ def _chunk_activations(cfg: Config, chunk: Chunk, sh: act.Shapes, vocab: int) ->
     return out
 
 
+def _fp8_weight_cache(cfg: Config, chunks: list[Chunk], sh: act.Shapes, dims: ParallelDims) -> float:
+    """precision.fp8_weight_cache (fp8/weight_cache.py): each FP8 expert weight held in both of
+    its GEMMs' layouts, 1 byte each per local element, for the whole run (scales, under 0.5%, not
+    counted); the experts of bf16 layers and of fp8_exclude'd modules are not cached."""
+    if not (cfg.precision.fp8_weight_cache and cfg.precision.fp8 != "off"):
+        return 0.0
+    cached = sum(layer_params(cfg, i).expert for ch in chunks for i in ch.layers
+                 if act.fp8_module(cfg, act.block_shapes(cfg, i, sh), "ffn.experts"))
+    return 2.0 * cached / (dims.ep * dims.etp)
+
+
 def _chunk_params(cfg: Config, chunk: Chunk, vocab: int) -> ParamSplit:
     total = ParamSplit()
     for layer_id in chunk.layers:
@@ -250,7 +265,7 @@ def _micro_batches(cfg: Config, lay: _Layout) -> int:
 @dataclass(frozen=True)
 class _Rank:
     """What the time-ordered peaks of one rank are made of (bytes)."""
-    states: dict[str, float]  # parameters, gradients, master_weights, optimizer_moments
+    states: dict[str, float]  # parameters, gradients, master_weights, optimizer_moments, fp8_weight_cache
     activations: float  # every in-flight micro-batch's saved activations
     layers: list[tuple[float, float, float, float]]  # the last local chunk's layers, in forward
     # order: (one micro-batch's saved activations, their weight copies, backward working set,
@@ -309,6 +324,7 @@ def _rank_plan(cfg: Config, lay: _Layout, chunks: list[Chunk], rank: int, sh: ac
         split += _chunk_params(cfg, ch, vocab)
     local = _local(split, d)
     states = _states(cfg, lay, *local)
+    states["fp8_weight_cache"] = _fp8_weight_cache(cfg, mine, sh, d)
     grad_per_element = states["gradients"] / max(1, split.total)  # local, sharded or not
     last = mine[-1]
     layers = []

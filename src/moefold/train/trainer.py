@@ -183,8 +183,10 @@ class Trainer:
         apply_fp8(model, cfg.precision, self.device.type, shared_inputs=not autocast_over_fp32,
                   compute_dtype=self.compute_dtype)
         if cfg.precision.fp8 != "off" and self.device.type == "cuda":
-            self.out("warning: precision.fp8 on CUDA trains like bf16 but does not yet run faster than "
-                     "it (docs/fp8.md)")
+            self.out("warning: precision.fp8 on CUDA trains like bf16 but runs at about its speed "
+                     "(docs/fp8.md)" + ("; with several micro-batches a step, precision.fp8_weight_cache=true "
+                                        "quantizes the experts' weights once a step"
+                                        if self.grad_accum > 1 and not cfg.precision.fp8_weight_cache else ""))
         self.model: Transformer = model.to(self.device)
         for layer in self.model.moe_layers():
             layer.aux_loss_scale = 1.0 / self.grad_accum  # the CE loss is averaged the same way

@@ -133,3 +133,19 @@ def test_fp8_under_ep_trains_like_one_process(corpus, tmp_path):
     FP8 run. Measured: first-step gradients within 1.9%, losses within 0.5% over 10 steps."""
     result, ref = _ep2_and_reference(corpus, tmp_path, {**ALIGNED_QWEN3, "precision.fp8": "rowwise"})
     assert_fp8_training_close(result, ref, "fp8 ep2")
+
+
+@pytest.mark.parametrize("name, parallel", [("ddp-dp2", dict(data_parallel="ddp")), ("ep2-fsdp", dict(ep=2))],
+                         ids=["ddp-dp2", "ep2-fsdp"])
+def test_fp8_weight_cache_under_data_and_expert_parallelism(name, parallel, corpus, tmp_path):
+    """precision.fp8_weight_cache on two ranks, two micro-batches a step: the same losses, bit for
+    bit, as quantizing per call — under ZeRO-1 (edp=2: refreshed after the updated parameters are
+    all-gathered) and under ep=2 with FSDP over edp=1 (the cache reads the local experts)."""
+    extra = {**ALIGNED_QWEN3, "precision.fp8": "rowwise", "train.grad_accum": "2", "train.steps": "4"}
+    out = tmp_path / "results.pt"
+    runs = [(f"cache-{cache}", "qwen3", corpus, 2, parallel, tmp_path / f"{name}-{cache}", None, 0,
+             {**extra, "precision.fp8_weight_cache": cache}) for cache in ("false", "true")]
+    run_ranks(2, train_on_rank, runs, out)
+    results = torch.load(out)
+    assert len(results["cache-true"]["losses"]) == 4
+    assert results["cache-true"]["losses"] == results["cache-false"]["losses"], name

@@ -376,7 +376,7 @@ class _Fp8GroupedMMFn(torch.autograd.Function):
     """x·w per group, and x·w2 when given (gate and up read the same x): x is quantized once for
     the forward GEMMs and once for the weight gradients, and kept once for the backward.
 
-    The weights' FP8 operands come from `cached` when given (`CachedWeightOperands.operands`:
+    The weights' FP8 operands come from `cached` when given (`CachedWeights.operands, fp8/weight_cache.py`:
     the forward's and grad_input's, quantized once per optimizer step), else each GEMM quantizes
     its weight when it runs: the forward's here, grad_input's in the backward from the kept w.
 
@@ -440,7 +440,7 @@ def fp8_grouped_mms(x_RK: torch.Tensor, ws_EKN: list[torch.Tensor], offsets_E: t
     operands in forward and backward, x quantized once for all of them (forward and weight
     gradients) and kept for the backward once, as `saver` says (fp8/saved.py; by default as it
     is). Equal, bit for bit, to one fp8_grouped_mm per weight. `cached`: the weights' FP8
-    operands, quantized beforehand (`CachedWeightOperands.operands`); None quantizes them here."""
+    operands, quantized beforehand (`CachedWeights.operands, fp8/weight_cache.py`); None quantizes them here."""
     if len(ws_EKN) not in (1, 2):
         raise ValueError(f"fp8_grouped_mms takes one or two weights, got {len(ws_EKN)}")
     return list(_Fp8GroupedMMFn.apply(x_RK, offsets_E, gemm, scaling, saver or SaveInput(), cached, *ws_EKN))

@@ -58,9 +58,10 @@ def format_plan(plan: MemoryPlan, cfg: Config, capacity_gb: float, device: str) 
     lines = _header(plan, cfg) + ["", f"{'per GPU':<44}{'GiB':>10}"]
     lines += [_row("parameters", plan.parameters), _row("gradients", plan.gradients),
               _row("master weights / remainders", plan.master_weights),
-              _row("optimizer moments", plan.optimizer_moments),
-              *([_row("FP8 expert weights (fp8_weight_cache)", plan.fp8_weight_cache)] if plan.fp8_weight_cache else []),
-              _row("activations (saved for backward)", plan.activation_total)]
+              _row("optimizer moments", plan.optimizer_moments)]
+    if plan.fp8_weight_cache:
+        lines.append(_row("FP8 expert weights (fp8_weight_cache)", plan.fp8_weight_cache))
+    lines.append(_row("activations (saved for backward)", plan.activation_total))
     for key, label in CATEGORY_LABELS.items():
         if plan.activations.get(key):
             lines.append(_row(label, plan.activations[key], indent=2))

@@ -65,7 +65,7 @@ class CachedWeights:
                     # Replaced, not copied into: a compiled graph takes buffers as inputs (checked
                     # by shape, stride and dtype, which stay), and a copy would cost a pass.
                     experts.register_buffer(_buffer_name(name, phase, i), operand, persistent=False)
-                experts.fp8_operands_per_weight = len(operands)
+        experts.fp8_operands_per_weight = len(fresh["forward"])  # the backend's, for every weight and phase
 
 
 def _buffer_name(weight: str, phase: str, i: int) -> str:

@@ -41,9 +41,12 @@ class Experts(nn.Module):
             self.w3_EDF = nn.Parameter(torch.empty(num_experts, dim, hidden))  # up
         self.w2_EFD = nn.Parameter(torch.empty(num_experts, hidden, dim))  # down
 
+    def input_weight_names(self) -> list[str]:
+        """The input projections' weights (gate and up, or the only one), which read the same x."""
+        return ["w1_EDF", "w3_EDF"] if self.activation.num_inputs == 2 else ["w1_EDF"]
+
     def input_weights(self) -> list[torch.Tensor]:
-        weights = [self.w1_EDF, self.w3_EDF] if self.activation.num_inputs == 2 else [self.w1_EDF]
-        return [local_tensor(w) for w in weights]
+        return [local_tensor(getattr(self, name)) for name in self.input_weight_names()]
 
     def forward(self, x_RD: torch.Tensor, rows_per_expert_E: torch.Tensor,
                 probs_R: torch.Tensor | None = None) -> torch.Tensor:
@@ -98,11 +101,11 @@ class Fp8GroupedExperts(Experts):
         self.weight_cache = weight_cache or PerCallWeights()  # fp8/weight_cache.py
 
     def weight_names(self) -> list[str]:
-        return ["w1_EDF", "w3_EDF", "w2_EFD"] if self.activation.num_inputs == 2 else ["w1_EDF", "w2_EFD"]
+        return [*self.input_weight_names(), "w2_EFD"]
 
     def _input_mms(self, x_RD, ws_EDF, offsets_E):
         """Gate and up in one autograd Function: x quantized (and kept) once for both."""
-        cached = self.weight_cache.operands(self, self.weight_names()[:-1])
+        cached = self.weight_cache.operands(self, self.input_weight_names())
         return fp8_grouped_mms(x_RD, ws_EDF, offsets_E, self.gemm, self.scaling, self.saver, cached)
 
     def _mm(self, x_RX, w_EXY, offsets_E):

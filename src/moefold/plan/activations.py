@@ -323,10 +323,15 @@ def weight_copies_by_part(cfg: Config, layer_id: int, sh: Shapes) -> Bytes:
     ffn = ffn_params(cfg, layer_id)
     router = moe.num_experts * D
     # precision.fp8_weight_cache: the FP8 experts' backward keeps the cached FP8 w^T, not the cast w.
-    cached = cfg.precision.fp8_weight_cache and fp8_module(cfg, block_shapes(cfg, layer_id, sh), "ffn.experts")
     return _add(out, router=_cast(router, ROUTER_BYTES[moe.router_dtype], sh),
-                experts=0 if cached else _cast(ffn.expert / (sh.ep * sh.etp), a, sh),
+                experts=0 if cached_fp8_experts(cfg, layer_id, sh) else _cast(ffn.expert / (sh.ep * sh.etp), a, sh),
                 shared=_cast(ffn.tp / sh.tp + ffn.replicated - router, a, sh))
+
+
+def cached_fp8_experts(cfg: Config, layer_id: int, sh: Shapes) -> bool:
+    """Whether precision.fp8_weight_cache holds this block's routed experts' FP8 weights: the
+    option is on and apply_fp8 converts the experts (fp8_module)."""
+    return cfg.precision.fp8_weight_cache and fp8_module(cfg, block_shapes(cfg, layer_id, sh), "ffn.experts")
 
 
 def weight_copy_bytes(cfg: Config, layer_id: int, sh: Shapes) -> int:

@@ -204,10 +204,8 @@ def _fp8_weight_cache(cfg: Config, chunks: list[Chunk], sh: act.Shapes, dims: Pa
     """precision.fp8_weight_cache (fp8/weight_cache.py): each FP8 expert weight held in both of
     its GEMMs' layouts, 1 byte each per local element, for the whole run (scales, under 0.5%, not
     counted); the experts of bf16 layers and of fp8_exclude'd modules are not cached."""
-    if not (cfg.precision.fp8_weight_cache and cfg.precision.fp8 != "off"):
-        return 0.0
     cached = sum(layer_params(cfg, i).expert for ch in chunks for i in ch.layers
-                 if act.fp8_module(cfg, act.block_shapes(cfg, i, sh), "ffn.experts"))
+                 if act.cached_fp8_experts(cfg, i, sh))
     return 2.0 * cached / (dims.ep * dims.etp)
 
 

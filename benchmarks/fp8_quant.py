@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     x_RK = torch.randn(R, K, device=dev, dtype=torch.bfloat16)
     g_RF = torch.randn(R, F, device=dev, dtype=torch.bfloat16)
     w1_EKF = torch.randn(E, K, F, device=dev, dtype=torch.bfloat16) * 0.02
+    w2_EFK = torch.randn(E, F, K, device=dev, dtype=torch.bfloat16) * 0.02
     offsets_E = (torch.arange(1, E + 1, device=dev) * (R // E)).to(torch.int32)
     torch_q, triton_q = TorchColumnQuantizer(), TritonColumnQuantizer()
     x_bytes, g_bytes, w_bytes = (3 * t.numel() for t in (x_RK, g_RF, w1_EKF))
@@ -64,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         ("w1 per column, layout: triton", lambda: triton_q.weight(w1_EKF, col), w_bytes),
         ("w1^T per column (grad_input): torch", lambda: torch_q.weight(w1_EKF.transpose(-2, -1), col), w_bytes),
         ("w1^T per column (grad_input): triton", lambda: triton_q.weight(w1_EKF.transpose(-2, -1), col), w_bytes),
+        ("w2 per column, layout: triton", lambda: triton_q.weight(w2_EFK, col), w_bytes),
+        ("w2^T per column (grad_input): triton", lambda: triton_q.weight(w2_EFK.transpose(-2, -1), col), w_bytes),
         ("rows_operands(x, w1): torch", lambda: rows_operands(x_RK, w1_EKF, s.forward), x_bytes + w_bytes),
         ("x group columns, no transpose: torch", lambda: quantize_group_columns(x_RK, offsets_E, col), x_bytes),
         ("x group columns, transposed: triton", lambda: triton_q.group_columns_t(x_RK, offsets_E, col), x_bytes),

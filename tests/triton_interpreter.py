@@ -1,6 +1,8 @@
 """Run a test script under Triton's CPU interpreter. The interpreter is chosen by TRITON_INTERPRET
 when Triton is imported, so each script runs in its own process; it must print "ok" last. Where
-Triton is not installed (CI's CPU torch) the tests skip; tests/gpu/ runs the kernels compiled."""
+Triton is not installed (CI's CPU torch) the tests skip; tests/gpu/ runs the kernels compiled.
+Triton 3.6's interpreter needs numpy < 2.4 (it turns 1-element arrays into Python ints, which
+numpy 2.4 refuses)."""
 
 import importlib.util
 import os

@@ -64,6 +64,14 @@ for fmt in (E4M3, E5M2):
             q_KN, scale_N = naive_columns(w[e], fmt)
             assert torch.equal(scale_EN[e], scale_N), ("weight scales", e)
             same_bytes(w_fp8[e], interpreter_cast(q_KN, fmt.dtype), ("weight values", e))
+    # a weight over several column and row tiles, neither a multiple of the tile; a zero column
+    w_EKN = torch.randn(2, 130, 300, dtype=torch.bfloat16) * torch.logspace(-2, 2, 300)[None, None, :].bfloat16()
+    w_EKN[0, :, 250] = 0
+    w_fp8, scale_EN = quantizer.weight(w_EKN, op)
+    for e in range(w_EKN.shape[0]):
+        q_KN, scale_N = naive_columns(w_EKN[e], fmt)
+        assert torch.equal(scale_EN[e], scale_N), ("tiled weight scales", e)
+        same_bytes(w_fp8[e], interpreter_cast(q_KN, fmt.dtype), ("tiled weight values", e))
 print("ok")
 """
 

@@ -108,12 +108,16 @@ class TorchColumnQuantizer:
 
 
 class TritonColumnQuantizer:
-    """TorchColumnQuantizer's operands, bit for bit, from one Triton kernel each (fp8/triton_quant.py):
-    the amax, the cast and the transposed store in one pass over the group's columns, instead of
-    Inductor's scatter-reduce and a separate transposing copy. CUDA only."""
+    """TorchColumnQuantizer's operands, bit for bit, from Triton kernels (fp8/triton_quant.py): the
+    amax, the cast and the transposed store in one pass over a group's columns, instead of
+    Inductor's scatter-reduce and a separate transposing copy; a weight in its own layout in two
+    kernels that each read it once. CUDA only."""
 
     def weight(self, w_EKN, op: Operand):
-        wT_ENK, scale_EN = triton_quant.quantize_batch_columns_t(w_EKN, op.fmt)
+        if w_EKN.stride(-1) == 1:  # the forward's weight, in its own layout
+            wT_ENK, scale_EN = triton_quant.quantize_expert_weight(w_EKN, op.fmt)
+        else:  # grad_input's: w^T, read along its contiguous rows
+            wT_ENK, scale_EN = triton_quant.quantize_batch_columns_t(w_EKN, op.fmt)
         return wT_ENK.transpose(-2, -1), scale_EN
 
     def group_columns_t(self, x_RK, offsets_E, op: Operand):

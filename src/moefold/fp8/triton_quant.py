@@ -20,8 +20,9 @@ An expert weight in its own layout has too many rows for that: a program's colum
 rows (256 KB at Qwen3's shape) falls out of L2 before the second read. It takes two kernels, each
 reading the weight once: the column scales (program: expert, column block), then the cast and
 transposed store (program: expert, tile). On the H200 at Qwen3's and DeepSeek-V2-Lite's expert
-weights (docs/benchmarks.md, 2026-12-01): 0.30-0.33 ms where the column kernel took 0.37-0.42, as
-fast as Inductor's fusion of the plain-PyTorch path, and also eagerly (the weight cache's refresh).
+weights: 0.30-0.33 ms where the column kernel took 0.37-0.42 (docs/benchmarks.md, 2026-11-30,
+"one read"), as fast as Inductor's fusion of the plain-PyTorch path, and also eagerly (the weight
+cache's refresh).
 
 Rows past the last group are neither read nor written (the GEMMs never read them). The scale is
 `amax * (1 / fp8_max)` and the division by it IEEE-rounded (`div_rn`: Triton's `/` is not), as

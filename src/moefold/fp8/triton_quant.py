@@ -65,6 +65,16 @@ def _format_constants(fmt: str) -> dict:
 if HAS_TRITON:
 
     @triton.jit
+    def _scale_of(amax, INV_FP8_MAX: tl.constexpr):
+        """recipes.quantize_tiles' scale: amax · (1/fp8_max), 1 where the amax is 0."""
+        return tl.where(amax > 0, amax * INV_FP8_MAX, 1.0)
+
+    @triton.jit
+    def _to_fp8(x, scale, FP8_MAX: tl.constexpr, dtype: tl.constexpr):
+        """recipes.quantize_tiles' cast: x / scale IEEE-rounded, saturated to ±fp8_max."""
+        return tl.minimum(tl.maximum(tl.div_rn(x.to(tl.float32), scale), -FP8_MAX), FP8_MAX).to(dtype)
+
+    @triton.jit
     def _fp8_quantize_columns_t(x_ptr, out_ptr, scale_ptr, offsets_ptr, C, rows_per_group,
                                 stride_xg, stride_xr, stride_xc, stride_og, stride_or, stride_oc,
                                 FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr, GROUPED_ROWS: tl.constexpr,
@@ -89,7 +99,7 @@ if HAS_TRITON:
             x_RC = tl.load(x_g + rows_R[:, None].to(tl.int64) * stride_xr + cols_C[None, :] * stride_xc,
                            mask=mask, other=0.0)
             amax_C = tl.maximum(amax_C, tl.max(tl.abs(x_RC.to(tl.float32)), axis=0))
-        scale_C = tl.where(amax_C > 0, amax_C * INV_FP8_MAX, 1.0)  # as recipes.quantize_tiles
+        scale_C = _scale_of(amax_C, INV_FP8_MAX)
         tl.store(scale_ptr + g * C + cols_C, scale_C, mask=in_cols_C)
         out_g = out_ptr + g.to(tl.int64) * stride_og
         for r in range(row_start, row_end, BR):
@@ -97,8 +107,7 @@ if HAS_TRITON:
             mask = (rows_R < row_end)[:, None] & in_cols_C[None, :]
             x_RC = tl.load(x_g + rows_R[:, None].to(tl.int64) * stride_xr + cols_C[None, :] * stride_xc,
                            mask=mask, other=0.0)
-            q_RC = tl.div_rn(x_RC.to(tl.float32), scale_C[None, :])
-            q_RC = tl.minimum(tl.maximum(q_RC, -FP8_MAX), FP8_MAX).to(out_ptr.dtype.element_ty)
+            q_RC = _to_fp8(x_RC, scale_C[None, :], FP8_MAX, out_ptr.dtype.element_ty)
             tl.store(out_g + rows_R[:, None].to(tl.int64) * stride_or + cols_C[None, :].to(tl.int64) * stride_oc,
                      q_RC, mask=mask)
 
@@ -116,7 +125,7 @@ if HAS_TRITON:
             mask = (rows_K < K)[:, None] & in_cols_N[None, :]
             w_KN = tl.load(w_e + rows_K[:, None].to(tl.int64) * stride_wk + cols_N[None, :], mask=mask, other=0.0)
             amax_N = tl.maximum(amax_N, tl.max(tl.abs(w_KN.to(tl.float32)), axis=0))
-        tl.store(scale_ptr + e * N + cols_N, tl.where(amax_N > 0, amax_N * INV_FP8_MAX, 1.0), mask=in_cols_N)
+        tl.store(scale_ptr + e * N + cols_N, _scale_of(amax_N, INV_FP8_MAX), mask=in_cols_N)
 
     @triton.jit
     def _fp8_weight_cast_t(w_ptr, scale_ptr, out_ptr, K, N, stride_we, stride_wk, FP8_MAX: tl.constexpr,
@@ -132,9 +141,8 @@ if HAS_TRITON:
         w_KN = tl.load(w_ptr + e64 * stride_we + rows_K[:, None].to(tl.int64) * stride_wk + cols_N[None, :],
                        mask=mask, other=0.0)
         scale_N = tl.load(scale_ptr + e * N + cols_N, mask=in_cols_N, other=1.0)
-        q_KN = tl.minimum(tl.maximum(tl.div_rn(w_KN.to(tl.float32), scale_N[None, :]), -FP8_MAX), FP8_MAX)
-        tl.store(out_ptr + e64 * N * K + cols_N[None, :].to(tl.int64) * K + rows_K[:, None],
-                 q_KN.to(out_ptr.dtype.element_ty), mask=mask)
+        q_KN = _to_fp8(w_KN, scale_N[None, :], FP8_MAX, out_ptr.dtype.element_ty)
+        tl.store(out_ptr + e64 * N * K + cols_N[None, :].to(tl.int64) * K + rows_K[:, None], q_KN, mask=mask)
 
     @triton_op("moefold::fp8_quantize_expert_weight", mutates_args=())
     def fp8_quantize_expert_weight(w_EKN: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:

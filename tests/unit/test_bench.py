@@ -235,6 +235,39 @@ def test_peers_row_past_its_timeout_is_a_skipped_row(tmp_path):
     assert "timeout" in row["skipped"]
 
 
+def test_fp8_step_rows_are_the_asked_configs_against_bf16(tmp_path, capsys):
+    """benchmarks/fp8_step.py: each row is bench of the shape with its precision options, and × is
+    its tokens/s over the bf16 row's."""
+    path = tmp_path / "fp8.json"
+    script = benchmark_script("fp8_step")
+    assert script.main(["--shapes", "tiny-qwen3", "--rows", "bf16,rowwise:bf16wg", "--steps", "2", "--warmup", "1",
+                        "--set", "train.compile=false", "--set", "train.device=cpu", "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())["shapes"]["tiny-qwen3"]
+    bf16, fp8 = rows["bf16"], rows["rowwise:bf16wg"]
+    assert "precision.fp8" not in bf16["overrides"] and bf16["overrides"]["optim.master_dtype"] == "bf16+remainder"
+    assert fp8["overrides"]["precision.fp8"] == "rowwise" and fp8["overrides"]["precision.fp8_weight_grad"] == "bf16"
+    assert fp8["loss"] != bf16["loss"]  # FP8 (emulated on the CPU) changed the numerics: the option reached bench
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("rowwise:bf16wg "))
+    assert float(line.split()[3]) == pytest.approx(fp8["tokens_per_s"] / bf16["tokens_per_s"], abs=1e-3)
+
+
+def test_fp8_step_counts_quantizers_and_inductor_kernels(tmp_path):
+    tsv = tmp_path / "by-name.tsv"
+    tsv.write_text("ms_per_step\tcalls_per_step\tclass\tname\n"
+                   "3.0\t21\tother\t_fp8_quantize_columns_t\n"
+                   "22.1\t42\tgemm\t_fp8_grouped_gemm_rows\n"
+                   "1.5\t7\tother\ttriton_red_fused_abs_amax_0\n"
+                   "0.5\t7\tother\ttriton_poi_fused_add_1\n"
+                   "9.0\t1\tother\t_adamw_kernel\n")
+    assert benchmark_script("fp8_step").kernel_sums(tsv) == {"quantizers_ms": 3.0, "inductor_ms": 2.0}
+
+
+def test_fp8_step_refuses_unknown_rows_and_shapes_in_one_line(capsys):
+    assert benchmark_script("fp8_step").main(["--shapes", "nope", "--rows", "bf16,rowwise:fast"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'nope'" in err and "bf16wg, cache" in err
+
+
 def test_device_idle_is_the_wall_time_no_kernel_covers():
     kernels = [("gemm", "gemm", 0.0, 100.0), ("add", "other", 50.0, 150.0),  # busy 0..150
                ("flash", "attention", 300.0, 350.0)]  # busy 300..350; 2 steps over 500 µs of wall

@@ -95,19 +95,20 @@ def run_row(shape: str, row: str, args: argparse.Namespace, out: Path) -> dict:
     """One row in a fresh process: bench's JSON record with the kernel sums, or why there is none."""
     out.mkdir(parents=True, exist_ok=True)
     log = out / "bench.log"
+    where = f" (log: {log})" if args.keep else " (--keep DIR keeps the log)"  # else a deleted temp dir
     start = time.monotonic()
     with open(log, "w") as f:
         try:
             rc = subprocess.run(bench_command(shape, row, args, out), stdout=f, stderr=subprocess.STDOUT,
                                 timeout=args.timeout).returncode
         except subprocess.TimeoutExpired:
-            return {"failed": f"past --timeout {args.timeout:.0f} s (log: {log})"}
+            return {"failed": f"past --timeout {args.timeout:.0f} s{where}"}
     record_path = out / "bench.json"
     if rc != 0 or not record_path.exists():
         tail = log.read_text().strip().splitlines()[-1:] or [""]
-        return {"failed": f"moefold bench exited {rc}: {tail[0][:200]} (log: {log})"}
+        return {"failed": f"moefold bench exited {rc}: {tail[0][:200]}{where}"}
     record = json.loads(record_path.read_text())
-    profile = record.get("profile") or {}
+    profile = record["profile"]  # bench ran with --profile
     return {**record, **kernel_sums(Path(profile["by_name"])), "gemm_ms": profile["gemm_ms"],
             "gemm_share": profile["gemm_share"], "wall_s": time.monotonic() - start}
 

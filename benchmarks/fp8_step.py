@@ -18,6 +18,9 @@ after the timed steps. Each row trains compiled with the lean optimizer (peers.p
 A row is `bf16` or an FP8 recipe (`tensorwise`, `rowwise`, `blockwise`), followed by options after
 colons: `bf16wg` (precision.fp8_weight_grad=bf16), `cache` (precision.fp8_weight_cache=true), e.g.
 `rowwise:bf16wg:cache`. `--set` adds a config override to every row (`--set moe.pad_multiple=128`).
+
+Each row's step time is also printed to stderr as soon as the row ends, and `--json` is rewritten
+after every row, so a run stopped early (a machine's time limit) keeps the rows it finished.
 """
 
 from __future__ import annotations
@@ -134,6 +137,22 @@ def shape_table(shape: str, rows: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def progress_line(shape: str, row: str, rows: dict[str, dict]) -> str:
+    """The row just finished, as soon as it is: its step time and × the shape's bf16 row so far."""
+    r, ref = rows[row], rows.get("bf16", {})
+    if "failed" in r:
+        return f"{shape} {row}: failed: {r['failed']}"
+    ratio = f", × bf16 {r['tokens_per_s'] / ref['tokens_per_s']:.3f}" if "tokens_per_s" in ref else ""
+    return f"{shape} {row}: {r['step_ms_mean']:.2f} ms (min {r['step_ms_min']:.2f}){ratio}"
+
+
+def write_json(path: Path, results: dict) -> None:
+    """The records so far, replacing the file whole (a reader never sees half of it)."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps({"shapes": results}, indent=1))
+    partial.replace(path)
+
+
 def parse_set(text: str) -> tuple[str, str]:
     key, sep, value = text.partition("=")
     if not sep or not key:
@@ -151,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grad-accum", type=int, default=0, help="micro-batches a step (default: 1)")
     p.add_argument("--set", type=parse_set, action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one row may take")
-    p.add_argument("--json", type=Path)
+    p.add_argument("--json", type=Path, help="the records, rewritten after every row")
     p.add_argument("--keep", type=Path, help="keep every row's log, profile and JSON under this folder")
     args = p.parse_args(argv)
     shapes, row_names = args.shapes.split(","), args.rows.split(",")
@@ -173,15 +192,15 @@ def main(argv: list[str] | None = None) -> int:
             results[shape] = {}
             for row in row_names:
                 results[shape][row] = run_row(shape, row, args, root / shape / row.replace(":", "+"))
-                print(f"{shape} {row}: done", file=sys.stderr, flush=True)
+                print(progress_line(shape, row, results[shape]), file=sys.stderr, flush=True)
+                if args.json:  # after every row: a run stopped early keeps the rows it finished
+                    write_json(args.json, results)
     timed = [r for rows in results.values() for r in rows.values() if "failed" not in r]
     first = timed[0] if timed else {}
     print(f"{first.get('device', '-')}, torch {first.get('torch', '-')}, commit {first.get('commit', '-')}; "
           f"{args.steps} steps after {args.warmup}, rows one after another, each in its own process")
     for shape, rows in results.items():
         print(shape_table(shape, rows))
-    if args.json:
-        args.json.write_text(json.dumps({"shapes": results}, indent=1))
     return 0 if timed else 1
 
 

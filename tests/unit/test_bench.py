@@ -251,6 +251,25 @@ def test_fp8_step_rows_are_the_asked_configs_against_bf16(tmp_path, capsys):
     assert float(line.split()[3]) == pytest.approx(fp8["tokens_per_s"] / bf16["tokens_per_s"], abs=1e-3)
 
 
+def test_fp8_step_keeps_the_finished_rows_of_a_run_stopped_early(tmp_path, monkeypatch, capsys):
+    """A run killed in its second row (a machine's time limit) has written the first row's record
+    to --json and printed its step time."""
+    script = benchmark_script("fp8_step")
+    done = {"tokens_per_s": 100.0, "step_ms_mean": 20.0, "step_ms_min": 19.0}
+
+    def run_row(shape, row, args, out):
+        if row != "bf16":
+            raise KeyboardInterrupt  # what a kill leaves of the loop
+        return done
+
+    monkeypatch.setattr(script, "run_row", run_row)
+    path = tmp_path / "fp8.json"
+    with pytest.raises(KeyboardInterrupt):
+        script.main(["--shapes", "tiny-qwen3", "--rows", "bf16,rowwise", "--json", str(path)])
+    assert json.loads(path.read_text()) == {"shapes": {"tiny-qwen3": {"bf16": done}}}
+    assert "tiny-qwen3 bf16: 20.00 ms (min 19.00)" in capsys.readouterr().err
+
+
 def test_fp8_step_counts_quantizers_and_inductor_kernels(tmp_path):
     tsv = tmp_path / "by-name.tsv"
     tsv.write_text("ms_per_step\tcalls_per_step\tclass\tname\n"

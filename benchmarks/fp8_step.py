@@ -182,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
             problems.append(str(e))
     if args.steps < 1 or args.warmup < 0 or args.micro_batch < 0 or args.grad_accum < 0:
         problems.append("--steps must be >= 1 and --warmup, --micro-batch, --grad-accum >= 0")
+    if args.json and not args.json.resolve().parent.is_dir():
+        problems.append(f"--json {args.json}: its folder does not exist")
     if problems:
         print(f"fp8_step.py: {'; '.join(problems)}", file=sys.stderr)
         return 2

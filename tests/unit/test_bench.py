@@ -285,6 +285,8 @@ def test_fp8_step_refuses_unknown_rows_and_shapes_in_one_line(capsys):
     assert benchmark_script("fp8_step").main(["--shapes", "nope", "--rows", "bf16,rowwise:fast"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "'nope'" in err and "bf16wg, cache" in err
+    assert benchmark_script("fp8_step").main(["--json", "/no/such/folder/r.json"]) == 2  # before any row runs
+    assert "--json /no/such/folder/r.json: its folder does not exist" in capsys.readouterr().err
 
 
 def test_device_idle_is_the_wall_time_no_kernel_covers():

@@ -469,11 +469,12 @@ def _coerce(key: str, value: Any) -> Any:
 
 
 def _coerce_list(key: str, value: Any, item_type: type) -> list:
-    if isinstance(value, str):  # from the CLI: a TOML array, e.g. "[0, 3]"
+    if isinstance(value, str):  # from the CLI: a TOML array, e.g. "[0, 3]" or '["moe", "attn"]'
         try:
             value = tomllib.loads(f"v = {value}")["v"]
         except tomllib.TOMLDecodeError:
-            raise ConfigError(f"{key}={value!r} is not a list (write it as [1, 2])") from None
+            example = '\'["a", "b"]\', strings in double quotes' if item_type is str else "[1, 2]"
+            raise ConfigError(f"{key}={value!r} is not a list (write it as {example})") from None
     if not isinstance(value, list) or not all(isinstance(v, item_type) and not isinstance(v, bool)
                                               for v in value):
         raise ConfigError(f"{key}={value!r} is not a list of {item_type.__name__}")

@@ -40,6 +40,8 @@ def test_toml_round_trip(tmp_path):
     ({"train.schedule": "linear"}, "train.schedule='linear' is not one of cosine, wsd, constant"),
     ({"parallel.ep": "3"}, "parallel.ep=3 does not divide moe.num_experts=8"),
     ({"parallel.vpp": "0"}, "parallel.vpp=0 must be >= 1"),
+    ({"moe.dense_layers": "0, 1"}, "moe.dense_layers='0, 1' is not a list (write it as [1, 2])"),
+    ({"memory.recompute": "[attn]"}, """memory.recompute='[attn]' is not a list (write it as '["a", "b"]', strings in double quotes)"""),
 ])
 def test_invalid_values_name_field_value_and_rule(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):

@@ -261,14 +261,27 @@ def _run_dir_of(resume: Path) -> Path:
     return resume
 
 
+def _check_generate_args(args: argparse.Namespace) -> None:
+    if args.max_new_tokens < 0:
+        raise UserError(f"--max-new-tokens {args.max_new_tokens} must be >= 0")
+    if not args.temperature >= 0:  # NaN too
+        raise UserError(f"--temperature {args.temperature} must be >= 0 (0 is greedy)")
+    if args.top_k < 0:
+        raise UserError(f"--top-k {args.top_k} must be >= 0 (0 samples among all tokens)")
+
+
 def _generate(args: argparse.Namespace) -> int:
     import torch
 
     from moefold.generate import load_model_from_run, sample
 
+    _check_generate_args(args)  # before loading the model
     model, tokenizer, cfg = load_model_from_run(args.run_dir, args.device)
+    prompt_ids = tokenizer.encode(args.prompt)
+    if not prompt_ids:
+        raise UserError(f"--prompt {args.prompt!r} encodes to no tokens; give text to continue")
     generator = torch.Generator().manual_seed(args.seed)
-    new_ids = sample(model, tokenizer.encode(args.prompt), args.max_new_tokens, args.temperature,
+    new_ids = sample(model, prompt_ids, args.max_new_tokens, args.temperature,
                      args.top_k, cfg.train.seq_len, tokenizer.eos_id, generator)
     print(args.prompt + tokenizer.decode(new_ids))
     return 0

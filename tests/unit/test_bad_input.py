@@ -87,3 +87,19 @@ def test_bad_tokenizer_file(tmp_path, tiny_args, capsys):
 def test_generate_on_a_non_run(tmp_path, capsys):
     assert "not a moefold run directory" in error_line(
         capsys, ["generate", "--run-dir", str(tmp_path), "--prompt", "x"])
+
+
+@pytest.mark.parametrize("option, value, expected", [
+    ("--max-new-tokens", "-5", "--max-new-tokens -5 must be >= 0"),
+    ("--temperature", "-1", "--temperature -1.0 must be >= 0 (0 is greedy)"),
+    ("--temperature", "nan", "--temperature nan must be >= 0"),
+    ("--top-k", "-1", "--top-k -1 must be >= 0"),
+])
+def test_generate_refuses_bad_sampling_options_before_loading(tmp_path, capsys, option, value, expected):
+    # tmp_path is no run: the options are checked first
+    assert expected in error_line(capsys, ["generate", "--run-dir", str(tmp_path), "--prompt", "x", option, value])
+
+
+def test_generate_refuses_an_empty_prompt(finished_run, capsys):
+    assert "--prompt '' encodes to no tokens" in error_line(
+        capsys, ["generate", "--run-dir", str(finished_run), "--prompt", ""])

@@ -175,7 +175,7 @@ def _spawn_ranks(args: argparse.Namespace, cfg: Config, run_dir: Path) -> int:
     """`--nproc N`: check what can be checked once, then run the same command as N ranks."""
     from moefold.parallel.dims import ParallelDims
     from moefold.parallel.launch import spawn_local
-    from moefold.train.trainer import run_dir_holds_run
+    from moefold.train.trainer import refuse_unusable_run_dir, run_dir_holds_run
 
     if args.nproc < 1:
         raise ConfigError(f"--nproc {args.nproc} must be >= 1")
@@ -183,6 +183,7 @@ def _spawn_ranks(args: argparse.Namespace, cfg: Config, run_dir: Path) -> int:
         raise ConfigError("--nproc cannot be used under torchrun (it already started the ranks)")
     p = cfg.parallel
     ParallelDims(args.nproc, p.tp, p.cp, p.pp, p.ep, p.etp, p.order)  # the layout fits N ranks
+    refuse_unusable_run_dir(run_dir)
     if args.resume is None and run_dir_holds_run(run_dir):
         raise ConfigError(f"--run-dir {run_dir} already holds a run; continue it with "
                           f"--resume {run_dir} or choose another --run-dir")
@@ -228,7 +229,7 @@ def _hf_config(hf_dir: Path) -> Config:
 def _convert(args: argparse.Namespace) -> int:
     from moefold.checkpoint.hf import convert_to_run_checkpoint, save_pretrained
     from moefold.generate import load_model_from_run
-    from moefold.train.trainer import run_dir_holds_run
+    from moefold.train.trainer import refuse_unusable_run_dir, run_dir_holds_run
 
     if args.from_hf is not None:
         if args.out is None or args.to_hf is not None:

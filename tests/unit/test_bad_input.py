@@ -103,3 +103,13 @@ def test_generate_refuses_bad_sampling_options_before_loading(tmp_path, capsys, 
 def test_generate_refuses_an_empty_prompt(finished_run, capsys):
     assert "--prompt '' encodes to no tokens" in error_line(
         capsys, ["generate", "--run-dir", str(finished_run), "--prompt", ""])
+
+
+@pytest.mark.parametrize("nproc", [[], ["--nproc", "2"]])
+def test_run_dir_that_is_a_file_is_refused_before_training(tmp_path, tiny_args, capsys, nproc):
+    taken = tmp_path / "notes.txt"
+    taken.write_text("mine")
+    for run_dir in (taken, taken / "run"):
+        line = error_line(capsys, ["train", "--run-dir", str(run_dir), *tiny_args, *nproc])
+        assert line.endswith(f"--run-dir {run_dir}: {taken} is a file, not a directory")
+    assert taken.read_text() == "mine"

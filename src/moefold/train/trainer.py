@@ -83,6 +83,16 @@ def run_dir_holds_run(run_dir: Path) -> bool:
     return (run_dir / "config.toml").exists() or (run_dir / "checkpoints").exists()
 
 
+def refuse_unusable_run_dir(run_dir: Path) -> None:
+    """A --run-dir that cannot become a directory this process writes into, refused before any
+    work (the run dir is created only once the model is built)."""
+    existing = next(p for p in (run_dir, *run_dir.parents) if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"--run-dir {run_dir}: {existing} is a file, not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"--run-dir {run_dir}: {existing} is not writable")
+
+
 @dataclasses.dataclass
 class _Window:
     """What accumulates between two log steps; losses stay on the device until logged."""
@@ -102,6 +112,7 @@ class Trainer:
         self.init_from_hf = init_from_hf
         refuse_unsupported_parallel(cfg)
         checkpoint = resolve_checkpoint(resume) if resume is not None else None
+        refuse_unusable_run_dir(self.run_dir)
         if checkpoint is None and run_dir_holds_run(self.run_dir):
             raise ConfigError(f"--run-dir {self.run_dir} already holds a run; continue it with "
                               f"--resume {self.run_dir} or choose another --run-dir")

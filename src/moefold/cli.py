@@ -175,7 +175,7 @@ def _spawn_ranks(args: argparse.Namespace, cfg: Config, run_dir: Path) -> int:
     """`--nproc N`: check what can be checked once, then run the same command as N ranks."""
     from moefold.parallel.dims import ParallelDims
     from moefold.parallel.launch import spawn_local
-    from moefold.train.trainer import refuse_unusable_run_dir, run_dir_holds_run
+    from moefold.train.trainer import refuse_unwritable_dir, run_dir_holds_run
 
     if args.nproc < 1:
         raise ConfigError(f"--nproc {args.nproc} must be >= 1")
@@ -183,7 +183,7 @@ def _spawn_ranks(args: argparse.Namespace, cfg: Config, run_dir: Path) -> int:
         raise ConfigError("--nproc cannot be used under torchrun (it already started the ranks)")
     p = cfg.parallel
     ParallelDims(args.nproc, p.tp, p.cp, p.pp, p.ep, p.etp, p.order)  # the layout fits N ranks
-    refuse_unusable_run_dir(run_dir)
+    refuse_unwritable_dir(run_dir)
     if args.resume is None and run_dir_holds_run(run_dir):
         raise ConfigError(f"--run-dir {run_dir} already holds a run; continue it with "
                           f"--resume {run_dir} or choose another --run-dir")
@@ -229,11 +229,12 @@ def _hf_config(hf_dir: Path) -> Config:
 def _convert(args: argparse.Namespace) -> int:
     from moefold.checkpoint.hf import convert_to_run_checkpoint, save_pretrained
     from moefold.generate import load_model_from_run
-    from moefold.train.trainer import refuse_unusable_run_dir, run_dir_holds_run
+    from moefold.train.trainer import refuse_unwritable_dir, run_dir_holds_run
 
     if args.from_hf is not None:
         if args.out is None or args.to_hf is not None:
             raise UserError("convert --from-hf DIR needs --out RUN_DIR (and no --to-hf)")
+        refuse_unwritable_dir(args.out, "--out")
         if run_dir_holds_run(args.out):
             raise UserError(f"--out {args.out} already holds a run; choose another directory")
         # Tensor by tensor through file-backed storage: the model is never in memory as a whole.
@@ -246,6 +247,9 @@ def _convert(args: argparse.Namespace) -> int:
         return 0
     if args.to_hf is None or args.out is not None:
         raise UserError("convert --run-dir RUN_DIR needs --to-hf DIR (and no --out)")
+    refuse_unwritable_dir(args.to_hf, "--to-hf")
+    if (args.to_hf / "config.json").exists():
+        raise UserError(f"--to-hf {args.to_hf} already holds a checkpoint (config.json); choose another directory")
     model, _, _ = load_model_from_run(args.run_dir, "cpu")
     save_pretrained(model, args.to_hf)
     print(f"converted {args.run_dir} -> {args.to_hf}")

@@ -113,3 +113,18 @@ def test_run_dir_that_is_a_file_is_refused_before_training(tmp_path, tiny_args, 
         line = error_line(capsys, ["train", "--run-dir", str(run_dir), *tiny_args, *nproc])
         assert line.endswith(f"--run-dir {run_dir}: {taken} is a file, not a directory")
     assert taken.read_text() == "mine"
+
+
+def test_convert_refuses_a_file_or_an_existing_checkpoint_as_its_output(finished_run, tmp_path, capsys):
+    taken = tmp_path / "notes.txt"
+    taken.write_text("mine")
+    line = error_line(capsys, ["convert", "--run-dir", str(finished_run), "--to-hf", str(taken)])
+    assert line.endswith(f"--to-hf {taken}: {taken} is a file, not a directory")
+    line = error_line(capsys, ["convert", "--from-hf", str(tmp_path), "--out", str(taken / "run")])
+    assert line.endswith(f"--out {taken / 'run'}: {taken} is a file, not a directory")
+    hf = tmp_path / "hf"
+    assert main(["convert", "--run-dir", str(finished_run), "--to-hf", str(hf)]) == 0
+    written = snapshot(hf)
+    line = error_line(capsys, ["convert", "--run-dir", str(finished_run), "--to-hf", str(hf)])
+    assert "already holds a checkpoint (config.json)" in line
+    assert snapshot(hf) == written and taken.read_text() == "mine"

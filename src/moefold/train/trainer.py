@@ -83,14 +83,14 @@ def run_dir_holds_run(run_dir: Path) -> bool:
     return (run_dir / "config.toml").exists() or (run_dir / "checkpoints").exists()
 
 
-def refuse_unusable_run_dir(run_dir: Path) -> None:
-    """A --run-dir that cannot become a directory this process writes into, refused before any
-    work (the run dir is created only once the model is built)."""
-    existing = next(p for p in (run_dir, *run_dir.parents) if p.exists())
+def refuse_unwritable_dir(path: Path, option: str = "--run-dir") -> None:
+    """A directory `option` names that cannot become one this process writes into, refused before
+    any work (a run dir is created only once the model is built)."""
+    existing = next(p for p in (path, *path.parents) if p.exists())
     if not existing.is_dir():
-        raise ConfigError(f"--run-dir {run_dir}: {existing} is a file, not a directory")
+        raise ConfigError(f"{option} {path}: {existing} is a file, not a directory")
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"--run-dir {run_dir}: {existing} is not writable")
+        raise ConfigError(f"{option} {path}: {existing} is not writable")
 
 
 @dataclasses.dataclass
@@ -112,7 +112,7 @@ class Trainer:
         self.init_from_hf = init_from_hf
         refuse_unsupported_parallel(cfg)
         checkpoint = resolve_checkpoint(resume) if resume is not None else None
-        refuse_unusable_run_dir(self.run_dir)
+        refuse_unwritable_dir(self.run_dir)
         if checkpoint is None and run_dir_holds_run(self.run_dir):
             raise ConfigError(f"--run-dir {self.run_dir} already holds a run; continue it with "
                               f"--resume {self.run_dir} or choose another --run-dir")

@@ -128,3 +128,11 @@ def test_convert_refuses_a_file_or_an_existing_checkpoint_as_its_output(finished
     line = error_line(capsys, ["convert", "--run-dir", str(finished_run), "--to-hf", str(hf)])
     assert "already holds a checkpoint (config.json)" in line
     assert snapshot(hf) == written and taken.read_text() == "mine"
+
+
+def test_resume_with_other_model_shapes_names_them(finished_run, capsys):
+    before = snapshot(finished_run)
+    line = error_line(capsys, ["train", "--resume", str(finished_run), "--moe.num_experts", "2", "--train.steps", "6"])
+    assert "holds layers.1.ffn.router.weight as [4, 32] but this model's is [2, 32]" in line
+    assert "unreadable or corrupt" not in line and "model.* and moe.*" in line
+    assert snapshot(finished_run) == before

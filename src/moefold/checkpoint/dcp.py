@@ -122,6 +122,7 @@ def _fsync_dir(path: Path) -> None:
 def load_checkpoint(state: dict[str, Any], path: Path) -> None:
     """Load checkpoint `path` into `state` in place (tensors are copied into the given ones; other
     values are replaced). Only the keys present in `state` are read."""
+    _refuse_other_model_shapes(state.get("model", {}), _read_metadata(path), path)
     try:
         with _single_process_ok():
             dcp.load(state, checkpoint_id=path)
@@ -129,21 +130,40 @@ def load_checkpoint(state: dict[str, Any], path: Path) -> None:
         raise CheckpointError(f"checkpoint {path} is unreadable or corrupt: {_reason(e)}") from None
 
 
+def _refuse_other_model_shapes(model_state: dict[str, Any], metadata, path: Path) -> None:
+    """A model built with other shapes than the checkpoint's (a resume that changed model.* or
+    moe.*) is named for what it is, not reported as a corrupt checkpoint."""
+    for name, tensor in model_state.items():
+        saved = metadata.state_dict_metadata.get(f"model.{name}")
+        saved_size = getattr(saved, "size", None)  # tensors only
+        if isinstance(tensor, torch.Tensor) and saved_size is not None and tuple(saved_size) != tuple(tensor.shape):
+            raise CheckpointError(
+                f"checkpoint {path} holds {name} as {list(saved_size)} but this model's is {list(tensor.shape)}: "
+                "a run continues with the model.* and moe.* it was trained with")
+
+
 def _reason(error: BaseException) -> str:
-    """One line on why a load failed; DCP wraps each rank's exception in a CheckpointException."""
+    """One line on why a load failed; DCP wraps each rank's exception in a CheckpointException
+    (newer torch: as an (exception, traceback) pair)."""
     if isinstance(error, CheckpointException) and error.failures:
         inner = next(iter(error.failures.values()))
+        if isinstance(inner, tuple):
+            inner = next((x for x in inner if isinstance(x, BaseException)), inner)
         error = getattr(inner, "exception", inner)
     text = " ".join(str(error).split()) or type(error).__name__
     return f"{type(error).__name__}: {text}"[:300]
 
 
-def checkpoint_keys(path: Path) -> set[str]:
-    """The top-level keys a checkpoint holds ("model", "optim", ...), from its metadata alone."""
+def _read_metadata(path: Path):
     try:
-        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+        return dcp.FileSystemReader(str(path)).read_metadata()
     except Exception as e:
         raise CheckpointError(f"checkpoint {path} is unreadable or corrupt: {_reason(e)}") from None
+
+
+def checkpoint_keys(path: Path) -> set[str]:
+    """The top-level keys a checkpoint holds ("model", "optim", ...), from its metadata alone."""
+    metadata = _read_metadata(path)
     return {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
 
 

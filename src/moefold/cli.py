@@ -52,7 +52,8 @@ def _build_parser() -> argparse.ArgumentParser:
                        help="continue the run in DIR (a run directory or one of its checkpoints)")
     train.add_argument("--init-from-hf", type=Path, metavar="DIR",
                        help="start from a Hugging Face checkpoint directory (its config.json sets "
-                            "[model] and [moe]; its tokenizer.json is used when data.tokenizer is unset)")
+                            "[model] and [moe], which options may change where no weight's shape "
+                            "changes; its tokenizer.json is used when data.tokenizer is unset)")
     train.add_argument("--nproc", type=int, default=1, metavar="N",
                        help="start N ranks on this machine (like torchrun --standalone "
                             "--nproc-per-node N): one per GPU, or N CPU processes with gloo")

@@ -1,6 +1,7 @@
 """`moefold convert` both ways and `moefold train --init-from-hf`, against transformers."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -68,3 +69,23 @@ def test_init_from_hf_starts_at_the_transformers_loss(tmp_path, hf_dir, text_cor
     logits = model(batch.input_ids_BS).logits
     expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch.labels_BS.flatten())
     assert first["loss"] == pytest.approx(expected.item(), rel=1e-5)
+
+
+def test_init_from_hf_builds_the_overridden_model_and_refuses_other_shapes(tmp_path, hf_dir, text_corpus, capsys):
+    """A model.*/moe.* override reaches the model built from the checkpoint (and the run's
+    config.toml describes that model); one that changes a tensor's shape is refused in one line."""
+    overrides = {k: v for k, v in TINY_OVERRIDES.items() if not k.startswith(("model.", "moe."))}
+    overrides.update({"data.path": str(text_corpus), "train.steps": "1", "train.warmup_steps": "0"})
+    first_loss = {}
+    for name, extra in (("plain", []), ("scaled", ["--moe.routed_scaling_factor", "2.5"])):
+        run = tmp_path / name
+        assert main(["train", "--init-from-hf", str(hf_dir), "--run-dir", str(run), *cli_args(overrides), *extra]) == 0
+        first_loss[name] = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])["loss"]
+    assert first_loss["scaled"] != first_loss["plain"]  # before: config.json's model, the override ignored
+    assert "routed_scaling_factor = 2.5" in (tmp_path / "scaled" / "config.toml").read_text()
+    capsys.readouterr()
+    wider = ["--run-dir", str(tmp_path / "wider"), *cli_args(overrides), "--model.dim", "64"]
+    assert main(["train", "--init-from-hf", str(hf_dir), *wider]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and re.search(r"give \S+ \[\d+, 64\], its config.json \[\d+, 32\]", err), err
+    assert not (tmp_path / "wider").exists()

@@ -179,20 +179,29 @@ def _to_hf_layout(t: torch.Tensor, expert: int | None) -> torch.Tensor:
 
 
 def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32,
-                    device: str | torch.device = "cpu") -> Transformer:
+                    device: str | torch.device = "cpu", cfg: Config | None = None) -> Transformer:
     """The moefold model of a Hugging Face checkpoint directory, in eval mode.
 
     Parameters are `dtype` (buffers such as the expert bias keep fp32); the model is built on the
     meta device and materialised once on `device`, then filled one tensor at a time. Every
     checkpoint tensor must map to the model and every model tensor must be filled, else
-    CheckpointError names them."""
+    CheckpointError names them.
+
+    `cfg`: build the model from this config (config.json's [model] and [moe] with a run's
+    overrides, `train --init-from-hf`) instead of config.json's own; an override that changes a
+    tensor's shape is a ConfigError naming it. Where the checkpoint has no MTP tensors, its
+    model.mtp_layers is set to 0, as the model is built."""
     path = Path(path)
-    hf_config = _read_json(path / CONFIG)
-    cfg = config_from_hf(hf_config)
+    own_cfg = config_from_hf(_read_json(path / CONFIG))
     file_of = _tensor_files(path)
-    _drop_absent_mtp(cfg, file_of)
+    _drop_absent_mtp(own_cfg, file_of)
+    if cfg is not None:
+        _drop_absent_mtp(cfg, file_of, warn=False)  # warned once above
+    device_type = torch.device(device).type
     with torch.device("meta"):
-        model = build_model(cfg, cfg.model.vocab_size, torch.device(device).type, dtype)
+        model = build_model(cfg or own_cfg, (cfg or own_cfg).model.vocab_size, device_type, dtype)
+        if cfg is not None:
+            _refuse_other_shapes(model, build_model(own_cfg, own_cfg.model.vocab_size, device_type, dtype), path)
     _check_names(build_plan(model), file_of, path)  # before any memory is allocated
     _materialise(model, dtype, torch.device(device))
     _fill(build_plan(model), file_of, path)
@@ -298,14 +307,27 @@ def _tensor_files(path: Path) -> dict[str, Path]:
     raise CheckpointError(f"{path}: neither {SINGLE} nor {INDEX} (only safetensors checkpoints load)")
 
 
-def _drop_absent_mtp(cfg: Config, file_of: dict[str, Path]) -> None:
+def _refuse_other_shapes(model: nn.Module, own: nn.Module, path: Path) -> None:
+    """The model a run's config builds against the one config.json builds: the same tensors, of the
+    same shapes (the overrides changed only what holds no weight)."""
+    ours = {name: list(t.shape) for name, t in model.state_dict().items()}
+    theirs = {name: list(t.shape) for name, t in own.state_dict().items()}
+    for name in sorted(ours.keys() | theirs.keys()):
+        if ours.get(name) != theirs.get(name):
+            raise ConfigError(f"--init-from-hf {path}: the overridden model.*/moe.* give {name} "
+                              f"{ours.get(name) or 'no tensor'}, its config.json {theirs.get(name) or 'no tensor'}; "
+                              "override only what keeps the checkpoint's shapes")
+
+
+def _drop_absent_mtp(cfg: Config, file_of: dict[str, Path], warn: bool = True) -> None:
     """transformers' DeepseekV3 writes num_nextn_predict_layers but not the MTP layers themselves:
     such a checkpoint loads without MTP modules (with a warning). Partly present MTP layers stay an
     error (missing tensors)."""
     first_mtp = f"model.layers.{cfg.model.n_layers}."
     if cfg.model.mtp_layers and not any(name.startswith(first_mtp) for name in file_of):
-        warnings.warn(f"config.json asks for {cfg.model.mtp_layers} MTP layer(s) but the checkpoint "
-                      f"has no {first_mtp}* tensors: loading without MTP modules", stacklevel=3)
+        if warn:
+            warnings.warn(f"config.json asks for {cfg.model.mtp_layers} MTP layer(s) but the checkpoint "
+                          f"has no {first_mtp}* tensors: loading without MTP modules", stacklevel=3)
         cfg.model.mtp_layers = 0
 
 

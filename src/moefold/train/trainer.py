@@ -180,7 +180,7 @@ class Trainer:
                 load_pretrained,  # needs safetensors (the hf extra)
             )
 
-            model = load_pretrained(self.init_from_hf, device=self.device).train()
+            model = load_pretrained(self.init_from_hf, device=self.device, cfg=cfg).train()
             if model.vocab_size < self.tokenizer.vocab_size:
                 raise ConfigError(f"--init-from-hf {self.init_from_hf}: its vocabulary "
                                   f"({model.vocab_size}) is smaller than the tokenizer's "

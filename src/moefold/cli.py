@@ -113,7 +113,7 @@ def _add_plan_parser(commands) -> None:
         "memory", allow_abbrev=False, help="predict per-GPU memory (analytic, allocates nothing)",
         description="Predict the memory of the busiest GPU of a training job from the config and "
                     "the parallel layout (--parallel.*), without allocating it (docs/memory.md).")
-    memory.add_argument("--gpus", type=int, default=0, metavar="N",
+    memory.add_argument("--gpus", type=int, default=None, metavar="N",
                         help="GPUs of the job (default: the fewest the layout fits)")
     memory.add_argument("--device", choices=sorted(DEVICES_GB), default="h200",
                         help="GPU to check the fit against: "
@@ -324,6 +324,8 @@ def _plan(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, _overrides(args))
     if args.gpu_memory < 0:
         raise UserError(f"--gpu-memory {args.gpu_memory:g} must be > 0")
+    if args.gpus is not None and args.gpus < 1:
+        raise UserError(f"--gpus {args.gpus} must be >= 1")
     p = cfg.parallel
     world = args.gpus or ParallelDims.smallest(p.tp, p.cp, p.pp, p.ep, p.etp, p.order).world
     plan = predict_memory(cfg, world, imbalance=args.moe_imbalance)

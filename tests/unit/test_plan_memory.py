@@ -216,6 +216,7 @@ def test_deepseek_v3_on_256_gpus(capsys):
     (["--config", "tiny-qwen3", "--parallel.vpp", "2"], "parallel.vpp=2 needs parallel.pp > 1"),
     (["--config", "tiny-qwen3", "--parallel.pp", "2", "--parallel.vpp", "2"], "exceeds model.n_layers"),
     (["--config", "tiny-qwen3", "--moe-imbalance", "0.5"], "--moe-imbalance"),
+    (["--config", "tiny-qwen3", "--gpus", "0"], "--gpus 0 must be >= 1"),
 ])
 def test_bad_input_is_one_line(args, message, capsys):
     assert main(["plan", "memory", *args]) == 2

@@ -136,3 +136,10 @@ def test_resume_with_other_model_shapes_names_them(finished_run, capsys):
     assert "holds layers.1.ffn.router.weight as [4, 32] but this model's is [2, 32]" in line
     assert "unreadable or corrupt" not in line and "model.* and moe.*" in line
     assert snapshot(finished_run) == before
+
+
+def test_resume_with_fewer_steps_than_done_is_refused(finished_run, capsys):
+    before = snapshot(finished_run)
+    line = error_line(capsys, ["train", "--resume", str(finished_run), "--train.steps", "2"])
+    assert line.endswith("train.steps=2: the run is already at step 3; give more steps to continue it")
+    assert snapshot(finished_run) == before  # config.toml still says 3

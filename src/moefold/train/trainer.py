@@ -134,6 +134,9 @@ class Trainer:
         self.step = 0
         if checkpoint is not None:
             self._load(checkpoint)
+        if self.step > cfg.train.steps:  # before config.toml is rewritten with the smaller count
+            raise ConfigError(f"train.steps={cfg.train.steps}: the run is already at step {self.step}; "
+                              "give more steps to continue it")
         refresh_weight_caches(self.model)  # precision.fp8_weight_cache: from the weights it starts with
         self.dist.barrier()  # every rank has checked the run dir before rank 0 writes into it
         if self.dist.is_main:

@@ -20,7 +20,7 @@ def load_model_from_run(run_dir: Path, device_name: str = "auto"):
     if not config_path.is_file():
         raise CheckpointError(f"--run-dir {run_dir}: no config.toml (not a moefold run directory)")
     cfg = config_from_toml(config_path)
-    checkpoint = resolve_checkpoint(Path(run_dir))
+    checkpoint = resolve_checkpoint(Path(run_dir), "--run-dir")
     device = resolve_device(device_name)
     tokenizer = build_tokenizer(cfg.data.tokenizer)
     model = build_model(cfg, cfg.model.vocab_size or tokenizer.vocab_size, device.type,

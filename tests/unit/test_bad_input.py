@@ -143,3 +143,13 @@ def test_resume_with_fewer_steps_than_done_is_refused(finished_run, capsys):
     line = error_line(capsys, ["train", "--resume", str(finished_run), "--train.steps", "2"])
     assert line.endswith("train.steps=2: the run is already at step 3; give more steps to continue it")
     assert snapshot(finished_run) == before  # config.toml still says 3
+
+
+def test_generate_and_convert_name_their_own_option_for_a_run_without_checkpoints(finished_run, tmp_path, capsys):
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.toml").write_bytes((finished_run / "config.toml").read_bytes())
+    for argv in (["generate", "--run-dir", str(bare), "--prompt", "x"],
+                 ["convert", "--run-dir", str(bare), "--to-hf", str(tmp_path / "hf")]):
+        assert error_line(capsys, argv).endswith(f"--run-dir {bare}: no complete checkpoint in {bare / 'checkpoints'}")
+    assert not (tmp_path / "hf").exists()

@@ -56,18 +56,19 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return found[-1][1] if found else None
 
 
-def resolve_checkpoint(path: Path) -> Path:
-    """A checkpoint directory from a run directory (its latest) or a checkpoint directory itself."""
+def resolve_checkpoint(path: Path, option: str = "--resume") -> Path:
+    """A checkpoint directory from a run directory (its latest) or a checkpoint directory itself;
+    `option` names where the path came from in errors."""
     path = Path(path)
     if not path.exists():
-        raise CheckpointError(f"--resume {path}: no such directory")
+        raise CheckpointError(f"{option} {path}: no such directory")
     if _STEP_DIR.match(path.name):
         if not (path / _METADATA).is_file():
-            raise CheckpointError(f"--resume {path}: incomplete or corrupt checkpoint (no {_METADATA})")
+            raise CheckpointError(f"{option} {path}: incomplete or corrupt checkpoint (no {_METADATA})")
         return path
     latest = latest_checkpoint(path)
     if latest is None:
-        raise CheckpointError(f"--resume {path}: no complete checkpoint in {path / CHECKPOINTS}")
+        raise CheckpointError(f"{option} {path}: no complete checkpoint in {path / CHECKPOINTS}")
     return latest
 
 

@@ -17,7 +17,7 @@ from typing import Any
 from moefold import __version__
 from moefold.config import (SECTIONS, Config, apply_overrides, config_from_toml, field_docs,
                             field_types, load_config, preset_names, to_toml, validate)
-from moefold.errors import ConfigError, UserError
+from moefold.errors import ConfigError, UserError, refuse_unwritable_dir
 
 EXIT_USAGE = 2
 
@@ -176,7 +176,7 @@ def _spawn_ranks(args: argparse.Namespace, cfg: Config, run_dir: Path) -> int:
     """`--nproc N`: check what can be checked once, then run the same command as N ranks."""
     from moefold.parallel.dims import ParallelDims
     from moefold.parallel.launch import spawn_local
-    from moefold.train.trainer import refuse_unwritable_dir, run_dir_holds_run
+    from moefold.train.trainer import run_dir_holds_run
 
     if args.nproc < 1:
         raise ConfigError(f"--nproc {args.nproc} must be >= 1")
@@ -230,7 +230,7 @@ def _hf_config(hf_dir: Path) -> Config:
 def _convert(args: argparse.Namespace) -> int:
     from moefold.checkpoint.hf import convert_to_run_checkpoint, save_pretrained
     from moefold.generate import load_model_from_run
-    from moefold.train.trainer import refuse_unwritable_dir, run_dir_holds_run
+    from moefold.train.trainer import run_dir_holds_run
 
     if args.from_hf is not None:
         if args.out is None or args.to_hf is not None:

@@ -5,6 +5,9 @@ subclass of `UserError`. The CLI prints its message on one line and exits with s
 else is a bug and keeps its traceback.
 """
 
+import os
+from pathlib import Path
+
 
 class UserError(Exception):
     """An error caused by the user's input; its message names the option or file and what is allowed."""
@@ -20,3 +23,13 @@ class DataError(UserError):
 
 class CheckpointError(UserError):
     """A checkpoint or run directory is missing, unreadable or corrupt."""
+
+
+def refuse_unwritable_dir(path: Path, option: str = "--run-dir") -> None:
+    """A directory `option` names (to create, or existing) that this process could not write into,
+    refused before any work: the commands create their output directories only when they write."""
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise UserError(f"{option} {path}: {existing} is a file, not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"{option} {path}: {existing} is not writable")

@@ -211,6 +211,17 @@ def test_bad_input_is_one_line_and_exit_2(capsys, argv, expected):
     assert err.count("\n") == 1 and "Traceback" not in err and expected in err, err
 
 
+def test_bench_output_paths_under_a_file_are_refused_before_the_steps(tmp_path, capsys):
+    taken = tmp_path / "notes.txt"
+    taken.write_text("mine")
+    for option, path in (("--profile", taken / "prof"), ("--json", taken / "r.json"), ("--profile", taken)):
+        capsys.readouterr()
+        assert main(["bench", "--config", "tiny", "--steps", "1", option, str(path)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"{option} {path.parent if option == '--json' else path}: {taken} is a file" in err, err
+    assert taken.read_text() == "mine"
+
+
 
 
 def test_peers_rows_run_in_their_own_processes(tmp_path, capsys):

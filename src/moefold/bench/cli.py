@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from moefold.config import Config
-from moefold.errors import UserError
+from moefold.errors import UserError, refuse_unwritable_dir
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -20,10 +20,12 @@ def check_args(args: argparse.Namespace) -> None:
         raise UserError(f"--warmup {args.warmup} must be >= 0")
     if args.profile_steps < 1:
         raise UserError(f"--profile-steps {args.profile_steps} must be >= 1")
-    if args.profile is not None and args.profile.exists() and not args.profile.is_dir():
-        raise UserError(f"--profile {args.profile} is a file; give a directory for the trace")
+    if args.profile is not None:
+        refuse_unwritable_dir(args.profile, "--profile")  # checked before the steps run, not after
     if args.json is not None and args.json.is_dir():
         raise UserError(f"--json {args.json} is a directory; give a file path")
+    if args.json is not None:
+        refuse_unwritable_dir(args.json.parent, "--json")
 
 
 def run(args: argparse.Namespace, cfg: Config, overrides: dict[str, Any]) -> int:

@@ -37,7 +37,7 @@ from moefold.config import Config, refuse_unsupported_parallel, to_toml
 from moefold.data.corpus import build_token_streams
 from moefold.data.loader import Batch, PackedSequences, TrainLoader, val_batches
 from moefold.data.tokenizer import build_tokenizer
-from moefold.errors import ConfigError
+from moefold.errors import ConfigError, refuse_unwritable_dir
 from moefold.fp8.apply import apply_fp8
 from moefold.fp8.weight_cache import refresh_weight_caches
 from moefold.models.transformer import Transformer, build_model
@@ -81,16 +81,6 @@ def _refuse_weight_cache_over_fsdp(cfg: Config, layout) -> None:
 
 def run_dir_holds_run(run_dir: Path) -> bool:
     return (run_dir / "config.toml").exists() or (run_dir / "checkpoints").exists()
-
-
-def refuse_unwritable_dir(path: Path, option: str = "--run-dir") -> None:
-    """A directory `option` names that cannot become one this process writes into, refused before
-    any work (a run dir is created only once the model is built)."""
-    existing = next(p for p in (path, *path.parents) if p.exists())
-    if not existing.is_dir():
-        raise ConfigError(f"{option} {path}: {existing} is a file, not a directory")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"{option} {path}: {existing} is not writable")
 
 
 @dataclasses.dataclass

@@ -80,7 +80,7 @@ def _build_parser() -> argparse.ArgumentParser:
     config_commands = config.add_subparsers(dest="config_command", required=True)
     show = config_commands.add_parser("show", allow_abbrev=False, help="print the resolved config as TOML")
     _add_config_options(show)
-    show.add_argument("--world-size", type=int, default=0, metavar="N",
+    show.add_argument("--world-size", type=int, default=None, metavar="N",
                       help="print the parallel rank grid for N ranks (default: the smallest world "
                            "the layout fits)")
     config_commands.add_parser("presets", help="list the shipped presets")
@@ -336,13 +336,15 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _rank_grid_comment(cfg: Config, world_size: int) -> str:
+def _rank_grid_comment(cfg: Config, world_size: int | None) -> str:
     """Both parallel layouts as TOML comments, so `config show` output still loads as a config."""
     from moefold.parallel.dims import ParallelDims, rank_grid  # torch-free
 
+    if world_size is not None and world_size < 1:
+        raise UserError(f"--world-size {world_size} must be >= 1")
     p = cfg.parallel
     sizes = (p.tp, p.cp, p.pp, p.ep, p.etp, p.order)
-    if world_size == 0 and max(p.tp, p.cp, p.pp, p.ep, p.etp) == 1:
+    if world_size is None and max(p.tp, p.cp, p.pp, p.ep, p.etp) == 1:
         return ""  # nothing parallel to show
     dims = ParallelDims(world_size, *sizes) if world_size else ParallelDims.smallest(*sizes)
     return "\n# parallel layout\n" + "".join(f"# {line}\n" for line in rank_grid(dims).splitlines())

@@ -21,7 +21,7 @@ def load_model_from_run(run_dir: Path, device_name: str = "auto"):
         raise CheckpointError(f"--run-dir {run_dir}: no config.toml (not a moefold run directory)")
     cfg = config_from_toml(config_path)
     checkpoint = resolve_checkpoint(Path(run_dir), "--run-dir")
-    device = resolve_device(device_name)
+    device = resolve_device(device_name, "--device")
     tokenizer = build_tokenizer(cfg.data.tokenizer)
     model = build_model(cfg, cfg.model.vocab_size or tokenizer.vocab_size, device.type,
                         resolve_compute_dtype(cfg.precision.compute_dtype, device))

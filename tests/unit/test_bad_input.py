@@ -153,3 +153,13 @@ def test_generate_and_convert_name_their_own_option_for_a_run_without_checkpoint
                  ["convert", "--run-dir", str(bare), "--to-hf", str(tmp_path / "hf")]):
         assert error_line(capsys, argv).endswith(f"--run-dir {bare}: no complete checkpoint in {bare / 'checkpoints'}")
     assert not (tmp_path / "hf").exists()
+
+
+def test_config_show_refuses_a_world_size_below_one(capsys):
+    assert "--world-size 0 must be >= 1" in error_line(capsys, ["config", "show", "--world-size", "0"])
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+def test_generate_names_its_own_device_option(finished_run, capsys):
+    line = error_line(capsys, ["generate", "--run-dir", str(finished_run), "--prompt", "x", "--device", "cuda"])
+    assert line.endswith("--device='cuda' but no CUDA device is available (use auto or cpu)")

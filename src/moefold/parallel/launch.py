@@ -94,12 +94,12 @@ def join(cfg: Config, device_name: str) -> tuple[DistributedContext, torch.devic
     return DistributedContext(dist.get_rank(), world, ParallelLayout(dims, device.type)), device
 
 
-def resolve_device(name: str) -> torch.device:
-    """train.device: auto (cuda when available, else cpu), cpu or cuda."""
+def resolve_device(name: str, option: str = "train.device") -> torch.device:
+    """train.device (or `option`): auto (cuda when available, else cpu), cpu or cuda."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device='cuda' but no CUDA device is available (use auto or cpu)")
+        raise ConfigError(f"{option}='cuda' but no CUDA device is available (use auto or cpu)")
     return torch.device(name)
 
 

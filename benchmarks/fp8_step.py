@@ -116,6 +116,11 @@ def run_row(shape: str, row: str, args: argparse.Namespace, out: Path) -> dict:
             "gemm_share": profile["gemm_share"], "wall_s": time.monotonic() - start}
 
 
+def tokens_ratio(row: dict, bf16: dict) -> float | None:
+    """The × column: a row's tokens/s over the bf16 row's; None while there is no timed bf16 row."""
+    return row["tokens_per_s"] / bf16["tokens_per_s"] if "tokens_per_s" in bf16 else None
+
+
 def shape_table(shape: str, rows: dict[str, dict]) -> str:
     """One shape's rows; × is tokens/s over the bf16 row's (mean), and its min step over each row's."""
     preset, overrides = SHAPES[shape]
@@ -127,8 +132,9 @@ def shape_table(shape: str, rows: dict[str, dict]) -> str:
         if "failed" in r:
             lines.append(f"{name:24s} failed: {r['failed']}")
             continue
-        if "tokens_per_s" in ref:
-            ratio = f"{r['tokens_per_s'] / ref['tokens_per_s']:7.3f} {ref['step_ms_min'] / r['step_ms_min']:6.3f}"
+        speedup = tokens_ratio(r, ref)
+        if speedup is not None:
+            ratio = f"{speedup:7.3f} {ref['step_ms_min'] / r['step_ms_min']:6.3f}"
         else:
             ratio = f"{'-':>7s} {'-':>6s}"
         lines.append(f"{name:24s} {r['step_ms_mean']:8.2f} {r['step_ms_min']:8.2f} {ratio} {r['gemm_ms']:8.2f} "
@@ -142,7 +148,8 @@ def progress_line(shape: str, row: str, rows: dict[str, dict]) -> str:
     r, ref = rows[row], rows.get("bf16", {})
     if "failed" in r:
         return f"{shape} {row}: failed: {r['failed']}"
-    ratio = f", × bf16 {r['tokens_per_s'] / ref['tokens_per_s']:.3f}" if "tokens_per_s" in ref else ""
+    speedup = tokens_ratio(r, ref)
+    ratio = f", × bf16 {speedup:.3f}" if speedup is not None else ""
     return f"{shape} {row}: {r['step_ms_mean']:.2f} ms (min {r['step_ms_min']:.2f}){ratio}"
 
 

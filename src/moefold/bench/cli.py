@@ -22,9 +22,9 @@ def check_args(args: argparse.Namespace) -> None:
         raise UserError(f"--profile-steps {args.profile_steps} must be >= 1")
     if args.profile is not None:
         refuse_unwritable_dir(args.profile, "--profile")  # checked before the steps run, not after
-    if args.json is not None and args.json.is_dir():
-        raise UserError(f"--json {args.json} is a directory; give a file path")
     if args.json is not None:
+        if args.json.is_dir():
+            raise UserError(f"--json {args.json} is a directory; give a file path")
         refuse_unwritable_dir(args.json.parent, "--json")
 
 

@@ -453,11 +453,11 @@ def _unknown_key(key: str) -> ConfigError:
     return ConfigError(f"unknown config key {key}{hint}")
 
 
-def _coerce(key: str, value: Any) -> Any:
+def _coerce(key: str, value: Any, from_cli: bool) -> Any:
     """`value` (from TOML or a CLI string) converted to the declared type of `key`."""
     tp = field_types()[key]
     if typing.get_origin(tp) is list:
-        return _coerce_list(key, value, typing.get_args(tp)[0])
+        return _coerce_list(key, value, typing.get_args(tp)[0], from_cli)
     if isinstance(value, str) and tp is not str:
         value = _parse_cli_value(key, value, tp)
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
@@ -468,17 +468,26 @@ def _coerce(key: str, value: Any) -> Any:
     return value
 
 
-def _coerce_list(key: str, value: Any, item_type: type) -> list:
-    if isinstance(value, str):  # from the CLI: a TOML array, e.g. "[0, 3]" or '["moe", "attn"]'
+def _coerce_list(key: str, value: Any, item_type: type, from_cli: bool) -> list:
+    as_text = from_cli and isinstance(value, str)  # a TOML array in one argument: '["moe", "attn"]'
+    example = _list_example(item_type, shell_quoted=as_text)
+    if as_text:
         try:
             value = tomllib.loads(f"v = {value}")["v"]
         except tomllib.TOMLDecodeError:
-            example = '\'["a", "b"]\', strings in double quotes' if item_type is str else "[1, 2]"
             raise ConfigError(f"{key}={value!r} is not a list (write it as {example})") from None
     if not isinstance(value, list) or not all(isinstance(v, item_type) and not isinstance(v, bool)
                                               for v in value):
-        raise ConfigError(f"{key}={value!r} is not a list of {item_type.__name__}")
+        raise ConfigError(f"{key}={value!r} is not a list of {item_type.__name__} (write it as {example})")
     return list(value)
+
+
+def _list_example(item_type: type, shell_quoted: bool) -> str:
+    """How to write a list option: as TOML in a file, and inside the shell's quotes on a command line."""
+    if item_type is not str:
+        return "[1, 2]"
+    array = """'["a", "b"]'""" if shell_quoted else '["a", "b"]'
+    return f"{array}, strings in double quotes"
 
 
 def _parse_cli_value(key: str, text: str, tp: type) -> Any:
@@ -495,13 +504,21 @@ def _parse_cli_value(key: str, text: str, tp: type) -> Any:
         raise ConfigError(f"{key}={text!r} is not a valid {tp.__name__}") from None
 
 
-def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> None:
-    """Set dotted keys (`{"moe.top_k": 4}`) on `cfg`, converting and type-checking each value."""
+def apply_overrides(cfg: Config, overrides: dict[str, Any], source: str | None = None) -> None:
+    """Set dotted keys (`{"moe.top_k": 4}`) on `cfg`, converting and type-checking each value.
+
+    `source` names the config file the values were read from (its errors name it too); None means
+    the command line's strings."""
     for key, value in overrides.items():
-        if key not in field_types():
-            raise _unknown_key(key)
-        section, name = key.split(".")
-        setattr(getattr(cfg, section), name, _coerce(key, value))
+        try:
+            if key not in field_types():
+                raise _unknown_key(key)
+            section, name = key.split(".")
+            setattr(getattr(cfg, section), name, _coerce(key, value, from_cli=source is None))
+        except ConfigError as error:
+            if source is None:
+                raise
+            raise ConfigError(f"{source}: {error}") from None
 
 
 def flatten_table(table: dict[str, Any], source: str) -> dict[str, Any]:
@@ -524,7 +541,8 @@ def load_config(preset: str | None = None, overrides: dict[str, Any] | None = No
     """Preset (default `tiny`) + dotted overrides, validated."""
     cfg = Config()
     source = preset or DEFAULT_PRESET
-    apply_overrides(cfg, flatten_table(read_preset(source), f"--config {source}"))
+    label = f"--config {source}"
+    apply_overrides(cfg, flatten_table(read_preset(source), label), source=label)
     apply_overrides(cfg, overrides or {})
     validate(cfg)
     return cfg

@@ -61,6 +61,25 @@ def test_unknown_preset_and_bad_toml(tmp_path):
         load_config(str(wrong_section))
 
 
+def test_bad_values_in_a_config_file_name_the_file_and_its_syntax(tmp_path):
+    """A file's errors say which file; its list hint is TOML's, without the shell's quotes."""
+    listed = tmp_path / "listed.toml"
+    listed.write_text('[precision]\nfp8_exclude = "layers.0.*"\n')
+    with pytest.raises(ConfigError, match=re.escape(
+            f"""--config {listed}: precision.fp8_exclude='layers.0.*' is not a list of str """
+            """(write it as ["a", "b"], strings in double quotes)""")):
+        load_config(str(listed))
+    typed = tmp_path / "typed.toml"
+    typed.write_text('[moe]\ntop_k = "two"\n')
+    with pytest.raises(ConfigError, match=re.escape(f"--config {typed}: moe.top_k='two' is not a valid int")):
+        load_config(str(typed))
+    misspelt = tmp_path / "misspelt.toml"
+    misspelt.write_text("[moe]\ntopk = 2\n")
+    with pytest.raises(ConfigError, match=re.escape(f"--config {misspelt}: unknown config key moe.topk; "
+                                                    "did you mean moe.top_k?")):
+        load_config(str(misspelt))
+
+
 def test_config_show_prints_resolved_toml(capsys):
     assert main(["config", "show", "--moe.top_k", "4", "--model.tie_embeddings"]) == 0
     out = capsys.readouterr().out

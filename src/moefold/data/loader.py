@@ -100,10 +100,6 @@ class TrainLoader:
         self.cursor = 0  # position in this epoch's permutation of the next batch's first sequence
         self._order_epoch, self._order_N = -1, torch.empty(0, dtype=torch.int64)
 
-    @property
-    def batches_per_epoch(self) -> int:
-        return len(self.sequences) // self.batch_size
-
     def epoch_order(self, epoch: int) -> torch.Tensor:
         """The permutation of sequence indices that epoch `epoch` visits."""
         if epoch != self._order_epoch:

@@ -89,11 +89,6 @@ class MemoryPlan:
     notes: list[str] = field(default_factory=list)
 
     @property
-    def static(self) -> float:
-        return (self.parameters + self.gradients + self.master_weights + self.optimizer_moments
-                + self.fp8_weight_cache)
-
-    @property
     def activation_total(self) -> float:
         return sum(self.activations.values())
 

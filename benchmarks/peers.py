@@ -1,7 +1,9 @@
 """moefold against its peers in one run: the same shape, batch and random tokens, one table.
 
 Systems (../shared/design/PEERS.md): TorchTitan 0.2.2 eager, compiled by its own `apply_compile`
-and compiled per whole block (model classes built directly, `init_weights` under no_grad), Hugging
+and compiled per whole block (model classes built directly, `init_weights` under no_grad), compiled
+with FP8 as its two torchao converters set it up (`torchtitan-compile-fp8`: rowwise FP8 linears but
+the output head and routers, rowwise FP8 grouped GEMMs for the routed experts; torchao 0.18), Hugging
 Face transformers with grouped_mm experts, and moefold eager, with `train.compile`, and compiled
 with the precision-aware optimizer ("lean", MOEFOLD_SYSTEMS), each the Trainer's own step as
 `moefold bench` runs it. Every system trains with bf16 autocast, grad-norm clipping at 1.0,
@@ -14,9 +16,9 @@ shapes agree. A library that does not import gives a "skipped: ... not installed
 Every row runs in a fresh Python process (`run_isolated`), rows side by side on the visible GPUs, one
 per GPU: no row inherits another system's process-wide settings, allocator pools or compile caches.
 
-    export PYTHONPATH=$PWD/src            # plus the carried wheels' site dir (PEERS.md)
+    export PYTHONPATH=$PWD/src            # plus the carried wheels' site dir (PEERS.md; torchao too for FP8)
     python3 benchmarks/peers.py [--shapes qwen3-30b-a3b-6l,deepseek-v3-small-8l] \
-        [--systems torchtitan,torchtitan-compile,torchtitan-compile-blocks,transformers,moefold,moefold-compile,moefold-compile-lean] \
+        [--systems torchtitan,torchtitan-compile,torchtitan-compile-blocks,torchtitan-compile-fp8,transformers,moefold,moefold-compile,moefold-compile-lean] \
         [--steps 10] [--warmup 3] [--repeats 1] [--gpus N] [--timeout S] \
         [--json PATH]
 """
@@ -70,8 +72,8 @@ MOEFOLD_SYSTEMS = {
     "moefold-compile-lean": {"train.compile": "true", "optim.master_dtype": "bf16+remainder",
                              "optim.grad_dtype": "bf16"},
 }
-SYSTEMS = ("torchtitan", "torchtitan-compile", "torchtitan-compile-blocks", "transformers",
-           *MOEFOLD_SYSTEMS)
+SYSTEMS = ("torchtitan", "torchtitan-compile", "torchtitan-compile-blocks", "torchtitan-compile-fp8",
+           "transformers", *MOEFOLD_SYSTEMS)
 REFERENCE = "torchtitan-compile"  # the ratio column: moefold's best TFLOP/s over each system's
 
 
@@ -89,10 +91,11 @@ class Peer:
 # ------------------------------------------------------------------------------------ builders
 
 
-def build_torchtitan(cfg: Config, device: torch.device, compile_mode: str | None) -> Peer:
+def build_torchtitan(cfg: Config, device: torch.device, compile_mode: str | None, fp8: bool = False) -> Peer:
     """compile_mode: None (eager), "apply_compile" (TorchTitan's own: each block's attention, norms
     and MoE routing compiled, the routed experts left eager) or "blocks" (whole blocks, experts
-    included, as PEERS.md's "torch.compile per block" figures were measured)."""
+    included, as PEERS.md's "torch.compile per block" figures were measured). fp8: converted to
+    rowwise FP8 training before compiling, as TorchTitan's converters do (`_convert_to_fp8`)."""
     try:
         import torchtitan  # noqa: F401
         from torchtitan.models.moe import MoEArgs
@@ -133,12 +136,40 @@ def build_torchtitan(cfg: Config, device: torch.device, compile_mode: str | None
             model.init_weights(buffer_device=device)
         except TypeError:
             model.init_weights()
-    note = ""
+    note = _convert_to_fp8(model) if fp8 else ""
     if compile_mode == "apply_compile":
-        note = _apply_compile(model)
+        note = ", ".join(filter(None, [note, _apply_compile(model)]))
     elif compile_mode == "blocks":
-        note = _compile_whole_blocks(model)
+        note = ", ".join(filter(None, [note, _compile_whole_blocks(model)]))
     return Peer(model, lambda ids: model(ids), note)
+
+
+def _convert_to_fp8(model: nn.Module) -> str:
+    """What TorchTitan's `quantize.linear.float8` (recipe "rowwise", filter_fqns ["output",
+    "router.gate"], its recommendation for MoE models) and `quantize.grouped_mm.float8` (fqns
+    ["experts"]) converters do, called directly: 0.2.2's grouped-GEMM converter imports
+    `MoETrainingConfig`, which torchao 0.18 calls `Float8TrainingOpConfig`."""
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        from torchao.prototype.moe_training.config import Float8TrainingOpConfig
+        from torchao.quantization.quant_api import quantize_
+        from torchtitan.models.moe.utils import set_token_group_alignment_size_m
+    except ImportError as e:
+        raise Skipped(f"torchao FP8 training not installed ({e})") from None
+
+    def linear_filter(module: nn.Module, fqn: str) -> bool:  # TorchTitan's module_filter_fn
+        return (isinstance(module, nn.Linear) and all(d % 16 == 0 for d in module.weight.shape)
+                and not any(skip in fqn for skip in ("output", "router.gate")))
+
+    import torch._inductor.config
+
+    torch._inductor.config.emulate_precision_casts = True  # TorchTitan sets it for rowwise
+    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("rowwise"),
+                               module_filter_fn=linear_filter)
+    set_token_group_alignment_size_m(16)  # FP8 grouped GEMMs need groups of 16 rows
+    quantize_(model, config=Float8TrainingOpConfig(),
+              filter_fn=lambda module, fqn: fqn.endswith("moe.experts"))  # not shared_experts
+    return "rowwise FP8 (torchao): linears but output and router.gate, routed experts"
 
 
 def _apply_compile(model: nn.Module) -> str:
@@ -231,6 +262,7 @@ def run_system(system: str, cfg: Config, device: torch.device, steps: int, warmu
     builders = {"torchtitan": lambda: build_torchtitan(cfg, device, None),
                 "torchtitan-compile": lambda: build_torchtitan(cfg, device, "apply_compile"),
                 "torchtitan-compile-blocks": lambda: build_torchtitan(cfg, device, "blocks"),
+                "torchtitan-compile-fp8": lambda: build_torchtitan(cfg, device, "apply_compile", fp8=True),
                 "transformers": lambda: build_transformers(cfg, device)}
     peer = builders[system]()
     r = time_peer(peer, cfg, device, steps, warmup)

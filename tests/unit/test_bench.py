@@ -238,6 +238,22 @@ def test_peers_rows_run_in_their_own_processes(tmp_path, capsys):
     assert "skipped" in rows["torchtitan"] or rows["torchtitan"]["tflops"] > 0
 
 
+def test_peers_fp8_row_is_wired_and_skipped_without_its_libraries():
+    """TorchTitan's FP8 row needs torchtitan and torchao: without them a "not installed" row, not a
+    crash (an unknown system would be "failed: KeyError")."""
+    peers = benchmark_script("peers")
+    assert "torchtitan-compile-fp8" in peers.SYSTEMS
+    for name in ("torchtitan", "torchao"):
+        try:
+            __import__(name)
+        except ImportError:
+            break
+    else:
+        pytest.skip("torchtitan and torchao installed: the row would run")
+    row = peers.run_one("tiny-qwen3", "torchtitan-compile-fp8", torch.device("cpu"), steps=1, warmup=0)
+    assert "not installed" in row["skipped"], row
+
+
 def test_peers_row_past_its_timeout_is_a_skipped_row(tmp_path):
     path = tmp_path / "peers.json"
     assert benchmark_script("peers").main(["--device", "cpu", "--shapes", "tiny-qwen3", "--systems", "moefold",

@@ -176,7 +176,7 @@ def _spawn_ranks(args: argparse.Namespace, cfg: Config, run_dir: Path) -> int:
     """`--nproc N`: check what can be checked once, then run the same command as N ranks."""
     from moefold.parallel.dims import ParallelDims
     from moefold.parallel.launch import spawn_local
-    from moefold.train.trainer import run_dir_holds_run
+    from moefold.train.trainer import refuse_run_dir
 
     if args.nproc < 1:
         raise ConfigError(f"--nproc {args.nproc} must be >= 1")
@@ -184,10 +184,7 @@ def _spawn_ranks(args: argparse.Namespace, cfg: Config, run_dir: Path) -> int:
         raise ConfigError("--nproc cannot be used under torchrun (it already started the ranks)")
     p = cfg.parallel
     ParallelDims(args.nproc, p.tp, p.cp, p.pp, p.ep, p.etp, p.order)  # the layout fits N ranks
-    refuse_unwritable_dir(run_dir)
-    if args.resume is None and run_dir_holds_run(run_dir):
-        raise ConfigError(f"--run-dir {run_dir} already holds a run; continue it with "
-                          f"--resume {run_dir} or choose another --run-dir")
+    refuse_run_dir(run_dir, resuming=args.resume is not None)
     return spawn_local(args.nproc, [*_without_nproc(args.argv), "--run-dir", str(run_dir)])
 
 

@@ -83,6 +83,14 @@ def run_dir_holds_run(run_dir: Path) -> bool:
     return (run_dir / "config.toml").exists() or (run_dir / "checkpoints").exists()
 
 
+def refuse_run_dir(run_dir: Path, resuming: bool) -> None:
+    """--run-dir checked before any work: writable, and free of another run unless it is resumed."""
+    refuse_unwritable_dir(run_dir)
+    if not resuming and run_dir_holds_run(run_dir):
+        raise ConfigError(f"--run-dir {run_dir} already holds a run; continue it with "
+                          f"--resume {run_dir} or choose another --run-dir")
+
+
 @dataclasses.dataclass
 class _Window:
     """What accumulates between two log steps; losses stay on the device until logged."""
@@ -102,10 +110,7 @@ class Trainer:
         self.init_from_hf = init_from_hf
         refuse_unsupported_parallel(cfg)
         checkpoint = resolve_checkpoint(resume) if resume is not None else None
-        refuse_unwritable_dir(self.run_dir)
-        if checkpoint is None and run_dir_holds_run(self.run_dir):
-            raise ConfigError(f"--run-dir {self.run_dir} already holds a run; continue it with "
-                              f"--resume {self.run_dir} or choose another --run-dir")
+        refuse_run_dir(self.run_dir, resuming=checkpoint is not None)
         self.dist, self.device = join(cfg, cfg.train.device)
         _refuse_weight_cache_over_fsdp(cfg, self.dist.layout)
         if not self.dist.is_main:  # rank 0 speaks for the job

@@ -198,8 +198,9 @@ def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32,
     if cfg is not None:
         _drop_absent_mtp(cfg, file_of, warn=False)  # warned once above
     device_type = torch.device(device).type
+    model_cfg = cfg or own_cfg
     with torch.device("meta"):
-        model = build_model(cfg or own_cfg, (cfg or own_cfg).model.vocab_size, device_type, dtype)
+        model = build_model(model_cfg, model_cfg.model.vocab_size, device_type, dtype)
         if cfg is not None:
             _refuse_other_shapes(model, build_model(own_cfg, own_cfg.model.vocab_size, device_type, dtype), path)
     _check_names(build_plan(model), file_of, path)  # before any memory is allocated

@@ -136,12 +136,11 @@ def build_torchtitan(cfg: Config, device: torch.device, compile_mode: str | None
             model.init_weights(buffer_device=device)
         except TypeError:
             model.init_weights()
-    note = _convert_to_fp8(model) if fp8 else ""
-    if compile_mode == "apply_compile":
-        note = ", ".join(filter(None, [note, _apply_compile(model)]))
-    elif compile_mode == "blocks":
-        note = ", ".join(filter(None, [note, _compile_whole_blocks(model)]))
-    return Peer(model, lambda ids: model(ids), note)
+    notes = [_convert_to_fp8(model)] if fp8 else []  # before compiling, as TorchTitan orders them
+    if compile_mode is not None:
+        compile_model = {"apply_compile": _apply_compile, "blocks": _compile_whole_blocks}[compile_mode]
+        notes.append(compile_model(model))
+    return Peer(model, lambda ids: model(ids), ", ".join(notes))
 
 
 def _convert_to_fp8(model: nn.Module) -> str:

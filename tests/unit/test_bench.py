@@ -222,8 +222,6 @@ def test_bench_output_paths_under_a_file_are_refused_before_the_steps(tmp_path, 
     assert taken.read_text() == "mine"
 
 
-
-
 def test_peers_rows_run_in_their_own_processes(tmp_path, capsys):
     path = tmp_path / "peers.json"
     assert benchmark_script("peers").main(["--device", "cpu", "--shapes", "tiny-qwen3", "--systems",

@@ -225,7 +225,7 @@ def _hf_config(hf_dir: Path) -> Config:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from moefold.checkpoint.hf import convert_to_run_checkpoint, save_pretrained
+    from moefold.checkpoint.hf import CONFIG, convert_to_run_checkpoint, save_pretrained
     from moefold.generate import load_model_from_run
     from moefold.train.trainer import run_dir_holds_run
 
@@ -246,8 +246,8 @@ def _convert(args: argparse.Namespace) -> int:
     if args.to_hf is None or args.out is not None:
         raise UserError("convert --run-dir RUN_DIR needs --to-hf DIR (and no --out)")
     refuse_unwritable_dir(args.to_hf, "--to-hf")
-    if (args.to_hf / "config.json").exists():
-        raise UserError(f"--to-hf {args.to_hf} already holds a checkpoint (config.json); choose another directory")
+    if (args.to_hf / CONFIG).exists():
+        raise UserError(f"--to-hf {args.to_hf} already holds a checkpoint ({CONFIG}); choose another directory")
     model, _, _ = load_model_from_run(args.run_dir, "cpu")
     save_pretrained(model, args.to_hf)
     print(f"converted {args.run_dir} -> {args.to_hf}")

@@ -430,12 +430,14 @@ def preset_names() -> list[str]:
 def read_preset(name_or_path: str) -> dict[str, Any]:
     """The TOML table of a shipped preset (by name) or of a file (by path)."""
     path = Path(name_or_path)
-    if name_or_path.endswith(".toml") or path.exists():
-        if not path.is_file():
-            raise ConfigError(f"--config {name_or_path}: no such file")
+    if path.is_file():
         text = path.read_text()
-    elif name_or_path in preset_names():
+    elif name_or_path in preset_names():  # a folder of the preset's name does not hide it
         text = resources.files("moefold.presets").joinpath(f"{name_or_path}.toml").read_text()
+    elif path.is_dir():
+        raise ConfigError(f"--config {name_or_path}: is a folder; give a TOML file or a preset")
+    elif name_or_path.endswith(".toml"):
+        raise ConfigError(f"--config {name_or_path}: no such file")
     else:
         close = difflib.get_close_matches(name_or_path, preset_names(), n=1)
         hint = f"; did you mean {close[0]}?" if close else ""

@@ -61,6 +61,19 @@ def test_unknown_preset_and_bad_toml(tmp_path):
         load_config(str(wrong_section))
 
 
+def test_a_folder_named_like_a_preset_does_not_hide_it(tmp_path, monkeypatch):
+    """`--config tiny` from a folder holding a `tiny/` run dir still means the preset."""
+    monkeypatch.chdir(tmp_path)
+    preset = load_config("tiny")
+    (tmp_path / "tiny").mkdir()
+    (tmp_path / "runs").mkdir()
+    assert load_config("tiny") == preset
+    with pytest.raises(ConfigError, match=re.escape("--config runs: is a folder")):
+        load_config("runs")
+    with pytest.raises(ConfigError, match=re.escape("--config gone.toml: no such file")):
+        load_config("gone.toml")
+
+
 def test_bad_values_in_a_config_file_name_the_file_and_its_syntax(tmp_path):
     """A file's errors say which file; its list hint is TOML's, without the shell's quotes."""
     listed = tmp_path / "listed.toml"

@@ -65,6 +65,19 @@ def test_model_is_causal_and_layer_pattern_follows_config():
     assert not torch.allclose(logits[:, 10:], logits_changed[:, 10:])
 
 
+@pytest.mark.parametrize("no_moe", [{"moe.num_experts": "0"}, {"moe.first_k_dense": "4"}])
+def test_a_config_without_moe_layers_builds_a_dense_transformer(no_moe):
+    """moe.num_experts = 0 (or every layer dense) is a dense baseline: nothing routes or replays."""
+    model = build_model(load_config("tiny", no_moe), vocab_size=257)
+    model.init_weights(seed=0)
+    assert not any(isinstance(b.ffn, MoELayer) for b in model.layers)
+    assert model.router_replay is None
+    counts = count_params(model)
+    assert counts.active == counts.total - counts.embedding  # every weight but the lookup table computes
+    model(torch.randint(0, 257, (2, 16))).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
 def test_tied_head_shares_the_embedding():
     model = build_model(load_config("tiny", {"model.tie_embeddings": "true"}), vocab_size=257)
     assert model.output.weight is model.tok_embeddings.weight

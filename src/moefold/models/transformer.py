@@ -131,7 +131,7 @@ def _build_attention(m: ModelConfig) -> nn.Module:
 
 
 def _build_block(cfg: Config, layer_id: int, device_type: str, compute_dtype: torch.dtype,
-                 replay: RouterReplay) -> Block:
+                 replay: RouterReplay | None) -> Block:
     m = cfg.model
     if is_moe_layer(cfg, layer_id):
         ffn = build_moe_layer(m.dim, cfg.moe, device_type, compute_dtype, replay)
@@ -149,7 +149,8 @@ def build_model(cfg: Config, vocab_size: int, device_type: str = "cpu",
     """
     m = cfg.model
     num_layers = m.n_layers + m.mtp_layers
-    replay = RouterReplay(sum(is_moe_layer(cfg, i) for i in range(num_layers)))
+    num_moe_layers = sum(is_moe_layer(cfg, i) for i in range(num_layers))
+    replay = RouterReplay(num_moe_layers) if num_moe_layers else None  # a dense model routes nothing
     blocks = [_build_block(cfg, i, device_type, compute_dtype, replay) for i in range(num_layers)]
     mtp = None
     if m.mtp_layers:

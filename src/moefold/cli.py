@@ -9,6 +9,7 @@ import dataclasses
 import difflib
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -364,3 +365,25 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("moefold: interrupted", file=sys.stderr)
         return 130
+    except RuntimeError as e:  # torch.OutOfMemoryError on CUDA; a plain RuntimeError on the CPU
+        allocation = _failed_allocation(e)
+        if allocation is None:
+            raise
+        print(f"moefold: error: out of memory: {allocation}; a smaller model, micro-batch or "
+              "sequence, more GPUs or the memory.* options would fit it (`moefold plan memory` "
+              "predicts a GPU's need for the same options)", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def _failed_allocation(error: RuntimeError) -> str | None:
+    """What an allocator that ran out of memory failed to allocate, in its words; None for any
+    other error. The job asked for more than the machine has: the user's to fix, not a bug."""
+    text = str(error)
+    if type(error).__name__ == "OutOfMemoryError":  # CUDA: "Tried to allocate 20.00 GiB. GPU 0 ..."
+        found = re.search(r"Tried to allocate [\d.]+ \w+\. GPU \d+ has a total capacity of [\d.]+ \w+",
+                          text)
+        return found.group(0).replace("Tried", "tried") if found else text.splitlines()[0]
+    found = re.search(r"can't allocate memory: you tried to allocate (\d+) bytes", text)
+    if found is None:
+        return None
+    return f"tried to allocate {int(found.group(1)) / 2**30:.2f} GiB of the CPU's memory"

@@ -1,8 +1,10 @@
 """Every bad input gives one clear line, exit status 2, and leaves existing run files intact."""
 
 import pytest
+import torch
 
 from moefold.cli import main
+from moefold.train.trainer import Trainer
 
 
 def snapshot(run_dir):
@@ -163,3 +165,34 @@ def test_config_show_refuses_a_world_size_below_one(capsys):
 def test_generate_names_its_own_device_option(finished_run, capsys):
     line = error_line(capsys, ["generate", "--run-dir", str(finished_run), "--prompt", "x", "--device", "cuda"])
     assert line.endswith("--device='cuda' but no CUDA device is available (use auto or cpu)")
+
+
+CUDA_OOM = ("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity of 139.81 GiB "
+            "of which 3.12 GiB is free. Including non-PyTorch memory, this process has 136.68 GiB in use.")
+
+
+@pytest.mark.parametrize("allocate, expected", [
+    (lambda: torch.empty(2**50, dtype=torch.uint8),  # the CPU allocator's own error, for real
+     "tried to allocate 1048576.00 GiB of the CPU's memory"),
+    (lambda: (_ for _ in ()).throw(torch.OutOfMemoryError(CUDA_OOM)),
+     "tried to allocate 20.00 GiB. GPU 0 has a total capacity of 139.81 GiB"),
+])
+def test_running_out_of_memory_is_one_line_and_keeps_the_run(finished_run, capsys, monkeypatch,
+                                                              allocate, expected):
+    """A job larger than the machine is the user's to resize, not a bug: no traceback."""
+    before = snapshot(finished_run)
+    monkeypatch.setattr(Trainer, "train_step", lambda self: allocate())
+    line = error_line(capsys, ["train", "--resume", str(finished_run), "--train.steps", "5"])
+    assert line.startswith(f"moefold: error: out of memory: {expected}; "), line
+    assert "moefold plan memory" in line
+    after = snapshot(finished_run)
+    config = finished_run / "config.toml"  # a resume records its new train.steps before training
+    assert after.pop(config) != before.pop(config) and after == before
+
+
+def test_other_runtime_errors_keep_their_traceback(finished_run, monkeypatch):
+    def broken(self):
+        raise RuntimeError("shape mismatch in a kernel")
+    monkeypatch.setattr(Trainer, "train_step", broken)
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        main(["train", "--resume", str(finished_run), "--train.steps", "5"])

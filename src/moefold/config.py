@@ -168,7 +168,8 @@ class MoEConfig:
     """Scale the shared experts' output by a learned sigmoid gate (Qwen2-MoE)."""
     experts_backend: str = "auto"
     """How the experts' GEMMs run: grouped_mm (torch._grouped_mm), loop (one matmul per expert) or
-    auto (grouped_mm where this torch build supports it, else loop)."""
+    auto (grouped_mm where this torch build supports it and the experts' rows are 16-byte aligned,
+    else loop)."""
 
 
 @dataclass

@@ -8,6 +8,8 @@ import torch
 
 from moe_reference import BACKENDS, build, random_config, reference_layer
 from moefold.config import MoEConfig
+from moefold.errors import ConfigError
+from moefold.moe.experts import GroupedMMExperts, LoopExperts, build_experts
 
 # ------------------------------------------------------------------------------------ tests
 
@@ -102,6 +104,20 @@ def test_grouped_mm_backend_matches_loop(seed):
         outs.append([y, x_.grad] + [p.grad for p in layer.parameters()])
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_experts_whose_rows_are_not_16_bytes_take_the_loop_or_are_refused():
+    """torch._grouped_mm reads rows 16 bytes apart: expert_hidden=3 in fp32 (12 bytes) is not."""
+    unaligned = build_experts("auto", 4, 16, 3, "cpu", torch.float32)
+    assert isinstance(unaligned, LoopExperts)
+    if len(BACKENDS) == 2:  # where this build has grouped_mm at all, aligned rows take it
+        assert isinstance(build_experts("auto", 4, 16, 4, "cpu", torch.float32), GroupedMMExperts)
+    with pytest.raises(ConfigError, match=r"moe.experts_backend=grouped_mm needs model.dim \(16\) and "
+                       r"moe.expert_hidden \(3\) to be multiples of 4 in float32"):
+        build_experts("grouped_mm", 4, 16, 3, "cpu", torch.float32)
+    for weight in unaligned.parameters():
+        torch.nn.init.normal_(weight)
+    assert unaligned(torch.randn(6, 16), torch.tensor([2, 1, 3, 0])).isfinite().all()
 
 
 def _skewed_training_run(expert_bias: bool, steps: int = 150) -> list[float]:

@@ -13,6 +13,7 @@ import functools
 import torch
 from torch import nn
 
+from moefold.errors import ConfigError
 from moefold.fp8.grouped import fp8_grouped_mm, fp8_grouped_mms
 from moefold.fp8.weight_cache import PerCallWeights
 from moefold.moe.activation import ACTIVATIONS, PlainActivation, ProbsInActivation
@@ -129,13 +130,24 @@ def grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
         return False
 
 
+def grouped_mm_aligned(dim: int, hidden: int, dtype: torch.dtype) -> bool:
+    """`torch._grouped_mm` needs every operand's rows to start 16 bytes apart."""
+    return all(size * dtype.itemsize % 16 == 0 for size in (dim, hidden))
+
+
 EXPERTS_BACKENDS = {"grouped_mm": GroupedMMExperts, "loop": LoopExperts}
 
 
 def build_experts(backend: str, num_experts: int, dim: int, hidden: int, device_type: str,
                   compute_dtype: torch.dtype, activation: str = "swiglu",
                   probs_in_activation: bool = False) -> Experts:
+    aligned = grouped_mm_aligned(dim, hidden, compute_dtype)
     if backend == "auto":
-        backend = "grouped_mm" if grouped_mm_supported(device_type, compute_dtype) else "loop"
+        backend = "grouped_mm" if grouped_mm_supported(device_type, compute_dtype) and aligned else "loop"
+    elif backend == "grouped_mm" and not aligned:
+        multiple = 16 // compute_dtype.itemsize
+        raise ConfigError(f"moe.experts_backend=grouped_mm needs model.dim ({dim}) and moe.expert_hidden "
+                          f"({hidden}) to be multiples of {multiple} in {str(compute_dtype)[6:]} (rows of "
+                          "16 bytes); use moe.experts_backend=auto or loop")
     act = (ProbsInActivation if probs_in_activation else PlainActivation)(ACTIVATIONS[activation])
     return EXPERTS_BACKENDS[backend](num_experts, dim, hidden, act)

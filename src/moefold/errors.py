@@ -1,8 +1,9 @@
 """User-facing errors.
 
 Anything a user can cause (a typo in a config, a missing data file, a corrupt checkpoint) raises a
-subclass of `UserError`. The CLI prints its message on one line and exits with status 2; everything
-else is a bug and keeps its traceback.
+subclass of `UserError`. The CLI prints its message on one line and exits with status 2, as it does
+for a job larger than the machine's memory (cli.py); everything else is a bug and keeps its
+traceback.
 """
 
 import os

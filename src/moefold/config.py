@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import functools
 import inspect
+import math
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -608,12 +609,22 @@ def _non_negative(cfg: Config, *keys: str) -> None:
         _require(value >= 0, f"{key}={value} must be >= 0")
 
 
+def _finite(cfg: Config) -> None:
+    """No option means anything at nan or ±inf (TOML and float() both accept them)."""
+    for key, tp in field_types().items():
+        if tp is float:
+            section, name = key.split(".")
+            value = getattr(getattr(cfg, section), name)
+            _require(math.isfinite(value), f"{key}={value} must be a finite number")
+
+
 def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
     _require(value in allowed, f"{key}={value!r} is not one of {', '.join(allowed)}")
 
 
 def validate(cfg: Config) -> None:
     """Raise ConfigError for the first invalid value, naming the field, the value and the rule."""
+    _finite(cfg)
     m, moe, t = cfg.model, cfg.moe, cfg.train
     _positive(cfg, "model.dim", "model.n_layers", "model.n_heads", "model.ffn_hidden",
               "model.rope_theta", "model.norm_eps", "model.init_std",
@@ -666,6 +677,7 @@ def _validate_model(m: ModelConfig) -> None:
     if m.attention == "mla":
         for key in ("kv_lora_rank", "qk_rope_head_dim", "v_head_dim"):
             _require(getattr(m, key) > 0, f"model.{key}={getattr(m, key)} must be > 0 for MLA")
+        _require(m.qk_nope_head_dim >= 0, f"model.qk_nope_head_dim={m.qk_nope_head_dim} must be >= 0")
         _require(m.qk_rope_head_dim % 2 == 0,
                  f"model.qk_rope_head_dim={m.qk_rope_head_dim} must be even for RoPE")
         _require(m.sliding_window == 0, "model.sliding_window needs model.attention='gqa'")
@@ -673,6 +685,11 @@ def _validate_model(m: ModelConfig) -> None:
         _require(m.rope_factor >= 1, f"model.rope_factor={m.rope_factor} must be >= 1")
         _require(m.rope_original_max_len > 0,
                  f"model.rope_original_max_len={m.rope_original_max_len} must be > 0")
+        _require(m.rope_theta > 1, f"model.rope_theta={m.rope_theta} must be > 1 for YaRN")
+        for key in ("yarn_beta_fast", "yarn_beta_slow"):  # rotations: their logarithm is taken
+            _require(getattr(m, key) > 0, f"model.{key}={getattr(m, key)} must be > 0")
+        for key in ("yarn_mscale", "yarn_mscale_all_dim"):
+            _require(getattr(m, key) >= 0, f"model.{key}={getattr(m, key)} must be >= 0")
 
 
 FP8_RECIPES = ("off", "tensorwise", "rowwise", "blockwise")

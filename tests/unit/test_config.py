@@ -30,6 +30,9 @@ def test_toml_round_trip(tmp_path):
     assert load_config(str(path)) == cfg
 
 
+YARN = {"model.rope_scaling": "yarn", "model.rope_factor": "4"}
+
+
 @pytest.mark.parametrize("overrides, message", [
     ({"moe.top_k": "9"}, "moe.top_k=9 exceeds moe.num_experts=8"),
     ({"moe.topk": "2"}, "unknown config key moe.topk; did you mean moe.top_k?"),
@@ -40,6 +43,12 @@ def test_toml_round_trip(tmp_path):
     ({"train.schedule": "linear"}, "train.schedule='linear' is not one of cosine, wsd, constant"),
     ({"parallel.ep": "3"}, "parallel.ep=3 does not divide moe.num_experts=8"),
     ({"parallel.vpp": "0"}, "parallel.vpp=0 must be >= 1"),
+    ({"train.lr": "nan"}, "train.lr=nan must be a finite number"),
+    ({"moe.capacity_factor": "inf"}, "moe.capacity_factor=inf must be a finite number"),
+    ({"model.attention": "mla", "model.qk_nope_head_dim": "-1"}, "model.qk_nope_head_dim=-1 must be >= 0"),
+    ({**YARN, "model.yarn_beta_slow": "0"}, "model.yarn_beta_slow=0.0 must be > 0"),
+    ({**YARN, "model.yarn_mscale_all_dim": "-1"}, "model.yarn_mscale_all_dim=-1.0 must be >= 0"),
+    ({**YARN, "model.rope_theta": "1"}, "model.rope_theta=1.0 must be > 1 for YaRN"),
     ({"moe.dense_layers": "0, 1"}, "moe.dense_layers='0, 1' is not a list (write it as [1, 2])"),
     ({"memory.recompute": "[attn]"}, """memory.recompute='[attn]' is not a list (write it as '["a", "b"]', strings in double quotes)"""),
 ])

@@ -38,6 +38,18 @@ def test_layer_matches_per_token_reference(seed):
         torch.testing.assert_close(p.grad, p_ref.grad, **tol, msg=lambda m: f"{name}: {m}\n{note}")
 
 
+@pytest.mark.parametrize("pad_to_capacity", [False, True])
+def test_a_capacity_above_the_tokens_keeps_every_copy(pad_to_capacity):
+    """capacity_factor=1e30: C is capped at T (no expert can get more), so nothing drops, no
+    int overflows, and padded groups hold T rows, not 1e30·T·K/E."""
+    cfg = dataclasses.replace(random_config(3), capacity_factor=1e30, pad_to_capacity=pad_to_capacity,
+                              drop_policy="probs")
+    layer, ref = build(cfg, 12, 3), build(cfg, 12, 3)
+    x_TD = torch.randn(10, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(layer(x_TD), reference_layer(x_TD, ref, cfg), rtol=1e-5, atol=1e-5)
+    assert layer.capacity.capacity(10, cfg.top_k) == 10
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("memory_efficient", [True, False])
 def test_experts_without_tokens_get_exact_zero_gradients(backend, memory_efficient):

@@ -14,7 +14,9 @@ from moefold.moe.router import count_tokens_per_expert
 
 
 def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
-    return math.ceil(capacity_factor * num_tokens * top_k / num_experts)
+    """C copies an expert keeps; never more than T, the most it can be sent (a token's top-k are
+    distinct experts), so a large factor keeps every copy without sizing padded groups past T."""
+    return min(num_tokens, math.ceil(capacity_factor * num_tokens * top_k / num_experts))
 
 
 class Dropless:

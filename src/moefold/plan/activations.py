@@ -176,8 +176,8 @@ def expert_rows(cfg: Config, sh: Shapes) -> int:
     moe = cfg.moe
     copies = sh.tokens // sh.tp * moe.top_k * sh.etp
     factor = sh.imbalance
-    if moe.pad_to_capacity:
-        factor = max(factor, moe.capacity_factor)
+    if moe.pad_to_capacity:  # C copies an expert, at most T (moe/capacity.py): E·T = T·K · E/K rows
+        factor = max(factor, min(moe.capacity_factor, moe.num_experts / moe.top_k))
     local_experts = moe.num_experts // sh.ep
     return int(copies * factor) + local_experts * (row_multiple(cfg, sh) - 1)
 

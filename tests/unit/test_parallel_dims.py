@@ -2,17 +2,20 @@
 and ParallelLayout's process groups on 4 gloo ranks."""
 
 import itertools
+import math
 
 import pytest
 import torch
 import torch.distributed as dist
 from ranks import run_ranks
 
+from moefold.config import load_config
 from moefold.errors import ConfigError
 from moefold.parallel.dims import (
     GROUPS,
     ParallelDims,
     ParallelLayout,
+    _groups,
     attention_coords,
     attention_mesh,
     expert_coords,
@@ -133,6 +136,40 @@ def test_size_errors(kwargs, message):
     with pytest.raises(ConfigError) as e:
         ParallelDims(**kwargs)
     assert str(e.value) == message
+
+
+def _unchecked(**sizes) -> ParallelDims:
+    """A ParallelDims built without __post_init__'s checks, to enumerate a layout they refuse."""
+    dims = object.__new__(ParallelDims)
+    for name, value in {"order": "tp-cp-ep-dp-pp", **sizes}.items():
+        object.__setattr__(dims, name, value)
+    return dims
+
+
+def test_pipeline_stage_check_agrees_with_enumerating_both_grids():
+    """The constant-time check (equal strides before pp in the order) against the pp groups of
+    the two grids enumerated rank by rank, for every order and small sizes."""
+    refused = 0
+    for order in map("-".join, itertools.permutations(["tp", "cp", "ep", "dp", "pp"])):
+        for tp, cp, pp, ep, etp in itertools.product([1, 2, 3], [1, 2], [1, 2, 3], [1, 2, 4], [1, 2]):
+            world = 2 * math.lcm(tp * cp * pp, etp * ep * pp)
+            dims = _unchecked(world=world, tp=tp, cp=cp, pp=pp, ep=ep, etp=etp, order=order)
+            same = group_ranks(dims, "pp") == _groups(dims, "expert", ("pp",))
+            try:
+                ParallelDims(world, tp, cp, pp, ep, etp, order)
+                accepted = True
+            except ConfigError as error:
+                assert "different pipeline stages" in str(error)
+                accepted = False
+            assert accepted == same, (order, world, tp, cp, pp, ep, etp)
+            refused += not accepted
+    assert refused > 1000  # the check refuses a good share of these layouts, not none
+
+
+def test_huge_sizes_are_refused_by_the_model_not_enumerated():
+    """parallel.tp=1e8 is one line about model.n_heads, not a walk over 1e8 ranks."""
+    with pytest.raises(ConfigError, match="parallel.tp=100000000 does not divide model.n_heads=4"):
+        load_config("tiny", {"parallel.tp": "100000000"})
 
 
 def test_smallest_world_fits_both_grids():

@@ -74,7 +74,7 @@ class ParallelDims:
                  f"{self.etp * self.ep * self.pp} (etp={self.etp}, ep={self.ep}, pp={self.pp})")
         # Megatron-Core asserts the same: a pipeline stage must hold the same ranks in both
         # layouts, or a stage's attention and experts would live on different GPUs.
-        _require(group_ranks(self, "pp") == _groups(self, "expert", ("pp",)),
+        _require(_same_pipeline_stages(self),
                  f"parallel.order={self.order!r} gives attention (dp={self.dp}) and experts "
                  f"(edp={self.edp}) different pipeline stages; put pp last")
 
@@ -142,6 +142,18 @@ def _grid_sizes(dims: ParallelDims, grid: str) -> dict[str, int]:
     if grid == "attention":
         return {"pp": dims.pp, "dp": dims.dp, "cp": dims.cp, "tp": dims.tp}
     return {"pp": dims.pp, "edp": dims.edp, "ep": dims.ep, "etp": dims.etp}
+
+
+def _same_pipeline_stages(dims: ParallelDims) -> bool:
+    """Whether both grids put every rank in the same pp group. A pp group is the ranks `stride`
+    apart, stride the product of the sizes before pp in the order; so the groups agree exactly
+    when the two grids' strides do (or pp = 1). O(1): no enumeration of a world of any size."""
+    names_before_pp = dims.order.split("-")[:dims.order.split("-").index("pp")]
+    attention, expert = _grid_sizes(dims, "attention"), _grid_sizes(dims, "expert")
+    expert_by_order = {_EXPERT_TO_ORDER[d]: size for d, size in expert.items()}
+    stride_attention = math.prod(attention.get(name, 1) for name in names_before_pp)
+    stride_expert = math.prod(expert_by_order.get(name, 1) for name in names_before_pp)
+    return dims.pp == 1 or stride_attention == stride_expert
 
 
 def _rank_at(dims: ParallelDims, grid: str, coord: Coord) -> int:

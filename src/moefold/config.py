@@ -635,13 +635,14 @@ def validate(cfg: Config) -> None:
                   "moe.first_k_dense", "train.warmup_steps",
                   "train.weight_decay", "train.grad_clip", "train.loss_chunk_tokens", "train.val_every", "train.seed",
                   "checkpoint.every", "logging.peak_tflops")
-    n_kv = m.n_kv_heads or m.n_heads
-    _require(m.n_heads % n_kv == 0,
-             f"model.n_heads={m.n_heads} must be a multiple of model.n_kv_heads={n_kv}")
-    _require(m.head_dim or m.dim % m.n_heads == 0,
-             f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}; set model.head_dim")
-    head_dim = m.head_dim or m.dim // m.n_heads
-    _require(head_dim % 2 == 0, f"model.head_dim={head_dim} must be even for RoPE")
+    if m.attention == "gqa":  # MLA's heads have their own sizes (model.qk_*_head_dim, v_head_dim)
+        n_kv = m.n_kv_heads or m.n_heads
+        _require(m.n_heads % n_kv == 0,
+                 f"model.n_heads={m.n_heads} must be a multiple of model.n_kv_heads={n_kv}")
+        _require(m.head_dim or m.dim % m.n_heads == 0,
+                 f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}; set model.head_dim")
+        head_dim = m.head_dim or m.dim // m.n_heads
+        _require(head_dim % 2 == 0, f"model.head_dim={head_dim} must be even for RoPE")
     _validate_moe(moe)
     _require(0.0 <= t.min_lr_ratio <= 1.0, f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
     _one_of("train.schedule", t.schedule, ("cosine", "wsd", "constant"))

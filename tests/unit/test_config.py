@@ -144,3 +144,12 @@ def test_tp_must_divide_the_tokens_of_a_micro_batch_and_the_sequence_under_sp():
     with pytest.raises(ConfigError, match=re.escape(
             "parallel.tp=2 does not divide the 3 tokens of a micro-batch")):
         load_config("tiny-qwen3", {**tp2_seq3, "parallel.sequence_parallel": "false"})
+
+
+def test_mla_heads_are_not_cut_from_model_dim():
+    """GQA's head_dim is dim // n_heads; MLA's heads have their own sizes, so 3 heads of a dim-64
+    model are fine there and refused only for GQA."""
+    cfg = load_config("tiny-deepseek", {"model.n_heads": "3"})
+    assert (cfg.model.dim % cfg.model.n_heads, cfg.model.attention) == (1, "mla")
+    with pytest.raises(ConfigError, match=re.escape("model.dim=64 is not divisible by model.n_heads=3")):
+        load_config("tiny-deepseek", {"model.n_heads": "3", "model.attention": "gqa", "model.rope_scaling": "none"})

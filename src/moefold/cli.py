@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import difflib
 import json
+import math
 import os
 import re
 import sys
@@ -320,8 +321,8 @@ def _plan(args: argparse.Namespace) -> int:
     from moefold.plan.report import format_plan
 
     cfg = load_config(args.config, _overrides(args))
-    if args.gpu_memory < 0:
-        raise UserError(f"--gpu-memory {args.gpu_memory:g} must be > 0")
+    if not 0 <= args.gpu_memory < math.inf:  # 0, the default, takes --device's
+        raise UserError(f"--gpu-memory {args.gpu_memory:g} must be a finite number > 0")
     if args.gpus is not None and args.gpus < 1:
         raise UserError(f"--gpus {args.gpus} must be >= 1")
     p = cfg.parallel

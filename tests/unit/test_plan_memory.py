@@ -217,6 +217,9 @@ def test_deepseek_v3_on_256_gpus(capsys):
     (["--config", "tiny-qwen3", "--parallel.pp", "2", "--parallel.vpp", "2"], "exceeds model.n_layers"),
     (["--config", "tiny-qwen3", "--moe-imbalance", "0.5"], "--moe-imbalance"),
     (["--config", "tiny-qwen3", "--gpus", "0"], "--gpus 0 must be >= 1"),
+    (["--config", "tiny-qwen3", "--moe-imbalance", "nan"], "--moe-imbalance=nan must be a finite number"),
+    (["--config", "tiny-qwen3", "--moe-imbalance", "inf"], "--moe-imbalance=inf must be a finite number"),
+    (["--config", "tiny-qwen3", "--gpu-memory", "nan"], "--gpu-memory nan must be a finite number"),
 ])
 def test_bad_input_is_one_line(args, message, capsys):
     assert main(["plan", "memory", *args]) == 2

@@ -43,6 +43,8 @@ Not modelled: the CUDA context, NCCL's own buffers and allocator fragmentation (
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 
 from moefold.config import Config
@@ -354,8 +356,9 @@ def predict_memory(cfg: Config, world_size: int, imbalance: float = 1.0,
     """The plan of the busiest GPU of `cfg` on `world_size` GPUs. `imbalance` (>= 1) multiplies
     the rows the busiest expert rank computes; `vocab_size` 0 takes the config's (or the byte
     tokenizer's 257, as training would)."""
-    if imbalance < 1:
-        raise ConfigError(f"--moe-imbalance={imbalance} must be >= 1 (1 is perfectly balanced routing)")
+    if not 1 <= imbalance < math.inf:
+        raise ConfigError(f"--moe-imbalance={imbalance} must be a finite number >= 1 (1 is perfectly "
+                          "balanced routing)")
     lay = _layout(cfg, world_size)
     vocab = vocab_size or cfg.model.vocab_size or 257
     chunks = model_chunks(cfg.model.n_layers, cfg.model.mtp_layers, lay.dims.pp, cfg.parallel.vpp)

@@ -202,6 +202,7 @@ def test_limit_script_runs(tmp_path, capsys):
     (["--config", "tinny"], "no such preset"),
     (["--config", "tiny", "--steps", "0"], "--steps 0 must be >= 1"),
     (["--config", "tiny", "--warmup", "-1"], "--warmup -1 must be >= 0"),
+    (["--config", "tiny", "--limit", "--limit-repeats", "0"], "--limit-repeats 0 must be >= 1"),
     (["--config", "tiny", "--model.dimm", "8"], "did you mean --model.dim"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, expected):

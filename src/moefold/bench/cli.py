@@ -20,6 +20,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise UserError(f"--warmup {args.warmup} must be >= 0")
     if args.profile_steps < 1:
         raise UserError(f"--profile-steps {args.profile_steps} must be >= 1")
+    if args.limit_repeats < 1:
+        raise UserError(f"--limit-repeats {args.limit_repeats} must be >= 1")
     if args.profile is not None:
         refuse_unwritable_dir(args.profile, "--profile")  # checked before the steps run, not after
     if args.json is not None:

@@ -273,6 +273,8 @@ def _check_generate_args(args: argparse.Namespace) -> None:
         raise UserError(f"--temperature {args.temperature} must be >= 0 (0 is greedy)")
     if args.top_k < 0:
         raise UserError(f"--top-k {args.top_k} must be >= 0 (0 samples among all tokens)")
+    if not 0 <= args.seed < 2**63:
+        raise UserError(f"--seed {args.seed} must be in [0, 2**63) (a torch.Generator's seed)")
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -648,6 +648,7 @@ def validate(cfg: Config) -> None:
     _one_of("train.schedule", t.schedule, ("cosine", "wsd", "constant"))
     _require(0.0 < t.decay_fraction <= 1.0,
              f"train.decay_fraction={t.decay_fraction} must be in (0, 1]")
+    _require(t.seed < 2**63, f"train.seed={t.seed} must be < 2**63 (torch's seeds are 64-bit)")
     _require(t.warmup_steps <= t.steps,
              f"train.warmup_steps={t.warmup_steps} exceeds train.steps={t.steps}")
     _require(0.0 <= t.beta1 < 1.0, f"train.beta1={t.beta1} must be in [0, 1)")

@@ -96,6 +96,7 @@ def test_generate_on_a_non_run(tmp_path, capsys):
     ("--temperature", "-1", "--temperature -1.0 must be >= 0 (0 is greedy)"),
     ("--temperature", "nan", "--temperature nan must be >= 0"),
     ("--top-k", "-1", "--top-k -1 must be >= 0"),
+    ("--seed", str(2**64), f"--seed {2**64} must be in [0, 2**63)"),
 ])
 def test_generate_refuses_bad_sampling_options_before_loading(tmp_path, capsys, option, value, expected):
     # tmp_path is no run: the options are checked first

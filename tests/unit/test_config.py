@@ -44,6 +44,7 @@ YARN = {"model.rope_scaling": "yarn", "model.rope_factor": "4"}
     ({"parallel.ep": "3"}, "parallel.ep=3 does not divide moe.num_experts=8"),
     ({"parallel.vpp": "0"}, "parallel.vpp=0 must be >= 1"),
     ({"train.lr": "nan"}, "train.lr=nan must be a finite number"),
+    ({"train.seed": str(2**64)}, f"train.seed={2**64} must be < 2**63"),
     ({"moe.capacity_factor": "inf"}, "moe.capacity_factor=inf must be a finite number"),
     ({"model.attention": "mla", "model.qk_nope_head_dim": "-1"}, "model.qk_nope_head_dim=-1 must be >= 0"),
     ({**YARN, "model.yarn_beta_slow": "0"}, "model.yarn_beta_slow=0.0 must be > 0"),

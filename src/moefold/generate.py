@@ -9,7 +9,7 @@ from moefold.checkpoint.dcp import load_checkpoint, resolve_checkpoint
 from moefold.config import config_from_toml
 from moefold.data.tokenizer import build_tokenizer
 from moefold.errors import CheckpointError
-from moefold.models.transformer import build_model
+from moefold.models.transformer import build_model, materialize
 from moefold.parallel.launch import resolve_device
 from moefold.train.trainer import resolve_compute_dtype
 
@@ -23,12 +23,14 @@ def load_model_from_run(run_dir: Path, device_name: str = "auto"):
     checkpoint = resolve_checkpoint(Path(run_dir), "--run-dir")
     device = resolve_device(device_name, "--device")
     tokenizer = build_tokenizer(cfg.data.tokenizer)
-    model = build_model(cfg, cfg.model.vocab_size or tokenizer.vocab_size, device.type,
-                        resolve_compute_dtype(cfg.precision.compute_dtype, device))
+    with torch.device("meta"):  # the checkpoint is read straight into the device's tensors
+        model = build_model(cfg, cfg.model.vocab_size or tokenizer.vocab_size, device.type,
+                            resolve_compute_dtype(cfg.precision.compute_dtype, device))
+    materialize(model, device)
     state = {"model": model.state_dict()}
     load_checkpoint(state, checkpoint)
     model.load_state_dict(state["model"])
-    return model.to(device).eval(), tokenizer, cfg
+    return model.eval(), tokenizer, cfg
 
 
 @torch.no_grad()

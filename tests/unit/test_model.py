@@ -8,7 +8,7 @@ import torch
 from moefold.config import load_config
 from moefold.models.attention import Attention
 from moefold.models.rope import apply_rope, rope_cos_sin
-from moefold.models.transformer import build_model, is_moe_layer
+from moefold.models.transformer import build_model, is_moe_layer, materialize
 from moefold.moe.layer import MoELayer
 from moefold.train.flops import count_params, train_flops_per_token
 from moefold.train.metrics import throughput
@@ -76,6 +76,29 @@ def test_a_config_without_moe_layers_builds_a_dense_transformer(no_moe):
     assert counts.active == counts.total - counts.embedding  # every weight but the lookup table computes
     model(torch.randint(0, 257, (2, 16))).sum().backward()
     assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("preset, overrides", [
+    ("tiny", {}), ("tiny", {"model.tie_embeddings": "true"}), ("tiny-deepseek", {}),  # MTP, expert bias
+])
+def test_built_on_meta_then_materialized_equals_built_in_place(preset, overrides):
+    """How the trainer builds (no host copy) against building on the CPU: same weights, buffers,
+    ties and outputs for the same seed."""
+    cfg = load_config(preset, overrides)
+    in_place = build_model(cfg, vocab_size=257)
+    in_place.init_weights(seed=3)
+    with torch.device("meta"):
+        lazy = build_model(cfg, vocab_size=257)
+    materialize(lazy, torch.device("cpu"))
+    lazy.init_weights(seed=3)
+    expected, got = in_place.state_dict(), lazy.state_dict()
+    assert list(got) == list(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(got[name], tensor), name
+    assert (lazy.output.weight is lazy.tok_embeddings.weight) == (overrides != {})
+    assert all(not b.is_meta for b in lazy.buffers()) and all(not p.is_meta for p in lazy.parameters())
+    ids = torch.randint(0, 257, (2, 16))
+    torch.testing.assert_close(lazy(ids), in_place(ids), rtol=0, atol=0)
 
 
 def test_tied_head_shares_the_embedding():

@@ -35,7 +35,7 @@ from torch import nn
 from moefold.checkpoint.hf_families import FAMILIES, Family, PerExpert, Rule, family_of
 from moefold.config import Config, validate
 from moefold.errors import CheckpointError, ConfigError
-from moefold.models.transformer import Transformer, build_model
+from moefold.models.transformer import Transformer, build_model, materialize
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
@@ -204,7 +204,7 @@ def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32,
         if cfg is not None:
             _refuse_other_shapes(model, build_model(own_cfg, own_cfg.model.vocab_size, device_type, dtype), path)
     _check_names(build_plan(model), file_of, path)  # before any memory is allocated
-    _materialise(model, dtype, torch.device(device))
+    materialize(model, torch.device(device), dtype)  # buffers zero, weights filled next
     _fill(build_plan(model), file_of, path)
     return model.eval()
 
@@ -330,30 +330,6 @@ def _drop_absent_mtp(cfg: Config, file_of: dict[str, Path], warn: bool = True) -
             warnings.warn(f"config.json asks for {cfg.model.mtp_layers} MTP layer(s) but the checkpoint "
                           f"has no {first_mtp}* tensors: loading without MTP modules", stacklevel=3)
         cfg.model.mtp_layers = 0
-
-
-def _materialise(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
-    """Uninitialised storage on `device` for a meta-device model: parameters in `dtype`, buffers in
-    their own dtype."""
-    owners: dict[int, list[tuple[nn.Module, str]]] = {}
-    for module in model.modules():
-        for name, p in module._parameters.items():
-            if p is not None:
-                owners.setdefault(id(p), []).append((module, name))
-                if p.is_floating_point():
-                    p.data = p.data.to(dtype)
-    model.to_empty(device=device)
-    # to_empty gives each module its own tensor when leaving the meta device: re-tie shared ones.
-    for (first, first_name), *others in owners.values():
-        for module, name in others:
-            setattr(module, name, getattr(first, first_name))
-    # Non-persistent buffers are the MoE layers' step counters and statistics, zero at build time;
-    # to_empty left them uninitialised.
-    persistent = model.state_dict(keep_vars=True)
-    with torch.no_grad():
-        for name, buf in model.named_buffers():
-            if name not in persistent:
-                buf.zero_()
 
 
 def _check_names(plan: Plan, file_of: dict[str, Path], path: Path) -> None:

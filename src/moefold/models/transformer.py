@@ -164,4 +164,27 @@ def build_model(cfg: Config, vocab_size: int, device_type: str = "cpu",
     return model
 
 
-__all__ = ["Transformer", "Block", "build_model", "is_moe_layer", "Experts"]
+def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype | None = None) -> None:
+    """Uninitialised storage on `device` for a model built under `torch.device("meta")`: its
+    parameters in `dtype` (None keeps theirs), those shared (a tied head) still shared, and every
+    buffer at zero, as `build_model` makes them (the MoE layers' counters and statistics, the
+    router's expert bias). Then `init_weights`, or load a checkpoint: no copy of the model is ever
+    made on the host, and no constructor's initialisation is computed only to be overwritten."""
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                owners.setdefault(id(p), []).append((module, name))
+                if dtype is not None and p.is_floating_point():
+                    p.data = p.data.to(dtype)
+    model.to_empty(device=device)
+    # to_empty gives each module its own tensor when leaving the meta device: re-tie shared ones.
+    for (first, first_name), *others in owners.values():
+        for module, name in others:
+            setattr(module, name, getattr(first, first_name))
+    with torch.no_grad():
+        for buffer in model.buffers():
+            buffer.zero_()
+
+
+__all__ = ["Transformer", "Block", "build_model", "materialize", "is_moe_layer", "Experts"]

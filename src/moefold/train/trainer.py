@@ -40,7 +40,7 @@ from moefold.data.tokenizer import build_tokenizer
 from moefold.errors import ConfigError, refuse_unwritable_dir
 from moefold.fp8.apply import apply_fp8
 from moefold.fp8.weight_cache import refresh_weight_caches
-from moefold.models.transformer import Transformer, build_model
+from moefold.models.transformer import Transformer, build_model, materialize
 from moefold.moe.stats import AUX_SUM, ENTROPY_SUM, ENTROPY_TOKENS, summarize
 from moefold.optim.adamw import GRAD_DTYPES, build_optimizer, clip_scaling
 from moefold.optim.schedule import build_scheduler
@@ -184,7 +184,9 @@ class Trainer:
                                   f"({model.vocab_size}) is smaller than the tokenizer's "
                                   f"({self.tokenizer.vocab_size}); set data.tokenizer")
         else:
-            model = build_model(cfg, self.vocab_size, self.device.type, self.compute_dtype)
+            with torch.device("meta"):  # built where it trains: no host copy, no wasted init
+                model = build_model(cfg, self.vocab_size, self.device.type, self.compute_dtype)
+            materialize(model, self.device)
             model.init_weights(cfg.train.seed)
         # FP8 GEMMs where precision.fp8 says. Parameters end up in the compute dtype unless fp32
         # masters train under bf16 autocast, where every linear casts its own copy of its input.

@@ -148,7 +148,8 @@ def _same_pipeline_stages(dims: ParallelDims) -> bool:
     """Whether both grids put every rank in the same pp group. A pp group is the ranks `stride`
     apart, stride the product of the sizes before pp in the order; so the groups agree exactly
     when the two grids' strides do (or pp = 1). O(1): no enumeration of a world of any size."""
-    names_before_pp = dims.order.split("-")[:dims.order.split("-").index("pp")]
+    names = dims.order.split("-")
+    names_before_pp = names[:names.index("pp")]
     attention, expert = _grid_sizes(dims, "attention"), _grid_sizes(dims, "expert")
     expert_by_order = {_EXPERT_TO_ORDER[d]: size for d, size in expert.items()}
     stride_attention = math.prod(attention.get(name, 1) for name in names_before_pp)

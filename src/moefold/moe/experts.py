@@ -145,9 +145,9 @@ def build_experts(backend: str, num_experts: int, dim: int, hidden: int, device_
     if backend == "auto":
         backend = "grouped_mm" if grouped_mm_supported(device_type, compute_dtype) and aligned else "loop"
     elif backend == "grouped_mm" and not aligned:
-        multiple = 16 // compute_dtype.itemsize
+        multiple, dtype_name = 16 // compute_dtype.itemsize, str(compute_dtype).removeprefix("torch.")
         raise ConfigError(f"moe.experts_backend=grouped_mm needs model.dim ({dim}) and moe.expert_hidden "
-                          f"({hidden}) to be multiples of {multiple} in {str(compute_dtype)[6:]} (rows of "
+                          f"({hidden}) to be multiples of {multiple} in {dtype_name} (rows of "
                           "16 bytes); use moe.experts_backend=auto or loop")
     act = (ProbsInActivation if probs_in_activation else PlainActivation)(ACTIVATIONS[activation])
     return EXPERTS_BACKENDS[backend](num_experts, dim, hidden, act)

@@ -595,17 +595,20 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def _value(cfg: Config, key: str) -> Any:
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name)
+
+
 def _positive(cfg: Config, *keys: str) -> None:
     for key in keys:
-        section, name = key.split(".")
-        value = getattr(getattr(cfg, section), name)
+        value = _value(cfg, key)
         _require(value > 0, f"{key}={value} must be > 0")
 
 
 def _non_negative(cfg: Config, *keys: str) -> None:
     for key in keys:
-        section, name = key.split(".")
-        value = getattr(getattr(cfg, section), name)
+        value = _value(cfg, key)
         _require(value >= 0, f"{key}={value} must be >= 0")
 
 
@@ -613,8 +616,7 @@ def _finite(cfg: Config) -> None:
     """No option means anything at nan or ±inf (TOML and float() both accept them)."""
     for key, tp in field_types().items():
         if tp is float:
-            section, name = key.split(".")
-            value = getattr(getattr(cfg, section), name)
+            value = _value(cfg, key)
             _require(math.isfinite(value), f"{key}={value} must be a finite number")
 
 

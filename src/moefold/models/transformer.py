@@ -22,6 +22,7 @@ from moefold.models.rope import RopeScaling, rope_cos_sin, yarn_softmax_scale_fa
 from moefold.moe.experts import Experts
 from moefold.moe.layer import MoELayer, build_moe_layer
 from moefold.moe.replay import RouterReplay
+from moefold.parallel.local import copy_whole_
 
 
 class Block(nn.Module):
@@ -86,7 +87,9 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """Normal(0, init_std) for every matrix, depth-scaled for the residual output projections
-        (GPT-2); ones for norms."""
+        (GPT-2); ones for norms. Each matrix is drawn whole, in order, from one seeded host
+        generator, so every device and every parallel layout gets the same weights: a parameter
+        already sharded (a DTensor, `parallelize` on the meta device) keeps its piece of the draw."""
         gen = torch.Generator(device="cpu").manual_seed(seed)
         std = self.cfg.model.init_std
         residual_std = std / math.sqrt(2 * len(self.layers))
@@ -96,7 +99,7 @@ class Transformer(nn.Module):
                 continue
             is_residual_out = name.endswith(("attn.wo.weight", "w2.weight", "w2_EFD"))
             sample = torch.randn(p.shape, generator=gen) * (residual_std if is_residual_out else std)
-            p.copy_(sample)
+            copy_whole_(p, sample)
 
 
 MLA_LATENT_NORM_EPS = 1e-6

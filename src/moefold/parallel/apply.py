@@ -1,11 +1,16 @@
 """`parallelize`: turn a built single-process model into its folded-parallel form on this rank.
 
-Every rank builds the same full model from the same seed, then calls `parallelize`, which keeps
-this rank's share: attention and dense MLPs (and shared experts) TP-sharded over the attention
-grid's tp, routed experts EP/ETP-sharded over the expert grid, each MoE layer dispatching only its
-TP rank's tokens and counting routed copies over the data ranks, and finally every parameter
-FSDP-sharded (or replicated) over its data-parallel mesh.
+Every rank builds the same full model, on the meta device (or, loaded from Hugging Face, filled on
+its device), then calls `parallelize`, which keeps this rank's share: attention and dense MLPs
+(and shared experts) TP-sharded over the attention grid's tp, routed experts EP/ETP-sharded over
+the expert grid, each MoE layer dispatching only its TP rank's tokens and counting routed copies
+over the data ranks, and finally every parameter FSDP-sharded (or replicated) over its
+data-parallel mesh. A model on the meta device is materialized and initialised only then, each
+rank allocating and filling its own pieces (`Trainer._build_model`), so no rank holds more of
+the model than its shards and the one whole weight being drawn.
 """
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -20,10 +25,13 @@ from moefold.parallel.tensor import apply_tp
 
 
 def parallelize(model: nn.Module, layout: ParallelLayout, cfg: ParallelConfig,
-                grad_dtype: torch.dtype | None = None):
+                grad_dtype: torch.dtype | None = None,
+                initialize: Callable[[nn.Module], None] | None = None):
     """Apply TP, EP/ETP and data parallelism in place; returns the gradient-sync strategy the
     trainer calls after each step's last backward (parallel/data.py). `grad_dtype`: the dtype
-    gradients are reduced in over the data ranks (optim.grad_dtype; None keeps the parameters')."""
+    gradients are reduced in over the data ranks (optim.grad_dtype; None keeps the parameters').
+    `initialize(model)` materializes and fills a model built on the meta device once it holds
+    only this rank's shards (None: the model is already filled)."""
     dims = layout.dims
     apply_tp(model, layout.tp_mesh, cfg.sequence_parallel)
     for layer in model.moe_layers():
@@ -31,4 +39,4 @@ def parallelize(model: nn.Module, layout: ParallelLayout, cfg: ParallelConfig,
         split_sequence_over_tp(layer, layout.tp_group)
         if dims.dp * dims.cp > 1:
             layer.count_routed = DataParallelCounts(layout.dp_cp_group)
-    return apply_data_parallel(model, layout, cfg.data_parallel, grad_dtype)
+    return apply_data_parallel(model, layout, cfg.data_parallel, grad_dtype, initialize)

@@ -64,14 +64,18 @@ class DataParallel:
         """After the optimizer step: bring the updated values into the parameters forward reads."""
 
 
-def apply_data_parallel(model: nn.Module, layout, mode: str,
-                        grad_dtype: torch.dtype | None = None) -> DataParallel:
+def apply_data_parallel(model: nn.Module, layout, mode: str, grad_dtype: torch.dtype | None = None,
+                        initialize=None) -> DataParallel:
     """Shard every parameter (fsdp) or its optimizer states (ddp: ZeRO-1) over its data-parallel
-    mesh; the model must already be on its device with TP/EP applied. `grad_dtype`: the dtype
-    gradients are reduced in (default: the parameters'). Returns the strategy the trainer calls."""
+    mesh, on a model with TP/EP applied. `grad_dtype`: the dtype gradients are reduced in
+    (default: the parameters'). `initialize(model)`, if given, materializes and fills a model on
+    the meta device: after FSDP has sharded it, before ZeRO-1 views its (replicated) parameters.
+    Returns the strategy the trainer calls."""
+    initialize = initialize or (lambda model: None)
     if mode == "ddp":  # zero.py builds on this module: imported here
         from moefold.parallel.zero import Zero1DataParallel
 
+        initialize(model)
         return Zero1DataParallel(model, layout, grad_dtype)
     from torch.distributed.fsdp import (
         MixedPrecisionPolicy,
@@ -97,6 +101,7 @@ def apply_data_parallel(model: nn.Module, layout, mode: str,
     # parameters (embeddings, final norm, head) as forward does. The root keeps them gathered
     # until backward, so the head and the MTP modules can use them after trunk returns.
     register_fsdp_forward_method(model, "trunk")
+    initialize(model)
     return DataParallel(model)
 
 

@@ -79,6 +79,13 @@ def _refuse_weight_cache_over_fsdp(cfg: Config, layout) -> None:
                           "parallel.data_parallel=ddp, or set precision.fp8_weight_cache=false")
 
 
+def _materialize_and_init(model: Transformer, device: torch.device, seed: int) -> None:
+    """Storage on `device` for a model on the meta device (only this rank's shards, once it is
+    parallelized), then its initial weights: the same on every device and layout."""
+    materialize(model, device)
+    model.init_weights(seed)
+
+
 def run_dir_holds_run(run_dir: Path) -> bool:
     return (run_dir / "config.toml").exists() or (run_dir / "checkpoints").exists()
 
@@ -183,11 +190,13 @@ class Trainer:
                 raise ConfigError(f"--init-from-hf {self.init_from_hf}: its vocabulary "
                                   f"({model.vocab_size}) is smaller than the tokenizer's "
                                   f"({self.tokenizer.vocab_size}); set data.tokenizer")
+            initialize = None  # filled already
         else:
-            with torch.device("meta"):  # built where it trains: no host copy, no wasted init
+            # Built on the meta device, allocated and drawn where it trains once parallelized:
+            # no host copy, no wasted constructor init, and each rank holds only its shards.
+            with torch.device("meta"):
                 model = build_model(cfg, self.vocab_size, self.device.type, self.compute_dtype)
-            materialize(model, self.device)
-            model.init_weights(cfg.train.seed)
+            initialize = partial(_materialize_and_init, device=self.device, seed=cfg.train.seed)
         # FP8 GEMMs where precision.fp8 says. Parameters end up in the compute dtype unless fp32
         # masters train under bf16 autocast, where every linear casts its own copy of its input.
         autocast_over_fp32 = cfg.optim.master_dtype == "fp32" and self.compute_dtype != torch.float32
@@ -198,7 +207,7 @@ class Trainer:
                      "(docs/fp8.md)" + ("; with several micro-batches a step, precision.fp8_weight_cache=true "
                                         "quantizes the experts' weights once a step"
                                         if self.grad_accum > 1 and not cfg.precision.fp8_weight_cache else ""))
-        self.model: Transformer = model.to(self.device)
+        self.model: Transformer = model
         for layer in self.model.moe_layers():
             layer.aux_loss_scale = 1.0 / self.grad_accum  # the CE loss is averaged the same way
         loss_fn = compile_loss(cross_entropy_loss) if cfg.train.compile else cross_entropy_loss
@@ -208,7 +217,10 @@ class Trainer:
         self.data_parallel = DataParallel(self.model)  # the optimizer updates the model itself
         if self.dist.layout is not None:
             grad_dtype = GRAD_DTYPES[cfg.optim.grad_dtype] if cfg.optim.grad_dtype != "fp32" else None
-            self.data_parallel = parallelize(self.model, self.dist.layout, cfg.parallel, grad_dtype)
+            self.data_parallel = parallelize(self.model, self.dist.layout, cfg.parallel, grad_dtype,
+                                             initialize)
+        elif initialize is not None:
+            initialize(self.model)
         if cfg.train.compile:
             compile_blocks(self.model)
         self.peak_tflops = peak_tflops(self.device, cfg.logging.peak_tflops)

@@ -1,0 +1,96 @@
+"""A parallel run builds its model on the meta device and allocates it only once it is sharded:
+each rank holds and initialises its own pieces, and those are the one-process model's weights
+(the same seed draws the same whole weights, and each rank keeps its piece), for every layout.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import write_text_corpus
+from layouts import config
+from ranks import run_ranks
+from torch.distributed.tensor import DTensor
+
+from moefold.models.transformer import build_model
+from moefold.train.trainer import Trainer
+
+# World 4: (name, model, dp, parallel sizes, overrides): FSDP over TP shards (strided pieces) with a
+# tied head; EP·ETP experts under FSDP over edp; ZeRO-1's replicated parameters with TP and EP.
+LAYOUTS = [
+    ("fsdp-dp2-tp2-tied", "qwen3", 2, dict(tp=2), {"model.tie_embeddings": "true"}),
+    ("fsdp-tp2-etp2-ep2", "deepseek", 2, dict(tp=2, etp=2, ep=2), {}),
+    ("ddp-tp2-ep2", "qwen3", 2, dict(tp=2, ep=2, data_parallel="ddp"), {}),
+]
+
+# A model of ~107M parameters (428 MB in fp32), mostly experts, none larger than 16 MB.
+LARGE = {"model.dim": "512", "model.n_layers": "8", "model.n_heads": "8", "model.head_dim": "64",
+         "model.n_kv_heads": "4", "moe.num_experts": "16", "moe.expert_hidden": "512"}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_text_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _compare_with_one_process(rank: int, corpus: Path, root: Path, out: Path) -> None:
+    mismatches = []
+    for name, model, dp, parallel, overrides in LAYOUTS:
+        cfg = config(model, corpus, dp, extra=overrides, **parallel)
+        trainer = Trainer(cfg, root / name, out=lambda line: None)
+        sharded = dict(trainer.model.named_parameters())
+        reference = build_model(cfg, trainer.vocab_size)
+        reference.init_weights(cfg.train.seed)
+        expected = dict(reference.named_parameters())
+        if sharded.keys() != expected.keys():
+            mismatches.append(f"{name}: parameter names differ")
+        for pname, p in expected.items():
+            got = _whole(sharded[pname]) if pname in sharded else None
+            if got is None or not torch.equal(got.detach().float(), p.detach().float()):
+                mismatches.append(f"{name}: {pname}")
+        if overrides and trainer.model.output.weight is not trainer.model.tok_embeddings.weight:
+            mismatches.append(f"{name}: the head is no longer tied to the embeddings")
+        if not any(isinstance(p, DTensor) and p.to_local().numel() < p.numel() for p in sharded.values()):
+            mismatches.append(f"{name}: nothing is sharded")
+    if rank == 0:
+        torch.save(mismatches, out)
+
+
+def test_sharded_model_starts_from_the_one_process_weights(corpus, tmp_path):
+    out = tmp_path / "mismatches.pt"
+    run_ranks(4, _compare_with_one_process, corpus, tmp_path, out)
+    assert torch.load(out) == []
+
+
+def _rss_bytes(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no {field} in /proc/self/status")
+
+
+def _peak_growth_while_building(rank: int, corpus: Path, root: Path, out: Path) -> None:
+    cfg = config("qwen3", corpus, dp=4, extra=LARGE)
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM, the peak resident size
+    before = _rss_bytes("VmRSS")
+    trainer = Trainer(cfg, root, out=lambda line: None)
+    growth = _rss_bytes("VmHWM") - before
+    model_bytes = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
+    if rank == 0:
+        torch.save({"growth": growth, "model_bytes": model_bytes}, out)
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's peak-RSS reset")
+def test_no_rank_allocates_the_whole_model(corpus, tmp_path):
+    """FSDP over 4 ranks: a rank's peak memory while the trainer builds grows by its quarter of the
+    weights, their optimizer states and one whole weight being drawn: well under the whole model,
+    which a rank allocating the model before sharding it would exceed."""
+    out = tmp_path / "peak.pt"
+    run_ranks(4, _peak_growth_while_building, corpus, tmp_path / "run", out)
+    result = torch.load(out)
+    assert result["model_bytes"] > 400e6
+    assert result["growth"] < 0.75 * result["model_bytes"], result

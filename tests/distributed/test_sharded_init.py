@@ -1,6 +1,7 @@
 """A parallel run builds its model on the meta device and allocates it only once it is sharded:
-each rank holds and initialises its own pieces, and those are the one-process model's weights
-(the same seed draws the same whole weights, and each rank keeps its piece), for every layout.
+each rank holds and fills its own pieces, and those are the one-process model's weights (the same
+seed draws the same whole weights, or `--init-from-hf` reads the same checkpoint, and each rank
+keeps its piece), for every layout.
 """
 
 from pathlib import Path
@@ -12,18 +13,26 @@ from layouts import config
 from ranks import run_ranks
 from torch.distributed.tensor import DTensor
 
+from moefold.checkpoint.hf import load_pretrained, save_pretrained
+from moefold.data.tokenizer import build_tokenizer
 from moefold.models.transformer import build_model
 from moefold.train.trainer import Trainer
 
-# World 4: (name, model, dp, parallel sizes, overrides): FSDP over TP shards (strided pieces) with a
-# tied head; EP·ETP experts under FSDP over edp; ZeRO-1's replicated parameters with TP and EP.
+HF_VOCAB = {"model.vocab_size": str(build_tokenizer("").vocab_size)}  # config.json's, as the CLI sets it
+
+# World 4: (name, model, dp, parallel sizes, overrides, from a Hugging Face checkpoint): FSDP over
+# TP shards (strided pieces) with a tied head; EP·ETP experts under FSDP over edp; ZeRO-1's
+# replicated parameters with TP and EP; a DeepSeek checkpoint (MTP's copies of the shared tensors,
+# the expert bias) loaded into FSDP·TP·EP pieces and a tied Qwen3 one into FSDP·TP pieces.
 LAYOUTS = [
-    ("fsdp-dp2-tp2-tied", "qwen3", 2, dict(tp=2), {"model.tie_embeddings": "true"}),
-    ("fsdp-tp2-etp2-ep2", "deepseek", 2, dict(tp=2, etp=2, ep=2), {}),
-    ("ddp-tp2-ep2", "qwen3", 2, dict(tp=2, ep=2, data_parallel="ddp"), {}),
+    ("fsdp-dp2-tp2-tied", "qwen3", 2, dict(tp=2), {"model.tie_embeddings": "true"}, False),
+    ("fsdp-tp2-etp2-ep2", "deepseek", 2, dict(tp=2, etp=2, ep=2), {}, False),
+    ("ddp-tp2-ep2", "qwen3", 2, dict(tp=2, ep=2, data_parallel="ddp"), {}, False),
+    ("hf-fsdp-tp2-ep2", "deepseek", 2, dict(tp=2, ep=2), HF_VOCAB, True),
+    ("hf-fsdp-dp2-tp2-tied", "qwen3", 2, dict(tp=2), {**HF_VOCAB, "model.tie_embeddings": "true"}, True),
 ]
 
-# A model of ~107M parameters (428 MB in fp32), mostly experts, none larger than 16 MB.
+# A model of ~107M parameters (429 MB in fp32), mostly experts, none larger than 16 MB.
 LARGE = {"model.dim": "512", "model.n_layers": "8", "model.n_heads": "8", "model.head_dim": "64",
          "model.n_kv_heads": "4", "moe.num_experts": "16", "moe.expert_hidden": "512"}
 
@@ -37,14 +46,26 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def _write_hf_checkpoint(cfg, path: Path) -> Path:
+    """A checkpoint of other weights than the run's seed draws, so that a run ignoring it fails."""
+    model = build_model(cfg, cfg.model.vocab_size)
+    model.init_weights(cfg.train.seed + 1)
+    save_pretrained(model, path)
+    return path
+
+
 def _compare_with_one_process(rank: int, corpus: Path, root: Path, out: Path) -> None:
     mismatches = []
-    for name, model, dp, parallel, overrides in LAYOUTS:
+    for name, model, dp, parallel, overrides, from_hf in LAYOUTS:
         cfg = config(model, corpus, dp, extra=overrides, **parallel)
-        trainer = Trainer(cfg, root / name, out=lambda line: None)
+        hf_dir = root / f"hf-{name}" if from_hf else None
+        trainer = Trainer(cfg, root / name, out=lambda line: None, init_from_hf=hf_dir)
         sharded = dict(trainer.model.named_parameters())
-        reference = build_model(cfg, trainer.vocab_size)
-        reference.init_weights(cfg.train.seed)
+        if from_hf:
+            reference = load_pretrained(hf_dir)
+        else:
+            reference = build_model(cfg, trainer.vocab_size)
+            reference.init_weights(cfg.train.seed)
         expected = dict(reference.named_parameters())
         if sharded.keys() != expected.keys():
             mismatches.append(f"{name}: parameter names differ")
@@ -52,7 +73,8 @@ def _compare_with_one_process(rank: int, corpus: Path, root: Path, out: Path) ->
             got = _whole(sharded[pname]) if pname in sharded else None
             if got is None or not torch.equal(got.detach().float(), p.detach().float()):
                 mismatches.append(f"{name}: {pname}")
-        if overrides and trainer.model.output.weight is not trainer.model.tok_embeddings.weight:
+        tied = trainer.model.output.weight is trainer.model.tok_embeddings.weight
+        if "model.tie_embeddings" in overrides and not tied:
             mismatches.append(f"{name}: the head is no longer tied to the embeddings")
         if not any(isinstance(p, DTensor) and p.to_local().numel() < p.numel() for p in sharded.values()):
             mismatches.append(f"{name}: nothing is sharded")
@@ -61,6 +83,9 @@ def _compare_with_one_process(rank: int, corpus: Path, root: Path, out: Path) ->
 
 
 def test_sharded_model_starts_from_the_one_process_weights(corpus, tmp_path):
+    for name, model, dp, _, overrides, from_hf in LAYOUTS:
+        if from_hf:
+            _write_hf_checkpoint(config(model, corpus, dp, extra=overrides), tmp_path / f"hf-{name}")
     out = tmp_path / "mismatches.pt"
     run_ranks(4, _compare_with_one_process, corpus, tmp_path, out)
     assert torch.load(out) == []
@@ -73,11 +98,11 @@ def _rss_bytes(field: str) -> int:
     raise AssertionError(f"no {field} in /proc/self/status")
 
 
-def _peak_growth_while_building(rank: int, corpus: Path, root: Path, out: Path) -> None:
-    cfg = config("qwen3", corpus, dp=4, extra=LARGE)
+def _peak_growth_while_building(rank: int, corpus: Path, hf_dir: Path | None, root: Path, out: Path) -> None:
+    cfg = config("qwen3", corpus, dp=4, extra={**LARGE, **HF_VOCAB})
     Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM, the peak resident size
     before = _rss_bytes("VmRSS")
-    trainer = Trainer(cfg, root, out=lambda line: None)
+    trainer = Trainer(cfg, root, out=lambda line: None, init_from_hf=hf_dir)
     growth = _rss_bytes("VmHWM") - before
     model_bytes = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
     if rank == 0:
@@ -85,12 +110,18 @@ def _peak_growth_while_building(rank: int, corpus: Path, root: Path, out: Path) 
 
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's peak-RSS reset")
-def test_no_rank_allocates_the_whole_model(corpus, tmp_path):
+@pytest.mark.parametrize("init", ["seed", "hf"])
+def test_no_rank_allocates_the_whole_model(init, corpus, tmp_path):
     """FSDP over 4 ranks: a rank's peak memory while the trainer builds grows by its quarter of the
-    weights, their optimizer states and one whole weight being drawn: well under the whole model,
-    which a rank allocating the model before sharding it would exceed."""
+    weights, their optimizer states and one whole weight being drawn or read: well under the whole
+    model, which a rank allocating the model before sharding it would exceed (as would one keeping
+    the checkpoint's file mapped: its pages count as the process's memory)."""
+    hf_dir = None
+    if init == "hf":
+        cfg = config("qwen3", corpus, dp=4, extra={**LARGE, **HF_VOCAB})
+        hf_dir = _write_hf_checkpoint(cfg, tmp_path / "hf")
     out = tmp_path / "peak.pt"
-    run_ranks(4, _peak_growth_while_building, corpus, tmp_path / "run", out)
+    run_ranks(4, _peak_growth_while_building, corpus, hf_dir, tmp_path / "run", out)
     result = torch.load(out)
     assert result["model_bytes"] > 400e6
     assert result["growth"] < 0.75 * result["model_bytes"], result

@@ -25,25 +25,28 @@ import shutil
 import struct
 import warnings
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from moefold.checkpoint.hf_families import FAMILIES, Family, PerExpert, Rule, family_of
 from moefold.config import Config, validate
 from moefold.errors import CheckpointError, ConfigError
 from moefold.models.transformer import Transformer, build_model, materialize
+from moefold.parallel.local import copy_whole_
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 _SHARD = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
 
-__all__ = ["config_from_hf", "hf_config_from", "load_pretrained", "convert_to_run_checkpoint",
-           "save_pretrained", "hf_tensors", "build_plan", "FAMILIES"]
+__all__ = ["config_from_hf", "hf_config_from", "load_pretrained", "pretrained_on_meta", "fill_pretrained",
+           "convert_to_run_checkpoint", "save_pretrained", "hf_tensors", "build_plan", "FAMILIES"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -185,7 +188,18 @@ def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32,
     Parameters are `dtype` (buffers such as the expert bias keep fp32); the model is built on the
     meta device and materialised once on `device`, then filled one tensor at a time. Every
     checkpoint tensor must map to the model and every model tensor must be filled, else
-    CheckpointError names them.
+    CheckpointError names them. `cfg`: as `pretrained_on_meta`'s."""
+    model = pretrained_on_meta(path, torch.device(device).type, dtype, cfg)
+    materialize(model, torch.device(device), dtype)  # buffers zero, weights filled next
+    fill_pretrained(model, path)
+    return model.eval()
+
+
+def pretrained_on_meta(path: str | Path, device_type: str = "cpu", dtype: torch.dtype = torch.float32,
+                       cfg: Config | None = None) -> Transformer:
+    """The model of checkpoint directory `path` on the meta device, its tensor names checked against
+    the checkpoint's: `materialize` it (or parallelize it first, then materialize its pieces), then
+    `fill_pretrained`. `device_type` and `dtype` pick the experts backend, as in `build_model`.
 
     `cfg`: build the model from this config (config.json's [model] and [moe] with a run's
     overrides, `train --init-from-hf`) instead of config.json's own; an override that changes a
@@ -197,16 +211,20 @@ def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32,
     _drop_absent_mtp(own_cfg, file_of)
     if cfg is not None:
         _drop_absent_mtp(cfg, file_of, warn=False)  # warned once above
-    device_type = torch.device(device).type
     model_cfg = cfg or own_cfg
     with torch.device("meta"):
         model = build_model(model_cfg, model_cfg.model.vocab_size, device_type, dtype)
         if cfg is not None:
             _refuse_other_shapes(model, build_model(own_cfg, own_cfg.model.vocab_size, device_type, dtype), path)
     _check_names(build_plan(model), file_of, path)  # before any memory is allocated
-    materialize(model, torch.device(device), dtype)  # buffers zero, weights filled next
-    _fill(build_plan(model), file_of, path)
-    return model.eval()
+    return model
+
+
+def fill_pretrained(model: Transformer, path: str | Path) -> None:
+    """Fill `model` (from `pretrained_on_meta`, materialized: whole tensors, or a parallelized
+    model's DTensor pieces) with checkpoint directory `path`'s tensors."""
+    path = Path(path)
+    _fill(build_plan(model), _tensor_files(path), path)
 
 
 SCRATCH = ".convert-tmp"
@@ -352,31 +370,50 @@ def _names(names: list[str], limit: int = 12) -> str:
 
 @torch.no_grad()
 def _fill(plan: Plan, file_of: dict[str, Path], path: Path) -> None:
+    """Every moefold tensor of `plan` from its checkpoint tensors, one tensor at a time: a plain
+    tensor in place; a DTensor (one rank's piece) assembled whole on the host, then cut to its
+    piece. The checkpoint's duplicates (MTP's copies, a tied head) must equal what they repeat."""
+    hf_of: dict[str, list[str]] = {}
+    for hf, slot in plan.slots.items():
+        hf_of.setdefault(slot.ours, []).append(hf)
+    repeats: dict[str, list[str]] = {}
+    for hf in file_of:
+        if hf in plan.copies or hf in plan.aliases:
+            repeats.setdefault(plan.copies.get(hf) or plan.aliases[hf], []).append(hf)
+    for ours, target in plan.tensors.items():
+        with _reading(file_of) as read:
+            whole = torch.empty(target.shape, dtype=target.dtype) if isinstance(target, DTensor) else target
+            for hf in hf_of.get(ours, ()):
+                _copy_in(whole, plan.slots[hf], hf, read(hf), file_of[hf])
+            for hf in repeats.get(ours, ()):
+                src = read(hf)
+                if src.shape != whole.shape or not torch.equal(src.to(whole.device, whole.dtype), whole):
+                    original = next(name for name, slot in plan.slots.items() if slot == Slot(ours))
+                    raise CheckpointError(f"checkpoint {path}: {hf} must equal {original}, the shared "
+                                          "tensor it duplicates, but differs")
+            if whole is not target:
+                copy_whole_(target, whole)
+
+
+@contextmanager
+def _reading(file_of: dict[str, Path]) -> Iterator[Callable[[str], torch.Tensor]]:
+    """`read(name)`: a checkpoint tensor, from its file, opened once in the block. The files are
+    closed when it ends: the pages of a mapped file count as the process's memory until then."""
     from safetensors import safe_open
 
-    by_file: dict[Path, list[str]] = {}
-    for name, file in file_of.items():
-        by_file.setdefault(file, []).append(name)
-    for file, names in sorted(by_file.items()):
-        with safe_open(file, framework="pt", device="cpu") as f:
-            for name in names:
-                if name in plan.slots:
-                    _copy_in(plan, name, f.get_tensor(name), file)
-    # Copies last: they are compared with tensors another shard may fill.
-    for name in [n for n in file_of if n in plan.copies or n in plan.aliases]:
-        with safe_open(file_of[name], framework="pt", device="cpu") as f:
-            src = f.get_tensor(name)
-        ours = plan.copies.get(name) or plan.aliases[name]
-        target = plan.tensors[ours]
-        if src.shape != target.shape or not torch.equal(src.to(target.device, target.dtype), target):
-            original = next(hf for hf, slot in plan.slots.items() if slot == Slot(ours))
-            raise CheckpointError(f"checkpoint {path}: {name} must equal {original}, the shared tensor "
-                                  "it duplicates, but differs")
+    with ExitStack() as stack:
+        opened: dict[Path, Any] = {}
+
+        def read(name: str) -> torch.Tensor:
+            file = file_of[name]
+            if file not in opened:
+                opened[file] = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
+            return opened[file].get_tensor(name)
+
+        yield read
 
 
-def _copy_in(plan: Plan, name: str, src: torch.Tensor, file: Path) -> None:
-    slot = plan.slots[name]
-    target = plan.tensors[slot.ours]
+def _copy_in(target: torch.Tensor, slot: Slot, name: str, src: torch.Tensor, file: Path) -> None:
     expected = _hf_shape(target, slot.expert)
     if tuple(src.shape) != expected:
         raise CheckpointError(f"{file.name}: {name} has shape {list(src.shape)}, the model expects "

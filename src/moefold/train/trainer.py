@@ -79,11 +79,13 @@ def _refuse_weight_cache_over_fsdp(cfg: Config, layout) -> None:
                           "parallel.data_parallel=ddp, or set precision.fp8_weight_cache=false")
 
 
-def _materialize_and_init(model: Transformer, device: torch.device, seed: int) -> None:
+def _materialize_and_fill(model: Transformer, device: torch.device,
+                          fill: Callable[[Transformer], None]) -> None:
     """Storage on `device` for a model on the meta device (only this rank's shards, once it is
-    parallelized), then its initial weights: the same on every device and layout."""
+    parallelized), then `fill` its weights: each drawn or loaded whole and cut to the rank's piece,
+    so every device and layout gets the same ones."""
     materialize(model, device)
-    model.init_weights(seed)
+    fill(model)
 
 
 def run_dir_holds_run(run_dir: Path) -> bool:
@@ -180,23 +182,25 @@ class Trainer:
 
     def _build_model(self) -> None:
         cfg = self.cfg
+        # Built on the meta device, allocated and filled where it trains once parallelized: no
+        # host copy, no wasted constructor init, and each rank holds only its shards.
         if self.init_from_hf is not None:
-            from moefold.checkpoint.hf import (
-                load_pretrained,  # needs safetensors (the hf extra)
+            from moefold.checkpoint.hf import (  # needs safetensors (the hf extra)
+                fill_pretrained,
+                pretrained_on_meta,
             )
 
-            model = load_pretrained(self.init_from_hf, device=self.device, cfg=cfg).train()
+            model = pretrained_on_meta(self.init_from_hf, self.device.type, self.compute_dtype, cfg=cfg)
             if model.vocab_size < self.tokenizer.vocab_size:
                 raise ConfigError(f"--init-from-hf {self.init_from_hf}: its vocabulary "
                                   f"({model.vocab_size}) is smaller than the tokenizer's "
                                   f"({self.tokenizer.vocab_size}); set data.tokenizer")
-            initialize = None  # filled already
+            fill = partial(fill_pretrained, path=self.init_from_hf)
         else:
-            # Built on the meta device, allocated and drawn where it trains once parallelized:
-            # no host copy, no wasted constructor init, and each rank holds only its shards.
             with torch.device("meta"):
                 model = build_model(cfg, self.vocab_size, self.device.type, self.compute_dtype)
-            initialize = partial(_materialize_and_init, device=self.device, seed=cfg.train.seed)
+            fill = partial(Transformer.init_weights, seed=cfg.train.seed)
+        initialize = partial(_materialize_and_fill, device=self.device, fill=fill)
         # FP8 GEMMs where precision.fp8 says. Parameters end up in the compute dtype unless fp32
         # masters train under bf16 autocast, where every linear casts its own copy of its input.
         autocast_over_fp32 = cfg.optim.master_dtype == "fp32" and self.compute_dtype != torch.float32
@@ -219,7 +223,7 @@ class Trainer:
             grad_dtype = GRAD_DTYPES[cfg.optim.grad_dtype] if cfg.optim.grad_dtype != "fp32" else None
             self.data_parallel = parallelize(self.model, self.dist.layout, cfg.parallel, grad_dtype,
                                              initialize)
-        elif initialize is not None:
+        else:
             initialize(self.model)
         if cfg.train.compile:
             compile_blocks(self.model)

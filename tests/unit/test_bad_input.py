@@ -65,6 +65,20 @@ def test_existing_run_is_not_overwritten(finished_run, tiny_args, capsys):
     assert snapshot(finished_run) == before
 
 
+def test_run_without_checkpoint_is_not_overwritten_nor_offered_to_resume(finished_run, tmp_path, tiny_args, capsys):
+    """A run that stopped before its first save: --resume could not continue it, so the refusal
+    does not suggest it."""
+    early = tmp_path / "early"
+    early.mkdir()
+    for name in ("config.toml", "metrics.jsonl"):
+        (early / name).write_bytes((finished_run / name).read_bytes())
+    before = snapshot(early)
+    line = error_line(capsys, ["train", "--run-dir", str(early), *tiny_args])
+    assert "saved no checkpoint to resume" in line and "--resume" not in line
+    assert "no complete checkpoint" in error_line(capsys, ["train", "--resume", str(early)])
+    assert snapshot(early) == before
+
+
 @pytest.mark.parametrize("argv, expected", [
     (["--moe.topk", "4"], "unknown option --moe.topk; did you mean --moe.top_k?"),
     (["--train.lr", "-1"], "train.lr=-1.0 must be > 0"),

@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from moefold.checkpoint.dcp import (
     checkpoint_keys,
+    latest_checkpoint,
     load_checkpoint,
     resolve_checkpoint,
     rng_state,
@@ -95,9 +96,13 @@ def run_dir_holds_run(run_dir: Path) -> bool:
 def refuse_run_dir(run_dir: Path, resuming: bool) -> None:
     """--run-dir checked before any work: writable, and free of another run unless it is resumed."""
     refuse_unwritable_dir(run_dir)
-    if not resuming and run_dir_holds_run(run_dir):
-        raise ConfigError(f"--run-dir {run_dir} already holds a run; continue it with "
-                          f"--resume {run_dir} or choose another --run-dir")
+    if resuming or not run_dir_holds_run(run_dir):
+        return
+    if latest_checkpoint(run_dir) is None:  # stopped (or still running) before its first save
+        raise ConfigError(f"--run-dir {run_dir} already holds a run that saved no checkpoint to resume; "
+                          "choose another --run-dir, or delete that one")
+    raise ConfigError(f"--run-dir {run_dir} already holds a run; continue it with "
+                      f"--resume {run_dir} or choose another --run-dir")
 
 
 @dataclasses.dataclass

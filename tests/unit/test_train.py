@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cli
+from conftest import TINY_OVERRIDES, run_cli
 from moefold.checkpoint.dcp import complete_checkpoints, latest_checkpoint
 from moefold.cli import main
 
@@ -154,3 +154,30 @@ def test_cli_process_exit_code_and_one_line_error(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip() == "moefold: error: moe.top_k=9 exceeds moe.num_experts=8"
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("master", ["fp32", "bf16", "bf16+remainder"])
+def test_weights_only_checkpoint_is_what_the_masters_start_from(tmp_path, text_corpus, master):
+    """A weights-only checkpoint (what `moefold convert --from-hf` writes) is loaded before the
+    optimizer exists: its masters are the checkpoint's fp32 weights (rounded, for bf16 masters),
+    not a remainder left over from weights drawn and then overwritten."""
+    import torch
+
+    from moefold.checkpoint.dcp import save_weights_only
+    from moefold.config import load_config, to_toml
+    from moefold.models.transformer import build_model
+    from moefold.train.trainer import Trainer
+
+    cfg = load_config("tiny", {**TINY_OVERRIDES, "data.path": str(text_corpus), "optim.master_dtype": master})
+    converted = build_model(cfg, vocab_size=257)
+    converted.init_weights(cfg.train.seed + 1)  # not what the run's seed draws
+    weights = tmp_path / "converted"
+    save_weights_only(converted.state_dict(), weights)
+    (weights / "config.toml").write_text(to_toml(cfg))
+    trainer = Trainer(cfg, tmp_path / "run", resume=weights, out=lambda line: None)
+    for name, p in trainer.model.named_parameters():
+        expected = dict(converted.named_parameters())[name].detach()
+        if master == "bf16":
+            expected = expected.bfloat16()
+        got = p.detach() if master == "fp32" else trainer.optimizer._load_master(p, trainer.optimizer.state[p])
+        assert torch.equal(got, expected.float()), name

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from moefold.errors import CheckpointError
@@ -166,6 +167,14 @@ def checkpoint_keys(path: Path) -> set[str]:
     """The top-level keys a checkpoint holds ("model", "optim", ...), from its metadata alone."""
     metadata = _read_metadata(path)
     return {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
+
+
+def load_weights(model: nn.Module, path: Path) -> None:
+    """The weights of checkpoint `path` (weights-only or full) into `model`'s own tensors, whole or
+    this rank's pieces."""
+    state = {"model": model.state_dict()}
+    load_checkpoint(state, path)
+    model.load_state_dict(state["model"])
 
 
 def save_weights_only(model_state: dict[str, Any], run_dir: Path) -> Path:

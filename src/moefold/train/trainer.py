@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -29,6 +30,7 @@ from moefold.checkpoint.dcp import (
     checkpoint_keys,
     latest_checkpoint,
     load_checkpoint,
+    load_weights,
     resolve_checkpoint,
     rng_state,
     save_checkpoint,
@@ -89,6 +91,23 @@ def _materialize_and_fill(model: Transformer, device: torch.device,
     fill(model)
 
 
+def _checkpoint_fill(path: Path) -> Callable[[Transformer], None]:
+    """How a resumed model's weights start. A weights-only checkpoint (a converted model) is the
+    weights the optimizer starts from: loaded before it is built, so that precision-aware masters
+    split the checkpoint's fp32 values as they split fresh ones. A full checkpoint replaces weights
+    and optimizer states once the optimizer exists (`Trainer._load`): until then, zeros, not a
+    draw of the whole model to be overwritten."""
+    if "optim" not in checkpoint_keys(path):
+        return partial(load_weights, path=path)
+    return _zero_weights
+
+
+@torch.no_grad()
+def _zero_weights(model: nn.Module) -> None:
+    for p in model.parameters():
+        p.zero_()
+
+
 def run_dir_holds_run(run_dir: Path) -> bool:
     return (run_dir / "config.toml").exists() or (run_dir / "checkpoints").exists()
 
@@ -133,7 +152,7 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         self.compute_dtype = resolve_compute_dtype(cfg.precision.compute_dtype, self.device)
         self._build_data()
-        self._build_model()
+        self._build_model(checkpoint)
         self.optimizer = build_optimizer(self.data_parallel.optimized, cfg.train, self.device, cfg.optim)
         self.data_parallel.optimizer_built()
         self.clip_gradients = GradNormClipper(list(self.data_parallel.optimized.parameters()),
@@ -185,7 +204,7 @@ class Trainer:
             val_seqs = PackedSequences(streams.val_N, t.seq_len, name="validation")
             self.val_batches = val_batches(val_seqs, global_micro_batch, t.val_batches, streams.eos_id)
 
-    def _build_model(self) -> None:
+    def _build_model(self, checkpoint: Path | None) -> None:
         cfg = self.cfg
         # Built on the meta device, allocated and filled where it trains once parallelized: no
         # host copy, no wasted constructor init, and each rank holds only its shards.
@@ -205,6 +224,8 @@ class Trainer:
             with torch.device("meta"):
                 model = build_model(cfg, self.vocab_size, self.device.type, self.compute_dtype)
             fill = partial(Transformer.init_weights, seed=cfg.train.seed)
+        if checkpoint is not None:
+            fill = _checkpoint_fill(checkpoint)
         initialize = partial(_materialize_and_fill, device=self.device, fill=fill)
         # FP8 GEMMs where precision.fp8 says. Parameters end up in the compute dtype unless fp32
         # masters train under bf16 autocast, where every linear casts its own copy of its input.
@@ -253,11 +274,8 @@ class Trainer:
                 "data": self.train_loader.state_dict(), "step": self.step, "rng": rng_state()}
 
     def _load(self, path: Path) -> None:
-        if "optim" not in checkpoint_keys(path):  # weights only (a converted model)
-            state = {"model": self.model.state_dict()}
-            load_checkpoint(state, path)
-            self.model.load_state_dict(state["model"])
-            self.resumed_from = path
+        self.resumed_from = path
+        if "optim" not in checkpoint_keys(path):  # weights only: loaded as the model was built
             return
         state = self._state()
         load_checkpoint(state, path)
@@ -267,7 +285,6 @@ class Trainer:
         self.train_loader.load_state_dict(state["data"])
         self.step = int(state["step"])
         set_rng_state(state["rng"])
-        self.resumed_from = path
 
     def save(self) -> Path:
         return save_checkpoint(self._state(), self.run_dir, self.step, self.cfg.checkpoint.keep)

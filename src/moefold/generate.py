@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from moefold.checkpoint.dcp import load_checkpoint, resolve_checkpoint
+from moefold.checkpoint.dcp import load_weights, resolve_checkpoint
 from moefold.config import config_from_toml
 from moefold.data.tokenizer import build_tokenizer
 from moefold.errors import CheckpointError
@@ -27,9 +27,7 @@ def load_model_from_run(run_dir: Path, device_name: str = "auto"):
         model = build_model(cfg, cfg.model.vocab_size or tokenizer.vocab_size, device.type,
                             resolve_compute_dtype(cfg.precision.compute_dtype, device))
     materialize(model, device)
-    state = {"model": model.state_dict()}
-    load_checkpoint(state, checkpoint)
-    model.load_state_dict(state["model"])
+    load_weights(model, checkpoint)
     return model.eval(), tokenizer, cfg
 
 

@@ -91,15 +91,13 @@ def _materialize_and_fill(model: Transformer, device: torch.device,
     fill(model)
 
 
-def _checkpoint_fill(path: Path) -> Callable[[Transformer], None]:
+def _checkpoint_fill(path: Path, full_state: bool) -> Callable[[Transformer], None]:
     """How a resumed model's weights start. A weights-only checkpoint (a converted model) is the
     weights the optimizer starts from: loaded before it is built, so that precision-aware masters
-    split the checkpoint's fp32 values as they split fresh ones. A full checkpoint replaces weights
-    and optimizer states once the optimizer exists (`Trainer._load`): until then, zeros, not a
-    draw of the whole model to be overwritten."""
-    if "optim" not in checkpoint_keys(path):
-        return partial(load_weights, path=path)
-    return _zero_weights
+    split the checkpoint's fp32 values as they split fresh ones. A full checkpoint (`full_state`)
+    replaces weights and optimizer states once the optimizer exists (`Trainer._load`): until then,
+    zeros, not a draw of the whole model to be overwritten."""
+    return _zero_weights if full_state else partial(load_weights, path=path)
 
 
 @torch.no_grad()
@@ -144,6 +142,8 @@ class Trainer:
         refuse_unsupported_parallel(cfg)
         checkpoint = resolve_checkpoint(resume) if resume is not None else None
         refuse_run_dir(self.run_dir, resuming=checkpoint is not None)
+        self.resumed_from = checkpoint
+        full_state = checkpoint is not None and "optim" in checkpoint_keys(checkpoint)  # else weights only
         self.dist, self.device = join(cfg, cfg.train.device)
         _refuse_weight_cache_over_fsdp(cfg, self.dist.layout)
         if not self.dist.is_main:  # rank 0 speaks for the job
@@ -152,7 +152,7 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         self.compute_dtype = resolve_compute_dtype(cfg.precision.compute_dtype, self.device)
         self._build_data()
-        self._build_model(checkpoint)
+        self._build_model(_checkpoint_fill(checkpoint, full_state) if checkpoint is not None else None)
         self.optimizer = build_optimizer(self.data_parallel.optimized, cfg.train, self.device, cfg.optim)
         self.data_parallel.optimizer_built()
         self.clip_gradients = GradNormClipper(list(self.data_parallel.optimized.parameters()),
@@ -160,7 +160,7 @@ class Trainer:
                                               clip_scaling(self.optimizer, cfg.optim))
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
         self.step = 0
-        if checkpoint is not None:
+        if full_state:
             self._load(checkpoint)
         if self.step > cfg.train.steps:  # before config.toml is rewritten with the smaller count
             raise ConfigError(f"train.steps={cfg.train.steps}: the run is already at step {self.step}; "
@@ -204,7 +204,9 @@ class Trainer:
             val_seqs = PackedSequences(streams.val_N, t.seq_len, name="validation")
             self.val_batches = val_batches(val_seqs, global_micro_batch, t.val_batches, streams.eos_id)
 
-    def _build_model(self, checkpoint: Path | None) -> None:
+    def _build_model(self, resumed_fill: Callable[[Transformer], None] | None) -> None:
+        """`resumed_fill`: how a resumed run's weights start (`_checkpoint_fill`); None: from
+        --init-from-hf or the seed."""
         cfg = self.cfg
         # Built on the meta device, allocated and filled where it trains once parallelized: no
         # host copy, no wasted constructor init, and each rank holds only its shards.
@@ -224,8 +226,8 @@ class Trainer:
             with torch.device("meta"):
                 model = build_model(cfg, self.vocab_size, self.device.type, self.compute_dtype)
             fill = partial(Transformer.init_weights, seed=cfg.train.seed)
-        if checkpoint is not None:
-            fill = _checkpoint_fill(checkpoint)
+        if resumed_fill is not None:
+            fill = resumed_fill
         initialize = partial(_materialize_and_fill, device=self.device, fill=fill)
         # FP8 GEMMs where precision.fp8 says. Parameters end up in the compute dtype unless fp32
         # masters train under bf16 autocast, where every linear casts its own copy of its input.
@@ -274,9 +276,7 @@ class Trainer:
                 "data": self.train_loader.state_dict(), "step": self.step, "rng": rng_state()}
 
     def _load(self, path: Path) -> None:
-        self.resumed_from = path
-        if "optim" not in checkpoint_keys(path):  # weights only: loaded as the model was built
-            return
+        """A full checkpoint's model, optimizer, schedule, data order, step and RNG."""
         state = self._state()
         load_checkpoint(state, path)
         set_model_state_dict(self.model, state["model"])  # ZeRO-1's shards follow (a load hook)
@@ -483,7 +483,7 @@ class Trainer:
 
     def _announce(self) -> None:
         p = self.param_counts
-        resumed = getattr(self, "resumed_from", None)
+        resumed = self.resumed_from
         lines = [f"run dir: {self.run_dir}" + (f" (resumed from {resumed})" if resumed else ""),
                  f"device: {self.device} ({self.compute_dtype})",
                  f"data: {self.data_source}",

@@ -116,14 +116,15 @@ def test_fp8_under_tp_trains_like_one_process(name, world, dp, parallel, corpus,
     """FP8 rowwise linears under TP compute on their local shards (fp8/linear.py:
     ColumnShards, RowShards), the experts under ETP on their hidden slices: within FP8 noise of one
     process. Unlike EP, TP changes the forward's scales (wo's input rows span this rank's heads),
-    so first-step gradients move like the one-process FP8 run's own under a one-ulp change of the
-    embeddings (measured: experts 8%, router 7%; tp2 gave router 13%, the rest <= 6.5%; bf16 and
-    fp32 TP are exact): bound 20%, where a missing partial sum or wrong shard is off by O(1)."""
+    and a rounding that moves one token's top-k moves whole rows of the router's and experts'
+    gradients: tp2's first-step gradients differ from one process's by 10-22% at their largest
+    (seeds 0-3: router or experts), its first losses by under 0.5% (bf16 and fp32 TP are exact):
+    bound 30%, where a wrong shard or a missing partial sum was off by 38-56%."""
     extra = {**ALIGNED_QWEN3, "precision.fp8": "rowwise"}
     ref = train(run_config("qwen3", corpus, extra=extra), tmp_path / "ref")
     out = tmp_path / "results.pt"
     run_ranks(world, train_on_rank, [("qwen3", "qwen3", corpus, dp, parallel, tmp_path / name, None, 0, extra)], out)
-    assert_fp8_training_close(torch.load(out)["qwen3"], ref, f"fp8 {name}", grad_rtol=0.2, late_rtol=3e-2)
+    assert_fp8_training_close(torch.load(out)["qwen3"], ref, f"fp8 {name}", grad_rtol=0.3, late_rtol=3e-2)
 
 
 def test_fp8_under_ep_trains_like_one_process(corpus, tmp_path):

@@ -349,21 +349,27 @@ def train_losses(preset, overrides, recipe, steps=30, apply=True):
     return losses
 
 
-# Tolerance: the mean loss of the last 10 of 30 steps within 8% of the fp32 run's. Each FP8 GEMM
-# has a 2.5-3.5% relative error (docs/fp8.md), so the runs drift apart step by step; on this
-# memorisation task (16 random sequences, Adam lr 3e-3) the fp32 loss falls from 5.55 to ~1.3
-# (qwen3) / ~4.3 (deepseek) and the FP8 runs ended within 4.5% of it when measured. 8% is well
-# inside the 1-4 nats the fp32 run learns, so a recipe that does not learn fails.
+def assert_learns_like_fp32(losses: list[float], ref: list[float], what: str) -> None:
+    """FP8 against fp32 on a memorisation task (16 random sequences, Adam lr 3e-3, 30 steps). Each
+    FP8 GEMM has a 2.5-3.5% relative error (docs/fp8.md), so the runs drift apart step by step,
+    and where the loss is still mid-descent at step 30 (the tiny DeepSeek's, ~1 nat learned of
+    5.55) a rounding that flips a routing choice moves the rest of the curve. Measured over init
+    seeds 0-3, every recipe: the first ten losses within 4.1% of fp32's; the drop to the last ten's
+    mean 0.88-1.69 of fp32's for DeepSeek, 0.99-1.02 for Qwen3 (3.6 nats). Bounds: 6%, and at least
+    70% of fp32's drop; a recipe that does not learn, or learns from wrong gradients, fails."""
+    early = max(abs(a / b - 1) for a, b in zip(losses[:10], ref[:10], strict=True))
+    assert early < 0.06, f"{what}: a loss of the first ten steps {early:.1%} away from fp32's"
+    drop, ref_drop = losses[0] - sum(losses[-10:]) / 10, ref[0] - sum(ref[-10:]) / 10
+    assert ref_drop > 0.5, f"fp32 learned only {ref_drop:.2f} nats"
+    assert drop > 0.7 * ref_drop, f"{what}: learned {drop:.2f} nats, fp32 {ref_drop:.2f}"
+
+
 @pytest.mark.parametrize("preset,overrides", [("tiny-qwen3", QWEN3), ("tiny-deepseek", DEEPSEEK)])
 def test_tiny_models_train_in_fp8_like_fp32(preset, overrides):
     ref = train_losses(preset, overrides, "off")
     assert ref == train_losses(preset, overrides, "off", apply=False)  # fp8=off: bit-identical
-    ref_tail = sum(ref[-10:]) / 10
-    assert ref_tail < ref[0] - 0.5
     for recipe in RECIPES:
-        losses = train_losses(preset, overrides, recipe)
-        tail = sum(losses[-10:]) / 10
-        assert abs(tail - ref_tail) / ref_tail < 0.08, (recipe, tail, ref_tail)
+        assert_learns_like_fp32(train_losses(preset, overrides, recipe), ref, recipe)
 
 
 def test_trainer_applies_fp8(tmp_path, tiny_args):
@@ -460,11 +466,10 @@ def test_fp8_saved_activations_in_the_experts():
 
 @pytest.mark.parametrize("preset,overrides", [("tiny-qwen3", QWEN3), ("tiny-deepseek", DEEPSEEK)])
 def test_tiny_models_train_with_fp8_saved_activations(preset, overrides):
-    """Rowwise FP8 with FP8-saved inputs learns like fp32, by the same 8% rule as without."""
+    """Rowwise FP8 with FP8-saved inputs learns like fp32, by the same rule as without."""
     ref = train_losses(preset, overrides, "off")
     losses = train_losses(preset, {**overrides, "precision.fp8_saved_activations": "true"}, "rowwise")
-    ref_tail, tail = sum(ref[-10:]) / 10, sum(losses[-10:]) / 10
-    assert abs(tail - ref_tail) / ref_tail < 0.08, (tail, ref_tail)
+    assert_learns_like_fp32(losses, ref, "rowwise, fp8 saved activations")
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -513,15 +518,14 @@ def test_bf16_weight_grad_experts():
 @pytest.mark.parametrize("preset,overrides", [("tiny-qwen3", QWEN3), ("tiny-deepseek", DEEPSEEK)])
 def test_tiny_models_train_with_bf16_weight_grad(preset, overrides):
     """apply_fp8 builds the high-precision weight-gradient backends, and the model learns like fp32
-    by the same 8% rule."""
+    by the same rule as the FP8 weight gradients' run."""
     cfg, model = built(preset, {**overrides, "precision.fp8_weight_grad": "bf16"}, "rowwise")
     apply_fp8(model, cfg.precision, "cpu")
     gemms = {type(m.gemm) for m in model.modules() if isinstance(m, (Fp8Linear, Fp8GroupedExperts))}
     assert gemms == {HighPrecisionWeightGrad, HighPrecisionGroupedWeightGrad}
     ref = train_losses(preset, overrides, "off")
     losses = train_losses(preset, {**overrides, "precision.fp8_weight_grad": "bf16"}, "rowwise")
-    ref_tail, tail = sum(ref[-10:]) / 10, sum(losses[-10:]) / 10
-    assert abs(tail - ref_tail) / ref_tail < 0.08, (tail, ref_tail)
+    assert_learns_like_fp32(losses, ref, "rowwise, bf16 weight gradients")
 
 
 @pytest.mark.parametrize("preset,overrides,param_dtype", [

@@ -24,7 +24,7 @@ import re
 import shutil
 import struct
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -38,7 +38,7 @@ from moefold.checkpoint.hf_families import FAMILIES, Family, PerExpert, Rule, fa
 from moefold.config import Config, validate
 from moefold.errors import CheckpointError, ConfigError
 from moefold.models.transformer import Transformer, build_model, materialize
-from moefold.parallel.local import copy_whole_
+from moefold.parallel.local import held_indices, local_tensor
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
@@ -361,6 +361,21 @@ def _check_names(plan: Plan, file_of: dict[str, Path], path: Path) -> None:
         problems.append(f"{len(missing)} tensor(s) the model needs are missing: {_names(missing)}")
     if problems:
         raise CheckpointError(f"checkpoint {path}: " + "; ".join(problems))
+    _check_shapes(plan, file_of)
+
+
+def _check_shapes(plan: Plan, file_of: dict[str, Path]) -> None:
+    """Every tensor's shape from its file's header, before anything is read: each rank of a
+    parallel run reads only its own rows and experts, yet all refuse a bad checkpoint alike."""
+    from safetensors import safe_open
+
+    repeated = {**plan.aliases, **plan.copies}
+    for file in sorted(set(file_of.values())):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                slot = plan.slots.get(name) or (Slot(repeated[name]) if name in repeated else None)
+                if slot is not None:
+                    _check_shape(plan.tensors[slot.ours], slot, name, f.get_slice(name).get_shape(), file)
 
 
 def _names(names: list[str], limit: int = 12) -> str:
@@ -371,8 +386,9 @@ def _names(names: list[str], limit: int = 12) -> str:
 @torch.no_grad()
 def _fill(plan: Plan, file_of: dict[str, Path], path: Path) -> None:
     """Every moefold tensor of `plan` from its checkpoint tensors, one tensor at a time: a plain
-    tensor in place; a DTensor (one rank's piece) assembled whole on the host, then cut to its
-    piece. The checkpoint's duplicates (MTP's copies, a tied head) must equal what they repeat."""
+    tensor in place; a DTensor (one rank's piece) from the rows of dim 0 its piece holds, then cut
+    along the other dimensions, so that a rank reads only the experts it holds. The checkpoint's
+    duplicates (MTP's copies, a tied head) must equal what they repeat."""
     hf_of: dict[str, list[str]] = {}
     for hf, slot in plan.slots.items():
         hf_of.setdefault(slot.ours, []).append(hf)
@@ -381,47 +397,79 @@ def _fill(plan: Plan, file_of: dict[str, Path], path: Path) -> None:
         if hf in plan.copies or hf in plan.aliases:
             repeats.setdefault(plan.copies.get(hf) or plan.aliases[hf], []).append(hf)
     for ours, target in plan.tensors.items():
+        held = held_indices(target)
+        rows = _Rows(held[0])
         with _reading(file_of) as read:
-            whole = torch.empty(target.shape, dtype=target.dtype) if isinstance(target, DTensor) else target
+            part = target
+            if isinstance(target, DTensor):
+                part = torch.empty((rows.count(target.shape[0]), *target.shape[1:]), dtype=target.dtype)
             for hf in hf_of.get(ours, ()):
-                _copy_in(whole, plan.slots[hf], hf, read(hf), file_of[hf])
+                slot = plan.slots[hf]
+                if slot.expert is None:
+                    part.copy_(rows.read(read, hf))
+                elif rows.holds(slot.expert):  # else another rank's expert: not read here
+                    part[rows.position(slot.expert)].copy_(read(hf).T)
             for hf in repeats.get(ours, ()):
-                src = read(hf)
-                if src.shape != whole.shape or not torch.equal(src.to(whole.device, whole.dtype), whole):
+                src = rows.read(read, hf)
+                if src.shape != part.shape or not torch.equal(src.to(part.device, part.dtype), part):
                     original = next(name for name, slot in plan.slots.items() if slot == Slot(ours))
                     raise CheckpointError(f"checkpoint {path}: {hf} must equal {original}, the shared "
                                           "tensor it duplicates, but differs")
-            if whole is not target:
-                copy_whole_(target, whole)
+            if part is not target:
+                for dim, ids in enumerate(held[1:], start=1):
+                    if ids is not None:
+                        part = part.index_select(dim, ids)
+                local_tensor(target).copy_(part)
+
+
+class _Rows:
+    """The rows of dim 0 a piece holds (`held_indices`' first entry; None: all of them)."""
+
+    def __init__(self, ids: torch.Tensor | None):
+        self.ids = ids
+        self._position = None if ids is None else {int(r): i for i, r in enumerate(ids.tolist())}
+
+    def count(self, size: int) -> int:
+        return size if self.ids is None else len(self.ids)
+
+    def holds(self, row: int) -> bool:
+        return self._position is None or row in self._position
+
+    def position(self, row: int) -> int:
+        return row if self._position is None else self._position[row]
+
+    def read(self, read: Callable[..., torch.Tensor], name: str) -> torch.Tensor:
+        """These rows of checkpoint tensor `name`, reading only the span from the first to the last."""
+        if self.ids is None or len(self.ids) == 0:
+            return read(name)
+        first, last = int(self.ids.min()), int(self.ids.max())
+        return read(name, slice(first, last + 1))[self.ids - first]
 
 
 @contextmanager
-def _reading(file_of: dict[str, Path]) -> Iterator[Callable[[str], torch.Tensor]]:
-    """`read(name)`: a checkpoint tensor, from its file, opened once in the block. The files are
-    closed when it ends: the pages of a mapped file count as the process's memory until then."""
+def _reading(file_of: dict[str, Path]) -> Iterator[Callable[..., torch.Tensor]]:
+    """`read(name, rows=None)`: a checkpoint tensor (or the slice `rows` of its dim 0), from its
+    file, opened once in the block. The files are closed when it ends: the pages of a mapped file
+    count as the process's memory until then."""
     from safetensors import safe_open
 
     with ExitStack() as stack:
         opened: dict[Path, Any] = {}
 
-        def read(name: str) -> torch.Tensor:
+        def read(name: str, rows: slice | None = None) -> torch.Tensor:
             file = file_of[name]
             if file not in opened:
                 opened[file] = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
-            return opened[file].get_tensor(name)
+            return opened[file].get_tensor(name) if rows is None else opened[file].get_slice(name)[rows]
 
         yield read
 
 
-def _copy_in(target: torch.Tensor, slot: Slot, name: str, src: torch.Tensor, file: Path) -> None:
+def _check_shape(target: torch.Tensor, slot: Slot, name: str, shape: Sequence[int], file: Path) -> None:
     expected = _hf_shape(target, slot.expert)
-    if tuple(src.shape) != expected:
-        raise CheckpointError(f"{file.name}: {name} has shape {list(src.shape)}, the model expects "
+    if tuple(shape) != expected:
+        raise CheckpointError(f"{file.name}: {name} has shape {list(shape)}, the model expects "
                               f"{list(expected)}")
-    if slot.expert is None:
-        target.copy_(src)
-    else:
-        target[slot.expert].copy_(src.T)
 
 
 # ---------------------------------------------------------------------------------------------

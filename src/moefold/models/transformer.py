@@ -14,6 +14,7 @@ from torch import nn
 from moefold.config import Config, ModelConfig
 from moefold.memory import apply_offload, apply_recompute
 from moefold.models.attention import Attention
+from moefold.models.init import seeded_normal_
 from moefold.models.mla import MLAttention
 from moefold.models.mlp import SwiGLUMLP
 from moefold.models.mtp import MTPModule, MultiTokenPrediction
@@ -22,7 +23,6 @@ from moefold.models.rope import RopeScaling, rope_cos_sin, yarn_softmax_scale_fa
 from moefold.moe.experts import Experts
 from moefold.moe.layer import MoELayer, build_moe_layer
 from moefold.moe.replay import RouterReplay
-from moefold.parallel.local import copy_whole_
 
 
 class Block(nn.Module):
@@ -87,10 +87,10 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """Normal(0, init_std) for every matrix, depth-scaled for the residual output projections
-        (GPT-2); ones for norms. Each matrix is drawn whole, in order, from one seeded host
-        generator, so every device and every parallel layout gets the same weights: a parameter
-        already sharded (a DTensor, `parallelize` on the meta device) keeps its piece of the draw."""
-        gen = torch.Generator(device="cpu").manual_seed(seed)
+        (GPT-2); ones for norms. Each matrix is drawn in blocks, each from a host generator seeded
+        by (seed, the matrix's name, the block) (`models/init.py`), so every device and every
+        parallel layout gets the same weights, and a parameter already sharded (a DTensor,
+        `parallelize` on the meta device) draws only the blocks of its piece."""
         std = self.cfg.model.init_std
         residual_std = std / math.sqrt(2 * len(self.layers))
         for name, p in self.named_parameters():
@@ -98,8 +98,7 @@ class Transformer(nn.Module):
                 p.fill_(1.0)
                 continue
             is_residual_out = name.endswith(("attn.wo.weight", "w2.weight", "w2_EFD"))
-            sample = torch.randn(p.shape, generator=gen) * (residual_std if is_residual_out else std)
-            copy_whole_(p, sample)
+            seeded_normal_(p, residual_std if is_residual_out else std, seed, name)
 
 
 MLA_LATENT_NORM_EPS = 1e-6

@@ -1,13 +1,13 @@
 """`parallelize`: turn a built single-process model into its folded-parallel form on this rank.
 
-Every rank builds the same full model, on the meta device (or, loaded from Hugging Face, filled on
-its device), then calls `parallelize`, which keeps this rank's share: attention and dense MLPs
-(and shared experts) TP-sharded over the attention grid's tp, routed experts EP/ETP-sharded over
-the expert grid, each MoE layer dispatching only its TP rank's tokens and counting routed copies
-over the data ranks, and finally every parameter FSDP-sharded (or replicated) over its
-data-parallel mesh. A model on the meta device is materialized and initialised only then, each
-rank allocating and filling its own pieces (`Trainer._build_model`), so no rank holds more of
-the model than its shards and the one whole weight being drawn.
+Every rank builds the same full model (on the meta device in a run; a filled one also works),
+then calls `parallelize`, which keeps this rank's share: attention and dense MLPs (and shared
+experts) TP-sharded over the attention grid's tp, routed experts EP/ETP-sharded over the expert
+grid, each MoE layer dispatching only its TP rank's tokens and counting routed copies over the
+data ranks, and finally every parameter FSDP-sharded (or replicated) over its data-parallel mesh.
+A model on the meta device is materialized and initialised only then, each rank allocating and
+filling its own pieces (`Trainer._build_model`): no rank holds, draws or reads much more of the
+model than its shards.
 """
 
 from collections.abc import Callable

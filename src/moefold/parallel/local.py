@@ -1,7 +1,8 @@
 """This rank's piece of a tensor: the local shard of a DTensor, or the tensor itself."""
 
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -11,14 +12,27 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-@torch.no_grad()
-def copy_whole_(p: torch.Tensor, whole: torch.Tensor) -> None:
-    """Fill `p` (a plain tensor, or a DTensor holding one piece of its whole value) from `whole`,
-    the full tensor, as every rank has it: a DTensor keeps its own piece, cut by its placements
-    with no communication (FSDP's strided shards over TP or EP included)."""
-    if isinstance(p, DTensor):
-        whole = whole.to(p.dtype)  # rounded on the host, as a plain copy_ would round it
-        piece = distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None).to_local()
-        p.to_local().copy_(piece)
-    else:
-        p.copy_(whole)
+def held_indices(p: torch.Tensor) -> list[torch.Tensor | None]:
+    """Per dimension of `p`'s whole value, the indices this rank's piece holds, in the piece's
+    order (`piece == whole[ix_(*held)]`); None where the piece holds the whole dimension. What a
+    rank needs to read or draw of a tensor before it has any of it."""
+    if not isinstance(p, DTensor):
+        return [None] * p.dim()
+    return [_held_along(p, dim) for dim in range(p.dim())]
+
+
+def _held_along(p: DTensor, dim: int) -> torch.Tensor | None:
+    # Sharding one dimension never depends on another's, so the placements that cut `dim`,
+    # applied to a 1-D `arange`, cut it as they cut `p` (uneven and strided shards included).
+    on_dim = [_as_dim0(pl) if getattr(pl, "dim", None) == dim else Replicate() for pl in p.placements]
+    if all(isinstance(pl, Replicate) for pl in on_dim):
+        return None
+    ids = torch.arange(p.shape[dim])
+    return distribute_tensor(ids, p.device_mesh, on_dim, src_data_rank=None).to_local().cpu()
+
+
+def _as_dim0(placement: Placement) -> Placement:
+    if isinstance(placement, _StridedShard):
+        return _StridedShard(0, split_factor=placement.split_factor)
+    assert isinstance(placement, Shard), f"a parameter placed as {placement}"
+    return Shard(0)

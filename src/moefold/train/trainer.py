@@ -85,8 +85,8 @@ def _refuse_weight_cache_over_fsdp(cfg: Config, layout) -> None:
 def _materialize_and_fill(model: Transformer, device: torch.device,
                           fill: Callable[[Transformer], None]) -> None:
     """Storage on `device` for a model on the meta device (only this rank's shards, once it is
-    parallelized), then `fill` its weights: each drawn or loaded whole and cut to the rank's piece,
-    so every device and layout gets the same ones."""
+    parallelized), then `fill` its weights: the rank's piece of each, drawn or read alone, the same
+    values in every device and layout."""
     materialize(model, device)
     fill(model)
 

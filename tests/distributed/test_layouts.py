@@ -150,3 +150,35 @@ def test_fp8_weight_cache_under_data_and_expert_parallelism(name, parallel, corp
     results = torch.load(out)
     assert len(results["cache-true"]["losses"]) == 4
     assert results["cache-true"]["losses"] == results["cache-false"]["losses"], name
+
+
+def _train_and_measure_experts(rank: int, corpus, run_dir, out) -> None:
+    """ep2 over 4 ranks (edp 2) with 6 experts: 3 a rank, which do not split over edp 2."""
+    sizes = {}
+
+    def finish(trainer):
+        experts = [p for layer in trainer.model.moe_layers() for p in layer.experts.parameters()]
+        sizes[rank] = sum(p.to_local().numel() for p in experts)
+        return {}
+
+    cfg = run_config("qwen3", corpus, 4, extra=UNEVEN_EXPERTS, ep=2)
+    result = train(cfg, run_dir, finish=finish)
+    gathered = [None] * 4
+    torch.distributed.all_gather_object(gathered, sizes[rank])
+    if rank == 0:
+        torch.save({**result, "expert_elements": gathered}, out)
+
+
+UNEVEN_EXPERTS = {"moe.num_experts": "6"}
+
+
+def test_experts_that_do_not_split_over_edp_are_sharded_evenly(corpus, tmp_path):
+    """3 experts a rank over edp 2: FSDP cuts dim 1 instead of the experts (which would leave one
+    rank two experts and the other one), every rank holds the same share, and it trains like one
+    process."""
+    ref = train(run_config("qwen3", corpus, extra=UNEVEN_EXPERTS), tmp_path / "ref")
+    out = tmp_path / "results.pt"
+    run_ranks(4, _train_and_measure_experts, corpus, tmp_path / "ep2-edp2", out)
+    result = torch.load(out)
+    _check_same_training(result, ref, "6 experts over ep2 edp2")
+    assert len(set(result["expert_elements"])) == 1, result["expert_elements"]

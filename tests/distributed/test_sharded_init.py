@@ -26,12 +26,14 @@ HF_VOCAB = {"model.vocab_size": str(build_tokenizer("").vocab_size)}  # config.j
 
 # World 4: (name, model, dp, parallel sizes, overrides, from a Hugging Face checkpoint): FSDP over
 # TP shards (strided pieces) with a tied head; EP·ETP experts under FSDP over edp; ZeRO-1's
-# replicated parameters with TP and EP; a DeepSeek checkpoint (MTP's copies of the shared tensors,
+# replicated parameters with TP and EP; 3 experts a rank that FSDP cuts by dim 1 over edp 2
+# (parallel.data.even_expert_shards); a DeepSeek checkpoint (MTP's copies of the shared tensors,
 # the expert bias) loaded into FSDP·TP·EP pieces and a tied Qwen3 one into FSDP·TP pieces.
 LAYOUTS = [
     ("fsdp-dp2-tp2-tied", "qwen3", 2, dict(tp=2), {"model.tie_embeddings": "true"}, False),
     ("fsdp-tp2-etp2-ep2", "deepseek", 2, dict(tp=2, etp=2, ep=2), {}, False),
     ("ddp-tp2-ep2", "qwen3", 2, dict(tp=2, ep=2, data_parallel="ddp"), {}, False),
+    ("fsdp-ep2-edp2-by-rows", "qwen3", 4, dict(ep=2), {"moe.num_experts": "6"}, False),
     ("hf-fsdp-tp2-ep2", "deepseek", 2, dict(tp=2, ep=2), HF_VOCAB, True),
     ("hf-fsdp-dp2-tp2-tied", "qwen3", 2, dict(tp=2), {**HF_VOCAB, "model.tie_embeddings": "true"}, True),
 ]

@@ -12,8 +12,9 @@ must end up with the gradient of the same global loss, the mean of the dp·cp da
 it around the optimizer (`DataParallel`):
 
 - `fsdp` (default): FSDP2 `fully_shard` of every block and of the root over the dp·cp mesh and of
-  every MoE layer's experts over the edp mesh (gradient divide factor dp·cp). Parameters, gradients
-  and optimizer states are sharded; TP and EP weights (DTensors) get 2-D (FSDP × TP/EP) placements.
+  every MoE layer's experts over the edp mesh (gradient divide factor dp·cp; by their experts, or
+  by dim 1 where a rank's experts do not split evenly over edp). Parameters, gradients and optimizer
+  states are sharded; TP and EP weights (DTensors) get 2-D (FSDP × TP/EP) placements.
 - `ddp`: ZeRO-1 (parallel/zero.py). Parameters replicated; after the step's last backward the
   gradients are reduce-scattered (dense over dp·cp, experts over edp), the optimizer updates and
   keeps states for this rank's shard only, and the updated shards are all-gathered back.
@@ -30,7 +31,7 @@ import math
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from moefold.parallel.local import local_tensor
 
@@ -88,7 +89,8 @@ def apply_data_parallel(model: nn.Module, layout, mode: str, grad_dtype: torch.d
     # gradient back to it.
     fully_shard = functools.partial(fully_shard, mp_policy=MixedPrecisionPolicy(reduce_dtype=grad_dtype))
     for layer in model.moe_layers():
-        fully_shard(layer.experts, mesh=layout.expert_dp_mesh)
+        fully_shard(layer.experts, mesh=layout.expert_dp_mesh,
+                    shard_placement_fn=functools.partial(even_expert_shards, edp=dims.edp))
         layer.experts.set_gradient_divide_factor(float(dims.dp * dims.cp))
         if dist.get_backend() == "gloo" and dims.edp > 1:
             # gloo has no pre-multiplied sum: sum, then divide. (Not with one rank, where FSDP
@@ -103,6 +105,17 @@ def apply_data_parallel(model: nn.Module, layout, mode: str, grad_dtype: torch.d
     register_fsdp_forward_method(model, "trunk")
     initialize(model)
     return DataParallel(model)
+
+
+def even_expert_shards(p: nn.Parameter, edp: int) -> Shard:
+    """FSDP's cut of an expert weight `[E, ...]` over the edp ranks: its experts (FSDP's default)
+    when the rank's E/ep experts split evenly, else dim 1 (FSDP requires it to split evenly): 4
+    local experts over 8 edp ranks would leave half the ranks one expert and half none, the
+    fullest holding twice its share of the weights and their optimizer states."""
+    local_shape = local_tensor(p).shape
+    if local_shape[0] % edp == 0 or len(local_shape) < 2 or local_shape[1] % edp != 0:
+        return Shard(0)
+    return Shard(1)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -89,7 +89,8 @@ def main() -> None:
     for text in args.shapes.split(","):
         preset, world, parallel = parse_shape(text)
         r = fill_one_rank(preset, world, parallel, args.rank)
-        layout = " ".join(f"{k}{v}" for k, v in parallel.items() if v > 1) + f" fsdp{world // parallel['tp']}"
+        layout = " ".join(f"{k}{v}" for k, v in parallel.items() if v > 1)
+        layout += f" fsdp: dp{world // parallel['tp']} edp{world // parallel['ep']}"
         print(f"| {preset} | {world} | {layout} | {r['elements'] / 1e9:.2f}B | {r['held'] / 1e9:.3f}B "
               f"| {r['drawn'] / 1e9:.3f}B | {r['fill_s']:.1f} | {r['fill_s'] / r['drawn'] * 1e8:.2f} |", flush=True)
 

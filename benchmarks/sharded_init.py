@@ -84,7 +84,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch's intra-op threads")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print("| preset | world | layout | model elements | held by the rank | drawn by the rank | fill s | s per 10^8 drawn |")
+    print("| preset | world | layout | model elements | held by the rank | drawn by the rank | fill s "
+          "| s per 10^8 drawn |")
     print("|---|---|---|---|---|---|---|---|")
     for text in args.shapes.split(","):
         preset, world, parallel = parse_shape(text)

@@ -462,6 +462,12 @@ def test_wrong_shape_is_an_error(checkpoints, tmp_path):
     path = _edit_tensors(path, tmp_path / "c", lambda t: t.update({name: t[name].T.contiguous()}))
     with pytest.raises(CheckpointError, match=rf"{name} has shape \[16, 32\], the model expects \[32, 16\]"):
         load_pretrained(path)
+    # From the files' headers, before any weight is allocated: every rank of a sharded run, which
+    # reads only its own experts, refuses it alike.
+    from moefold.checkpoint.hf import pretrained_on_meta
+
+    with pytest.raises(CheckpointError, match=rf"{name} has shape \[16, 32\]"):
+        pretrained_on_meta(path)
 
 
 UNSUPPORTED = [  # (variant, key, value, what the message says)
@@ -565,3 +571,16 @@ def test_hub_qwen3_moe_config():
     assert (moe.num_experts, moe.top_k, moe.expert_hidden, moe.first_k_dense, moe.moe_every, moe.norm_topk_prob) == \
         (128, 8, 768, 0, 1, True)
     assert transformers.Qwen3MoeConfig(**hf_config_from(cfg, 151936)).num_experts == 128
+
+
+def test_a_rank_reads_only_its_rows(tmp_path):
+    """A sharded rank's rows of a checkpoint tensor, in its piece's order, from the span between
+    its first and last row; none at all for a rank FSDP left empty."""
+    from moefold.checkpoint.hf import _reading, _Rows
+
+    whole = torch.arange(24.0).view(6, 4)
+    safetensors_torch.save_file({"w": whole}, tmp_path / "model.safetensors")
+    with _reading({"w": tmp_path / "model.safetensors"}) as read:
+        assert torch.equal(_Rows(None).read(read, "w"), whole)
+        assert torch.equal(_Rows(torch.tensor([4, 1, 3])).read(read, "w"), whole[[4, 1, 3]])
+        assert _Rows(torch.tensor([], dtype=torch.long)).read(read, "w").shape == (0, 4)

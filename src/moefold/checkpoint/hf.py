@@ -440,8 +440,10 @@ class _Rows:
 
     def read(self, read: Callable[..., torch.Tensor], name: str) -> torch.Tensor:
         """These rows of checkpoint tensor `name`, reading only the span from the first to the last."""
-        if self.ids is None or len(self.ids) == 0:
+        if self.ids is None:
             return read(name)
+        if len(self.ids) == 0:  # a rank FSDP left no rows of this tensor
+            return read(name, slice(0, 0))
         first, last = int(self.ids.min()), int(self.ids.max())
         return read(name, slice(first, last + 1))[self.ids - first]
 

@@ -37,7 +37,7 @@ def seeded_normal_(p: torch.Tensor, std: float, seed: int, name: str) -> None:
         first = block * rows_per_block
         drawn = _draw_block((min(rows_per_block, math.prod(lead) - first), width), seed, name, block)
         piece[positions] = drawn[rows[positions] - first]
-    piece = piece.view(*(len(ids) if ids is not None else n for ids, n in zip(held[:-1], lead, strict=True)), width)
+    piece = piece.view(*(n if ids is None else len(ids) for ids, n in zip(held[:-1], lead, strict=True)), width)
     if held[-1] is not None:
         piece = piece.index_select(-1, held[-1])
     local_tensor(p).copy_(piece.mul_(std))

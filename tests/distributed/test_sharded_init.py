@@ -23,12 +23,14 @@ from moefold.models.transformer import build_model
 from moefold.train.trainer import Trainer
 
 HF_VOCAB = {"model.vocab_size": str(build_tokenizer("").vocab_size)}  # config.json's, as the CLI sets it
+TWO_EXPERTS = {"moe.num_experts": "2"}  # FSDP over 4 leaves two ranks no rows of the router's [2, D]
 
 # World 4: (name, model, dp, parallel sizes, overrides, from a Hugging Face checkpoint): FSDP over
 # TP shards (strided pieces) with a tied head; EP·ETP experts under FSDP over edp; ZeRO-1's
 # replicated parameters with TP and EP; 3 experts a rank that FSDP cuts by dim 1 over edp 2
 # (parallel.data.even_expert_shards); a DeepSeek checkpoint (MTP's copies of the shared tensors,
-# the expert bias) loaded into FSDP·TP·EP pieces and a tied Qwen3 one into FSDP·TP pieces.
+# the expert bias) loaded into FSDP·TP·EP pieces and a tied Qwen3 one into FSDP·TP pieces; and
+# ranks holding no rows of a tensor, drawn and read.
 LAYOUTS = [
     ("fsdp-dp2-tp2-tied", "qwen3", 2, dict(tp=2), {"model.tie_embeddings": "true"}, False),
     ("fsdp-tp2-etp2-ep2", "deepseek", 2, dict(tp=2, etp=2, ep=2), {}, False),
@@ -36,6 +38,8 @@ LAYOUTS = [
     ("fsdp-ep2-edp2-by-rows", "qwen3", 4, dict(ep=2), {"moe.num_experts": "6"}, False),
     ("hf-fsdp-tp2-ep2", "deepseek", 2, dict(tp=2, ep=2), HF_VOCAB, True),
     ("hf-fsdp-dp2-tp2-tied", "qwen3", 2, dict(tp=2), {**HF_VOCAB, "model.tie_embeddings": "true"}, True),
+    ("fsdp-dp4-2-experts", "qwen3", 4, dict(), TWO_EXPERTS, False),
+    ("hf-fsdp-dp4-2-experts", "qwen3", 4, dict(), {**HF_VOCAB, **TWO_EXPERTS}, True),
 ]
 
 # A model of ~107M parameters (429 MB in fp32), mostly experts, none larger than 16 MB.

@@ -30,6 +30,7 @@ from moefold.config import load_config  # noqa: E402
 from moefold.models.transformer import build_model, materialize  # noqa: E402
 from moefold.parallel.apply import parallelize  # noqa: E402
 from moefold.parallel.dims import ParallelDims, ParallelLayout  # noqa: E402
+from moefold.parallel.local import local_tensor  # noqa: E402
 
 
 def parse_shape(text: str) -> tuple[str, int, dict[str, int]]:
@@ -68,10 +69,12 @@ def fill_one_rank(preset: str, world: int, parallel: dict[str, int], rank: int) 
             m.init_weights(cfg.train.seed)
             timing["fill_s"] = time.perf_counter() - start
 
-        parallelize(model, layout, cfg.parallel, None, initialize)
-        init._draw_block = draw
+        try:
+            parallelize(model, layout, cfg.parallel, None, initialize)
+        finally:
+            init._draw_block = draw
         params = list(model.parameters())
-        held = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in params)
+        held = sum(local_tensor(p).numel() for p in params)
         return {"elements": sum(p.numel() for p in params), "held": held, "drawn": drawn[0], **timing}
     finally:
         dist.destroy_process_group()

@@ -411,7 +411,7 @@ def _fill(plan: Plan, file_of: dict[str, Path], path: Path) -> None:
                     part[rows.position(slot.expert)].copy_(read(hf).T)
             for hf in repeats.get(ours, ()):
                 src = rows.read(read, hf)
-                if src.shape != part.shape or not torch.equal(src.to(part.device, part.dtype), part):
+                if not torch.equal(src.to(part.device, part.dtype), part):  # shapes: _check_shapes
                     original = next(name for name, slot in plan.slots.items() if slot == Slot(ours))
                     raise CheckpointError(f"checkpoint {path}: {hf} must equal {original}, the shared "
                                           "tensor it duplicates, but differs")

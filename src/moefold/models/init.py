@@ -27,7 +27,8 @@ def seeded_normal_(p: torch.Tensor, std: float, seed: int, name: str) -> None:
     of the whole weight `name` under `seed`."""
     held = held_indices(p)
     *lead, width = p.shape
-    rows = _flat_rows(held[:-1], lead)  # of the [prod(lead), width] view, in the piece's order
+    n_rows = math.prod(lead)
+    rows = _flat_rows(held[:-1], lead)  # of the [n_rows, width] view, in the piece's order
     rows_per_block = max(1, BLOCK_ELEMENTS // max(1, width))
     piece = torch.empty((len(rows), width))
     block_of_row = rows // rows_per_block
@@ -35,7 +36,7 @@ def seeded_normal_(p: torch.Tensor, std: float, seed: int, name: str) -> None:
     blocks, counts = torch.unique_consecutive(block_of_row[order], return_counts=True)
     for block, positions in zip(blocks.tolist(), order.split(counts.tolist()), strict=True):
         first = block * rows_per_block
-        drawn = _draw_block((min(rows_per_block, math.prod(lead) - first), width), seed, name, block)
+        drawn = _draw_block((min(rows_per_block, n_rows - first), width), seed, name, block)
         piece[positions] = drawn[rows[positions] - first]
     piece = piece.view(*(n if ids is None else len(ids) for ids, n in zip(held[:-1], lead, strict=True)), width)
     if held[-1] is not None:

@@ -56,3 +56,12 @@ def run_cli(args: list[str], timeout: float = 300, launcher: list[str] | None = 
     `python -m moefold` (e.g. with torchrun's)."""
     command = launcher or [sys.executable, "-m", "moefold"]
     return subprocess.run([*command, *args], capture_output=True, text=True, timeout=timeout, **kwargs)
+
+
+def state_bytes_held(trainer) -> int:
+    """Bytes of a Trainer's parameters, gradients and optimizer state tensors, each storage once."""
+    params = list(trainer.model.parameters())
+    tensors = params + [p.grad for p in params if p.grad is not None]
+    tensors += [v for state in trainer.optimizer.state.values() for v in state.values()
+                if isinstance(v, torch.Tensor)]
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())

@@ -30,6 +30,13 @@ class ParamSplit:
                           self.expert + other.expert, max(self.largest_dense, other.largest_dense),
                           max(self.largest_expert, other.largest_expert))
 
+    def __mul__(self, copies: int) -> ParamSplit:
+        """`copies` modules of this split (the largest tensors unchanged, none when there are none)."""
+        if copies == 0:
+            return ParamSplit()
+        return ParamSplit(self.tp * copies, self.replicated * copies, self.expert * copies,
+                          self.largest_dense, self.largest_expert)
+
     @property
     def total(self) -> int:
         return self.tp + self.replicated + self.expert
@@ -59,8 +66,12 @@ def attention_params(cfg: Config) -> ParamSplit:
 def ffn_params(cfg: Config, layer_id: int) -> ParamSplit:
     from moefold.models.transformer import is_moe_layer
 
+    return _ffn_params(cfg, is_moe_layer(cfg, layer_id))
+
+
+def _ffn_params(cfg: Config, moe_layer: bool) -> ParamSplit:
     m, moe = cfg.model, cfg.moe
-    if not is_moe_layer(cfg, layer_id):
+    if not moe_layer:
         return _tp(m.dim * m.ffn_hidden, m.dim * m.ffn_hidden, m.ffn_hidden * m.dim)
     matrices = 3 if moe.activation == "swiglu" else 2
     expert_matrix = moe.num_experts * m.dim * moe.expert_hidden
@@ -75,7 +86,23 @@ def ffn_params(cfg: Config, layer_id: int) -> ParamSplit:
 
 def layer_params(cfg: Config, layer_id: int) -> ParamSplit:
     """One block: two norms, attention, dense MLP or MoE layer."""
-    return _rep(cfg.model.dim, cfg.model.dim) + attention_params(cfg) + ffn_params(cfg, layer_id)
+    from moefold.models.transformer import is_moe_layer
+
+    return _block_params(cfg, is_moe_layer(cfg, layer_id))
+
+
+def _block_params(cfg: Config, moe_layer: bool) -> ParamSplit:
+    return _rep(cfg.model.dim, cfg.model.dim) + attention_params(cfg) + _ffn_params(cfg, moe_layer)
+
+
+def moe_layer_count(cfg: Config) -> int:
+    """How many blocks (MTP's included) models.transformer.is_moe_layer makes MoE layers, counted
+    without visiting each: the count of a model with 10^8 layers costs what a small one's does."""
+    moe, blocks = cfg.moe, cfg.model.n_layers + cfg.model.mtp_layers
+    if moe.num_experts == 0:
+        return 0
+    every = range(moe.first_k_dense, blocks, moe.moe_every)
+    return len(every) - sum(1 for i in set(moe.dense_layers) if i in every)
 
 
 def embedding_params(cfg: Config, vocab: int) -> ParamSplit:
@@ -93,7 +120,7 @@ def head_params(cfg: Config, vocab: int) -> ParamSplit:
 
 def model_params(cfg: Config, vocab: int) -> ParamSplit:
     """Every distinct parameter of the model (MTP blocks included)."""
-    total = embedding_params(cfg, vocab) + head_params(cfg, vocab)
-    for layer_id in range(cfg.model.n_layers + cfg.model.mtp_layers):
-        total += layer_params(cfg, layer_id)
-    return total
+    moe_blocks = moe_layer_count(cfg)
+    dense_blocks = cfg.model.n_layers + cfg.model.mtp_layers - moe_blocks
+    return (embedding_params(cfg, vocab) + head_params(cfg, vocab) + _block_params(cfg, True) * moe_blocks
+            + _block_params(cfg, False) * dense_blocks)

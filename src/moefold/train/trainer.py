@@ -50,6 +50,7 @@ from moefold.optim.schedule import build_scheduler
 from moefold.parallel.apply import parallelize
 from moefold.parallel.data import DataParallel, GradNormClipper
 from moefold.parallel.launch import join
+from moefold.plan.fit import rank_capacity, refuse_model_beyond_memory
 from moefold.train import metrics
 from moefold.train.compile import compile_blocks, compile_loss
 from moefold.train.flops import count_params, peak_tflops, train_flops_per_token
@@ -152,6 +153,8 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         self.compute_dtype = resolve_compute_dtype(cfg.precision.compute_dtype, self.device)
         self._build_data()
+        refuse_model_beyond_memory(cfg, self.vocab_size, self.dist.world,
+                                   rank_capacity(self.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
         self._build_model(_checkpoint_fill(checkpoint, full_state) if checkpoint is not None else None)
         self.optimizer = build_optimizer(self.data_parallel.optimized, cfg.train, self.device, cfg.optim)
         self.data_parallel.optimizer_built()

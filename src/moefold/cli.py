@@ -7,6 +7,7 @@ User errors print one line and exit with status 2; an interrupted run exits with
 import argparse
 import dataclasses
 import difflib
+import errno
 import json
 import math
 import os
@@ -22,6 +23,8 @@ from moefold.config import (SECTIONS, Config, apply_overrides, config_from_toml,
 from moefold.errors import ConfigError, UserError, refuse_unwritable_dir
 
 EXIT_USAGE = 2
+FULL_OR_READ_ONLY = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+"""Errors writing an output that are the machine's state, the user's to fix: one line, no traceback."""
 
 
 def _add_config_options(parser: argparse.ArgumentParser) -> None:
@@ -371,6 +374,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("moefold: interrupted", file=sys.stderr)
         return 130
+    except OSError as e:
+        if e.errno not in FULL_OR_READ_ONLY:
+            raise
+        print(f"moefold: error: writing {e.filename or 'an output'}: {e.strerror}; free space (or "
+              "choose another directory) and run again", file=sys.stderr)
+        return EXIT_USAGE
     except RuntimeError as e:  # torch.OutOfMemoryError on CUDA; a plain RuntimeError on the CPU
         allocation = _failed_allocation(e)
         if allocation is None:

@@ -2,11 +2,12 @@
 
 Anything a user can cause (a typo in a config, a missing data file, a corrupt checkpoint) raises a
 subclass of `UserError`. The CLI prints its message on one line and exits with status 2, as it does
-for a job larger than the machine's memory (cli.py); everything else is a bug and keeps its
-traceback.
+for a job larger than the machine's memory and for a full or read-only disk (cli.py); everything
+else is a bug and keeps its traceback.
 """
 
 import os
+import tempfile
 from pathlib import Path
 
 
@@ -28,9 +29,14 @@ class CheckpointError(UserError):
 
 def refuse_unwritable_dir(path: Path, option: str = "--run-dir") -> None:
     """A directory `option` names (to create, or existing) that this process could not write into,
-    refused before any work: the commands create their output directories only when they write."""
+    refused before any work: the commands create their output directories only when they write.
+    Tried, not inferred from permission bits: root passes `os.access` everywhere, yet cannot
+    create in /proc or on a read-only mount."""
     existing = next(p for p in (path, *path.parents) if p.exists())
     if not existing.is_dir():
         raise UserError(f"{option} {path}: {existing} is a file, not a directory")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise UserError(f"{option} {path}: {existing} is not writable")
+    try:
+        probe = tempfile.mkdtemp(prefix=".moefold-write-check-", dir=existing)
+    except OSError as e:
+        raise UserError(f"{option} {path}: cannot create anything in {existing} ({e.strerror})") from None
+    os.rmdir(probe)

@@ -1,5 +1,10 @@
 """Every bad input gives one clear line, exit status 2, and leaves existing run files intact."""
 
+import errno
+import os
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -132,6 +137,35 @@ def test_run_dir_that_is_a_file_is_refused_before_training(tmp_path, tiny_args, 
     assert taken.read_text() == "mine"
 
 
+def _unwritable_dirs(tmp_path):
+    """Directories this process cannot create in: a mode-0500 one (not for root, whom permission
+    bits do not stop) and /proc (not even root: os.access says yes there)."""
+    dirs = []
+    if os.geteuid() != 0:
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        dirs.append(locked)
+    if Path("/proc/self").is_dir():
+        dirs.append(Path("/proc"))
+    return dirs
+
+
+def test_outputs_where_nothing_can_be_created_are_refused_before_any_work(finished_run, tmp_path, tiny_args,
+                                                                         capsys):
+    dirs = _unwritable_dirs(tmp_path)
+    if not dirs:
+        pytest.skip("no directory here that this process cannot write")
+    for parent in dirs:
+        for argv, option, target in (
+                (["train", *tiny_args, "--run-dir"], "--run-dir", parent / "run"),
+                (["convert", "--run-dir", str(finished_run), "--to-hf"], "--to-hf", parent / "hf" / "out"),
+                (["convert", "--from-hf", str(tmp_path), "--out"], "--out", parent / "run")):
+            line = error_line(capsys, [*argv, str(target)])
+            assert f"{option} {target}: cannot create anything in {parent} (" in line, line
+            assert not target.exists()
+    assert not [p for p in tmp_path.rglob(".moefold-write-check-*")]  # the probes are gone
+
+
 def test_convert_refuses_a_file_or_an_existing_checkpoint_as_its_output(finished_run, tmp_path, capsys):
     taken = tmp_path / "notes.txt"
     taken.write_text("mine")
@@ -211,3 +245,60 @@ def test_other_runtime_errors_keep_their_traceback(finished_run, monkeypatch):
     monkeypatch.setattr(Trainer, "train_step", broken)
     with pytest.raises(RuntimeError, match="shape mismatch"):
         main(["train", "--resume", str(finished_run), "--train.steps", "5"])
+
+
+def test_a_checkpoint_that_cannot_be_written_is_one_line_and_keeps_the_last_one(finished_run, capsys, monkeypatch):
+    """A full disk surfaces from torch.save as an opaque write error: the line says what the save
+    needed and had, the partial directory is gone, the complete checkpoint untouched."""
+    import torch.distributed.checkpoint as dcp
+
+    def full_disk(state, checkpoint_id):
+        Path(checkpoint_id).mkdir(parents=True)
+        (Path(checkpoint_id) / "__0_0.distcp").write_bytes(b"partial")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+    before = snapshot(finished_run / "checkpoints")
+    monkeypatch.setattr(dcp, "save", full_disk)
+    line = error_line(capsys, ["train", "--resume", str(finished_run), "--train.steps", "5"])
+    checkpoints = finished_run / "checkpoints"
+    assert line.startswith(f"moefold: error: saving checkpoint {checkpoints / 'step_00000005'} failed (RuntimeError: "), line
+    assert re.search(r"this rank's tensors take [\d.]+ MiB, [\d,.]+ MiB free\); the latest complete checkpoint, "
+                     r"step_00000003, is intact$", line), line
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_00000003"]
+    assert snapshot(checkpoints) == before
+
+
+class _DiskFillsMidRecord:
+    """metrics.jsonl's file on a disk that takes half of the next write, then refuses."""
+
+    def __init__(self, file):
+        self.file, self.calls = file, 0
+
+    def write(self, data):
+        self.calls += 1
+        if self.calls > 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return self.file.write(bytes(data[: len(data) // 2]))
+
+    def __getattr__(self, name):
+        return getattr(self.file, name)
+
+
+def test_metrics_on_a_full_disk_keep_whole_records_and_say_so_in_one_line(finished_run, capsys, monkeypatch):
+    from moefold.train.metrics import MetricsSinks
+
+    sinks = MetricsSinks(finished_run, tensorboard=False)
+    before = (finished_run / "metrics.jsonl").read_bytes()
+    sinks.jsonl = _DiskFillsMidRecord(sinks.jsonl)
+    with pytest.raises(OSError) as raised:
+        sinks.write({"step": 99, "loss": 1.0})
+    sinks.close()
+    assert raised.value.errno == errno.ENOSPC and raised.value.filename == str(finished_run / "metrics.jsonl")
+    assert (finished_run / "metrics.jsonl").read_bytes() == before  # the half record undone
+
+    def full(self, record):
+        raise OSError(errno.ENOSPC, "No space left on device", str(finished_run / "metrics.jsonl"))
+    monkeypatch.setattr(MetricsSinks, "write", full)
+    line = error_line(capsys, ["train", "--resume", str(finished_run), "--train.steps", "5"])
+    assert line == (f"moefold: error: writing {finished_run / 'metrics.jsonl'}: No space left on device; "
+                    "free space (or choose another directory) and run again")

@@ -84,8 +84,14 @@ def save_checkpoint(state: dict[str, Any], run_dir: Path, step: int, keep: int) 
     if coordinator:
         shutil.rmtree(tmp, ignore_errors=True)  # leftover of an interrupted save
     _barrier()
-    with _single_process_ok():
-        dcp.save(state, checkpoint_id=tmp)
+    try:
+        with _single_process_ok():
+            dcp.save(state, checkpoint_id=tmp)
+    except (Exception, CheckpointException) as e:  # DCP raises it on every rank when one fails
+        message = _save_failure(final, state, e)
+        if coordinator:
+            shutil.rmtree(tmp, ignore_errors=True)  # the partial shards: space back, nothing to mistake
+        raise CheckpointError(message) from None
     _barrier()
     if coordinator:
         _replace_dir(tmp, final)
@@ -93,6 +99,32 @@ def save_checkpoint(state: dict[str, Any], run_dir: Path, step: int, keep: int) 
             shutil.rmtree(old, ignore_errors=True)
     _barrier()  # nobody reads or writes checkpoints before the rename
     return final
+
+
+def _save_failure(final: Path, state: dict[str, Any], error: BaseException) -> str:
+    """One line on a save that failed: why, the room it needed against what its filesystem had
+    left (a full disk surfaces as an opaque write error from torch.save), and that nothing already
+    saved changed."""
+    try:
+        free = f"{shutil.disk_usage(final.parent).free / 2**20:,.1f} MiB free"
+    except OSError:
+        free = "free space unknown"
+    needed = f"this rank's tensors take {_tensor_bytes(state) / 2**20:,.1f} MiB, {free}"
+    latest = latest_checkpoint(final.parent.parent)
+    kept = f"the latest complete checkpoint, {latest.name}, is intact" if latest else "no earlier checkpoint"
+    return f"saving checkpoint {final} failed ({_reason(error)}; {needed}); {kept}"
+
+
+def _tensor_bytes(value: Any) -> int:
+    """Bytes of the tensors (a DTensor's local piece) in a nested state dict."""
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    if isinstance(value, torch.Tensor):
+        local = value.to_local() if hasattr(value, "to_local") else value
+        return local.numel() * local.element_size()
+    return 0
 
 
 def _barrier() -> None:

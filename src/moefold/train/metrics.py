@@ -6,6 +6,7 @@ Every log step produces one flat dict of plain numbers; sinks write it to the co
 
 import json
 import math
+import os
 import resource
 import sys
 from pathlib import Path
@@ -51,16 +52,28 @@ class MetricsSinks:
     """metrics.jsonl (appended, flushed each write) and TensorBoard (when installed and enabled)."""
 
     def __init__(self, run_dir: Path, tensorboard: bool):
-        self.jsonl = open(Path(run_dir) / "metrics.jsonl", "a", encoding="utf-8")
+        self.jsonl_path = Path(run_dir) / "metrics.jsonl"
+        self.jsonl = open(self.jsonl_path, "ab", buffering=0)  # each record on disk as it is written
         self.tb = _tensorboard_writer(Path(run_dir) / "tb") if tensorboard else None
 
     def write(self, record: dict[str, Any]) -> None:
-        self.jsonl.write(json.dumps(record, allow_nan=True) + "\n")
-        self.jsonl.flush()
+        self._append_line((json.dumps(record, allow_nan=True) + "\n").encode())
         if self.tb is not None:
             for key, value in record.items():
                 if isinstance(value, (int, float)) and key != "step" and math.isfinite(value):
                     self.tb.add_scalar(key, value, record["step"])
+
+    def _append_line(self, line: bytes) -> None:
+        """The whole line or nothing: a write cut short (a full disk) is undone, so the file stays
+        one JSON record per line for readers and for a resumed run's appends."""
+        start = os.fstat(self.jsonl.fileno()).st_size
+        try:
+            rest = memoryview(line)
+            while rest:
+                rest = rest[self.jsonl.write(rest):]
+        except OSError as e:
+            self.jsonl.truncate(start)
+            raise OSError(e.errno, e.strerror, str(self.jsonl_path)) from None
 
     def close(self) -> None:
         self.jsonl.close()

@@ -261,7 +261,8 @@ def test_a_checkpoint_that_cannot_be_written_is_one_line_and_keeps_the_last_one(
     monkeypatch.setattr(dcp, "save", full_disk)
     line = error_line(capsys, ["train", "--resume", str(finished_run), "--train.steps", "5"])
     checkpoints = finished_run / "checkpoints"
-    assert line.startswith(f"moefold: error: saving checkpoint {checkpoints / 'step_00000005'} failed (RuntimeError: "), line
+    failed = f"moefold: error: saving checkpoint {checkpoints / 'step_00000005'} failed (RuntimeError: "
+    assert line.startswith(failed), line
     assert re.search(r"this rank's tensors take [\d.]+ MiB, [\d,.]+ MiB free\); the latest complete checkpoint, "
                      r"step_00000003, is intact$", line), line
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step_00000003"]

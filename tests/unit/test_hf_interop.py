@@ -584,3 +584,47 @@ def test_a_rank_reads_only_its_rows(tmp_path):
         assert torch.equal(_Rows(None).read(read, "w"), whole)
         assert torch.equal(_Rows(torch.tensor([4, 1, 3])).read(read, "w"), whole[[4, 1, 3]])
         assert _Rows(torch.tensor([], dtype=torch.long)).read(read, "w").shape == (0, 4)
+
+
+def _tree(path: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in path.iterdir()}
+
+
+def test_an_export_replaces_an_earlier_one_whole_or_not_at_all(checkpoints, tmp_path, monkeypatch):
+    """A sharded export over a single-file one replaces it (no stale model.safetensors beside the
+    index); an export failing at its second shard (a full disk) leaves the earlier files exactly
+    as they were, with no partial file, and names the file; one into a new directory leaves none."""
+    import errno
+
+    from moefold.checkpoint import hf as hf_module
+
+    _, path = checkpoints("qwen3_moe-norm_topk-tied")
+    ours = load_pretrained(path)
+    out = tmp_path / "out"
+    save_pretrained(ours, out)
+    (out / "README.md").write_text("mine")
+    save_pretrained(ours, out, max_shard_bytes=20_000)
+    names = sorted(p.name for p in out.iterdir())
+    assert "model.safetensors" not in names and "model.safetensors.index.json" in names and "README.md" in names
+    before = _tree(out)
+
+    real_write = hf_module._write_safetensors
+    calls = []
+
+    def disk_fills(file, entries):
+        calls.append(file)
+        if len(calls) == 2:
+            file.write_bytes(b"half a shard")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_write(file, entries)
+
+    monkeypatch.setattr(hf_module, "_write_safetensors", disk_fills)
+    with pytest.raises(OSError) as raised:
+        save_pretrained(ours, out, max_shard_bytes=30_000)
+    assert raised.value.errno == errno.ENOSPC
+    assert raised.value.filename == str(out / calls[1].name.removeprefix(".partial-"))
+    assert _tree(out) == before
+    calls.clear()
+    with pytest.raises(OSError):
+        save_pretrained(ours, tmp_path / "new" / "hf", max_shard_bytes=30_000)
+    assert not (tmp_path / "new" / "hf").exists()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import shutil
 import struct
@@ -27,6 +28,7 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -486,24 +488,49 @@ def save_pretrained(model: Transformer, path: str | Path, max_shard_bytes: int =
     with an index when there is more than one. Tensors are built and written one at a time.
 
     `dtype` casts the parameters (e.g. bf16 for release); buffers such as the expert bias keep
-    theirs. Earlier `model*.safetensors` files and the index in `path` are replaced."""
+    theirs. Earlier `model*.safetensors` files, index and config in `path` are replaced, all at
+    once: every file is written under a `.partial-` name first and renamed only when all are, so a
+    failed export (a full disk) leaves `path` as it was, without a truncated shard to load."""
     hf = hf_config_from(model.cfg, model.vocab_size)  # first: fails on what the family cannot hold
     path = Path(path)
+    created = not path.exists()
     path.mkdir(parents=True, exist_ok=True)
     plan = build_plan(model)
     entries = list(_export_entries(plan, dtype))
     shards = _assign_shards(entries, max_shard_bytes)
-    for old in path.iterdir():
-        if _SHARD.match(old.name) or old.name == INDEX:
-            old.unlink()
-    for file, shard in shards.items():
-        _write_safetensors(path / file, shard)
+    hf["torch_dtype"] = str(dtype or model.tok_embeddings.weight.dtype).removeprefix("torch.")
+    writes: dict[str, Callable[[Path], Any]] = {
+        file: partial(_write_safetensors, entries=shard) for file, shard in shards.items()}
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(e.nbytes for e in entries)},
                  "weight_map": {e.name: file for file, shard in shards.items() for e in shard}}
-        (path / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-    hf["torch_dtype"] = str(dtype or model.tok_embeddings.weight.dtype).removeprefix("torch.")
-    (path / CONFIG).write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+        writes[INDEX] = lambda file: file.write_text(json.dumps(index, indent=2) + "\n")
+    writes[CONFIG] = lambda file: file.write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+    _write_all_or_nothing(path, writes, created)
+
+
+def _write_all_or_nothing(path: Path, writes: dict[str, Callable[[Path], Any]], created: bool) -> None:
+    """Each `writes[name](file)` into `path/.partial-<name>`; then earlier shards and index go and
+    the partial files take their names. On failure the partial files go (and `path`, if this
+    export created it) and an OSError names the file it was writing."""
+    partials = {name: path / f".partial-{name}" for name in writes}
+    try:
+        for name, write in writes.items():
+            try:
+                write(partials[name])
+            except OSError as e:
+                raise OSError(e.errno, e.strerror, str(path / name)) from None
+    except BaseException:
+        for file in partials.values():
+            file.unlink(missing_ok=True)
+        if created and not any(path.iterdir()):
+            path.rmdir()
+        raise
+    for old in path.iterdir():
+        if (_SHARD.match(old.name) or old.name == INDEX) and old.name not in writes:
+            old.unlink()
+    for name, file in partials.items():
+        os.replace(file, path / name)
 
 
 @dataclass(frozen=True)

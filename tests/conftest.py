@@ -58,10 +58,22 @@ def run_cli(args: list[str], timeout: float = 300, launcher: list[str] | None = 
     return subprocess.run([*command, *args], capture_output=True, text=True, timeout=timeout, **kwargs)
 
 
-def state_bytes_held(trainer) -> int:
-    """Bytes of a Trainer's parameters, gradients and optimizer state tensors, each storage once."""
+
+def floor_and_held_after_a_step(run_dir: Path, overrides: dict[str, str]) -> tuple[float, int]:
+    """(plan/fit.py's floor, the bytes a Trainer's parameters, gradients and optimizer states hold
+    after one step of the `tiny` preset with `overrides`), each storage counted once."""
+    from moefold.config import load_config
+    from moefold.plan.fit import state_bytes_per_parameter
+    from moefold.plan.params import model_params
+    from moefold.train.trainer import Trainer
+
+    cfg = load_config("tiny", overrides)
+    trainer = Trainer(cfg, run_dir, out=lambda line: None)
+    trainer.accumulate_gradients()
+    trainer.optimizer.step()
     params = list(trainer.model.parameters())
     tensors = params + [p.grad for p in params if p.grad is not None]
     tensors += [v for state in trainer.optimizer.state.values() for v in state.values()
                 if isinstance(v, torch.Tensor)]
-    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+    held = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+    return model_params(cfg, trainer.vocab_size).total * state_bytes_per_parameter(cfg), held

@@ -6,11 +6,8 @@ import pytest
 import torch
 
 from moefold.cli import main
-from moefold.config import load_config
-from moefold.plan.fit import rank_capacity, state_bytes_per_parameter
-from moefold.plan.params import model_params
-from moefold.train.trainer import Trainer
-from conftest import TINY_OVERRIDES, state_bytes_held
+from moefold.plan.fit import rank_capacity
+from conftest import TINY_OVERRIDES, floor_and_held_after_a_step
 
 pytestmark = pytest.mark.gpu
 
@@ -24,14 +21,9 @@ if not torch.cuda.is_available():
     {"optim.master_dtype": "fp32", "precision.compute_dtype": "fp32"},
 ])
 def test_the_floor_is_what_one_gpu_holds_after_a_step(tmp_path, text_corpus, optim):
-    overrides = {**TINY_OVERRIDES, "data.path": str(text_corpus), "train.device": "cuda", "model.dim": "128",
-                 "moe.expert_hidden": "128", "model.ffn_hidden": "256", **optim}
-    cfg = load_config("tiny", overrides)
-    trainer = Trainer(cfg, tmp_path / "run", out=lambda line: None)
-    trainer.accumulate_gradients()
-    trainer.optimizer.step()
-    floor = model_params(cfg, trainer.vocab_size).total * state_bytes_per_parameter(cfg)
-    held = state_bytes_held(trainer)
+    floor, held = floor_and_held_after_a_step(tmp_path / "run", {
+        **TINY_OVERRIDES, "data.path": str(text_corpus), "train.device": "cuda", "model.dim": "128",
+        "moe.expert_hidden": "128", "model.ffn_hidden": "256", **optim})
     assert 0.9 * held <= floor <= held, (floor, held)
 
 

@@ -2,21 +2,14 @@
 holds, the parameter count it rests on against the built model, the memory it reads, and the CLI."""
 
 import pytest
-import torch
 
 from moefold.cli import main
 from moefold.config import load_config
 from moefold.errors import ConfigError
 from moefold.models.transformer import is_moe_layer
-from moefold.plan.fit import (
-    Capacity,
-    host_memory_bytes,
-    refuse_model_beyond_memory,
-    state_bytes_per_parameter,
-)
+from moefold.plan.fit import Capacity, host_memory_bytes, refuse_model_beyond_memory
 from moefold.plan.params import embedding_params, head_params, layer_params, model_params, moe_layer_count
-from moefold.train.trainer import Trainer
-from conftest import TINY_OVERRIDES, state_bytes_held
+from conftest import TINY_OVERRIDES, floor_and_held_after_a_step
 
 
 @pytest.mark.parametrize("preset, overrides", [
@@ -56,14 +49,9 @@ def test_a_model_of_a_hundred_million_layers_is_counted_at_once():
 def test_the_floor_is_what_one_process_holds_after_a_step(tmp_path, text_corpus, optim):
     """The floor never exceeds what a step holds (a refused run could never have run) and is most
     of it (one process: no replicas, no activations counted)."""
-    overrides = {**TINY_OVERRIDES, "data.path": str(text_corpus), "model.dim": "128",
-                 "moe.expert_hidden": "128", "model.ffn_hidden": "256", **optim}
-    cfg = load_config("tiny", overrides)
-    trainer = Trainer(cfg, tmp_path / "run", out=lambda line: None)
-    trainer.accumulate_gradients()
-    trainer.optimizer.step()
-    floor = model_params(cfg, trainer.vocab_size).total * state_bytes_per_parameter(cfg)
-    held = state_bytes_held(trainer)
+    floor, held = floor_and_held_after_a_step(tmp_path / "run", {
+        **TINY_OVERRIDES, "data.path": str(text_corpus), "model.dim": "128", "moe.expert_hidden": "128",
+        "model.ffn_hidden": "256", **optim})
     assert 0.9 * held <= floor <= held, (floor, held)
 
 

@@ -6,6 +6,7 @@ The reference for the Hub layout is `hub_named` below: transformers' fused in-me
 into per-expert tensors, written out by hand.
 """
 
+import inspect
 import json
 import math
 import re
@@ -402,8 +403,10 @@ def test_mtp_module_matches_transformers_mtp_layer(checkpoints):
         module = ours.mtp.layers[0]
         our_out = module.norm(module(h, emb, cos, sin))
         pos = torch.arange(SEQ)[None]
-        hf_out = hf_mtp.layers[0](emb, h, position_embeddings=hf_mtp.rotary_emb(emb, pos),
-                                  attention_mask=None, position_ids=pos, cache=None)
+        layer = hf_mtp.layers[0]  # its cache argument is `cache` in some transformers 5.x, `past_key_values` in others
+        no_cache = {"cache" if "cache" in inspect.signature(layer.forward).parameters else "past_key_values": None}
+        hf_out = layer(emb, h, position_embeddings=hf_mtp.rotary_emb(emb, pos), attention_mask=None,
+                       position_ids=pos, **no_cache)
     assert_rel_close(our_out, hf_out, 1e-5, "MTP hidden state")
 
 

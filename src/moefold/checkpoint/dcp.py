@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from moefold.errors import CheckpointError
+from moefold.parallel.local import local_tensor
 
 CHECKPOINTS = "checkpoints"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -122,8 +123,7 @@ def _tensor_bytes(value: Any) -> int:
     if isinstance(value, (list, tuple)):
         return sum(_tensor_bytes(v) for v in value)
     if isinstance(value, torch.Tensor):
-        local = value.to_local() if hasattr(value, "to_local") else value
-        return local.numel() * local.element_size()
+        return local_tensor(value).nbytes
     return 0
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -55,10 +56,12 @@ def fill_one_rank(preset: str, world: int, parallel: dict[str, int], rank: int) 
             model = build_model(cfg, cfg.model.vocab_size)
         drawn = [0]
         draw = init._draw_block
+        counting = threading.Lock()  # blocks are drawn by a pool of threads
 
-        def counted_draw(shape, *args):
-            drawn[0] += math.prod(shape)
-            return draw(shape, *args)
+        def counted_draw(shape, *args, **kwargs):
+            with counting:
+                drawn[0] += math.prod(shape)
+            return draw(shape, *args, **kwargs)
 
         init._draw_block = counted_draw
         timing = {}
@@ -84,7 +87,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="qwen3-30b-a3b:32:ep8")
     parser.add_argument("--rank", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1, help="torch's intra-op threads")
+    parser.add_argument("--threads", type=int, default=1, help="torch's intra-op threads, and the threads drawing the seeded blocks")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print("| preset | world | layout | model elements | held by the rank | drawn by the rank | fill s "

@@ -5,6 +5,7 @@ keeps its piece), for every layout.
 """
 
 import math
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -112,10 +113,12 @@ def _count_what_is_drawn_and_read(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Elements a rank draws for its seeded weights or reads from a checkpoint, counted in [0]."""
     count = [0]
     draw = init._draw_block
+    counting = threading.Lock()  # blocks are drawn by a pool of threads
 
-    def counted_draw(shape, *args):
-        count[0] += math.prod(shape)
-        return draw(shape, *args)
+    def counted_draw(shape, *args, **kwargs):
+        with counting:
+            count[0] += math.prod(shape)
+        return draw(shape, *args, **kwargs)
 
     reading = hf._reading
 

@@ -27,16 +27,18 @@ class CheckpointError(UserError):
     """A checkpoint or run directory is missing, unreadable or corrupt."""
 
 
-def refuse_unwritable_dir(path: Path, option: str = "--run-dir") -> None:
+def refuse_unwritable_dir(path: Path, option: str = "--run-dir", given: Path | None = None) -> None:
     """A directory `option` names (to create, or existing) that this process could not write into,
     refused before any work: the commands create their output directories only when they write.
     Tried, not inferred from permission bits: root passes `os.access` everywhere, yet cannot
-    create in /proc or on a read-only mount."""
+    create in /proc or on a read-only mount. `given`: what the user typed, where `path` is the
+    directory of a file the option names."""
+    given = path if given is None else given
     existing = next(p for p in (path, *path.parents) if p.exists())
     if not existing.is_dir():
-        raise UserError(f"{option} {path}: {existing} is a file, not a directory")
+        raise UserError(f"{option} {given}: {existing} is a file, not a directory")
     try:
         probe = tempfile.mkdtemp(prefix=".moefold-write-check-", dir=existing)
     except OSError as e:
-        raise UserError(f"{option} {path}: cannot create anything in {existing} ({e.strerror})") from None
+        raise UserError(f"{option} {given}: cannot create anything in {existing} ({e.strerror})") from None
     os.rmdir(probe)

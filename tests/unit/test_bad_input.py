@@ -159,7 +159,9 @@ def test_outputs_where_nothing_can_be_created_are_refused_before_any_work(finish
         for argv, option, target in (
                 (["train", *tiny_args, "--run-dir"], "--run-dir", parent / "run"),
                 (["convert", "--run-dir", str(finished_run), "--to-hf"], "--to-hf", parent / "hf" / "out"),
-                (["convert", "--from-hf", str(tmp_path), "--out"], "--out", parent / "run")):
+                (["convert", "--from-hf", str(tmp_path), "--out"], "--out", parent / "run"),
+                (["bench", *tiny_args, "--steps", "1", "--profile"], "--profile", parent / "prof"),
+                (["bench", *tiny_args, "--steps", "1", "--json"], "--json", parent / "r.json")):
             line = error_line(capsys, [*argv, str(target)])
             assert f"{option} {target}: cannot create anything in {parent} (" in line, line
             assert not target.exists()

@@ -219,7 +219,7 @@ def test_bench_output_paths_under_a_file_are_refused_before_the_steps(tmp_path, 
         capsys.readouterr()
         assert main(["bench", "--config", "tiny", "--steps", "1", option, str(path)]) == 2
         err = capsys.readouterr().err
-        assert err.count("\n") == 1 and f"{option} {path.parent if option == '--json' else path}: {taken} is a file" in err, err
+        assert err.count("\n") == 1 and f"{option} {path}: {taken} is a file" in err, err
     assert taken.read_text() == "mine"
 
 

@@ -27,7 +27,7 @@ def check_args(args: argparse.Namespace) -> None:
     if args.json is not None:
         if args.json.is_dir():
             raise UserError(f"--json {args.json} is a directory; give a file path")
-        refuse_unwritable_dir(args.json.parent, "--json")
+        refuse_unwritable_dir(args.json.parent, "--json", given=args.json)
 
 
 def run(args: argparse.Namespace, cfg: Config, overrides: dict[str, Any]) -> int:

@@ -87,7 +87,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="qwen3-30b-a3b:32:ep8")
     parser.add_argument("--rank", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1, help="torch's intra-op threads, and the threads drawing the seeded blocks")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch's intra-op threads, and the threads drawing the seeded blocks")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print("| preset | world | layout | model elements | held by the rank | drawn by the rank | fill s "

@@ -76,8 +76,8 @@ def seeded_normal_(p: torch.Tensor, std: float, seed: int, name: str) -> None:
             piece_RW.index_copy_(0, copy.dst, rows_kept.mul(std).to(piece_RW.dtype))
 
     copies = _block_copies(rows, rows_per_block, n_rows)
-    workers_wanted = torch.get_num_threads()
-    workers = min(workers_wanted, len(copies))
+    threads = torch.get_num_threads()  # the pool's size, and what intra-op threads return to
+    workers = min(threads, len(copies))
     if workers <= 1:
         for copy in copies:
             fill(copy)
@@ -89,7 +89,7 @@ def seeded_normal_(p: torch.Tensor, std: float, seed: int, name: str) -> None:
             with ThreadPoolExecutor(workers, thread_name_prefix="seeded_normal") as pool:
                 list(pool.map(fill, copies))  # list(): re-raises a worker's exception here
         finally:
-            torch.set_num_threads(workers_wanted)
+            torch.set_num_threads(threads)
     if on_host is not target:
         target.copy_(on_host)
 

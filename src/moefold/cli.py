@@ -20,7 +20,7 @@ from typing import Any
 from moefold import __version__
 from moefold.config import (SECTIONS, Config, apply_overrides, config_from_toml, field_docs,
                             field_types, load_config, preset_names, to_toml, validate)
-from moefold.errors import ConfigError, UserError, refuse_unwritable_dir
+from moefold.errors import ConfigError, UserError, refuse_unwritable_dir, report
 
 EXIT_USAGE = 2
 FULL_OR_READ_ONLY = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
@@ -168,7 +168,7 @@ def _train(args: argparse.Namespace) -> int:
         trainer.fit()
         trainer.dist.barrier()  # every rank done before any tears the process group down
     except TrainingInterrupted as e:
-        print(f"moefold: {e}", file=sys.stderr)
+        report(f"moefold: {e}")
         return 128 + e.signum
     finally:
         from moefold.parallel.launch import leave
@@ -369,24 +369,24 @@ def main(argv: list[str] | None = None) -> int:
                    "config": _config, "plan": _plan, "bench": _bench}[args.command]
         return handler(args)
     except UserError as e:
-        print(f"moefold: error: {e}", file=sys.stderr)
+        report(f"moefold: error: {e}")
         return EXIT_USAGE
     except KeyboardInterrupt:
-        print("moefold: interrupted", file=sys.stderr)
+        report("moefold: interrupted")
         return 130
     except OSError as e:
         if e.errno not in FULL_OR_READ_ONLY:
             raise
-        print(f"moefold: error: writing {e.filename or 'an output'}: {e.strerror}; free space (or "
-              "choose another directory) and run again", file=sys.stderr)
+        report(f"moefold: error: writing {e.filename or 'an output'}: {e.strerror}; free space (or "
+               "choose another directory) and run again")
         return EXIT_USAGE
     except RuntimeError as e:  # torch.OutOfMemoryError on CUDA; a plain RuntimeError on the CPU
         allocation = _failed_allocation(e)
         if allocation is None:
             raise
-        print(f"moefold: error: out of memory: {allocation}; a smaller model, micro-batch or "
-              "sequence, more GPUs or the memory.* options would fit it (`moefold plan memory` "
-              "predicts a GPU's need for the same options)", file=sys.stderr)
+        report(f"moefold: error: out of memory: {allocation}; a smaller model, micro-batch or "
+               "sequence, more GPUs or the memory.* options would fit it (`moefold plan memory` "
+               "predicts a GPU's need for the same options)")
         return EXIT_USAGE
 
 

@@ -7,8 +7,11 @@ else is a bug and keeps its traceback.
 """
 
 import os
+import sys
 import tempfile
 from pathlib import Path
+
+RANK_REPORTS_ENV = "MOEFOLD_RANK_REPORTS"  # set by `moefold train --nproc N` for its ranks
 
 
 class UserError(Exception):
@@ -42,3 +45,18 @@ def refuse_unwritable_dir(path: Path, option: str = "--run-dir", given: Path | N
     except OSError as e:
         raise UserError(f"{option} {given}: cannot create anything in {existing} ({e.strerror})") from None
     os.rmdir(probe)
+
+
+def report(line: str) -> None:
+    """Say the line a command ends with (its error, or why training stopped) on stderr. A rank of
+    `moefold train --nproc N` leaves it in the launcher's folder instead: the launcher says each
+    distinct line once, not once a rank (parallel/launch.py)."""
+    folder = os.environ.get(RANK_REPORTS_ENV)
+    if folder is not None:
+        try:
+            with open(Path(folder) / f"rank{os.environ.get('RANK', '0')}", "a", encoding="utf-8") as f:
+                f.write(line + "\n")
+            return
+        except OSError:
+            pass  # the launcher is gone, or the disk is full: say it here
+    print(line, file=sys.stderr)

@@ -9,6 +9,9 @@ import sys
 
 from conftest import run_cli
 
+from moefold.errors import RANK_REPORTS_ENV, report
+from moefold.parallel.launch import say_rank_reports
+
 
 def _metrics(run_dir):
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
@@ -50,6 +53,34 @@ def test_layout_that_does_not_fit_the_ranks_stops_before_writing(tiny_args, tmp_
     assert result.stderr.strip() == ("moefold: error: parallel: world size 3 is not divisible by "
                                      "tp·cp·pp = 2 (tp=2, cp=1, pp=1)")
     assert not run_dir.exists()
+
+
+def test_an_error_every_rank_meets_is_said_once(tiny_args, tmp_path):
+    """Each rank checks the data path itself; the user reads the error once, not once a rank."""
+    run_dir = tmp_path / "r"
+    result = run_cli(["train", *tiny_args, "--run-dir", str(run_dir), "--nproc", "2", "--parallel.ep", "2",
+                      "--data.path", str(tmp_path / "missing.txt")])
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"moefold: error: data.path={tmp_path / 'missing.txt'}: no such file or directory"]
+
+
+def test_rank_reports_name_the_ranks_only_where_they_disagree(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(RANK_REPORTS_ENV, str(tmp_path))
+    for rank, line in [(0, "moefold: error: shard 0 is corrupt"), (1, "moefold: interrupted"),
+                       (3, "moefold: interrupted")]:
+        monkeypatch.setenv("RANK", str(rank))
+        report(line)
+    assert capsys.readouterr().err == ""  # left for the launcher, not said by the ranks
+    say_rank_reports(tmp_path, 4)
+    assert capsys.readouterr().err.splitlines() == ["moefold: error: shard 0 is corrupt (rank 0)",
+                                                    "moefold: interrupted (ranks 1, 3)"]
+    (tmp_path / "rank0").unlink()
+    say_rank_reports(tmp_path, 4)
+    assert capsys.readouterr().err.splitlines() == ["moefold: interrupted"]
+    monkeypatch.setenv(RANK_REPORTS_ENV, str(tmp_path / "gone"))  # the launcher's folder is gone
+    report("moefold: error: said here")
+    assert capsys.readouterr().err == "moefold: error: said here\n"
 
 
 def test_exit_rank_flushes_and_skips_interpreter_shutdown():

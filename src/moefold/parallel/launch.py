@@ -13,14 +13,16 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 
 from moefold.config import Config
-from moefold.errors import ConfigError
+from moefold.errors import RANK_REPORTS_ENV, ConfigError
 from moefold.parallel.dims import ParallelDims, ParallelLayout
 
 
@@ -138,14 +140,22 @@ def exit_rank(code: int) -> NoReturn:
 
 def spawn_local(nproc: int, argv: list[str]) -> int:
     """Run `python -m moefold <argv>` as N ranks on this machine (env:// rendezvous on a free local
-    port); returns the first non-zero exit code, terminating the other ranks, or 0."""
-    port = free_port()
-    base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-            "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc)}
-    base.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: N ranks share this machine's cores
-    procs = [subprocess.Popen([sys.executable, "-m", "moefold", *argv],
-                              env={**base, "RANK": str(r), "LOCAL_RANK": str(r)})
-             for r in range(nproc)]
+    port); returns the first non-zero exit code, terminating the other ranks, or 0. The line each
+    rank ends with (errors.report) is said here once, however many ranks said it."""
+    with tempfile.TemporaryDirectory(prefix="moefold-ranks-") as reports:
+        base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+                "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), RANK_REPORTS_ENV: reports}
+        base.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: N ranks share this machine's cores
+        procs = [subprocess.Popen([sys.executable, "-m", "moefold", *argv],
+                                  env={**base, "RANK": str(r), "LOCAL_RANK": str(r)})
+                 for r in range(nproc)]
+        try:
+            return _wait_for_ranks(procs)
+        finally:
+            say_rank_reports(Path(reports), nproc)
+
+
+def _wait_for_ranks(procs: list[subprocess.Popen]) -> int:
     code = 0
     try:
         pending = list(procs)
@@ -163,6 +173,20 @@ def spawn_local(nproc: int, argv: list[str]) -> int:
     except KeyboardInterrupt:  # the ranks got SIGINT too: let them save and exit
         code = max(p.wait() for p in procs)
     return code
+
+
+def say_rank_reports(folder: Path, nproc: int) -> None:
+    """Each distinct line the ranks left in `folder` once, on stderr, in rank order; where the
+    ranks disagree, each line names the ranks that said it."""
+    ranks_by_line: dict[str, list[int]] = {}
+    for rank in range(nproc):
+        path = folder / f"rank{rank}"
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines() if path.exists() else []
+        for line in lines:
+            ranks_by_line.setdefault(line, []).append(rank)
+    for line, ranks in ranks_by_line.items():
+        said_by = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+        print(line if len(ranks_by_line) == 1 else f"{line} ({said_by})", file=sys.stderr)
 
 
 def free_port() -> int:

@@ -29,7 +29,7 @@ TWO_EXPERTS = {"moe.num_experts": "2"}  # FSDP over 4 leaves two ranks no rows o
 # World 4: (name, model, dp, parallel sizes, overrides, from a Hugging Face checkpoint): FSDP over
 # TP shards (strided pieces) with a tied head; EP·ETP experts under FSDP over edp; ZeRO-1's
 # replicated parameters with TP and EP; 3 experts a rank that FSDP cuts by dim 1 over edp 2
-# (parallel.data.even_expert_shards); a DeepSeek checkpoint (MTP's copies of the shared tensors,
+# (parallel.data.even_expert_shards), drawn and read; a DeepSeek checkpoint (MTP's copies of the shared tensors,
 # the expert bias) loaded into FSDP·TP·EP pieces and a tied Qwen3 one into FSDP·TP pieces; and
 # ranks holding no rows of a tensor, drawn and read.
 LAYOUTS = [
@@ -37,6 +37,7 @@ LAYOUTS = [
     ("fsdp-tp2-etp2-ep2", "deepseek", 2, dict(tp=2, etp=2, ep=2), {}, False),
     ("ddp-tp2-ep2", "qwen3", 2, dict(tp=2, ep=2, data_parallel="ddp"), {}, False),
     ("fsdp-ep2-edp2-by-rows", "qwen3", 4, dict(ep=2), {"moe.num_experts": "6"}, False),
+    ("hf-fsdp-ep2-edp2-by-rows", "qwen3", 4, dict(ep=2), {**HF_VOCAB, "moe.num_experts": "6"}, True),
     ("hf-fsdp-tp2-ep2", "deepseek", 2, dict(tp=2, ep=2), HF_VOCAB, True),
     ("hf-fsdp-dp2-tp2-tied", "qwen3", 2, dict(tp=2), {**HF_VOCAB, "model.tie_embeddings": "true"}, True),
     ("fsdp-dp4-2-experts", "qwen3", 4, dict(), TWO_EXPERTS, False),
@@ -125,8 +126,8 @@ def _count_what_is_drawn_and_read(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     @contextmanager
     def counted_reading(file_of):
         with reading(file_of) as read:
-            def counted_read(name, rows=None):
-                t = read(name, rows)
+            def counted_read(name, box=None):
+                t = read(name, box)
                 count[0] += t.numel()
                 return t
             yield counted_read
@@ -136,8 +137,8 @@ def _count_what_is_drawn_and_read(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return count
 
 
-def _build_and_measure(rank: int, corpus: Path, hf_dir: Path | None, root: Path, out: Path) -> None:
-    cfg = config("qwen3", corpus, dp=4, extra={**LARGE, **HF_VOCAB})
+def _build_and_measure(rank: int, corpus: Path, hf_dir: Path | None, cut: dict, root: Path, out: Path) -> None:
+    cfg = config("qwen3", corpus, dp=4, extra={**LARGE, **HF_VOCAB, **cut["extra"]}, **cut["parallel"])
     with pytest.MonkeyPatch.context() as monkeypatch:
         touched = _count_what_is_drawn_and_read(monkeypatch)
         Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM, the peak resident size
@@ -153,21 +154,30 @@ def _build_and_measure(rank: int, corpus: Path, hf_dir: Path | None, root: Path,
         torch.save(results, out)
 
 
+# How FSDP over 4 ranks cuts the experts: by dim 0 (16 experts, 4 a rank), or, with 9 experts a
+# rank of EP 2 that edp 2 cannot split evenly, by dim 1 (each rank holds half of every expert's rows).
+CUTS = {"experts-by-dim-0": {"parallel": {}, "extra": {}},
+        "experts-by-dim-1": {"parallel": {"ep": 2}, "extra": {"moe.num_experts": "18"}}}
+
+
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's peak-RSS reset")
-@pytest.mark.parametrize("start", ["seed", "hf"])
-def test_no_rank_allocates_draws_or_reads_the_whole_model(start, corpus, tmp_path):
+@pytest.mark.parametrize("start, cut", [("seed", "experts-by-dim-0"), ("hf", "experts-by-dim-0"),
+                                        ("hf", "experts-by-dim-1")])
+def test_no_rank_allocates_draws_or_reads_the_whole_model(start, cut, corpus, tmp_path):
     """FSDP over 4 ranks: a rank's peak memory while the trainer builds grows by its quarter of the
     weights, their optimizer states and one weight's rows being drawn or read: well under the whole
     model, which a rank allocating the model before sharding it would exceed (as would one keeping
     the checkpoint's file mapped: its pages count as the process's memory). And a rank draws, or
     reads from the checkpoint, little more than its quarter of the weights' elements, where drawing
-    or reading every weight whole and keeping its piece would touch all of them."""
+    or reading every weight whole and keeping its piece would touch all of them (and reading a
+    rank's experts whole, where FSDP cuts their rows, half)."""
     hf_dir = None
     if start == "hf":
-        cfg = config("qwen3", corpus, dp=4, extra={**LARGE, **HF_VOCAB})
+        cfg = config("qwen3", corpus, dp=4, extra={**LARGE, **HF_VOCAB, **CUTS[cut]["extra"]},
+                     **CUTS[cut]["parallel"])
         hf_dir = _write_hf_checkpoint(cfg, tmp_path / "hf")
     out = tmp_path / "peak.pt"
-    run_ranks(4, _build_and_measure, corpus, hf_dir, tmp_path / "run", out)
+    run_ranks(4, _build_and_measure, corpus, hf_dir, CUTS[cut], tmp_path / "run", out)
     for result in torch.load(out):
         assert result["model_bytes"] > 400e6
         assert result["growth"] < 0.4 * result["model_bytes"], result

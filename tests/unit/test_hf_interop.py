@@ -576,17 +576,32 @@ def test_hub_qwen3_moe_config():
     assert transformers.Qwen3MoeConfig(**hf_config_from(cfg, 151936)).num_experts == 128
 
 
-def test_a_rank_reads_only_its_rows(tmp_path):
-    """A sharded rank's rows of a checkpoint tensor, in its piece's order, from the span between
-    its first and last row; none at all for a rank FSDP left empty."""
-    from moefold.checkpoint.hf import _reading, _Rows
+def test_a_rank_reads_only_its_piece(tmp_path):
+    """A sharded rank's piece of a checkpoint tensor — rows, columns, both; in order, strided, out
+    of order — from the box between the first and last index it holds along each dimension; none
+    at all for a rank FSDP left empty."""
+    from moefold.checkpoint.hf import _read_held, _reading
 
-    whole = torch.arange(24.0).view(6, 4)
+    whole = torch.arange(48.0).view(6, 8)
     safetensors_torch.save_file({"w": whole}, tmp_path / "model.safetensors")
+    boxes = []
     with _reading({"w": tmp_path / "model.safetensors"}) as read:
-        assert torch.equal(_Rows(None).read(read, "w"), whole)
-        assert torch.equal(_Rows(torch.tensor([4, 1, 3])).read(read, "w"), whole[[4, 1, 3]])
-        assert _Rows(torch.tensor([], dtype=torch.long)).read(read, "w").shape == (0, 4)
+        def box_read(name, box=None):
+            t = read(name, box)
+            boxes.append(tuple(t.shape))
+            return t
+
+        ids = torch.tensor
+        for held, shape_read in [([None, None], (6, 8)), ([ids([4, 1, 3]), None], (4, 8)),
+                                 ([None, ids([2, 3, 4])], (6, 3)), ([ids([1, 2]), ids([0, 6, 2])], (2, 7)),
+                                 ([ids([5]), ids([7])], (1, 1))]:
+            rows = slice(None) if held[0] is None else held[0]
+            cols = slice(None) if held[1] is None else held[1]
+            assert torch.equal(_read_held(box_read, "w", held), whole[rows][:, cols]), held
+            assert boxes.pop() == shape_read, held
+        empty = ids([], dtype=torch.long)
+        assert _read_held(read, "w", [empty, None]).shape == (0, 8)
+        assert _read_held(read, "w", [None, empty]).shape == (6, 0)
 
 
 def _tree(path: Path) -> dict[str, bytes]:

@@ -387,10 +387,10 @@ def _names(names: list[str], limit: int = 12) -> str:
 
 @torch.no_grad()
 def _fill(plan: Plan, file_of: dict[str, Path], path: Path) -> None:
-    """Every moefold tensor of `plan` from its checkpoint tensors, one tensor at a time: a plain
-    tensor in place; a DTensor (one rank's piece) from the rows of dim 0 its piece holds, then cut
-    along the other dimensions, so that a rank reads only the experts it holds. The checkpoint's
-    duplicates (MTP's copies, a tied head) must equal what they repeat."""
+    """Every moefold tensor of `plan` from its checkpoint tensors, one tensor at a time, each
+    reading only what this rank's piece holds: a DTensor's expert rows of dim 0 and its cuts of
+    the other dimensions (FSDP's, TP's), so that no rank reads, or holds on the host, more than
+    its piece. The checkpoint's duplicates (MTP's copies, a tied head) must equal what they repeat."""
     hf_of: dict[str, list[str]] = {}
     for hf, slot in plan.slots.items():
         hf_of.setdefault(slot.ours, []).append(hf)
@@ -400,71 +400,62 @@ def _fill(plan: Plan, file_of: dict[str, Path], path: Path) -> None:
             repeats.setdefault(plan.copies.get(hf) or plan.aliases[hf], []).append(hf)
     for ours, target in plan.tensors.items():
         held = held_indices(target)
-        rows = _Rows(held[0])
+        local = local_tensor(target)
+        part = local if local.device.type == "cpu" else torch.empty_like(local, device="cpu")
         with _reading(file_of) as read:
-            part = target
-            if isinstance(target, DTensor):
-                part = torch.empty((rows.count(target.shape[0]), *target.shape[1:]), dtype=target.dtype)
             for hf in hf_of.get(ours, ()):
-                slot = plan.slots[hf]
-                if slot.expert is None:
-                    part.copy_(rows.read(read, hf))
-                elif rows.holds(slot.expert):  # else another rank's expert: not read here
-                    part[rows.position(slot.expert)].copy_(read(hf).T)
+                expert = plan.slots[hf].expert
+                if expert is None:
+                    part.copy_(_read_held(read, hf, held))
+                elif held[0] is None or bool((held[0] == expert).any()):  # else another rank's
+                    position = expert if held[0] is None else int((held[0] == expert).nonzero())
+                    # expert e of [E, in, out] is stored [out, in]: its held rows are HF's columns
+                    part[position].copy_(_read_held(read, hf, held[:0:-1]).T)
             for hf in repeats.get(ours, ()):
-                src = rows.read(read, hf)
-                if not torch.equal(src.to(part.device, part.dtype), part):  # shapes: _check_shapes
+                if not torch.equal(_read_held(read, hf, held).to(part.dtype), part):  # shapes: _check_shapes
                     original = next(name for name, slot in plan.slots.items() if slot == Slot(ours))
                     raise CheckpointError(f"checkpoint {path}: {hf} must equal {original}, the shared "
                                           "tensor it duplicates, but differs")
-            if part is not target:
-                for dim, ids in enumerate(held[1:], start=1):
-                    if ids is not None:
-                        part = part.index_select(dim, ids)
-                local_tensor(target).copy_(part)
+        if part is not local:
+            local.copy_(part)
 
 
-class _Rows:
-    """The rows of dim 0 a piece holds (`held_indices`' first entry; None: all of them)."""
+def _read_held(read: Callable[..., torch.Tensor], name: str,
+               held: Sequence[torch.Tensor | None]) -> torch.Tensor:
+    """`whole[ix_(*held)]` of checkpoint tensor `name` (held: per dimension the indices wanted, in
+    order; None: all), reading only the box from each dimension's first index to its last."""
+    box = tuple(slice(None) if ids is None else _span(ids) for ids in held)
+    t = read(name, box if any(ids is not None for ids in held) else None)
+    for dim, ids in enumerate(held):
+        if ids is not None and len(ids) and not _is_range(ids):  # strided or out of order
+            t = t.index_select(dim, ids - ids.min())
+    return t
 
-    def __init__(self, ids: torch.Tensor | None):
-        self.ids = ids
-        self._position = None if ids is None else {int(r): i for i, r in enumerate(ids.tolist())}
 
-    def count(self, size: int) -> int:
-        return size if self.ids is None else len(self.ids)
+def _span(ids: torch.Tensor) -> slice:
+    return slice(0, 0) if len(ids) == 0 else slice(int(ids.min()), int(ids.max()) + 1)
 
-    def holds(self, row: int) -> bool:
-        return self._position is None or row in self._position
 
-    def position(self, row: int) -> int:
-        return row if self._position is None else self._position[row]
-
-    def read(self, read: Callable[..., torch.Tensor], name: str) -> torch.Tensor:
-        """These rows of checkpoint tensor `name`, reading only the span from the first to the last."""
-        if self.ids is None:
-            return read(name)
-        if len(self.ids) == 0:  # a rank FSDP left no rows of this tensor
-            return read(name, slice(0, 0))
-        first, last = int(self.ids.min()), int(self.ids.max())
-        return read(name, slice(first, last + 1))[self.ids - first]
+def _is_range(ids: torch.Tensor) -> bool:
+    """Whether `ids` run on by one from their first (so the span is what they want, in order)."""
+    return bool((ids.diff() == 1).all()) if len(ids) > 1 else True
 
 
 @contextmanager
 def _reading(file_of: dict[str, Path]) -> Iterator[Callable[..., torch.Tensor]]:
-    """`read(name, rows=None)`: a checkpoint tensor (or the slice `rows` of its dim 0), from its
-    file, opened once in the block. The files are closed when it ends: the pages of a mapped file
-    count as the process's memory until then."""
+    """`read(name, box=None)`: a checkpoint tensor (or the box of it a tuple of slices names),
+    from its file, opened once in the block. The files are closed when it ends: the pages of a
+    mapped file count as the process's memory until then."""
     from safetensors import safe_open
 
     with ExitStack() as stack:
         opened: dict[Path, Any] = {}
 
-        def read(name: str, rows: slice | None = None) -> torch.Tensor:
+        def read(name: str, box: tuple[slice, ...] | None = None) -> torch.Tensor:
             file = file_of[name]
             if file not in opened:
                 opened[file] = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
-            return opened[file].get_tensor(name) if rows is None else opened[file].get_slice(name)[rows]
+            return opened[file].get_tensor(name) if box is None else opened[file].get_slice(name)[box]
 
         yield read
 

@@ -34,7 +34,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from moefold.checkpoint.hf_families import FAMILIES, Family, PerExpert, Rule, family_of
 from moefold.config import Config, validate

@@ -147,11 +147,13 @@ class MoEConfig:
 
     # Capacity
     capacity_factor: float = 0.0
-    """Per-expert capacity as a multiple of the even share T*K/E; 0 is dropless."""
+    """Per-expert capacity as a multiple of the even share T*K/E of a rank's own T tokens (each rank
+    drops its own copies, with or without EP); 0 is dropless."""
     drop_policy: str = "probs"
     """Which tokens an over-capacity expert drops: probs (lowest probability) or position (latest)."""
     pad_to_capacity: bool = False
-    """With a capacity factor: pad every expert to exactly its capacity (static shapes)."""
+    """With a capacity factor: pad every expert to exactly its capacity (static shapes; under EP no
+    host sync, with parallel.ep_dispatcher=alltoall and the same tokens on every rank)."""
 
     # Permutation and experts
     pad_multiple: int = 0
@@ -818,6 +820,10 @@ def _validate_parallel(cfg: Config) -> None:
     p, m = cfg.parallel, cfg.model
     _one_of("parallel.data_parallel", p.data_parallel, ("fsdp", "ddp"))
     _one_of("parallel.ep_dispatcher", p.ep_dispatcher, ("alltoall", "allgather"))
+    _require(not (cfg.moe.pad_to_capacity and p.ep * p.etp > 1 and p.ep_dispatcher != "alltoall"),
+             f"moe.pad_to_capacity=true under parallel.ep·etp > 1 needs parallel.ep_dispatcher='alltoall', "
+             f"not {p.ep_dispatcher!r} (the all-gather dispatcher's expert buffer has a static size "
+             "already)")
     # The world size is known only at launch; the smallest world both grids fit checks everything
     # that does not depend on it.
     dims = ParallelDims.smallest(p.tp, p.cp, p.pp, p.ep, p.etp, p.order)

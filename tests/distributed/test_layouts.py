@@ -107,6 +107,33 @@ def test_padded_expert_rows_under_ep_train_like_one_process(dispatcher, corpus, 
     _check_same_training(result, ref, f"pad16 ep2 {dispatcher}")
 
 
+# (test id, world, dp, parallel sizes with EP, the same ranks without EP, overrides)
+CAPACITY_LAYOUTS = [
+    ("ep2-drop", 2, 2, dict(ep=2), dict(), {}),
+    ("ep2-drop-and-pad", 2, 2, dict(ep=2), dict(), {"moe.pad_to_capacity": "true"}),
+    ("tp2-etp2-ep2-drop-and-pad", 4, 2, dict(tp=2, etp=2, ep=2), dict(tp=2),
+     {"moe.pad_to_capacity": "true", "moe.drop_policy": "position", "moe.pad_multiple": "8"}),
+]
+
+
+@pytest.mark.parametrize("name, world, dp, with_ep, without_ep, extra", CAPACITY_LAYOUTS,
+                         ids=[lay[0] for lay in CAPACITY_LAYOUTS])
+def test_capacity_under_ep_trains_like_the_same_ranks_without_it(name, world, dp, with_ep, without_ep,
+                                                                 extra, corpus, reference, tmp_path):
+    """A rank drops its own copies past the capacity of its own tokens, under data (and sequence)
+    parallelism as under EP; so with a capacity factor EP trains exactly like the same ranks
+    without it: the dispatcher moves the kept copies (CapacityAllToAllDispatcher, padded to
+    capacity: every expert C rows from every rank of the EP·ETP group)."""
+    extra = {"moe.capacity_factor": "1.0", **extra}
+    out = tmp_path / "results.pt"
+    run_ranks(world, train_on_rank, [
+        ("with", "qwen3", corpus, dp, with_ep, tmp_path / "with", None, 0, extra),
+        ("without", "qwen3", corpus, dp, without_ep, tmp_path / "without", None, 0, extra)], out)
+    results = torch.load(out)
+    _check_same_training(results["with"], results["without"], name)
+    assert results["with"]["losses"] != reference["qwen3"]["losses"]  # copies were dropped
+
+
 @pytest.mark.parametrize("name, world, dp, parallel", [
     ("tp2", 2, 1, dict(tp=2)),  # sequence-parallel
     ("tp2-no-sp", 2, 1, dict(tp=2, sequence_parallel="false")),

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from moe_reference import build, random_config
-from moefold.config import load_config
+from moefold.config import MoEConfig, load_config
 from moefold.models.transformer import build_model
 from moefold.parallel.dims import ParallelDims, ParallelLayout
 from moefold.parallel.expert import apply_ep
@@ -38,7 +38,7 @@ def layout():
 @pytest.mark.parametrize("seed", range(4))
 def test_expert_parallel_dispatchers_on_nccl(layout, dispatcher, seed):
     cfg = random_config(seed)
-    cfg.capacity_factor, cfg.pad_to_capacity, cfg.pad_multiple = 0.0, False, 0  # not under EP yet
+    cfg.pad_to_capacity &= dispatcher == "alltoall"  # all-gather's buffer is static already
     cfg.expert_hidden, cfg.experts_backend = 16, "grouped_mm"
     plain = build(cfg, 32, seed).float().cuda()
     ep = copy.deepcopy(plain)
@@ -54,6 +54,33 @@ def test_expert_parallel_dispatchers_on_nccl(layout, dispatcher, seed):
     torch.testing.assert_close(x_ep.grad, x.grad)
     for (name, p), p_ep in zip(plain.named_parameters(), ep.parameters()):
         torch.testing.assert_close(p_ep.grad, p.grad, msg=name)
+
+
+@pytest.mark.parametrize("pad_multiple", [0, 16])
+def test_expert_parallel_padded_to_capacity_runs_in_a_cuda_graph(layout, pad_multiple):
+    """Every expert padded to its capacity under EP (CapacityAllToAllDispatcher): no host sync
+    anywhere in the layer, so its forward captures into a CUDA graph (a sync would fail the
+    capture), and replays on new tokens give the plain layer's output."""
+    cfg = MoEConfig(num_experts=8, top_k=2, expert_hidden=16, experts_backend="grouped_mm",
+                    aux_loss_coeff=0.0, capacity_factor=1.0, pad_to_capacity=True, pad_multiple=pad_multiple)
+    plain = build(cfg, 32, 0).float().cuda().eval()
+    ep = copy.deepcopy(plain)
+    apply_ep(ep, layout.ep_group)
+    x_static = torch.randn(1, 64, 32, device="cuda")
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up off the capture stream, as CUDA graphs need
+            ep(x_static)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y_static = ep(x_static)
+        for seed in range(3):
+            x = torch.randn(1, 64, 32, device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
+            x_static.copy_(x)
+            graph.replay()
+            torch.testing.assert_close(y_static, plain(x))
 
 
 @pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-deepseek"])

@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from moefold.config import MoEConfig
 from moefold.errors import ConfigError
 from moefold.parallel.dims import ParallelDims, ParallelLayout
-from moefold.parallel.expert import DISPATCHERS, AllToAllDispatcher, apply_ep
+from moefold.parallel.expert import DISPATCHERS, AllToAllDispatcher, CapacityAllToAllDispatcher, apply_ep
 
 DIM = 8
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -35,7 +35,10 @@ class Case:
     padding: bool  # some tokens are padding (valid=False); rank 0 all padding when tokens are few
 
 
-def random_case(seed: int, world: int, pad_multiples: tuple[int, ...] = (0,)) -> Case:
+def random_case(seed: int, world: int, pad_multiples: tuple[int, ...] = (0,), capacity: bool = False) -> Case:
+    """A random layer and batch; with `capacity`, a capacity factor (over or under the even share),
+    a drop policy and, half the time, every expert padded to its capacity (the same T on every
+    rank, as that dispatcher needs)."""
     rng = random.Random(seed)
     E = world * rng.choice([1, 2, 3])
     L = E // world
@@ -56,6 +59,12 @@ def random_case(seed: int, world: int, pad_multiples: tuple[int, ...] = (0,)) ->
     else:
         starved = rng.sample(range(E), rng.randint(0, E - cfg.top_k))
     tokens = [rng.randint(1, 9) for _ in range(world)]  # uneven token counts per rank
+    if capacity:
+        cfg.capacity_factor = rng.choice([0.5, 1.0, 1.5])
+        cfg.drop_policy = rng.choice(["probs", "position"])
+        cfg.pad_to_capacity = rng.random() < 0.5
+        if cfg.pad_to_capacity:
+            tokens = [tokens[0]] * world
     return Case(cfg, seed, tokens, starved, padding=rng.random() < 0.3)
 
 
@@ -83,15 +92,19 @@ def _check_case(rank: int, world: int, case: Case, ep_group, dispatcher: str = "
     note = f"rank {rank}, {dispatcher}, case {case}"
     ref, layer = _build(case), _build(case)
     apply_ep(layer, ep_group, dispatcher=dispatcher)
-    assert isinstance(layer.dispatcher, DISPATCHERS[dispatcher])
+    expected = CapacityAllToAllDispatcher if case.cfg.pad_to_capacity else DISPATCHERS[dispatcher]
+    assert type(layer.dispatcher) is expected, note
 
     x_all, upstream_all, valid_all = _inputs(case, world)
     x_ref = x_all.clone().requires_grad_()
-    y_ref = ref(x_ref[None], valid_all[None])[0]
+    # Each rank's tokens through the reference on their own: a rank's capacity is that of its own
+    # tokens (as under data parallelism); without one, the same as all tokens in one call.
+    ends = torch.tensor(case.tokens_per_rank).cumsum(0).tolist()
+    chunks = [slice(end - n, end) for n, end in zip(case.tokens_per_rank, ends)]
+    y_ref = torch.cat([ref(x_ref[c][None], valid_all[c][None])[0] for c in chunks])
     (y_ref * upstream_all).sum().backward()
 
-    start = sum(case.tokens_per_rank[:rank])
-    mine = slice(start, start + case.tokens_per_rank[rank])
+    mine = chunks[rank]
     x = x_all[mine].clone().requires_grad_()
     y = layer(x[None], valid_all[mine][None])[0]
     (y * upstream_all[mine]).sum().backward()
@@ -133,11 +146,22 @@ def test_ep_matches_single_process_layer(world):
     run_on_ranks(_check_ranks, world, world, cases)
 
 
-@pytest.mark.parametrize("dispatcher", sorted(DISPATCHERS))
-def test_apply_ep_rejects_capacity_limits(dispatcher):
-    cfg = MoEConfig(num_experts=4, top_k=2, expert_hidden=4, experts_backend="loop", capacity_factor=1.25)
-    with pytest.raises(ConfigError, match=r"moe.capacity_factor=1.25 is not supported"):
-        apply_ep(build(cfg, DIM, 0), ep_group=None, dispatcher=dispatcher)  # before any collective
+@pytest.mark.parametrize("world", [2, 4])
+def test_ep_with_capacity_matches_single_process_layer_on_each_rank_s_tokens(world):
+    """Capacity factors over and under the even share, both drop policies, with and without every
+    expert padded to its capacity (CapacityAllToAllDispatcher) and to a multiple of 8 on top."""
+    cases = [random_case(world * 2000 + seed, world, pad_multiples=(0, 0, 8), capacity=True)
+             for seed in range(12)]
+    assert {c.cfg.pad_to_capacity for c in cases} == {False, True}
+    run_on_ranks(_check_ranks, world, world, cases)
+
+
+def test_pad_to_capacity_needs_the_all_to_all_dispatcher():
+    cfg = MoEConfig(num_experts=4, top_k=2, expert_hidden=4, experts_backend="loop", capacity_factor=1.25,
+                    pad_to_capacity=True)
+    with pytest.raises(ConfigError, match=r"moe.pad_to_capacity=true under parallel.ep·etp > 1 needs "
+                                          r"parallel.ep_dispatcher='alltoall', not 'allgather'"):
+        apply_ep(build(cfg, DIM, 0), ep_group=None, dispatcher="allgather")  # before any collective
 
 
 def test_apply_ep_twice_is_an_error():
@@ -164,10 +188,12 @@ class _SyncingOps(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _count_host_syncs(rank: int, world: int) -> None:
+def _count_host_syncs(rank: int, world: int, pad_to_capacity: bool) -> None:
     ep_group = ParallelLayout(ParallelDims(world, ep=world)).ep_group
     cfg = MoEConfig(num_experts=4, top_k=2, expert_hidden=4, experts_backend="grouped_mm",
                     aux_loss_coeff=0.0)
+    if pad_to_capacity:
+        cfg = dataclasses.replace(cfg, capacity_factor=1.0, pad_to_capacity=True)
     layer = build(cfg, DIM, 0).float()
     apply_ep(layer, ep_group)
     calls = []
@@ -175,15 +201,21 @@ def _count_host_syncs(rank: int, world: int) -> None:
     torch.Tensor.tolist = lambda t: calls.append(t.shape) or tolist(t)  # .tolist() dispatches no op
     try:
         with _SyncingOps() as mode:
-            y = layer(torch.randn(1, 6 + rank, DIM))
+            y = layer(torch.randn(1, 6 if pad_to_capacity else 6 + rank, DIM))
             calls_forward = len(calls)
             y.square().sum().backward()
     finally:
         torch.Tensor.tolist = tolist
-    assert calls_forward == 1 and calls == [torch.Size([2 * world])], calls  # the split sizes
+    if pad_to_capacity:  # equal splits: nothing to read back
+        assert calls == [], calls
+    else:
+        assert calls_forward == 1 and calls == [torch.Size([2 * world])], calls  # the split sizes
     assert mode.seen == [], mode.seen
 
 
 @pytest.mark.skipif("grouped_mm" not in BACKENDS, reason="the loop backend syncs by design")
-def test_one_host_transfer_per_layer_call():
-    run_on_ranks(_count_host_syncs, 2, 2)
+@pytest.mark.parametrize("pad_to_capacity", [False, True], ids=["dropless", "pad-to-capacity"])
+def test_host_transfers_per_layer_call(pad_to_capacity):
+    """One device→host copy a layer call (the split sizes) for the dropless all-to-all; none when
+    every expert is padded to its capacity."""
+    run_on_ranks(_count_host_syncs, 2, 2, pad_to_capacity)

@@ -303,12 +303,14 @@ def test_gradients_appear_in_backward_unless_micro_batches_accumulate():
 def test_expert_rows_follow_the_fp8_padding_of_the_built_model(recipe):
     """The planner's R, layer by layer, against the row counts of the model apply_fp8 converted
     (which raises the pad multiple to the FP8 kernels' alignment), also where fp8_exclude or the
-    first-layers option keeps a MoE layer or its experts in bf16 (the padding stays moe.pad_multiple)."""
+    first-layers option keeps a MoE layer or its experts in bf16 (the padding stays moe.pad_multiple),
+    and padded to capacity."""
     from moefold.fp8.apply import apply_fp8
     from moefold.models.transformer import build_model
 
     for extra in ({}, {"precision.fp8_exclude": '["layers.0.ffn"]'}, {"precision.fp8_exclude": '["*.experts"]'},
-                  {"precision.fp8_bf16_first_layers": "1"}):
+                  {"moe.capacity_factor": "1.3", "moe.pad_to_capacity": "true"},
+                  {"precision.fp8_bf16_first_layers": "1"}):  # last: the check after the loop
         cfg = load_config("tiny-qwen3", {"model.dim": "128", "moe.expert_hidden": "128", "moe.pad_multiple": "8",
                                          "precision.fp8": recipe, **extra})
         model = build_model(cfg, 257, "cpu", torch.float32)

@@ -9,8 +9,11 @@ phases (preprocess → communicate → postprocess, and the reverse for combine)
 whose state passes in the handle, so a scheduler can later overlap communication with compute.
 `AllGatherDispatcher` is the host-sync-free alternative: every rank gathers all ranks' tokens and
 routing, computes the copies routed to its experts and reduce-scatters the outputs back (more
-traffic, P·T·D each way, but static shapes and no device→host copy). `apply_ep` turns a built,
-single-process `MoELayer` into the EP one in place, with either dispatcher.
+traffic, P·T·D each way, but static shapes and no device→host copy). With a capacity factor each
+rank drops its own copies before dispatch (moe/capacity.py), so both take it; with
+`moe.pad_to_capacity`, `CapacityAllToAllDispatcher` sends every expert exactly C rows from every
+rank: equal splits, static shapes, no device→host copy. `apply_ep` turns a built, single-process
+`MoELayer` into the EP one in place, with the dispatcher its name and the layer's row layout pick.
 
 For the all-gather dispatcher: G = P·T gathered tokens, M = G·K gathered copies; its expert buffer
 has M rows (static), this rank's copies first, grouped by local expert.
@@ -30,7 +33,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from moefold.errors import ConfigError
-from moefold.moe.capacity import Dropless
 from moefold.moe.dispatch import (
     Dispatched,
     LocalDispatcher,
@@ -109,7 +111,6 @@ class _ExpertParallelDispatcher:
                  ep_of_rank: list[int] | None = None, pad_multiple: int = 1):
         self.top_k, self.num_experts, self.group = top_k, num_experts, group
         self.pad_multiple = pad_multiple
-        self.grouping = self.GROUPINGS[pad_multiple > 1]  # how rows are grouped by local expert
         self.group_size = dist.get_world_size(group)
         self.ep_of_rank = ep_of_rank or list(range(self.group_size))
         self.ep_size, self.ep_rank = len(set(self.ep_of_rank)), self.ep_of_rank[dist.get_rank(group)]
@@ -119,6 +120,49 @@ class _ExpertParallelDispatcher:
         self.num_local_experts = num_experts // self.ep_size
         self._fans_out = self.ep_of_rank != list(range(self.ep_size))
         self._reduce = _sum_copies if probs_applied_by_experts else _weighted_sum_copies
+
+    GROUPINGS: tuple[type, type]  # how received rows are grouped by local expert: without, with padding
+    UNEVEN_TOKENS_HINT = ""  # what a dispatcher that needs the same T on every rank suggests instead
+
+    @property
+    def grouping(self) -> type:
+        return self.GROUPINGS[self.pad_multiple > 1]
+
+    def _check_same_num_tokens(self, T: int, device) -> None:
+        """One 2-element all-reduce and a device-side assert (no host sync on CUDA), for the
+        dispatchers whose shapes assume every rank has the same T: exchanging unequal sizes
+        would be undefined (NCCL reads or writes out of bounds, or hangs)."""
+        bounds = torch.full((2,), T, dtype=torch.int64, device=device)
+        bounds[1].neg_()
+        dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=self.group)  # max T, −min T
+        torch._assert_async(bounds.sum() == 0,
+                            f"{type(self).__name__} needs the same number of tokens (batch·sequence) "
+                            f"on every EP rank; this rank has {T} and another differs "
+                            f"({self.UNEVEN_TOKENS_HINT})")
+
+    def _all_to_all(self, x: torch.Tensor, out_splits: list[int] | None,
+                    in_splits: list[int] | None) -> torch.Tensor:
+        # The functional all-to-all is autograd-aware: backward runs the reverse exchange.
+        y = funcol.all_to_all_single_autograd(x.contiguous(), out_splits, in_splits, group=self.group)
+        return funcol.wait_tensor(y)
+
+    def _fan_out(self, x_S: torch.Tensor, send_per_ep: list[int]) -> torch.Tensor:
+        """The rows for each group rank, in group order: with ETP, each EP index's rows once per
+        ETP rank of it (autograd sums the copies' gradients)."""
+        if not self._fans_out:
+            return x_S
+        chunks = x_S.split(send_per_ep)
+        return torch.cat([chunks[p] for p in self.ep_of_rank])
+
+    def _fan_in(self, y_X: torch.Tensor, send_splits: list[int]) -> torch.Tensor:
+        """Inverse of `_fan_out`: sum the ETP ranks' partial outputs of each EP index's rows."""
+        if not self._fans_out:
+            return y_X
+        per_ep: list[torch.Tensor | None] = [None] * self.ep_size
+        for p, piece in zip(self.ep_of_rank, y_X.split(send_splits)):
+            per_ep[p] = piece if per_ep[p] is None else per_ep[p] + piece
+        return torch.cat(per_ep)
+
 
 class SortedRegroup:
     """Received rows grouped by local expert as they are: a stable sort, its inverse for combine."""
@@ -245,23 +289,6 @@ class AllToAllDispatcher(_ExpertParallelDispatcher):
         probs_R = self._all_to_all(self._fan_out(s.probs_S[:S], send_per_ep), recv_splits, send_splits)
         return x_RD, probs_R
 
-    def _fan_out(self, x_S: torch.Tensor, send_per_ep: list[int]) -> torch.Tensor:
-        """The rows for each group rank, in group order: with ETP, each EP index's rows once per
-        ETP rank of it (autograd sums the copies' gradients)."""
-        if not self._fans_out:
-            return x_S
-        chunks = x_S.split(send_per_ep)
-        return torch.cat([chunks[p] for p in self.ep_of_rank])
-
-    def _fan_in(self, y_X: torch.Tensor, handle: AllToAllHandle) -> torch.Tensor:
-        """Inverse of `_fan_out`: sum the ETP ranks' partial outputs of each EP index's rows."""
-        if not self._fans_out:
-            return y_X
-        per_ep: list[torch.Tensor | None] = [None] * self.ep_size
-        for p, piece in zip(self.ep_of_rank, y_X.split(handle.send_splits)):
-            per_ep[p] = piece if per_ep[p] is None else per_ep[p] + piece
-        return torch.cat(per_ep)
-
     def _postprocess(self, x_RD, probs_R, counts_PL):
         """Regroup the received rows (source-major) by local expert, stable within a source."""
         P, L = counts_PL.shape
@@ -277,7 +304,7 @@ class AllToAllDispatcher(_ExpertParallelDispatcher):
         """y_TD in fp32 (the sum over K copies is done in fp32)."""
         y_RD = self._combine_preprocess(y_RD, handle)
         y_XD = self._all_to_all(y_RD, handle.send_splits, handle.recv_splits)
-        return self._combine_postprocess(self._fan_in(y_XD, handle), handle)
+        return self._combine_postprocess(self._fan_in(y_XD, handle.send_splits), handle)
 
     def _combine_preprocess(self, y_RD, handle: AllToAllHandle):
         """Undo the regrouping: back to source-major order."""
@@ -296,10 +323,60 @@ class AllToAllDispatcher(_ExpertParallelDispatcher):
                            copy_of_row_S1[:, None], back_valid_XC=sent_S1[:, None])
         return self._reduce(y_ND.view(-1, self.top_k, y_SD.shape[-1]), handle.probs_TK)
 
-    def _all_to_all(self, x: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
-        # The functional all-to-all is autograd-aware: backward runs the reverse exchange.
-        y = funcol.all_to_all_single_autograd(x.contiguous(), out_splits, in_splits, group=self.group)
-        return funcol.wait_tensor(y)
+
+@dataclass
+class CapacityHandle:
+    plan: PermutePlan  # this rank's copies in E groups of exactly C rows (the capacity layout)
+    send_splits: list[int]  # rows sent to each group rank: L·C each
+    probs_TK: torch.Tensor  # combine weights, used when the experts did not apply them
+
+
+class CapacityAllToAllDispatcher(_ExpertParallelDispatcher):
+    """All-to-all dispatch with every expert's rows padded to its capacity (`moe.pad_to_capacity`;
+    Megatron-Core's drop-and-pad): static shapes and no host sync.
+
+    Each rank has dropped its copies past C, the capacity of its own T tokens (moe/capacity.py, as
+    without EP), and lays the rest out as E groups of exactly C rows (the local dispatcher's
+    capacity layout, padding rows zero). Every group rank then gets L·C rows for each of its EP
+    index's L experts from every rank — equal splits, known without a device→host copy — and a
+    transpose regroups the G·L·C received rows (source-major) by local expert: G·C rows each,
+    padding included. Needs the same T on every rank of the group, so that all agree on C (checked
+    on the device)."""
+
+    UNEVEN_TOKENS_HINT = "use moe.pad_to_capacity=false for uneven token counts"
+
+    def __init__(self, top_k: int, num_experts: int, group, probs_applied_by_experts: bool,
+                 layout: RowLayout, ep_of_rank: list[int] | None = None):
+        super().__init__(top_k, num_experts, group, probs_applied_by_experts, ep_of_rank,
+                         pad_multiple=layout.multiple)
+        self.layout = layout  # RowLayout(E, K, pad_multiple, capacity_of): C rows per expert
+
+    def dispatch(self, x_TD: torch.Tensor, routing: Routing, keep_N: torch.Tensor) -> Dispatched:
+        self._check_same_num_tokens(x_TD.shape[0], keep_N.device)
+        plan = plan_permutation(routing.idx_TK, keep_N, self.layout)
+        x_SD, probs_S = permute(x_TD, plan, self.top_k), row_probs(routing.probs_TK, plan)  # S = E·C
+        send_splits = [x_SD.shape[0] // self.ep_size] * self.group_size  # L·C
+        x_RD = self._to_experts(self._all_to_all(self._fan_out(x_SD, send_splits[:self.ep_size]), None, None))
+        probs_R = self._to_experts(self._all_to_all(self._fan_out(probs_S, send_splits[:self.ep_size]), None, None))
+        rows_per_expert_L = torch.full((self.num_local_experts,), x_RD.shape[0] // self.num_local_experts,
+                                       dtype=torch.int64, device=x_RD.device)
+        return Dispatched(x_RD=x_RD, rows_per_expert_E=rows_per_expert_L, probs_R=probs_R,
+                          handle=CapacityHandle(plan, send_splits, routing.probs_TK))
+
+    def combine(self, y_RD: torch.Tensor, handle: CapacityHandle) -> torch.Tensor:
+        """y_TD in fp32 (the sum over K copies is done in fp32)."""
+        y_XD = self._all_to_all(self._from_experts(y_RD), None, None)
+        y_SD = self._fan_in(y_XD, handle.send_splits)
+        return self._reduce(unpermute(y_SD, handle.plan, self.top_k), handle.probs_TK)
+
+    def _to_experts(self, x_R: torch.Tensor) -> torch.Tensor:
+        """[G, L, C] (as received, source-major) → [L, G, C] (grouped by local expert)."""
+        G, L = self.group_size, self.num_local_experts
+        return x_R.view(G, L, -1, *x_R.shape[1:]).transpose(0, 1).reshape(x_R.shape)
+
+    def _from_experts(self, y_R: torch.Tensor) -> torch.Tensor:
+        G, L = self.group_size, self.num_local_experts
+        return y_R.view(L, G, -1, *y_R.shape[1:]).transpose(0, 1).reshape(y_R.shape)
 
 
 @dataclass
@@ -375,6 +452,7 @@ class AllGatherDispatcher(_ExpertParallelDispatcher):
     """
 
     GROUPINGS = (SortedBuffer, PaddedBuffer)  # of the expert buffer: without, with padding
+    UNEVEN_TOKENS_HINT = "use dispatcher='alltoall' for uneven token counts"
 
     # ------------------------------------------------------------------------------- dispatch
 
@@ -387,17 +465,6 @@ class AllGatherDispatcher(_ExpertParallelDispatcher):
         """Check that every rank has the same T; dropped copies (padding tokens) get key E."""
         self._check_same_num_tokens(x_TD.shape[0], keep_N.device)
         return torch.where(keep_N, routing.idx_TK.reshape(-1), self.num_experts)
-
-    def _check_same_num_tokens(self, T: int, device) -> None:
-        """One 2-element all-reduce and a device-side assert (no host sync on CUDA): gathering
-        unequal sizes would be undefined (NCCL reads or writes out of bounds, or hangs)."""
-        bounds = torch.full((2,), T, dtype=torch.int64, device=device)
-        bounds[1].neg_()
-        dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=self.group)  # max T, −min T
-        torch._assert_async(bounds.sum() == 0,
-                            f"AllGatherDispatcher needs the same number of tokens (batch·sequence) on "
-                            f"every EP rank; this rank has {T} and another differs (use "
-                            "dispatcher='alltoall' for uneven token counts)")
 
     def _communicate(self, x_TD, key_N, probs_TK) -> _Gathered:
         """Tokens and probabilities by the autograd-aware all-gather; expert ids need no gradient."""
@@ -449,26 +516,38 @@ def apply_ep(layer: MoELayer, ep_group, dispatcher: str = "alltoall",
 
     With expert tensor parallelism `ep_group` is the EP×ETP group, `ep_of_rank` the EP index of
     each of its ranks, and each rank keeps hidden slice `etp_rank` of `etp_size` of its experts.
-    Call on a layer built for all E experts, on every rank of the group (same config); the router,
-    shared experts and load statistics stay replicated and see all E experts. Expert weights stay
-    plain local tensors (`distribute_experts` makes them DTensors for checkpoints and FSDP).
+    With `moe.pad_to_capacity` ("alltoall" only) every expert gets exactly its capacity's rows
+    (CapacityAllToAllDispatcher: no host sync). Call on a layer built for all E experts, on every
+    rank of the group (same config); the router, shared experts and load statistics stay
+    replicated and see all E experts. Expert weights stay plain local tensors
+    (`distribute_experts` makes them DTensors for checkpoints and FSDP).
     """
     if dispatcher not in DISPATCHERS:
         raise ValueError(f"apply_ep: dispatcher={dispatcher!r}, expected one of {sorted(DISPATCHERS)}")
     if not isinstance(layer.dispatcher, LocalDispatcher):
         raise ValueError(f"apply_ep: the layer's dispatcher is {type(layer.dispatcher).__name__}, "
                          "expected LocalDispatcher (expert parallelism already applied?)")
-    if not isinstance(layer.capacity, Dropless):
-        raise ConfigError(f"moe.capacity_factor={layer.capacity.capacity_factor} is not supported "
-                          "with parallel.ep > 1 yet (only dropless, capacity_factor=0)")
-    pad_multiple = layer.dispatcher.layout.multiple
-    new_dispatcher = DISPATCHERS[dispatcher](
-        layer.top_k, layer.num_experts, ep_group,
-        probs_applied_by_experts=layer.experts.activation.applies_probs, ep_of_rank=ep_of_rank,
-        pad_multiple=pad_multiple)
+    new_dispatcher = _ep_dispatcher(layer, dispatcher, ep_group, ep_of_rank)
     _keep_local_experts(layer.experts, new_dispatcher.ep_rank, new_dispatcher.num_local_experts,
                         etp_rank, etp_size)
     layer.dispatcher = new_dispatcher
+
+
+def _ep_dispatcher(layer: MoELayer, name: str, ep_group, ep_of_rank: list[int] | None):
+    """`name`'s dispatcher for the layer's row layout: with `moe.pad_to_capacity`, the all-to-all
+    that sends every expert exactly its capacity. Capacity drops (`moe.capacity_factor`) happen
+    before dispatch, on each rank's own tokens, so every dispatcher takes them."""
+    layout = layer.dispatcher.layout
+    applies_probs = layer.experts.activation.applies_probs
+    if layout.capacity_of is None:
+        return DISPATCHERS[name](layer.top_k, layer.num_experts, ep_group, applies_probs,
+                                 ep_of_rank=ep_of_rank, pad_multiple=layout.multiple)
+    if name != "alltoall":
+        raise ConfigError(f"moe.pad_to_capacity=true under parallel.ep·etp > 1 needs "
+                          f"parallel.ep_dispatcher='alltoall', not {name!r} (the all-gather "
+                          "dispatcher's expert buffer has a static size already)")
+    return CapacityAllToAllDispatcher(layer.top_k, layer.num_experts, ep_group, applies_probs,
+                                      layout, ep_of_rank=ep_of_rank)
 
 
 def _keep_local_experts(experts, ep_rank: int, num_local: int, etp_rank: int, etp_size: int) -> None:

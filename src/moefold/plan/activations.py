@@ -32,6 +32,7 @@ from moefold.config import Config
 from moefold.fp8.apply import excluded_by
 from moefold.fp8.gemm import linear_scaling
 from moefold.fp8.grouped import grouped_scaling
+from moefold.moe.capacity import expert_capacity
 
 CATEGORIES = ("embedding", "norm", "attn_proj", "attn_core", "mlp", "router", "moe_dispatch",
               "experts", "shared_experts", "mtp_proj", "head", "weight_copies", "kept_inputs")
@@ -172,14 +173,17 @@ def dense_mlp_bytes(cfg: Config, sh: Shapes) -> Bytes:
 
 def expert_rows(cfg: Config, sh: Shapes) -> int:
     """R: rows one rank's experts compute. Balanced routing sends T/tp·K copies from every rank of
-    the ep·etp group and spreads them over ep ranks; an etp group computes its rows together."""
+    the ep·etp group and spreads them over ep ranks; an etp group computes its rows together.
+    Padded to capacity, every rank of the group sends each expert exactly C rows, whatever the
+    routing (C of its T/tp tokens, rounded up to the row multiple)."""
     moe = cfg.moe
-    copies = sh.tokens // sh.tp * moe.top_k * sh.etp
-    factor = sh.imbalance
-    if moe.pad_to_capacity:  # C copies an expert, at most T (moe/capacity.py): E·T = T·K · E/K rows
-        factor = max(factor, min(moe.capacity_factor, moe.num_experts / moe.top_k))
     local_experts = moe.num_experts // sh.ep
-    return int(copies * factor) + local_experts * (row_multiple(cfg, sh) - 1)
+    multiple = row_multiple(cfg, sh)
+    if moe.pad_to_capacity:
+        capacity = expert_capacity(sh.tokens // sh.tp, moe.top_k, moe.num_experts, moe.capacity_factor)
+        return sh.ep * sh.etp * local_experts * -(-capacity // multiple) * multiple
+    copies = sh.tokens // sh.tp * moe.top_k * sh.etp
+    return int(copies * sh.imbalance) + local_experts * (multiple - 1)
 
 
 def row_multiple(cfg: Config, sh: Shapes) -> int:

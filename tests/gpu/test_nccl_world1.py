@@ -63,10 +63,10 @@ def test_expert_parallel_padded_to_capacity_runs_in_a_cuda_graph(layout, pad_mul
     capture), and replays on new tokens give the plain layer's output."""
     cfg = MoEConfig(num_experts=8, top_k=2, expert_hidden=16, experts_backend="grouped_mm",
                     aux_loss_coeff=0.0, capacity_factor=1.0, pad_to_capacity=True, pad_multiple=pad_multiple)
-    plain = build(cfg, 32, 0).float().cuda().eval()
+    plain = build(cfg, 32, 0).to("cuda", torch.bfloat16).eval()  # fp32 grouped GEMMs sync on CUDA
     ep = copy.deepcopy(plain)
     apply_ep(ep, layout.ep_group)
-    x_static = torch.randn(1, 64, 32, device="cuda")
+    x_static = torch.randn(1, 64, 32, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -77,7 +77,8 @@ def test_expert_parallel_padded_to_capacity_runs_in_a_cuda_graph(layout, pad_mul
         with torch.cuda.graph(graph):
             y_static = ep(x_static)
         for seed in range(3):
-            x = torch.randn(1, 64, 32, device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
+            x = torch.randn(1, 64, 32, device="cuda", dtype=torch.bfloat16,
+                            generator=torch.Generator("cuda").manual_seed(seed))
             x_static.copy_(x)
             graph.replay()
             torch.testing.assert_close(y_static, plain(x))

@@ -399,24 +399,23 @@ def _fill(plan: Plan, file_of: dict[str, Path], path: Path) -> None:
             repeats.setdefault(plan.copies.get(hf) or plan.aliases[hf], []).append(hf)
     for ours, target in plan.tensors.items():
         held = held_indices(target)
-        local = local_tensor(target)
-        part = local if local.device.type == "cpu" else torch.empty_like(local, device="cpu")
+        part = local_tensor(target)  # filled in place, on its device: staging on the host is slower
+        row_of_expert = None if held[0] is None else {int(e): i for i, e in enumerate(held[0].tolist())}
         with _reading(file_of) as read:
             for hf in hf_of.get(ours, ()):
                 expert = plan.slots[hf].expert
                 if expert is None:
                     part.copy_(_read_held(read, hf, held))
-                elif held[0] is None or bool((held[0] == expert).any()):  # else another rank's
-                    position = expert if held[0] is None else int((held[0] == expert).nonzero())
+                elif row_of_expert is None or expert in row_of_expert:  # else another rank's
+                    row = expert if row_of_expert is None else row_of_expert[expert]
                     # expert e of [E, in, out] is stored [out, in]: its held rows are HF's columns
-                    part[position].copy_(_read_held(read, hf, held[:0:-1]).T)
+                    part[row].copy_(_read_held(read, hf, held[:0:-1]).T)
             for hf in repeats.get(ours, ()):
-                if not torch.equal(_read_held(read, hf, held).to(part.dtype), part):  # shapes: _check_shapes
+                src = _read_held(read, hf, held).to(part.device, part.dtype)  # shapes: _check_shapes
+                if not torch.equal(src, part):
                     original = next(name for name, slot in plan.slots.items() if slot == Slot(ours))
                     raise CheckpointError(f"checkpoint {path}: {hf} must equal {original}, the shared "
                                           "tensor it duplicates, but differs")
-        if part is not local:
-            local.copy_(part)
 
 
 def _read_held(read: Callable[..., torch.Tensor], name: str,

@@ -11,7 +11,10 @@ an FMA differently:
   fp32 states (masters, moments, the master rebuilt from bf16 + remainder): rtol 1e-6 (a few fp32
   ulps), atol 1e-8 where an element passes near zero (there the difference is an ulp of the update,
   lr·2^-23 ≈ 1e-9, not of the value);
-  bf16 states (parameters, moments): one bf16 ulp (an fp32 ulp can move the rounding across a tie).
+  bf16 states (parameters, moments): one bf16 ulp (an fp32 ulp can move the rounding across a tie);
+  fp8 moments: one e4m3 ulp, and their block scales as fp32 states.
+fp8 moments (e4m3 with a scale per block of 128 along the last dimension) take the kernel's
+whole-block variant, alone or beside an fp32 / bf16 moment.
 """
 
 import pytest
@@ -41,8 +44,10 @@ def _params(seed: int = 0) -> list[torch.nn.Parameter]:
 
 
 def _pair(master: str, moments: str, **hp) -> tuple[PrecisionAwareAdamW, PrecisionAwareAdamW]:
-    """(kernel, foreach reference) over equal parameters."""
-    options = {**HP, **hp, "master": master, "exp_avg_dtype": moments, "exp_avg_sq_dtype": moments}
+    """(kernel, foreach reference) over equal parameters; `moments` "fp8", or "fp8/bf16" for
+    exp_avg / exp_avg_sq."""
+    exp_avg, _, exp_avg_sq = moments.partition("/")
+    options = {**HP, **hp, "master": master, "exp_avg_dtype": exp_avg, "exp_avg_sq_dtype": exp_avg_sq or exp_avg}
     return (PrecisionAwareAdamW(_params(), **options, fused=True),
             PrecisionAwareAdamW(_params(), **options, fused=False))
 
@@ -66,19 +71,21 @@ def _sync(dst: PrecisionAwareAdamW, src: PrecisionAwareAdamW) -> None:
             dst.state[p][key].copy_(value)
 
 
-def _ulps_bf16(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Representable bf16 values between a and b (sign-magnitude bits on one integer line)."""
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Representable bf16 or e4m3 values between a and b (sign-magnitude bits on one integer line)."""
+    signed, sign_bit = {torch.bfloat16: (torch.int16, 32768), torch.float8_e4m3fn: (torch.int8, 128)}[a.dtype]
+
     def line(t):
-        bits = t.contiguous().view(torch.int16).int()
-        return torch.where(bits < 0, -(bits + 32768), bits)
+        bits = t.contiguous().view(signed).int()
+        return torch.where(bits < 0, -(bits + sign_bit), bits)
     return (line(a) - line(b)).abs()
 
 
 def _assert_state_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
     assert actual.dtype == expected.dtype, what
-    if actual.dtype == torch.bfloat16:
-        ulps = _ulps_bf16(actual, expected).max().item()
-        assert ulps <= 1, f"{what}: {ulps} bf16 ulps apart"
+    if actual.dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        ulps = _ulps(actual, expected).max().item()
+        assert ulps <= 1, f"{what}: {ulps} {actual.dtype} ulps apart"
     else:
         torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-8, msg=lambda m: f"{what}: {m}")
 
@@ -89,8 +96,9 @@ def _assert_same_states(fused: PrecisionAwareAdamW, ref: PrecisionAwareAdamW, st
         _assert_state_close(p.detach(), q.detach(), f"param, {where}")
         s, t = fused.state[p], ref.state[q]
         assert s["step"] == t["step"], where
-        for key in ("exp_avg", "exp_avg_sq"):
-            _assert_state_close(s[key], t[key], f"{key}, {where}")
+        for key in ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale"):
+            if key in t:
+                _assert_state_close(s[key], t[key], f"{key}, {where}")
         if "master_remainder" in s:
             _assert_state_close(join_fp32(p.detach(), s["master_remainder"]),
                                 join_fp32(q.detach(), t["master_remainder"]), f"rebuilt master, {where}")
@@ -98,7 +106,7 @@ def _assert_same_states(fused: PrecisionAwareAdamW, ref: PrecisionAwareAdamW, st
 
 @pytest.mark.parametrize("clip", [False, True], ids=["no-clip", "clip"])
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16], ids=["grad-fp32", "grad-bf16"])
-@pytest.mark.parametrize("moments", ["fp32", "bf16"])
+@pytest.mark.parametrize("moments", ["fp32", "bf16", "fp8", "fp8/bf16", "fp32/fp8"])
 @pytest.mark.parametrize("master", ["fp32", "bf16", "bf16+remainder"])
 def test_kernel_steps_like_the_foreach_path(master, moments, grad_dtype, clip):
     fused, ref = _pair(master, moments)
@@ -169,3 +177,34 @@ def test_non_contiguous_tensors_are_refused():
     with pytest.raises(ValueError, match="grad is not contiguous"):
         fused_adamw_step_(x, x.clone().t(), x.clone(), x.clone(), None, lr=1e-3, beta1=0.9, beta2=0.95,
                           eps=1e-8, weight_decay=0.0, step=1)
+
+
+def test_fp8_moments_of_a_piece_that_splits_its_rows_take_the_foreach_path(monkeypatch):
+    """Where a piece does not hold its fp8 blocks whole (a last dimension split over ranks: here
+    the block layout of columns 64.. of a wider tensor, as a rank's slice would have), the kernel
+    leaves that parameter to the foreach path, which completes the blocks; the others it steps."""
+    import moefold.optim.precision as precision
+    from moefold.optim.blocks import RowBlocks
+
+    fused, ref = _pair("bf16+remainder", "fp8")
+    split = {id(opt): _params_of(opt)[2] for opt in (fused, ref)}  # the (300, 70) parameter
+    for opt in (fused, ref):
+        p = split[id(opt)]
+        opt._row_blocks[p] = RowBlocks(rows=300, cols=70, col0=64, n_blocks=2)  # blocks 0 and 1, partly
+        for key in ("exp_avg_scale", "exp_avg_sq_scale"):
+            opt.state[p][key] = torch.ones(300, 2, device="cuda")
+    kernel_calls = []
+    kernel = precision.fused_adamw_step_
+    monkeypatch.setattr(precision, "fused_adamw_step_",
+                        lambda param, *a, **k: kernel_calls.append(param.shape) or kernel(param, *a, **k))
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    for step in range(1, STEPS + 1):
+        _sync(fused, ref)
+        for p, q in zip(_params_of(fused), _params_of(ref), strict=True):
+            g = 3 * torch.randn(p.shape, device="cuda", generator=gen)
+            _give_grad(p, g.clone())
+            _give_grad(q, g)
+        fused.step()
+        ref.step()
+        _assert_same_states(fused, ref, step)
+    assert torch.Size((300, 70)) not in kernel_calls and len(kernel_calls) == STEPS * (len(SHAPES) - 1)

@@ -77,12 +77,13 @@ def test_clip_scaling_picks_the_precision_adamw_kernel_only_when_fused(fused_on_
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused-cpu-group"])
+@pytest.mark.parametrize("moments", ["bf16", "fp8"])
 @pytest.mark.parametrize("master", ["fp32", "bf16+remainder"])
-def test_precision_adamw_grad_multiplier_steps_like_clipping_in_place(master, fused, fused_on_cpu):
+def test_precision_adamw_grad_multiplier_steps_like_clipping_in_place(master, moments, fused, fused_on_cpu):
     """Off the kernel the multiplier scales the gradients in place (as scale_gradients) and is
     consumed by the step: the next step, unclipped, is not scaled."""
     reference, folded = _params(0), _params(0)
-    hp = {"lr": 1e-2, "weight_decay": 0.1, "master": master, "exp_avg_dtype": "bf16"}
+    hp = {"lr": 1e-2, "weight_decay": 0.1, "master": master, "exp_avg_dtype": moments}
     opt_ref = PrecisionAwareAdamW(reference, **hp)
     opt_fold = PrecisionAwareAdamW(folded, **hp, fused=fused)
     clip_ref = GradNormClipper(reference, scale=scale_gradients)

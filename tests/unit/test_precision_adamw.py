@@ -271,15 +271,16 @@ def test_fused_without_triton_or_cuda_names_the_option():
     assert p.dtype == torch.float32  # refused before any parameter was recast
 
 
-def test_fused_refuses_fp8_moments(monkeypatch):
+def test_fused_takes_every_moment_dtype(monkeypatch):
     monkeypatch.setattr(precision, "triton_available", lambda: True)
-    with pytest.raises(ValueError, match="fused=True handles fp32 and bf16 moments.*exp_avg_sq_dtype='fp8'"):
-        PrecisionAwareAdamW([torch.nn.Parameter(torch.zeros(2))], exp_avg_sq_dtype="fp8", fused=True)
+    for moments in ("fp32", "bf16", "fp8"):
+        opt = PrecisionAwareAdamW([torch.nn.Parameter(torch.zeros(2))], exp_avg_sq_dtype=moments, fused=True)
+        assert opt.defaults["fused"], moments
 
 
 def test_build_optimizer_fuses_only_on_cuda_with_triton(monkeypatch):
-    """The strategy is chosen at build: the kernel on a CUDA device where Triton runs and the
-    moments are not fp8; the foreach path otherwise."""
+    """The strategy is chosen at build: the kernel on a CUDA device where Triton runs (any
+    moments); the foreach path otherwise."""
     from moefold.config import OptimConfig, TrainConfig
     from moefold.optim import adamw
 
@@ -293,7 +294,7 @@ def test_build_optimizer_fuses_only_on_cuda_with_triton(monkeypatch):
 
     assert fused("cuda", exp_avg_dtype="bf16", master_dtype="bf16+remainder")
     assert not fused("cpu", exp_avg_dtype="bf16")
-    assert not fused("cuda", exp_avg_dtype="fp8")
+    assert fused("cuda", exp_avg_dtype="fp8", exp_avg_sq_dtype="fp8")
     monkeypatch.setattr(adamw, "triton_available", lambda: False)
     assert not fused("cuda", exp_avg_dtype="bf16")
 

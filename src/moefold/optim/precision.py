@@ -27,8 +27,9 @@ with the same relative error on the Adam denominator sqrt(v) (2^-4); and nonzero
 rounded to zero (it is clamped to the smallest subnormal), which would otherwise blow an update up
 to m/eps. Overestimating a tiny v only shrinks that element's step.
 
-`fused=True` updates CUDA parameters with fp32 or bf16 moments by one Triton kernel pass each
-(optim/fused.py), with the foreach path's arithmetic. Not here yet: stochastic rounding.
+`fused=True` updates CUDA parameters by one Triton kernel pass each (optim/fused.py), with the
+foreach path's arithmetic; fp8 moments there too, except in pieces that split their last dimension
+(the foreach path completes those blocks' maxima over the ranks). Not here yet: stochastic rounding.
 """
 
 from collections.abc import Iterable
@@ -136,8 +137,8 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
     place at construction (the remainder keeps their low bits, so nothing is lost); under FSDP2
     build it before the first forward, which fixes the dtype FSDP gathers in.
     foreach: one torch._foreach_* update per param group (False: the per-parameter reference).
-    fused: one Triton kernel pass per parameter for the groups on CUDA (optim/fused.py: Triton, and
-    fp32 or bf16 moments); it takes precedence over foreach there.
+    fused: one Triton kernel pass per parameter for the groups on CUDA (optim/fused.py: needs
+    Triton); it takes precedence over foreach there.
 
     grad_multiplier: None, or an fp32 one-element tensor that multiplies every gradient of the next
     step (the clip coefficient, optim.adamw.ClipInFusedPrecisionAdamW): the kernel applies it as it
@@ -176,9 +177,8 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                                  f"{torch.cuda.device_count()} CUDA devices); use fused=False")
             moments = group["exp_avg_dtype"], group["exp_avg_sq_dtype"]
             if not fused_supported(*moments):
-                raise ValueError(f"fused=True handles fp32 and bf16 moments, param group {i} has "
-                                 f"exp_avg_dtype={moments[0]!r}, exp_avg_sq_dtype={moments[1]!r}; "
-                                 f"use fused=False for fp8 moments")
+                raise ValueError(f"fused=True does not handle param group {i}'s exp_avg_dtype="
+                                 f"{moments[0]!r}, exp_avg_sq_dtype={moments[1]!r}; use fused=False")
 
     def _init_state(self, p: nn.Parameter, group: dict) -> None:
         want = torch.float32 if group["master"] == "fp32" else torch.bfloat16
@@ -268,18 +268,35 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         return loss
 
     def _step_fused(self, params: list[torch.Tensor], group: dict, multiplier: torch.Tensor | None) -> None:
-        """`_step_group`'s arithmetic, one Triton kernel pass per parameter (optim/fused.py)."""
+        """`_step_group`'s arithmetic, one Triton kernel pass per parameter (optim/fused.py); fp8
+        moments of a piece that splits its rows (whose blocks' maxima need an all-reduce) by the
+        foreach path."""
         lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-        for p in params:
+        whole = [self._whole_blocks(p) for p in params]
+        for p in (p for p, w in zip(params, whole) if w):
             state = self.state[p]
             state["step"] += 1
-            remainder = state.get("master_remainder")
+            remainder, scales = state.get("master_remainder"), [state.get(f"{key}_scale") for key in MOMENTS]
             fused_adamw_step_(local_tensor(p).detach(), local_tensor(p.grad), local_tensor(state["exp_avg"]),
                               local_tensor(state["exp_avg_sq"]),
                               None if remainder is None else local_tensor(remainder), lr=lr, beta1=beta1,
                               beta2=beta2, eps=eps, weight_decay=wd,
                               step=int(state["step"].item()),  # a CPU tensor: no device sync
-                              grad_multiplier=multiplier)
+                              grad_multiplier=multiplier,
+                              **{f"{key}_scale": None if scale is None else local_tensor(scale)
+                                 for key, scale in zip(MOMENTS, scales)})
+        rest = [p for p, w in zip(params, whole) if not w]
+        if rest:
+            if multiplier is not None:  # as step() does for the foreach path
+                grads = [local_tensor(p.grad) for p in rest]
+                torch._foreach_mul_(grads, multiplier.to(grads[0].device, grads[0].dtype))
+            for chunk in _chunks(rest, FOREACH_ELEMENTS):
+                self._step_group(chunk, group)
+
+    def _whole_blocks(self, p: torch.Tensor) -> bool:
+        """Whether every fp8 scaling block of p's piece is whole in it (true without fp8 moments)."""
+        b = self._row_blocks.get(p)
+        return b is None or (not b.groups and b.lead == 0 and b.local_blocks == b.n_blocks)
 
     def _step_param(self, p: torch.Tensor, group: dict, state: dict) -> None:
         """The arithmetic of torch's `_single_tensor_adam` (decoupled weight decay), in fp32."""

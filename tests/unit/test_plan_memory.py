@@ -189,6 +189,17 @@ def test_fsdp_shards_everything_and_low_precision_moments_shrink_states():
     assert _state_bytes(predict_memory(lean, 1)) == pytest.approx(n * (2 + 2 + 2 + 1 + 4 / 128 + 2))
 
 
+def test_fp8_moments_take_a_foreach_workspace_only_where_pieces_split_their_rows():
+    """The Triton update takes fp8 moments of pieces that hold whole rows (no working copies); only
+    TP's and ETP's last-dimension cuts go through the foreach path's fp32 copies."""
+    fp8 = {"optim.exp_avg_dtype": "fp8", "optim.exp_avg_sq_dtype": "fp8", "optim.master_dtype": "bf16+remainder"}
+    for world, parallel in ((1, {}), (4, {"parallel.ep": "4"})):
+        step = predict_memory(load_config("tiny-qwen3", {**fp8, **parallel}), world).phases["optimizer step"]
+        assert step.get("transient", 0) == 0, parallel
+    split = predict_memory(load_config("tiny-qwen3", {**fp8, "parallel.tp": "2"}), 2).phases["optimizer step"]
+    assert split["transient"] > 0
+
+
 def test_expert_parallelism_divides_expert_states():
     base = load_config("tiny-qwen3", {"parallel.data_parallel": "ddp"})
     sharded = load_config("tiny-qwen3", {"parallel.data_parallel": "ddp", "parallel.ep": 4})

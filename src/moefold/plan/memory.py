@@ -166,12 +166,14 @@ def _after_backward(cfg: Config, lay: _Layout, dense: float, expert: float, grad
 
 def _optimizer_step(cfg: Config, lay: _Layout, split: ParamSplit) -> float:
     """PrecisionAwareAdamW's fp32 working copies of its largest tensor on its foreach path, which
-    the GPU takes for fp8 moments only: torch's fused AdamW (all fp32) and the Triton update
-    (optim/fused.py: fp32/bf16 moments) make none."""
+    the GPU takes only for fp8 moments of pieces that split their last dimension over ranks (TP's
+    row-parallel weights, ETP's slices of w1/w3; bounded here by the largest piece): torch's fused
+    AdamW and the Triton update (optim/fused.py) make none. Without TP and ETP only FSDP's cuts of
+    1-D norm weights remain, kilobytes: not counted."""
     o = cfg.optim
-    if "fp8" not in (o.exp_avg_dtype, o.exp_avg_sq_dtype):
-        return 0.0
     d = lay.dims
+    if "fp8" not in (o.exp_avg_dtype, o.exp_avg_sq_dtype) or d.tp * d.etp == 1:
+        return 0.0
     largest = max(split.largest_dense / lay.dense_shard,
                   split.largest_expert / (d.ep * d.etp * lay.expert_shard))
     return 5 * 4 * largest  # grad, master, two moments and the denominator in fp32

@@ -1,5 +1,5 @@
-"""Sampling from a run's latest checkpoint (no KV cache: each token re-reads the whole context,
-which is fine for the small models this is meant to inspect)."""
+"""Sampling from a run's latest checkpoint, with a KV cache: the prompt is read once, then each
+new token alone (`Transformer.decode`)."""
 
 from pathlib import Path
 
@@ -34,17 +34,26 @@ def load_model_from_run(run_dir: Path, device_name: str = "auto"):
 @torch.no_grad()
 def sample(model, prompt_ids: list[int], max_new_tokens: int, temperature: float, top_k: int,
            context: int, eos_id: int, generator: torch.Generator) -> list[int]:
-    """Autoregressive sampling; stops at max_new_tokens or end-of-document."""
+    """Autoregressive sampling; stops at max_new_tokens or end-of-document. The model reads the
+    latest `context` tokens at positions 0.. (its training length): once they fill the cache, each
+    further token re-reads the window that ends with it, as without a cache."""
     device = next(model.parameters()).device
     ids = list(prompt_ids)
+    cache, unread = model.new_cache(context), ids[-context:]
     for _ in range(max_new_tokens):  # the model is in eval mode: MoE layers record nothing
-        window_1S = torch.tensor([ids[-context:]], device=device)
-        logits_V = model(window_1S)[0, -1].float()
-        next_id = _pick(logits_V, temperature, top_k, generator)
+        next_id = _pick(_read(model, unread, cache, device), temperature, top_k, generator)
         if next_id == eos_id:
             break
         ids.append(next_id)
+        unread = [next_id]
+        if cache.length == context:  # full: the window moves on by one, read anew
+            cache, unread = model.new_cache(context), ids[-context:]
     return ids[len(prompt_ids):]
+
+
+def _read(model, ids: list[int], cache, device) -> torch.Tensor:
+    """The next token's logits after the model reads `ids` into `cache`."""
+    return model.decode(torch.tensor([ids], device=device), cache)[0, -1].float()
 
 
 def _pick(logits_V: torch.Tensor, temperature: float, top_k: int, generator: torch.Generator) -> int:

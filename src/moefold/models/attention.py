@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moefold.models.kv_cache import LayerCache, attention_mask
 from moefold.models.norm import RMSNorm
 from moefold.models.rope import apply_rope
 
@@ -32,6 +33,7 @@ class Attention(nn.Module):
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, qk_norm: bool,
                  norm_eps: float, sliding_window: int = 0):
         super().__init__()
+        self.sliding_window = sliding_window
         self.mask = SlidingWindowMask(sliding_window) if sliding_window else causal_mask
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.wq = nn.Linear(dim, n_heads * head_dim, bias=False)
@@ -43,13 +45,32 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(head_dim, norm_eps) if qk_norm else nn.Identity()
 
     def forward(self, x_BSD: torch.Tensor, cos_SDh: torch.Tensor, sin_SDh: torch.Tensor) -> torch.Tensor:
+        q_BHSDh, k_BGSDh, v_BGSDh = self.qkv(x_BSD, cos_SDh, sin_SDh)
+        out_BHSDh = self.core(q_BHSDh, k_BGSDh, v_BGSDh, **self.mask(x_BSD.shape[1], x_BSD.device))
+        return self.out(out_BHSDh)
+
+    def decode(self, x_BSD: torch.Tensor, cos_SDh: torch.Tensor, sin_SDh: torch.Tensor,
+               cache: LayerCache) -> torch.Tensor:
+        """`forward` of tokens that follow the cached ones (the RoPE tables at their positions):
+        their keys and values join the cache, their queries attend over all of it."""
+        start, S = cache.length, x_BSD.shape[1]
+        q_BHSDh, k_BGSDh, v_BGSDh = self.qkv(x_BSD, cos_SDh, sin_SDh)
+        k_BGPDh, v_BGPDh = cache.extend(k_BGSDh, v_BGSDh)
+        out_BHSDh = F.scaled_dot_product_attention(
+            q_BHSDh, k_BGPDh, v_BGPDh, enable_gqa=self.n_kv_heads != self.n_heads,
+            **attention_mask(start, S, self.sliding_window, x_BSD.device))
+        return self.out(out_BHSDh)
+
+    def qkv(self, x_BSD: torch.Tensor, cos_SDh: torch.Tensor, sin_SDh: torch.Tensor):
+        """Queries, keys and values per head, QK-normed and rotated."""
         B, S, _ = x_BSD.shape
         q_BHSDh = self.q_norm(self.wq(x_BSD).view(B, S, self.n_heads, self.head_dim)).transpose(1, 2)
         k_BGSDh = self.k_norm(self.wk(x_BSD).view(B, S, self.n_kv_heads, self.head_dim)).transpose(1, 2)
         v_BGSDh = self.wv(x_BSD).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q_BHSDh = apply_rope(q_BHSDh, cos_SDh, sin_SDh)
-        k_BGSDh = apply_rope(k_BGSDh, cos_SDh, sin_SDh)
-        out_BHSDh = self.core(q_BHSDh, k_BGSDh, v_BGSDh, **self.mask(S, x_BSD.device))
+        return apply_rope(q_BHSDh, cos_SDh, sin_SDh), apply_rope(k_BGSDh, cos_SDh, sin_SDh), v_BGSDh
+
+    def out(self, out_BHSDh: torch.Tensor) -> torch.Tensor:
+        B, _, S, _ = out_BHSDh.shape
         return self.wo(out_BHSDh.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim))
 
     def core(self, q_BHSDh: torch.Tensor, k_BGSDh: torch.Tensor, v_BGSDh: torch.Tensor,

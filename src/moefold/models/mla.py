@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moefold.models.kv_cache import LayerCache, attention_mask
 from moefold.models.norm import RMSNorm
 from moefold.models.rope import apply_rope, apply_rope_interleaved
 
@@ -52,6 +53,18 @@ class MLAttention(nn.Module):
         q_in_BSX, latent_BSC, k_rope_BSDr = self.down_proj(x_BSD)
         q_BHSDk, k_BHSDk, v_BHSDv = self.up_proj(q_in_BSX, latent_BSC, k_rope_BSDr, cos_SDr, sin_SDr)
         out_BHSDv = self.core(q_BHSDk, k_BHSDk, v_BHSDv)
+        return self.wo(out_BHSDv.transpose(1, 2).reshape(B, S, self.n_heads * self.v_head_dim))
+
+    def decode(self, x_BSD: torch.Tensor, cos_SDr: torch.Tensor, sin_SDr: torch.Tensor,
+               cache: LayerCache) -> torch.Tensor:
+        """`forward` of tokens that follow the cached ones: their per-head keys and values join the
+        cache (expanded; decoding from the latent with absorbed weights would cache less)."""
+        B, S, _ = x_BSD.shape
+        start = cache.length
+        q_BHSDk, k_BHSDk, v_BHSDv = self.up_proj(*self.down_proj(x_BSD), cos_SDr, sin_SDr)
+        k_BHPDk, v_BHPDv = cache.extend(k_BHSDk, v_BHSDv)
+        out_BHSDv = F.scaled_dot_product_attention(q_BHSDk, k_BHPDk, v_BHPDv, scale=self.softmax_scale,
+                                                   **attention_mask(start, S, 0, x_BSD.device))
         return self.wo(out_BHSDv.transpose(1, 2).reshape(B, S, self.n_heads * self.v_head_dim))
 
     def down_proj(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

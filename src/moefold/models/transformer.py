@@ -15,6 +15,7 @@ from moefold.config import Config, ModelConfig
 from moefold.memory import apply_offload, apply_recompute
 from moefold.models.attention import Attention
 from moefold.models.init import seeded_normal_
+from moefold.models.kv_cache import KVCache, LayerCache
 from moefold.models.mla import MLAttention
 from moefold.models.mlp import SwiGLUMLP
 from moefold.models.mtp import MTPModule, MultiTokenPrediction
@@ -34,6 +35,11 @@ class Block(nn.Module):
     def forward(self, x_BSD, cos_SDr, sin_SDr, valid_BS=None):
         x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), cos_SDr, sin_SDr)
         return x_BSD + self.ffn(self.ffn_norm(x_BSD), valid_BS)
+
+    def decode(self, x_BSD, cos_SDr, sin_SDr, cache: LayerCache):
+        """`forward` of tokens that follow the ones `cache` holds (generation)."""
+        x_BSD = x_BSD + self.attn.decode(self.attn_norm(x_BSD), cos_SDr, sin_SDr, cache)
+        return x_BSD + self.ffn(self.ffn_norm(x_BSD), None)
 
 
 class Transformer(nn.Module):
@@ -69,6 +75,21 @@ class Transformer(nn.Module):
         neither route nor count)."""
         h_BSD, _ = self.trunk(input_ids_BS, valid_BS)
         return self.output(self.norm(h_BSD))
+
+    @torch.no_grad()
+    def decode(self, input_ids_BS: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Logits `[B, S, V]` of tokens that follow the ones `cache` holds, which takes their keys
+        and values: the last position's logits equal `forward`'s over the whole sequence."""
+        start, S = cache.length, input_ids_BS.shape[1]
+        cos_SDr, sin_SDr = (t[start:] for t in self.rope(start + S, input_ids_BS.device))
+        x_BSD = self.tok_embeddings(input_ids_BS)
+        for layer, layer_cache in zip(self.layers, cache.layers, strict=True):
+            x_BSD = layer.decode(x_BSD, cos_SDr, sin_SDr, layer_cache)
+        return self.output(self.norm(x_BSD))
+
+    def new_cache(self, capacity: int) -> KVCache:
+        """An empty KV cache of `capacity` positions for `decode`."""
+        return KVCache(len(self.layers), capacity)
 
     def blocks(self) -> list[Block]:
         """The main blocks, then the MTP modules' blocks (numbered on from n_layers)."""

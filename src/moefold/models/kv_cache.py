@@ -1,0 +1,65 @@
+"""The keys and values of the tokens a model has read, per attention layer, for generation.
+
+B batch, K key/value heads (G for GQA; H for MLA, whose keys and values are cached expanded per
+head), P positions cached so far, S new positions, Dk / Dv key and value head dims, L the cache's
+capacity in positions.
+
+`Transformer.decode` reads tokens that follow the cached ones: each layer appends their keys and
+values and attends its new queries over everything cached (`attention_mask`). Training never
+builds one: its forward is the plain `Transformer.forward`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class LayerCache:
+    """One attention layer's keys and values, in buffers of L positions allocated at first use."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.k_BKLDk: torch.Tensor | None = None
+        self.v_BKLDv: torch.Tensor | None = None
+        self.length = 0
+
+    def extend(self, k_BKSDk: torch.Tensor, v_BKSDv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append S positions; the keys and values of all P + S."""
+        B, K, S, _ = k_BKSDk.shape
+        if self.length + S > self.capacity:
+            raise ValueError(f"KV cache of {self.capacity} positions cannot take {S} more after {self.length}")
+        if self.k_BKLDk is None:
+            self.k_BKLDk = k_BKSDk.new_empty(B, K, self.capacity, k_BKSDk.shape[-1])
+            self.v_BKLDv = v_BKSDv.new_empty(B, K, self.capacity, v_BKSDv.shape[-1])
+        end = self.length + S
+        self.k_BKLDk[:, :, self.length:end] = k_BKSDk
+        self.v_BKLDv[:, :, self.length:end] = v_BKSDv
+        self.length = end
+        return self.k_BKLDk[:, :, :end], self.v_BKLDv[:, :, :end]
+
+
+class KVCache:
+    """Every attention layer's cache; `length`: the positions read so far (the next one's index)."""
+
+    def __init__(self, n_layers: int, capacity: int):
+        self.capacity = capacity
+        self.layers = [LayerCache(capacity) for _ in range(n_layers)]
+
+    @property
+    def length(self) -> int:
+        return self.layers[0].length if self.layers else 0
+
+
+def attention_mask(start: int, num_new: int, window: int, device) -> dict:
+    """SDPA's mask arguments for queries at positions start..start+S−1 over keys 0..start+S−1:
+    causal, and within `window` positions when it is not 0 (the token itself included)."""
+    if not window and num_new == 1:
+        return {}  # one new token sees every cached one
+    if not window and start == 0:
+        return {"is_causal": True}  # square: SDPA's own causal mask
+    distance_SP = (torch.arange(start, start + num_new, device=device)[:, None]
+                   - torch.arange(start + num_new, device=device)[None, :])
+    allowed_SP = distance_SP >= 0
+    if window:
+        allowed_SP &= distance_SP < window
+    return {"attn_mask": allowed_SP}

@@ -1,0 +1,83 @@
+"""Generation's KV cache (`Transformer.decode`, models/kv_cache.py) against the model's own full
+forward: every position's logits, read as a prompt and then in pieces of 1–4 tokens, for GQA with
+QK-norm (tiny-qwen3), MLA with YaRN and q-LoRA (tiny-deepseek) and a sliding window shorter than
+the sequence (tiny-mixtral), in fp64; and `sample` against sampling by full forwards of the
+latest `context` tokens (the way generation worked before the cache), past the context too."""
+
+import pytest
+import torch
+
+from moefold.config import load_config
+from moefold.generate import _pick, sample
+from moefold.models.kv_cache import KVCache, attention_mask
+from moefold.models.transformer import build_model
+
+PRESETS = {"tiny-qwen3": {}, "tiny-deepseek": {}, "tiny-mixtral": {"model.sliding_window": "5"}}
+
+
+def _model(preset: str):
+    # all in fp64: grouped_mm has no fp64 kernel, and an fp32 router would round differently by shape
+    cfg = load_config(preset, {**PRESETS[preset], "moe.experts_backend": "loop", "moe.router_dtype": "fp64"})
+    model = build_model(cfg, 97).double().eval()
+    model.init_weights(0)
+    with torch.no_grad():  # expert bias and norms off their defaults, so a misplaced one shows
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(len(name)))
+    return model
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_decoding_in_pieces_gives_the_full_forward_s_logits(preset):
+    model = _model(preset)
+    ids_BS = torch.randint(0, 97, (2, 23), generator=torch.Generator().manual_seed(1))
+    full_BSV = model(ids_BS)
+    cache = model.new_cache(23)
+    pieces = [7, 1, 1, 3, 1, 4, 2, 1, 1, 2]  # a prompt, then single tokens and short runs
+    start = 0
+    for n in pieces:
+        got_BSV = model.decode(ids_BS[:, start:start + n], cache)
+        torch.testing.assert_close(got_BSV, full_BSV[:, start:start + n], rtol=1e-9, atol=1e-10,
+                                   msg=lambda m, start=start, n=n: f"{preset}, positions {start}..{start + n - 1}: {m}")
+        start += n
+    assert cache.length == start == 23
+    with pytest.raises(ValueError, match="KV cache of 23 positions cannot take 1 more after 23"):
+        model.decode(ids_BS[:, :1], cache)
+
+
+def _sample_by_full_forwards(model, prompt_ids, max_new_tokens, temperature, top_k, context, eos_id, generator):
+    """Sampling as it was without a cache: each token from a full forward of the latest `context`."""
+    ids = list(prompt_ids)
+    for _ in range(max_new_tokens):
+        logits_V = model(torch.tensor([ids[-context:]]))[0, -1].float()
+        next_id = _pick(logits_V, temperature, top_k, generator)
+        if next_id == eos_id:
+            break
+        ids.append(next_id)
+    return ids[len(prompt_ids):]
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+@pytest.mark.parametrize("temperature, top_k", [(0.0, 0), (1.0, 10)], ids=["greedy", "sampled"])
+def test_sampling_with_the_cache_picks_what_full_forwards_pick(preset, temperature, top_k):
+    model = _model(preset)
+    prompt = [5, 17, 3, 42, 8]
+    context = 9  # the 25 new tokens run past it: the window moves, read anew each token
+    got = sample(model, prompt, 25, temperature, top_k, context, -1, torch.Generator().manual_seed(3))
+    want = _sample_by_full_forwards(model, prompt, 25, temperature, top_k, context, -1,
+                                    torch.Generator().manual_seed(3))
+    assert got == want and len(got) == 25
+    long_prompt = list(range(1, 14))  # longer than the context
+    assert (sample(model, long_prompt, 4, 0.0, 0, context, -1, torch.Generator()) ==
+            _sample_by_full_forwards(model, long_prompt, 4, 0.0, 0, context, -1, torch.Generator()))
+
+
+def test_attention_mask_of_new_queries_over_cached_keys():
+    assert attention_mask(0, 4, 0, "cpu") == {"is_causal": True}
+    assert attention_mask(6, 1, 0, "cpu") == {}
+    allowed = attention_mask(2, 3, 0, "cpu")["attn_mask"]  # queries 2, 3, 4 over keys 0..4
+    assert allowed.tolist() == [[True, True, True, False, False], [True, True, True, True, False],
+                                [True, True, True, True, True]]
+    windowed = attention_mask(3, 1, 2, "cpu")["attn_mask"]  # query 3 sees keys 2 and 3
+    assert windowed.tolist() == [[False, False, True, True]]
+    assert KVCache(2, 8).length == 0

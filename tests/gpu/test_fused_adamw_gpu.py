@@ -63,6 +63,14 @@ def _give_grad(p: torch.Tensor, g: torch.Tensor) -> None:
     p.grad.data = g
 
 
+def _give_equal_grads(fused: PrecisionAwareAdamW, ref: PrecisionAwareAdamW, gen: torch.Generator) -> None:
+    """The same fp32 gradient, 3·N(0, 1), to each pair of parameters."""
+    for p, q in zip(_params_of(fused), _params_of(ref), strict=True):
+        g = 3 * torch.randn(p.shape, device="cuda", generator=gen)
+        _give_grad(p, g.clone())
+        _give_grad(q, g)
+
+
 def _sync(dst: PrecisionAwareAdamW, src: PrecisionAwareAdamW) -> None:
     """dst's parameters and states set to src's."""
     for p, q in zip(_params_of(dst), _params_of(src), strict=True):
@@ -156,10 +164,7 @@ def test_clipping_in_the_kernel_steps_like_clipping_in_place():
     gen = torch.Generator(device="cuda").manual_seed(3)
     for step in range(1, STEPS + 1):
         _sync(fused, ref)
-        for p, q in zip(_params_of(fused), _params_of(ref), strict=True):
-            g = 3 * torch.randn(p.shape, device="cuda", generator=gen)
-            _give_grad(p, g.clone())
-            _give_grad(q, g)
+        _give_equal_grads(fused, ref, gen)
         norms = clip_fused(1.0), clip_ref(1.0)
         torch.testing.assert_close(norms[0], norms[1], rtol=0, atol=0)
         assert norms[0] > 1.0  # it clipped
@@ -200,10 +205,7 @@ def test_fp8_moments_of_a_piece_that_splits_its_rows_take_the_foreach_path(monke
     gen = torch.Generator(device="cuda").manual_seed(4)
     for step in range(1, STEPS + 1):
         _sync(fused, ref)
-        for p, q in zip(_params_of(fused), _params_of(ref), strict=True):
-            g = 3 * torch.randn(p.shape, device="cuda", generator=gen)
-            _give_grad(p, g.clone())
-            _give_grad(q, g)
+        _give_equal_grads(fused, ref, gen)
         fused.step()
         ref.step()
         _assert_same_states(fused, ref, step)

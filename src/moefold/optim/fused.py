@@ -117,7 +117,8 @@ def _check(param, grad, exp_avg, exp_avg_sq, remainder, grad_multiplier, exp_avg
             raise ValueError(f"fused AdamW: {name} is {t.dtype}; allowed: {', '.join(map(str, want))}")
     shape = tuple(param.shape) or (1,)
     scale_shape = (*shape[:-1], -(-shape[-1] // FP8_BLOCK))
-    for name, moment, scale in (("exp_avg", exp_avg, exp_avg_scale), ("exp_avg_sq", exp_avg_sq, exp_avg_sq_scale)):
+    moments = (("exp_avg", exp_avg, exp_avg_scale), ("exp_avg_sq", exp_avg_sq, exp_avg_sq_scale))
+    for name, moment, scale in moments:
         if (moment.dtype == FP8) != (scale is not None):
             raise ValueError(f"fused AdamW: {name}_scale is given exactly for an fp8 {name}")
         if scale is not None and (tuple(scale.shape) != scale_shape or scale.dtype != torch.float32

@@ -355,19 +355,22 @@ class CapacityAllToAllDispatcher(_ExpertParallelDispatcher):
         self._check_same_num_tokens(x_TD.shape[0], keep_N.device)
         plan = plan_permutation(routing.idx_TK, keep_N, self.layout)
         x_SD, probs_S = permute(x_TD, plan, self.top_k), row_probs(routing.probs_TK, plan)  # S = E·C
-        send_splits = [x_SD.shape[0] // self.ep_size] * self.group_size  # L·C
-        x_RD = self._to_experts(self._all_to_all(self._fan_out(x_SD, send_splits[:self.ep_size]), None, None))
-        probs_R = self._to_experts(self._all_to_all(self._fan_out(probs_S, send_splits[:self.ep_size]), None, None))
+        rows_per_ep = x_SD.shape[0] // self.ep_size  # L·C for every EP index
+        x_RD, probs_R = (self._to_experts(self._send(t, rows_per_ep)) for t in (x_SD, probs_S))
         rows_per_expert_L = torch.full((self.num_local_experts,), x_RD.shape[0] // self.num_local_experts,
                                        dtype=torch.int64, device=x_RD.device)
         return Dispatched(x_RD=x_RD, rows_per_expert_E=rows_per_expert_L, probs_R=probs_R,
-                          handle=CapacityHandle(plan, send_splits, routing.probs_TK))
+                          handle=CapacityHandle(plan, [rows_per_ep] * self.group_size, routing.probs_TK))
 
     def combine(self, y_RD: torch.Tensor, handle: CapacityHandle) -> torch.Tensor:
         """y_TD in fp32 (the sum over K copies is done in fp32)."""
         y_XD = self._all_to_all(self._from_experts(y_RD), None, None)
         y_SD = self._fan_in(y_XD, handle.send_splits)
         return self._reduce(unpermute(y_SD, handle.plan, self.top_k), handle.probs_TK)
+
+    def _send(self, x_S: torch.Tensor, rows_per_ep: int) -> torch.Tensor:
+        """Each EP index's rows to each of its group ranks: equal splits, none read on the host."""
+        return self._all_to_all(self._fan_out(x_S, [rows_per_ep] * self.ep_size), None, None)
 
     def _to_experts(self, x_R: torch.Tensor) -> torch.Tensor:
         """[G, L, C] (as received, source-major) → [L, G, C] (grouped by local expert)."""

@@ -60,6 +60,27 @@ def test_resume_reproduces_uninterrupted_losses_exactly(tmp_path, tiny_args, fea
     assert all(got[s] == expected[s] for s in got), (got, expected)
 
 
+def test_resume_and_generate_read_the_checkpoint_metadata_once(tmp_path, tiny_args, monkeypatch):
+    """`.metadata` lists every chunk of every saved tensor (large for a large job, and every rank
+    reads it): the checks before a load and DCP's load share one read."""
+    import torch.distributed.checkpoint as dcp
+
+    from moefold.generate import load_model_from_run
+
+    run = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run), *tiny_args, "--train.steps", "4", "--train.warmup_steps", "1",
+                 "--checkpoint.every", "2"]) == 0
+    reads = []
+    read_metadata = dcp.FileSystemReader.read_metadata
+    monkeypatch.setattr(dcp.FileSystemReader, "read_metadata",
+                        lambda self, *a, **k: reads.append(self.path) or read_metadata(self, *a, **k))
+    step2 = run / "checkpoints" / "step_00000002"
+    assert main(["train", "--resume", str(step2), "--run-dir", str(tmp_path / "resumed")]) == 0
+    assert len(reads) == 1, reads
+    load_model_from_run(run)
+    assert len(reads) == 2, reads
+
+
 def test_sigterm_saves_then_resume_matches_uninterrupted(tmp_path, tiny_args):
     reference = tmp_path / "reference"
     args = [*tiny_args, "--train.steps", "400"]

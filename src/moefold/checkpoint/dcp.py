@@ -156,12 +156,32 @@ def _fsync_dir(path: Path) -> None:
 def load_checkpoint(state: dict[str, Any], path: Path) -> None:
     """Load checkpoint `path` into `state` in place (tensors are copied into the given ones; other
     values are replaced). Only the keys present in `state` are read."""
-    _refuse_other_model_shapes(state.get("model", {}), _read_metadata(path), path)
+    metadata = _read_metadata(path)
+    _refuse_other_model_shapes(state.get("model", {}), metadata, path)
     try:
         with _single_process_ok():
-            dcp.load(state, checkpoint_id=path)
+            dcp.load(state, checkpoint_id=path, storage_reader=_ReaderWithMetadata(path, metadata))
     except (Exception, CheckpointException) as e:  # any reader failure means "unreadable"
         raise CheckpointError(f"checkpoint {path} is unreadable or corrupt: {_reason(e)}") from None
+    finally:
+        _last_metadata.clear()  # it lists every chunk of every tensor: not kept past the load
+
+
+class _ReaderWithMetadata(dcp.FileSystemReader):
+    """DCP's file reader, handed the `.metadata` the checks before the load read: every rank reads
+    it, and a large job's lists every chunk of every saved tensor, so it is read once, not again
+    by the load."""
+
+    def __init__(self, path: Path, metadata):
+        super().__init__(str(path))
+        self._metadata = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any):
+        if args or kwargs:  # a rank's own metadata file (DCP's fallback): its own read
+            return super().read_metadata(*args, **kwargs)
+        if getattr(self._metadata, "storage_meta", None) is not None:  # as FileSystemReader's read
+            self._metadata.storage_meta.load_id = self.load_id
+        return self._metadata
 
 
 def _refuse_other_model_shapes(model_state: dict[str, Any], metadata, path: Path) -> None:
@@ -188,9 +208,19 @@ def _reason(error: BaseException) -> str:
     return f"{type(error).__name__}: {text}"[:300]
 
 
+_last_metadata: dict[tuple, Any] = {}
+"""The last `.metadata` read, by its file's identity: `checkpoint_keys` and the load share it."""
+
+
 def _read_metadata(path: Path):
     try:
-        return dcp.FileSystemReader(str(path)).read_metadata()
+        stat = (Path(path) / _METADATA).stat()
+        identity = (str(path), stat.st_ino, stat.st_mtime_ns, stat.st_size)
+        if identity not in _last_metadata:
+            metadata = dcp.FileSystemReader(str(path)).read_metadata()
+            _last_metadata.clear()
+            _last_metadata[identity] = metadata
+        return _last_metadata[identity]
     except Exception as e:
         raise CheckpointError(f"checkpoint {path} is unreadable or corrupt: {_reason(e)}") from None
 

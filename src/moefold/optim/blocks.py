@@ -32,7 +32,7 @@ BLOCK = 128
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 FP8_MIN_SUBNORMAL = 2.0 ** -9
-_TINY = torch.finfo(torch.float32).tiny
+FP32_TINY = torch.finfo(torch.float32).tiny  # the smallest scale
 
 
 @dataclass(frozen=True)
@@ -126,7 +126,7 @@ def quantize_fp8(x: torch.Tensor, b: RowBlocks, floor: float = 0.0) -> tuple[tor
     """x (fp32, local) → (e4m3 of x's shape, fp32 scales [R, N]); x ≈ q · scale. `floor` clamps q
     from below (for sqrt(v), see optim/precision.py). A collective when the last dim is split."""
     x_RLB = _blocks(x, b)
-    scale_RN = _complete_amax(x_RLB.abs().amax(dim=2), b).div(FP8_MAX).clamp_min(_TINY)
+    scale_RN = _complete_amax(x_RLB.abs().amax(dim=2), b).div(FP8_MAX).clamp_min(FP32_TINY)
     q_RLB = (x_RLB / _local_scales(scale_RN, b)[:, :, None]).clamp(-FP8_MAX, FP8_MAX)  # >464: NaN
     if floor:
         q_RLB = q_RLB.clamp_min(floor)
@@ -151,7 +151,7 @@ def quantize_fp8_many(xs: list[torch.Tensor], bs: list[RowBlocks], floor: float 
     sizes = [b.rows * b.local_blocks for b in bs]
     amax = list(x_MB.abs().amax(dim=1).split(sizes))
     amax = _complete_amax_many([a.view(b.rows, b.local_blocks) for a, b in zip(amax, bs)], bs)
-    scales = [a.div(FP8_MAX).clamp_min(_TINY) for a in amax]
+    scales = [a.div(FP8_MAX).clamp_min(FP32_TINY) for a in amax]
     # the division reuses the flat layout: each block's scale repeated over its row of x_MB
     scale_M = torch.cat([_local_scales(s, b).reshape(-1) for s, b in zip(scales, bs)])
     q_MB = (x_MB / scale_M[:, None]).clamp(-FP8_MAX, FP8_MAX)

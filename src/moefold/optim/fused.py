@@ -28,6 +28,9 @@ Legend: B elements of one program's block; with fp8 moments T scaling blocks of 
 
 import torch
 
+from moefold.optim.blocks import BLOCK as FP8_BLOCK
+from moefold.optim.blocks import FP8, FP8_MAX, FP8_MIN_SUBNORMAL, FP32_TINY
+
 try:
     import triton
     import triton.language as tl
@@ -39,12 +42,7 @@ BLOCK = 4096
 NUM_WARPS = 8
 FUSED_MOMENT_DTYPES = ("fp32", "bf16", "fp8")
 _STATE_DTYPES = (torch.float32, torch.bfloat16)  # gradients, moments, masters
-FP8 = torch.float8_e4m3fn
-FP8_BLOCK = 128  # elements per fp8 scaling block (optim/blocks.py's BLOCK)
-FP8_MAX = torch.finfo(FP8).max
 FP8_MAX_RECIPROCAL = (torch.tensor(1.0) / FP8_MAX).item()  # fp32 1/448: torch's `t.div(448)` on CUDA
-FP8_MIN_SUBNORMAL = 2.0 ** -9  # sqrt(v) is never rounded to zero (optim/precision.py)
-FP32_TINY = torch.finfo(torch.float32).tiny
 TILE_BLOCKS = 16  # scaling blocks a program updates: 8 elements a thread with NUM_WARPS (16 a
 # thread ran at 0.74× the bandwidth on the H200, benchmarks/adamw_step.py)
 

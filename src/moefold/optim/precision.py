@@ -253,8 +253,11 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             if not params:
                 continue
             if group.get("fused") and local_tensor(params[0]).is_cuda:
-                self._step_fused(params, group, multiplier)
-                continue
+                whole = [self._whole_blocks(p) for p in params]
+                self._step_fused([p for p, w in zip(params, whole) if w], group, multiplier)
+                params = [p for p, w in zip(params, whole) if not w]  # fp8 blocks split over ranks
+                if not params:
+                    continue
             if multiplier is not None:  # as scale_gradients (parallel/data.py)
                 grads = [local_tensor(p.grad) for p in params]
                 torch._foreach_mul_(grads, multiplier.to(grads[0].device, grads[0].dtype))
@@ -268,12 +271,11 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         return loss
 
     def _step_fused(self, params: list[torch.Tensor], group: dict, multiplier: torch.Tensor | None) -> None:
-        """`_step_group`'s arithmetic, one Triton kernel pass per parameter (optim/fused.py); fp8
-        moments of a piece that splits its rows (whose blocks' maxima need an all-reduce) by the
-        foreach path."""
+        """`_step_group`'s arithmetic, one Triton kernel pass per parameter (optim/fused.py), for
+        pieces that hold their fp8 blocks whole (step() leaves the others, whose blocks' maxima need
+        an all-reduce, to the foreach path)."""
         lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-        whole = [self._whole_blocks(p) for p in params]
-        for p in (p for p, w in zip(params, whole) if w):
+        for p in params:
             state = self.state[p]
             state["step"] += 1
             remainder, scales = state.get("master_remainder"), [state.get(f"{key}_scale") for key in MOMENTS]
@@ -285,13 +287,6 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                               grad_multiplier=multiplier,
                               **{f"{key}_scale": None if scale is None else local_tensor(scale)
                                  for key, scale in zip(MOMENTS, scales)})
-        rest = [p for p, w in zip(params, whole) if not w]
-        if rest:
-            if multiplier is not None:  # as step() does for the foreach path
-                grads = [local_tensor(p.grad) for p in rest]
-                torch._foreach_mul_(grads, multiplier.to(grads[0].device, grads[0].dtype))
-            for chunk in _chunks(rest, FOREACH_ELEMENTS):
-                self._step_group(chunk, group)
 
     def _whole_blocks(self, p: torch.Tensor) -> bool:
         """Whether every fp8 scaling block of p's piece is whole in it (true without fp8 moments)."""

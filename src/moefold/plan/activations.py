@@ -33,6 +33,7 @@ from moefold.fp8.apply import excluded_by
 from moefold.fp8.gemm import linear_scaling
 from moefold.fp8.grouped import grouped_scaling
 from moefold.moe.capacity import expert_capacity
+from moefold.moe.permute import RowLayout
 
 CATEGORIES = ("embedding", "norm", "attn_proj", "attn_core", "mlp", "router", "moe_dispatch",
               "experts", "shared_experts", "mtp_proj", "head", "weight_copies", "kept_inputs")
@@ -177,13 +178,13 @@ def expert_rows(cfg: Config, sh: Shapes) -> int:
     Padded to capacity, every rank of the group sends each expert exactly C rows, whatever the
     routing (C of its T/tp tokens, rounded up to the row multiple)."""
     moe = cfg.moe
-    local_experts = moe.num_experts // sh.ep
     multiple = row_multiple(cfg, sh)
-    if moe.pad_to_capacity:
-        capacity = expert_capacity(sh.tokens // sh.tp, moe.top_k, moe.num_experts, moe.capacity_factor)
-        return sh.ep * sh.etp * local_experts * -(-capacity // multiple) * multiple
+    if moe.pad_to_capacity:  # every rank of the group lays out E·C rows (the layer's RowLayout): etp·E·C
+        layout = RowLayout(moe.num_experts, moe.top_k, multiple, capacity_of=lambda tokens: expert_capacity(
+            tokens, moe.top_k, moe.num_experts, moe.capacity_factor))
+        return sh.etp * layout.num_rows(sh.tokens // sh.tp * moe.top_k)
     copies = sh.tokens // sh.tp * moe.top_k * sh.etp
-    return int(copies * sh.imbalance) + local_experts * (multiple - 1)
+    return int(copies * sh.imbalance) + moe.num_experts // sh.ep * (multiple - 1)
 
 
 def row_multiple(cfg: Config, sh: Shapes) -> int:

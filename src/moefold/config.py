@@ -820,10 +820,8 @@ def _validate_parallel(cfg: Config) -> None:
     p, m = cfg.parallel, cfg.model
     _one_of("parallel.data_parallel", p.data_parallel, ("fsdp", "ddp"))
     _one_of("parallel.ep_dispatcher", p.ep_dispatcher, ("alltoall", "allgather"))
-    _require(not (cfg.moe.pad_to_capacity and p.ep * p.etp > 1 and p.ep_dispatcher != "alltoall"),
-             f"moe.pad_to_capacity=true under parallel.ep·etp > 1 needs parallel.ep_dispatcher='alltoall', "
-             f"not {p.ep_dispatcher!r} (the all-gather dispatcher's expert buffer has a static size "
-             "already)")
+    if cfg.moe.pad_to_capacity and p.ep * p.etp > 1:
+        refuse_padded_capacity_without_alltoall(p.ep_dispatcher)
     # The world size is known only at launch; the smallest world both grids fit checks everything
     # that does not depend on it.
     dims = ParallelDims.smallest(p.tp, p.cp, p.pp, p.ep, p.etp, p.order)
@@ -838,6 +836,14 @@ def _validate_parallel(cfg: Config) -> None:
     _require(cfg.moe.num_experts == 0 or tokens % p.tp == 0,
              f"parallel.tp={p.tp} does not divide the {tokens} tokens of a micro-batch "
              "(train.micro_batch_size · train.seq_len), which its ranks split for the routed experts")
+
+
+def refuse_padded_capacity_without_alltoall(dispatcher: str) -> None:
+    """`moe.pad_to_capacity` under expert parallelism: checked with the config, and again where
+    `apply_ep` picks the dispatcher of a layer built without one."""
+    _require(dispatcher == "alltoall",
+             f"moe.pad_to_capacity=true under parallel.ep·etp > 1 needs parallel.ep_dispatcher='alltoall', "
+             f"not {dispatcher!r} (the all-gather dispatcher's expert buffer has a static size already)")
 
 
 def refuse_unsupported_parallel(cfg: Config) -> None:

@@ -32,6 +32,7 @@ import torch.distributed.nn.functional as dist_fn
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+from moefold.config import refuse_padded_capacity_without_alltoall
 from moefold.errors import ConfigError
 from moefold.moe.dispatch import (
     Dispatched,
@@ -545,10 +546,7 @@ def _ep_dispatcher(layer: MoELayer, name: str, ep_group, ep_of_rank: list[int] |
     if layout.capacity_of is None:
         return DISPATCHERS[name](layer.top_k, layer.num_experts, ep_group, applies_probs,
                                  ep_of_rank=ep_of_rank, pad_multiple=layout.multiple)
-    if name != "alltoall":
-        raise ConfigError(f"moe.pad_to_capacity=true under parallel.ep·etp > 1 needs "
-                          f"parallel.ep_dispatcher='alltoall', not {name!r} (the all-gather "
-                          "dispatcher's expert buffer has a static size already)")
+    refuse_padded_capacity_without_alltoall(name)
     return CapacityAllToAllDispatcher(layer.top_k, layer.num_experts, ep_group, applies_probs,
                                       layout, ep_of_rank=ep_of_rank)
 

@@ -42,7 +42,6 @@ class KVCache:
     """Every attention layer's cache; `length`: the positions read so far (the next one's index)."""
 
     def __init__(self, n_layers: int, capacity: int):
-        self.capacity = capacity
         self.layers = [LayerCache(capacity) for _ in range(n_layers)]
 
     @property

@@ -93,7 +93,12 @@ def join(cfg: Config, device_name: str) -> tuple[DistributedContext, torch.devic
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
-    return DistributedContext(dist.get_rank(), world, ParallelLayout(dims, device.type)), device
+    layout = ParallelLayout(dims, device.type)
+    # Every rank holds its groups before any may stop: rank 0 hosts the rendezvous store, and a
+    # rank that stops on a user error (a missing data file) while a peer still builds its groups
+    # would fail that peer with a connection error and a C++ traceback instead of the one line.
+    dist.barrier()
+    return DistributedContext(dist.get_rank(), world, layout), device
 
 
 def resolve_device(name: str, option: str = "train.device") -> torch.device:

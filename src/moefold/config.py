@@ -148,7 +148,7 @@ class MoEConfig:
     # Capacity
     capacity_factor: float = 0.0
     """Per-expert capacity as a multiple of the even share T*K/E of a rank's own T tokens (each rank
-    drops its own copies, with or without EP); 0 is dropless."""
+    drops its own copies, with or without EP); 0 is dropless. `moefold generate` is always dropless."""
     drop_policy: str = "probs"
     """Which tokens an over-capacity expert drops: probs (lowest probability) or position (latest)."""
     pad_to_capacity: bool = False

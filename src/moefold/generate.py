@@ -1,12 +1,13 @@
 """Sampling from a run's latest checkpoint, with a KV cache: the prompt is read once, then each
 new token alone (`Transformer.decode`)."""
 
+import dataclasses
 from pathlib import Path
 
 import torch
 
 from moefold.checkpoint.dcp import load_weights, resolve_checkpoint
-from moefold.config import config_from_toml
+from moefold.config import Config, config_from_toml
 from moefold.data.tokenizer import build_tokenizer
 from moefold.errors import CheckpointError
 from moefold.models.transformer import build_model, materialize
@@ -15,7 +16,8 @@ from moefold.train.trainer import resolve_compute_dtype
 
 
 def load_model_from_run(run_dir: Path, device_name: str = "auto"):
-    """(model, tokenizer, config) with the weights of the run's latest checkpoint."""
+    """(model, tokenizer, config) with the weights of the run's latest checkpoint; the model is
+    dropless whatever capacity factor the run trained with (`_dropless`)."""
     config_path = Path(run_dir) / "config.toml"
     if not config_path.is_file():
         raise CheckpointError(f"--run-dir {run_dir}: no config.toml (not a moefold run directory)")
@@ -24,11 +26,18 @@ def load_model_from_run(run_dir: Path, device_name: str = "auto"):
     device = resolve_device(device_name, "--device")
     tokenizer = build_tokenizer(cfg.data.tokenizer)
     with torch.device("meta"):  # the checkpoint is read straight into the device's tensors
-        model = build_model(cfg, cfg.model.vocab_size or tokenizer.vocab_size, device.type,
+        model = build_model(_dropless(cfg), cfg.model.vocab_size or tokenizer.vocab_size, device.type,
                             resolve_compute_dtype(cfg.precision.compute_dtype, device))
     materialize(model, device)
     load_weights(model, checkpoint)
     return model.eval(), tokenizer, cfg
+
+
+def _dropless(cfg: Config) -> Config:
+    """`cfg` without a capacity factor. Capacity drops a token by what else is in the same forward
+    (the prompt, a decode call): a generated token would depend on how its context was read, and
+    the cache's logits would differ from a full forward's. Every token reaches its experts."""
+    return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, capacity_factor=0.0, pad_to_capacity=False))
 
 
 @torch.no_grad()

@@ -2,13 +2,15 @@
 forward: every position's logits, read as a prompt and then in pieces of 1–4 tokens, for GQA with
 QK-norm (tiny-qwen3), MLA with YaRN and q-LoRA (tiny-deepseek) and a sliding window shorter than
 the sequence (tiny-mixtral), in fp64; and `sample` against sampling by full forwards of the
-latest `context` tokens (the way generation worked before the cache), past the context too."""
+latest `context` tokens (the way generation worked before the cache), past the context too; a
+run trained with a capacity factor generates dropless."""
 
 import pytest
 import torch
 
+from moefold.cli import main
 from moefold.config import load_config
-from moefold.generate import _pick, sample
+from moefold.generate import _pick, load_model_from_run, sample
 from moefold.models.kv_cache import KVCache, attention_mask
 from moefold.models.transformer import build_model
 
@@ -70,6 +72,24 @@ def test_sampling_with_the_cache_picks_what_full_forwards_pick(preset, temperatu
     long_prompt = list(range(1, 14))  # longer than the context
     assert (sample(model, long_prompt, 4, 0.0, 0, context, -1, torch.Generator()) ==
             _sample_by_full_forwards(model, long_prompt, 4, 0.0, 0, context, -1, torch.Generator()))
+
+
+def test_a_run_trained_with_a_capacity_factor_generates_dropless(tmp_path, tiny_args):
+    """With capacity, a token's output depends on what else the forward reads (the prompt, a
+    decode call); generation's model keeps every token, so a prefix reads as in the longer input."""
+    run = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run), *tiny_args, "--train.steps", "2", "--train.warmup_steps", "1",
+                 "--moe.capacity_factor", "0.5", "--moe.pad_to_capacity", "true"]) == 0
+    model, _, cfg = load_model_from_run(run, "cpu")
+    assert cfg.moe.capacity_factor == 0.5  # the run's config, as trained
+    ids_BS = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full_BSV, prefix_BSV = model(ids_BS), model(ids_BS[:, :6])
+        cache = model.new_cache(24)
+        model.decode(ids_BS[:, :20], cache)
+        last_BSV = model.decode(ids_BS[:, 20:21], cache)
+    torch.testing.assert_close(prefix_BSV, full_BSV[:, :6], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(last_BSV, full_BSV[:, 20:21], rtol=1e-4, atol=1e-5)
 
 
 def test_attention_mask_of_new_queries_over_cached_keys():

@@ -636,7 +636,7 @@ def validate(cfg: Config) -> None:
               "train.steps", "train.micro_batch_size", "train.seq_len", "train.grad_accum",
               "train.lr", "train.val_batches", "logging.log_every", "checkpoint.keep")
     _non_negative(cfg, "model.vocab_size", "model.n_kv_heads", "model.head_dim", "moe.num_experts",
-                  "moe.first_k_dense", "train.warmup_steps",
+                  "moe.first_k_dense", "train.warmup_steps", "train.global_batch_size",
                   "train.weight_decay", "train.grad_clip", "train.loss_chunk_tokens", "train.val_every", "train.seed",
                   "checkpoint.every", "logging.peak_tflops")
     if m.attention == "gqa":  # MLA's heads have their own sizes (model.qk_*_head_dim, v_head_dim)

@@ -43,6 +43,7 @@ YARN = {"model.rope_scaling": "yarn", "model.rope_factor": "4"}
     ({"train.schedule": "linear"}, "train.schedule='linear' is not one of cosine, wsd, constant"),
     ({"parallel.ep": "3"}, "parallel.ep=3 does not divide moe.num_experts=8"),
     ({"parallel.vpp": "0"}, "parallel.vpp=0 must be >= 1"),
+    ({"train.global_batch_size": "-8"}, "train.global_batch_size=-8 must be >= 0"),
     ({"train.lr": "nan"}, "train.lr=nan must be a finite number"),
     ({"train.seed": str(2**64)}, f"train.seed={2**64} must be < 2**63"),
     ({"moe.capacity_factor": "inf"}, "moe.capacity_factor=inf must be a finite number"),

@@ -82,12 +82,14 @@ def test_the_refusal_is_at_the_floor_and_counts_the_ranks_sharing_a_host():
 
 
 @pytest.mark.parametrize("nproc", [[], ["--nproc", "2", "--parallel.ep", "2"]])
-def test_a_model_beyond_the_host_is_refused_before_it_is_built(tmp_path, tiny_args, capsys, nproc):
-    """10^8 blocks: refused from the config alone (building them would take hours), one line, exit
-    2, nothing written; with --nproc before any rank starts."""
+@pytest.mark.parametrize("blocks", ["model.n_layers", "model.mtp_layers"])
+def test_a_model_beyond_the_host_is_refused_before_it_is_built(tmp_path, tiny_args, capsys, nproc, blocks):
+    """10^8 blocks (or MTP modules): refused from the config alone (building them would take
+    hours, and so would counting them one by one), one line, exit 2, nothing written; with
+    --nproc before any rank starts."""
     run = tmp_path / "run"
     capsys.readouterr()
-    assert main(["train", "--run-dir", str(run), *tiny_args, "--model.n_layers", str(10**8), *nproc]) == 2
+    assert main(["train", "--run-dir", str(run), *tiny_args, f"--{blocks}", str(10**8), *nproc]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err, err
     assert "this host has" in err and "model.n_layers" in err

@@ -113,9 +113,7 @@ def head_params(cfg: Config, vocab: int) -> ParamSplit:
     """Final norm, output head (none of its own when tied) and each MTP module without its block."""
     m = cfg.model
     head = _rep(m.dim) + (ParamSplit() if m.tie_embeddings else _rep(vocab * m.dim))
-    for _ in range(m.mtp_layers):
-        head += _rep(m.dim, m.dim, 2 * m.dim * m.dim, m.dim)  # enorm, hnorm, eh_proj, norm
-    return head
+    return head + _rep(m.dim, m.dim, 2 * m.dim * m.dim, m.dim) * m.mtp_layers  # enorm, hnorm, eh_proj, norm
 
 
 def model_params(cfg: Config, vocab: int) -> ParamSplit:

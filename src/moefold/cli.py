@@ -43,9 +43,17 @@ def _add_config_options(parser: argparse.ArgumentParser) -> None:
                                help=f"{docs.get(key, '')} (default: {default!r})")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse that says a usage error in one line (argparse prints the whole usage first: a
+    hundred lines for `train`, whose every config field is an option); subcommands inherit it."""
+
+    def error(self, message: str):
+        report(f"moefold: error: {message} (see {self.prog} --help)")
+        self.exit(EXIT_USAGE)
+
+
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="moefold", allow_abbrev=False,
-                                     description="Train Mixture-of-Experts language models.")
+    parser = _Parser(prog="moefold", allow_abbrev=False, description="Train Mixture-of-Experts language models.")
     parser.add_argument("--version", action="version", version=f"moefold {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -92,9 +100,17 @@ def _build_parser() -> argparse.ArgumentParser:
     params = config_commands.add_parser("params", allow_abbrev=False,
                                         help="count the model's parameters (built on the meta device)")
     _add_config_options(params)
+    _name_commands(config_commands)
     _add_plan_parser(commands)
     _add_bench_parser(commands)
+    _name_commands(commands)
     return parser
+
+
+def _name_commands(commands) -> None:
+    """The commands' choices as their name ("{show,presets,params}", as the help shows them), so a
+    missing one is named by them, not by its internal `dest`."""
+    commands.metavar = "{" + ",".join(commands.choices) + "}"
 
 
 def _add_bench_parser(commands) -> None:
@@ -124,11 +140,12 @@ def _add_plan_parser(commands) -> None:
                         help="GPU to check the fit against: "
                              + ", ".join(f"{k} {v} GB" for k, v in DEVICES_GB.items())
                              + " (default h200)")
-    memory.add_argument("--gpu-memory", type=float, default=0.0, metavar="GB",
+    memory.add_argument("--gpu-memory", type=float, default=None, metavar="GB",
                         help="memory per GPU in GB (10^9 bytes); overrides --device")
     memory.add_argument("--moe-imbalance", type=float, default=1.0, metavar="F",
                         help="rows of the busiest expert rank over the balanced share (default 1)")
     _add_config_options(memory)
+    _name_commands(plan_commands)
 
 
 def _reject_unknown(unknown: list[str]) -> None:
@@ -329,16 +346,16 @@ def _plan(args: argparse.Namespace) -> int:
     from moefold.plan.report import format_plan
 
     cfg = load_config(args.config, _overrides(args))
-    if not 0 <= args.gpu_memory < math.inf:  # 0, the default, takes --device's
+    if args.gpu_memory is not None and not 0 < args.gpu_memory < math.inf:  # None takes --device's
         raise UserError(f"--gpu-memory {args.gpu_memory:g} must be a finite number > 0")
     if args.gpus is not None and args.gpus < 1:
         raise UserError(f"--gpus {args.gpus} must be >= 1")
     p = cfg.parallel
     world = args.gpus or ParallelDims.smallest(p.tp, p.cp, p.pp, p.ep, p.etp, p.order).world
     plan = predict_memory(cfg, world, imbalance=args.moe_imbalance)
-    capacity, device = args.gpu_memory or DEVICES_GB[args.device], args.device
-    if args.gpu_memory:
-        device = "a GPU"
+    capacity, device = DEVICES_GB[args.device], args.device
+    if args.gpu_memory is not None:
+        capacity, device = args.gpu_memory, "a GPU"
     print(format_plan(plan, cfg, capacity, device))
     return 0
 
@@ -360,7 +377,10 @@ def _rank_grid_comment(cfg: Config, world_size: int | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = _build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
-    args, unknown = parser.parse_known_args(argv)
+    try:
+        args, unknown = parser.parse_known_args(argv)
+    except SystemExit as e:  # --help, --version, or a usage error that _Parser said in one line
+        return e.code
     args.argv = argv
     try:
         if unknown:

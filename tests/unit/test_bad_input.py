@@ -31,6 +31,23 @@ def error_line(capsys, argv) -> str:
     return err.strip()
 
 
+@pytest.mark.parametrize("argv, expected", [
+    ([], "moefold: error: the following arguments are required: {train,generate,convert,config,plan,bench} "
+         "(see moefold --help)"),
+    (["config"], "moefold: error: the following arguments are required: {show,presets,params} "
+                 "(see moefold config --help)"),
+    (["train", "--train.steps"], "moefold: error: argument --train.steps: expected one argument "
+                                 "(see moefold train --help)"),
+    (["train", "--nproc", "two"], "moefold: error: argument --nproc: invalid int value: 'two' "
+                                  "(see moefold train --help)"),
+    (["generate", "--run-dir", "r"], "moefold: error: the following arguments are required: --prompt "
+                                     "(see moefold generate --help)"),
+])
+def test_a_malformed_command_line_is_one_line_not_the_usage(capsys, argv, expected):
+    """argparse would print the usage first: a hundred lines for `train`, one option per field."""
+    assert error_line(capsys, argv) == expected
+
+
 @pytest.mark.parametrize("make_path, expected", [
     (lambda tmp: tmp / "missing", "no such file or directory"),
     (lambda tmp: (tmp / "empty").mkdir() or tmp / "empty", "data.path="),

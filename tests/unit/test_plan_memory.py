@@ -231,6 +231,7 @@ def test_deepseek_v3_on_256_gpus(capsys):
     (["--config", "tiny-qwen3", "--moe-imbalance", "nan"], "--moe-imbalance=nan must be a finite number"),
     (["--config", "tiny-qwen3", "--moe-imbalance", "inf"], "--moe-imbalance=inf must be a finite number"),
     (["--config", "tiny-qwen3", "--gpu-memory", "nan"], "--gpu-memory nan must be a finite number"),
+    (["--config", "tiny-qwen3", "--gpu-memory", "0"], "--gpu-memory 0 must be a finite number > 0"),
 ])
 def test_bad_input_is_one_line(args, message, capsys):
     assert main(["plan", "memory", *args]) == 2

@@ -1,16 +1,22 @@
 """`moefold train --nproc N` as a user runs it: N gloo ranks, one voice (rank 0 prints and writes
 metrics), every rank's checkpoint shard, the same training as one process; layout errors that
-stop the job before anything is written; and how a rank's process ends."""
+stop the job before anything is written; a rank killed, the others stopped; the launcher's
+signals passed on; and how a rank's process ends."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
+
+import pytest
 
 from conftest import run_cli
 
 from moefold.errors import RANK_REPORTS_ENV, report
-from moefold.parallel.launch import say_rank_reports
+from moefold.parallel import launch
+from moefold.parallel.launch import run_local_ranks, say_rank_reports
 
 
 def _metrics(run_dir):
@@ -94,3 +100,50 @@ def test_exit_rank_flushes_and_skips_interpreter_shutdown():
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                             timeout=120, env=env)
     assert (result.returncode, result.stdout, result.stderr) == (3, "out", "err")
+
+
+_RANK_0_KILLED = """
+import os, signal, sys, time
+if os.environ["RANK"] == "0":
+    time.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGKILL)  # as the kernel's out-of-memory killer does
+if sys.argv[1] == "ignores-sigterm":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("peers", ["stop-on-sigterm", "ignores-sigterm"])
+def test_a_killed_rank_is_named_and_the_others_are_stopped(capsys, monkeypatch, peers):
+    """A rank killed before it can say anything: the launcher names it and the signal, stops the
+    other ranks (SIGKILL for those that outlast the grace period) and exits as a shell would."""
+    monkeypatch.setattr(launch, "STOP_GRACE_S", 1.0)
+    started = time.monotonic()
+    assert run_local_ranks(3, [sys.executable, "-c", _RANK_0_KILLED, peers]) == 128 + signal.SIGKILL
+    assert time.monotonic() - started < 60  # not the peers' 120 s sleep
+    assert capsys.readouterr().err.splitlines() == [
+        "moefold: error: rank 0 was killed by SIGKILL (the kernel's out-of-memory killer sends it: the job "
+        "may need more host memory than this machine has); the other ranks were stopped"]
+
+
+def test_sigterm_to_the_launcher_reaches_every_rank(tiny_args, tmp_path):
+    """`kill <launcher>` (a scheduler's time limit, `timeout`) stops the job as it stops one
+    process: every rank saves its checkpoint shard and the job exits 128 + SIGTERM."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "moefold", "train", *tiny_args, "--run-dir", str(run_dir),
+                             "--nproc", "2", "--parallel.ep", "2", "--train.steps", "3000"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 120
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 3) and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    try:
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    [line] = err.splitlines()
+    assert line.startswith("moefold: interrupted by SIGTERM at step "), line
+    checkpoint = next((run_dir / "checkpoints").iterdir())
+    assert sorted(p.name for p in checkpoint.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]

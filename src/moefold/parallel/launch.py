@@ -9,11 +9,14 @@ with every group of size 1).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
@@ -143,41 +146,107 @@ def exit_rank(code: int) -> NoReturn:
 # ---------------------------------------------------------------------------------------------
 
 
+STOP_GRACE_S = 30.0
+"""How long the ranks left after one failed have to end on SIGTERM before SIGKILL (torchrun's)."""
+
+
 def spawn_local(nproc: int, argv: list[str]) -> int:
     """Run `python -m moefold <argv>` as N ranks on this machine (env:// rendezvous on a free local
-    port); returns the first non-zero exit code, terminating the other ranks, or 0. The line each
-    rank ends with (errors.report) is said here once, however many ranks said it."""
+    port): `run_local_ranks`."""
+    return run_local_ranks(nproc, [sys.executable, "-m", "moefold", *argv])
+
+
+def run_local_ranks(nproc: int, command: list[str]) -> int:
+    """Run `command` as N ranks; returns 0, or the first failed rank's exit status (128 + signal
+    where a signal ended it), after stopping the others. SIGINT and SIGTERM sent to this process
+    reach every rank (they save a checkpoint and stop, as one process does). The line each rank
+    ends with (errors.report) is said here once, however many ranks said it; a rank killed before
+    it could say anything (the out-of-memory killer's SIGKILL) is named here."""
     with tempfile.TemporaryDirectory(prefix="moefold-ranks-") as reports:
         base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
                 "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), RANK_REPORTS_ENV: reports}
         base.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: N ranks share this machine's cores
-        procs = [subprocess.Popen([sys.executable, "-m", "moefold", *argv],
-                                  env={**base, "RANK": str(r), "LOCAL_RANK": str(r)})
-                 for r in range(nproc)]
+        ranks = _LocalRanks([subprocess.Popen(command, env={**base, "RANK": str(r), "LOCAL_RANK": str(r)})
+                             for r in range(nproc)])
         try:
-            return _wait_for_ranks(procs)
+            with ranks.forwarding_signals():
+                first_failed = ranks.wait()
         finally:
             say_rank_reports(Path(reports), nproc)
+    if first_failed is None:
+        return 0
+    rank, code = first_failed
+    if code < 0 and not ranks.signalled:
+        print(f"moefold: error: rank {rank} was killed by {_signal_name(-code)}{_SIGNAL_HINTS.get(-code, '')}; "
+              "the other ranks were stopped", file=sys.stderr)
+    return _exit_status(code)
 
 
-def _wait_for_ranks(procs: list[subprocess.Popen]) -> int:
-    code = 0
-    try:
-        pending = list(procs)
+class _LocalRanks:
+    def __init__(self, procs: list[subprocess.Popen]):
+        self.procs = procs
+        self.signalled = False  # a signal sent to the launcher was passed on: the ranks are stopping
+
+    @contextlib.contextmanager
+    def forwarding_signals(self):
+        previous = {}
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            try:
+                previous[signum] = signal.signal(signum, self._forward)
+            except ValueError:  # not the main thread: signals stay with the caller
+                pass
+        try:
+            yield
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+    def _forward(self, signum, _frame) -> None:
+        self.signalled = True
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signum)
+
+    def wait(self) -> tuple[int, int] | None:
+        """Wait for every rank. Once one fails, stop the rest (SIGTERM, SIGKILL after
+        STOP_GRACE_S): a failed rank leaves the others waiting in a collective; ranks that were
+        passed a signal are left to finish their checkpoint. Returns (rank, return code) of the
+        first that failed, or None."""
+        first_failed, kill_at = None, None
+        pending = dict(enumerate(self.procs))
         while pending:
-            for proc in list(pending):
+            for rank, proc in list(pending.items()):
                 try:
                     rc = proc.wait(timeout=0.2)
                 except subprocess.TimeoutExpired:
                     continue
-                pending.remove(proc)
-                if rc != 0 and code == 0:
-                    code = rc
-                    for other in pending:  # a failed rank leaves the others waiting forever
-                        other.terminate()
-    except KeyboardInterrupt:  # the ranks got SIGINT too: let them save and exit
-        code = max(p.wait() for p in procs)
-    return code
+                del pending[rank]
+                if rc != 0 and first_failed is None:
+                    first_failed = (rank, rc)
+                    if not self.signalled:
+                        kill_at = time.monotonic() + STOP_GRACE_S
+                        for other in pending.values():
+                            other.terminate()
+            if kill_at is not None and time.monotonic() > kill_at:
+                for other in pending.values():
+                    other.kill()
+        return first_failed
+
+
+def _exit_status(returncode: int) -> int:
+    """A process's exit status as a shell gives it: 128 + N for one that signal N ended."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+_SIGNAL_HINTS = {signal.SIGKILL: " (the kernel's out-of-memory killer sends it: the job may need more "
+                                 "host memory than this machine has)"}
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 def say_rank_reports(folder: Path, nproc: int) -> None:

@@ -1,5 +1,7 @@
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -57,6 +59,22 @@ def run_cli(args: list[str], timeout: float = 300, launcher: list[str] | None = 
     command = launcher or [sys.executable, "-m", "moefold"]
     return subprocess.run([*command, *args], capture_output=True, text=True, timeout=timeout, **kwargs)
 
+
+
+def run_cli_interrupted(args: list[str], run_dir: Path, signum: int = signal.SIGTERM) -> subprocess.CompletedProcess:
+    """`python -m moefold ARGS` sent `signum` once the run's metrics.jsonl holds three records."""
+    proc = subprocess.Popen([sys.executable, "-m", "moefold", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 120
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 3) and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signum)
+    try:
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def floor_and_held_after_a_step(run_dir: Path, overrides: dict[str, str]) -> tuple[float, int]:

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import run_cli
+from conftest import run_cli, run_cli_interrupted
 
 from moefold.errors import RANK_REPORTS_ENV, report
 from moefold.parallel import launch
@@ -130,20 +130,10 @@ def test_sigterm_to_the_launcher_reaches_every_rank(tiny_args, tmp_path):
     """`kill <launcher>` (a scheduler's time limit, `timeout`) stops the job as it stops one
     process: every rank saves its checkpoint shard and the job exits 128 + SIGTERM."""
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "moefold", "train", *tiny_args, "--run-dir", str(run_dir),
-                             "--nproc", "2", "--parallel.ep", "2", "--train.steps", "3000"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    metrics = run_dir / "metrics.jsonl"
-    deadline = time.time() + 120
-    while not (metrics.exists() and metrics.read_text().count("\n") >= 3) and time.time() < deadline:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    try:
-        _, err = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-    assert proc.returncode == 128 + signal.SIGTERM, err
-    [line] = err.splitlines()
+    result = run_cli_interrupted(["train", *tiny_args, "--run-dir", str(run_dir), "--nproc", "2", "--parallel.ep", "2",
+                                  "--train.steps", "3000"], run_dir)
+    assert result.returncode == 128 + signal.SIGTERM, result.stderr
+    [line] = result.stderr.splitlines()
     assert line.startswith("moefold: interrupted by SIGTERM at step "), line
     checkpoint = next((run_dir / "checkpoints").iterdir())
     assert sorted(p.name for p in checkpoint.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]

@@ -4,12 +4,11 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from conftest import TINY_OVERRIDES, run_cli
+from conftest import TINY_OVERRIDES, run_cli, run_cli_interrupted
 from moefold.checkpoint.dcp import complete_checkpoints, latest_checkpoint
 from moefold.cli import main
 
@@ -87,16 +86,9 @@ def test_sigterm_saves_then_resume_matches_uninterrupted(tmp_path, tiny_args):
     assert main(["train", "--run-dir", str(reference), *args]) == 0
 
     run = tmp_path / "interrupted"
-    proc = subprocess.Popen([sys.executable, "-m", "moefold", "train", "--run-dir", str(run), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    metrics = run / "metrics.jsonl"
-    deadline = time.time() + 120
-    while not (metrics.exists() and metrics.read_text().count("\n") >= 3) and time.time() < deadline:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 128 + signal.SIGTERM, err
-    assert "interrupted by SIGTERM" in err and "Traceback" not in err
+    result = run_cli_interrupted(["train", "--run-dir", str(run), *args], run)
+    assert result.returncode == 128 + signal.SIGTERM, result.stderr
+    assert "interrupted by SIGTERM" in result.stderr and "Traceback" not in result.stderr
     stopped_at = complete_checkpoints(run)[-1][0]
     assert 3 <= stopped_at < 400
 

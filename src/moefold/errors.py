@@ -30,6 +30,11 @@ class CheckpointError(UserError):
     """A checkpoint or run directory is missing, unreadable or corrupt."""
 
 
+class TrainingDiverged(UserError):
+    """The gradient norm stopped being finite: the learning rate, warmup or data are the user's to
+    change; the checkpoints saved before stay as they were."""
+
+
 def refuse_unwritable_dir(path: Path, option: str = "--run-dir", given: Path | None = None) -> None:
     """A directory `option` names (to create, or existing) that this process could not write into,
     refused before any work: the commands create their output directories only when they write.

@@ -71,6 +71,16 @@ def test_an_error_every_rank_meets_is_said_once(tiny_args, tmp_path):
         f"moefold: error: data.path={tmp_path / 'missing.txt'}: no such file or directory"]
 
 
+def test_a_diverged_job_stops_on_every_rank_at_once(tiny_args, tmp_path):
+    """The gradient norm is global: every rank sees it go non-finite at the same step and stops
+    there (no rank left waiting in a collective), said once."""
+    result = run_cli(["train", *tiny_args, "--run-dir", str(tmp_path / "r"), "--nproc", "2", "--parallel.ep", "2",
+                      "--train.lr", "1e30", "--train.warmup_steps", "1", "--logging.log_every", "3"])
+    assert result.returncode == 2
+    [line] = result.stderr.splitlines()
+    assert line.startswith("moefold: error: training diverged: the gradient norm was nan within steps 1–3"), line
+
+
 def test_rank_reports_name_the_ranks_only_where_they_disagree(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv(RANK_REPORTS_ENV, str(tmp_path))
     for rank, line in [(0, "moefold: error: shard 0 is corrupt"), (1, "moefold: interrupted"),

@@ -7,6 +7,7 @@ checkpoint) before it writes anything into the run directory.
 
 import contextlib
 import dataclasses
+import math
 import os
 import signal
 import time
@@ -40,7 +41,7 @@ from moefold.config import Config, refuse_unsupported_parallel, to_toml
 from moefold.data.corpus import build_token_streams
 from moefold.data.loader import Batch, PackedSequences, TrainLoader, val_batches
 from moefold.data.tokenizer import build_tokenizer
-from moefold.errors import ConfigError, refuse_unwritable_dir
+from moefold.errors import ConfigError, TrainingDiverged, refuse_unwritable_dir
 from moefold.fp8.apply import apply_fp8
 from moefold.fp8.weight_cache import refresh_weight_caches
 from moefold.models.transformer import Transformer, build_model, materialize
@@ -127,6 +128,7 @@ def refuse_run_dir(run_dir: Path, resuming: bool) -> None:
 class _Window:
     """What accumulates between two log steps; losses stay on the device until logged."""
     start: float
+    first_step: int
     steps: int = 0
     loss_sums: dict = dataclasses.field(default_factory=dict)
     grad_norm_sum: torch.Tensor | float = 0.0
@@ -373,7 +375,7 @@ class Trainer:
         emit = tqdm.write if not bar.disable else self.out
         last: dict[str, Any] = {}
         try:
-            window = _Window(start=time.perf_counter())
+            window = _Window(start=time.perf_counter(), first_step=self.step + 1)
             while self.step < t.steps:
                 lr = self.optimizer.param_groups[0]["lr"]
                 losses, grad_norm = self.train_step()
@@ -385,15 +387,19 @@ class Trainer:
                 window.grad_norm_sum += grad_norm
                 if self.step % log.log_every == 0 or self.step == t.steps:
                     last.update(self._log_window(window, lr, emit))
-                    window = _Window(start=time.perf_counter())
+                    self._refuse_diverged(window)
+                    window = _Window(start=time.perf_counter(), first_step=self.step + 1)
                 if self._validation_due():
                     last.update(self._log_validation(emit))
                 if self._checkpoint_due():
+                    self._refuse_diverged(window)
                     self.save()
                 if self._stop_requested():
+                    self._refuse_diverged(window)
                     signum = self._stop_signal or signal.SIGTERM  # another rank got the signal
                     raise TrainingInterrupted(signum, self.step, self.save())
             if self.cfg.checkpoint.save_at_end and t.steps > 0:
+                self._refuse_diverged(window)
                 last["checkpoint"] = str(self.save())
             self._write_heatmap()
         finally:
@@ -401,6 +407,22 @@ class Trainer:
             self.sinks.close()
             self._restore_signal_handlers(previous_handlers)
         return last
+
+    def _refuse_diverged(self, window: _Window) -> None:
+        """Stop before non-finite weights reach a checkpoint (where rotation would delete the good
+        ones): a non-finite gradient norm poisons every weight it scales. The norm is global, so
+        every rank stops at the same step. Read where it is read anyway (log steps) and before
+        each save, never per step."""
+        if not window.steps:
+            return
+        norm = float(window.grad_norm_sum)  # HOST SYNC: at log steps and saves only
+        if math.isfinite(norm):
+            return
+        steps = f"step {self.step}" if window.first_step == self.step else f"steps {window.first_step}–{self.step}"
+        raise TrainingDiverged(
+            f"training diverged: the gradient norm was {norm} within {steps}, which leaves the weights "
+            f"non-finite; nothing from these steps is saved. Lower train.lr (now {self.cfg.train.lr:g}) or "
+            "raise train.warmup_steps, then resume from the last checkpoint")
 
     def _stop_requested(self) -> bool:
         """A signal arrived (on any rank). With several ranks they agree at log steps only, which

@@ -59,6 +59,31 @@ def test_resume_reproduces_uninterrupted_losses_exactly(tmp_path, tiny_args, fea
     assert all(got[s] == expected[s] for s in got), (got, expected)
 
 
+def test_resume_trains_with_the_hyperparameters_given(tmp_path, tiny_args):
+    """--train.lr, betas, eps and weight decay given at resume apply (torch's loads would put the
+    saved ones back): after the resume, the lr is what a run with the new train.lr has at that step."""
+    from moefold.config import config_from_toml
+    from moefold.train.trainer import Trainer
+
+    run = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run), *tiny_args, "--checkpoint.every", "6"]) == 0
+    fresh = tmp_path / "fresh"
+    assert main(["train", "--run-dir", str(fresh), *tiny_args, "--train.lr", "1e-4"]) == 0
+    step6 = run / "checkpoints" / "step_00000006"
+    resumed = tmp_path / "resumed"
+    assert main(["train", "--resume", str(step6), "--run-dir", str(resumed), "--train.lr", "1e-4"]) == 0
+    lrs, fresh_lrs = ({r["step"]: r["lr"] for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())
+                       if "lr" in r} for d in (resumed, fresh))
+    assert lrs == {s: fresh_lrs[s] for s in range(7, 13)} and lrs[7] < 1e-4
+
+    cfg = config_from_toml(run / "config.toml", {"train.beta1": "0.5", "train.beta2": "0.75", "train.eps": "1e-6",
+                                                 "train.weight_decay": "0.25", "train.steps": "13"})
+    trainer = Trainer(cfg, tmp_path / "again", resume=step6, out=lambda line: None)
+    groups = trainer.optimizer.param_groups
+    assert [(g["betas"], g["eps"]) for g in groups] == [((0.5, 0.75), 1e-6)] * len(groups)
+    assert sorted({g["weight_decay"] for g in groups}) == [0.0, 0.25]  # matrices decay, the rest not
+
+
 def test_resume_and_generate_read_the_checkpoint_metadata_once(tmp_path, tiny_args, monkeypatch):
     """`.metadata` lists every chunk of every saved tensor (large for a large job, and every rank
     reads it): the checks before a load and DCP's load share one read."""

@@ -1,7 +1,8 @@
 """Atomic training checkpoints with torch.distributed.checkpoint (DCP), also in one process.
 
 A checkpoint is a DCP directory `<run_dir>/checkpoints/step_<N>` holding the state after N optimizer
-steps: model, optimizer, scheduler, data position, step and RNG. It is written under a `.tmp` name
+steps: model, optimizer, data position, step and RNG (the lr schedule is the config's at that step;
+checkpoints of earlier versions also hold the scheduler's state). It is written under a `.tmp` name
 and renamed when complete, so a save killed half-way never replaces or damages the last good one;
 incomplete `.tmp` directories are ignored and cleaned up by the next save.
 """

@@ -1,7 +1,7 @@
 """Learning-rate schedules: linear warm-up, then cosine, WSD (warmup-stable-decay) or constant.
 
-Each is a function step → multiplier of the peak lr, used through torch's LambdaLR so the scheduler
-state checkpoints like any other.
+Each is a function step → multiplier of the peak lr, used through torch's LambdaLR. Its state is
+the step and the config: a resumed run rebuilds it at its step from the (possibly changed) config.
 """
 
 import math
@@ -41,9 +41,12 @@ def constant(step: int, *, steps: int, warmup: int, min_ratio: float) -> float:
     return 1.0 if w is None else w
 
 
-def build_scheduler(optimizer: Optimizer, t: TrainConfig) -> LambdaLR:
+def build_scheduler(optimizer: Optimizer, t: TrainConfig, steps_done: int = 0) -> LambdaLR:
+    """The schedule of `t` over `optimizer`, `steps_done` steps in: a resumed run rebuilds it from
+    its config (its `initial_lr` the config's train.lr) rather than loading the saved one, whose
+    peak lr would override a changed train.lr."""
     common = {"steps": t.steps, "warmup": t.warmup_steps, "min_ratio": t.min_lr_ratio}
     fn = {"cosine": partial(cosine, **common),
           "wsd": partial(wsd, **common, decay_fraction=t.decay_fraction),
           "constant": partial(constant, **common)}[t.schedule]
-    return LambdaLR(optimizer, fn)
+    return LambdaLR(optimizer, fn, last_epoch=steps_done - 1)

@@ -124,6 +124,10 @@ def refuse_run_dir(run_dir: Path, resuming: bool) -> None:
                       f"--resume {run_dir} or choose another --run-dir")
 
 
+_CONFIG_HYPERPARAMETERS = ("initial_lr", "betas", "eps", "weight_decay")
+"""An optimizer group's values that come from [train]; its moments' dtypes stay the checkpoint's."""
+
+
 @dataclasses.dataclass
 class _Window:
     """What accumulates between two log steps; losses stay on the device until logged."""
@@ -277,18 +281,25 @@ class Trainer:
         # The optimizer's parameters may be ZeRO-1's shards: named as the model's, not the model's.
         model_sd = get_model_state_dict(self.model)
         optim_sd = get_optimizer_state_dict(self.data_parallel.optimized, self.optimizer)
-        return {"model": model_sd, "optim": optim_sd, "scheduler": self.scheduler.state_dict(),
-                "data": self.train_loader.state_dict(), "step": self.step, "rng": rng_state()}
+        # No schedule: it is the config's at `step` (`_load`). Checkpoints that hold one load too.
+        return {"model": model_sd, "optim": optim_sd, "data": self.train_loader.state_dict(),
+                "step": self.step, "rng": rng_state()}
 
     def _load(self, path: Path) -> None:
-        """A full checkpoint's model, optimizer, schedule, data order, step and RNG."""
+        """A full checkpoint's model, optimizer, data order, step and RNG; the schedule is rebuilt at
+        the step."""
         state = self._state()
         load_checkpoint(state, path)
         set_model_state_dict(self.model, state["model"])  # ZeRO-1's shards follow (a load hook)
+        # The config's hyperparameters, not the saved ones torch's load puts back: a resume with
+        # --train.lr, betas, eps or weight decay changed trains with them.
+        config_values = [{key: group[key] for key in _CONFIG_HYPERPARAMETERS} for group in self.optimizer.param_groups]
         set_optimizer_state_dict(self.data_parallel.optimized, self.optimizer, state["optim"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.train_loader.load_state_dict(state["data"])
+        for group, values in zip(self.optimizer.param_groups, config_values, strict=True):
+            group.update(values)
         self.step = int(state["step"])
+        self.scheduler = build_scheduler(self.optimizer, self.cfg.train, steps_done=self.step)
+        self.train_loader.load_state_dict(state["data"])
         set_rng_state(state["rng"])
 
     def save(self) -> Path:

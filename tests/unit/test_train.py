@@ -84,6 +84,21 @@ def test_resume_trains_with_the_hyperparameters_given(tmp_path, tiny_args):
     assert sorted({g["weight_decay"] for g in groups}) == [0.0, 0.25]  # matrices decay, the rest not
 
 
+@pytest.mark.parametrize("key, value, held", [("exp_avg_dtype", "bf16", "fp32"), ("master_dtype", "bf16", "fp32"),
+                                             ("exp_avg_sq_dtype", "fp32", "bf16")])
+def test_resume_refuses_other_optimizer_state_dtypes(tmp_path, tiny_args, capsys, key, value, held):
+    """The states resume as saved: another dtype is refused by name (it read as a corrupt checkpoint)."""
+    run = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run), *tiny_args, "--train.steps", "2", "--train.warmup_steps", "1",
+                 "--optim.exp_avg_sq_dtype", "bf16" if held == "bf16" else "fp32"]) == 0
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run), "--train.steps", "4", f"--optim.{key}", value]) == 2
+    checkpoint = run / "checkpoints" / "step_00000002"
+    assert capsys.readouterr().err.splitlines() == [
+        f"moefold: error: optim.{key}='{value}', but {checkpoint} holds the optimizer states of optim.{key}='{held}': "
+        f"a run resumes with the states it saved; keep optim.{key}"]
+
+
 def test_resume_and_generate_read_the_checkpoint_metadata_once(tmp_path, tiny_args, monkeypatch):
     """`.metadata` lists every chunk of every saved tensor (large for a large job, and every rank
     reads it): the checks before a load and DCP's load share one read."""

@@ -37,7 +37,7 @@ from moefold.checkpoint.dcp import (
     save_checkpoint,
     set_rng_state,
 )
-from moefold.config import Config, refuse_unsupported_parallel, to_toml
+from moefold.config import Config, config_from_toml, refuse_unsupported_parallel, to_toml
 from moefold.data.corpus import build_token_streams
 from moefold.data.loader import Batch, PackedSequences, TrainLoader, val_batches
 from moefold.data.tokenizer import build_tokenizer
@@ -108,6 +108,20 @@ def _zero_weights(model: nn.Module) -> None:
         p.zero_()
 
 
+def _refuse_changed_state_dtypes(cfg: Config, checkpoint: Path) -> None:
+    """A full checkpoint resumes with the optimizer states it saved, so in their dtypes: those of
+    the config.toml of the run that saved it (the optimizer and its state layout follow them)."""
+    saved_config = checkpoint.parent.parent / "config.toml"
+    if not saved_config.is_file():
+        return
+    saved = config_from_toml(saved_config).optim
+    for key in ("exp_avg_dtype", "exp_avg_sq_dtype", "master_dtype"):
+        given, held = getattr(cfg.optim, key), getattr(saved, key)
+        if given != held:
+            raise ConfigError(f"optim.{key}={given!r}, but {checkpoint} holds the optimizer states of "
+                              f"optim.{key}={held!r}: a run resumes with the states it saved; keep optim.{key}")
+
+
 def run_dir_holds_run(run_dir: Path) -> bool:
     return (run_dir / "config.toml").exists() or (run_dir / "checkpoints").exists()
 
@@ -151,6 +165,8 @@ class Trainer:
         refuse_run_dir(self.run_dir, resuming=checkpoint is not None)
         self.resumed_from = checkpoint
         full_state = checkpoint is not None and "optim" in checkpoint_keys(checkpoint)  # else weights only
+        if full_state:
+            _refuse_changed_state_dtypes(cfg, checkpoint)
         self.dist, self.device = join(cfg, cfg.train.device)
         _refuse_weight_cache_over_fsdp(cfg, self.dist.layout)
         if not self.dist.is_main:  # rank 0 speaks for the job

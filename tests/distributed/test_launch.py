@@ -136,6 +136,42 @@ def test_a_killed_rank_is_named_and_the_others_are_stopped(capsys, monkeypatch, 
         "may need more host memory than this machine has); the other ranks were stopped"]
 
 
+_FAILS_WHILE_STOPPING = """
+import os, pathlib, signal, sys, time
+if os.environ["RANK"] == "0":
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # fails instead of saving
+else:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as if waiting on rank 0 in a collective
+pathlib.Path(sys.argv[1], os.environ["RANK"]).touch()
+time.sleep(120)
+"""
+
+_LAUNCHER = """
+import sys
+from moefold.parallel import launch
+launch.STOP_GRACE_S = 1.0
+sys.exit(launch.run_local_ranks(2, [sys.executable, "-c", sys.argv[1], sys.argv[2]]))
+"""
+
+
+def test_a_rank_failing_while_the_ranks_stop_on_a_signal_stops_the_others(tmp_path):
+    """After a signal is passed on, a rank ending 128 + it has saved and stopped as asked; one that
+    fails otherwise leaves the rest waiting for it, so they are stopped as after any failure."""
+    launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER, _FAILS_WHILE_STOPPING, str(tmp_path)],
+                                stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while not all((tmp_path / r).exists() for r in "01") and time.time() < deadline:
+        time.sleep(0.05)
+    started = time.monotonic()
+    launcher.send_signal(signal.SIGTERM)
+    try:
+        launcher.communicate(timeout=100)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 1
+    assert time.monotonic() - started < 60  # rank 1 SIGKILLed, not its 120 s sleep waited out
+
+
 def test_sigterm_to_the_launcher_reaches_every_rank(tiny_args, tmp_path):
     """`kill <launcher>` (a scheduler's time limit, `timeout`) stops the job as it stops one
     process: every rank saves its checkpoint shard and the job exits 128 + SIGTERM."""

@@ -185,7 +185,12 @@ def run_local_ranks(nproc: int, command: list[str]) -> int:
 class _LocalRanks:
     def __init__(self, procs: list[subprocess.Popen]):
         self.procs = procs
-        self.signalled = False  # a signal sent to the launcher was passed on: the ranks are stopping
+        self.stop_codes: set[int] = set()  # 128 + each signal passed on: ranks stopping as asked
+
+    @property
+    def signalled(self) -> bool:
+        """A signal sent to the launcher was passed on: the ranks are stopping."""
+        return bool(self.stop_codes)
 
     @contextlib.contextmanager
     def forwarding_signals(self):
@@ -202,16 +207,17 @@ class _LocalRanks:
                 signal.signal(signum, handler)
 
     def _forward(self, signum, _frame) -> None:
-        self.signalled = True
+        self.stop_codes |= {128 + signum, -signum}  # stopped as asked, or by it before a handler
         for proc in self.procs:
             if proc.poll() is None:
                 proc.send_signal(signum)
 
     def wait(self) -> tuple[int, int] | None:
         """Wait for every rank. Once one fails, stop the rest (SIGTERM, SIGKILL after
-        STOP_GRACE_S): a failed rank leaves the others waiting in a collective; ranks that were
-        passed a signal are left to finish their checkpoint. Returns (rank, return code) of the
-        first that failed, or None."""
+        STOP_GRACE_S): a failed rank leaves the others waiting in a collective. A rank that ends
+        as a signal passed on asked (128 + it: checkpoint saved) has not failed; the others are
+        left to finish theirs. Returns (rank, return code) of the first that ended non-zero, or
+        None."""
         first_failed, kill_at = None, None
         pending = dict(enumerate(self.procs))
         while pending:
@@ -221,9 +227,9 @@ class _LocalRanks:
                 except subprocess.TimeoutExpired:
                     continue
                 del pending[rank]
-                if rc != 0 and first_failed is None:
-                    first_failed = (rank, rc)
-                    if not self.signalled:
+                if rc != 0:
+                    first_failed = first_failed or (rank, rc)
+                    if kill_at is None and rc not in self.stop_codes:
                         kill_at = time.monotonic() + STOP_GRACE_S
                         for other in pending.values():
                             other.terminate()

@@ -183,9 +183,11 @@ def run_local_ranks(nproc: int, command: list[str]) -> int:
 
 
 class _LocalRanks:
+    """The ranks this launcher started, and the exit codes that the signals it passed on ask for."""
+
     def __init__(self, procs: list[subprocess.Popen]):
         self.procs = procs
-        self.stop_codes: set[int] = set()  # 128 + each signal passed on: ranks stopping as asked
+        self.stop_codes: set[int] = set()  # of a rank that stopped as a passed-on signal asked
 
     @property
     def signalled(self) -> bool:

@@ -11,7 +11,8 @@ import torch
 from moefold.cli import main
 from moefold.config import load_config
 from moefold.generate import _pick, load_model_from_run, sample
-from moefold.models.kv_cache import KVCache, attention_mask
+from moefold.models.attention import SlidingWindowMask, causal_mask
+from moefold.models.kv_cache import KVCache
 from moefold.models.transformer import build_model
 
 PRESETS = {"tiny-qwen3": {}, "tiny-deepseek": {}, "tiny-mixtral": {"model.sliding_window": "5"}}
@@ -93,11 +94,11 @@ def test_a_run_trained_with_a_capacity_factor_generates_dropless(tmp_path, tiny_
 
 
 def test_attention_mask_of_new_queries_over_cached_keys():
-    assert attention_mask(0, 4, 0, "cpu") == {"is_causal": True}
-    assert attention_mask(6, 1, 0, "cpu") == {}
-    allowed = attention_mask(2, 3, 0, "cpu")["attn_mask"]  # queries 2, 3, 4 over keys 0..4
+    assert causal_mask(0, 4, "cpu") == {"is_causal": True}
+    assert causal_mask(6, 1, "cpu") == {}
+    allowed = causal_mask(2, 3, "cpu")["attn_mask"]  # queries 2, 3, 4 over keys 0..4
     assert allowed.tolist() == [[True, True, True, False, False], [True, True, True, True, False],
                                 [True, True, True, True, True]]
-    windowed = attention_mask(3, 1, 2, "cpu")["attn_mask"]  # query 3 sees keys 2 and 3
+    windowed = SlidingWindowMask(2)(3, 1, "cpu")["attn_mask"]  # query 3 sees keys 2 and 3
     assert windowed.tolist() == [[False, False, True, True]]
     assert KVCache(2, 8).length == 0

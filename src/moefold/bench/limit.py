@@ -151,7 +151,7 @@ class _Shapes:
             q = self.randn(B, S, H, Dh).transpose(1, 2).requires_grad_(True)  # [B, H, S, Dh] view
             k = self.randn(B, S, G, Dh).transpose(1, 2).requires_grad_(True)
             v = self.randn(B, S, G, Dh).transpose(1, 2).requires_grad_(True)
-            mask, qk_dim, v_dim, Dv = attn.mask(S, self.device), Dh, Dh, Dh
+            mask, qk_dim, v_dim, Dv = attn.mask(0, S, self.device), Dh, Dh, Dh
         dout = self.randn(B, S, H, Dv).transpose(1, 2)  # the gradient of out.transpose(1, 2).reshape
 
         def step():

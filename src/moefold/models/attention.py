@@ -7,33 +7,42 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moefold.models.kv_cache import LayerCache, attention_mask
+from moefold.models.kv_cache import LayerCache
 from moefold.models.norm import RMSNorm
 from moefold.models.rope import apply_rope
 
 
-def causal_mask(seq_len: int, device) -> dict:
-    """SDPA arguments of full causal attention (its fused kernels handle the mask themselves)."""
-    return {"is_causal": True}
+def causal_mask(start: int, num_new: int, device) -> dict:
+    """SDPA's mask arguments for queries at positions start..start+S−1 over keys 0..start+S−1 (a
+    whole sequence when start is 0; new tokens over cached ones in generation), causal."""
+    if num_new == 1:
+        return {}  # one new token sees every key
+    if start == 0:
+        return {"is_causal": True}  # square: SDPA's fused kernels mask themselves
+    return {"attn_mask": _distance_SP(start, num_new, device) >= 0}
 
 
 class SlidingWindowMask:
-    """Causal attention to the latest `window` tokens, the token itself included (Mixtral)."""
+    """`causal_mask` within the latest `window` positions, the token itself included (Mixtral)."""
 
     def __init__(self, window: int):
         self.window = window
 
-    def __call__(self, seq_len: int, device) -> dict:
-        pos_S = torch.arange(seq_len, device=device)
-        distance_SS = pos_S[:, None] - pos_S[None, :]
-        return {"attn_mask": (distance_SS >= 0) & (distance_SS < self.window)}
+    def __call__(self, start: int, num_new: int, device) -> dict:
+        distance_SP = _distance_SP(start, num_new, device)
+        return {"attn_mask": (distance_SP >= 0) & (distance_SP < self.window)}
+
+
+def _distance_SP(start: int, num_new: int, device) -> torch.Tensor:
+    """Query position minus key position, for queries start.. over keys 0..start+S−1."""
+    return (torch.arange(start, start + num_new, device=device)[:, None]
+            - torch.arange(start + num_new, device=device)[None, :])
 
 
 class Attention(nn.Module):
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, qk_norm: bool,
                  norm_eps: float, sliding_window: int = 0):
         super().__init__()
-        self.sliding_window = sliding_window
         self.mask = SlidingWindowMask(sliding_window) if sliding_window else causal_mask
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.wq = nn.Linear(dim, n_heads * head_dim, bias=False)
@@ -46,7 +55,7 @@ class Attention(nn.Module):
 
     def forward(self, x_BSD: torch.Tensor, cos_SDh: torch.Tensor, sin_SDh: torch.Tensor) -> torch.Tensor:
         q_BHSDh, k_BGSDh, v_BGSDh = self.qkv(x_BSD, cos_SDh, sin_SDh)
-        out_BHSDh = self.core(q_BHSDh, k_BGSDh, v_BGSDh, **self.mask(x_BSD.shape[1], x_BSD.device))
+        out_BHSDh = self.core(q_BHSDh, k_BGSDh, v_BGSDh, **self.mask(0, x_BSD.shape[1], x_BSD.device))
         return self.out(out_BHSDh)
 
     def decode(self, x_BSD: torch.Tensor, cos_SDh: torch.Tensor, sin_SDh: torch.Tensor,
@@ -56,9 +65,10 @@ class Attention(nn.Module):
         start, S = cache.length, x_BSD.shape[1]
         q_BHSDh, k_BGSDh, v_BGSDh = self.qkv(x_BSD, cos_SDh, sin_SDh)
         k_BGPDh, v_BGPDh = cache.extend(k_BGSDh, v_BGSDh)
+        # SDPA itself, not `core`: the recompute/offload wrappers there are training's.
         out_BHSDh = F.scaled_dot_product_attention(
             q_BHSDh, k_BGPDh, v_BGPDh, enable_gqa=self.n_kv_heads != self.n_heads,
-            **attention_mask(start, S, self.sliding_window, x_BSD.device))
+            **self.mask(start, S, x_BSD.device))
         return self.out(out_BHSDh)
 
     def qkv(self, x_BSD: torch.Tensor, cos_SDh: torch.Tensor, sin_SDh: torch.Tensor):

@@ -5,7 +5,8 @@ head), P positions cached so far, S new positions, Dk / Dv key and value head di
 capacity in positions.
 
 `Transformer.decode` reads tokens that follow the cached ones: each layer appends their keys and
-values and attends its new queries over everything cached (`attention_mask`). Training never
+values and attends its new queries over everything cached (the layer's mask at an offset,
+models/attention.py). Training never
 builds one: its forward is the plain `Transformer.forward`.
 """
 
@@ -47,18 +48,3 @@ class KVCache:
     @property
     def length(self) -> int:
         return self.layers[0].length if self.layers else 0
-
-
-def attention_mask(start: int, num_new: int, window: int, device) -> dict:
-    """SDPA's mask arguments for queries at positions start..start+S−1 over keys 0..start+S−1:
-    causal, and within `window` positions when it is not 0 (the token itself included)."""
-    if not window and num_new == 1:
-        return {}  # one new token sees every cached one
-    if not window and start == 0:
-        return {"is_causal": True}  # square: SDPA's own causal mask
-    distance_SP = (torch.arange(start, start + num_new, device=device)[:, None]
-                   - torch.arange(start + num_new, device=device)[None, :])
-    allowed_SP = distance_SP >= 0
-    if window:
-        allowed_SP &= distance_SP < window
-    return {"attn_mask": allowed_SP}

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moefold.models.kv_cache import LayerCache, attention_mask
+from moefold.models.attention import causal_mask
+from moefold.models.kv_cache import LayerCache
 from moefold.models.norm import RMSNorm
 from moefold.models.rope import apply_rope, apply_rope_interleaved
 
@@ -52,19 +53,22 @@ class MLAttention(nn.Module):
         B, S, _ = x_BSD.shape
         q_in_BSX, latent_BSC, k_rope_BSDr = self.down_proj(x_BSD)
         q_BHSDk, k_BHSDk, v_BHSDv = self.up_proj(q_in_BSX, latent_BSC, k_rope_BSDr, cos_SDr, sin_SDr)
-        out_BHSDv = self.core(q_BHSDk, k_BHSDk, v_BHSDv)
-        return self.wo(out_BHSDv.transpose(1, 2).reshape(B, S, self.n_heads * self.v_head_dim))
+        return self.out(self.core(q_BHSDk, k_BHSDk, v_BHSDv))
 
     def decode(self, x_BSD: torch.Tensor, cos_SDr: torch.Tensor, sin_SDr: torch.Tensor,
                cache: LayerCache) -> torch.Tensor:
         """`forward` of tokens that follow the cached ones: their per-head keys and values join the
         cache (expanded; decoding from the latent with absorbed weights would cache less)."""
-        B, S, _ = x_BSD.shape
         start = cache.length
         q_BHSDk, k_BHSDk, v_BHSDv = self.up_proj(*self.down_proj(x_BSD), cos_SDr, sin_SDr)
         k_BHPDk, v_BHPDv = cache.extend(k_BHSDk, v_BHSDv)
+        # SDPA itself, not `core`: the recompute/offload wrappers there are training's.
         out_BHSDv = F.scaled_dot_product_attention(q_BHSDk, k_BHPDk, v_BHPDv, scale=self.softmax_scale,
-                                                   **attention_mask(start, S, 0, x_BSD.device))
+                                                   **causal_mask(start, x_BSD.shape[1], x_BSD.device))
+        return self.out(out_BHSDv)
+
+    def out(self, out_BHSDv: torch.Tensor) -> torch.Tensor:
+        B, _, S, _ = out_BHSDv.shape
         return self.wo(out_BHSDv.transpose(1, 2).reshape(B, S, self.n_heads * self.v_head_dim))
 
     def down_proj(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

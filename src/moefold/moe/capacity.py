@@ -7,9 +7,11 @@ Padding tokens are never sent to an expert.
 """
 
 import math
+from collections.abc import Callable
 
 import torch
 
+from moefold.config import MoEConfig
 from moefold.moe.router import count_tokens_per_expert
 
 
@@ -58,3 +60,12 @@ def build_capacity(num_experts: int, capacity_factor: float, drop_policy: str):
     if capacity_factor <= 0:
         return Dropless()
     return CapacityDrop(num_experts, capacity_factor, by_probs=drop_policy == "probs")
+
+
+def padded_capacity(moe: MoEConfig) -> Callable[[int], int] | None:
+    """`RowLayout.capacity_of` of an MoE layer: with `moe.pad_to_capacity` (and a capacity factor)
+    the C rows every expert is padded to for T tokens; None when rows are not padded to capacity.
+    The layer and the memory planner both lay out rows by it."""
+    if not (moe.pad_to_capacity and moe.capacity_factor > 0):
+        return None
+    return lambda num_tokens: expert_capacity(num_tokens, moe.top_k, moe.num_experts, moe.capacity_factor)

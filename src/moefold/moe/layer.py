@@ -11,7 +11,7 @@ from torch import nn
 from moefold.config import MoEConfig
 from moefold.moe.activation import ACTIVATIONS
 from moefold.moe.balance import LoadBalancer, LocalCounts
-from moefold.moe.capacity import CapacityDrop, build_capacity
+from moefold.moe.capacity import build_capacity, padded_capacity
 from moefold.moe.dispatch import LocalDispatcher
 from moefold.moe.experts import Experts, build_experts, compute_dtype
 from moefold.moe.permute import RowLayout
@@ -80,9 +80,7 @@ class MoELayer(nn.Module):
 def build_moe_layer(dim: int, moe: MoEConfig, device_type: str, compute_dtype: torch.dtype,
                     replay: RouterReplay | None = None) -> MoELayer:
     capacity = build_capacity(moe.num_experts, moe.capacity_factor, moe.drop_policy)
-    pad_to = capacity.capacity if moe.pad_to_capacity and isinstance(capacity, CapacityDrop) else None
-    layout = RowLayout(moe.num_experts, moe.top_k, moe.pad_multiple,
-                       capacity_of=None if pad_to is None else lambda t: pad_to(t, moe.top_k))
+    layout = RowLayout(moe.num_experts, moe.top_k, moe.pad_multiple, capacity_of=padded_capacity(moe))
     experts = build_experts(moe.experts_backend, moe.num_experts, dim, moe.expert_hidden, device_type,
                             compute_dtype, moe.activation, moe.memory_efficient_permute)
     return MoELayer(router=build_router(dim, moe, replay), balancer=LoadBalancer(moe),

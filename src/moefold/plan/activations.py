@@ -32,7 +32,7 @@ from moefold.config import Config
 from moefold.fp8.apply import excluded_by
 from moefold.fp8.gemm import linear_scaling
 from moefold.fp8.grouped import grouped_scaling
-from moefold.moe.capacity import expert_capacity
+from moefold.moe.capacity import padded_capacity
 from moefold.moe.permute import RowLayout
 
 CATEGORIES = ("embedding", "norm", "attn_proj", "attn_core", "mlp", "router", "moe_dispatch",
@@ -179,9 +179,9 @@ def expert_rows(cfg: Config, sh: Shapes) -> int:
     routing (C of its T/tp tokens, rounded up to the row multiple)."""
     moe = cfg.moe
     multiple = row_multiple(cfg, sh)
-    if moe.pad_to_capacity:  # every rank of the group lays out E·C rows (the layer's RowLayout): etp·E·C
-        layout = RowLayout(moe.num_experts, moe.top_k, multiple, capacity_of=lambda tokens: expert_capacity(
-            tokens, moe.top_k, moe.num_experts, moe.capacity_factor))
+    capacity_of = padded_capacity(moe)
+    if capacity_of is not None:  # every rank of the group lays out E·C rows (the layer's RowLayout): etp·E·C
+        layout = RowLayout(moe.num_experts, moe.top_k, multiple, capacity_of)
         return sh.etp * layout.num_rows(sh.tokens // sh.tp * moe.top_k)
     copies = sh.tokens // sh.tp * moe.top_k * sh.etp
     return int(copies * sh.imbalance) + moe.num_experts // sh.ep * (multiple - 1)

@@ -442,7 +442,7 @@ class Trainer:
         each save, never per step."""
         if not window.steps:
             return
-        norm = float(window.grad_norm_sum)  # HOST SYNC: at log steps and saves only
+        norm = float(window.grad_norm_sum)  # HOST SYNC before a save between log steps (else read already)
         if math.isfinite(norm):
             return
         steps = f"step {self.step}" if window.first_step == self.step else f"steps {window.first_step}–{self.step}"
@@ -482,7 +482,8 @@ class Trainer:
                                                      for n in names]))
         losses = dict(zip(names, (v / window.steps for v in sums.tolist())))  # HOST SYNC: per log step
         loss = losses.pop("lm_loss")
-        grad_norm = float(window.grad_norm_sum) / window.steps
+        window.grad_norm_sum = float(window.grad_norm_sum)  # read once: _refuse_diverged reuses it
+        grad_norm = window.grad_norm_sum / window.steps
         seconds = time.perf_counter() - window.start
         t, world = self.cfg.train, self.dist.world
         tokens = window.steps * self.grad_accum * t.micro_batch_size * self.dist.dp_size * t.seq_len

@@ -273,10 +273,23 @@ def _convert(args: argparse.Namespace) -> int:
     refuse_unwritable_dir(args.to_hf, "--to-hf")
     if (args.to_hf / CONFIG).exists():
         raise UserError(f"--to-hf {args.to_hf} already holds a checkpoint ({CONFIG}); choose another directory")
-    model, _, _ = load_model_from_run(args.run_dir, "cpu")
-    save_pretrained(model, args.to_hf)
+    model, _, cfg = load_model_from_run(args.run_dir, "cpu")
+    save_pretrained(model, args.to_hf, copies=_tokenizer_files(cfg.data.tokenizer))
     print(f"converted {args.run_dir} -> {args.to_hf}")
     return 0
+
+
+def _tokenizer_files(tokenizer: str) -> dict[str, Path]:
+    """The run's tokenizer for a Hugging Face export (`--init-from-hf` and transformers read
+    tokenizer.json from there), with the tokenizer_config.json beside it, if any. The byte-level
+    tokenizer (no file) has none to carry."""
+    if not tokenizer:
+        return {}
+    files = {"tokenizer.json": Path(tokenizer)}
+    config = Path(tokenizer).with_name("tokenizer_config.json")
+    if config.is_file():
+        files["tokenizer_config.json"] = config
+    return files
 
 
 def _run_dir_of(resume: Path) -> Path:

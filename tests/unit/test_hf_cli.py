@@ -89,3 +89,34 @@ def test_init_from_hf_builds_the_overridden_model_and_refuses_other_shapes(tmp_p
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and re.search(r"give \S+ \[\d+, 64\], its config.json \[\d+, 32\]", err), err
     assert not (tmp_path / "wider").exists()
+
+
+def test_export_carries_the_runs_tokenizer_to_init_from_hf(tmp_path, text_corpus):
+    """`convert --to-hf` writes the run's tokenizer.json (and the tokenizer_config.json beside it)
+    into the export, so `--init-from-hf` of the export trains with the tokenizer its embeddings
+    were trained for instead of falling back to the byte-level one."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    texts = [p.read_text() for p in sorted(text_corpus.rglob("*.txt"))]
+    tokenizer.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    source = tmp_path / "tok" / "bpe.json"
+    source.parent.mkdir()
+    tokenizer.save(str(source))
+    (source.parent / "tokenizer_config.json").write_text('{"eos_token": "<|endoftext|>"}\n')
+
+    overrides = {**TINY_OVERRIDES, "data.path": str(text_corpus), "data.tokenizer": str(source),
+                 "train.steps": "2", "train.warmup_steps": "0"}
+    run, export, tuned = tmp_path / "run", tmp_path / "hf", tmp_path / "tuned"
+    assert main(["train", "--run-dir", str(run), *cli_args(overrides)]) == 0
+    assert main(["convert", "--run-dir", str(run), "--to-hf", str(export)]) == 0
+    assert (export / "tokenizer.json").read_bytes() == source.read_bytes()
+    assert (export / "tokenizer_config.json").read_bytes() == (source.parent / "tokenizer_config.json").read_bytes()
+
+    overrides = {k: v for k, v in overrides.items() if not k.startswith(("model.", "moe.", "data.tokenizer"))}
+    assert main(["train", "--init-from-hf", str(export), "--run-dir", str(tuned), *cli_args(overrides)]) == 0
+    assert f'tokenizer = "{export / "tokenizer.json"}"' in (tuned / "config.toml").read_text()

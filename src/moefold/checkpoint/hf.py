@@ -471,7 +471,7 @@ def _check_shape(target: torch.Tensor, slot: Slot, name: str, shape: Sequence[in
 
 
 def save_pretrained(model: Transformer, path: str | Path, max_shard_bytes: int = 5 * 2**30,
-                    dtype: torch.dtype | None = None) -> None:
+                    dtype: torch.dtype | None = None, copies: dict[str, Path] | None = None) -> None:
     """Write `model` as a Hugging Face checkpoint that transformers' `from_pretrained` loads:
     config.json and safetensors shards of at most `max_shard_bytes` (one tensor may exceed it),
     with an index when there is more than one. Tensors are built and written one at a time.
@@ -479,7 +479,8 @@ def save_pretrained(model: Transformer, path: str | Path, max_shard_bytes: int =
     `dtype` casts the parameters (e.g. bf16 for release); buffers such as the expert bias keep
     theirs. Earlier `model*.safetensors` files, index and config in `path` are replaced, all at
     once: every file is written under a `.partial-` name first and renamed only when all are, so a
-    failed export (a full disk) leaves `path` as it was, without a truncated shard to load."""
+    failed export (a full disk) leaves `path` as it was, without a truncated shard to load.
+    `copies` (name in `path` -> file) go with them: the run's tokenizer."""
     hf = hf_config_from(model.cfg, model.vocab_size)  # first: fails on what the family cannot hold
     path = Path(path)
     created = not path.exists()
@@ -495,6 +496,8 @@ def save_pretrained(model: Transformer, path: str | Path, max_shard_bytes: int =
                  "weight_map": {e.name: file for file, shard in shards.items() for e in shard}}
         writes[INDEX] = lambda file: file.write_text(json.dumps(index, indent=2) + "\n")
     writes[CONFIG] = lambda file: file.write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+    for name, source in (copies or {}).items():
+        writes[name] = partial(shutil.copyfile, source)
     _write_all_or_nothing(path, writes, created)
 
 

@@ -254,3 +254,35 @@ def test_weights_only_checkpoint_is_what_the_masters_start_from(tmp_path, text_c
             expected = expected.bfloat16()
         got = p.detach() if master == "fp32" else trainer.optimizer._load_master(p, trainer.optimizer.state[p])
         assert torch.equal(got, expected.float()), name
+
+
+def test_validation_and_saving_stay_out_of_tokens_per_s(tmp_path, tiny_args, monkeypatch):
+    """On a clock that only training steps (1 s each), validation and saves (1000 s each) move,
+    every log window reports its tokens over its training seconds alone, including the windows
+    a validation or a save falls into (val_every and checkpoint.every are not multiples of
+    log_every here)."""
+    import types
+
+    import moefold.train.trainer as trainer_module
+    from moefold.train.trainer import Trainer
+
+    clock = [0.0]
+    monkeypatch.setattr(trainer_module, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    def advancing(method, seconds):
+        def run(self, *args, **kwargs):
+            out = method(self, *args, **kwargs)
+            clock[0] += seconds
+            return out
+        return run
+
+    monkeypatch.setattr(Trainer, "train_step", advancing(Trainer.train_step, 1.0))
+    monkeypatch.setattr(Trainer, "_log_validation", advancing(Trainer._log_validation, 1000.0))
+    monkeypatch.setattr(Trainer, "save", advancing(Trainer.save, 1000.0))
+    run = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run), *tiny_args, "--train.steps", "6",
+                 "--logging.log_every", "2", "--train.val_every", "3", "--checkpoint.every", "3"]) == 0
+    train = [r for r in read_metrics(run) if "loss" in r]
+    assert [r["step"] for r in train] == [2, 4, 6]
+    tokens_per_step = 4 * 32  # micro_batch_size · seq_len of TINY_OVERRIDES
+    assert [r["tokens_per_s"] for r in train] == [tokens_per_step] * 3

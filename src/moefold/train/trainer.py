@@ -151,6 +151,16 @@ class _Window:
     loss_sums: dict = dataclasses.field(default_factory=dict)
     grad_norm_sum: torch.Tensor | float = 0.0
 
+    @contextlib.contextmanager
+    def paused(self):
+        """Validation and saving are not training: their time stays out of the window's tokens/s
+        (as Megatron-Core and TorchTitan count it)."""
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.start += time.perf_counter() - began
+
 
 class Trainer:
     def __init__(self, cfg: Config, run_dir: Path, resume: Path | None = None,
@@ -417,10 +427,12 @@ class Trainer:
                     self._refuse_diverged(window)
                     window = _Window(start=time.perf_counter(), first_step=self.step + 1)
                 if self._validation_due():
-                    last.update(self._log_validation(emit))
+                    with window.paused():
+                        last.update(self._log_validation(emit))
                 if self._checkpoint_due():
                     self._refuse_diverged(window)
-                    self.save()
+                    with window.paused():
+                        self.save()
                 if self._stop_requested():
                     self._refuse_diverged(window)
                     signum = self._stop_signal or signal.SIGTERM  # another rank got the signal

@@ -286,3 +286,20 @@ def test_validation_and_saving_stay_out_of_tokens_per_s(tmp_path, tiny_args, mon
     assert [r["step"] for r in train] == [2, 4, 6]
     tokens_per_step = 4 * 32  # micro_batch_size · seq_len of TINY_OVERRIDES
     assert [r["tokens_per_s"] for r in train] == [tokens_per_step] * 3
+
+
+def test_metrics_jsonl_is_strict_json_when_values_are_not_finite(tmp_path):
+    """A diverging run's nan and inf are written as null: Python's bare NaN is not JSON."""
+    from moefold.train.metrics import MetricsSinks
+
+    sinks = MetricsSinks(tmp_path, tensorboard=False)
+    sinks.write({"step": 3, "loss": float("nan"), "grad_norm": float("inf"),
+                 "aux_loss_per_layer": [1.5, float("-inf")], "lr": 1e-3})
+    sinks.close()
+
+    def refuse(name):
+        raise ValueError(f"not JSON: {name}")
+
+    record = json.loads((tmp_path / "metrics.jsonl").read_text(), parse_constant=refuse)
+    assert record == {"step": 3, "loss": None, "grad_norm": None, "aux_loss_per_layer": [1.5, None],
+                      "lr": 1e-3}

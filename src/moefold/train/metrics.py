@@ -57,7 +57,7 @@ class MetricsSinks:
         self.tb = _tensorboard_writer(Path(run_dir) / "tb") if tensorboard else None
 
     def write(self, record: dict[str, Any]) -> None:
-        self._append_line((json.dumps(record, allow_nan=True) + "\n").encode())
+        self._append_line((json.dumps(_finite_or_null(record), allow_nan=False) + "\n").encode())
         if self.tb is not None:
             for key, value in record.items():
                 if isinstance(value, (int, float)) and key != "step" and math.isfinite(value):
@@ -79,6 +79,18 @@ class MetricsSinks:
         self.jsonl.close()
         if self.tb is not None:
             self.tb.close()
+
+
+def _finite_or_null(value: Any) -> Any:
+    """nan and ±inf as null: JSON has no spelling for them (Python's NaN is refused by strict
+    readers, and jq reads it as null anyway); the console line keeps the value."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _finite_or_null(v) for key, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_null(v) for v in value]
+    return value
 
 
 class NullSinks:

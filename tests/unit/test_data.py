@@ -165,6 +165,24 @@ def test_jsonl(tmp_path):
     assert streams.train_N.tolist() == byte_doc("zwei ß")
 
 
+@pytest.mark.parametrize("tokenizer", ["bytes", "hf"])
+def test_jsonl_replaces_undecodable_text_and_skips_nulls(tmp_path, tokenizer):
+    # As .txt does: bad UTF-8 bytes and lone surrogate escapes become U+FFFD; a null text is no
+    # document, as in .parquet. The file starts with a UTF-8 byte-order mark.
+    lines = [b'\xef\xbb\xbf{"text": "hello \\ud800 world"}', b'{"text": null}',
+             b'{"text": "hello \xff"}',
+             b'{"text": "\\ud83d\\ude00 world"}']  # a valid pair: one emoji
+    _write(tmp_path / "d.jsonl", b"\n".join(lines))
+    if tokenizer == "bytes":
+        expected = (byte_doc("hello \ufffd world") + byte_doc("hello \ufffd")
+                    + byte_doc("\U0001F600 world"))
+        assert streams_of(tmp_path / "d.jsonl", val_fraction=0.0).train_N.tolist() == expected
+    else:
+        hf = HFTokenizer(str(write_hf_tokenizer(tmp_path / "tokenizer.json")))
+        streams = streams_of(tmp_path / "d.jsonl", hf, val_fraction=0.0)
+        assert streams.train_N.tolist() == [1, 0, 2, 3, 1, 0, 3, 0, 2, 3]  # 0: [UNK]
+
+
 def test_parquet(tmp_path):
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq

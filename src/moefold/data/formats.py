@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sysconfig
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ SUFFIXES = TEXT_SUFFIXES + TOKEN_SUFFIXES
 ALLOWED = ".txt, .jsonl, .parquet, .npy or .bin"
 _THIRD_PARTY_DIRS = ("site-packages", "dist-packages")
 _NPY_MAGIC = b"\x93NUMPY"
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # json.loads joins the valid pairs
 
 
 @dataclass(frozen=True)
@@ -118,14 +120,14 @@ def _check_file(file: DataFile) -> None:
 
 
 def read_documents(file: DataFile, text_field: str) -> Iterator[Document]:
-    """The documents of one text file, in file order; empty texts are skipped."""
+    """The documents of one text file, in file order; empty and null texts are skipped."""
     reader = _READERS.get(file.suffix, _whole_file_document)
     count = 0
     for document in reader(file, text_field):
         count += 1
         yield document
     if count == 0:
-        raise file.error(f"no documents (every record is blank or has an empty "
+        raise file.error(f"no documents (every record is blank or has an empty or null "
                          f"data.text_field={text_field!r})")
 
 
@@ -142,17 +144,21 @@ def _jsonl_documents(file: DataFile, text_field: str) -> Iterator[Document]:
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                # Undecodable bytes become U+FFFD, as in .txt files; a leading BOM is dropped.
+                record = json.loads(line.decode("utf-8-sig", errors="replace"))
             except ValueError as e:
                 raise file.error(f"line {line_no}: not valid JSON ({e})") from None
             if not isinstance(record, dict) or text_field not in record:
                 raise file.error(f"line {line_no}: no field {text_field!r} (data.text_field)")
             text = record[text_field]
+            if text is None:  # a null carries no document, as in .parquet
+                continue
             if not isinstance(text, str):
                 raise file.error(f"line {line_no}: field {text_field!r} is "
                                  f"{type(text).__name__}, not a string")
             if text:
-                yield Document(f"{file.name}:{line_no}", text)
+                # JSON may escape a lone surrogate ("\ud800"), which no tokenizer can encode.
+                yield Document(f"{file.name}:{line_no}", _LONE_SURROGATE.sub("\ufffd", text))
 
 
 def _parquet_documents(file: DataFile, text_field: str) -> Iterator[Document]:

@@ -42,15 +42,16 @@ def _dropless(cfg: Config) -> Config:
 
 @torch.no_grad()
 def sample(model, prompt_ids: list[int], max_new_tokens: int, temperature: float, top_k: int,
-           context: int, eos_id: int, generator: torch.Generator) -> list[int]:
+           context: int, eos_id: int, generator: torch.Generator, vocab_size: int | None = None) -> list[int]:
     """Autoregressive sampling; stops at max_new_tokens or end-of-document. The model reads the
     latest `context` tokens at positions 0.. (its training length): once they fill the cache, each
-    further token re-reads the window that ends with it, as without a cache."""
+    further token re-reads the window that ends with it, as without a cache. `vocab_size`: the
+    tokenizer's; the rows a model.vocab_size padded beyond it are never sampled (None: every row)."""
     device = next(model.parameters()).device
     ids = list(prompt_ids)
     cache, unread = model.new_cache(context), ids[-context:]
     for _ in range(max_new_tokens):  # the model is in eval mode: MoE layers record nothing
-        next_id = _pick(_read(model, unread, cache, device), temperature, top_k, generator)
+        next_id = _pick(_read(model, unread, cache, device)[:vocab_size], temperature, top_k, generator)
         if next_id == eos_id:
             break
         ids.append(next_id)
@@ -74,3 +75,12 @@ def _pick(logits_V: torch.Tensor, temperature: float, top_k: int, generator: tor
         logits_V = logits_V.masked_fill(logits_V < kth, float("-inf"))
     probs_V = logits_V.softmax(-1).cpu()
     return int(torch.multinomial(probs_V, 1, generator=generator))
+
+
+def continuation(tokenizer, prompt: str, prompt_ids: list[int], new_ids: list[int]) -> str:
+    """`prompt` followed by the sampled text. Decoded with the prompt's ids: tokenizers that mark
+    a word's start in its token (SentencePiece's ▁, Llama/Mistral style) drop the space of a first
+    token decoded alone; where decoding does not give the prompt back verbatim (normalization),
+    the whole decoded text."""
+    text, head = tokenizer.decode(prompt_ids + new_ids), tokenizer.decode(prompt_ids)
+    return prompt + text[len(head):] if text.startswith(head) else text

@@ -102,3 +102,36 @@ def test_attention_mask_of_new_queries_over_cached_keys():
     windowed = SlidingWindowMask(2)(3, 1, "cpu")["attn_mask"]  # query 3 sees keys 2 and 3
     assert windowed.tolist() == [[False, False, True, True]]
     assert KVCache(2, 8).length == 0
+
+
+def test_rows_beyond_the_tokenizers_vocabulary_are_never_sampled():
+    """model.vocab_size padded beyond the tokenizer: those rows are no tokens; sampling among all
+    rows at a high temperature would pick them (and decode would drop them silently)."""
+    model = _model(sorted(PRESETS)[0])
+    vocab = model.vocab_size // 4
+    got = sample(model, [1, 2, 3], 40, 50.0, 0, 9, -1, torch.Generator().manual_seed(0), vocab)
+    assert len(got) == 40 and max(got) < vocab
+    anywhere = sample(model, [1, 2, 3], 40, 50.0, 0, 9, -1, torch.Generator().manual_seed(0))
+    assert max(anywhere) >= vocab  # the check above can fail
+
+
+def test_the_printed_text_keeps_the_space_a_word_start_token_carries(tmp_path):
+    """SentencePiece-style tokenizers (a word's space in its token, ▁) drop the leading space of a
+    first token decoded alone: the continuation is decoded with the prompt's ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from moefold.data.tokenizer import HFTokenizer
+    from moefold.generate import continuation
+
+    vocab = {"<unk>": 0, "</s>": 1, "▁the": 2, "▁quick": 3, "▁brown": 4, "▁fox": 5}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Metaspace()
+    tokenizer.add_special_tokens(["</s>"])
+    path = tmp_path / "tokenizer.json"
+    tokenizer.save(str(path))
+    ours = HFTokenizer(str(path))
+    prompt_ids = ours.encode("the quick")
+    assert prompt_ids == [2, 3]
+    assert ours.decode([4, 5]) == "brown fox"  # alone: the space is gone
+    assert continuation(ours, "the quick", prompt_ids, [4, 5]) == "the quick brown fox"

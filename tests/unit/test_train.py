@@ -303,3 +303,17 @@ def test_metrics_jsonl_is_strict_json_when_values_are_not_finite(tmp_path):
     record = json.loads((tmp_path / "metrics.jsonl").read_text(), parse_constant=refuse)
     assert record == {"step": 3, "loss": None, "grad_norm": None, "aux_loss_per_layer": [1.5, None],
                       "lr": 1e-3}
+
+
+def test_resuming_a_finished_run_says_so_and_writes_nothing(tmp_path, tiny_args, capsys):
+    run = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run), *tiny_args, "--train.steps", "3"]) == 0
+    checkpoint = latest_checkpoint(run)
+    before = {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "nothing to train: the run is already at step 3 = train.steps" in out
+    assert latest_checkpoint(run) == checkpoint
+    assert {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()
+            if p.name != "config.toml"} == {p: t for p, t in before.items() if p.name != "config.toml"}

@@ -400,6 +400,11 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         """Train to cfg.train.steps; returns the last train and validation metrics."""
         t, log = self.cfg.train, self.cfg.logging
+        if self.resumed_from is not None and self.step == t.steps:  # nothing to run, nothing re-saved
+            self._announce()
+            self.out(f"nothing to train: the run is already at step {self.step} = train.steps; "
+                     f"give --train.steps above {self.step} to continue it")
+            return {}
         self.sinks = (metrics.MetricsSinks(self.run_dir, log.tensorboard) if self.dist.is_main
                       else metrics.NullSinks())
         self._stop_signal: int | None = None

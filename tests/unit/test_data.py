@@ -15,7 +15,7 @@ import torch
 from moefold.config import DataConfig
 from moefold.data import (Batch, ByteTokenizer, HFTokenizer, PackedSequences, TrainLoader,
                           build_token_streams, build_tokenizer, make_batch, val_batches)
-from moefold.data.formats import stdlib_files
+from moefold.data.formats import find_data_files, stdlib_files
 from moefold.errors import DataError
 
 BYTES = ByteTokenizer()
@@ -152,6 +152,19 @@ def test_txt_directory(tmp_path):
     expected = byte_doc("first ü") + byte_doc("second\n") + byte_doc("third")
     assert streams.train_N.tolist() == expected
     assert streams.val_N.size == 0 and streams.train_docs == 3
+
+
+def test_directory_follows_symlinked_directories(tmp_path):
+    outside = _write(tmp_path / "outside" / "b.txt", "linked").parent
+    _write(outside / "deep" / "c.txt", "deeper")
+    (outside / "deep" / "loop").symlink_to(outside, target_is_directory=True)
+    data = _write(tmp_path / "data" / "a.txt", "plain").parent
+    (data / "linked").symlink_to(outside, target_is_directory=True)
+    (data / "self").symlink_to(data, target_is_directory=True)  # loops are walked once
+    names = [f.name for f in find_data_files(str(data))]
+    assert names == ["a.txt", "linked/b.txt", "linked/deep/c.txt"]  # relative to data.path
+    streams = streams_of(data, val_fraction=0.0)
+    assert streams.train_N.tolist() == byte_doc("plain") + byte_doc("linked") + byte_doc("deeper")
 
 
 def test_jsonl(tmp_path):

@@ -87,7 +87,7 @@ def find_data_files(data_path: str) -> list[DataFile]:
     if not root.exists():
         raise DataError(f"data.path={data_path}: no such file or directory")
     if root.is_dir():
-        paths = [p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in SUFFIXES]
+        paths = [p for p in _walk_files(root) if p.is_file() and p.suffix.lower() in SUFFIXES]
         if not paths:
             raise DataError(f"data.path={data_path}: no {ALLOWED} files found")
         files = sorted((_data_file(p, p.relative_to(root).as_posix(), data_path) for p in paths),
@@ -100,6 +100,23 @@ def find_data_files(data_path: str) -> list[DataFile]:
         raise DataError(f"data.path={data_path}: mixes text files (.txt, .jsonl, .parquet) with "
                         "token files (.npy, .bin); point data.path at one kind")
     return files
+
+
+def _walk_files(root: Path) -> list[Path]:
+    """Every file under `root`, through symlinked directories too (Path.rglob does not follow
+    them). A directory reached again (a symlink loop, a second link) is walked once, by the first
+    path in sorted order."""
+    seen: set[str] = set()
+    paths = []
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        real = os.path.realpath(dirpath)
+        if real in seen:
+            dirnames.clear()
+            continue
+        seen.add(real)
+        dirnames.sort()  # os.walk visits in this order: which alias wins is deterministic
+        paths += [Path(dirpath, filename) for filename in filenames]
+    return paths
 
 
 def _data_file(path: Path, name: str, root: str) -> DataFile:

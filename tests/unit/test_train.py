@@ -317,3 +317,24 @@ def test_resuming_a_finished_run_says_so_and_writes_nothing(tmp_path, tiny_args,
     assert latest_checkpoint(run) == checkpoint
     assert {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()
             if p.name != "config.toml"} == {p: t for p, t in before.items() if p.name != "config.toml"}
+
+
+def test_a_run_started_with_relative_data_paths_is_used_from_anywhere(tmp_path, text_corpus, monkeypatch):
+    """config.toml records data.path and data.tokenizer absolute: `generate` and `--resume` from
+    another working directory find them."""
+    from conftest import cli_args
+    from test_data import write_hf_tokenizer
+
+    tokenizer = write_hf_tokenizer(tmp_path / "tokenizer.json")
+    monkeypatch.chdir(tmp_path)
+    overrides = {**TINY_OVERRIDES, "data.path": text_corpus.name, "data.tokenizer": tokenizer.name,
+                 "train.steps": "2", "train.warmup_steps": "0"}
+    assert main(["train", "--run-dir", "run", *cli_args(overrides)]) == 0
+    config = (tmp_path / "run" / "config.toml").read_text()
+    assert f'path = "{text_corpus}"' in config and f'tokenizer = "{tokenizer}"' in config
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    run = str(tmp_path / "run")
+    assert main(["generate", "--run-dir", run, "--prompt", "hello", "--max-new-tokens", "2"]) == 0
+    assert main(["train", "--resume", run, "--train.steps", "3"]) == 0

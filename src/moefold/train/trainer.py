@@ -122,6 +122,14 @@ def _refuse_changed_state_dtypes(cfg: Config, checkpoint: Path) -> None:
                               f"optim.{key}={held!r}: a run resumes with the states it saved; keep optim.{key}")
 
 
+def _with_absolute_data_paths(cfg: Config) -> Config:
+    """`cfg` with data.path and data.tokenizer absolute, for the run's config.toml: `--resume`,
+    `generate` and `convert` read it from wherever they are started."""
+    d = cfg.data
+    return dataclasses.replace(cfg, data=dataclasses.replace(
+        d, path=d.path and os.path.abspath(d.path), tokenizer=d.tokenizer and os.path.abspath(d.tokenizer)))
+
+
 def run_dir_holds_run(run_dir: Path) -> bool:
     return (run_dir / "config.toml").exists() or (run_dir / "checkpoints").exists()
 
@@ -298,7 +306,7 @@ class Trainer:
     def _prepare_run_dir(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         tmp = self.run_dir / "config.toml.tmp"
-        tmp.write_text(to_toml(self.cfg))
+        tmp.write_text(to_toml(_with_absolute_data_paths(self.cfg)))
         os.replace(tmp, self.run_dir / "config.toml")
 
     # ----------------------------------------------------------------------------- checkpoints

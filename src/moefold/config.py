@@ -303,7 +303,8 @@ class DataConfig:
     token_dtype: str = "uint16"
     """Element type of pre-tokenized .bin files: uint16 or uint32."""
     eos_id: int = -1
-    """End-of-document token id in pre-tokenized files; -1 takes the tokenizer's."""
+    """End-of-document token id in pre-tokenized files (.npy, .bin); -1 takes the tokenizer's. Text
+    data always takes the tokenizer's (another value is refused)."""
 
 
 @dataclass

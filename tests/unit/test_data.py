@@ -344,6 +344,14 @@ def test_bad_eos_id(tmp_path):
         streams_of(path, eos_id=300)
 
 
+def test_eos_id_refused_for_text(tmp_path):
+    # Text documents end with the tokenizer's EOS; data.eos_id would silently do nothing.
+    path = _write(tmp_path / "x.txt", "some text")
+    with pytest.raises(DataError, match=r"^data\.eos_id=5: .*token files .*data\.path=") as info:
+        streams_of(path, eos_id=5)
+    assert "\n" not in str(info.value)
+
+
 # ---------------------------------------------------------------------------------------------
 # Packing
 # ---------------------------------------------------------------------------------------------

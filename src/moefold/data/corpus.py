@@ -55,6 +55,10 @@ def build_token_streams(data_cfg: DataConfig, tokenizer: Tokenizer, *,
     if files[0].is_tokens:
         return _token_file_streams(files, label, data_cfg, tokenizer,
                                    vocab_size or tokenizer.vocab_size)
+    if data_cfg.eos_id >= 0:  # refused rather than ignored: text takes the tokenizer's EOS
+        raise DataError(f"data.eos_id={data_cfg.eos_id}: applies only to token files (.npy, .bin), "
+                        f"but data.path={label} is text, whose documents end with the EOS of "
+                        f"tokenizer {tokenizer.name} ({tokenizer.eos_id}); leave data.eos_id at -1")
     return _text_streams(files, label, data_cfg, tokenizer)
 
 

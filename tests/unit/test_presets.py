@@ -53,3 +53,16 @@ def test_tiny_family_presets_train(tmp_path, text_corpus, preset):
     assert train[-1] < train[0]
     if preset == "tiny-deepseek":
         assert all("mtp_loss" in r for r in losses if "loss" in r)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "deepseek-v3"])
+def test_config_params_prints_the_counted_parameters(preset, capsys):
+    from moefold.cli import main
+
+    counts = count_params(meta_model(load_config(preset)))
+    assert main(["config", "params", "--config", preset]) == 0
+    total = capsys.readouterr().out.splitlines()[0]
+    main_total = counts.total - counts.mtp
+    expected = f"{main_total / 1e9:.3f}B" if main_total >= 1e9 else f"{main_total / 1e6:.2f}M"
+    assert total.split()[2] == expected
+    assert expected == {"tiny": "2.82M", "deepseek-v3": "671.026B"}[preset]  # the card's 671B

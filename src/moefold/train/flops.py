@@ -106,13 +106,18 @@ def describe_params(cfg) -> str:
     model = meta_model(cfg)
     c = count_params(model)
     main_total, main_active = c.total - c.mtp, c.active_with_embedding - c.mtp_active
-    lines = [f"total parameters:  {main_total / 1e9:.3f}B (embedding and output head included)",
-             f"active per token:  {main_active / 1e9:.3f}B (embedding and output head included; "
+    lines = [f"total parameters:  {_in_units(main_total)} (embedding and output head included)",
+             f"active per token:  {_in_units(main_active)} (embedding and output head included; "
              f"routed experts count top_k/num_experts)"]
     if c.mtp:
-        lines.append(f"MTP modules:       {c.mtp / 1e9:.3f}B more, {c.mtp_active / 1e9:.3f}B active "
+        lines.append(f"MTP modules:       {_in_units(c.mtp)} more, {_in_units(c.mtp_active)} active "
                      f"(not in the figures above)")
-    lines.append(f"FLOP convention:   {c.active / 1e9:.3f}B active without the embedding lookup; "
+    lines.append(f"FLOP convention:   {_in_units(c.active)} active without the embedding lookup; "
                  f"{train_flops_per_token(model, cfg.train.seq_len) / 1e9:.2f} GFLOP per token at "
                  f"sequence {cfg.train.seq_len} (fwd+bwd)")
     return "\n".join(lines)
+
+
+def _in_units(n: int) -> str:
+    """A parameter count as model cards write it: 671.026B, 2.82M (a tiny model read 0.003B)."""
+    return f"{n / 1e9:.3f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"

@@ -85,6 +85,43 @@ def test_hf_tokenizer_eos_preference_and_absence(tmp_path):
         HFTokenizer(str(path))
 
 
+def test_hf_tokenizer_deepseek_eos(tmp_path):
+    # As spelled in DeepSeek-V3's tokenizer.json: fullwidth bars (U+FF5C), U+2581 for spaces.
+    bos, eos = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
+    assert eos == "<\uff5cend\u2581of\u2581sentence\uff5c>"
+    path = write_hf_tokenizer(tmp_path / "tokenizer.json", special=(bos, eos))
+    assert HFTokenizer(str(path)).eos_id == 4
+
+
+@pytest.mark.parametrize("eos_token", ["<|eot|>", {"content": "<|eot|>", "special": True}])
+def test_hf_tokenizer_eos_from_tokenizer_config(tmp_path, eos_token):
+    path = write_hf_tokenizer(tmp_path / "tokenizer.json", special=("<pad>", "<|eot|>"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos_token}))
+    assert HFTokenizer(str(path)).eos_id == 4
+
+
+def test_hf_tokenizer_config_eos_comes_after_the_candidates(tmp_path):
+    # A Qwen instruct config names <|im_end|>, a chat-turn end; <|endoftext|> separates documents.
+    path = write_hf_tokenizer(tmp_path / "tokenizer.json", special=("<|endoftext|>", "<|im_end|>"))
+    (tmp_path / "tokenizer_config.json").write_text('{"eos_token": "<|im_end|>"}')
+    assert HFTokenizer(str(path)).eos_id == 3
+
+
+@pytest.mark.parametrize("config, expected", [
+    ('{"eos_token": "<|eot|>"}', "eos_token '<|eot|>' of tokenizer_config.json"),
+    ("{oops", "tokenizer_config.json: not a JSON object"),
+    ("[1]", "tokenizer_config.json: not a JSON object"),
+])
+def test_hf_tokenizer_config_eos_errors(tmp_path, config, expected):
+    path = write_hf_tokenizer(tmp_path / "tokenizer.json", special=("<pad>",))
+    (tmp_path / "tokenizer_config.json").write_text(config)
+    with pytest.raises(DataError) as info:
+        HFTokenizer(str(path))
+    message = str(info.value)
+    assert message.startswith(f"data.tokenizer={path}: ") and expected in message, message
+    assert "\n" not in message
+
+
 @pytest.mark.parametrize("content", [None, "{not json", '{"version": "1.0"}'])
 def test_hf_tokenizer_bad_file(tmp_path, content):
     path = tmp_path / "tokenizer.json"

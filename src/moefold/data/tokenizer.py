@@ -6,6 +6,7 @@ fast path the corpus builder calls (one NumPy array per document, no Python list
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -14,8 +15,13 @@ import numpy as np
 
 from moefold.errors import DataError
 
-# The first of these present in the vocabulary is the end-of-document token, in this order.
-EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>")
+# DeepSeek-V2/V3's <｜end▁of▁sentence｜>, escaped: fullwidth bars (U+FF5C), "▁" (U+2581) for spaces.
+DEEPSEEK_EOS = "<\uff5cend\u2581of\u2581sentence\uff5c>"
+# The first of these present in the vocabulary is the end-of-document token, in this order; then
+# the eos_token of a tokenizer_config.json beside the tokenizer.json (after, not before: a Qwen
+# instruct config names <|im_end|>, which ends a chat turn, not a document).
+EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>",
+                  DEEPSEEK_EOS)
 
 
 @runtime_checkable
@@ -106,8 +112,34 @@ def _find_eos_id(tokenizer, path: str) -> int:
         token_id = tokenizer.token_to_id(token)
         if token_id is not None:
             return token_id
+    config_eos = _config_eos_token(path)
+    token_id = None if config_eos is None else tokenizer.token_to_id(config_eos)
+    if token_id is not None:
+        return token_id
+    also = "" if config_eos is None else f", and the eos_token {config_eos!r} of {_CONFIG}"
     raise DataError(f"data.tokenizer={path}: no end-of-document token in the vocabulary "
-                    f"(looked for {', '.join(EOS_CANDIDATES)})")
+                    f"(looked for {', '.join(EOS_CANDIDATES)}{also})")
+
+
+_CONFIG = "tokenizer_config.json"
+
+
+def _config_eos_token(path: str) -> str | None:
+    """The eos_token of the tokenizer_config.json beside `path` (a string, or an added-token dict
+    with "content"); None when there is none."""
+    config_path = Path(path).with_name(_CONFIG)
+    if not config_path.is_file():
+        return None
+    try:
+        config = json.loads(config_path.read_bytes())
+    except ValueError as e:
+        raise DataError(f"data.tokenizer={path}: {config_path}: not a JSON object ({e})") from None
+    if not isinstance(config, dict):
+        raise DataError(f"data.tokenizer={path}: {config_path}: not a JSON object "
+                        f"(a {type(config).__name__})")
+    eos = config.get("eos_token")
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    return eos if isinstance(eos, str) else None
 
 
 def build_tokenizer(path: str) -> Tokenizer:

@@ -293,7 +293,8 @@ class MemoryConfig:
 class DataConfig:
     path: str = ""
     """Training data: a .txt/.jsonl/.parquet/.npy/.bin file or a directory of them; empty uses the
-    embedded corpus (the running Python's standard library sources)."""
+    embedded corpus (the running Python's standard library sources). A .txt file is one document
+    (split a corpus into files, or use .jsonl with one document per line)."""
     tokenizer: str = ""
     """A Hugging Face tokenizer.json; empty uses the byte-level tokenizer (256 bytes + end-of-document)."""
     val_fraction: float = 0.02

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from moefold.config import DataConfig
+from moefold.config import DataConfig, field_docs
 from moefold.data import (Batch, ByteTokenizer, HFTokenizer, PackedSequences, TrainLoader,
                           build_token_streams, build_tokenizer, make_batch, val_batches)
 from moefold.data.formats import find_data_files, stdlib_files
@@ -189,6 +189,13 @@ def test_txt_directory(tmp_path):
     expected = byte_doc("first ü") + byte_doc("second\n") + byte_doc("third")
     assert streams.train_N.tolist() == expected
     assert streams.val_N.size == 0 and streams.train_docs == 3
+
+
+def test_txt_file_is_one_document_as_the_help_says(tmp_path):
+    text = "first paragraph\n\nsecond paragraph\n"
+    _write(tmp_path / "a.txt", text)
+    assert streams_of(tmp_path / "a.txt", val_fraction=0.0).train_N.tolist() == byte_doc(text)
+    assert "A .txt file is one document" in field_docs()["data.path"]
 
 
 def test_directory_follows_symlinked_directories(tmp_path):

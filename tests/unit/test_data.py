@@ -14,7 +14,9 @@ import torch
 
 from moefold.config import DataConfig, field_docs
 from moefold.data import (Batch, ByteTokenizer, HFTokenizer, PackedSequences, TrainLoader,
-                          build_token_streams, build_tokenizer, make_batch, val_batches)
+                          Vocabulary, build_token_streams, build_tokenizer, make_batch,
+                          val_batches)
+from moefold.data import corpus
 from moefold.data.formats import find_data_files, stdlib_files
 from moefold.errors import DataError
 
@@ -394,6 +396,29 @@ def test_eos_id_refused_for_text(tmp_path):
     with pytest.raises(DataError, match=r"^data\.eos_id=5: .*token files .*data\.path=") as info:
         streams_of(path, eos_id=5)
     assert "\n" not in str(info.value)
+
+
+def test_ids_beyond_vocab_after_the_startup_check_fail_the_batch(tmp_path, monkeypatch):
+    # The startup check reads each token file's head only; the loaders check every batch.
+    monkeypatch.setattr(corpus, "_VOCAB_CHECK_TOKENS", 8)
+    tokens_N = np.arange(64) % 200
+    tokens_N[40], tokens_N[60] = 300, 999  # beyond the byte vocabulary (257), after the head
+    path = _write(tmp_path / "x.npy", tokens_N)
+    streams = streams_of(path, val_fraction=0.25)  # validation: tokens 48..63
+    assert streams.vocab.size == EOS + 1
+    train = TrainLoader(PackedSequences(streams.train_N, 7), 6, 0, EOS, vocab=streams.vocab)
+    with pytest.raises(DataError) as info:
+        train.next_batch()  # 6 of the 6 sequences: holds token 40
+    assert str(info.value) == (f"data.path={path}: token id 300 in a training batch is outside "
+                               f"the vocabulary [0, 257) of tokenizer bytes; set data.tokenizer "
+                               "to the tokenizer that produced the data")
+    with pytest.raises(DataError, match=r"^data\.path=.*: token id 999 in a validation batch "):
+        val_batches(PackedSequences(streams.val_N, 7), 2, 1, EOS, vocab=streams.vocab)
+    below = Vocabulary(size=10, tokenizer="t.json", data_path="d")
+    with pytest.raises(DataError, match=r"^data\.path=d: token id -1 in a training batch "):
+        TrainLoader(PackedSequences(np.arange(-1, 8), 4), 2, 0, EOS, vocab=below).next_batch()
+    unchecked = TrainLoader(PackedSequences(streams.train_N, 7), 6, 0, EOS)  # vocab=None
+    assert unchecked.next_batch().input_ids_BS.max() == 300
 
 
 # ---------------------------------------------------------------------------------------------

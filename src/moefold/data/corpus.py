@@ -19,6 +19,7 @@ import numpy as np
 from moefold.config import DataConfig
 from moefold.data.formats import (DataFile, Document, find_data_files, open_token_file,
                                   read_documents, stdlib_files)
+from moefold.data.loader import Vocabulary
 from moefold.data.tokenizer import Tokenizer
 from moefold.errors import DataError
 
@@ -34,6 +35,8 @@ class TokenStreams:
     """Empty when data.val_fraction is 0."""
     eos_id: int
     """The end-of-document id separating documents in both streams."""
+    vocab: Vocabulary
+    """The ids the model embeds, for the loaders to check every batch against."""
     source: str
     """Human description, e.g. "python3.11 stdlib: 1790 files, 31.5 MB"."""
     train_docs: int | None
@@ -45,21 +48,21 @@ def build_token_streams(data_cfg: DataConfig, tokenizer: Tokenizer, *,
                         vocab_size: int | None = None) -> TokenStreams:
     """The train and validation token streams of `data.path` (empty: the stdlib corpus).
 
-    `vocab_size` bounds the ids of token files (default: the tokenizer's); pass model.vocab_size
-    when it is set larger than the tokenizer's.
+    `vocab_size` bounds the ids (default: the tokenizer's); pass model.vocab_size when it is set
+    larger than the tokenizer's.
     """
     if data_cfg.path:
         files, label = find_data_files(data_cfg.path), data_cfg.path
     else:
         files, label = stdlib_files(), f"python{sys.version_info[0]}.{sys.version_info[1]} stdlib"
+    vocab = Vocabulary(vocab_size or tokenizer.vocab_size, tokenizer.name, label)
     if files[0].is_tokens:
-        return _token_file_streams(files, label, data_cfg, tokenizer,
-                                   vocab_size or tokenizer.vocab_size)
+        return _token_file_streams(files, label, data_cfg, tokenizer, vocab)
     if data_cfg.eos_id >= 0:  # refused rather than ignored: text takes the tokenizer's EOS
         raise DataError(f"data.eos_id={data_cfg.eos_id}: applies only to token files (.npy, .bin), "
                         f"but data.path={label} is text, whose documents end with the EOS of "
                         f"tokenizer {tokenizer.name} ({tokenizer.eos_id}); leave data.eos_id at -1")
-    return _text_streams(files, label, data_cfg, tokenizer)
+    return _text_streams(files, label, data_cfg, tokenizer, vocab)
 
 
 def stream_dtype(vocab_size: int) -> np.dtype:
@@ -72,8 +75,8 @@ def stream_dtype(vocab_size: int) -> np.dtype:
 # ---------------------------------------------------------------------------------------------
 
 
-def _text_streams(files: list[DataFile], label: str, cfg: DataConfig,
-                  tokenizer: Tokenizer) -> TokenStreams:
+def _text_streams(files: list[DataFile], label: str, cfg: DataConfig, tokenizer: Tokenizer,
+                  vocab: Vocabulary) -> TokenStreams:
     dtype = stream_dtype(tokenizer.vocab_size)
     threshold = validation_threshold(cfg.val_fraction)
     # One array per tokenized document (ending in EOS); concatenated once at the end.
@@ -89,7 +92,7 @@ def _text_streams(files: list[DataFile], label: str, cfg: DataConfig,
         _ensure_both_nonempty(train_docs, val_docs, label, cfg.val_fraction)
     megabytes = sum(f.size for f in files) / 1e6
     return TokenStreams(train_N=_concatenate(train_docs, dtype),
-                        val_N=_concatenate(val_docs, dtype), eos_id=tokenizer.eos_id,
+                        val_N=_concatenate(val_docs, dtype), eos_id=tokenizer.eos_id, vocab=vocab,
                         source=f"{label}: {len(files)} files, {megabytes:.1f} MB",
                         train_docs=len(train_docs), val_docs=len(val_docs))
 
@@ -147,14 +150,14 @@ def _batched(items: Iterable[Document], n: int) -> Iterator[list[Document]]:
 
 
 def _token_file_streams(files: list[DataFile], label: str, cfg: DataConfig,
-                        tokenizer: Tokenizer, vocab_size: int) -> TokenStreams:
+                        tokenizer: Tokenizer, vocab: Vocabulary) -> TokenStreams:
     eos_id = cfg.eos_id if cfg.eos_id >= 0 else tokenizer.eos_id
-    if eos_id >= vocab_size:
-        raise DataError(f"data.eos_id={eos_id} is not below the vocabulary size {vocab_size} "
+    if eos_id >= vocab.size:
+        raise DataError(f"data.eos_id={eos_id} is not below the vocabulary size {vocab.size} "
                         f"of tokenizer {tokenizer.name} (data.tokenizer)")
     arrays = [open_token_file(f, cfg.token_dtype) for f in files]
     for file, tokens_N in zip(files, arrays):
-        _check_token_ids(file, tokens_N, vocab_size, tokenizer.name)
+        _check_token_ids(file, tokens_N, vocab)
     # One file stays memory-mapped; several are concatenated into memory (one copy).
     tokens_N = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
     num_val = round(len(tokens_N) * cfg.val_fraction)
@@ -165,19 +168,18 @@ def _token_file_streams(files: list[DataFile], label: str, cfg: DataConfig,
         raise DataError(f"data.path={label}: {len(tokens_N)} tokens leave no training tokens "
                         f"at data.val_fraction={cfg.val_fraction}")
     split = len(tokens_N) - num_val
+    source = f"{label}: {len(files)} token files, {len(tokens_N) / 1e6:.1f}M tokens"
     return TokenStreams(train_N=tokens_N[:split], val_N=tokens_N[split:], eos_id=eos_id,
-                        source=f"{label}: {len(files)} token files, "
-                               f"{len(tokens_N) / 1e6:.1f}M tokens",
-                        train_docs=None, val_docs=None)
+                        vocab=vocab, source=source, train_docs=None, val_docs=None)
 
 
-def _check_token_ids(file: DataFile, tokens_N: np.ndarray, vocab_size: int,
-                     tokenizer_name: str) -> None:
-    """Ids in the file's first ~1M tokens lie in [0, vocab_size): reading it whole is too slow."""
+def _check_token_ids(file: DataFile, tokens_N: np.ndarray, vocab: Vocabulary) -> None:
+    """Ids in the file's first ~1M tokens lie in [0, vocab.size): reading it whole is too slow.
+    A wrong tokenizer shows at once; a stray id later fails its batch (Vocabulary.check)."""
     head_N = np.asarray(tokens_N[:_VOCAB_CHECK_TOKENS])
     low, high = int(head_N.min()), int(head_N.max())
-    if low < 0 or high >= vocab_size:
+    if low < 0 or high >= vocab.size:
         bad = low if low < 0 else high
-        raise file.error(f"token id {bad} is outside the vocabulary [0, {vocab_size}) of "
-                         f"tokenizer {tokenizer_name}; set data.tokenizer to the tokenizer that "
+        raise file.error(f"token id {bad} is outside the vocabulary [0, {vocab.size}) of "
+                         f"tokenizer {vocab.tokenizer}; set data.tokenizer to the tokenizer that "
                          "produced the file")

@@ -49,6 +49,29 @@ class PackedSequences:
         return torch.from_numpy(windows_BS1.astype(np.int64))
 
 
+@dataclass(frozen=True)
+class Vocabulary:
+    """The ids a batch may hold, [0, size), and what to name when one holds another id."""
+
+    size: int
+    tokenizer: str
+    """data.tokenizer's name, for the message."""
+    data_path: str
+    """What data.path names, for the message."""
+
+    def check(self, ids: torch.Tensor, split: str) -> None:
+        """Every id of the host tensor `ids` lies in [0, size). Checked per batch (two reductions)
+        because the startup check reads only each token file's head (corpus.py), and an id past the
+        embedding fails deep in the forward: an IndexError on CPU, a device-side assert on GPU."""
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= self.size:
+            bad = low if low < 0 else high
+            raise DataError(f"data.path={self.data_path}: token id {bad} in a {split} batch is "
+                            f"outside the vocabulary [0, {self.size}) of tokenizer "
+                            f"{self.tokenizer}; set data.tokenizer to the tokenizer that produced "
+                            "the data")
+
+
 @dataclass
 class Batch:
     input_ids_BS: torch.Tensor
@@ -87,7 +110,9 @@ class TrainLoader:
     the last partial batch of an epoch is dropped, so every batch holds exactly B sequences.
     """
 
-    def __init__(self, sequences: PackedSequences, batch_size: int, seed: int, eos_id: int):
+    def __init__(self, sequences: PackedSequences, batch_size: int, seed: int, eos_id: int, *,
+                 vocab: Vocabulary | None = None):
+        """`vocab`: the ids every batch is checked to hold; None checks nothing."""
         if len(sequences) < batch_size:
             raise DataError(f"train.micro_batch_size={batch_size} exceeds the {len(sequences)} "
                             f"training sequences of train.seq_len={sequences.seq_len} tokens; "
@@ -96,6 +121,7 @@ class TrainLoader:
         self.batch_size = batch_size
         self.seed = seed
         self.eos_id = eos_id
+        self.vocab = vocab
         self.epoch = 0
         self.cursor = 0  # position in this epoch's permutation of the next batch's first sequence
         self._order_epoch, self._order_N = -1, torch.empty(0, dtype=torch.int64)
@@ -113,7 +139,10 @@ class TrainLoader:
             self.epoch, self.cursor = self.epoch + 1, 0
         indices_B = self.epoch_order(self.epoch)[self.cursor:self.cursor + self.batch_size]
         self.cursor += self.batch_size
-        return make_batch(self.sequences.gather(indices_B.tolist()), self.eos_id)
+        windows_BS1 = self.sequences.gather(indices_B.tolist())
+        if self.vocab is not None:
+            self.vocab.check(windows_BS1, "training")
+        return make_batch(windows_BS1, self.eos_id)
 
     def __iter__(self) -> TrainLoader:
         return self
@@ -133,14 +162,19 @@ class TrainLoader:
         self.epoch, self.cursor = epoch, cursor
 
 
-def val_batches(sequences: PackedSequences, batch_size: int, num_batches: int,
-                eos_id: int) -> list[Batch]:
+def val_batches(sequences: PackedSequences, batch_size: int, num_batches: int, eos_id: int, *,
+                vocab: Vocabulary | None = None) -> list[Batch]:
     """The first `num_batches` full batches of validation sequences, in stream order.
 
     Fewer when the validation set is small (no sequence is counted twice); one smaller batch of
-    every sequence when there are fewer than `batch_size`.
+    every sequence when there are fewer than `batch_size`. `vocab`: as for `TrainLoader`.
     """
     batch_size = min(batch_size, len(sequences))
     count = max(1, min(num_batches, len(sequences) // batch_size))
-    return [make_batch(sequences.gather(range(b * batch_size, (b + 1) * batch_size)), eos_id)
-            for b in range(count)]
+    batches = []
+    for b in range(count):
+        windows_BS1 = sequences.gather(range(b * batch_size, (b + 1) * batch_size))
+        if vocab is not None:
+            vocab.check(windows_BS1, "validation")
+        batches.append(make_batch(windows_BS1, eos_id))
+    return batches

@@ -338,3 +338,28 @@ def test_a_run_started_with_relative_data_paths_is_used_from_anywhere(tmp_path, 
     run = str(tmp_path / "run")
     assert main(["generate", "--run-dir", run, "--prompt", "hello", "--max-new-tokens", "2"]) == 0
     assert main(["train", "--resume", run, "--train.steps", "3"]) == 0
+
+
+def test_the_expert_load_history_continues_across_a_resume(tmp_path, text_corpus):
+    """The heatmap's windows are checkpointed: a run resumed from step 4 has the windows before
+    it, and ends with the uninterrupted run's history (and so its expert_load.png)."""
+    from moefold.config import load_config
+    from moefold.train.trainer import Trainer
+
+    cfg = load_config(None, {**TINY_OVERRIDES, "data.path": str(text_corpus), "train.steps": "6",
+                             "logging.log_every": "2", "checkpoint.every": "4"})
+    whole = Trainer(cfg, tmp_path / "whole", out=lambda line: None)
+    whole.fit()
+    resumed = Trainer(cfg, tmp_path / "resumed", resume=tmp_path / "whole/checkpoints/step_00000004",
+                      out=lambda line: None)
+    assert [step for step, _ in resumed.load_history] == [2, 4]
+    resumed.fit()
+    assert [step for step, _ in whole.load_history] == [2, 4, 6]
+    assert resumed.load_history == whole.load_history
+
+
+def test_a_one_window_heatmap_labels_its_step_once():
+    from moefold.train.heatmap import _step_at
+
+    assert [_step_at([8], x) for x in (-0.4, -0.2, 0.0, 0.2, 0.4)] == ["", "", "8", "", ""]
+    assert [_step_at([2, 4, 6], x) for x in (0, 1, 2, 3)] == ["2", "4", "6", ""]

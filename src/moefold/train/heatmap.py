@@ -111,7 +111,7 @@ def _draw(fig, load_L_EW: list[np.ndarray], steps_W: list[int], layer_ids: list[
     # Zero (an expert that got no tokens) is off a log scale: matplotlib masks it, drawn black.
     cmap = colormaps["RdBu_r"].with_extremes(bad="black")
     norm = LogNorm(vmin=1 / _RATIO_RANGE, vmax=_RATIO_RANGE)
-    step_label = FuncFormatter(lambda x, _: str(steps_W[int(x)]) if 0 <= int(x) < len(steps_W) else "")
+    step_label = FuncFormatter(lambda x, _: _step_at(steps_W, x))
     same_experts = len({load_EW.shape[0] for load_EW in load_L_EW}) == 1
     for i, (ax, load_EW) in enumerate(zip(axes, load_L_EW)):
         image = ax.imshow(np.ma.masked_less_equal(load_EW, 0), cmap=cmap, norm=norm, aspect="auto",
@@ -130,6 +130,13 @@ def _draw(fig, load_L_EW: list[np.ndarray], steps_W: list[int], layer_ids: list[
         ax.set_axis_off()
     _colour_bar(fig, image, bar_box)
     fig.suptitle("expert load per layer", y=1 - 0.15 / height, va="top")
+
+
+def _step_at(steps_W: list[int], x: float) -> str:
+    """The step of window column `x`; nothing between columns (a one-window panel's locator puts
+    ticks at fractions, which would all read as the one window's step)."""
+    w = round(x)
+    return str(steps_W[w]) if abs(x - w) < 1e-6 and 0 <= w < len(steps_W) else ""
 
 
 def _colour_bar(fig, image, box: list[float]) -> None:

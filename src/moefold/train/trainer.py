@@ -203,6 +203,8 @@ class Trainer:
                                               clip_scaling(self.optimizer, cfg.optim))
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
         self.step = 0
+        # [(step, tokens per expert per layer)] of every log window, for the heatmap; checkpointed.
+        self.load_history: list[tuple[int, list[list[int]]]] = []
         if full_state:
             self._load(checkpoint)
         if self.step > cfg.train.steps:  # before config.toml is rewritten with the smaller count
@@ -317,13 +319,16 @@ class Trainer:
         optim_sd = get_optimizer_state_dict(self.data_parallel.optimized, self.optimizer)
         # No schedule: it is the config's at `step` (`_load`). Checkpoints that hold one load too.
         return {"model": model_sd, "optim": optim_sd, "data": self.train_loader.state_dict(),
-                "step": self.step, "rng": rng_state()}
+                "step": self.step, "rng": rng_state(), "expert_load": self.load_history}
 
     def _load(self, path: Path) -> None:
         """A full checkpoint's model, optimizer, data order, step and RNG; the schedule is rebuilt at
         the step."""
         state = self._state()
+        if "expert_load" not in checkpoint_keys(path):  # saved before the heatmap's history was
+            del state["expert_load"]
         load_checkpoint(state, path)
+        self.load_history = list(state.get("expert_load", []))  # the heatmap covers the whole run
         set_model_state_dict(self.model, state["model"])  # ZeRO-1's shards follow (a load hook)
         # The config's hyperparameters, not the saved ones torch's load puts back: a resume with
         # --train.lr, betas, eps or weight decay changed trains with them.
@@ -416,7 +421,6 @@ class Trainer:
         self.sinks = (metrics.MetricsSinks(self.run_dir, log.tensorboard) if self.dist.is_main
                       else metrics.NullSinks())
         self._stop_signal: int | None = None
-        self.load_history: list[tuple[int, list[list[int]]]] = []
         previous_handlers = self._install_signal_handlers()
         self._announce()
         show_bar = log.progress_bar and metrics.is_interactive() and self.dist.is_main

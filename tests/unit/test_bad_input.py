@@ -322,3 +322,21 @@ def test_metrics_on_a_full_disk_keep_whole_records_and_say_so_in_one_line(finish
     line = error_line(capsys, ["train", "--resume", str(finished_run), "--train.steps", "5"])
     assert line == (f"moefold: error: writing {finished_run / 'metrics.jsonl'}: No space left on device; "
                     "free space (or choose another directory) and run again")
+
+
+def test_a_token_id_beyond_the_vocabulary_past_the_startup_check_stops_training_in_one_line(
+        tmp_path, monkeypatch, capsys):
+    """The startup check reads each token file's head; an id further on stops the run when its
+    batch is made (a DataError, exit 2), not as an embedding IndexError (a device assert on GPU)."""
+    import numpy as np
+
+    from conftest import TINY_OVERRIDES, cli_args
+    from moefold.data import corpus
+
+    monkeypatch.setattr(corpus, "_VOCAB_CHECK_TOKENS", 64)
+    tokens_N = np.arange(4096, dtype=np.uint16) % 256
+    tokens_N[2000:] = 5000
+    np.save(tmp_path / "tokens.npy", tokens_N)
+    overrides = {**TINY_OVERRIDES, "data.path": str(tmp_path / "tokens.npy"), "data.val_fraction": "0"}
+    line = error_line(capsys, ["train", "--run-dir", str(tmp_path / "run"), *cli_args(overrides)])
+    assert "token id 5000 in a training batch is outside the vocabulary [0, 257)" in line

@@ -243,11 +243,13 @@ class Trainer:
         # data rank takes its rows, so the data order does not depend on the layout.
         global_micro_batch = t.micro_batch_size * self.dist.dp_size
         train_seqs = PackedSequences(streams.train_N, t.seq_len, name="training")
-        self.train_loader = TrainLoader(train_seqs, global_micro_batch, t.seed, streams.eos_id)
+        self.train_loader = TrainLoader(train_seqs, global_micro_batch, t.seed, streams.eos_id,
+                                        vocab=streams.vocab)
         self.val_batches = []
         if streams.val_N.size:  # data.val_fraction = 0 turns validation off
             val_seqs = PackedSequences(streams.val_N, t.seq_len, name="validation")
-            self.val_batches = val_batches(val_seqs, global_micro_batch, t.val_batches, streams.eos_id)
+            self.val_batches = val_batches(val_seqs, global_micro_batch, t.val_batches, streams.eos_id,
+                                           vocab=streams.vocab)
 
     def _build_model(self, resumed_fill: Callable[[Transformer], None] | None) -> None:
         """`resumed_fill`: how a resumed run's weights start (`_checkpoint_fill`); None: from

@@ -66,3 +66,21 @@ def test_config_params_prints_the_counted_parameters(preset, capsys):
     expected = f"{main_total / 1e9:.3f}B" if main_total >= 1e9 else f"{main_total / 1e6:.2f}M"
     assert total.split()[2] == expected
     assert expected == {"tiny": "2.82M", "deepseek-v3": "671.026B"}[preset]  # the card's 671B
+
+
+def test_counts_take_the_tokenizers_vocabulary_as_training_does(tmp_path, capsys):
+    """model.vocab_size = 0 builds the model with data.tokenizer's vocabulary, in training and so
+    in `config params` (and `plan memory`, `bench`): the byte tokenizer's 257 only without one."""
+    from moefold.cli import main
+    from test_data import write_hf_tokenizer
+
+    tokenizer = write_hf_tokenizer(tmp_path / "tokenizer.json")  # 4 tokens
+
+    def params(*options):
+        capsys.readouterr()
+        assert main(["config", "params", "--config", "tiny", *options]) == 0
+        return capsys.readouterr().out
+
+    with_tokenizer = params("--data.tokenizer", str(tokenizer))
+    assert with_tokenizer == params("--model.vocab_size", "4")
+    assert with_tokenizer != params()

@@ -2,8 +2,7 @@
 
 The model, optimizer and step are the Trainer's own (`Trainer.accumulate_gradients` +
 `Trainer.optimizer_step`); only the data differs: uniform random token ids over the model's
-vocabulary (`model.vocab_size`, or the byte tokenizer's 257 when it is 0), so no corpus or tokenizer
-is read. Warm-up steps run first; the timed steps then run back to back with one synchronisation
+vocabulary (`model.vocab_size`, or data.tokenizer's when it is 0), so no corpus is read. Warm-up steps run first; the timed steps then run back to back with one synchronisation
 before and one after (step boundaries are CUDA events, which need no sync). Throughput follows the
 FLOP convention of `moefold.train.flops` (docs/metrics.md); MFU is against the dense bf16 matmul
 rate measured on the device (bench/timing.py), not the datasheet.
@@ -24,10 +23,9 @@ import torch
 from moefold.bench.timing import alloc_retries, measured_peak_tflops, time_steps
 from moefold.config import Config
 from moefold.data.loader import Batch
+from moefold.data.tokenizer import model_vocab_size
 from moefold.train import metrics
 from moefold.train.trainer import Trainer
-
-BYTE_VOCAB = 257  # the byte tokenizer's vocabulary, what training takes when model.vocab_size = 0
 
 
 class RandomTokens:
@@ -51,7 +49,7 @@ class BenchTrainer(Trainer):
     def _build_data(self) -> None:
         t = self.cfg.train
         self.tokenizer = None
-        self.vocab_size = self.cfg.model.vocab_size or BYTE_VOCAB
+        self.vocab_size = model_vocab_size(self.cfg)
         self.data_source = f"random tokens (vocabulary {self.vocab_size})"
         self.train_loader = RandomTokens(t.micro_batch_size * self.dist.dp_size, t.seq_len,
                                          self.vocab_size, t.seed)

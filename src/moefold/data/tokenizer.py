@@ -142,6 +142,12 @@ def _config_eos_token(path: str) -> str | None:
     return eos if isinstance(eos, str) else None
 
 
+def model_vocab_size(cfg) -> int:
+    """The vocabulary a model of `cfg` is built with: model.vocab_size, or (0) the tokenizer's, as
+    training takes it; the counts, plans and benchmarks use the same."""
+    return cfg.model.vocab_size or build_tokenizer(cfg.data.tokenizer).vocab_size
+
+
 def build_tokenizer(path: str) -> Tokenizer:
     """The tokenizer named by `data.tokenizer`: "" is the byte-level one, else a tokenizer.json."""
     return ByteTokenizer() if not path else HFTokenizer(path)

@@ -22,6 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from moefold.config import Config
+from moefold.data.tokenizer import model_vocab_size
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -259,7 +260,7 @@ def measure_saved_activations(cfg: Config, dtype: str = "bf16", vocab_size: int 
 
     torch_dtype, param_torch_dtype = DTYPES[dtype], DTYPES[param_dtype or dtype]
     grouped_mm_supported("cpu", torch_dtype)  # cached probe with real tensors, outside fake mode
-    vocab = vocab_size or cfg.model.vocab_size or 257
+    vocab = vocab_size or model_vocab_size(cfg)
     B, S = cfg.train.micro_batch_size, cfg.train.seq_len
     fake = FakeTensorMode() if dtype == "bf16" else contextlib.nullcontext()
     with fake, _fused_attention():

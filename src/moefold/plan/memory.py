@@ -48,6 +48,7 @@ import math
 from dataclasses import dataclass, field
 
 from moefold.config import Config
+from moefold.data.tokenizer import model_vocab_size
 from moefold.errors import ConfigError
 from moefold.parallel.dims import ParallelDims
 from moefold.plan import activations as act
@@ -356,13 +357,13 @@ def _rank_plan(cfg: Config, lay: _Layout, chunks: list[Chunk], rank: int, sh: ac
 def predict_memory(cfg: Config, world_size: int, imbalance: float = 1.0,
                    vocab_size: int = 0) -> MemoryPlan:
     """The plan of the busiest GPU of `cfg` on `world_size` GPUs. `imbalance` (>= 1) multiplies
-    the rows the busiest expert rank computes; `vocab_size` 0 takes the config's (or the byte
-    tokenizer's 257, as training would)."""
+    the rows the busiest expert rank computes; `vocab_size` 0 takes the config's (or its
+    tokenizer's, as training would)."""
     if not 1 <= imbalance < math.inf:
         raise ConfigError(f"--moe-imbalance={imbalance} must be a finite number >= 1 (1 is perfectly "
                           "balanced routing)")
     lay = _layout(cfg, world_size)
-    vocab = vocab_size or cfg.model.vocab_size or 257
+    vocab = vocab_size or model_vocab_size(cfg)
     chunks = model_chunks(cfg.model.n_layers, cfg.model.mtp_layers, lay.dims.pp, cfg.parallel.vpp)
     configured = _micro_batches(cfg, lay)
     micro_batches = schedule_micro_batches(configured, lay.dims.pp)

@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from moefold.config import Config
+from moefold.data.tokenizer import model_vocab_size
 from moefold.plan.measure import DTYPES, _cast_params, _fused_attention
 
 
@@ -74,7 +75,7 @@ def measure_peaks(cfg: Config, param_dtype: str = "fp32", vocab_size: int = 0) -
     from moefold.train.loss import build_objective
 
     grouped_mm_supported("cpu", torch.bfloat16)  # cached probe with real tensors, outside fake mode
-    vocab = vocab_size or cfg.model.vocab_size or 257
+    vocab = vocab_size or model_vocab_size(cfg)
     B, S = cfg.train.micro_batch_size, cfg.train.seq_len
     with FakeTensorMode(), _fused_attention():
         model = _cast_params(build_model(cfg, vocab, "cpu", torch.bfloat16), DTYPES[param_dtype]).train()

@@ -95,7 +95,9 @@ def meta_model(cfg):
     """The model of `cfg` built on the meta device: shapes without memory, for any size."""
     from moefold.models.transformer import build_model
 
-    vocab_size = cfg.model.vocab_size or 257  # the byte tokenizer's, as training would take
+    from moefold.data.tokenizer import model_vocab_size
+
+    vocab_size = model_vocab_size(cfg)  # read before the meta device is entered
     with torch.device("meta"):
         return build_model(cfg, vocab_size)
 

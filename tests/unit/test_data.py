@@ -135,6 +135,13 @@ def test_hf_tokenizer_bad_file(tmp_path, content):
     assert "\n" not in str(info.value)
 
 
+def test_a_tokenizer_directory_is_named_as_one(tmp_path):
+    with pytest.raises(DataError) as info:
+        build_tokenizer(str(tmp_path))
+    assert str(info.value) == (f"data.tokenizer={tmp_path}: a directory; give the tokenizer.json "
+                               f"file itself (such as {tmp_path / 'tokenizer.json'})")
+
+
 def test_hf_tokenizer_without_package(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "tokenizers", None)  # makes `import tokenizers` fail
     with pytest.raises(DataError, match=r"data\.tokenizer=.*moefold\[hf\]"):

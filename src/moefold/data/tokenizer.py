@@ -97,6 +97,9 @@ def _load_tokenizer_json(path: str):
     except ImportError:
         raise DataError(f"data.tokenizer={path}: needs the `tokenizers` package "
                         "(pip install 'moefold[hf]')") from None
+    if Path(path).is_dir():
+        raise DataError(f"data.tokenizer={path}: a directory; give the tokenizer.json file itself "
+                        f"(such as {Path(path) / 'tokenizer.json'})")
     if not Path(path).is_file():
         raise DataError(f"data.tokenizer={path}: no such file (expected a Hugging Face "
                         "tokenizer.json; empty uses the byte-level tokenizer)")

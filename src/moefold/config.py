@@ -294,11 +294,12 @@ class DataConfig:
     path: str = ""
     """Training data: a .txt/.jsonl/.parquet/.npy/.bin file or a directory of them; empty uses the
     embedded corpus (the running Python's standard library sources). A .txt file is one document
-    (split a corpus into files, or use .jsonl with one document per line)."""
+    (for many, split a corpus into files, or use .jsonl with one document per line)."""
     tokenizer: str = ""
     """A Hugging Face tokenizer.json; empty uses the byte-level tokenizer (256 bytes + end-of-document)."""
     val_fraction: float = 0.02
-    """Fraction of documents held out for validation (fixed by document name, not by seed)."""
+    """Fraction of documents held out for validation (fixed by document name, not by seed); token
+    files and a single text document (one .txt file) hold out their last tokens instead."""
     text_field: str = "text"
     """Field holding the text in .jsonl and .parquet files."""
     token_dtype: str = "uint16"

@@ -369,7 +369,8 @@ BAD_INPUTS = {
     "truncated npy": (lambda d: _write(d / "x.npy", b"\x93NUMPY\x01\x00"), "not a valid .npy"),
     "ids beyond vocab": (lambda d: _write(d / "x.npy", np.array([1, 300])), "data.tokenizer"),
     "mixed kinds": (_mixed_dir, "mixes text files"),
-    "single document": (lambda d: _write(d / "x.txt", "only one"), "single document"),
+    "single document too short": (lambda d: _write(d / "x.txt", "only one"),
+                                  "one document of 9 tokens cannot be split"),
 }
 
 
@@ -382,6 +383,16 @@ def test_bad_data_path(tmp_path, case):
     message = str(info.value)
     assert message.startswith(f"data.path={path}") and expected in message, message
     assert "\n" not in message
+
+
+def test_a_single_text_file_holds_out_its_last_tokens(tmp_path):
+    """One .txt file (nanoGPT's input.txt) is one document: validation takes its last
+    val_fraction of tokens, as a token file's, instead of refusing the default split."""
+    text = "".join(chr(ord("a") + i % 26) for i in range(999))
+    streams = streams_of(_write(tmp_path / "input.txt", text), val_fraction=0.1)
+    ids_N = np.array(list(text.encode()) + [EOS])
+    assert streams.train_N.tolist() == ids_N[:900].tolist()
+    assert streams.val_N.tolist() == ids_N[900:].tolist()
 
 
 def test_error_in_a_directory_names_the_file(tmp_path):

@@ -110,14 +110,26 @@ def is_validation(name: str, threshold: int) -> bool:
 def _ensure_both_nonempty(train_docs: list[np.ndarray], val_docs: list[np.ndarray], label: str,
                           val_fraction: float) -> None:
     # With few documents the hash can leave a side empty; move one document rather than fail.
-    if len(train_docs) + len(val_docs) < 2:
-        raise DataError(f"data.path={label}: a single document cannot be split into train and "
-                        f"validation (data.val_fraction={val_fraction}); add documents or set "
-                        "data.val_fraction=0")
+    if len(train_docs) + len(val_docs) == 1:  # one .txt file (input.txt): as a token file splits
+        _split_tail(train_docs, val_docs, label, val_fraction)
+        return
     if not val_docs:
         val_docs.append(train_docs.pop())  # the last document
     if not train_docs:
         train_docs.append(val_docs.pop(0))  # the first document
+
+
+def _split_tail(train_docs: list[np.ndarray], val_docs: list[np.ndarray], label: str,
+                val_fraction: float) -> None:
+    """The one document's last val_fraction of tokens held out for validation."""
+    (ids_N,) = train_docs + val_docs
+    num_val = round(len(ids_N) * val_fraction)
+    if not 0 < num_val < len(ids_N):
+        raise DataError(f"data.path={label}: one document of {len(ids_N)} tokens cannot be split "
+                        f"into train and validation at data.val_fraction={val_fraction}; add text "
+                        "or set data.val_fraction=0")
+    train_docs[:] = [ids_N[:-num_val]]
+    val_docs[:] = [ids_N[-num_val:]]
 
 
 def _encode_batch(tokenizer: Tokenizer, texts: Sequence[str]) -> list[np.ndarray]:

@@ -66,6 +66,23 @@ def test_layout_trains_like_one_process(name, world, dp, parallel, corpus, refer
         _check_same_training(results[model], reference[model], f"{name} {model}")
 
 
+FINE_GRAINED = '["norm", "attn_core", "mla_up_proj", "moe_act", "shared_experts", "mlp"]'
+RECOMPUTE = {"qwen3": '["norm"]', "deepseek": FINE_GRAINED}
+
+
+def test_recompute_under_sequence_parallel_tp_trains_like_one_process(corpus, reference, tmp_path):
+    """memory.recompute under tp2 with sequence parallelism, where a pre-norm's input and output
+    are DTensors (Shard(1)) and its consumer gets their all-gathered copy: recompute changes no
+    result, so tp2 still trains like one process (one spawn, both models)."""
+    runs = [(model, model, corpus, 1, dict(tp=2), tmp_path / model, None, 0,
+             {"memory.recompute": names}) for model, names in RECOMPUTE.items()]
+    out = tmp_path / "results.pt"
+    run_ranks(2, train_on_rank, runs, out)
+    results = torch.load(out)
+    for model in MODELS:
+        _check_same_training(results[model], reference[model], f"tp2 recompute {RECOMPUTE[model]} {model}")
+
+
 def test_checkpoint_resumes_under_other_layouts(corpus, reference, tmp_path):
     """Saved at step 5 under ep4 (world 4); resumed under tp2·ep2 (world 4), ep2 (world 2) and in
     one process, the loss continues as in the uninterrupted single-process run."""

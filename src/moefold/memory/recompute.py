@@ -31,6 +31,7 @@ from torch.utils.checkpoint import checkpoint, get_device_states, set_device_sta
 from moefold.memory.moe_tape import moe_recompute_contexts
 from moefold.memory.sites import Site, targets
 from moefold.moe.layer import MoELayer
+from moefold.parallel.local import local_tensor
 
 
 def apply_recompute(model: torch.nn.Module, names: Sequence[str]) -> None:
@@ -125,24 +126,24 @@ class _Run:
     def consumed_by(self, args: tuple) -> bool:
         """The consumer got every output itself (not a copy), and no output shares an input's
         storage (freeing it would free the input)."""
-        inputs = {a.untyped_storage().data_ptr() for a in self.args if isinstance(a, torch.Tensor)}
+        inputs = {_storage(a).data_ptr() for a in self.args if isinstance(a, torch.Tensor)}
         return (all(any(o is a for a in args) for o in self.outputs)
-                and all(o.device.type != "meta" and o.untyped_storage().data_ptr() not in inputs
+                and all(o.device.type != "meta" and _storage(o).data_ptr() not in inputs
                         for o in self.outputs))
 
     def discard_until_backward_of(self, consumer_out: torch.Tensor) -> None:
         for o in self.outputs:
-            self.freed.setdefault(o.untyped_storage().data_ptr(), (o, o.untyped_storage().nbytes()))
+            self.freed.setdefault(_storage(o).data_ptr(), (o, _storage(o).nbytes()))
         for o, _ in self.freed.values():
-            o.untyped_storage().resize_(0)
+            _storage(o).resize_(0)
         consumer_out.register_hook(self._restore)
 
     def _restore(self, grad: torch.Tensor) -> None:
         recomputed_of = {id(o): new for o, new in zip(self.outputs, self.recompute())}
         for o, nbytes in self.freed.values():
-            storage = o.untyped_storage()
+            storage = _storage(o)
             storage.resize_(nbytes)
-            storage.copy_(recomputed_of[id(o)].untyped_storage())
+            storage.copy_(_storage(recomputed_of[id(o)]))
         self.outputs, self.freed = (), {}
 
     def recompute(self) -> tuple[torch.Tensor, ...]:
@@ -169,3 +170,10 @@ class _Run:
             if holder is not None:
                 self.recomputed[holder] = t
         return tuple(o.detach() for o in (outputs if isinstance(outputs, tuple) else (outputs,)))
+
+
+def _storage(t: torch.Tensor) -> torch.UntypedStorage:
+    """The memory `t` holds on this rank: a DTensor (a sequence-parallel norm's input and output)
+    is a wrapper without storage of its own; its local shard has it. Detached first, so that
+    reading it adds no node to the graph."""
+    return local_tensor(t.detach()).untyped_storage()

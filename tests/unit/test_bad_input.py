@@ -340,3 +340,31 @@ def test_a_token_id_beyond_the_vocabulary_past_the_startup_check_stops_training_
     overrides = {**TINY_OVERRIDES, "data.path": str(tmp_path / "tokens.npy"), "data.val_fraction": "0"}
     line = error_line(capsys, ["train", "--run-dir", str(tmp_path / "run"), *cli_args(overrides)])
     assert "token id 5000 in a training batch is outside the vocabulary [0, 257)" in line
+
+
+@pytest.fixture(scope="module")
+def deepseek_run(tmp_path_factory):
+    """A finished tiny DeepSeek run: an MTP module, expert bias, an untied head."""
+    from conftest import write_text_corpus
+
+    root = tmp_path_factory.mktemp("deepseek")
+    run = root / "run"
+    assert main(["train", "--config", "tiny-deepseek", "--run-dir", str(run), "--data.path",
+                 str(write_text_corpus(root / "corpus")), "--train.steps", "2", "--train.warmup_steps", "0",
+                 "--train.seq_len", "32", "--train.micro_batch_size", "2", "--train.device", "cpu",
+                 "--logging.progress_bar", "false", "--logging.tensorboard", "false"]) == 0
+    return run
+
+
+@pytest.mark.parametrize("change, expected", [
+    (["--model.mtp_layers", "0"], "holds mtp.layers.0."),
+    (["--model.mtp_layers", "2"], "this model holds mtp.layers.1."),
+    (["--moe.expert_bias", "false"], "holds layers.1.ffn.router.expert_bias_E"),
+    (["--model.tie_embeddings", "true"], "its optimizer state does not fit this model"),
+])
+def test_a_resume_that_changes_the_models_tensors_is_refused(deepseek_run, tmp_path, capsys, change, expected):
+    """Tensors the checkpoint holds and the model lacks (or the reverse) are refused by name, never
+    dropped silently or reported as a corrupt checkpoint; a tied head, one line, not a traceback."""
+    line = error_line(capsys, ["train", "--resume", str(deepseek_run), "--run-dir", str(tmp_path / "again"),
+                               "--train.steps", "3", *change])
+    assert expected in line and line.endswith("a run continues with the model.* and moe.* it was trained with")

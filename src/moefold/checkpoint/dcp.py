@@ -187,7 +187,17 @@ class _ReaderWithMetadata(dcp.FileSystemReader):
 
 def _refuse_other_model_shapes(model_state: dict[str, Any], metadata, path: Path) -> None:
     """A model built with other shapes than the checkpoint's (a resume that changed model.* or
-    moe.*) is named for what it is, not reported as a corrupt checkpoint."""
+    moe.*) is named for what it is, not reported as a corrupt checkpoint; tensors one has and the
+    other lacks (MTP modules, a tied head, the expert bias) are refused too, never dropped."""
+    if not model_state:
+        return
+    saved_names = {key.removeprefix("model.") for key in metadata.state_dict_metadata if key.startswith("model.")}
+    for names, holder, lacker in ((saved_names - model_state.keys(), f"checkpoint {path}", "this model"),
+                                  (model_state.keys() - saved_names, "this model", f"checkpoint {path}")):
+        if names:
+            listed = ", ".join(sorted(names)[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            raise CheckpointError(f"{holder} holds {listed}, which {lacker} lacks: a run continues with the "
+                                  "model.* and moe.* it was trained with")
     for name, tensor in model_state.items():
         saved = metadata.state_dict_metadata.get(f"model.{name}")
         saved_size = getattr(saved, "size", None)  # tensors only

@@ -41,7 +41,7 @@ from moefold.config import Config, config_from_toml, refuse_unsupported_parallel
 from moefold.data.corpus import build_token_streams
 from moefold.data.loader import Batch, PackedSequences, TrainLoader, val_batches
 from moefold.data.tokenizer import build_tokenizer
-from moefold.errors import ConfigError, TrainingDiverged, refuse_unwritable_dir
+from moefold.errors import CheckpointError, ConfigError, TrainingDiverged, refuse_unwritable_dir
 from moefold.fp8.apply import apply_fp8
 from moefold.fp8.weight_cache import refresh_weight_caches
 from moefold.models.transformer import Transformer, build_model, materialize
@@ -335,7 +335,12 @@ class Trainer:
         # The config's hyperparameters, not the saved ones torch's load puts back: a resume with
         # --train.lr, betas, eps or weight decay changed trains with them.
         config_values = [{key: group[key] for key in _CONFIG_HYPERPARAMETERS} for group in self.optimizer.param_groups]
-        set_optimizer_state_dict(self.data_parallel.optimized, self.optimizer, state["optim"])
+        try:
+            set_optimizer_state_dict(self.data_parallel.optimized, self.optimizer, state["optim"])
+        except (RuntimeError, KeyError, ValueError) as e:  # same tensors, other parameters: a tied head
+            reason = " ".join(str(e).split(". ")[0].split())
+            raise CheckpointError(f"checkpoint {path}: its optimizer state does not fit this model ({reason}): "
+                                  "a run continues with the model.* and moe.* it was trained with") from None
         for group, values in zip(self.optimizer.param_groups, config_values, strict=True):
             group.update(values)
         self.step = int(state["step"])

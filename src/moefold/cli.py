@@ -65,8 +65,10 @@ def _build_parser() -> argparse.ArgumentParser:
                        help="continue the run in DIR (a run directory or one of its checkpoints)")
     train.add_argument("--init-from-hf", type=Path, metavar="DIR",
                        help="start from a Hugging Face checkpoint directory (its config.json sets "
-                            "[model] and [moe], which options may change where no weight's shape "
-                            "changes; its tokenizer.json is used when data.tokenizer is unset)")
+                            "[model] and the architecture of [moe], which options may change where "
+                            "no weight's shape changes; aux losses, capacity and other training "
+                            "settings of [moe] come from --config; its tokenizer.json is used when "
+                            "data.tokenizer is unset)")
     train.add_argument("--nproc", type=int, default=1, metavar="N",
                        help="start N ranks on this machine (like torchrun --standalone "
                             "--nproc-per-node N): one per GPU, or N CPU processes with gloo")
@@ -226,14 +228,18 @@ def _without_nproc(argv: list[str]) -> list[str]:
 
 
 def _config_for_hf_model(hf_dir: Path, preset: str | None, overrides: dict[str, Any]) -> Config:
-    """[model] and [moe] from the checkpoint's config.json, everything else from the preset; then
-    the overrides. The checkpoint's tokenizer.json is the default tokenizer."""
+    """[model] and the architecture of [moe] from the checkpoint's config.json; everything else
+    (the [moe] fields of how it trains: aux losses, capacity, ...) from the preset; then the
+    overrides. The checkpoint's tokenizer.json is the default tokenizer."""
+    from moefold.checkpoint.hf_families import TRAINING_MOE_FIELDS
+
     hf_cfg = _hf_config(hf_dir)
     tokenizer = Path(hf_dir) / "tokenizer.json"
     defaults = {"data.tokenizer": str(tokenizer)} if tokenizer.is_file() else {}
     cfg = load_config(preset, {**defaults, **{k: v for k, v in overrides.items()
                                               if not k.startswith(("model.", "moe."))}})
-    cfg = dataclasses.replace(cfg, model=hf_cfg.model, moe=hf_cfg.moe)
+    training = {name: getattr(cfg.moe, name) for name in TRAINING_MOE_FIELDS}
+    cfg = dataclasses.replace(cfg, model=hf_cfg.model, moe=dataclasses.replace(hf_cfg.moe, **training))
     apply_overrides(cfg, {k: v for k, v in overrides.items() if k.startswith(("model.", "moe."))})
     validate(cfg)
     return cfg

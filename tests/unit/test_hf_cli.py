@@ -120,3 +120,21 @@ def test_export_carries_the_runs_tokenizer_to_init_from_hf(tmp_path, text_corpus
     overrides = {k: v for k, v in overrides.items() if not k.startswith(("model.", "moe.", "data.tokenizer"))}
     assert main(["train", "--init-from-hf", str(export), "--run-dir", str(tuned), *cli_args(overrides)]) == 0
     assert f'tokenizer = "{export / "tokenizer.json"}"' in (tuned / "config.toml").read_text()
+
+
+def test_init_from_hf_keeps_the_configs_training_settings_of_moe(tmp_path, hf_dir, text_corpus):
+    """config.json says what the model is; how its MoE layers train (capacity, aux and z-loss
+    coefficients) comes from the user's --config file, as every other section does."""
+    config = tmp_path / "my.toml"
+    config.write_text("[moe]\ncapacity_factor = 1.25\naux_loss_coeff = 0.0\nz_loss_coeff = 0.001\n"
+                      "num_experts = 64\n")  # an architecture field: config.json's wins
+    overrides = {k: v for k, v in TINY_OVERRIDES.items() if not k.startswith(("model.", "moe."))}
+    overrides.update({"data.path": str(text_corpus), "train.steps": "1", "train.warmup_steps": "0"})
+    run = tmp_path / "run"
+    assert main(["train", "--init-from-hf", str(hf_dir), "--config", str(config), "--run-dir", str(run),
+                 *cli_args(overrides)]) == 0
+    saved = (run / "config.toml").read_text()
+    for line in ("capacity_factor = 1.25", "aux_loss_coeff = 0.0", "z_loss_coeff = 0.001", "num_experts = 4"):
+        assert f"\n{line}\n" in saved, line
+    first = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    assert "z_loss" in first and "aux_loss" not in first

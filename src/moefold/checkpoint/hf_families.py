@@ -14,7 +14,8 @@ fuses experts in memory (`experts.gate_up_proj` [E, 2F, D], `experts.down_proj` 
 `save_pretrained` writes, and its `from_pretrained` converts from, these per-expert Hub names.
 
 Training-only knobs (aux-loss coefficients, the expert-bias update rate, capacity) are not in
-config.json's architecture and keep moefold's defaults: set them for fine-tuning.
+config.json's architecture: `TRAINING_MOE_FIELDS` come from the user's config (`--init-from-hf`)
+or moefold's defaults (`convert --from-hf`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,12 @@ from typing import Any
 from moefold.config import Config
 from moefold.errors import CheckpointError
 from moefold.models.transformer import is_moe_layer
+
+TRAINING_MOE_FIELDS = ("router_dtype", "z_loss_coeff", "aux_loss_coeff", "seq_aux_loss_coeff",
+                       "global_aux_loss_coeff", "expert_bias_update_rate", "force_balanced",
+                       "capacity_factor", "drop_policy", "pad_to_capacity", "pad_multiple",
+                       "memory_efficient_permute", "experts_backend")
+"""[moe] fields of how a model trains, not what it is: no config.json key holds them."""
 
 
 @dataclass(frozen=True)

@@ -658,6 +658,9 @@ def validate(cfg: Config) -> None:
     _require(0.0 < t.decay_fraction <= 1.0,
              f"train.decay_fraction={t.decay_fraction} must be in (0, 1]")
     _require(t.seed < 2**63, f"train.seed={t.seed} must be < 2**63 (torch's seeds are 64-bit)")
+    _require(not (t.global_batch_size and t.grad_accum != 1),
+             f"train.grad_accum={t.grad_accum} and train.global_batch_size={t.global_batch_size}: give one "
+             "(global_batch_size sets grad_accum to global_batch_size / (micro_batch_size · dp))")
     _require(t.warmup_steps <= t.steps,
              f"train.warmup_steps={t.warmup_steps} exceeds train.steps={t.steps}")
     _require(0.0 <= t.beta1 < 1.0, f"train.beta1={t.beta1} must be in [0, 1)")

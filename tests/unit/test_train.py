@@ -363,3 +363,13 @@ def test_a_one_window_heatmap_labels_its_step_once():
 
     assert [_step_at([8], x) for x in (-0.4, -0.2, 0.0, 0.2, 0.4)] == ["", "", "8", "", ""]
     assert [_step_at([2, 4, 6], x) for x in (0, 1, 2, 3)] == ["2", "4", "6", ""]
+
+
+def test_an_fp8_run_whose_exclusions_keep_every_module_says_it_is_not_fp8(tmp_path, tiny_args, capsys):
+    run = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run), *tiny_args, "--train.steps", "1", "--train.warmup_steps", "0",
+                 "--precision.fp8", "rowwise", "--precision.fp8_exclude", '["*"]']) == 0
+    assert "warning: precision.fp8=rowwise converts no module" in capsys.readouterr().out
+    assert main(["train", "--run-dir", str(tmp_path / "fp8"), *tiny_args, "--train.steps", "1",
+                 "--train.warmup_steps", "0", "--precision.fp8", "rowwise"]) == 0
+    assert "converts no module" not in capsys.readouterr().out

@@ -279,8 +279,11 @@ class Trainer:
         # FP8 GEMMs where precision.fp8 says. Parameters end up in the compute dtype unless fp32
         # masters train under bf16 autocast, where every linear casts its own copy of its input.
         autocast_over_fp32 = cfg.optim.master_dtype == "fp32" and self.compute_dtype != torch.float32
-        apply_fp8(model, cfg.precision, self.device.type, shared_inputs=not autocast_over_fp32,
-                  compute_dtype=self.compute_dtype)
+        converted = apply_fp8(model, cfg.precision, self.device.type, shared_inputs=not autocast_over_fp32,
+                              compute_dtype=self.compute_dtype)
+        if cfg.precision.fp8 != "off" and not converted:
+            self.out(f"warning: precision.fp8={cfg.precision.fp8} converts no module (precision.fp8_exclude "
+                     "and fp8_bf16_first/last_layers keep every one in high precision): this run is not FP8")
         if cfg.precision.fp8 != "off" and self.device.type == "cuda":
             self.out("warning: precision.fp8 on CUDA trains like bf16 but runs at about its speed "
                      "(docs/fp8.md)" + ("; with several micro-batches a step, precision.fp8_weight_cache=true "

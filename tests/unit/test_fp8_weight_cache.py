@@ -122,17 +122,20 @@ def _run(tiny_args_cfg, tmp_path, cache: bool, steps: int = 3):
     return losses, trainer.validate(), {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
 
 
-def test_training_with_the_cache_equals_training_without(text_corpus, tmp_path):
+@pytest.mark.parametrize("master_dtype", ["fp32", "bf16", "bf16+remainder"])
+def test_training_with_the_cache_equals_training_without(master_dtype, text_corpus, tmp_path):
     """Three steps of two micro-batches each, FP8 rowwise (emulated): losses, validation loss and
     final weights equal, bit for bit, with and without the cache — refreshed after every step
-    (a stale one would change step 2's loss) and before validation."""
+    (a stale one would change step 2's loss) and before validation. In fp32 compute (the CPU's;
+    no autocast) bf16 masters run the experts in bf16, and the cache quantizes bf16 weights too."""
     overrides = {"data.path": str(text_corpus), "model.dim": "64", "model.n_layers": "2", "model.n_heads": "2",
                  "model.n_kv_heads": "1", "model.head_dim": "32", "moe.num_experts": "4", "moe.top_k": "2",
                  "moe.expert_hidden": "32", "train.seq_len": "32", "train.micro_batch_size": "2",
                  "train.grad_accum": "2", "train.warmup_steps": "1", "train.val_every": "0",
                  "train.val_batches": "1", "train.device": "cpu", "precision.fp8": "rowwise",
                  "logging.tensorboard": "false", "logging.progress_bar": "false",
-                 "logging.expert_load_heatmap": "false", "checkpoint.save_at_end": "false"}
+                 "logging.expert_load_heatmap": "false", "checkpoint.save_at_end": "false",
+                 "optim.master_dtype": master_dtype}
     (losses, val, weights), (ref_losses, ref_val, ref_weights) = (
         _run(overrides, tmp_path, True), _run(overrides, tmp_path, False))
     assert losses == ref_losses and val == ref_val

@@ -41,8 +41,9 @@ def apply_fp8(model: nn.Module, precision: PrecisionConfig, device_type: str,
     `shared_inputs`: the parameters will be in the compute dtype, so sibling linears (q/k/v, gate
     and up) read one input tensor instead of each casting its own copy (fp32 parameters under
     bf16 autocast); it decides which linears keep their input in FP8 (`_keeps_fp8_input`).
-    `compute_dtype`: what the experts cast their weights to, which `precision.fp8_weight_cache`
-    quantizes from (needed only with it; the cache is empty until refresh_weight_caches).
+    `compute_dtype`: the run's (autocast below fp32), which decides what the experts cast their
+    weights to and so what `precision.fp8_weight_cache` quantizes from (needed only with it; the
+    cache is empty until refresh_weight_caches).
     """
     if precision.fp8 == "off":
         return []

@@ -37,12 +37,14 @@ class PerCallWeights:
 
 class CachedWeights:
     """Both FP8 operands of each expert weight (the forward's w, grad_input's w^T), quantized by
-    `refresh` from the weights cast to `dtype` (the compute dtype, as the experts' forward casts
-    them) and kept as non-persistent buffers of the experts module: checkpoints never hold them,
-    `.to()` moves them, and a compiled block reads them as inputs."""
+    `refresh` from the weights cast as the experts' forward casts them (moe/experts.py
+    compute_dtype: to `autocast_dtype` under autocast, else to their input's dtype, which is then
+    the parameters' own: bf16 masters in fp32 compute run the experts in bf16) and kept as
+    non-persistent buffers of the experts module: checkpoints never hold them, `.to()` moves them,
+    and a compiled block reads them as inputs."""
 
-    def __init__(self, dtype: torch.dtype):
-        self.dtype = dtype
+    def __init__(self, autocast_dtype: torch.dtype | None):
+        self.autocast_dtype = autocast_dtype
 
     def operands(self, experts: nn.Module, names: list[str]):
         """(forward operands, grad_input operands) of the weights `names`, as fp8_grouped_mms'
@@ -57,7 +59,8 @@ class CachedWeights:
     def refresh(self, experts: nn.Module) -> None:
         gemm, scaling = experts.gemm, experts.scaling
         for name in experts.weight_names():
-            w_EKN = local_tensor(getattr(experts, name)).to(self.dtype)
+            w_EKN = local_tensor(getattr(experts, name))
+            w_EKN = w_EKN.to(self.autocast_dtype or w_EKN.dtype)
             fresh = {"forward": gemm.weight_operands(w_EKN, scaling.forward.b),
                      "grad_input": gemm.weight_operands(w_EKN.transpose(-2, -1), scaling.grad_input.b)}
             for phase, operands in fresh.items():
@@ -86,9 +89,11 @@ def refresh_weight_caches(model: nn.Module) -> None:
             cache.refresh(module)
 
 
-def build_weight_cache(enabled: bool, dtype: torch.dtype | None):
+def build_weight_cache(enabled: bool, compute_dtype: torch.dtype | None):
     if not enabled:
         return PerCallWeights()
-    if dtype is None:
+    if compute_dtype is None:
         raise ValueError("precision.fp8_weight_cache needs the compute dtype the experts cast their weights to")
-    return CachedWeights(dtype)
+    # The trainer autocasts only below fp32 (Trainer.autocast); in fp32 nothing casts the experts'
+    # input, so they compute in their parameters' dtype (bf16 under bf16 masters), not in fp32.
+    return CachedWeights(None if compute_dtype == torch.float32 else compute_dtype)

@@ -159,6 +159,8 @@ def _recompute_norms(cfg: Config, moe_layer: bool, sh: Shapes, same_dtype: bool)
         act._add(out, norm=-act.norm_bytes(rows, dim, sh) + rows * dim * a)
     if not same_dtype:  # the projections keep their own compute-dtype casts of the normed x
         return out
+    if sh.tp > 1 and cfg.parallel.sequence_parallel:  # they keep the all-gathered copy, not the norm's
+        return out
     act._add(out, attn_proj=-T * D * a)
     if not moe_layer:
         return act._add(out, mlp=-T * D * a)

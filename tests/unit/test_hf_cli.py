@@ -138,3 +138,29 @@ def test_init_from_hf_keeps_the_configs_training_settings_of_moe(tmp_path, hf_di
         assert f"\n{line}\n" in saved, line
     first = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
     assert "z_loss" in first and "aux_loss" not in first
+
+
+@pytest.mark.parametrize("master", ["bf16+remainder", "bf16"])
+def test_export_writes_the_weights_the_optimizer_holds(tmp_path, text_corpus, master):
+    """bf16+remainder: the exact fp32 masters (bf16 parameters joined with their int16
+    remainders), not the bf16-rounded parameters widened; bf16 masters: bf16, not widened."""
+    from moefold.checkpoint.hf import load_pretrained
+    from moefold.config import load_config
+    from moefold.train.trainer import Trainer
+
+    cfg = load_config(None, {**TINY_OVERRIDES, "data.path": str(text_corpus), "train.steps": "3",
+                             "optim.master_dtype": master})
+    run, export = tmp_path / "run", tmp_path / "hf"
+    trainer = Trainer(cfg, run, out=lambda line: None)
+    trainer.fit()
+    opt = trainer.optimizer
+    masters = {name: opt._load_master(p, opt.state[p]) for name, p in trainer.model.named_parameters()}
+    assert main(["convert", "--run-dir", str(run), "--to-hf", str(export)]) == 0
+    written = json.loads((export / "config.json").read_text())["torch_dtype"]
+    assert written == {"bf16+remainder": "float32", "bf16": "bfloat16"}[master]
+    exported = dict(load_pretrained(export).named_parameters())
+    assert exported.keys() == masters.keys()
+    for name, value in masters.items():
+        assert torch.equal(exported[name], value.float()), name
+    if master == "bf16+remainder":  # the check above can tell masters from their bf16 rounding
+        assert any(not torch.equal(v, v.bfloat16().float()) for v in masters.values())

@@ -250,6 +250,26 @@ def load_weights(model: nn.Module, path: Path) -> None:
     model.load_state_dict(state["model"])
 
 
+def load_exact_masters(model: nn.Module, path: Path) -> int:
+    """The parameters of a bf16+remainder run (optim.master_dtype) as their exact fp32 masters:
+    the checkpoint's bf16 weights joined with the int16 remainders its optimizer state holds
+    (`model`'s parameters fp32, filled by `load_weights` first). Returns how many were joined;
+    0 for other runs and weights-only checkpoints, whose parameters are their masters."""
+    from moefold.optim.precision import join_fp32
+
+    saved = _read_metadata(path).state_dict_metadata
+    params = {name: p for name, p in model.named_parameters()
+              if f"optim.state.{name}.master_remainder" in saved}
+    if not params:
+        return 0
+    remainders = {name: {"master_remainder": torch.empty(p.shape, dtype=torch.int16)} for name, p in params.items()}
+    load_checkpoint({"optim": {"state": remainders}}, path)
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(join_fp32(p.to(torch.bfloat16), remainders[name]["master_remainder"]))
+    return len(params)
+
+
 def save_weights_only(model_state: dict[str, Any], run_dir: Path) -> Path:
     """A step-0 checkpoint holding only model weights (a converted model): training from it starts
     with fresh optimizer, schedule and data order."""

@@ -111,7 +111,7 @@ def test_hf_tokenizer_config_eos_comes_after_the_candidates(tmp_path):
 
 @pytest.mark.parametrize("config, expected", [
     ('{"eos_token": "<|eot|>"}', "eos_token '<|eot|>' of tokenizer_config.json"),
-    ("{oops", "tokenizer_config.json: not a JSON object"),
+    ("{oops", "tokenizer_config.json: not valid JSON"),
     ("[1]", "tokenizer_config.json: not a JSON object"),
 ])
 def test_hf_tokenizer_config_eos_errors(tmp_path, config, expected):

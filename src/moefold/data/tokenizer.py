@@ -136,7 +136,7 @@ def _config_eos_token(path: str) -> str | None:
     try:
         config = json.loads(config_path.read_bytes())
     except ValueError as e:
-        raise DataError(f"data.tokenizer={path}: {config_path}: not a JSON object ({e})") from None
+        raise DataError(f"data.tokenizer={path}: {config_path}: not valid JSON ({e})") from None
     if not isinstance(config, dict):
         raise DataError(f"data.tokenizer={path}: {config_path}: not a JSON object "
                         f"(a {type(config).__name__})")

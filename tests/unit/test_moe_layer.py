@@ -100,6 +100,25 @@ def test_padding_tokens_are_not_routed():
     assert layer.stats.pop()["tokens_per_expert_E"].sum() == (10 + 6) * 2  # two forwards, K=2
 
 
+@pytest.mark.parametrize("drop_policy", ["probs", "position"])
+def test_padding_never_takes_a_real_tokens_place_under_capacity(drop_policy):
+    """With a capacity factor, padding copies rank after every real one: the real tokens' outputs
+    do not depend on what the padding holds, and a real copy is dropped only past C real copies."""
+    cfg = MoEConfig(num_experts=4, top_k=1, expert_hidden=16, capacity_factor=1.0, drop_policy=drop_policy,
+                    aux_loss_coeff=0.0, norm_topk_prob=False)
+    layer = build(cfg, 16, seed=2).float().eval()
+    real = torch.randn(1, 8, 16, generator=torch.Generator().manual_seed(0))
+    valid = torch.tensor([[False] * 8 + [True] * 8])  # left padding
+    outputs = [layer(torch.cat([padding, real], dim=1), valid)[:, 8:] for padding in
+               (torch.zeros(1, 8, 16), 3 * real, -real)]
+    for y in outputs[1:]:
+        torch.testing.assert_close(y, outputs[0], rtol=0, atol=0)
+    capacity = layer.capacity.capacity(16, 1)  # C = 4 of the 16 tokens
+    per_expert = torch.bincount(layer.router(real.view(8, 16)).idx_TK.view(-1), minlength=4)
+    dropped = int((outputs[0].abs().sum(-1) == 0).sum())
+    assert dropped == int((per_expert - capacity).clamp(min=0).sum())
+
+
 @pytest.mark.skipif(len(BACKENDS) < 2, reason="torch._grouped_mm unavailable on this build")
 @pytest.mark.parametrize("seed", range(8))
 def test_grouped_mm_backend_matches_loop(seed):

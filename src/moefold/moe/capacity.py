@@ -24,13 +24,16 @@ def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_fact
 class Dropless:
     capacity_factor = 0.0
 
-    def __call__(self, idx_TK: torch.Tensor, probs_TK: torch.Tensor) -> torch.Tensor:
+    def __call__(self, idx_TK: torch.Tensor, probs_TK: torch.Tensor,
+                 valid_N: torch.Tensor | None = None) -> torch.Tensor:
         return torch.ones(idx_TK.numel(), dtype=torch.bool, device=idx_TK.device)
 
 
 class CapacityDrop:
     """Keep each expert's first C copies in a priority order: highest probability first, or earliest
-    position (token order, then k) first."""
+    position (token order, then k) first. Copies of padding tokens (`valid_N` False) come after
+    every real one, so they never take a real copy's place; C is the batch's (T tokens, padding
+    included: a static shape)."""
 
     def __init__(self, num_experts: int, capacity_factor: float, by_probs: bool):
         self.num_experts, self.capacity_factor, self.by_probs = num_experts, capacity_factor, by_probs
@@ -38,10 +41,13 @@ class CapacityDrop:
     def capacity(self, num_tokens: int, top_k: int) -> int:
         return expert_capacity(num_tokens, top_k, self.num_experts, self.capacity_factor)
 
-    def __call__(self, idx_TK: torch.Tensor, probs_TK: torch.Tensor) -> torch.Tensor:
+    def __call__(self, idx_TK: torch.Tensor, probs_TK: torch.Tensor,
+                 valid_N: torch.Tensor | None = None) -> torch.Tensor:
         T, K = idx_TK.shape
         idx_N = idx_TK.reshape(-1)
         priority_N = self._priority_order(probs_TK.reshape(-1).detach())
+        if valid_N is not None:  # real copies first, each side in its own priority order
+            priority_N = priority_N[torch.argsort(~valid_N[priority_N], stable=True)]
         by_expert_N = priority_N[torch.argsort(idx_N[priority_N], stable=True)]
         counts_E = count_tokens_per_expert(idx_TK, self.num_experts)
         start_E = counts_E.cumsum(0) - counts_E

@@ -41,7 +41,7 @@ class MoELayer(nn.Module):
         x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
         valid_N = None if valid_BS is None else valid_BS.reshape(-1).repeat_interleave(self.top_k)
         routing = self.router(x_TD)
-        keep_N = self.capacity(routing.idx_TK, routing.probs_TK)
+        keep_N = self.capacity(routing.idx_TK, routing.probs_TK, valid_N)
         if valid_N is not None:
             keep_N = keep_N & valid_N  # padding tokens never reach an expert
         # Tokens travel in the experts' compute dtype: a [T, D] cast instead of a [T·K, D] one.

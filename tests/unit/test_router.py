@@ -135,6 +135,17 @@ def test_expert_bias_update_hand_checked():
     assert router.state_dict()["expert_bias_E"].dtype == torch.float32
 
 
+def test_the_expert_bias_stays_fp32_when_the_model_is_cast():
+    """model.to(torch.bfloat16) casts the weight, not the bias: in bf16 an update of 1e-3 past 0.5
+    is lost (8 bits of mantissa), and the bias would freeze."""
+    router = make_router(MoEConfig(num_experts=4, top_k=2, expert_bias=True)).to(torch.bfloat16)
+    assert router.weight.dtype == torch.bfloat16 and router.expert_bias_E.dtype == torch.float32
+    router.expert_bias_E.fill_(0.6)
+    for _ in range(10):
+        router.update_expert_bias(torch.tensor([100, 0, 0, 0]))
+    torch.testing.assert_close(router.expert_bias_E, torch.tensor([0.59, 0.61, 0.61, 0.61]))
+
+
 def test_force_balanced_gives_every_expert_the_same_load_and_keeps_gradients():
     cfg = MoEConfig(num_experts=8, top_k=2, force_balanced=True, norm_topk_prob=True)
     router = make_router(cfg)

@@ -243,6 +243,14 @@ class Router(nn.Module):
             self.expert_bias_E = None
             self.selection_scores = self.score_fn.selection
 
+    def _apply(self, fn, recurse=True):
+        # model.to(torch.bfloat16) would cast the bias too, where an update of 1e-3 vanishes past
+        # 0.5 (bf16 keeps 8 bits); moves between devices still apply.
+        super()._apply(fn, recurse)
+        if self.expert_bias_E is not None:
+            self._buffers["expert_bias_E"] = self.expert_bias_E.float()
+        return self
+
     def forward(self, x_TD: torch.Tensor) -> Routing:
         logits_TE = self.logits(x_TD)
         scores_TE = self.score_fn.scores(logits_TE)

@@ -76,3 +76,22 @@ def test_a_parameter_is_filled_in_place():
     weight = torch.nn.Parameter(torch.full(SHAPE, float("nan")))
     init.seeded_normal_(weight, STD, SEED, NAME)
     assert torch.equal(weight.detach(), _whole_weight(SHAPE))
+
+
+def test_to_empty_then_init_weights_starts_every_buffer_at_zero():
+    """TorchTitan's way to materialize a meta model (to_empty, then init_weights) leaves the
+    buffers' memory uninitialised; init_weights zeroes them (the MoE counters, the expert bias),
+    as build_model makes them, so the first expert-bias update and global aux loss start clean."""
+    from moefold.config import load_config
+    from moefold.models.transformer import build_model
+
+    cfg = load_config("tiny-deepseek", {"model.n_layers": 2})
+    with torch.device("meta"):
+        model = build_model(cfg, 64)
+    model.to_empty(device="cpu")
+    for buffer in model.buffers():
+        buffer.fill_(7)  # what uninitialised memory may hold
+    model.init_weights(seed=0)
+    names = [name for name, _ in model.named_buffers()]
+    assert any(name.endswith("expert_bias_E") for name in names)
+    assert all(b.eq(0).all() for b in model.buffers()), names

@@ -111,7 +111,8 @@ class Transformer(nn.Module):
         (GPT-2); ones for norms. Each matrix is drawn in blocks, each from a host generator seeded
         by (seed, the matrix's name, the block) (`models/init.py`), so every device and every
         parallel layout gets the same weights, and a parameter already sharded (a DTensor,
-        `parallelize` on the meta device) draws only the blocks of its piece."""
+        `parallelize` on the meta device) draws only the blocks of its piece. Buffers (the MoE
+        layers' counters, the expert bias) start at zero."""
         std = self.cfg.model.init_std
         residual_std = std / math.sqrt(2 * len(self.layers))
         for name, p in self.named_parameters():
@@ -120,6 +121,8 @@ class Transformer(nn.Module):
                 continue
             is_residual_out = name.endswith(("attn.wo.weight", "w2.weight", "w2_EFD"))
             seeded_normal_(p, residual_std if is_residual_out else std, seed, name)
+        for buffer in self.buffers():  # zero, as built (after to_empty(), TorchTitan's way, not)
+            buffer.zero_()
 
 
 MLA_LATENT_NORM_EPS = 1e-6

@@ -652,7 +652,7 @@ def validate(cfg: Config) -> None:
                  f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}; set model.head_dim")
         head_dim = m.head_dim or m.dim // m.n_heads
         _require(head_dim % 2 == 0, f"model.head_dim={head_dim} must be even for RoPE")
-    _validate_moe(moe)
+    validate_moe(moe)
     _require(0.0 <= t.min_lr_ratio <= 1.0, f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
     _one_of("train.schedule", t.schedule, ("cosine", "wsd", "constant"))
     _require(0.0 < t.decay_fraction <= 1.0,
@@ -771,7 +771,9 @@ def _memory_module_exists(cfg: Config, name: str) -> bool:
             "mlp": not all(is_moe)}.get(name, True)
 
 
-def _validate_moe(moe: MoEConfig) -> None:
+def validate_moe(moe: MoEConfig) -> None:
+    """The [moe] checks of `validate` (ConfigError naming the field); `build_moe_layer` runs them on
+    a MoEConfig made in Python, which no config file or command line has checked."""
     if moe.num_experts:
         _require(moe.top_k <= moe.num_experts,
                  f"moe.top_k={moe.top_k} exceeds moe.num_experts={moe.num_experts}")

@@ -368,3 +368,15 @@ def test_a_resume_that_changes_the_models_tensors_is_refused(deepseek_run, tmp_p
     line = error_line(capsys, ["train", "--resume", str(deepseek_run), "--run-dir", str(tmp_path / "again"),
                                "--train.steps", "3", *change])
     assert expected in line and line.endswith("a run continues with the model.* and moe.* it was trained with")
+
+
+def test_a_config_changed_in_python_is_checked_by_the_trainer(tmp_path):
+    from moefold.config import load_config
+    from moefold.errors import ConfigError
+    from moefold.train.trainer import Trainer
+
+    cfg = load_config("tiny")
+    cfg.moe.top_k = 100
+    with pytest.raises(ConfigError, match=r"^moe\.top_k=100 exceeds moe\.num_experts="):
+        Trainer(cfg, tmp_path / "run")
+    assert not (tmp_path / "run").exists()

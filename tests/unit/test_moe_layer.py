@@ -224,3 +224,20 @@ def test_rows_past_the_last_group_are_never_read(monkeypatch, memory_efficient):
     for clean, dirty in zip(*results):
         assert torch.isfinite(dirty).all()
         torch.testing.assert_close(dirty, clean, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"score_func": "sigmoidd"}, "moe.score_func='sigmoidd' is not one of softmax, sigmoid"),
+    ({"top_k": 9}, "moe.top_k=9 exceeds moe.num_experts=8"),
+    ({"num_experts": 0}, "moe.num_experts=0 must be > 0 for an MoE layer"),
+    ({"num_groups": 3, "group_top_k": 1}, "moe.num_experts=8 is not divisible by moe.num_groups=3"),
+    ({"activation": "silu"}, "moe.activation='silu' is not one of swiglu, gelu, relu2"),
+])
+def test_a_layer_built_in_python_checks_its_config(change, message):
+    """A MoEConfig made in Python has met no config check: build_moe_layer runs [moe]'s, a one-line
+    ConfigError instead of a silent softmax router or a KeyError deep inside."""
+    from moefold.moe.layer import build_moe_layer
+
+    with pytest.raises(ConfigError) as info:
+        build_moe_layer(16, MoEConfig(**{"num_experts": 8, "top_k": 2, **change}), "cpu", torch.float32)
+    assert str(info.value).startswith(message)

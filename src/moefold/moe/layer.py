@@ -8,7 +8,8 @@ Every variant is a part given at build time (`build_moe_layer`); the forward rea
 import torch
 from torch import nn
 
-from moefold.config import MoEConfig
+from moefold.config import MoEConfig, validate_moe
+from moefold.errors import ConfigError
 from moefold.moe.activation import ACTIVATIONS
 from moefold.moe.balance import LoadBalancer, LocalCounts
 from moefold.moe.capacity import build_capacity, padded_capacity
@@ -79,6 +80,10 @@ class MoELayer(nn.Module):
 
 def build_moe_layer(dim: int, moe: MoEConfig, device_type: str, compute_dtype: torch.dtype,
                     replay: RouterReplay | None = None) -> MoELayer:
+    for key in ("num_experts", "top_k", "expert_hidden"):  # 0 experts is a dense model's config, not a layer
+        if getattr(moe, key) < 1:
+            raise ConfigError(f"moe.{key}={getattr(moe, key)} must be > 0 for an MoE layer")
+    validate_moe(moe)
     capacity = build_capacity(moe.num_experts, moe.capacity_factor, moe.drop_policy)
     layout = RowLayout(moe.num_experts, moe.top_k, moe.pad_multiple, capacity_of=padded_capacity(moe))
     experts = build_experts(moe.experts_backend, moe.num_experts, dim, moe.expert_hidden, device_type,

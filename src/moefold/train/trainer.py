@@ -37,7 +37,7 @@ from moefold.checkpoint.dcp import (
     save_checkpoint,
     set_rng_state,
 )
-from moefold.config import Config, config_from_toml, refuse_unsupported_parallel, to_toml
+from moefold.config import Config, config_from_toml, refuse_unsupported_parallel, to_toml, validate
 from moefold.data.corpus import build_token_streams
 from moefold.data.loader import Batch, PackedSequences, TrainLoader, val_batches
 from moefold.data.tokenizer import build_tokenizer
@@ -176,6 +176,7 @@ class Trainer:
         """`resume`: a run directory or checkpoint to continue (a weights-only checkpoint, as
         `moefold convert` writes, starts a fresh optimizer); `init_from_hf`: a Hugging Face
         checkpoint directory whose weights the model starts from (cfg.model/moe must match it)."""
+        validate(cfg)  # a Config changed in Python since load_config checked it
         self.cfg, self.run_dir, self.out = cfg, Path(run_dir), out
         self.init_from_hf = init_from_hf
         refuse_unsupported_parallel(cfg)

@@ -69,11 +69,15 @@ def _read(model, ids: list[int], cache, device) -> torch.Tensor:
 def _pick(logits_V: torch.Tensor, temperature: float, top_k: int, generator: torch.Generator) -> int:
     if temperature <= 0:
         return int(logits_V.argmax())
-    logits_V = logits_V / temperature
-    if 0 < top_k < logits_V.numel():
+    if 0 < top_k < logits_V.numel():  # before the temperature, which may flatten every logit to 0
         kth = torch.topk(logits_V, top_k).values[-1]
         logits_V = logits_V.masked_fill(logits_V < kth, float("-inf"))
-    probs_V = logits_V.softmax(-1).cpu()
+    # Shifted to a maximum of 0, in fp64 (any positive float temperature is nonzero there): a tiny
+    # temperature sends the others to -inf (greedy) where dividing first overflowed to inf and the
+    # softmax to nan; masked logits stay -inf at an infinite one.
+    shifted_V = logits_V.double() - logits_V.max()
+    scaled_V = torch.where(torch.isfinite(shifted_V), shifted_V / temperature, float("-inf"))
+    probs_V = scaled_V.softmax(-1).cpu()
     return int(torch.multinomial(probs_V, 1, generator=generator))
 
 

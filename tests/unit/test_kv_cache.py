@@ -135,3 +135,18 @@ def test_the_printed_text_keeps_the_space_a_word_start_token_carries(tmp_path):
     assert prompt_ids == [2, 3]
     assert ours.decode([4, 5]) == "brown fox"  # alone: the space is gone
     assert continuation(ours, "the quick", prompt_ids, [4, 5]) == "the quick brown fox"
+
+
+@pytest.mark.parametrize("temperature", [1e-38, 5e-324, 1e-30])
+def test_a_tiny_temperature_picks_the_most_likely_token(temperature):
+    """Logits divided by 1e-38 overflowed to inf and the softmax to nan (a multinomial error)."""
+    logits_V = torch.randn(300, generator=torch.Generator().manual_seed(0)) * 30
+    assert _pick(logits_V, temperature, 0, torch.Generator().manual_seed(1)) == int(logits_V.argmax())
+
+
+def test_top_k_restricts_sampling_at_any_temperature():
+    """Top-k is applied before the temperature: at an infinite one every logit became 0, the kth
+    largest tied with all, and sampling ran over the whole vocabulary."""
+    logits_V = torch.arange(300, dtype=torch.float32)
+    picks = {_pick(logits_V, float("inf"), 3, torch.Generator().manual_seed(s)) for s in range(50)}
+    assert picks == {297, 298, 299}

@@ -653,6 +653,10 @@ def validate(cfg: Config) -> None:
         head_dim = m.head_dim or m.dim // m.n_heads
         _require(head_dim % 2 == 0, f"model.head_dim={head_dim} must be even for RoPE")
     validate_moe(moe)
+    layers = m.n_layers + m.mtp_layers
+    _require(all(0 <= i < layers for i in moe.dense_layers),
+             f"moe.dense_layers={moe.dense_layers} names a layer that does not exist; allowed: 0 to "
+             f"{layers - 1} (model.n_layers + model.mtp_layers)")
     _require(0.0 <= t.min_lr_ratio <= 1.0, f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
     _one_of("train.schedule", t.schedule, ("cosine", "wsd", "constant"))
     _require(0.0 < t.decay_fraction <= 1.0,

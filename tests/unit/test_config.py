@@ -44,6 +44,7 @@ YARN = {"model.rope_scaling": "yarn", "model.rope_factor": "4"}
     ({"parallel.ep": "3"}, "parallel.ep=3 does not divide moe.num_experts=8"),
     ({"parallel.vpp": "0"}, "parallel.vpp=0 must be >= 1"),
     ({"train.global_batch_size": "-8"}, "train.global_batch_size=-8 must be >= 0"),
+    ({"moe.dense_layers": "[1, 99]"}, "moe.dense_layers=[1, 99] names a layer that does not exist"),
     ({"train.global_batch_size": "16", "train.grad_accum": "3"},
      "train.grad_accum=3 and train.global_batch_size=16: give one"),
     ({"train.lr": "nan"}, "train.lr=nan must be a finite number"),

@@ -363,6 +363,9 @@ def predict_memory(cfg: Config, world_size: int, imbalance: float = 1.0,
         raise ConfigError(f"--moe-imbalance={imbalance} must be a finite number >= 1 (1 is perfectly "
                           "balanced routing)")
     lay = _layout(cfg, world_size)
+    if imbalance > lay.dims.ep:  # every rank's copies on one expert rank is the most it can get
+        raise ConfigError(f"--moe-imbalance={imbalance} exceeds parallel.ep={lay.dims.ep}: the busiest of "
+                          f"{lay.dims.ep} expert ranks computes at most {lay.dims.ep}× its balanced share")
     vocab = vocab_size or model_vocab_size(cfg)
     chunks = model_chunks(cfg.model.n_layers, cfg.model.mtp_layers, lay.dims.pp, cfg.parallel.vpp)
     configured = _micro_batches(cfg, lay)

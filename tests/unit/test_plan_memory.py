@@ -231,6 +231,8 @@ def test_deepseek_v3_on_256_gpus(capsys):
     (["--config", "tiny-qwen3", "--moe-imbalance", "nan"], "--moe-imbalance=nan must be a finite number"),
     (["--config", "tiny-qwen3", "--moe-imbalance", "inf"], "--moe-imbalance=inf must be a finite number"),
     (["--config", "tiny-qwen3", "--moe-imbalance", "1.5"], "--moe-imbalance=1.5 exceeds parallel.ep=1"),
+    (["--config", "tiny-qwen3", "--gpus", "2", "--train.global_batch_size", "100"],
+     "train.global_batch_size=100 is not divisible by train.micro_batch_size · dp = 8 · 2"),
     (["--config", "qwen3-30b-a3b", "--gpus", "8", "--parallel.ep", "8", "--moe-imbalance", "1e300"],
      "--moe-imbalance=1e+300 exceeds parallel.ep=8"),
     (["--config", "tiny-qwen3", "--gpu-memory", "nan"], "--gpu-memory nan must be a finite number"),

@@ -255,9 +255,13 @@ def _fsdp_block(cfg: Config, lay: _Layout, layer_id: int) -> float:
 
 def _micro_batches(cfg: Config, lay: _Layout) -> int:
     t = cfg.train
-    if t.global_batch_size:
-        return max(1, t.global_batch_size // (t.micro_batch_size * lay.dims.dp))
-    return t.grad_accum
+    if not t.global_batch_size:
+        return t.grad_accum
+    per_micro_step = t.micro_batch_size * lay.dims.dp
+    if t.global_batch_size % per_micro_step:  # as the trainer refuses it
+        raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not divisible by "
+                          f"train.micro_batch_size · dp = {t.micro_batch_size} · {lay.dims.dp}")
+    return t.global_batch_size // per_micro_step
 
 
 @dataclass(frozen=True)
@@ -375,7 +379,8 @@ def predict_memory(cfg: Config, world_size: int, imbalance: float = 1.0,
     busiest = max(plans, key=lambda p: p.peak)
     busiest.rank_peaks = [p.peak for p in plans]
     if micro_batches != configured:
+        why = ("the schedule's steady state; set train.global_batch_size for the real number"
+               if configured < lay.dims.pp else f"rounded up to a multiple of parallel.pp={lay.dims.pp}")
         busiest.notes.append(f"{configured} micro-batch(es) per step on a {lay.dims.pp}-stage "
-                             f"pipeline: planned with {micro_batches} (the schedule's steady state; "
-                             "set train.global_batch_size for the real number)")
+                             f"pipeline: planned with {micro_batches} ({why})")
     return busiest

@@ -14,7 +14,7 @@ from conftest import TINY_OVERRIDES, floor_and_held_after_a_step
 
 @pytest.mark.parametrize("preset, overrides", [
     ("tiny-deepseek", {}),
-    ("tiny-deepseek", {"moe.first_k_dense": 3, "moe.moe_every": 2, "moe.dense_layers": [4, 7, 30]}),
+    ("tiny-deepseek", {"moe.first_k_dense": 3, "moe.moe_every": 2, "moe.dense_layers": [4, 7, 10]}),
     ("tiny-deepseek", {"moe.first_k_dense": 20}),  # no MoE layer
     ("tiny-deepseek", {"model.mtp_layers": 2, "moe.moe_every": 3}),
     ("tiny", {"moe.num_experts": 0}),

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moefold.config import MoEConfig
+from moefold.dtypes import KeepsBufferDtypes
 
 if TYPE_CHECKING:
     from moefold.moe.replay import RouterReplay
@@ -211,7 +212,7 @@ def keep_probs(probs_TK: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 
 
-class Router(nn.Module):
+class Router(KeepsBufferDtypes):
     """Linear router `weight` [E, D] with the variants of `cfg` fixed at construction.
 
     With `cfg.expert_bias`, a persistent fp32 buffer `expert_bias_E` (aux-loss-free balancing,
@@ -242,14 +243,6 @@ class Router(nn.Module):
         else:
             self.expert_bias_E = None
             self.selection_scores = self.score_fn.selection
-
-    def _apply(self, fn, recurse=True):
-        # model.to(torch.bfloat16) would cast the bias too, where an update of 1e-3 vanishes past
-        # 0.5 (bf16 keeps 8 bits); moves between devices still apply.
-        super()._apply(fn, recurse)
-        if self.expert_bias_E is not None:
-            self._buffers["expert_bias_E"] = self.expert_bias_E.float()
-        return self
 
     def forward(self, x_TD: torch.Tensor) -> Routing:
         logits_TE = self.logits(x_TD)

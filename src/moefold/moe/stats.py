@@ -11,7 +11,9 @@ import contextlib
 import math
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
+
+from moefold.dtypes import KeepsBufferDtypes
 
 # Keys of the dict returned by `ExpertLoadStats.pop`.
 TOKENS = "tokens_per_expert_E"  # int64 [E]: routed copies per expert, before capacity drops
@@ -27,7 +29,7 @@ _RESERVED = {"load_imbalance", "load_imbalance_max", "load_cv", "dead_expert_fra
              "routing_entropy", "dropped_fraction", "loss", "val_loss"}
 
 
-class ExpertLoadStats(nn.Module):
+class ExpertLoadStats(KeepsBufferDtypes):
     """Device-side accumulators of one MoE layer, all non-persistent buffers.
 
     Non-persistent: checkpoints neither hold nor expect them, and a resumed run starts a fresh
@@ -56,15 +58,6 @@ class ExpertLoadStats(nn.Module):
         self.register_buffer(f"aux_calls_{name}", torch.zeros((), dtype=torch.int64, device=device),
                              persistent=False)
         self.aux_names.append(name)
-
-    def _apply(self, fn, recurse=True):
-        # model.to(torch.bfloat16) (bf16 parameters) would cast the fp32 sums too, and a bf16 sum
-        # stops growing past 256 ones; moves between devices still apply.
-        dtypes = {name: buf.dtype for name, buf in self._buffers.items()}
-        super()._apply(fn, recurse)
-        for name, dtype in dtypes.items():
-            self._buffers[name] = self._buffers[name].to(dtype)
-        return self
 
     @torch.no_grad()
     def record(self, tokens_per_expert_E: Tensor, scores_TE: Tensor, num_dropped: Tensor | int,

@@ -631,6 +631,18 @@ def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
     _require(value in allowed, f"{key}={value!r} is not one of {', '.join(allowed)}")
 
 
+def micro_batches_per_step(t: TrainConfig, dp: int) -> int:
+    """Micro-batches per optimizer step on each data rank: train.grad_accum, or what
+    train.global_batch_size leaves after micro_batch_size · dp (the trainer and the planner)."""
+    if not t.global_batch_size:
+        return t.grad_accum
+    per_micro_step = t.micro_batch_size * dp
+    if t.global_batch_size % per_micro_step:
+        raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not divisible by "
+                          f"train.micro_batch_size · dp = {t.micro_batch_size} · {dp}")
+    return t.global_batch_size // per_micro_step
+
+
 def validate(cfg: Config) -> None:
     """Raise ConfigError for the first invalid value, naming the field, the value and the rule."""
     _finite(cfg)

@@ -373,3 +373,16 @@ def test_an_fp8_run_whose_exclusions_keep_every_module_says_it_is_not_fp8(tmp_pa
     assert main(["train", "--run-dir", str(tmp_path / "fp8"), *tiny_args, "--train.steps", "1",
                  "--train.warmup_steps", "0", "--precision.fp8", "rowwise"]) == 0
     assert "converts no module" not in capsys.readouterr().out
+
+
+def test_global_batch_size_sets_the_micro_batches_per_step(tmp_path, tiny_args, capsys):
+    """train.global_batch_size = 2 · micro_batch_size trains as train.grad_accum 2 does (the
+    planner takes the same count, config.micro_batches_per_step); one not divisible is refused."""
+    runs = {}
+    for name, option in (("accum", ["--train.grad_accum", "2"]), ("global", ["--train.global_batch_size", "8"])):
+        runs[name] = tmp_path / name
+        assert main(["train", "--run-dir", str(runs[name]), *tiny_args, "--train.steps", "3", *option]) == 0
+    assert train_losses(runs["global"]) == train_losses(runs["accum"])
+    capsys.readouterr()
+    assert main(["train", "--run-dir", str(tmp_path / "bad"), *tiny_args, "--train.global_batch_size", "6"]) == 2
+    assert "train.global_batch_size=6 is not divisible by train.micro_batch_size · dp = 4 · 1" in capsys.readouterr().err

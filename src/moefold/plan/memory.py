@@ -47,7 +47,7 @@ import math
 
 from dataclasses import dataclass, field
 
-from moefold.config import Config
+from moefold.config import Config, micro_batches_per_step
 from moefold.data.tokenizer import model_vocab_size
 from moefold.errors import ConfigError
 from moefold.parallel.dims import ParallelDims
@@ -253,17 +253,6 @@ def _fsdp_block(cfg: Config, lay: _Layout, layer_id: int) -> float:
     return dense * (lay.dense_shard > 1) + expert * (lay.expert_shard > 1)
 
 
-def _micro_batches(cfg: Config, lay: _Layout) -> int:
-    t = cfg.train
-    if not t.global_batch_size:
-        return t.grad_accum
-    per_micro_step = t.micro_batch_size * lay.dims.dp
-    if t.global_batch_size % per_micro_step:  # as the trainer refuses it
-        raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not divisible by "
-                          f"train.micro_batch_size · dp = {t.micro_batch_size} · {lay.dims.dp}")
-    return t.global_batch_size // per_micro_step
-
-
 @dataclass(frozen=True)
 class _Rank:
     """What the time-ordered peaks of one rank are made of (bytes)."""
@@ -372,7 +361,7 @@ def predict_memory(cfg: Config, world_size: int, imbalance: float = 1.0,
                           f"{lay.dims.ep} expert ranks computes at most {lay.dims.ep}× its balanced share")
     vocab = vocab_size or model_vocab_size(cfg)
     chunks = model_chunks(cfg.model.n_layers, cfg.model.mtp_layers, lay.dims.pp, cfg.parallel.vpp)
-    configured = _micro_batches(cfg, lay)
+    configured = micro_batches_per_step(cfg.train, lay.dims.dp)  # refused as the trainer refuses it
     micro_batches = schedule_micro_batches(configured, lay.dims.pp)
     sh = _shapes(cfg, lay, imbalance)
     plans = [_rank_plan(cfg, lay, chunks, r, sh, vocab, micro_batches) for r in range(lay.dims.pp)]

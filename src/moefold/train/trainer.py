@@ -37,7 +37,8 @@ from moefold.checkpoint.dcp import (
     save_checkpoint,
     set_rng_state,
 )
-from moefold.config import Config, config_from_toml, refuse_unsupported_parallel, to_toml, validate
+from moefold.config import (Config, config_from_toml, micro_batches_per_step, refuse_unsupported_parallel,
+                            to_toml, validate)
 from moefold.data.corpus import build_token_streams
 from moefold.data.loader import Batch, PackedSequences, TrainLoader, val_batches
 from moefold.data.tokenizer import build_tokenizer
@@ -190,7 +191,7 @@ class Trainer:
         _refuse_weight_cache_over_fsdp(cfg, self.dist.layout)
         if not self.dist.is_main:  # rank 0 speaks for the job
             self.out = lambda line: None
-        self.grad_accum = self._grad_accum()
+        self.grad_accum = micro_batches_per_step(cfg.train, self.dist.dp_size)
         torch.manual_seed(cfg.train.seed)
         self.compute_dtype = resolve_compute_dtype(cfg.precision.compute_dtype, self.device)
         self._build_data()
@@ -217,18 +218,6 @@ class Trainer:
             self._prepare_run_dir()
 
     # ----------------------------------------------------------------------------------- build
-
-    def _grad_accum(self) -> int:
-        """Micro-batches per step on each data rank: train.grad_accum, or what
-        train.global_batch_size leaves after micro_batch_size · dp."""
-        t, dp = self.cfg.train, self.dist.dp_size
-        if not t.global_batch_size:
-            return t.grad_accum
-        per_micro_step = t.micro_batch_size * dp
-        if t.global_batch_size % per_micro_step:
-            raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not divisible by "
-                              f"train.micro_batch_size · dp = {t.micro_batch_size} · {dp}")
-        return t.global_batch_size // per_micro_step
 
     def _build_data(self) -> None:
         cfg = self.cfg

@@ -260,6 +260,7 @@ def _convert(args: argparse.Namespace) -> int:
 
     from moefold.checkpoint.dcp import load_exact_masters, resolve_checkpoint
     from moefold.checkpoint.hf import CONFIG, convert_to_run_checkpoint, save_pretrained
+    from moefold.data.tokenizer import tokenizer_files
     from moefold.generate import load_model_from_run
     from moefold.train.trainer import run_dir_holds_run
 
@@ -287,22 +288,9 @@ def _convert(args: argparse.Namespace) -> int:
     # are bf16 (written as such, not widened).
     load_exact_masters(model, resolve_checkpoint(args.run_dir, "--run-dir"))
     dtype = torch.bfloat16 if cfg.optim.master_dtype == "bf16" else None
-    save_pretrained(model, args.to_hf, dtype=dtype, copies=_tokenizer_files(cfg.data.tokenizer))
+    save_pretrained(model, args.to_hf, dtype=dtype, copies=tokenizer_files(cfg.data.tokenizer))
     print(f"converted {args.run_dir} -> {args.to_hf}")
     return 0
-
-
-def _tokenizer_files(tokenizer: str) -> dict[str, Path]:
-    """The run's tokenizer for a Hugging Face export (`--init-from-hf` and transformers read
-    tokenizer.json from there), with the tokenizer_config.json beside it, if any. The byte-level
-    tokenizer (no file) has none to carry."""
-    if not tokenizer:
-        return {}
-    files = {"tokenizer.json": Path(tokenizer)}
-    config = Path(tokenizer).with_name("tokenizer_config.json")
-    if config.is_file():
-        files["tokenizer_config.json"] = config
-    return files
 
 
 def _run_dir_of(resume: Path) -> Path:

@@ -127,11 +127,23 @@ def _find_eos_id(tokenizer, path: str) -> int:
 _CONFIG = "tokenizer_config.json"
 
 
+def tokenizer_files(path: str) -> dict[str, Path]:
+    """The files of tokenizer `path` under the names Hugging Face gives them: tokenizer.json, and
+    the tokenizer_config.json beside it if there is one (an export carries both). The byte-level
+    tokenizer ("") has none."""
+    if not path:
+        return {}
+    files = {"tokenizer.json": Path(path)}
+    if (config := Path(path).with_name(_CONFIG)).is_file():
+        files[_CONFIG] = config
+    return files
+
+
 def _config_eos_token(path: str) -> str | None:
     """The eos_token of the tokenizer_config.json beside `path` (a string, or an added-token dict
     with "content"); None when there is none."""
-    config_path = Path(path).with_name(_CONFIG)
-    if not config_path.is_file():
+    config_path = tokenizer_files(path).get(_CONFIG)
+    if config_path is None:
         return None
     try:
         config = json.loads(config_path.read_bytes())

@@ -258,7 +258,6 @@ def _hf_config(hf_dir: Path) -> Config:
 def _convert(args: argparse.Namespace) -> int:
     import torch
 
-    from moefold.checkpoint.dcp import load_exact_masters, resolve_checkpoint
     from moefold.checkpoint.hf import CONFIG, convert_to_run_checkpoint, save_pretrained
     from moefold.data.tokenizer import tokenizer_files
     from moefold.generate import load_model_from_run
@@ -283,10 +282,9 @@ def _convert(args: argparse.Namespace) -> int:
     refuse_unwritable_dir(args.to_hf, "--to-hf")
     if (args.to_hf / CONFIG).exists():
         raise UserError(f"--to-hf {args.to_hf} already holds a checkpoint ({CONFIG}); choose another directory")
-    model, _, cfg = load_model_from_run(args.run_dir, "cpu")
     # The weights as the optimizer holds them: bf16+remainder's exact fp32 masters; bf16 masters
     # are bf16 (written as such, not widened).
-    load_exact_masters(model, resolve_checkpoint(args.run_dir, "--run-dir"))
+    model, _, cfg = load_model_from_run(args.run_dir, "cpu", exact_masters=True)
     dtype = torch.bfloat16 if cfg.optim.master_dtype == "bf16" else None
     save_pretrained(model, args.to_hf, dtype=dtype, copies=tokenizer_files(cfg.data.tokenizer))
     print(f"converted {args.run_dir} -> {args.to_hf}")

@@ -15,9 +15,10 @@ from moefold.parallel.launch import resolve_device
 from moefold.train.trainer import resolve_compute_dtype
 
 
-def load_model_from_run(run_dir: Path, device_name: str = "auto"):
+def load_model_from_run(run_dir: Path, device_name: str = "auto", exact_masters: bool = False):
     """(model, tokenizer, config) with the weights of the run's latest checkpoint; the model is
-    dropless whatever capacity factor the run trained with (`_dropless`)."""
+    dropless whatever capacity factor the run trained with (`_dropless`). `exact_masters`: as
+    `load_weights`' (an export's weights, not the ones a bf16 forward ran with)."""
     config_path = Path(run_dir) / "config.toml"
     if not config_path.is_file():
         raise CheckpointError(f"--run-dir {run_dir}: no config.toml (not a moefold run directory)")
@@ -29,7 +30,7 @@ def load_model_from_run(run_dir: Path, device_name: str = "auto"):
         model = build_model(_dropless(cfg), cfg.model.vocab_size or tokenizer.vocab_size, device.type,
                             resolve_compute_dtype(cfg.precision.compute_dtype, device))
     materialize(model, device)
-    load_weights(model, checkpoint)
+    load_weights(model, checkpoint, exact_masters)
     return model.eval(), tokenizer, cfg
 
 

@@ -242,32 +242,23 @@ def checkpoint_keys(path: Path) -> set[str]:
     return {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
 
 
-def load_weights(model: nn.Module, path: Path) -> None:
+def load_weights(model: nn.Module, path: Path, exact_masters: bool = False) -> None:
     """The weights of checkpoint `path` (weights-only or full) into `model`'s own tensors, whole or
-    this rank's pieces."""
-    state = {"model": model.state_dict()}
-    load_checkpoint(state, path)
-    model.load_state_dict(state["model"])
-
-
-def load_exact_masters(model: nn.Module, path: Path) -> int:
-    """The parameters of a bf16+remainder run (optim.master_dtype) as their exact fp32 masters:
-    the checkpoint's bf16 weights joined with the int16 remainders its optimizer state holds
-    (`model`'s parameters fp32, filled by `load_weights` first). Returns how many were joined;
-    0 for other runs and weights-only checkpoints, whose parameters are their masters."""
+    this rank's pieces. `exact_masters` (fp32 parameters): a bf16+remainder run's exact fp32
+    masters, its bf16 weights joined with the int16 remainders its optimizer state holds, read in
+    the same load; other runs' parameters are their masters already."""
     from moefold.optim.precision import join_fp32
 
-    saved = _read_metadata(path).state_dict_metadata
-    params = {name: p for name, p in model.named_parameters()
-              if f"optim.state.{name}.master_remainder" in saved}
-    if not params:
-        return 0
-    remainders = {name: {"master_remainder": torch.empty(p.shape, dtype=torch.int16)} for name, p in params.items()}
-    load_checkpoint({"optim": {"state": remainders}}, path)
+    saved = _read_metadata(path).state_dict_metadata if exact_masters else {}
+    remainders = {name: {"master_remainder": torch.empty(p.shape, dtype=torch.int16)}
+                  for name, p in model.named_parameters() if f"optim.state.{name}.master_remainder" in saved}
+    state = {"model": model.state_dict(), **({"optim": {"state": remainders}} if remainders else {})}
+    load_checkpoint(state, path)
+    model.load_state_dict(state["model"])
     with torch.no_grad():
-        for name, p in params.items():
-            p.copy_(join_fp32(p.to(torch.bfloat16), remainders[name]["master_remainder"]))
-    return len(params)
+        for name, p in model.named_parameters():
+            if name in remainders:
+                p.copy_(join_fp32(p.to(torch.bfloat16), remainders[name]["master_remainder"]))
 
 
 def save_weights_only(model_state: dict[str, Any], run_dir: Path) -> Path:

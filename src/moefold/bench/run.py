@@ -2,8 +2,9 @@
 
 The model, optimizer and step are the Trainer's own (`Trainer.accumulate_gradients` +
 `Trainer.optimizer_step`); only the data differs: uniform random token ids over the model's
-vocabulary (`model.vocab_size`, or data.tokenizer's when it is 0), so no corpus is read. Warm-up steps run first; the timed steps then run back to back with one synchronisation
-before and one after (step boundaries are CUDA events, which need no sync). Throughput follows the
+vocabulary (`model.vocab_size`, or data.tokenizer's when it is 0), so no corpus is read. Warm-up
+steps run first; the timed steps then run back to back with one synchronisation before and one
+after (step boundaries are CUDA events, which need no sync). Throughput follows the
 FLOP convention of `moefold.train.flops` (docs/metrics.md); MFU is against the dense bf16 matmul
 rate measured on the device (bench/timing.py), not the datasheet.
 """

@@ -93,9 +93,8 @@ def peak_tflops(device: torch.device, configured: float) -> float | None:
 
 def meta_model(cfg):
     """The model of `cfg` built on the meta device: shapes without memory, for any size."""
-    from moefold.models.transformer import build_model
-
     from moefold.data.tokenizer import model_vocab_size
+    from moefold.models.transformer import build_model
 
     vocab_size = model_vocab_size(cfg)  # read before the meta device is entered
     with torch.device("meta"):

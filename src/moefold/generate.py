@@ -9,7 +9,7 @@ import torch
 from moefold.checkpoint.dcp import load_weights, resolve_checkpoint
 from moefold.config import Config, config_from_toml
 from moefold.data.tokenizer import build_tokenizer
-from moefold.errors import CheckpointError
+from moefold.errors import CheckpointError, UserError
 from moefold.models.transformer import build_model, materialize
 from moefold.parallel.launch import resolve_device
 from moefold.train.trainer import resolve_compute_dtype
@@ -47,7 +47,12 @@ def sample(model, prompt_ids: list[int], max_new_tokens: int, temperature: float
     """Autoregressive sampling; stops at max_new_tokens or end-of-document. The model reads the
     latest `context` tokens at positions 0.. (its training length): once they fill the cache, each
     further token re-reads the window that ends with it, as without a cache. `vocab_size`: the
-    tokenizer's; the rows a model.vocab_size padded beyond it are never sampled (None: every row)."""
+    tokenizer's; the rows a model.vocab_size padded beyond it are never sampled (None: every row).
+    An empty prompt is refused, as `moefold generate` refuses one: the model has no
+    beginning-of-sequence token to start from."""
+    if len(prompt_ids) == 0:
+        raise UserError("sample: prompt_ids is empty; give at least one token to continue (the "
+                        "model has no beginning-of-sequence token to start from)")
     device = next(model.parameters()).device
     ids = list(prompt_ids)
     cache, unread = model.new_cache(context), ids[-context:]

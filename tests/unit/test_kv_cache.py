@@ -10,6 +10,7 @@ import torch
 
 from moefold.cli import main
 from moefold.config import load_config
+from moefold.errors import UserError
 from moefold.generate import _pick, load_model_from_run, sample
 from moefold.models.attention import SlidingWindowMask, causal_mask
 from moefold.models.kv_cache import KVCache
@@ -150,3 +151,11 @@ def test_top_k_restricts_sampling_at_any_temperature():
     logits_V = torch.arange(300, dtype=torch.float32)
     picks = {_pick(logits_V, float("inf"), 3, torch.Generator().manual_seed(s)) for s in range(50)}
     assert picks == {297, 298, 299}
+
+
+def test_sampling_from_an_empty_prompt_is_refused_naming_the_argument():
+    """`moefold generate` refuses a prompt of no tokens; from Python, `sample(model, [])` failed in
+    the embedding (float indices: torch.tensor([[]]) is fp32)."""
+    model = _model(sorted(PRESETS)[0])
+    with pytest.raises(UserError, match="prompt_ids is empty"):
+        sample(model, [], 4, 0.0, 0, 9, -1, torch.Generator())

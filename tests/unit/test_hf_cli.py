@@ -52,6 +52,28 @@ def test_convert_round_trip_keeps_every_tensor(tmp_path, hf_dir, capsys):
         assert torch.equal(original[name], exported[name]), name
 
 
+def test_convert_keeps_the_checkpoints_load_balancing_loss(tmp_path):
+    """DeepSeek's `aux_loss_alpha` with `seq_aux` is the run's sequence-level aux loss (not moefold's
+    generic 0.01 micro-batch loss), and `convert --to-hf` writes the keys back."""
+    import tomllib
+
+    config = transformers.DeepseekV3Config(
+        vocab_size=300, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4,
+        num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=16,
+        q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, num_nextn_predict_layers=0,
+        aux_loss_alpha=0.003, seq_aux=True)
+    torch.manual_seed(0)
+    hf, run, back = tmp_path / "hf", tmp_path / "run", tmp_path / "back"
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(hf)
+    assert main(["convert", "--from-hf", str(hf), "--out", str(run)]) == 0
+    moe = tomllib.loads((run / "config.toml").read_text())["moe"]
+    assert (moe["aux_loss_coeff"], moe["seq_aux_loss_coeff"], moe["global_aux_loss_coeff"]) == (0.0, 0.003, 0.0)
+    assert main(["convert", "--run-dir", str(run), "--to-hf", str(back)]) == 0
+    written = json.loads((back / "config.json").read_text())
+    assert (written["aux_loss_alpha"], written["seq_aux"]) == (0.003, True)
+
+
 def test_init_from_hf_starts_at_the_transformers_loss(tmp_path, hf_dir, text_corpus):
     overrides = {k: v for k, v in TINY_OVERRIDES.items() if not k.startswith(("model.", "moe."))}
     overrides.update({"data.path": str(text_corpus), "train.steps": "1", "train.warmup_steps": "0",

@@ -545,6 +545,36 @@ QWEN3_30B_A3B_HUB = {
     "use_sliding_window": False, "vocab_size": 151936}
 
 
+MIXTRAL_8X7B_HUB = {
+    "architectures": ["MixtralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2,
+    "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336,
+    "max_position_embeddings": 32768, "model_type": "mixtral", "num_attention_heads": 32,
+    "num_experts_per_tok": 2, "num_hidden_layers": 32, "num_key_value_heads": 8, "num_local_experts": 8,
+    "output_router_logits": False, "rms_norm_eps": 1e-05, "rope_theta": 1000000.0,
+    "router_aux_loss_coef": 0.02, "sliding_window": None, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": 32000}
+
+_NO_AUX_KEYS = {k: v for k, v in DEEPSEEK_V3_HUB.items() if k not in ("aux_loss_alpha", "seq_aux")}
+
+
+@pytest.mark.parametrize("hub, aux, seq_aux, keys", [
+    (DEEPSEEK_V3_HUB, 0.0, 0.001, {"aux_loss_alpha": 0.001, "seq_aux": True}),
+    ({**DEEPSEEK_V3_HUB, "aux_loss_alpha": 0.003, "seq_aux": False}, 0.003, 0.0,
+     {"aux_loss_alpha": 0.003, "seq_aux": False}),
+    (_NO_AUX_KEYS, 0.0, 0.001, {"aux_loss_alpha": 0.001, "seq_aux": True}),  # DeepSeek's defaults
+    (QWEN3_30B_A3B_HUB, 0.001, 0.0, {"router_aux_loss_coef": 0.001}),
+    (MIXTRAL_8X7B_HUB, 0.02, 0.0, {"router_aux_loss_coef": 0.02}),
+], ids=["deepseek_v3", "deepseek_v3-micro_batch", "deepseek_v3-absent", "qwen3_moe", "mixtral"])
+def test_hub_load_balancing_keys_map_both_ways(hub, aux, seq_aux, keys):
+    """config.json's balancing loss is the [moe] coefficients (`convert --from-hf` keeps them, not
+    moefold's generic 0.01 micro-batch loss), and an export writes the same keys back."""
+    moe = config_from_hf(hub).moe
+    assert (moe.aux_loss_coeff, moe.seq_aux_loss_coeff, moe.global_aux_loss_coeff, moe.z_loss_coeff) == \
+        (aux, seq_aux, 0.0, 0.0)
+    back = hf_config_from(config_from_hf(hub), hub["vocab_size"])
+    assert {key: back[key] for key in keys} == keys
+
+
 def test_hub_deepseek_v3_config():
     cfg = config_from_hf(DEEPSEEK_V3_HUB)
     m, moe = cfg.model, cfg.moe

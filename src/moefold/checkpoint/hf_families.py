@@ -13,9 +13,11 @@ expert weight is E Hub tensors `[out, in]` (nn.Linear layout), one per expert. t
 fuses experts in memory (`experts.gate_up_proj` [E, 2F, D], `experts.down_proj` [E, D, F]) but its
 `save_pretrained` writes, and its `from_pretrained` converts from, these per-expert Hub names.
 
-Training-only knobs (aux-loss coefficients, the expert-bias update rate, capacity) are not in
-config.json's architecture: `TRAINING_MOE_FIELDS` come from the user's config (`--init-from-hf`)
-or moefold's defaults (`convert --from-hf`).
+How the MoE layers train (`TRAINING_MOE_FIELDS`: aux losses, the expert-bias update rate,
+capacity, ...) is not the architecture. config.json states one part of it, the load-balancing loss
+(`router_aux_loss_coef`; DeepSeek's `aux_loss_alpha` and `seq_aux`): the family converters map it
+both ways, and `convert --from-hf` keeps it; `--init-from-hf` takes all of `TRAINING_MOE_FIELDS`
+from the user's config instead. The rest keep moefold's defaults.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ TRAINING_MOE_FIELDS = ("router_dtype", "z_loss_coeff", "aux_loss_coeff", "seq_au
                        "global_aux_loss_coeff", "expert_bias_update_rate", "force_balanced",
                        "capacity_factor", "drop_policy", "pad_to_capacity", "pad_multiple",
                        "memory_efficient_permute", "experts_backend")
-"""[moe] fields of how a model trains, not what it is: no config.json key holds them."""
+"""[moe] fields of how a model trains, not what it is (config.json holds at most its aux-loss
+coefficient): `--init-from-hf` takes them from the user's config."""
 
 
 @dataclass(frozen=True)
@@ -233,6 +236,45 @@ def _moe_layer_ids(cfg: Config, n_blocks: int | None = None) -> list[int]:
 
 
 # ---------------------------------------------------------------------------------------------
+# Load balancing: the aux-loss keys of config.json
+# ---------------------------------------------------------------------------------------------
+
+
+def _switch_aux_from_hf(hf: dict[str, Any], cfg: Config) -> None:
+    """Qwen3-MoE and Mixtral: `router_aux_loss_coef` (transformers' default 0.001) weighs the
+    micro-batch Switch loss. transformers pools its counts over the layers and does not divide
+    them by K; the coefficient is taken as is, as each layer's weight (as Megatron-Bridge and the
+    presets take it)."""
+    cfg.moe.aux_loss_coeff = float(_get(hf, "router_aux_loss_coef", 0.001))
+
+
+def _switch_aux_to_hf(cfg: Config) -> dict[str, Any]:
+    """The micro-batch loss's coefficient; the sequence and global-batch losses have no key."""
+    return {"router_aux_loss_coef": cfg.moe.aux_loss_coeff}
+
+
+def _deepseek_aux_from_hf(hf: dict[str, Any], cfg: Config) -> None:
+    """DeepSeek's MoEGate (modeling_deepseek.py): `aux_loss_alpha` weighs one balancing loss per
+    MoE layer, per sequence with `seq_aux`, else over the micro-batch: E · Σ_e f_e · P_e with f over
+    the K·tokens routed copies, our `seq_aux_loss` / `aux_loss` exactly. Defaults: DeepSeek's
+    config class (0.001, seq_aux). DeepSeek-V3's config.json says 0.001 where its paper trained
+    with 0.0001 (the `deepseek-v3` preset); the checkpoint's key is what is mapped."""
+    moe = cfg.moe
+    alpha = float(_get(hf, "aux_loss_alpha", 0.001))
+    per_sequence = bool(_get(hf, "seq_aux", True))
+    moe.aux_loss_coeff, moe.seq_aux_loss_coeff = (0.0, alpha) if per_sequence else (alpha, 0.0)
+
+
+def _deepseek_aux_to_hf(cfg: Config) -> dict[str, Any]:
+    """The sequence loss's coefficient when it is on (or neither is), else the micro-batch one's;
+    with both on, the micro-batch loss (like the global-batch one) has no key."""
+    moe = cfg.moe
+    per_sequence = moe.seq_aux_loss_coeff > 0 or moe.aux_loss_coeff == 0
+    alpha = moe.seq_aux_loss_coeff if per_sequence else moe.aux_loss_coeff
+    return {"aux_loss_alpha": alpha, "seq_aux": per_sequence}
+
+
+# ---------------------------------------------------------------------------------------------
 # Qwen3-MoE
 # ---------------------------------------------------------------------------------------------
 
@@ -253,6 +295,7 @@ def _qwen3_moe_from_hf(hf: dict[str, Any]) -> Config:
     step = _get(hf, "decoder_sparse_step", 1)
     moe.first_k_dense, moe.moe_every = step - 1, step
     moe.dense_layers = sorted(_get(hf, "mlp_only_layers", []))
+    _switch_aux_from_hf(hf, cfg)
     return cfg
 
 
@@ -267,7 +310,8 @@ def _qwen3_moe_to_hf(cfg: Config) -> dict[str, Any]:
     hf.update(num_experts=moe.num_experts, moe_intermediate_size=moe.expert_hidden,
               intermediate_size=m.ffn_hidden, norm_topk_prob=norm, decoder_sparse_step=step,
               mlp_only_layers=[i for i in range(m.n_layers) if (i + 1) % step == 0 and i not in moe_ids],
-              use_sliding_window=m.sliding_window > 0, sliding_window=m.sliding_window or None)
+              use_sliding_window=m.sliding_window > 0, sliding_window=m.sliding_window or None,
+              **_switch_aux_to_hf(cfg))
     return hf
 
 
@@ -291,6 +335,7 @@ def _mixtral_from_hf(hf: dict[str, Any]) -> Config:
     # transformers computes, so ties and rounding follow it op for op.
     moe.score_func, moe.softmax_before_topk, moe.norm_topk_prob = "softmax", True, True
     moe.input_jitter = float(_get(hf, "router_jitter_noise", 0.0))
+    _switch_aux_from_hf(hf, cfg)
     return cfg
 
 
@@ -303,7 +348,8 @@ def _mixtral_to_hf(cfg: Config) -> dict[str, Any]:
     _expressible(_moe_layer_ids(cfg) == list(range(m.n_layers)), "moe.first_k_dense/moe_every/dense_layers",
                  (moe.first_k_dense, moe.moe_every, moe.dense_layers), "mixtral", "every layer is MoE")
     hf.update(intermediate_size=moe.expert_hidden, num_local_experts=moe.num_experts,
-              sliding_window=m.sliding_window or None, router_jitter_noise=moe.input_jitter)
+              sliding_window=m.sliding_window or None, router_jitter_noise=moe.input_jitter,
+              **_switch_aux_to_hf(cfg))
     return hf
 
 
@@ -341,6 +387,7 @@ def _deepseek_v3_from_hf(hf: dict[str, Any]) -> Config:
     n_group, topk_group = _get(hf, "n_group", 8), _get(hf, "topk_group", 4)
     if n_group > 1:  # transformers scores a group by the sum of its top-2 biased scores
         moe.num_groups, moe.group_top_k, moe.group_score_top_k = n_group, topk_group, 2
+    _deepseek_aux_from_hf(hf, cfg)
     return cfg
 
 
@@ -371,7 +418,8 @@ def _deepseek_v3_to_hf(cfg: Config) -> dict[str, Any]:
               n_routed_experts=moe.num_experts, n_shared_experts=moe.shared_experts,
               first_k_dense_replace=first, routed_scaling_factor=moe.routed_scaling_factor,
               n_group=moe.num_groups if grouped else 1, topk_group=moe.group_top_k if grouped else 1,
-              scoring_func="sigmoid", topk_method="noaux_tc", moe_layer_freq=1)
+              scoring_func="sigmoid", topk_method="noaux_tc", moe_layer_freq=1,
+              **_deepseek_aux_to_hf(cfg))
     return hf
 
 

@@ -169,3 +169,36 @@ def test_mtp_loss_is_the_shifted_prediction_of_each_depth():
     lm = F.cross_entropy(model(ids).flatten(0, 1), labels.flatten())
     torch.testing.assert_close(parts["mtp_loss"], torch.stack(manual).mean())
     torch.testing.assert_close(total, lm + 0.5 * torch.stack(manual).mean())
+
+
+
+@pytest.mark.parametrize("seq_len", [1, 2])
+def test_an_mtp_depth_without_targets_adds_zero_to_the_mtp_loss(seq_len):
+    """Depth k predicts the token k further on than the main head: sequences of S ≤ k tokens leave
+    it no target. S = k gave a nan loss (a mean over no tokens) and S < k a shape error; such a
+    depth adds 0 (Megatron-Core clamps its token count to 1), a depth with targets keeps its loss,
+    and every gradient is finite."""
+    import torch.nn.functional as F
+
+    from moefold.train.loss import NextTokenAndMTPLoss, cross_entropy_loss
+
+    cfg = load_config("tiny-deepseek", {"model.n_layers": "1", "model.mtp_layers": "2"})
+    model = build_model(cfg, vocab_size=50)
+    model.init_weights(seed=0)
+    ids, labels = torch.randint(0, 50, (2, seq_len)), torch.randint(0, 50, (2, seq_len))
+    total, parts = NextTokenAndMTPLoss(weight=0.5)(model, ids, labels)
+    total.backward()
+    assert torch.isfinite(total)
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+    h, (cos, sin) = model.trunk(ids)
+    depths = model.mtp(h, ids, labels, model.tok_embeddings, model.output, cos, sin, cross_entropy_loss)
+    assert depths[1].item() == 0.0  # depth 2 never has a target here
+    if seq_len == 1:
+        assert depths[0].item() == 0.0
+    else:  # depth 1: position 0 predicts labels[:, 1]
+        module = model.mtp.layers[0]
+        h1 = module(h[:, :1], model.tok_embeddings(ids[:, 1:]), cos[:1], sin[:1])
+        expected = F.cross_entropy(model.output(module.norm(h1)).flatten(0, 1), labels[:, 1])
+        torch.testing.assert_close(depths[0], expected)
+    torch.testing.assert_close(parts["mtp_loss"], torch.stack(depths).mean())

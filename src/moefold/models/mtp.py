@@ -27,8 +27,10 @@ class MTPModule(nn.Module):
 
 
 def shift_left(x_BS: torch.Tensor, k: int, fill: int) -> torch.Tensor:
-    """x[:, k:] followed by k `fill` values: what position i sees k tokens ahead."""
-    return torch.cat([x_BS[:, k:], x_BS.new_full((x_BS.shape[0], k), fill)], dim=1)
+    """x[:, k:] followed by k `fill` values: what position i sees k tokens ahead (all `fill`
+    when k ≥ S; the length stays S)."""
+    B, S = x_BS.shape
+    return torch.cat([x_BS[:, k:], x_BS.new_full((B, min(k, S)), fill)], dim=1)
 
 
 class MultiTokenPrediction(nn.Module):
@@ -38,11 +40,21 @@ class MultiTokenPrediction(nn.Module):
 
     def forward(self, h_BSD, input_ids_BS, labels_BS, embed: nn.Module, head, cos, sin,
                 loss_fn) -> list[torch.Tensor]:
-        """The loss of each depth k = 1..D, on the positions that have a target k tokens on."""
+        """The loss of each depth k = 1..D, on the positions that have a target k tokens on; 0
+        for a depth with none (`loss_or_zero`)."""
         losses = []
         for k, module in enumerate(self.layers, start=1):
             emb_BSD = embed(shift_left(input_ids_BS, k, fill=0))
             h_BSD = module(h_BSD, emb_BSD, cos, sin)
             logits_BSV = head(module.norm(h_BSD))
-            losses.append(loss_fn(logits_BSV, shift_left(labels_BS, k, fill=IGNORE_INDEX)))
+            targets_BS = shift_left(labels_BS, k, fill=IGNORE_INDEX)
+            losses.append(loss_or_zero(loss_fn(logits_BSV, targets_BS), targets_BS))
         return losses
+
+
+def loss_or_zero(loss: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
+    """`loss`, or 0 when no position has a target (S ≤ k, or every label ignored), where the mean
+    over no tokens is nan. Megatron-Core's MTP does the same (it clamps the depth's token count to
+    1): such a depth adds 0 to the mean over depths, and its gradients are 0 (cross-entropy gives
+    ignored positions none). A device-side choice, no host sync."""
+    return torch.where((targets_BS != IGNORE_INDEX).any(), loss, 0.0)

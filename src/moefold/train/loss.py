@@ -38,7 +38,8 @@ next_token_loss = NextTokenLoss()
 
 
 class NextTokenAndMTPLoss:
-    """L = L_lm + weight · mean_k L_mtp,k (DeepSeek-V3, λ = 0.3 early in training, 0.1 later)."""
+    """L = L_lm + weight · mean_k L_mtp,k (DeepSeek-V3, λ = 0.3 early in training, 0.1 later).
+    A depth k with no targets (sequences of S ≤ k tokens) has L_mtp,k = 0, as in Megatron-Core."""
 
     def __init__(self, weight: float, loss_fn: LossFn = cross_entropy_loss):
         self.weight, self.loss_fn = weight, loss_fn

@@ -202,3 +202,20 @@ def test_an_mtp_depth_without_targets_adds_zero_to_the_mtp_loss(seq_len):
         expected = F.cross_entropy(model.output(module.norm(h1)).flatten(0, 1), labels[:, 1])
         torch.testing.assert_close(depths[0], expected)
     torch.testing.assert_close(parts["mtp_loss"], torch.stack(depths).mean())
+
+
+@pytest.mark.parametrize("no_moe", [False, True])
+def test_the_model_reads_an_integer_mask_as_the_bool_one_and_refuses_a_float_one(no_moe):
+    """Checked once at the model's entry: a dense model, which routes nothing, refuses a float mask
+    too, rather than ignoring it until an MoE layer is added."""
+    from moefold.errors import UserError
+
+    cfg = load_config("tiny", {"model.n_layers": "2", **({"moe.num_experts": "0"} if no_moe else {})})
+    model = build_model(cfg, vocab_size=50)
+    model.init_weights(seed=0)
+    ids = torch.randint(0, 50, (2, 8))
+    valid = torch.ones(2, 8, dtype=torch.bool)
+    valid[0, 5:] = False
+    torch.testing.assert_close(model(ids, valid.long()), model(ids, valid), rtol=0, atol=0)
+    with pytest.raises(UserError, match="valid_BS has dtype torch.float16; allowed: torch.bool"):
+        model(ids, valid.half())

@@ -8,7 +8,7 @@ import torch
 
 from moe_reference import BACKENDS, build, random_config, reference_layer
 from moefold.config import MoEConfig
-from moefold.errors import ConfigError
+from moefold.errors import ConfigError, UserError
 from moefold.moe.experts import GroupedMMExperts, LoopExperts, build_experts
 
 # ------------------------------------------------------------------------------------ tests
@@ -98,6 +98,37 @@ def test_padding_tokens_are_not_routed():
     assert y[1, 4:].abs().sum() == 0
     torch.testing.assert_close(y[0], layer(x[:1])[0])
     assert layer.stats.pop()["tokens_per_expert_E"].sum() == (10 + 6) * 2  # two forwards, K=2
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8])
+def test_an_integer_0_1_mask_is_read_as_the_bool_one(dtype):
+    """Hugging Face's attention_mask is int64 0/1: an integer mask failed deep in the layer (an
+    int condition to torch.where, a uint8 one to index_put); it routes, counts and balances as the
+    bool mask does."""
+    cfg = MoEConfig(num_experts=4, top_k=2, expert_hidden=8, capacity_factor=1.0, aux_loss_coeff=0.01,
+                    z_loss_coeff=0.001)
+    layers = [build(cfg, 16, seed=1).float() for _ in range(2)]
+    x = torch.randn(2, 6, 16)
+    valid = torch.ones(2, 6, dtype=torch.bool)
+    valid[1, 4:] = False
+    outputs = [layer(x.clone().requires_grad_(), mask) for layer, mask in zip(layers, (valid, valid.to(dtype)))]
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=0, atol=0)
+    grads = [torch.autograd.grad(y.square().sum(), layer.router.weight)[0] for layer, y in zip(layers, outputs)]
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)  # the aux losses' masks too
+    stats = [layer.stats.pop() for layer in layers]
+    assert all(torch.equal(stats[1][key], stats[0][key]) for key in stats[0])
+
+
+@pytest.mark.parametrize("mask, message", [
+    (torch.ones(2, 6), "valid_BS has dtype torch.float32; allowed: torch.bool"),
+    (torch.ones(6, 2, dtype=torch.bool), r"valid_BS has shape \[6, 2\]; it must be the tokens' \[B, S\] = \[2, 6\]"),
+])
+def test_a_float_or_misshapen_mask_is_refused_naming_valid_bs(mask, message):
+    """A float mask may be additive (0: a token kept), the opposite of a 0/1 one; a transposed
+    mask of B·S elements was silently read in the wrong order."""
+    layer = build(MoEConfig(num_experts=4, top_k=2, expert_hidden=8), 16, seed=1).float()
+    with pytest.raises(UserError, match=message):
+        layer(torch.randn(2, 6, 16), mask)
 
 
 @pytest.mark.parametrize("drop_policy", ["probs", "position"])

@@ -22,7 +22,7 @@ from moefold.models.mtp import MTPModule, MultiTokenPrediction
 from moefold.models.norm import RMSNorm
 from moefold.models.rope import RopeScaling, rope_cos_sin, yarn_softmax_scale_factor
 from moefold.moe.experts import Experts
-from moefold.moe.layer import MoELayer, build_moe_layer
+from moefold.moe.layer import MoELayer, build_moe_layer, valid_mask
 from moefold.moe.replay import RouterReplay
 
 
@@ -64,6 +64,7 @@ class Transformer(nn.Module):
 
     def trunk(self, input_ids_BS: torch.Tensor, valid_BS: torch.Tensor | None = None):
         """Hidden states after the last block (before the final norm), and the RoPE tables."""
+        valid_BS = valid_mask(valid_BS, input_ids_BS.shape)  # checked here for dense models too
         cos_SDr, sin_SDr = self.rope(input_ids_BS.shape[1], input_ids_BS.device)
         x_BSD = self.tok_embeddings(input_ids_BS)
         for layer in self.layers:
@@ -72,7 +73,7 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids_BS: torch.Tensor, valid_BS: torch.Tensor | None = None) -> torch.Tensor:
         """Logits `[B, S, V]`. `valid_BS` marks real tokens (False: padding, which MoE layers
-        neither route nor count)."""
+        neither route nor count): bool, or integer 0/1 (`moe.layer.valid_mask`)."""
         h_BSD, _ = self.trunk(input_ids_BS, valid_BS)
         return self.output(self.norm(h_BSD))
 

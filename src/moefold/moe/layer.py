@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from moefold.config import MoEConfig, validate_moe
-from moefold.errors import ConfigError
+from moefold.errors import ConfigError, UserError
 from moefold.moe.activation import ACTIVATIONS
 from moefold.moe.balance import LoadBalancer, LocalCounts
 from moefold.moe.capacity import build_capacity, padded_capacity
@@ -39,6 +39,7 @@ class MoELayer(nn.Module):
                              persistent=False)
 
     def forward(self, x_BSD: torch.Tensor, valid_BS: torch.Tensor | None = None) -> torch.Tensor:
+        valid_BS = valid_mask(valid_BS, x_BSD.shape[:-1])
         x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
         valid_N = None if valid_BS is None else valid_BS.reshape(-1).repeat_interleave(self.top_k)
         routing = self.router(x_TD)
@@ -76,6 +77,24 @@ class MoELayer(nn.Module):
         self.router.update_expert_bias(self.step_tokens_per_expert_E)
         self.balancer.reset_global_counts()
         self.step_tokens_per_expert_E.zero_()
+
+
+def valid_mask(valid_BS: torch.Tensor | None, shape_BS: torch.Size) -> torch.Tensor | None:
+    """`valid_BS` (True or 1: a real token; False or 0: padding) as the bool mask the layer reads:
+    a bool mask as it is, an integer one (Hugging Face's `attention_mask`) as `!= 0`. A floating
+    mask is refused: an additive attention mask marks the tokens kept with 0, a 0/1 mask with 1,
+    and nothing in the values says which it is. Checks dtypes and shapes only: no host sync."""
+    if valid_BS is None:
+        return None
+    if valid_BS.shape != shape_BS:
+        raise UserError(f"valid_BS has shape {list(valid_BS.shape)}; it must be the tokens' "
+                        f"[B, S] = {list(shape_BS)}")
+    if valid_BS.dtype == torch.bool:
+        return valid_BS
+    if valid_BS.is_floating_point() or valid_BS.is_complex():
+        raise UserError(f"valid_BS has dtype {valid_BS.dtype}; allowed: torch.bool (True: a real "
+                        "token) or an integer dtype (1: a real token, 0: padding)")
+    return valid_BS != 0
 
 
 def build_moe_layer(dim: int, moe: MoEConfig, device_type: str, compute_dtype: torch.dtype,

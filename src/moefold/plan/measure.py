@@ -7,22 +7,25 @@ innermost module running when it was first saved, mapped to the planner's catego
 in `plan.activations`), so the analytic model can be compared module by module, not only in total;
 casts of parameters (autocast's bf16 weights, the experts' `w.to(bf16)`, fp32 norm weights), seen
 by a dispatch mode as `_to_copy` of a parameter's storage, are charged to `weight_copies`.
-Single process, no parallelism: for small configs (the planner's formulas are what scale).
+For small configs (the planner's formulas are what scale); single process, or (fp32, for real) one
+rank's share of a tensor-parallel model, where a DTensor counts its local shard's storage.
 """
 
 from __future__ import annotations
 
 import contextlib
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from moefold.config import Config
 from moefold.data.tokenizer import model_vocab_size
+from moefold.parallel.dims import ParallelLayout
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -85,6 +88,13 @@ def _scope(name: str) -> str:
     if parts[0] == "mtp" and len(parts) > 2:
         return f"mtp {int(parts[2]) + 1}"
     return "model"
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    """The storage a tensor holds on this rank: a DTensor's is its local shard's."""
+    if isinstance(t, DTensor):
+        t = t._local_tensor
+    return t.untyped_storage()._cdata
 
 
 @dataclass
@@ -227,8 +237,8 @@ class _ParamCasts(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func is torch.ops.aten._to_copy.default and args[0].untyped_storage()._cdata in self.params:
-            self.casts[out.untyped_storage()._cdata] = out
+        if func is torch.ops.aten._to_copy.default and _storage_key(args[0]) in self.params:
+            self.casts[_storage_key(out)] = out
         return out
 
 
@@ -242,8 +252,8 @@ def _cast_params(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     return model
 
 
-def measure_saved_activations(cfg: Config, dtype: str = "bf16", vocab_size: int = 0,
-                              param_dtype: str = "") -> SavedActivations:
+def measure_saved_activations(cfg: Config, dtype: str = "bf16", vocab_size: int = 0, param_dtype: str = "",
+                              layout: ParallelLayout | None = None) -> SavedActivations:
     """Saved-for-backward bytes of one training micro-batch (cfg.train.micro_batch_size ×
     cfg.train.seq_len) of the real model, run in `dtype` (bf16: under bf16 autocast, as on GPU;
     fp32) under FakeTensorMode, with parameters in `param_dtype` (default `dtype`; "fp32" with bf16
@@ -251,12 +261,17 @@ def measure_saved_activations(cfg: Config, dtype: str = "bf16", vocab_size: int 
     here.
 
     fp32 runs for real on the CPU instead (keep the config small): grouped_mm's fake kernel takes
-    bf16 only, and the loop backend needs real token counts."""
+    bf16 only, and the loop backend needs real token counts. With a `layout` (fp32 only, every rank
+    of its process group calling) the model is parallelized as the trainer does it, and this rank's
+    bytes are measured."""
     from moefold.fp8.apply import apply_fp8
     from moefold.fp8.weight_cache import refresh_weight_caches
     from moefold.models.transformer import build_model
     from moefold.moe.experts import grouped_mm_supported
     from moefold.train.loss import build_objective
+
+    if layout is not None and dtype != "fp32":
+        raise ValueError(f"measuring a parallel layout needs real tensors: dtype='fp32', not {dtype!r}")
 
     torch_dtype, param_torch_dtype = DTYPES[dtype], DTYPES[param_dtype or dtype]
     grouped_mm_supported("cpu", torch_dtype)  # cached probe with real tensors, outside fake mode
@@ -271,8 +286,10 @@ def measure_saved_activations(cfg: Config, dtype: str = "bf16", vocab_size: int 
         refresh_weight_caches(model)  # precision.fp8_weight_cache's buffers: not activations
         if dtype == "fp32":
             model.init_weights(cfg.train.seed)  # uninitialised memory may hold slow denormals
-        params = {p.untyped_storage()._cdata for p in model.parameters()}
-        params |= {b.untyped_storage()._cdata for b in model.buffers()}
+        if layout is not None:
+            _parallelize(model, layout, cfg)
+        params = {_storage_key(p) for p in model.parameters()}
+        params |= {_storage_key(b) for b in model.buffers()}
         ids_BS = torch.randint(0, vocab, (B, S))
         labels_BS = torch.randint(0, vocab, (B, S))
         stack = _ModuleStack(model)
@@ -280,13 +297,14 @@ def measure_saved_activations(cfg: Config, dtype: str = "bf16", vocab_size: int 
         param_casts = _ParamCasts(params)
 
         def pack(t: torch.Tensor) -> torch.Tensor:
-            key = t.untyped_storage()._cdata
+            key = _storage_key(t)
             if key in params:
                 return t
             entry = saved.get(key)
             if entry is None or not entry.alive():  # a dead entry's address was reused
                 scope, category = stack.where()
-                entry = saved[key] = _Saved(t.untyped_storage(), scope,
+                local = t._local_tensor if isinstance(t, DTensor) else t
+                entry = saved[key] = _Saved(local.untyped_storage(), scope,
                                             "weight_copies" if key in param_casts.casts else category)
             entry.refs.append(weakref.ref(t))
             return t
@@ -307,3 +325,11 @@ def measure_saved_activations(cfg: Config, dtype: str = "bf16", vocab_size: int 
         param_casts.casts.clear()
         loss.backward()
     return result
+
+
+def _parallelize(model: nn.Module, layout: ParallelLayout, cfg: Config) -> None:
+    """The trainer's parallelization of a filled model, with ZeRO-1 for data parallelism: FSDP's
+    gathered parameters are storages of their own, which would be counted as activations."""
+    from moefold.parallel.apply import parallelize
+
+    parallelize(model, layout, replace(cfg.parallel, data_parallel="ddp"))

@@ -100,7 +100,8 @@ def _build_parser() -> argparse.ArgumentParser:
                            "the layout fits)")
     config_commands.add_parser("presets", help="list the shipped presets")
     params = config_commands.add_parser("params", allow_abbrev=False,
-                                        help="count the model's parameters (built on the meta device)")
+                                        help="count the model's parameters (one block of each kind built on "
+                                             "the meta device)")
     _add_config_options(params)
     _name_commands(config_commands)
     _add_plan_parser(commands)

@@ -8,7 +8,9 @@ import pytest
 from conftest import TINY_OVERRIDES, cli_args
 from moefold.cli import main
 from moefold.config import load_config, preset_names
-from moefold.train.flops import count_params, meta_model
+from moefold.data.tokenizer import model_vocab_size
+from moefold.train.flops import (
+    config_param_counts, count_params, describe_params, meta_model, train_flops_per_token)
 
 # (total, active) in billions, as the model cards count them: embedding and output head included,
 # DeepSeek-V3 without its MTP module.
@@ -84,3 +86,58 @@ def test_counts_take_the_tokenizers_vocabulary_as_training_does(tmp_path, capsys
     with_tokenizer = params("--data.tokenizer", str(tokenizer))
     assert with_tokenizer == params("--model.vocab_size", "4")
     assert with_tokenizer != params()
+
+
+# Layer patterns beyond the presets': MoE every 3rd layer after 2 dense ones with 2 more dense,
+# MTP blocks of both kinds (block 11 MoE, 12 and 13 dense), a dense model, an all-dense one by
+# first_k_dense, a tied head with a gated shared expert, GELU experts.
+PATTERNS = {
+    "every-3rd-mtp-mixed": {"model.n_layers": "11", "model.mtp_layers": "3", "moe.first_k_dense": "2",
+                            "moe.moe_every": "3", "moe.dense_layers": "[5, 7, 13]"},
+    "dense-model": {"moe.num_experts": "0", "model.mtp_layers": "2"},
+    "first-k-beyond": {"model.n_layers": "3", "moe.first_k_dense": "5"},
+    "tied-gated-gelu": {"model.tie_embeddings": "true", "moe.shared_experts": "2",
+                        "moe.shared_expert_gate": "true", "moe.activation": "gelu", "moe.first_k_dense": "0"},
+}
+CASES = [(p, {}) for p in preset_names()] + [("tiny", o) for o in PATTERNS.values()]
+
+
+@pytest.mark.parametrize("preset, overrides", CASES, ids=[*preset_names(), *PATTERNS])
+def test_config_params_counts_as_the_whole_built_model(preset, overrides):
+    """`config params` counts one block of each kind times their number; every figure it prints
+    is the one of the model built layer by layer on the meta device."""
+    cfg = load_config(preset, overrides)
+    model = meta_model(cfg)
+    assert config_param_counts(cfg, model_vocab_size(cfg)) == count_params(model)
+    flops = train_flops_per_token(model, cfg.train.seq_len)
+    assert describe_params(cfg).endswith(f"; {flops / 1e9:.2f} GFLOP per token at sequence {cfg.train.seq_len} "
+                                         "(fwd+bwd)")
+
+
+def test_config_params_of_a_huge_model_builds_one_block_of_each_kind(monkeypatch, capsys):
+    """10^8 layers (DeepSeek-V3's dense, MoE and MTP blocks): counted from a dense and an MoE block,
+    not built layer by layer (which ran out of time and memory), as the planner's per-module
+    formulas count them."""
+    import time
+
+    from moefold.models import transformer
+    from moefold.plan.params import model_params
+
+    built, build_block = [], transformer._build_block
+
+    def counted_build_block(*args, **kwargs):
+        built.append(args[1])
+        assert len(built) <= 2, "config params builds the model layer by layer"
+        return build_block(*args, **kwargs)
+
+    monkeypatch.setattr(transformer, "_build_block", counted_build_block)
+    overrides = {"model.n_layers": "100000000"}
+    cfg = load_config("deepseek-v3", overrides)
+    start = time.perf_counter()
+    assert main(["config", "params", "--config", "deepseek-v3", *cli_args(overrides)]) == 0
+    assert time.perf_counter() - start < 5
+    assert len(built) == 2
+    monkeypatch.undo()
+    counts = config_param_counts(cfg, model_vocab_size(cfg))
+    assert counts.total == model_params(cfg, model_vocab_size(cfg)).total
+    assert capsys.readouterr().out.splitlines()[0].split()[2] == f"{(counts.total - counts.mtp) / 1e9:.3f}B"

@@ -6,7 +6,7 @@ head included, the embedding lookup excluded; a routed expert counts K/E of its 
 the causal mask, times 3 for forward + backward). docs/metrics.md derives it.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -69,13 +69,17 @@ def attention_flops_per_token(n_layers: int, seq_len: int, n_heads: int, qk_head
 def train_flops_per_token(model: nn.Module, seq_len: int) -> int:
     """MTP modules count like layers (their blocks and eh_proj are in `active`), and each uses the
     shared output head once more."""
-    m = model.cfg.model
+    return _train_flops_per_token(model.cfg, count_params(model).active, model.output.weight.numel(), seq_len)
+
+
+def _train_flops_per_token(cfg, active: int, head: int, seq_len: int) -> int:
+    """`train_flops_per_token` of a model with `active` parameters and an output head of `head`."""
+    m = cfg.model
     if m.attention == "mla":
         qk_dim, v_dim = m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
     else:
         qk_dim = v_dim = m.head_dim or m.dim // m.n_heads
-    extra_heads = 6 * m.mtp_layers * model.output.weight.numel()
-    return (6 * count_params(model).active + extra_heads
+    return (6 * active + 6 * m.mtp_layers * head
             + attention_flops_per_token(m.n_layers + m.mtp_layers, seq_len, m.n_heads, qk_dim, v_dim))
 
 
@@ -101,11 +105,64 @@ def meta_model(cfg):
         return build_model(cfg, vocab_size)
 
 
+def config_param_counts(cfg, vocab_size: int) -> ParamCounts:
+    """`count_params(meta_model(cfg))` without building every block: the embedding, final norm and
+    head, and one block (and MTP module) of each kind, dense and MoE, on the meta device, times how
+    many of each the model has. A model of 10^8 layers counts as fast as one of 2."""
+    from moefold.models.mtp import MTPModule
+    from moefold.models.transformer import Transformer
+
+    m = cfg.model
+    main, mtp = range(m.n_layers), range(m.n_layers, m.n_layers + m.mtp_layers)
+    with torch.device("meta"):
+        shell = Transformer(cfg, vocab_size, layers=[])
+        total, active = _count(shell, shell.named_parameters(remove_duplicate=False), cfg)
+        mtp_total = mtp_active = 0
+        for moe_layer in (False, True):
+            n_main, n_mtp = _blocks_of_kind(cfg, main, moe_layer), _blocks_of_kind(cfg, mtp, moe_layer)
+            if n_main + n_mtp == 0:
+                continue
+            block = _block_of_kind(cfg, moe_layer)
+            block_total, block_active = _count(block, block.named_parameters(), cfg)
+            total, active = total + n_main * block_total, active + n_main * block_active
+            if n_mtp:
+                module = MTPModule(block, m.dim, m.norm_eps)
+                module_total, module_active = _count(module, module.named_parameters(), cfg)
+                mtp_total, mtp_active = mtp_total + n_mtp * module_total, mtp_active + n_mtp * module_active
+    return ParamCounts(total=total + mtp_total, active=active + mtp_active,
+                       embedding=shell.tok_embeddings.weight.numel(), tied=m.tie_embeddings,
+                       mtp=mtp_total, mtp_active=mtp_active)
+
+
+def _blocks_of_kind(cfg, blocks: range, moe_layer: bool) -> int:
+    """How many of the layer ids `blocks` `is_moe_layer` makes MoE (dense) layers, without
+    visiting each."""
+    moe, n_moe = cfg.moe, 0
+    if moe.num_experts > 0:
+        start = max(blocks.start, moe.first_k_dense)
+        start += -(start - moe.first_k_dense) % moe.moe_every
+        every = range(start, blocks.stop, moe.moe_every)
+        n_moe = len(every) - sum(1 for i in set(moe.dense_layers) if i in every)
+    return n_moe if moe_layer else len(blocks) - n_moe
+
+
+def _block_of_kind(cfg, moe_layer: bool) -> nn.Module:
+    """The block `build_model` makes for a dense (MoE) layer: layer 0 of a config whose pattern
+    makes layer 0 one (a block's parameters depend on its kind, not on its id)."""
+    from moefold.models.transformer import _build_block
+
+    pattern = {"first_k_dense": 0, "moe_every": 1, "dense_layers": []} if moe_layer else {"first_k_dense": 1}
+    return _build_block(replace(cfg, moe=replace(cfg.moe, **pattern)), 0, "cpu", torch.float32, None)
+
+
 def describe_params(cfg) -> str:
     """Parameter counts as model cards give them (embedding and head included), and the count the
     FLOP convention uses (embedding lookup excluded)."""
-    model = meta_model(cfg)
-    c = count_params(model)
+    from moefold.data.tokenizer import model_vocab_size
+
+    vocab_size = model_vocab_size(cfg)
+    c = config_param_counts(cfg, vocab_size)
+    flops = _train_flops_per_token(cfg, c.active, vocab_size * cfg.model.dim, cfg.train.seq_len)
     main_total, main_active = c.total - c.mtp, c.active_with_embedding - c.mtp_active
     lines = [f"total parameters:  {_in_units(main_total)} (embedding and output head included)",
              f"active per token:  {_in_units(main_active)} (embedding and output head included; "
@@ -114,8 +171,7 @@ def describe_params(cfg) -> str:
         lines.append(f"MTP modules:       {_in_units(c.mtp)} more, {_in_units(c.mtp_active)} active "
                      f"(not in the figures above)")
     lines.append(f"FLOP convention:   {_in_units(c.active)} active without the embedding lookup; "
-                 f"{train_flops_per_token(model, cfg.train.seq_len) / 1e9:.2f} GFLOP per token at "
-                 f"sequence {cfg.train.seq_len} (fwd+bwd)")
+                 f"{flops / 1e9:.2f} GFLOP per token at sequence {cfg.train.seq_len} (fwd+bwd)")
     return "\n".join(lines)
 
 

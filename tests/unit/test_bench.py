@@ -75,6 +75,31 @@ def test_json_record_is_consistent(tmp_path, capsys):
     assert r["config"] == "tiny-qwen3" and r["overrides"]["train.seq_len"] == "32"
 
 
+def test_printed_mfu_divides_by_logging_peak_tflops_as_the_record_does(tmp_path, capsys):
+    """`logging.peak_tflops` is the peak training's MFU divides by: the record's mfu_datasheet and
+    the printed MFU both use it (the table said "-" on the CPU, having no measured peak)."""
+    path = tmp_path / "r.json"
+    out = bench(capsys, "--config", "tiny", "--steps", "1", "--warmup", "0", "--json", str(path),
+                "--logging.peak_tflops", "0.002", *SMALL)
+    r = json.loads(path.read_text())
+    assert r["mfu_datasheet"] == pytest.approx(r["tflops"] / 0.002, rel=1e-12)
+    mfu = next(line for line in out.splitlines() if line.startswith("MFU"))
+    assert mfu.split(None, 1)[1] == f"{100 * r['tflops'] / 0.002:.1f}% of logging.peak_tflops 0.002 TFLOP/s"
+
+
+def test_printed_mfu_on_a_gpu_names_each_peak():
+    """The measured peak first, the datasheet's beside it; a configured peak first instead."""
+    from moefold.bench.run import _mfu
+
+    r = {"mfu": 0.5, "peak_tflops_measured": 752.3, "mfu_datasheet": 0.38, "peak_tflops_datasheet": 989.0,
+         "peak_tflops_configured": None}
+    assert _mfu(r) == "50.0% of the measured 752 TFLOP/s (38.0% of the datasheet 989)"
+    r.update(mfu_datasheet=0.4, peak_tflops_datasheet=940.0, peak_tflops_configured=940.0)
+    assert _mfu(r) == "40.0% of logging.peak_tflops 940 TFLOP/s (50.0% of the measured 752)"
+    r.update(mfu_datasheet=None, peak_tflops_datasheet=None, peak_tflops_configured=None)  # an unknown GPU
+    assert _mfu(r) == "50.0% of the measured 752 TFLOP/s"
+
+
 def test_profile_writes_a_trace_and_a_breakdown(tmp_path, capsys):
     path = tmp_path / "r.json"
     out = bench(capsys, "--config", "tiny-qwen3", "--steps", "1", "--warmup", "1", "--profile",

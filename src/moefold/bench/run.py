@@ -6,7 +6,9 @@ vocabulary (`model.vocab_size`, or data.tokenizer's when it is 0), so no corpus 
 steps run first; the timed steps then run back to back with one synchronisation before and one
 after (step boundaries are CUDA events, which need no sync). Throughput follows the
 FLOP convention of `moefold.train.flops` (docs/metrics.md); MFU is against the dense bf16 matmul
-rate measured on the device (bench/timing.py), not the datasheet.
+rate measured on the device (bench/timing.py) and against the peak training's MFU divides by
+(`logging.peak_tflops` when set, else the datasheet's: the record's `*_datasheet` keys). The table
+puts `logging.peak_tflops`'s figure first when it is set, the measured one otherwise.
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ def _record(cfg: Config, trainer: BenchTrainer, step_s: list[float], peak: float
     seconds = sum(step_s)
     tokens = tokens_per_step * len(step_s) // world  # per device, as training logs them
     rate = metrics.throughput(tokens, seconds, trainer.flops_per_token, peak)
-    datasheet = trainer.peak_tflops
+    datasheet = trainer.peak_tflops  # logging.peak_tflops when set, as training's MFU
     p = trainer.param_counts
     return {
         "family": cfg.model.family, "device": _device_name(trainer.device),
@@ -96,7 +98,7 @@ def _record(cfg: Config, trainer: BenchTrainer, step_s: list[float], peak: float
         "step_ms_max": 1e3 * max(step_s), "step_ms": [1e3 * s for s in step_s],
         "tokens_per_s": rate["tokens_per_s"], "flops_per_token": trainer.flops_per_token,
         "tflops": rate["tflops"], "peak_tflops_measured": peak, "mfu": rate["mfu"],
-        "peak_tflops_datasheet": datasheet,
+        "peak_tflops_datasheet": datasheet, "peak_tflops_configured": cfg.logging.peak_tflops or None,
         "mfu_datasheet": rate["tflops"] / datasheet if datasheet else None,
         "peak_mem_gib": metrics.peak_memory_gib(trainer.device),
         "alloc_retries": alloc_retries(trainer.device),
@@ -118,13 +120,26 @@ def _commit() -> str | None:
     return out.stdout.strip() or None if out.returncode == 0 else None
 
 
+def _mfu(r: dict[str, Any]) -> str:
+    """MFU against each peak the record has, `logging.peak_tflops` first when it is set (the one
+    training reports), else the measured one first."""
+    reference = "logging.peak_tflops" if r["peak_tflops_configured"] else "the datasheet"
+    figures = [(r["mfu"], "the measured", r["peak_tflops_measured"]),
+               (r["mfu_datasheet"], reference, r["peak_tflops_datasheet"])]
+    if r["peak_tflops_configured"]:
+        figures.reverse()
+    said = [f"{100 * mfu:.1f}% of {name} {_tflops(peak)}" for mfu, name, peak in figures if mfu is not None]
+    if not said:
+        return "- (no measured peak on the CPU; logging.peak_tflops sets one)"
+    return f"{said[0]} TFLOP/s" + "".join(f" ({other})" for other in said[1:])
+
+
+def _tflops(peak: float) -> str:
+    return f"{peak:.0f}" if peak >= 10 else f"{peak:g}"
+
+
 def format_record(r: dict[str, Any]) -> str:
     """The result as a two-column table (what `moefold bench` prints)."""
-    mfu = "- (no measured peak on the CPU)"
-    if r["mfu"] is not None:
-        mfu = f"{100 * r['mfu']:.1f}% of the measured {r['peak_tflops_measured']:.0f} TFLOP/s"
-        if r["mfu_datasheet"] is not None:
-            mfu += f" ({100 * r['mfu_datasheet']:.1f}% of the datasheet {r['peak_tflops_datasheet']:.0f})"
     rows = [
         ("device", f"{r['device']} ({r['compute_dtype']}), torch {r['torch']}"
                    + (f", {r['world']} ranks" if r["world"] > 1 else "")),
@@ -136,7 +151,7 @@ def format_record(r: dict[str, Any]) -> str:
                       f"{r['step_ms_max']:.2f} ms max ({r['steps']} steps after {r['warmup']} warm-up)"),
         ("tokens/s", f"{r['tokens_per_s']:,.0f}" + (" per device" if r["world"] > 1 else "")),
         ("TFLOP/s", f"{r['tflops']:.3f}"),
-        ("MFU", mfu),
+        ("MFU", _mfu(r)),
         ("peak memory", f"{r['peak_mem_gib']:.2f} GiB"
                         + (" (process max RSS)" if r["device"] == "cpu" else
                            f" (allocated; {r['alloc_retries']} allocator retries)")),

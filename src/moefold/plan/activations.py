@@ -3,8 +3,8 @@
 Each formula counts what moefold's code keeps for backward, op by op (the tensors autograd saves,
 each storage once, parameters excluded), for GPU kernels: attention is a fused kernel (FlashAttention-2
 / cuDNN) that keeps q, k, v, the output and an fp32 log-sum-exp. `plan.measure` runs the real model
-under FakeTensorMode and counts the same thing, and tests hold the two together category by
-category. Rules that recur:
+under FakeTensorMode (or one rank of it under TP, for real) and counts the same thing, and tests
+hold the two together category by category. Rules that recur:
 
 - RMSNorm computes in fp32: it keeps the fp32 input, the normalised fp32 rows and one rsqrt per
   row (8·d + 4 bytes a row), whatever the compute dtype; its output is kept by the next linear.
@@ -19,9 +19,13 @@ category. Rules that recur:
   parameters only): q, k and v three copies, gated MLPs two.
 
 Sizes are per rank: T tokens of the rank's micro-batch after context parallelism (B·S/cp); heads and
-dense/shared hidden sizes divided by tp; norms, MLA down-projections and the output head are
-replicated over TP (moefold's TP has no sequence parallelism); the MoE layer routes T/tp tokens per
-rank (each TP rank dispatches its share of the tokens) and its experts see R rows.
+dense/shared hidden sizes divided by tp; MLA's down-projections and latent norms, the final norm and
+the output head run on all T tokens on every TP rank. Under sequence parallelism
+(parallel.sequence_parallel with tp > 1, parallel/tensor.py) the main blocks' residual stream and
+pre-norms hold this rank's T/tp tokens (`Shapes.residual_tokens`); the linears after a pre-norm keep
+the all-gathered T tokens as they would keep the norm's output; the MTP modules and blocks are not
+sequence-parallel. The router runs on all T tokens of the TP group on every TP rank; each TP rank
+dispatches its T/tp (parallel/sequence.py) and its experts see R rows.
 """
 
 from __future__ import annotations
@@ -58,10 +62,17 @@ class Shapes:
     # "1x128"; precision.fp8_saved_activations), else ""; set per block by block_shapes
     fp8_block: str = ""  # the block's module name ("layers.3", "mtp.layers.0.block") where
     # apply_fp8 converts its modules (FP8 on, not a first/last bf16 layer), else ""; block_shapes
+    seq_split: int = 1  # how many ranks share the block's residual stream along the sequence: tp
+    # in the main blocks under sequence parallelism, else 1; set per block by block_shapes
 
     @property
     def tokens(self) -> int:
         return self.batch * self.seq
+
+    @property
+    def residual_tokens(self) -> int:
+        """Tokens of the residual stream and the pre-norms on this rank."""
+        return self.tokens // self.seq_split
 
     @property
     def fp32(self) -> bool:
@@ -198,7 +209,7 @@ def row_multiple(cfg: Config, sh: Shapes) -> int:
 
 def router_bytes(cfg: Config, sh: Shapes) -> int:
     moe, D = cfg.moe, cfg.model.dim
-    T, K, E, r = sh.tokens // sh.tp, moe.top_k, moe.num_experts, ROUTER_BYTES[moe.router_dtype]
+    T, K, E, r = sh.tokens, moe.top_k, moe.num_experts, ROUTER_BYTES[moe.router_dtype]
     total = T * D * r + T * E * r + T * K * INT64  # fp32 input, scores, chosen ids
     if moe.input_jitter:
         total += T * D * r  # the noise
@@ -237,19 +248,22 @@ def _has_aux_loss(cfg: Config) -> bool:
 
 
 def dispatch_bytes(cfg: Config, sh: Shapes, rows: int) -> int:
-    """Permutation indices and masks; without the memory-efficient permutation also the [T, K, D]
-    expert outputs and [T, K] probabilities of the weighted combine."""
+    """Permutation indices and masks of this rank's N = T/tp·K copies; without the memory-efficient
+    permutation also the [N, D] expert outputs and [N] probabilities of the weighted combine."""
     moe, a = cfg.moe, sh.act_bytes
-    T = sh.tokens // sh.tp
-    N = T * moe.top_k
+    N = sh.tokens // sh.tp * moe.top_k
     # The gathers' backward maps (moe/permute.py): each copy's row and keep mask (permute), each
-    # row's copy and valid mask (unpermute; the probabilities' gather shares that index).
-    total = N * INT64 + N + rows * INT64 + (rows + 1)
+    # row's copy and valid mask (unpermute; the probabilities' gather shares that index). The keep
+    # mask of a TP rank's copies is a view of the TP group's [T·K] mask (parallel/sequence.py).
+    total = N * INT64 + sh.tokens * moe.top_k + rows * INT64 + (rows + 1)
     if _has_aux_loss(cfg):
         total += FP32  # the summed aux loss, kept by the autograd function that injects it
     if moe.memory_efficient_permute:
         return total
-    return total + N * cfg.model.dim * a + N * a
+    # The weighted combine keeps the expert outputs and the probabilities in the compute dtype: in
+    # fp32 (and an fp32 router) the probabilities themselves, a view of the TP group's [T, K].
+    probs = sh.tokens * moe.top_k * FP32 if sh.fp32 and ROUTER_BYTES[moe.router_dtype] == FP32 else N * a
+    return total + N * cfg.model.dim * a + probs
 
 
 def experts_bytes(cfg: Config, sh: Shapes, rows: int) -> int:
@@ -347,12 +361,14 @@ def block_shapes(cfg: Config, layer_id: int, sh: Shapes) -> Shapes:
     """The shapes a block's activations follow: an MTP block's input is the projection's output,
     in the compute dtype, so its residual stream is too (no input copies); FP8 in the blocks
     apply_fp8 converts (all but the first/last `fp8_bf16_*_layers` of the main stack; within them
-    `fp8_exclude` is matched module by module, fp8_module), with FP8-kept inputs where asked."""
+    `fp8_exclude` is matched module by module, fp8_module), with FP8-kept inputs where asked; the
+    main blocks' residual stream split over TP under sequence parallelism (not the MTP blocks')."""
     p, n = cfg.precision, cfg.model.n_layers
     fp8_block = p.fp8 != "off" and (layer_id >= n or p.fp8_bf16_first_layers <= layer_id < n - p.fp8_bf16_last_layers)
     kept = linear_scaling(p.fp8).forward.a.tile if fp8_block and p.fp8_saved_activations else ""
     name = f"layers.{layer_id}" if layer_id < n else f"mtp.layers.{layer_id - n}.block"
-    sh = replace(sh, fp8_kept=kept, fp8_block=name if fp8_block else "")
+    split = sh.tp if cfg.parallel.sequence_parallel and layer_id < n else 1
+    sh = replace(sh, fp8_kept=kept, fp8_block=name if fp8_block else "", seq_split=split)
     return replace(sh, param_bytes=0) if layer_id >= n else sh
 
 
@@ -362,7 +378,7 @@ def layer_bytes(cfg: Config, layer_id: int, sh: Shapes) -> Bytes:
 
     copies = weight_copy_bytes(cfg, layer_id, sh)
     sh = block_shapes(cfg, layer_id, sh)
-    out = _add({}, norm=2 * norm_bytes(sh.tokens, cfg.model.dim, sh))
+    out = _add({}, norm=2 * norm_bytes(sh.residual_tokens, cfg.model.dim, sh))
     for part in (mla_bytes(cfg, sh) if cfg.model.attention == "mla" else gqa_bytes(cfg, sh),
                  moe_bytes(cfg, sh) if is_moe_layer(cfg, layer_id) else dense_mlp_bytes(cfg, sh)):
         _add(out, **part)
@@ -393,8 +409,9 @@ def last_stage_bytes(cfg: Config, sh: Shapes, vocab: int) -> Bytes:
     # MTP) already keeps.
     hnorm_shared = T * D * FP32 if sh.params == FP32 else 0
     for _ in range(mtp):
+        # + the flag of loss_or_zero (models/mtp.py): whether the depth has any target
         _add(out, embedding=T * INT64, norm=3 * norm_bytes(T, D, sh) - hnorm_shared,
-             mtp_proj=T * 2 * D * sh.act_bytes, head=head_bytes(cfg, sh, vocab))
+             mtp_proj=T * 2 * D * sh.act_bytes, head=head_bytes(cfg, sh, vocab) + 1)
     # The head's weight (the embedding's when tied) is cast once: autocast caches leaf casts.
     copies = (_cast(vocab * D + mtp * 2 * D * D, sh.act_bytes, sh)
               + _cast((1 + 3 * mtp) * D, FP32, sh))

@@ -14,7 +14,10 @@ Each name (memory/sites.py) wraps sites whose saved tensors we know from plan.ac
 `layer_delta(cfg, layer_id, sh)` returns the change by category (negative: freed) and the bytes
 moved to the host. A recomputed site's parameter casts (`weight_copies`) are made again in
 backward, so they are freed too; offload leaves them on the device. Checked against the real model's saved bytes with the
-wrappers applied (plan.measure on CPU, tests/unit/test_plan_memory.py).
+wrappers applied (plan.measure on CPU, tests/unit/test_plan_memory.py; recompute under TP with and
+without sequence parallelism, tests/unit/test_plan_tp.py). Not modelled: under TP, offload leaves
+DTensors on the device (memory/offload.py), i.e. what the sharded linears and sequence-parallel
+norms save.
 """
 
 from __future__ import annotations
@@ -74,10 +77,11 @@ def _pre_and_qk_norm_copies(cfg: Config, sh: Shapes) -> int:
 def _moe_tensors(cfg: Config, sh: Shapes, rows: int) -> list[int]:
     """The MoE layer's large saved tensors (router input and scores, indices, expert rows)."""
     moe, D, a = cfg.moe, cfg.model.dim, sh.act_bytes
-    T, F, r = sh.tokens // sh.tp, moe.expert_hidden // sh.etp, ROUTER_BYTES[moe.router_dtype]
+    T, F, r = sh.tokens, moe.expert_hidden // sh.etp, ROUTER_BYTES[moe.router_dtype]
+    N = T // sh.tp * moe.top_k  # this TP rank's copies; the router sees all T tokens
     gated = act.GATED[moe.activation]
     return [T * D * r, T * moe.num_experts * r, T * moe.top_k * INT64, rows * INT64,
-            T * moe.top_k * INT64, rows * D * a, *[rows * F * a] * (3 if gated else 2), rows * FP32]
+            N * INT64, rows * D * a, *[rows * F * a] * (3 if gated else 2), rows * FP32]
 
 
 def _small(sizes: list[int], min_bytes: int) -> int:
@@ -90,9 +94,9 @@ def _recompute(cfg: Config, name: str, layer_id: int, sh_params: Shapes, full: B
     sh = act.block_shapes(cfg, layer_id, sh_params)  # activations; casts follow sh_params
     T, D, a = sh.tokens, cfg.model.dim, sh.act_bytes
     moe_layer = is_moe_layer(cfg, layer_id)
-    x = T * D * a  # a block's or a sub-layer's input
-    if name == "layer":
-        return act._add({k: -v for k, v in full.items()}, kept_inputs=x)
+    x = T * D * a  # a sub-layer's input (all-gathered under sequence parallelism)
+    if name == "layer":  # the block's input: this rank's share under sequence parallelism
+        return act._add({k: -v for k, v in full.items()}, kept_inputs=sh.residual_tokens * D * a)
     if name == "moe" and moe_layer:
         parts = ("router", "moe_dispatch", "experts", "shared_experts")
         return act._add({k: -full.get(k, 0) for k in parts}, kept_inputs=x,
@@ -151,21 +155,22 @@ def _recompute_mla_up_proj(cfg: Config, sh: Shapes, sh_params: Shapes) -> Bytes:
 
 
 def _recompute_norms(cfg: Config, moe_layer: bool, sh: Shapes, same_dtype: bool) -> Bytes:
-    """Pre-norms keep their input (the residual) instead of their internals; the consumer's copy
-    of the normed x is freed when it kept that very tensor. QK-norms are checkpointed."""
-    T, D, a = sh.tokens, cfg.model.dim, sh.act_bytes
-    out = act._add({}, norm=2 * (-act.norm_bytes(T, D, sh) + T * D * a))
+    """Pre-norms keep their input (the residual, this rank's share under sequence parallelism)
+    instead of their internals; the consumer's copy of the normed x is freed when it kept that
+    very tensor. QK-norms are checkpointed."""
+    T, D, a, Tr = sh.tokens, cfg.model.dim, sh.act_bytes, sh.residual_tokens
+    out = act._add({}, norm=2 * (-act.norm_bytes(Tr, D, sh) + Tr * D * a))
     for rows, dim in _qk_norms(cfg, sh):
         act._add(out, norm=-act.norm_bytes(rows, dim, sh) + rows * dim * a)
     if not same_dtype:  # the projections keep their own compute-dtype casts of the normed x
         return out
-    if sh.tp > 1 and cfg.parallel.sequence_parallel:  # they keep the all-gathered copy, not the norm's
+    if sh.seq_split > 1:  # sequence parallelism: they keep the all-gathered copy, not the norm's
         return out
     act._add(out, attn_proj=-T * D * a)
     if not moe_layer:
         return act._add(out, mlp=-T * D * a)
     if sh.fp32 and ROUTER_BYTES[cfg.moe.router_dtype] == FP32:
-        act._add(out, router=-T // sh.tp * D * FP32)  # the router's "copy" is the normed x itself
+        act._add(out, router=-T * D * FP32)  # the router's "copy" is the normed x itself
     if cfg.moe.shared_experts and not sh.fp32:
         act._add(out, shared_experts=-T * D * a)
     return out
@@ -180,8 +185,9 @@ def _offloaded(cfg: Config, name: str, layer_id: int, sh: Shapes, full: Bytes,
     T, D, a = sh.tokens, cfg.model.dim, sh.act_bytes
     moe_layer = is_moe_layer(cfg, layer_id)
     rows = act.expert_rows(cfg, sh) if moe_layer else 0
+    pre_norms = [(sh.residual_tokens, D)] * 2
     if name == "norm":
-        norms = [(T, D), (T, D), *_qk_norms(cfg, sh)]
+        norms = [*pre_norms, *_qk_norms(cfg, sh)]
         return {"norm": sum(s for r, d in norms for s in _norm_tensors(r, d) if s >= min_bytes)}
     if name == "attn_core":
         return {"attn_core": sum(s for s in _core_inputs(cfg, sh) + _core_internal(cfg, sh)
@@ -199,7 +205,7 @@ def _offloaded(cfg: Config, name: str, layer_id: int, sh: Shapes, full: Bytes,
         moved = {k: full.get(k, 0) for k in parts}
         stays = _small(_moe_tensors(cfg, sh, rows), min_bytes) if moe_layer else 0
         if name == "layer":
-            norms = [(T, D), (T, D), *_qk_norms(cfg, sh)]
+            norms = [*pre_norms, *_qk_norms(cfg, sh)]
             stays += _small([s for r, d in norms for s in _norm_tensors(r, d)], min_bytes)
             stays += _small(_core_inputs(cfg, sh) + _core_internal(cfg, sh), min_bytes)
         first = "router" if "router" in moved else next(iter(moved))

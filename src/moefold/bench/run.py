@@ -134,6 +134,10 @@ def _mfu(r: dict[str, Any]) -> str:
     return f"{said[0]} TFLOP/s" + "".join(f" ({other})" for other in said[1:])
 
 
+def _count(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"
+
+
 def _tflops(peak: float) -> str:
     return f"{peak:.0f}" if peak >= 10 else f"{peak:g}"
 
@@ -143,12 +147,14 @@ def format_record(r: dict[str, Any]) -> str:
     rows = [
         ("device", f"{r['device']} ({r['compute_dtype']}), torch {r['torch']}"
                    + (f", {r['world']} ranks" if r["world"] > 1 else "")),
-        ("batch", f"{r['micro_batch_size']} × {r['seq_len']} tokens × {r['grad_accum']} micro-batches"
+        ("batch", f"{r['micro_batch_size']} × {r['seq_len']} tokens × "
+                  f"{_count(r['grad_accum'], 'micro-batch', 'micro-batches')}"
                   f" = {r['tokens_per_step']:,} tokens per step (vocabulary {r['vocab_size']:,})"),
         ("model", f"{r['params_total'] / 1e6:,.2f}M parameters, {r['params_active'] / 1e6:,.2f}M "
                   f"active; {r['flops_per_token'] / 1e6:,.2f} MFLOP per token (fwd+bwd)"),
         ("step time", f"{r['step_ms_mean']:.2f} ms mean, {r['step_ms_min']:.2f} ms min, "
-                      f"{r['step_ms_max']:.2f} ms max ({r['steps']} steps after {r['warmup']} warm-up)"),
+                      f"{r['step_ms_max']:.2f} ms max ({_count(r['steps'], 'step', 'steps')} after "
+                      f"{r['warmup']} warm-up)"),
         ("tokens/s", f"{r['tokens_per_s']:,.0f}" + (" per device" if r["world"] > 1 else "")),
         ("TFLOP/s", f"{r['tflops']:.3f}"),
         ("MFU", _mfu(r)),

@@ -37,7 +37,7 @@ def _header(plan: MemoryPlan, cfg: Config) -> list[str]:
     p, t, o = cfg.parallel, cfg.train, cfg.optim
     world = plan.world_size
     dp, edp = world // (p.tp * p.cp * p.pp), world // (p.etp * p.ep * p.pp)
-    layout = (f"{cfg.model.family}, {world} GPUs: attention pp {p.pp} · dp {dp} · cp {p.cp} · "
+    layout = (f"{cfg.model.family}, {world} GPU{'' if world == 1 else 's'}: attention pp {p.pp} · dp {dp} · cp {p.cp} · "
               f"tp {p.tp}, experts pp {p.pp} · edp {edp} · ep {p.ep} · etp {p.etp}, vpp {p.vpp}, "
               f"{p.data_parallel}")
     precision = (f"micro-batch {t.micro_batch_size} × {t.seq_len} tokens, "

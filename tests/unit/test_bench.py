@@ -229,6 +229,9 @@ def test_limit_script_runs(tmp_path, capsys):
     (["--config", "tiny", "--warmup", "-1"], "--warmup -1 must be >= 0"),
     (["--config", "tiny", "--limit", "--limit-repeats", "0"], "--limit-repeats 0 must be >= 1"),
     (["--config", "tiny", "--model.dimm", "8"], "did you mean --model.dim"),
+    # bench has no --nproc: its ranks start under torchrun only (the hint named `moefold train --nproc N`)
+    (["--config", "tiny", "--parallel.tp", "2"], "world size 1 is not divisible by tp·cp·pp = 2 (tp=2, cp=1, "
+     "pp=1) (one process: launch the ranks with torchrun --nproc-per-node N -m moefold bench)\n"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, expected):
     capsys.readouterr()

@@ -49,6 +49,8 @@ class RandomTokens:
 class BenchTrainer(Trainer):
     """The Trainer with random tokens for data and no run directory written."""
 
+    launch_command = "torchrun --nproc-per-node N -m moefold bench"  # bench has no --nproc
+
     def _build_data(self) -> None:
         t = self.cfg.train
         self.tokenizer = None

@@ -78,16 +78,21 @@ def world_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def join(cfg: Config, device_name: str) -> tuple[DistributedContext, torch.device]:
+TRAIN_LAUNCH = "torchrun --nproc-per-node N -m moefold train or moefold train --nproc N"
+"""How to start the ranks of `moefold train` (the hint of a layout one process cannot hold)."""
+
+
+def join(cfg: Config, device_name: str, launch: str = TRAIN_LAUNCH
+         ) -> tuple[DistributedContext, torch.device]:
     """Initialise the process group when launched with several ranks, and build the layout; the
-    device is cuda:LOCAL_RANK on GPUs. Checks the layout against the world size first."""
+    device is cuda:LOCAL_RANK on GPUs. Checks the layout against the world size first; `launch`
+    says how the command that joins starts its ranks, for a layout one process cannot hold."""
     world = world_from_env()
     p = cfg.parallel
     try:
         dims = ParallelDims(world, p.tp, p.cp, p.pp, p.ep, p.etp, p.order)
     except ConfigError as e:
-        hint = (" (one process: launch the ranks with torchrun --nproc-per-node N -m moefold train "
-                "or moefold train --nproc N)" if world == 1 else "")
+        hint = f" (one process: launch the ranks with {launch})" if world == 1 else ""
         raise ConfigError(f"{e}{hint}") from None
     if world == 1 and "MASTER_ADDR" not in os.environ:  # not launched by torchrun: one process
         return DistributedContext(0, 1, None), _device(device_name, None)

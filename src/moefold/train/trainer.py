@@ -51,7 +51,7 @@ from moefold.optim.adamw import GRAD_DTYPES, build_optimizer, clip_scaling
 from moefold.optim.schedule import build_scheduler
 from moefold.parallel.apply import parallelize
 from moefold.parallel.data import DataParallel, GradNormClipper
-from moefold.parallel.launch import join
+from moefold.parallel.launch import TRAIN_LAUNCH, join
 from moefold.plan.fit import rank_capacity, refuse_model_beyond_memory
 from moefold.train import metrics
 from moefold.train.compile import compile_blocks, compile_loss
@@ -172,6 +172,9 @@ class _Window:
 
 
 class Trainer:
+    launch_command = TRAIN_LAUNCH
+    """How the command that runs this trainer starts its ranks (named when a layout needs them)."""
+
     def __init__(self, cfg: Config, run_dir: Path, resume: Path | None = None,
                  out: Callable[[str], None] = print, init_from_hf: Path | None = None):
         """`resume`: a run directory or checkpoint to continue (a weights-only checkpoint, as
@@ -187,7 +190,7 @@ class Trainer:
         full_state = checkpoint is not None and "optim" in checkpoint_keys(checkpoint)  # else weights only
         if full_state:
             _refuse_changed_state_dtypes(cfg, checkpoint)
-        self.dist, self.device = join(cfg, cfg.train.device)
+        self.dist, self.device = join(cfg, cfg.train.device, self.launch_command)
         _refuse_weight_cache_over_fsdp(cfg, self.dist.layout)
         if not self.dist.is_main:  # rank 0 speaks for the job
             self.out = lambda line: None

@@ -19,7 +19,7 @@ def _python_blocks(text: str) -> list[str]:
 def test_the_python_page_runs_as_written(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     blocks = _python_blocks(DOC.read_text())
-    assert len(blocks) == 5, "a block was added or lost: keep this test's checks in step"
+    assert len(blocks) == 6, "a block was added or lost: keep this test's checks in step"
     namespace: dict = {}
     for block in blocks:
         exec(compile(block, str(DOC), "exec"), namespace)
@@ -34,6 +34,9 @@ def test_the_python_page_runs_as_written(tmp_path, monkeypatch, capsys):
     assert ns["layer"].stats.tokens_E.sum().item() == 2 * 16 * 2
     assert ns["layer"].router.expert_bias_E.abs().sum().item() > 0
     assert ns["x_BSD"].grad is not None and torch.isfinite(ns["x_BSD"].grad).all()
+    # Recompute in backward: the recompute counts nothing a second time.
+    assert ns["recomputed"].stats.tokens_E.sum().item() == 2 * 16 * 2
+    assert ns["h_BSD"].grad is not None and torch.isfinite(ns["h_BSD"].grad).all()
     # Sampling: new tokens after the prompt.
     assert 0 < len(ns["new_ids"]) <= 20
     assert "def main(" in capsys.readouterr().out

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moefold.config import MoEConfig
+from moefold.moe.recomputing import in_backward
 from moefold.moe.router import count_tokens_per_expert
 
 if TYPE_CHECKING:
@@ -204,7 +205,12 @@ class LoadBalancer(nn.Module):
 
     @torch.no_grad()
     def _accumulate(self, counts: RoutedCounts) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's counts including this micro-batch; stored only in training mode."""
+        """The step's counts including this micro-batch; stored only in training mode. A
+        recompute of torch's own (moefold's replays the forward's result instead) takes the stored
+        counts, which hold this micro-batch already: what its forward took, when no other forward
+        of the layer ran between that forward and this backward."""
+        if in_backward():
+            return self.global_counts_E.clone(), self.global_tokens.clone()
         counts_E = self.global_counts_E + counts.per_expert_E
         tokens = self.global_tokens + counts.tokens
         if self.training:

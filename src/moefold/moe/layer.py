@@ -16,6 +16,7 @@ from moefold.moe.capacity import build_capacity, padded_capacity
 from moefold.moe.dispatch import LocalDispatcher
 from moefold.moe.experts import Experts, build_experts, compute_dtype
 from moefold.moe.permute import RowLayout
+from moefold.moe.recomputing import in_backward
 from moefold.moe.replay import RouterReplay
 from moefold.moe.router import Router, build_router, inject_aux_loss
 from moefold.moe.shared import GatedSharedExperts, SharedExperts
@@ -67,7 +68,10 @@ class MoELayer(nn.Module):
     @torch.no_grad()
     def _record(self, counts, scores_TE, aux_values, valid_T) -> None:
         """Once per training forward: a recompute (memory/moe_tape.py) skips it and replays the
-        routing, capacity and count decisions its forward taped."""
+        routing, capacity and count decisions its forward taped. A recompute of torch's own
+        (`checkpoint_wrapper`), which runs in backward, records nothing either."""
+        if in_backward():
+            return
         self.step_tokens_per_expert_E += counts.per_expert_E
         self.stats.record(counts.per_expert_E, scores_TE, counts.dropped, aux_values, valid_T)
 

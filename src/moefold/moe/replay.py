@@ -21,6 +21,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from moefold.moe.recomputing import in_backward
+
 Select = Callable[[torch.Tensor], torch.Tensor]  # selection_TE -> idx_TK
 
 
@@ -35,7 +37,8 @@ class _Recording:
 
     def route(self, layer: int, selection_TE: torch.Tensor, select: Select) -> torch.Tensor:
         idx_TK = select(selection_TE)
-        self.idx_per_layer[layer].append(idx_TK.detach())
+        if not in_backward():  # a recompute of torch.utils.checkpoint's chose these already
+            self.idx_per_layer[layer].append(idx_TK.detach())
         return idx_TK
 
 

@@ -144,6 +144,18 @@ def is_moe_layer(cfg: Config, layer_id: int) -> bool:
             and (layer_id - moe.first_k_dense) % moe.moe_every == 0)
 
 
+def moe_layers_in(cfg: Config, layer_ids: range) -> int:
+    """How many of `layer_ids` (a step-1 range) `is_moe_layer` makes MoE layers, counted without
+    visiting each: a model of 10^8 layers costs what a small one does."""
+    moe = cfg.moe
+    if moe.num_experts == 0:
+        return 0
+    start = max(layer_ids.start, moe.first_k_dense)
+    start += -(start - moe.first_k_dense) % moe.moe_every
+    every = range(start, layer_ids.stop, moe.moe_every)
+    return len(every) - sum(1 for i in set(moe.dense_layers) if i in every)
+
+
 def _build_attention(m: ModelConfig) -> nn.Module:
     if m.attention == "mla":
         # The latent norms use eps 1e-6 whatever rms_norm_eps is, as DeepSeek's reference and

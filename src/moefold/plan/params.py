@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moefold.config import Config
+from moefold.models.transformer import moe_layers_in
 
 
 @dataclass(frozen=True)
@@ -96,13 +97,8 @@ def _block_params(cfg: Config, moe_layer: bool) -> ParamSplit:
 
 
 def moe_layer_count(cfg: Config) -> int:
-    """How many blocks (MTP's included) models.transformer.is_moe_layer makes MoE layers, counted
-    without visiting each: the count of a model with 10^8 layers costs what a small one's does."""
-    moe, blocks = cfg.moe, cfg.model.n_layers + cfg.model.mtp_layers
-    if moe.num_experts == 0:
-        return 0
-    every = range(moe.first_k_dense, blocks, moe.moe_every)
-    return len(every) - sum(1 for i in set(moe.dense_layers) if i in every)
+    """How many blocks (MTP's included) are MoE layers."""
+    return moe_layers_in(cfg, range(cfg.model.n_layers + cfg.model.mtp_layers))
 
 
 def embedding_params(cfg: Config, vocab: int) -> ParamSplit:

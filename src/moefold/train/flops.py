@@ -135,14 +135,10 @@ def config_param_counts(cfg, vocab_size: int) -> ParamCounts:
 
 
 def _blocks_of_kind(cfg, blocks: range, moe_layer: bool) -> int:
-    """How many of the layer ids `blocks` `is_moe_layer` makes MoE (dense) layers, without
-    visiting each."""
-    moe, n_moe = cfg.moe, 0
-    if moe.num_experts > 0:
-        start = max(blocks.start, moe.first_k_dense)
-        start += -(start - moe.first_k_dense) % moe.moe_every
-        every = range(start, blocks.stop, moe.moe_every)
-        n_moe = len(every) - sum(1 for i in set(moe.dense_layers) if i in every)
+    """How many of the layer ids `blocks` are MoE (dense) layers."""
+    from moefold.models.transformer import moe_layers_in
+
+    n_moe = moe_layers_in(cfg, blocks)
     return n_moe if moe_layer else len(blocks) - n_moe
 
 

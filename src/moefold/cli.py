@@ -67,8 +67,9 @@ def _build_parser() -> argparse.ArgumentParser:
                        help="start from a Hugging Face checkpoint directory (its config.json sets "
                             "[model] and the architecture of [moe], which options may change where "
                             "no weight's shape changes; aux losses, capacity and other training "
-                            "settings of [moe] come from --config; its tokenizer.json is used when "
-                            "data.tokenizer is unset)")
+                            "settings of [moe] come from --config, or without one the aux loss "
+                            "config.json states; its tokenizer.json is used when data.tokenizer "
+                            "is unset)")
     train.add_argument("--nproc", type=int, default=1, metavar="N",
                        help="start N ranks on this machine (like torchrun --standalone "
                             "--nproc-per-node N): one per GPU, or N CPU processes with gloo")
@@ -230,16 +231,18 @@ def _without_nproc(argv: list[str]) -> list[str]:
 
 def _config_for_hf_model(hf_dir: Path, preset: str | None, overrides: dict[str, Any]) -> Config:
     """[model] and the architecture of [moe] from the checkpoint's config.json; everything else
-    (the [moe] fields of how it trains: aux losses, capacity, ...) from the preset; then the
+    (the [moe] fields of how it trains: aux losses, capacity, ...) from the preset — without one,
+    the load-balancing loss config.json states, as `convert --from-hf` keeps it —; then the
     overrides. The checkpoint's tokenizer.json is the default tokenizer."""
-    from moefold.checkpoint.hf_families import TRAINING_MOE_FIELDS
+    from moefold.checkpoint.hf_families import HF_LOSS_FIELDS, TRAINING_MOE_FIELDS
 
     hf_cfg = _hf_config(hf_dir)
     tokenizer = Path(hf_dir) / "tokenizer.json"
     defaults = {"data.tokenizer": str(tokenizer)} if tokenizer.is_file() else {}
     cfg = load_config(preset, {**defaults, **{k: v for k, v in overrides.items()
                                               if not k.startswith(("model.", "moe."))}})
-    training = {name: getattr(cfg.moe, name) for name in TRAINING_MOE_FIELDS}
+    from_preset = [name for name in TRAINING_MOE_FIELDS if preset or name not in HF_LOSS_FIELDS]
+    training = {name: getattr(cfg.moe, name) for name in from_preset}
     cfg = dataclasses.replace(cfg, model=hf_cfg.model, moe=dataclasses.replace(hf_cfg.moe, **training))
     apply_overrides(cfg, {k: v for k, v in overrides.items() if k.startswith(("model.", "moe."))})
     validate(cfg)

@@ -10,7 +10,7 @@ transformers = pytest.importorskip("transformers")
 
 from conftest import TINY_OVERRIDES, cli_args  # noqa: E402
 from moefold.cli import main  # noqa: E402
-from moefold.config import DataConfig  # noqa: E402
+from moefold.config import DataConfig, load_config  # noqa: E402
 from moefold.data.corpus import build_token_streams  # noqa: E402
 from moefold.data.loader import PackedSequences, TrainLoader  # noqa: E402
 from moefold.data.tokenizer import ByteTokenizer  # noqa: E402
@@ -160,6 +160,21 @@ def test_init_from_hf_keeps_the_configs_training_settings_of_moe(tmp_path, hf_di
         assert f"\n{line}\n" in saved, line
     first = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
     assert "z_loss" in first and "aux_loss" not in first
+
+
+def test_init_from_hf_without_a_config_keeps_config_jsons_balancing_loss(tmp_path, hf_dir, text_corpus):
+    """No --config: the load-balancing loss is the one config.json states (Qwen3-MoE's
+    router_aux_loss_coef, transformers' 0.001), as convert --from-hf keeps it, not moefold's
+    generic 0.01; the other training settings stay moefold's defaults."""
+    overrides = {k: v for k, v in TINY_OVERRIDES.items() if not k.startswith(("model.", "moe."))}
+    overrides.update({"data.path": str(text_corpus), "train.steps": "1", "train.warmup_steps": "0"})
+    run = tmp_path / "run"
+    assert main(["train", "--init-from-hf", str(hf_dir), "--run-dir", str(run), *cli_args(overrides)]) == 0
+    saved = (run / "config.toml").read_text()
+    hf_coeff = json.loads((hf_dir / "config.json").read_text())["router_aux_loss_coef"]
+    assert hf_coeff != load_config(None).moe.aux_loss_coeff
+    assert f"\naux_loss_coeff = {hf_coeff}\n" in saved
+    assert f"\ncapacity_factor = {load_config(None).moe.capacity_factor}\n" in saved
 
 
 @pytest.mark.parametrize("master", ["bf16+remainder", "bf16"])

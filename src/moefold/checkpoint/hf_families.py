@@ -17,7 +17,8 @@ How the MoE layers train (`TRAINING_MOE_FIELDS`: aux losses, the expert-bias upd
 capacity, ...) is not the architecture. config.json states one part of it, the load-balancing loss
 (`router_aux_loss_coef`; DeepSeek's `aux_loss_alpha` and `seq_aux`): the family converters map it
 both ways, and `convert --from-hf` keeps it; `--init-from-hf` takes all of `TRAINING_MOE_FIELDS`
-from the user's config instead. The rest keep moefold's defaults.
+from the user's --config instead (without one, the loss from config.json, `HF_LOSS_FIELDS`). The
+rest keep moefold's defaults.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ TRAINING_MOE_FIELDS = ("router_dtype", "z_loss_coeff", "aux_loss_coeff", "seq_au
                        "memory_efficient_permute", "experts_backend")
 """[moe] fields of how a model trains, not what it is (config.json holds at most its aux-loss
 coefficient): `--init-from-hf` takes them from the user's config."""
+HF_LOSS_FIELDS = ("aux_loss_coeff", "seq_aux_loss_coeff", "global_aux_loss_coeff")
+"""The fields of `TRAINING_MOE_FIELDS` that config.json's load-balancing keys set: `--init-from-hf`
+without a --config takes these from config.json rather than moefold's generic defaults."""
 
 
 @dataclass(frozen=True)

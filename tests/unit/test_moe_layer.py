@@ -272,3 +272,22 @@ def test_a_layer_built_in_python_checks_its_config(change, message):
     with pytest.raises(ConfigError) as info:
         build_moe_layer(16, MoEConfig(**{"num_experts": 8, "top_k": 2, **change}), "cpu", torch.float32)
     assert str(info.value).startswith(message)
+
+
+def test_building_a_layer_draws_nothing_from_the_global_generator():
+    """The first build probes torch._grouped_mm (cached per process): with random operands it drew
+    from the generator a user seeded, so the first model built after torch.manual_seed got other
+    weights than the next. In a fresh process, where the probe has not run yet."""
+    import subprocess
+    import sys
+
+    script = ("import torch\n"
+              "from moefold.config import MoEConfig\n"
+              "from moefold.moe.layer import build_moe_layer\n"
+              "torch.manual_seed(0)\n"
+              "build_moe_layer(16, MoEConfig(num_experts=4, top_k=2, expert_hidden=16), 'cpu', torch.float32)\n"
+              "drawn = torch.rand(4)\n"
+              "torch.manual_seed(0)\n"
+              "assert torch.equal(drawn, torch.rand(4)), 'the build drew from the global generator'\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]

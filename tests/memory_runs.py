@@ -2,13 +2,16 @@
 those features must leave unchanged: losses, gradients, MoE statistics and counts, the recorded
 routing and the RNG stream."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
 
 from moefold.config import load_config
 from moefold.models.transformer import build_model
+from moefold.parallel.apply import parallelize
+from moefold.parallel.dims import ParallelLayout
+from moefold.parallel.local import local_tensor
 from moefold.train.loss import build_objective
 
 VOCAB = 64
@@ -48,11 +51,16 @@ class Run:
     rng_after: torch.Tensor
 
 
-def build(config: str, overrides: dict[str, str] | None = None, device_type: str = "cpu"):
+def build(config: str, overrides: dict[str, str] | None = None, device_type: str = "cpu",
+          layout: ParallelLayout | None = None):
+    """The model of `config`; with a `layout` (every rank of it calling), this rank's share of it,
+    parallelized as the trainer does (ZeRO-1 for data ranks: `train` steps the full parameters)."""
     preset, extra = CONFIGS[config]
     cfg = load_config(preset, {**SMALL, **extra, **(overrides or {})})
     model = build_model(cfg, VOCAB, device_type)
     model.init_weights(seed=0)
+    if layout is not None:
+        parallelize(model, layout, replace(cfg.parallel, data_parallel="ddp"))
     return model.train()
 
 
@@ -102,13 +110,13 @@ def _moe_state(layer) -> dict[str, torch.Tensor]:
 
 
 def assert_identical(run: Run, ref: Run) -> None:
-    """Bit for bit: torch.equal everywhere."""
+    """Bit for bit: torch.equal everywhere (this rank's shard of a DTensor gradient)."""
     assert len(run.losses) == len(ref.losses)
     for i, (a, b) in enumerate(zip(run.losses, ref.losses)):
         assert torch.equal(a, b), f"loss of micro-batch {i}: {a.item()} != {b.item()}"
     for step, (g, g_ref) in enumerate(zip(run.grads, ref.grads)):
         assert g.keys() == g_ref.keys()
-        differ = [name for name in g if not torch.equal(g[name], g_ref[name])]
+        differ = [name for name in g if not torch.equal(local_tensor(g[name]), local_tensor(g_ref[name]))]
         assert not differ, f"step {step}: gradients of {differ} differ"
     for step, (layers, layers_ref) in enumerate(zip(run.moe, ref.moe)):
         for i, (state, state_ref) in enumerate(zip(layers, layers_ref)):

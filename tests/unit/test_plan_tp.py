@@ -24,10 +24,9 @@ CASES = {
     "qwen3": ("tiny-qwen3", {"moe.first_k_dense": 1}),  # GQA with QK-norm, a dense and an MoE layer
     "deepseek": ("tiny-deepseek", {}),  # MLA with q-LoRA, shared expert, an MTP block (never SP)
     "deepseek-combine": ("tiny-deepseek", {"model.q_lora_rank": 0, "moe.memory_efficient_permute": False}),
-    # memory.recompute: the pre-norms keep their input, this rank's share under SP. No QK-norm: a
-    # recomputed QK-norm is not recomputed under TP (apply_tp swaps the wrapped module).
-    "qwen3-norm": ("tiny-qwen3", {"moe.first_k_dense": 1, "model.qk_norm": False,
-                                  "memory.recompute": '["norm"]'}),
+    # memory.recompute: the pre-norms keep their input, this rank's share under SP; the QK-norms,
+    # head-sharded by apply_tp, stay checkpointed.
+    "qwen3-norm": ("tiny-qwen3", {"moe.first_k_dense": 1, "memory.recompute": '["norm"]'}),
     "deepseek-norm": ("tiny-deepseek", {"memory.recompute": '["norm"]'}),
     "qwen3-layer": ("tiny-qwen3", {"memory.recompute": '["layer"]'}),
 }

@@ -3,7 +3,10 @@
 A site is one callable attribute of one object: a module's `forward`, a method seam (`core`,
 `up_proj`, `_mm`) or a strategy object (`experts.activation`). Wrapping replaces that attribute on
 that instance only, so classes, parameter names and state dicts stay as they are, and transforms
-applied later (tensor/expert parallelism, which swap dispatchers and parameters) keep the wrapper.
+applied later keep the wrapper as long as they change a wrapped object in place: tensor/expert
+parallelism swap dispatchers and parameters, and turn the QK-norms into their head-sharded class
+(parallel/tensor.py). A transform that put a new module in a wrapped one's place would drop its
+recompute or offload silently.
 
 A site may name its consumer: the callable that takes the site's output straight away and keeps it
 for its own backward (the block's attention or FFN after a pre-norm, the attention core after MLA's

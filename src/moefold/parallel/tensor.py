@@ -142,8 +142,8 @@ def _tp_gqa(attn: Attention, tp_mesh: DeviceMesh, output_style) -> None:
     attn.n_heads //= tp
     attn.n_kv_heads //= tp
     if isinstance(attn.q_norm, RMSNorm):
-        attn.q_norm = HeadShardedRMSNorm(attn.q_norm, tp_mesh.get_group())
-        attn.k_norm = HeadShardedRMSNorm(attn.k_norm, tp_mesh.get_group())
+        HeadShardedRMSNorm.convert(attn.q_norm, tp_mesh.get_group())
+        HeadShardedRMSNorm.convert(attn.k_norm, tp_mesh.get_group())
 
 
 def _tp_mla(attn: MLAttention, tp_mesh: DeviceMesh, output_style) -> None:
@@ -158,12 +158,17 @@ def _tp_mla(attn: MLAttention, tp_mesh: DeviceMesh, output_style) -> None:
 
 
 class HeadShardedRMSNorm(RMSNorm):
-    """A per-head RMSNorm applied to this TP rank's heads: the same weight (the same Parameter),
-    whose gradient is summed over the TP group as forward reads it."""
+    """A per-head RMSNorm applied to this TP rank's heads: the same weight, whose gradient is
+    summed over the TP group as forward reads it."""
 
-    def __init__(self, norm: RMSNorm, group):
-        nn.Module.__init__(self)
-        self.eps, self.weight, self.group = norm.eps, norm.weight, group
+    group: dist.ProcessGroup
+
+    @classmethod
+    def convert(cls, norm: RMSNorm, group) -> None:
+        """Turn `norm` into one in place (its class swapped, as FSDP2's fully_shard does), not a
+        new module: what build_model wrapped on the instance (memory.recompute / memory.offload
+        replace its `forward`, memory/sites.py) stays, and so do its parameter and hooks."""
+        norm.__class__, norm.group = cls, group
 
     def scale(self) -> torch.Tensor:
         return _SumGrad.apply(self.weight, self.group)

@@ -1,0 +1,66 @@
+"""memory.recompute under tensor parallelism (tp 2 on gloo ranks, with and without sequence
+parallelism): each rank trains its share of the model with an option and without it, and the two
+runs must agree bit for bit, as they do in one process (test_recompute.py). Under TP the QK-norms
+are head-sharded and, with sequence parallelism, the pre-norms' inputs and outputs are DTensors.
+What each option saves is measured against the planner in test_plan_tp.py."""
+
+import json
+
+import pytest
+from memory_runs import assert_identical, build, train
+from test_parallel_dims import run_on_ranks
+
+from moefold.parallel.dims import ParallelDims, ParallelLayout
+
+TP = 2
+FINE_GRAINED = '["norm", "attn_core", "mla_up_proj", "moe_act", "shared_experts", "mlp"]'
+OPTIONS = {  # qwen3: GQA with QK-norm; deepseek: MLA, a shared expert, a dense layer, MTP
+    "qwen3": [("recompute", '["norm"]')],
+    "deepseek": [("recompute", FINE_GRAINED), ("recompute", '["layer"]')],
+}
+CASES = [(config, kind, names, sp) for config, options in OPTIONS.items()
+         for kind, names in options for sp in (False, True)]
+
+
+def _key(config, kind, names, sp) -> str:
+    return f"{config} {kind} {names} sp={sp}"
+
+
+def _build(config: str, sp: bool, layout, **memory: str):
+    overrides = {"parallel.tp": str(TP), "parallel.sequence_parallel": str(sp).lower(),
+                 **{f"memory.{k}": v for k, v in memory.items()}}
+    return build(config, overrides, layout=layout)
+
+
+def _train_all(rank: int, out_dir: str) -> None:
+    layout = ParallelLayout(ParallelDims(TP, tp=TP))
+    results, plain_runs = {}, {}
+    for config, kind, names, sp in CASES:
+        if (config, sp) not in plain_runs:
+            plain_runs[config, sp] = train(_build(config, sp, layout), steps=2, accum=1)
+        plain = plain_runs[config, sp]
+        run = train(_build(config, sp, layout, **{kind: names}), steps=2, accum=1)
+        try:
+            assert_identical(run, plain)
+            differs = ""
+        except AssertionError as e:
+            differs = str(e)
+        results[_key(config, kind, names, sp)] = {"differs": differs}
+    with open(f"{out_dir}/rank{rank}.json", "w") as f:
+        json.dump(results, f)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """Every case on one spawn of 2 ranks (spawning dominates the time on a 2-core machine)."""
+    out_dir = tmp_path_factory.mktemp("runs")
+    run_on_ranks(_train_all, TP, str(out_dir))
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(TP)]
+
+
+@pytest.mark.parametrize("config,kind,names,sp", CASES, ids=[_key(*c) for c in CASES])
+def test_trains_bit_identically_under_tp(results, config, kind, names, sp):
+    """Losses, every gradient (this rank's shard), MoE statistics and counts, router replay's
+    recording and the RNG stream equal the plain TP run's, on both ranks."""
+    for rank in range(TP):
+        assert results[rank][_key(config, kind, names, sp)]["differs"] == "", f"rank {rank}"

@@ -391,8 +391,15 @@ def _rank_grid_comment(cfg: Config, world_size: int | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _build_parser()
-    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        return _run_command(sys.argv[1:] if argv is None else list(argv))
+    except KeyboardInterrupt:  # Ctrl-C at any moment, the seconds building the parser takes too
+        report("moefold: interrupted")
+        return 130
+
+
+def _run_command(argv: list[str]) -> int:
+    parser = _build_parser()  # imports torch (the plan and bench commands' defaults)
     try:
         args, unknown = parser.parse_known_args(argv)
     except SystemExit as e:  # --help, --version, or a usage error that _Parser said in one line
@@ -407,9 +414,6 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         report(f"moefold: error: {e}")
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        report("moefold: interrupted")
-        return 130
     except OSError as e:
         if e.errno not in FULL_OR_READ_ONLY:
             raise

@@ -2,9 +2,16 @@
 checkpoints, metrics.jsonl and config.toml; signals land at chosen moments through hooks that send
 them from inside the process, not through timing."""
 
+import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
+
+from moefold.checkpoint.dcp import complete_checkpoints, latest_checkpoint
+from moefold.cli import main
 
 _SIGINT_WHILE_BUILDING_THE_PARSER = """
 import os, signal, sys
@@ -22,3 +29,39 @@ def test_ctrl_c_while_the_command_line_starts_is_one_line_and_130():
     result = subprocess.run([sys.executable, "-c", _SIGINT_WHILE_BUILDING_THE_PARSER, "train"],
                             capture_output=True, text=True, timeout=120)
     assert (result.returncode, result.stderr) == (128 + signal.SIGINT, "moefold: interrupted\n")
+
+
+def _signal_during_save_of(monkeypatch, step: int, signum: int) -> list[str]:
+    """DCP's save sends `signum` to this process as it starts on checkpoint `step`; the returned
+    list fills with the directory of every save."""
+    import moefold.checkpoint.dcp as checkpoint
+
+    saves, save = [], checkpoint.dcp.save
+
+    def save_signalled(state, checkpoint_id):
+        saves.append(Path(checkpoint_id).name)
+        if state["step"] == step:
+            os.kill(os.getpid(), signum)
+        return save(state, checkpoint_id=checkpoint_id)
+
+    monkeypatch.setattr(checkpoint.dcp, "save", save_signalled)
+    return saves
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_during_a_due_save_stops_with_that_checkpoint_written_once(tmp_path, tiny_args, capsys,
+                                                                            monkeypatch, signum):
+    """The save the signal lands in finishes and is the checkpoint the run stops with: not written
+    a second time (twice the time a scheduler's grace period has to cover; with checkpoint.keep 1
+    the only checkpoint was swapped out for its copy)."""
+    run = tmp_path / "run"
+    saves = _signal_during_save_of(monkeypatch, 4, signum)
+    assert main(["train", "--run-dir", str(run), *tiny_args, "--checkpoint.every", "2",
+                 "--checkpoint.keep", "1"]) == 128 + signum
+    assert saves == ["step_00000002.tmp", "step_00000004.tmp"]
+    assert [step for step, _ in complete_checkpoints(run)] == [4]
+    checkpoint = run / "checkpoints" / "step_00000004"
+    assert capsys.readouterr().err.splitlines() == [
+        f"moefold: interrupted by {signal.Signals(signum).name} at step 4; checkpoint saved to {checkpoint}"]
+    assert main(["train", "--resume", str(run)]) == 0
+    assert latest_checkpoint(run).name == "step_00000012"

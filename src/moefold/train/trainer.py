@@ -449,14 +449,16 @@ class Trainer:
                 if self._validation_due():
                     with window.paused():
                         last.update(self._log_validation(emit))
+                saved = None
                 if self._checkpoint_due():
                     self._refuse_diverged(window)
                     with window.paused():
-                        self.save()
+                        saved = self.save()
                 if self._stop_requested():
                     self._refuse_diverged(window)
                     signum = self._stop_signal or signal.SIGTERM  # another rank got the signal
-                    raise TrainingInterrupted(signum, self.step, self.save())
+                    # A signal during a due save stops with that checkpoint, not a second copy.
+                    raise TrainingInterrupted(signum, self.step, saved or self.save())
             if self.cfg.checkpoint.save_at_end and t.steps > 0:
                 self._refuse_diverged(window)
                 last["checkpoint"] = str(self.save())

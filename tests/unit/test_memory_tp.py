@@ -1,22 +1,25 @@
-"""memory.recompute under tensor parallelism (tp 2 on gloo ranks, with and without sequence
-parallelism): each rank trains its share of the model with an option and without it, and the two
-runs must agree bit for bit, as they do in one process (test_recompute.py). Under TP the QK-norms
-are head-sharded and, with sequence parallelism, the pre-norms' inputs and outputs are DTensors.
-What each option saves is measured against the planner in test_plan_tp.py."""
+"""memory.recompute and memory.offload under tensor parallelism (tp 2 on gloo ranks, with and
+without sequence parallelism): each rank trains its share of the model with an option and without
+it, and the two runs must agree bit for bit, as they do in one process (test_recompute.py,
+test_offload.py). Under TP the QK-norms are head-sharded, the sharded linears save DTensors and,
+with sequence parallelism, so do the pre-norms; offload moves those DTensors' local shards. What
+each option saves is measured against the planner in test_plan_tp.py."""
 
 import json
 
 import pytest
 from memory_runs import assert_identical, build, train
 from test_parallel_dims import run_on_ranks
+from torch.distributed.tensor import DTensor
 
 from moefold.parallel.dims import ParallelDims, ParallelLayout
+from moefold.parallel.local import local_tensor
 
 TP = 2
 FINE_GRAINED = '["norm", "attn_core", "mla_up_proj", "moe_act", "shared_experts", "mlp"]'
 OPTIONS = {  # qwen3: GQA with QK-norm; deepseek: MLA, a shared expert, a dense layer, MTP
-    "qwen3": [("recompute", '["norm"]')],
-    "deepseek": [("recompute", FINE_GRAINED), ("recompute", '["layer"]')],
+    "qwen3": [("recompute", '["norm"]'), ("offload", '["norm"]'), ("offload", '["layer"]')],
+    "deepseek": [("recompute", FINE_GRAINED), ("recompute", '["layer"]'), ("offload", '["layer"]')],
 }
 CASES = [(config, kind, names, sp) for config, options in OPTIONS.items()
          for kind, names in options for sp in (False, True)]
@@ -32,6 +35,23 @@ def _build(config: str, sp: bool, layout, **memory: str):
     return build(config, overrides, layout=layout)
 
 
+class ShardsMoved:
+    """Bytes of DTensor shards an offload sent to the host, and whether any was a parameter's."""
+
+    def __init__(self, model):
+        offload, pack = model.activation_offload, model.activation_offload.pack
+        params = {local_tensor(p.detach()).untyped_storage().data_ptr() for p in model.parameters()}
+        self.nbytes, self.weights = 0, 0
+
+        def counting(t):
+            packed = pack(t)
+            if isinstance(t, DTensor) and packed is not t:
+                self.nbytes += t._local_tensor.untyped_storage().nbytes()
+                self.weights += t._local_tensor.untyped_storage().data_ptr() in params
+            return packed
+        offload.pack = counting  # the sites' hooks look it up on the instance at each call
+
+
 def _train_all(rank: int, out_dir: str) -> None:
     layout = ParallelLayout(ParallelDims(TP, tp=TP))
     results, plain_runs = {}, {}
@@ -39,13 +59,17 @@ def _train_all(rank: int, out_dir: str) -> None:
         if (config, sp) not in plain_runs:
             plain_runs[config, sp] = train(_build(config, sp, layout), steps=2, accum=1)
         plain = plain_runs[config, sp]
-        run = train(_build(config, sp, layout, **{kind: names}), steps=2, accum=1)
+        memory = {kind: names, "offload_min_bytes": "0"}
+        model = _build(config, sp, layout, **memory)
+        moved = ShardsMoved(model) if kind == "offload" else None
+        run = train(model, steps=2, accum=1)
         try:
             assert_identical(run, plain)
             differs = ""
         except AssertionError as e:
             differs = str(e)
-        results[_key(config, kind, names, sp)] = {"differs": differs}
+        results[_key(config, kind, names, sp)] = {
+            "differs": differs, "shard_bytes": moved and moved.nbytes, "weights": moved and moved.weights}
     with open(f"{out_dir}/rank{rank}.json", "w") as f:
         json.dump(results, f)
 
@@ -64,3 +88,16 @@ def test_trains_bit_identically_under_tp(results, config, kind, names, sp):
     recording and the RNG stream equal the plain TP run's, on both ranks."""
     for rank in range(TP):
         assert results[rank][_key(config, kind, names, sp)]["differs"] == "", f"rank {rank}"
+
+
+# Without sequence parallelism the norms see plain tensors; whole layers hold the sharded linears.
+SHARDS = [c for c in CASES if c[1] == "offload" and (c[3] or c[2] != '["norm"]')]
+
+
+@pytest.mark.parametrize("config,kind,names,sp", SHARDS, ids=[_key(*c) for c in SHARDS])
+def test_offload_moves_dtensor_shards(results, config, kind, names, sp):
+    """The TP-sharded linears' inputs and (sp) the pre-norms' tensors are DTensors: their local
+    shards go to the host; parameters' shards stay."""
+    for rank in range(TP):
+        moved = results[rank][_key(config, kind, names, sp)]
+        assert moved["shard_bytes"] > 0 and moved["weights"] == 0, f"rank {rank}: {moved}"

@@ -7,6 +7,13 @@ bit-identical to the plain run. Parameters (and their dtype casts, e.g. a bf16 c
 weight) stay on the device: they outlive the step anyway. So do tensors under `min_bytes`, where a
 copy's launch costs more than the memory is worth, and broadcast views (stride 0, small by nature).
 
+Under tensor parallelism many saved tensors are DTensors: the sharded linears' inputs and, with
+sequence parallelism, everything the pre-norms save. A DTensor is a wrapper; its local shard holds
+the memory, so the shard is what moves (`min_bytes` and the stride check apply to it), with its
+place in the whole (mesh, placements, global shape and stride). Unpack wraps the shard brought back
+in an equal DTensor (`DTensor.from_local`, no communication), detached as a non-reentrant
+checkpoint's recomputed tensors are: backward reads only the value.
+
 The copier is a strategy chosen from the device type when the model is built:
 * `StreamedHostCopy` (CUDA): device→host copies go to pinned memory on a side stream during forward
   (the source is `record_stream`ed, so its memory is not reused before the copy ends). One site
@@ -23,6 +30,7 @@ import weakref
 from collections.abc import Callable, Sequence
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from moefold.memory.sites import targets
 
@@ -52,20 +60,27 @@ class ActivationOffload:
         return run
 
     def pack(self, t: torch.Tensor):
-        if not self._offloadable(t):
+        local = t._local_tensor if isinstance(t, DTensor) else t  # what holds the memory
+        if not self._offloadable(t, local):
             return t
-        self.offloaded_bytes += t.numel() * t.element_size()
-        return self.copier.to_host(t)
+        self.offloaded_bytes += local.numel() * local.element_size()
+        host = self.copier.to_host(local)
+        return host if local is t else _OffloadedShard(host, t)
 
     def unpack(self, packed) -> torch.Tensor:
-        return packed if isinstance(packed, torch.Tensor) else self.copier.to_device(packed)
+        if isinstance(packed, torch.Tensor):
+            return packed
+        if isinstance(packed, _OffloadedShard):
+            return packed.rebuild(self.copier.to_device(packed.local))
+        return self.copier.to_device(packed)
 
-    def _offloadable(self, t: torch.Tensor) -> bool:
-        # type() is not isinstance(): parameters, DTensors and fake tensors are subclasses.
-        return (type(t) is torch.Tensor and t.layout == torch.strided and t.device.type != "meta"
-                and self.copier.accepts(t)
-                and t.numel() * t.element_size() >= self.min_bytes and not _is_weight(t)
-                and all(stride or size == 1 for size, stride in zip(t.shape, t.stride())))
+    def _offloadable(self, t: torch.Tensor, local: torch.Tensor) -> bool:
+        # type() is not isinstance(): parameters, DTensors and fake tensors are subclasses. A
+        # DTensor parameter is a DTensor: _is_weight looks at the wrapper, the rest at its shard.
+        return (type(local) is torch.Tensor and local.layout == torch.strided
+                and local.device.type != "meta" and self.copier.accepts(local)
+                and local.numel() * local.element_size() >= self.min_bytes and not _is_weight(t)
+                and all(stride or size == 1 for size, stride in zip(local.shape, local.stride())))
 
 
 def _is_weight(t: torch.Tensor) -> bool:
@@ -81,6 +96,21 @@ def _is_weight(t: torch.Tensor) -> bool:
 
 def _empty_strided_like(t: torch.Tensor, device, pin_memory: bool = False) -> torch.Tensor:
     return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device, pin_memory=pin_memory)
+
+
+class _OffloadedShard:
+    """A DTensor's local shard gone to the host (`local`, as the copier packed it), and where it
+    sits in the whole: unpack rebuilds an equal DTensor around the shard brought back. Not the
+    DTensor itself, which would keep the shard's device memory alive."""
+    __slots__ = ("local", "mesh", "placements", "shape", "stride")
+
+    def __init__(self, local, t: DTensor):
+        self.local, self.mesh, self.placements = local, t.device_mesh, t.placements
+        self.shape, self.stride = t.shape, t.stride()
+
+    def rebuild(self, local: torch.Tensor) -> DTensor:
+        return DTensor.from_local(local, self.mesh, self.placements, run_check=False,
+                                  shape=self.shape, stride=self.stride)
 
 
 class _Offloaded:

@@ -14,10 +14,9 @@ Each name (memory/sites.py) wraps sites whose saved tensors we know from plan.ac
 `layer_delta(cfg, layer_id, sh)` returns the change by category (negative: freed) and the bytes
 moved to the host. A recomputed site's parameter casts (`weight_copies`) are made again in
 backward, so they are freed too; offload leaves them on the device. Checked against the real model's saved bytes with the
-wrappers applied (plan.measure on CPU, tests/unit/test_plan_memory.py; recompute under TP with and
-without sequence parallelism, tests/unit/test_plan_tp.py). Not modelled: under TP, offload leaves
-DTensors on the device (memory/offload.py), i.e. what the sharded linears and sequence-parallel
-norms save.
+wrappers applied (plan.measure on CPU, tests/unit/test_plan_memory.py; recompute and offload under
+TP with and without sequence parallelism, tests/unit/test_plan_tp.py, where offload moves the local
+shards of the DTensors that the sharded linears and sequence-parallel norms save).
 """
 
 from __future__ import annotations

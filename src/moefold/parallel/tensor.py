@@ -1,7 +1,8 @@
 """Tensor parallelism (Megatron-style, through torch.distributed.tensor.parallel) of the attention
-and dense MLP of every block.
+and dense MLP of every block, with optional sequence parallelism of the main blocks.
 
-`apply_tp(model, tp_mesh)` turns a built, single-process `Transformer` into its TP form in place:
+`apply_tp(model, tp_mesh, sequence_parallel)` turns a built, single-process `Transformer` into its TP
+form in place:
 
 - GQA attention: wq/wk/wv column-wise and wo row-wise, so each TP rank holds n_heads/tp query heads
   and n_kv_heads/tp key/value heads (whole heads; GQA groups stay on one rank because the column
@@ -10,20 +11,32 @@ and dense MLP of every block.
 - Per-head QK-norms (Qwen3) are per head-dim: their weights stay replicated and normalise the local
   heads; since each rank only sees its heads' contribution, their gradients are summed over TP
   where forward uses the weight (so this holds whatever data parallelism later does to the
-  parameter object).
+  parameter object). The norms become `HeadShardedRMSNorm` in place, so the memory.recompute and
+  memory.offload wrappers build_model put on them stay.
 - MLA: wq (or wq_b) and wkv_b column-wise by heads, wo row-wise; wq_a, wkv_a and the latent norms
   replicated. The RoPE key that wkv_a produces is shared by all heads, so the gradient of those
   columns of wkv_a's output is summed over TP (the latent columns already arrive summed through
   wkv_b's column-wise input).
 - Dense SwiGLU MLP: w1/w3 column-wise, w2 row-wise.
+- Shared experts of MoE layers: like the dense MLP (w1/w3 column-wise, w2 row-wise), their output
+  all-reduced (it is summed with the routed output); a shared expert gate stays replicated.
+- FP8 linears (precision.fp8) compute on their local shards (fp8/linear.py).
 
-- Shared experts of MoE layers: like the dense MLP (w1/w3 column-wise, w2 row-wise); a shared
-  expert gate stays replicated.
+Between these TP regions:
 
-Inputs and outputs of attention and dense MLPs are plain replicated tensors (use_local_output), so
-everything else — embeddings, norms, output head and routers — stays replicated and computes the
-same on every TP rank. Routed experts are not TP-sharded: each TP rank dispatches its 1/tp of the
-tokens (parallel/sequence.py), and expert parallelism / expert TP shard them (parallel/expert.py).
+- Without sequence parallelism, the row-wise projections all-reduce into plain replicated tensors,
+  so everything else (embeddings, residual stream, norms, routers, output head) is replicated and
+  computes the same on every TP rank.
+- With it (Megatron's sequence parallelism, `_sequence_parallel`), the main blocks' residual stream
+  and pre-norms hold only this rank's 1/tp of the sequence (DTensors, Shard(1)): the first block
+  splits the embeddings, attention and dense MLPs all-gather their normed input and reduce-scatter
+  their output, MoE layers all-gather their input and keep their slice of the output, and the last
+  block's output is gathered again, so the final norm, the output head and the MTP blocks (never
+  sequence-parallel) see replicated tensors.
+
+Routed experts are not TP-sharded: in both modes the router runs on all tokens of the TP group and
+each TP rank dispatches its 1/tp of them (parallel/sequence.py); expert parallelism / expert TP
+shard the experts (parallel/expert.py).
 """
 
 import torch

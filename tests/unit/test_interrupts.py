@@ -2,6 +2,7 @@
 checkpoints, metrics.jsonl and config.toml; signals land at chosen moments through hooks that send
 them from inside the process, not through timing."""
 
+import json
 import os
 import signal
 import subprocess
@@ -65,3 +66,36 @@ def test_a_signal_during_a_due_save_stops_with_that_checkpoint_written_once(tmp_
         f"moefold: interrupted by {signal.Signals(signum).name} at step 4; checkpoint saved to {checkpoint}"]
     assert main(["train", "--resume", str(run)]) == 0
     assert latest_checkpoint(run).name == "step_00000012"
+
+
+def _records(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_resumed_run_cuts_off_an_incomplete_last_record_and_appends_whole_lines(tmp_path, tiny_args, capsys):
+    """metrics.jsonl ending in half a record (a write cut short by a kill): the resumed run says
+    so, removes that piece and appends its records as lines of their own; every earlier record stays."""
+    run = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run), *tiny_args, "--train.steps", "3", "--train.warmup_steps", "1"]) == 0
+    before = _records(run)
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "loss": 4.1')
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run), "--train.steps", "5"]) == 0
+    after = _records(run)  # every line is JSON
+    assert after[:len(before)] == before
+    assert [r["step"] for r in after[len(before):] if "loss" in r] == [4, 5]
+    assert f"{run / 'metrics.jsonl'}: removed its last line, an incomplete record of 23 bytes" in capsys.readouterr().out
+
+
+def test_metrics_sinks_cut_only_an_incomplete_last_line(tmp_path):
+    from moefold.train.metrics import MetricsSinks
+
+    path = tmp_path / "metrics.jsonl"
+    for content, kept in ((b"", b""), (b'{"step": 1}\n', b'{"step": 1}\n'), (b'{"st', b""),
+                          (b'{"step": 1}\n' * 10000 + b'{"step": 2', b'{"step": 1}\n' * 10000)):
+        path.write_bytes(content)
+        said = []
+        MetricsSinks(tmp_path, tensorboard=False, out=said.append).close()
+        assert path.read_bytes() == kept
+        assert len(said) == (content != kept)

@@ -9,6 +9,7 @@ import math
 import os
 import resource
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,9 +52,15 @@ def format_line(m: dict[str, Any], total_steps: int) -> str:
 class MetricsSinks:
     """metrics.jsonl (appended, flushed each write) and TensorBoard (when installed and enabled)."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool):
+    def __init__(self, run_dir: Path, tensorboard: bool, out: Callable[[str], None] = print):
         self.jsonl_path = Path(run_dir) / "metrics.jsonl"
+        whole = _whole_lines_size(self.jsonl_path)
         self.jsonl = open(self.jsonl_path, "ab", buffering=0)  # each record on disk as it is written
+        if whole is not None:  # a record cut short (a kill or crash mid-write): the appends follow a whole line
+            cut = os.fstat(self.jsonl.fileno()).st_size - whole
+            self.jsonl.truncate(whole)
+            out(f"{self.jsonl_path}: removed its last line, an incomplete record of {cut} bytes "
+                "(a write cut short)")
         self.tb = _tensorboard_writer(Path(run_dir) / "tb") if tensorboard else None
 
     def write(self, record: dict[str, Any]) -> None:
@@ -79,6 +86,26 @@ class MetricsSinks:
         self.jsonl.close()
         if self.tb is not None:
             self.tb.close()
+
+
+def _whole_lines_size(path: Path) -> int | None:
+    """The size of `path` up to the newline that ends its last whole line, when it ends in an
+    incomplete one; None when it ends with a newline (or is empty or missing)."""
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        return None
+    with f:
+        end = f.seek(0, os.SEEK_END)
+        if end == 0 or os.pread(f.fileno(), 1, end - 1) == b"\n":
+            return None
+        while end > 0:  # backwards, a block at a time: the file holds the whole run's records
+            start = max(0, end - 2**16)
+            newline = os.pread(f.fileno(), end - start, start).rfind(b"\n")
+            if newline >= 0:
+                return start + newline + 1
+            end = start
+        return 0
 
 
 def _finite_or_null(value: Any) -> Any:

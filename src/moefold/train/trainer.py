@@ -421,11 +421,11 @@ class Trainer:
             self.out(f"nothing to train: the run is already at step {self.step} = train.steps; "
                      f"give --train.steps above {self.step} to continue it")
             return {}
-        self.sinks = (metrics.MetricsSinks(self.run_dir, log.tensorboard) if self.dist.is_main
+        self._announce()
+        self.sinks = (metrics.MetricsSinks(self.run_dir, log.tensorboard, self.out) if self.dist.is_main
                       else metrics.NullSinks())
         self._stop_signal: int | None = None
         previous_handlers = self._install_signal_handlers()
-        self._announce()
         show_bar = log.progress_bar and metrics.is_interactive() and self.dist.is_main
         bar = tqdm(total=t.steps, initial=self.step, disable=not show_bar, dynamic_ncols=True,
                    leave=False)

@@ -3,7 +3,9 @@ without sequence parallelism): each rank trains its share of the model with an o
 it, and the two runs must agree bit for bit, as they do in one process (test_recompute.py,
 test_offload.py). Under TP the QK-norms are head-sharded, the sharded linears save DTensors and,
 with sequence parallelism, so do the pre-norms; offload moves those DTensors' local shards. What
-each option saves is measured against the planner in test_plan_tp.py."""
+each option saves is measured against the planner in test_plan_tp.py. Under expert parallelism the
+experts read their DTensor weights' shards (`to_local()`): offload must leave those, like any
+parameter, on the device."""
 
 import json
 
@@ -35,8 +37,9 @@ def _build(config: str, sp: bool, layout, **memory: str):
     return build(config, overrides, layout=layout)
 
 
-class ShardsMoved:
-    """Bytes of DTensor shards an offload sent to the host, and whether any was a parameter's."""
+class OffloadSpy:
+    """Bytes of DTensor shards an offload sent to the host, and how many tensors it sent were a
+    parameter's memory (a DTensor parameter's shard included)."""
 
     def __init__(self, model):
         offload, pack = model.activation_offload, model.activation_offload.pack
@@ -45,9 +48,10 @@ class ShardsMoved:
 
         def counting(t):
             packed = pack(t)
-            if isinstance(t, DTensor) and packed is not t:
-                self.nbytes += t._local_tensor.untyped_storage().nbytes()
-                self.weights += t._local_tensor.untyped_storage().data_ptr() in params
+            if packed is not t:
+                local = t._local_tensor if isinstance(t, DTensor) else t
+                self.nbytes += local.untyped_storage().nbytes() if isinstance(t, DTensor) else 0
+                self.weights += local.untyped_storage().data_ptr() in params
             return packed
         offload.pack = counting  # the sites' hooks look it up on the instance at each call
 
@@ -61,7 +65,7 @@ def _train_all(rank: int, out_dir: str) -> None:
         plain = plain_runs[config, sp]
         memory = {kind: names, "offload_min_bytes": "0"}
         model = _build(config, sp, layout, **memory)
-        moved = ShardsMoved(model) if kind == "offload" else None
+        moved = OffloadSpy(model) if kind == "offload" else None
         run = train(model, steps=2, accum=1)
         try:
             assert_identical(run, plain)
@@ -70,8 +74,24 @@ def _train_all(rank: int, out_dir: str) -> None:
             differs = str(e)
         results[_key(config, kind, names, sp)] = {
             "differs": differs, "shard_bytes": moved and moved.nbytes, "weights": moved and moved.weights}
+    results["ep"] = _offload_under_ep()
     with open(f"{out_dir}/rank{rank}.json", "w") as f:
         json.dump(results, f)
+
+
+def _offload_under_ep() -> dict:
+    layout = ParallelLayout(ParallelDims(TP, ep=TP))
+    ep = {"parallel.ep": str(TP), "memory.offload_min_bytes": "0"}
+    plain = train(build("qwen3", ep, layout=layout), steps=2, accum=1)
+    model = build("qwen3", {**ep, "memory.offload": '["moe"]'}, layout=layout)
+    moved = OffloadSpy(model)
+    run = train(model, steps=2, accum=1)
+    try:
+        assert_identical(run, plain)
+        differs = ""
+    except AssertionError as e:
+        differs = str(e)
+    return {"differs": differs, "weights": moved.weights, "offloaded": model.activation_offload.offloaded_bytes}
 
 
 @pytest.fixture(scope="module")
@@ -101,3 +121,12 @@ def test_offload_moves_dtensor_shards(results, config, kind, names, sp):
     for rank in range(TP):
         moved = results[rank][_key(config, kind, names, sp)]
         assert moved["shard_bytes"] > 0 and moved["weights"] == 0, f"rank {rank}: {moved}"
+
+
+def test_offload_under_ep_leaves_the_expert_weights(results):
+    """The experts save `w.to_local()` of their EP-sharded weights, a parameter's memory: offload
+    leaves it on the device (it had copied every local expert weight to the host in each forward),
+    and training stays bit-identical."""
+    for rank in range(TP):
+        ep = results[rank]["ep"]
+        assert ep["differs"] == "" and ep["weights"] == 0 and ep["offloaded"] > 0, f"rank {rank}: {ep}"

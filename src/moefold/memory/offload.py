@@ -83,15 +83,28 @@ class ActivationOffload:
                 and all(stride or size == 1 for size, stride in zip(local.shape, local.stride())))
 
 
+# What a parameter goes through on its way to an op that saves it, the result still counting as
+# the parameter (on the device for the whole step anyway): a dtype cast, and a DTensor parameter's
+# `to_local()` (the experts read their EP/ETP-sharded weights so, parallel/expert.py).
+_WEIGHT_STEPS = ("ToCopyBackward0", "_ToTorchTensorBackward")
+
+
 def _is_weight(t: torch.Tensor) -> bool:
-    """A parameter-like leaf, a view of one (an expert's slice `w_EXY[e]`), or a dtype cast of one
-    (`w.to(bf16)` under autocast)."""
-    t = t._base if t._base is not None else t
-    if t.is_leaf:
-        return t.requires_grad
-    fn = t.grad_fn
-    return (fn is not None and type(fn).__name__ == "ToCopyBackward0"
-            and hasattr(fn.next_functions[0][0], "variable"))
+    """A parameter-like leaf, a view of one (an expert's slice `w_EXY[e]`), or a dtype cast or
+    DTensor shard (`to_local()`) of one, or a view of those."""
+    base = t._base if t._base is not None else t
+    if base.is_leaf and base.requires_grad:
+        return True
+    fn = base.grad_fn
+    if base.is_leaf:  # t views a leaf autograd does not see: a DTensor's shard, through to_local()
+        fn = t.grad_fn
+        while fn is not None and type(fn).__name__ not in _WEIGHT_STEPS and len(fn.next_functions) == 1:
+            fn = fn.next_functions[0][0]  # t's own view ops, back to the to_local()
+    if fn is None or type(fn).__name__ not in _WEIGHT_STEPS:
+        return False
+    while type(fn).__name__ in _WEIGHT_STEPS:
+        fn = fn.next_functions[0][0]
+    return hasattr(fn, "variable")  # AccumulateGrad: a parameter's
 
 
 def _empty_strided_like(t: torch.Tensor, device, pin_memory: bool = False) -> torch.Tensor:

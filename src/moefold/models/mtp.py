@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from moefold.models.norm import RMSNorm
+from moefold.moe.layer import valid_mask
 
 IGNORE_INDEX = -100
 
@@ -26,7 +27,7 @@ class MTPModule(nn.Module):
         return self.block(x_BSD, cos, sin, valid_BS)
 
 
-def shift_left(x_BS: torch.Tensor, k: int, fill: int) -> torch.Tensor:
+def shift_left(x_BS: torch.Tensor, k: int, fill: int | bool) -> torch.Tensor:
     """x[:, k:] followed by k `fill` values: what position i sees k tokens ahead (all `fill`
     when k ≥ S; the length stays S)."""
     B, S = x_BS.shape
@@ -39,17 +40,34 @@ class MultiTokenPrediction(nn.Module):
         self.layers = nn.ModuleList(modules)
 
     def forward(self, h_BSD, input_ids_BS, labels_BS, embed: nn.Module, head, cos, sin,
-                loss_fn) -> list[torch.Tensor]:
+                loss_fn, valid_BS: torch.Tensor | None = None) -> list[torch.Tensor]:
         """The loss of each depth k = 1..D, on the positions that have a target k tokens on; 0
-        for a depth with none (`loss_or_zero`)."""
+        for a depth with none (`loss_or_zero`). `valid_BS` is the trunk's mask of real tokens;
+        each depth's MoE layers read `next_depth_valid` of the one before."""
         losses = []
+        valid_BS = valid_mask(valid_BS, input_ids_BS.shape)
         for k, module in enumerate(self.layers, start=1):
             emb_BSD = embed(shift_left(input_ids_BS, k, fill=0))
-            h_BSD = module(h_BSD, emb_BSD, cos, sin)
+            valid_BS = next_depth_valid(valid_BS)
+            h_BSD = module(h_BSD, emb_BSD, cos, sin, valid_BS)
             logits_BSV = head(module.norm(h_BSD))
             targets_BS = shift_left(labels_BS, k, fill=IGNORE_INDEX)
             losses.append(loss_or_zero(loss_fn(logits_BSV, targets_BS), targets_BS))
         return losses
+
+
+def next_depth_valid(valid_BS: torch.Tensor | None) -> torch.Tensor | None:
+    """The real positions of depth k from those of depth k − 1 (depth 0: the trunk's `valid_BS`).
+    Depth k at position i has read h_i and the embeddings of tokens i+1..i+k, one per depth: it is
+    real only if all of tokens i..i+k are, so depth k's mask is depth k − 1's and that mask one
+    position on (for right padding, `valid & shift_left(valid, k)`). The k positions whose token
+    i+k lies past the end (`shift_left`'s fill) are not real either: with a mask, depth k routes
+    and counts the L − k positions of a sequence of L real tokens that DeepSeek-V3's module k runs
+    on, however much padding follows them. Without a mask (the trainer's packed sequences) every
+    position is routed, the k filled ones included, as in Megatron-Core (it rolls the ids)."""
+    if valid_BS is None:
+        return None
+    return valid_BS & shift_left(valid_BS, 1, fill=False)
 
 
 def loss_or_zero(loss: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,9 @@
 An objective is chosen when the trainer is built: next-token cross-entropy, plus the
 multi-token-prediction losses when the model has MTP modules. Each returns the total to
 differentiate and the parts to log (`lm_loss` is always the plain next-token loss, so runs with
-and without MTP compare).
+and without MTP compare). `valid_BS` (optional; the trainer's packed batches have no padding)
+marks real tokens for the MoE layers of the trunk and of every MTP depth, as `model(ids,
+valid_BS)` does; the loss reads only the labels (-100: ignored), so padding's labels must be -100.
 """
 
 from collections.abc import Callable
@@ -29,8 +31,9 @@ class NextTokenLoss:
     def __init__(self, loss_fn: LossFn = cross_entropy_loss):
         self.loss_fn = loss_fn
 
-    def __call__(self, model, input_ids_BS, labels_BS) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        loss = self.loss_fn(model(input_ids_BS), labels_BS)
+    def __call__(self, model, input_ids_BS, labels_BS,
+                 valid_BS=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        loss = self.loss_fn(model(input_ids_BS, valid_BS), labels_BS)
         return loss, {"lm_loss": loss.detach()}
 
 
@@ -44,11 +47,12 @@ class NextTokenAndMTPLoss:
     def __init__(self, weight: float, loss_fn: LossFn = cross_entropy_loss):
         self.weight, self.loss_fn = weight, loss_fn
 
-    def __call__(self, model, input_ids_BS, labels_BS) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        h_BSD, (cos, sin) = model.trunk(input_ids_BS)
+    def __call__(self, model, input_ids_BS, labels_BS,
+                 valid_BS=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        h_BSD, (cos, sin) = model.trunk(input_ids_BS, valid_BS)
         lm_loss = self.loss_fn(model.output(model.norm(h_BSD)), labels_BS)
         mtp_losses = model.mtp(h_BSD, input_ids_BS, labels_BS, model.tok_embeddings, model.output,
-                               cos, sin, self.loss_fn)
+                               cos, sin, self.loss_fn, valid_BS)
         mtp_loss = torch.stack(mtp_losses).mean()
         return lm_loss + self.weight * mtp_loss, {"lm_loss": lm_loss.detach(),
                                                   "mtp_loss": mtp_loss.detach()}
@@ -60,8 +64,9 @@ class ChunkedNextTokenLoss:
     def __init__(self, chunk_tokens: int):
         self.chunk_tokens = chunk_tokens
 
-    def __call__(self, model, input_ids_BS, labels_BS) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        h_BSD, _ = model.trunk(input_ids_BS)
+    def __call__(self, model, input_ids_BS, labels_BS,
+                 valid_BS=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        h_BSD, _ = model.trunk(input_ids_BS, valid_BS)
         loss = chunked_linear_cross_entropy(model.norm(h_BSD), model.output.weight, labels_BS,
                                             self.chunk_tokens)
         return loss, {"lm_loss": loss.detach()}

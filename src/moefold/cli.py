@@ -200,6 +200,7 @@ def _train(args: argparse.Namespace) -> int:
 
 def _spawn_ranks(args: argparse.Namespace, cfg: Config, run_dir: Path) -> int:
     """`--nproc N`: check what can be checked once, then run the same command as N ranks."""
+    from moefold.checkpoint.dcp import resolve_checkpoint
     from moefold.parallel.dims import ParallelDims
     from moefold.parallel.launch import resolve_device, spawn_local
     from moefold.plan.fit import rank_capacity, refuse_model_beyond_memory
@@ -211,7 +212,7 @@ def _spawn_ranks(args: argparse.Namespace, cfg: Config, run_dir: Path) -> int:
         raise ConfigError("--nproc cannot be used under torchrun (it already started the ranks)")
     p = cfg.parallel
     ParallelDims(args.nproc, p.tp, p.cp, p.pp, p.ep, p.etp, p.order)  # the layout fits N ranks
-    refuse_run_dir(run_dir, resuming=args.resume is not None)
+    refuse_run_dir(run_dir, resolve_checkpoint(args.resume) if args.resume is not None else None)
     device = resolve_device(cfg.train.device)  # the tokenizer's vocabulary is not counted here
     refuse_model_beyond_memory(cfg, cfg.model.vocab_size, args.nproc, rank_capacity(device, args.nproc))
     return spawn_local(args.nproc, [*_without_nproc(args.argv), "--run-dir", str(run_dir)])

@@ -99,3 +99,36 @@ def test_metrics_sinks_cut_only_an_incomplete_last_line(tmp_path):
         MetricsSinks(tmp_path, tensorboard=False, out=said.append).close()
         assert path.read_bytes() == kept
         assert len(said) == (content != kept)
+
+
+def _files(run: Path) -> dict[Path, bytes]:
+    return {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+
+
+def test_continuing_an_earlier_checkpoint_among_later_ones_or_into_another_run_is_refused(tmp_path, tiny_args,
+                                                                                          capsys):
+    """Resuming step 4 of a run that holds steps 4–8 in place would mix two histories, and the
+    rotation (which keeps the highest steps) deleted each new checkpoint as it was saved; a
+    --run-dir holding another run had its config.toml and checkpoints replaced. Both are refused
+    before anything is written; a new --run-dir continues from step 4."""
+    run, other = tmp_path / "run", tmp_path / "other"
+    for path in (run, other):
+        assert main(["train", "--run-dir", str(path), *tiny_args, "--train.steps", "8",
+                     "--checkpoint.every", "2", "--checkpoint.keep", "3"]) == 0
+    step4 = run / "checkpoints" / "step_00000004"
+    before = {path: _files(path) for path in (run, other)}
+    capsys.readouterr()
+    for argv, expected in (
+            (["--resume", str(step4)],
+             f"--resume {step4}: {run} holds later checkpoints (step_00000006, step_00000008) that the "
+             "continued run would be mixed with; continue it in a new --run-dir, or delete those checkpoints"),
+            (["--resume", str(step4), "--run-dir", str(other)],
+             f"--run-dir {other} already holds a run; continue it with --resume {other} or choose another --run-dir")):
+        assert main(["train", *argv, "--train.steps", "10"]) == 2
+        assert capsys.readouterr().err.splitlines() == [f"moefold: error: {expected}"]
+    assert {path: _files(path) for path in (run, other)} == before
+    branch = tmp_path / "branch"
+    assert main(["train", "--resume", str(step4), "--run-dir", str(branch), "--train.steps", "10"]) == 0
+    assert [step for step, _ in complete_checkpoints(branch)] == [6, 8, 10]
+    assert main(["train", "--resume", str(run / "checkpoints" / "step_00000008"), "--train.steps", "10"]) == 0
+    assert [step for step, _ in complete_checkpoints(run)] == [6, 8, 10]

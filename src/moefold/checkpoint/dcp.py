@@ -54,6 +54,11 @@ def complete_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def checkpoint_step(path: Path) -> int:
+    """The step a checkpoint directory `step_<N>` holds."""
+    return int(_STEP_DIR.match(Path(path).name).group(1))
+
+
 def latest_checkpoint(run_dir: Path) -> Path | None:
     found = complete_checkpoints(run_dir)
     return found[-1][1] if found else None

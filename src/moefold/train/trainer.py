@@ -29,6 +29,8 @@ from tqdm import tqdm
 
 from moefold.checkpoint.dcp import (
     checkpoint_keys,
+    checkpoint_step,
+    complete_checkpoints,
     latest_checkpoint,
     load_checkpoint,
     load_weights,
@@ -131,14 +133,29 @@ def _with_absolute_data_paths(cfg: Config) -> Config:
         d, path=d.path and os.path.abspath(d.path), tokenizer=d.tokenizer and os.path.abspath(d.tokenizer)))
 
 
+def _same_dir(a: Path, b: Path) -> bool:
+    return a.is_dir() and b.is_dir() and os.path.samefile(a, b)
+
+
 def run_dir_holds_run(run_dir: Path) -> bool:
     return (run_dir / "config.toml").exists() or (run_dir / "checkpoints").exists()
 
 
-def refuse_run_dir(run_dir: Path, resuming: bool) -> None:
-    """--run-dir checked before any work: writable, and free of another run unless it is resumed."""
+def refuse_run_dir(run_dir: Path, resumed: Path | None = None) -> None:
+    """--run-dir checked before any work: writable, and free of another run; where it is the run of
+    `resumed` (the checkpoint continued), free of checkpoints after it. A run continued from an
+    earlier checkpoint among later ones would mix two histories, and checkpoint.keep, which keeps
+    the highest steps, would delete its new checkpoints as it saved them."""
     refuse_unwritable_dir(run_dir)
-    if resuming or not run_dir_holds_run(run_dir):
+    if resumed is not None and _same_dir(resumed.parent.parent, run_dir):
+        later = [path.name for step, path in complete_checkpoints(run_dir) if step > checkpoint_step(resumed)]
+        if later:
+            listed = ", ".join(later[:3]) + (f" and {len(later) - 3} more" if len(later) > 3 else "")
+            raise ConfigError(f"--resume {resumed}: {run_dir} holds later checkpoints ({listed}) that "
+                              "the continued run would be mixed with; continue it in a new --run-dir, or "
+                              "delete those checkpoints")
+        return
+    if not run_dir_holds_run(run_dir):
         return
     if latest_checkpoint(run_dir) is None:  # stopped (or still running) before its first save
         raise ConfigError(f"--run-dir {run_dir} already holds a run that saved no checkpoint to resume; "
@@ -185,7 +202,7 @@ class Trainer:
         self.init_from_hf = init_from_hf
         refuse_unsupported_parallel(cfg)
         checkpoint = resolve_checkpoint(resume) if resume is not None else None
-        refuse_run_dir(self.run_dir, resuming=checkpoint is not None)
+        refuse_run_dir(self.run_dir, checkpoint)
         self.resumed_from = checkpoint
         full_state = checkpoint is not None and "optim" in checkpoint_keys(checkpoint)  # else weights only
         if full_state:

@@ -3,7 +3,7 @@ against the same sequences without padding, written as DeepSeek-V3 writes multi-
 MTP module k runs on the first L − k positions of a sequence of L tokens (no fill, no mask). Losses,
 every MoE layer's statistics and step counts (trunk and MTP blocks), and every gradient (the
 injected balance losses' included) agree; the model runs in fp64, so routing cannot flip on
-rounding between the padded and the unpadded shapes."""
+rounding between the padded and the unpadded shapes. A micro-batch of padding alone adds 0."""
 
 import pytest
 import torch
@@ -143,3 +143,20 @@ def test_sequences_of_different_lengths_count_and_score_as_each_alone():
     torch.testing.assert_close(parts["lm_loss"], lm_sum / sum(lengths))
     depth_means = [s / sum(L - k for L in lengths) for k, s in enumerate(depth_sums, start=1)]
     torch.testing.assert_close(parts["mtp_loss"], torch.stack(depth_means).mean())
+
+
+@pytest.mark.parametrize("kind", ["plain", "chunked", "mtp"])
+def test_a_micro_batch_without_labels_adds_zero_loss_and_zero_gradient(kind):
+    """Every label ignored (a micro-batch all padding, or all prompt in fine-tuning): each loss is
+    0 and every gradient 0, as Megatron-Core divides the summed loss by max(tokens, 1). The plain
+    and MTP objectives' next-token loss was a mean over no tokens, nan (the MTP depths and the
+    chunked loss already gave 0); a nan in one micro-batch made the step's gradients nan."""
+    model = _model(mtp_layers=2 if kind == "mtp" else 0)
+    ids_BS = _tokens(B=2, L=12, seed=3)[0]
+    labels_BS = torch.full_like(ids_BS, -100)
+    valid_BS = torch.zeros_like(ids_BS, dtype=torch.bool)  # no token to balance either
+    total, parts = _objective(kind)(model, ids_BS, labels_BS, valid_BS)
+    total.backward()
+    assert total.item() == 0.0 and all(value.item() == 0.0 for value in parts.values())
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all((grad == 0).all() for grad in grads)

@@ -73,6 +73,7 @@ def next_depth_valid(valid_BS: torch.Tensor | None) -> torch.Tensor | None:
 def loss_or_zero(loss: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
     """`loss`, or 0 when no position has a target (S ≤ k, or every label ignored), where the mean
     over no tokens is nan. Megatron-Core's MTP does the same (it clamps the depth's token count to
-    1): such a depth adds 0 to the mean over depths, and its gradients are 0 (cross-entropy gives
-    ignored positions none). A device-side choice, no host sync."""
+    1), and so does its next-token loss (`train/loss.py` uses this): such a depth adds 0 to the
+    mean over depths, and its gradients are 0 (cross-entropy gives ignored positions none). A
+    device-side choice, no host sync; with targets, `loss` itself, to the bit."""
     return torch.where((targets_BS != IGNORE_INDEX).any(), loss, 0.0)

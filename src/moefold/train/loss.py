@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from moefold.models.mtp import loss_or_zero
 from moefold.train.chunked_loss import chunked_linear_cross_entropy
 
 
@@ -26,14 +27,16 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class NextTokenLoss:
-    """L = cross-entropy of the model's logits against the next tokens."""
+    """L = cross-entropy of the model's logits against the next tokens; 0 (and no gradient) when
+    every label is ignored, where the mean over no tokens is nan: Megatron-Core divides the
+    micro-batch's summed loss by max(tokens, 1), as the chunked loss and the MTP depths do here."""
 
     def __init__(self, loss_fn: LossFn = cross_entropy_loss):
         self.loss_fn = loss_fn
 
     def __call__(self, model, input_ids_BS, labels_BS,
                  valid_BS=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        loss = self.loss_fn(model(input_ids_BS, valid_BS), labels_BS)
+        loss = loss_or_zero(self.loss_fn(model(input_ids_BS, valid_BS), labels_BS), labels_BS)
         return loss, {"lm_loss": loss.detach()}
 
 
@@ -42,7 +45,8 @@ next_token_loss = NextTokenLoss()
 
 class NextTokenAndMTPLoss:
     """L = L_lm + weight · mean_k L_mtp,k (DeepSeek-V3, λ = 0.3 early in training, 0.1 later).
-    A depth k with no targets (sequences of S ≤ k tokens) has L_mtp,k = 0, as in Megatron-Core."""
+    A depth k with no targets (sequences of S ≤ k tokens) has L_mtp,k = 0, as in Megatron-Core;
+    L_lm is 0 with no labels, as `NextTokenLoss`'s."""
 
     def __init__(self, weight: float, loss_fn: LossFn = cross_entropy_loss):
         self.weight, self.loss_fn = weight, loss_fn
@@ -50,7 +54,7 @@ class NextTokenAndMTPLoss:
     def __call__(self, model, input_ids_BS, labels_BS,
                  valid_BS=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         h_BSD, (cos, sin) = model.trunk(input_ids_BS, valid_BS)
-        lm_loss = self.loss_fn(model.output(model.norm(h_BSD)), labels_BS)
+        lm_loss = loss_or_zero(self.loss_fn(model.output(model.norm(h_BSD)), labels_BS), labels_BS)
         mtp_losses = model.mtp(h_BSD, input_ids_BS, labels_BS, model.tok_embeddings, model.output,
                                cos, sin, self.loss_fn, valid_BS)
         mtp_loss = torch.stack(mtp_losses).mean()
@@ -59,7 +63,8 @@ class NextTokenAndMTPLoss:
 
 
 class ChunkedNextTokenLoss:
-    """Next-token loss through the chunked head + cross-entropy (no `[T, V]` logits kept)."""
+    """Next-token loss through the chunked head + cross-entropy (no `[T, V]` logits kept); 0 with
+    no labels (it divides by max(tokens, 1))."""
 
     def __init__(self, chunk_tokens: int):
         self.chunk_tokens = chunk_tokens

@@ -2,6 +2,7 @@
 new token alone (`Transformer.decode`)."""
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -48,8 +49,13 @@ def sample(model, prompt_ids: list[int], max_new_tokens: int, temperature: float
     latest `context` tokens at positions 0.. (its training length): once they fill the cache, each
     further token re-reads the window that ends with it, as without a cache. `vocab_size`: the
     tokenizer's; the rows a model.vocab_size padded beyond it are never sampled (None: every row).
-    An empty prompt is refused, as `moefold generate` refuses one: the model has no
-    beginning-of-sequence token to start from."""
+    Options `moefold generate` refuses are refused here with its messages (`check_sampling`), as
+    is a `context` below 1 and an empty prompt (the model has no beginning-of-sequence token to
+    start from)."""
+    check_sampling(max_new_tokens, temperature, top_k)
+    if context < 1:
+        raise UserError(f"sample: context {context} must be >= 1 (the tokens the model reads at "
+                        "once: its training length, train.seq_len)")
     if len(prompt_ids) == 0:
         raise UserError("sample: prompt_ids is empty; give at least one token to continue (the "
                         "model has no beginning-of-sequence token to start from)")
@@ -65,6 +71,18 @@ def sample(model, prompt_ids: list[int], max_new_tokens: int, temperature: float
         if cache.length == context:  # full: the window moves on by one, read anew
             cache, unread = model.new_cache(context), ids[-context:]
     return ids[len(prompt_ids):]
+
+
+def check_sampling(max_new_tokens: int, temperature: float, top_k: int,
+                   option: Callable[[str], str] = lambda name: f"sample: {name}") -> None:
+    """Refuses what `sample` cannot do, in one line that names the option as the caller spells it:
+    `option` maps `sample`'s parameter name to it (`moefold generate` passes its flags' names)."""
+    if max_new_tokens < 0:
+        raise UserError(f"{option('max_new_tokens')} {max_new_tokens} must be >= 0")
+    if not temperature >= 0:  # NaN too
+        raise UserError(f"{option('temperature')} {temperature} must be >= 0 (0 is greedy)")
+    if top_k < 0:
+        raise UserError(f"{option('top_k')} {top_k} must be >= 0 (0 samples among all tokens)")
 
 
 def _read(model, ids: list[int], cache, device) -> torch.Tensor:

@@ -307,12 +307,10 @@ def _run_dir_of(resume: Path) -> Path:
 
 
 def _check_generate_args(args: argparse.Namespace) -> None:
-    if args.max_new_tokens < 0:
-        raise UserError(f"--max-new-tokens {args.max_new_tokens} must be >= 0")
-    if not args.temperature >= 0:  # NaN too
-        raise UserError(f"--temperature {args.temperature} must be >= 0 (0 is greedy)")
-    if args.top_k < 0:
-        raise UserError(f"--top-k {args.top_k} must be >= 0 (0 samples among all tokens)")
+    from moefold.generate import check_sampling  # sample's own checks, naming our flags
+
+    check_sampling(args.max_new_tokens, args.temperature, args.top_k,
+                   option=lambda name: "--" + name.replace("_", "-"))
     if not 0 <= args.seed < 2**63:
         raise UserError(f"--seed {args.seed} must be in [0, 2**63) (a torch.Generator's seed)")
 

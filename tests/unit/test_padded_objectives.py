@@ -117,9 +117,11 @@ def test_a_padded_batch_trains_as_the_sequences_unpadded(kind):
 
 
 def test_sequences_of_different_lengths_count_and_score_as_each_alone():
-    """Lengths 6 and 16 (no padding) in a batch of 16 (an integer 0/1 mask, as Hugging Face's attention_mask): the
-    tokens per expert and routing entropy of every MoE layer are the two sequences' sums, and each
-    loss is their token-weighted mean (depth k of a sequence of L tokens has L − k targets)."""
+    """Lengths 6 and 16 in a batch of 16, the second unpadded (an integer 0/1 mask, as Hugging
+    Face's attention_mask): the tokens per expert and routing entropy of every MoE layer are the two
+    sequences' sums, and each loss is their token-weighted mean (depth k of a sequence of L tokens
+    has L − k targets). The unpadded row's last k positions at depth k read past its end: a mask
+    that counted them as real fails here."""
     model = _model(mtp_layers=2)
     lengths = [6, 16]
     ids_BL, labels_BL = _tokens(B=2, L=16, seed=2)

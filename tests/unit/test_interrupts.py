@@ -4,7 +4,9 @@ them from inside the process, not through timing."""
 
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -132,3 +134,65 @@ def test_continuing_an_earlier_checkpoint_among_later_ones_or_into_another_run_i
     assert [step for step, _ in complete_checkpoints(branch)] == [6, 8, 10]
     assert main(["train", "--resume", str(run / "checkpoints" / "step_00000008"), "--train.steps", "10"]) == 0
     assert [step for step, _ in complete_checkpoints(run)] == [6, 8, 10]
+
+
+def _tiny_config(text_corpus: Path, **overrides: str):
+    from conftest import TINY_OVERRIDES
+
+    from moefold.config import load_config
+
+    return load_config(None, {**TINY_OVERRIDES, "data.path": str(text_corpus), "train.steps": "2",
+                              "train.warmup_steps": "1", **overrides})
+
+
+def test_a_second_training_in_a_run_dir_in_use_is_refused_until_the_first_ends(tmp_path, text_corpus, tiny_args,
+                                                                                capsys):
+    """Two resumes of one run at once wrote one metrics.jsonl and one checkpoint directory (each
+    save removing the other's half-written one): the second is refused, naming the first, before
+    it builds anything; once the first has returned from fit(), the run is free to continue."""
+    from moefold.train.trainer import Trainer
+
+    run = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run), *tiny_args, "--train.steps", "2", "--train.warmup_steps", "1"]) == 0
+    first = Trainer(_tiny_config(text_corpus, **{"train.steps": "4"}), run, resume=run, out=lambda line: None)
+    before = _files(run)
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run), "--train.steps", "6"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"moefold: error: --run-dir {run} is in use by another training (process {os.getpid()} on "
+        f"{socket.gethostname()}); wait for it to end, or choose another --run-dir"]
+    assert _files(run) == before
+    first.fit()
+    assert main(["train", "--resume", str(run), "--train.steps", "6"]) == 0
+    assert latest_checkpoint(run).name == "step_00000006"
+
+
+@pytest.mark.parametrize("first_ends", [False, True], ids=["first-training", "first-trained"])
+def test_of_two_trainings_started_in_one_new_run_dir_the_second_to_write_is_refused(tmp_path, text_corpus,
+                                                                                    monkeypatch, first_ends):
+    """Both found the --run-dir empty at start-up, then both wrote into it (config.toml, metrics,
+    checkpoints). Another training starts there while this one loads its data: this one is refused
+    when it comes to write, whether the other is still training there or has finished."""
+    from moefold.errors import ConfigError
+    from moefold.train.trainer import Trainer
+
+    cfg, run = _tiny_config(text_corpus), tmp_path / "run"
+    others = []
+    build_data = Trainer._build_data
+
+    def another_training_starts_meanwhile(self):
+        build_data(self)
+        if self.cfg.train.seed == 0:  # this training, not the other
+            others.append(Trainer(_tiny_config(text_corpus, **{"train.seed": "1"}), run, out=lambda line: None))
+            if first_ends:
+                others[0].fit()
+
+    monkeypatch.setattr(Trainer, "_build_data", another_training_starts_meanwhile)
+    expected = (f"--run-dir {run} already holds a run; continue it with --resume {run}" if first_ends else
+                f"--run-dir {run} is in use by another training")
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        Trainer(cfg, run, out=lambda line: None)
+    if not first_ends:
+        others[0].fit()
+    assert 'seed = 1' in (run / "config.toml").read_text()
+    assert [step for step, _ in complete_checkpoints(run)] == [2]

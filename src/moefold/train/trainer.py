@@ -60,6 +60,7 @@ from moefold.train.compile import compile_blocks, compile_loss
 from moefold.train.flops import count_params, peak_tflops, train_flops_per_token
 from moefold.train.heatmap import append_window, write_load_heatmap
 from moefold.train.loss import build_objective, cross_entropy_loss
+from moefold.train.run_lock import RunDirLock, refuse_run_dir_in_use
 
 
 class TrainingInterrupted(Exception):
@@ -142,11 +143,18 @@ def run_dir_holds_run(run_dir: Path) -> bool:
 
 
 def refuse_run_dir(run_dir: Path, resumed: Path | None = None) -> None:
-    """--run-dir checked before any work: writable, and free of another run; where it is the run of
-    `resumed` (the checkpoint continued), free of checkpoints after it. A run continued from an
-    earlier checkpoint among later ones would mix two histories, and checkpoint.keep, which keeps
-    the highest steps, would delete its new checkpoints as it saved them."""
+    """--run-dir checked before any work: writable, not in use by another training, and free of
+    another run (`_refuse_mixed_runs`)."""
     refuse_unwritable_dir(run_dir)
+    refuse_run_dir_in_use(run_dir)
+    _refuse_mixed_runs(run_dir, resumed)
+
+
+def _refuse_mixed_runs(run_dir: Path, resumed: Path | None) -> None:
+    """A run directory holds one run: none yet, or the run of `resumed` (the checkpoint continued)
+    with no checkpoint after it. A run continued from an earlier checkpoint among later ones would
+    mix two histories, and checkpoint.keep, which keeps the highest steps, would delete its new
+    checkpoints as it saved them."""
     if resumed is not None and _same_dir(resumed.parent.parent, run_dir):
         later = [path.name for step, path in complete_checkpoints(run_dir) if step > checkpoint_step(resumed)]
         if later:
@@ -234,6 +242,7 @@ class Trainer:
                               "give more steps to continue it")
         refresh_weight_caches(self.model)  # precision.fp8_weight_cache: from the weights it starts with
         self.dist.barrier()  # every rank has checked the run dir before rank 0 writes into it
+        self._run_lock = RunDirLock(self.run_dir)
         if self.dist.is_main:
             self._prepare_run_dir()
 
@@ -322,9 +331,15 @@ class Trainer:
 
     def _prepare_run_dir(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.run_dir / "config.toml.tmp"
-        tmp.write_text(to_toml(_with_absolute_data_paths(self.cfg)))
-        os.replace(tmp, self.run_dir / "config.toml")
+        self._run_lock.acquire()  # held until fit() returns
+        try:
+            _refuse_mixed_runs(self.run_dir, self.resumed_from)  # again: a training may have started here since
+            tmp = self.run_dir / "config.toml.tmp"
+            tmp.write_text(to_toml(_with_absolute_data_paths(self.cfg)))
+            os.replace(tmp, self.run_dir / "config.toml")
+        except BaseException:
+            self._run_lock.release()
+            raise
 
     # ----------------------------------------------------------------------------- checkpoints
 
@@ -432,6 +447,12 @@ class Trainer:
 
     def fit(self) -> dict[str, Any]:
         """Train to cfg.train.steps; returns the last train and validation metrics."""
+        try:
+            return self._fit()
+        finally:
+            self._run_lock.release()  # the run directory is free for the next training (a resume)
+
+    def _fit(self) -> dict[str, Any]:
         t, log = self.cfg.train, self.cfg.logging
         if self.resumed_from is not None and self.step == t.steps:  # nothing to run, nothing re-saved
             self._announce()

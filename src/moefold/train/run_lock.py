@@ -1,0 +1,66 @@
+"""One training at a time in a run directory.
+
+Rank 0 holds an advisory lock (`flock`) on `<run_dir>/.lock` from the moment it writes into the run
+directory until `fit` returns. The kernel releases it when the process ends, however it ends (a
+kill included), so there is never a stale lock to clear by hand; the file itself names the holder
+for the error a second training gets.
+"""
+
+import errno
+import fcntl
+import os
+import socket
+from pathlib import Path
+
+from moefold.errors import ConfigError
+
+LOCK_FILE = ".lock"
+_HELD = (errno.EWOULDBLOCK, errno.EAGAIN)
+
+
+class RunDirLock:
+    def __init__(self, run_dir: Path):
+        self.run_dir = Path(run_dir)
+        self._file = None  # open while held; closing it (or the process ending) releases the lock
+
+    def acquire(self) -> None:
+        """Hold the lock, or raise ConfigError naming the training that holds it."""
+        f = open(self.run_dir / LOCK_FILE, "ab+")
+        if not _try_lock(f, self.run_dir):
+            return  # a filesystem without flock: unguarded, as before the lock
+        f.truncate(0)
+        f.write(f"{os.getpid()} {socket.gethostname()}\n".encode())
+        f.flush()
+        self._file = f
+
+    def release(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def refuse_run_dir_in_use(run_dir: Path) -> None:
+    """Refuse a run directory another training holds, before any work (tried and let go at once;
+    the lock itself is taken when the trainer first writes)."""
+    try:
+        f = open(Path(run_dir) / LOCK_FILE, "rb")
+    except OSError:  # no lock file, nobody ever locked here (or no such run directory yet)
+        return
+    with f:
+        _try_lock(f, run_dir)
+
+
+def _try_lock(f, run_dir: Path) -> bool:
+    """Lock `f` exclusively; False where the filesystem has no flock (Lustre mounted without it)."""
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError as e:
+        if e.errno not in _HELD:
+            f.close()
+            return False
+        holder = os.pread(f.fileno(), 256, 0).decode(errors="replace").split()
+        f.close()
+        by = f" (process {holder[0]} on {holder[1]})" if len(holder) == 2 else ""
+        raise ConfigError(f"--run-dir {run_dir} is in use by another training{by}; wait for it to end, "
+                          "or choose another --run-dir") from None

@@ -2,6 +2,7 @@
 checkpoints, metrics.jsonl and config.toml; signals land at chosen moments through hooks that send
 them from inside the process, not through timing."""
 
+import errno
 import json
 import os
 import re
@@ -104,7 +105,8 @@ def test_metrics_sinks_cut_only_an_incomplete_last_line(tmp_path):
 
 
 def _files(run: Path) -> dict[Path, bytes]:
-    return {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+    """Every file of a run but its .lock (who last trained in it)."""
+    return {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file() and p.name != ".lock"}
 
 
 def test_continuing_an_earlier_checkpoint_among_later_ones_or_into_another_run_is_refused(tmp_path, tiny_args,
@@ -196,3 +198,28 @@ def test_of_two_trainings_started_in_one_new_run_dir_the_second_to_write_is_refu
         others[0].fit()
     assert 'seed = 1' in (run / "config.toml").read_text()
     assert [step for step, _ in complete_checkpoints(run)] == [2]
+
+
+def test_a_full_disk_while_config_toml_is_rewritten_names_it_and_keeps_the_old_one(tmp_path, tiny_args, capsys,
+                                                                                  monkeypatch):
+    """A resume rewrites config.toml (its overrides): on a full disk the line names the file (a
+    write cut short carries no file name: 'writing an output') and the run is as it was, with no
+    partial config.toml.tmp left beside it."""
+    run = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run), *tiny_args, "--train.steps", "2", "--train.warmup_steps", "1"]) == 0
+    before = _files(run)
+    write_text = Path.write_text
+
+    def full_disk(self, data, *args, **kwargs):
+        if self.name != "config.toml.tmp":
+            return write_text(self, data, *args, **kwargs)
+        write_text(self, data[:100])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run), "--train.steps", "4"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"moefold: error: writing {run / 'config.toml'}: No space left on device; free space (or choose another "
+        "directory) and run again"]
+    assert _files(run) == before

@@ -134,6 +134,18 @@ def _with_absolute_data_paths(cfg: Config) -> Config:
         d, path=d.path and os.path.abspath(d.path), tokenizer=d.tokenizer and os.path.abspath(d.tokenizer)))
 
 
+def _write_config(path: Path, cfg: Config) -> None:
+    """config.toml replaced whole or left as it was; a full disk names it (a write cut short has
+    no file name of its own) and leaves no partial copy beside it."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(to_toml(cfg))
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise OSError(e.errno, e.strerror, str(path)) from None
+
+
 def _same_dir(a: Path, b: Path) -> bool:
     return a.is_dir() and b.is_dir() and os.path.samefile(a, b)
 
@@ -334,9 +346,7 @@ class Trainer:
         self._run_lock.acquire()  # held until fit() returns
         try:
             _refuse_mixed_runs(self.run_dir, self.resumed_from)  # again: a training may have started here since
-            tmp = self.run_dir / "config.toml.tmp"
-            tmp.write_text(to_toml(_with_absolute_data_paths(self.cfg)))
-            os.replace(tmp, self.run_dir / "config.toml")
+            _write_config(self.run_dir / "config.toml", _with_absolute_data_paths(self.cfg))
         except BaseException:
             self._run_lock.release()
             raise

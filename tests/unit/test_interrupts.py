@@ -223,3 +223,29 @@ def test_a_full_disk_while_config_toml_is_rewritten_names_it_and_keeps_the_old_o
         f"moefold: error: writing {run / 'config.toml'}: No space left on device; free space (or choose another "
         "directory) and run again"]
     assert _files(run) == before
+
+
+def test_a_signal_between_log_steps_logs_the_steps_since_the_last_one(tmp_path, tiny_args, monkeypatch):
+    """SIGTERM in step 6 of a run that logs every 4: the run stops with step 6 saved and a record
+    of steps 5–6, not with their metrics never written (the resumed run logs from step 7 on)."""
+    from moefold.train.trainer import Trainer
+
+    reference = tmp_path / "reference"
+    assert main(["train", "--run-dir", str(reference), *tiny_args]) == 0
+    losses = {r["step"]: r["loss"] for r in _records(reference) if "loss" in r}
+    train_step = Trainer.train_step
+
+    def signalled_in_step_6(self):
+        if self.step == 5:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return train_step(self)
+
+    monkeypatch.setattr(Trainer, "train_step", signalled_in_step_6)
+    run = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run), *tiny_args, "--logging.log_every", "4"]) == 128 + signal.SIGTERM
+    assert latest_checkpoint(run).name == "step_00000006"
+    assert main(["train", "--resume", str(run)]) == 0
+    logged = {r["step"]: r["loss"] for r in _records(run) if "loss" in r}
+    assert list(logged) == [4, 6, 8, 12]
+    for step, first in ((4, 1), (6, 5), (8, 7), (12, 9)):
+        assert logged[step] == pytest.approx(sum(losses[s] for s in range(first, step + 1)) / (step + 1 - first))

@@ -503,6 +503,8 @@ class Trainer:
                     with window.paused():
                         saved = self.save()
                 if self._stop_requested():
+                    if window.steps:  # the steps since the last log step, on record before the run stops
+                        last.update(self._log_window(window, lr, emit))
                     self._refuse_diverged(window)
                     signum = self._stop_signal or signal.SIGTERM  # another rank got the signal
                     # A signal during a due save stops with that checkpoint, not a second copy.

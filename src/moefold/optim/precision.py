@@ -32,6 +32,7 @@ foreach path's arithmetic; fp8 moments there too, except in pieces that split th
 (the foreach path completes those blocks' maxima over the ranks). Not here yet: stochastic rounding.
 """
 
+import math
 from collections.abc import Iterable
 
 import torch
@@ -61,8 +62,9 @@ MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": FP8}
 MASTER_MODES = ("fp32", "bf16", "bf16+remainder")
 MOMENTS = ("exp_avg", "exp_avg_sq")
 FOREACH_ELEMENTS = 2 ** 25
-"""Local elements updated by one foreach call: bounds its fp32 working copies (master, moments,
-gradient, denominator: about 20 bytes per element, 640 MiB) whatever the model's size."""
+"""Local elements updated by one foreach call (a piece's size counted alike on every rank,
+`_piece_elements`): bounds its fp32 working copies (master, moments, gradient, denominator: about
+20 bytes per element, 640 MiB) whatever the model's size."""
 
 
 def _like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
@@ -73,13 +75,23 @@ def _like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
                               stride=p.stride())
 
 
+def _piece_elements(p: torch.Tensor) -> int:
+    """Elements of a piece of `p`, the same number on every rank: its size over the pieces its
+    placements cut it into (rounded up), not the local size, which uneven shards make differ."""
+    if not isinstance(p, DTensor):
+        return p.numel()
+    pieces = math.prod(p.device_mesh.size(i) for i, pl in enumerate(p.placements) if not pl.is_replicate())
+    return -(-p.numel() // pieces)
+
+
 def _chunks(params: list[torch.Tensor], max_elements: int) -> list[list[torch.Tensor]]:
-    """Consecutive runs of parameters of at most `max_elements` local elements (a larger
-    parameter alone)."""
+    """Consecutive runs of parameters of at most `max_elements` elements a piece (a larger
+    parameter alone). Every rank cuts a group at the same parameters: a chunk's fp8 blocks that
+    split their last dimension complete their maxima in one collective over the ranks."""
     chunks: list[list[torch.Tensor]] = []
     size = max_elements
     for p in params:
-        n = local_tensor(p).numel()
+        n = _piece_elements(p)
         if size + n > max_elements:
             chunks.append([])
             size = 0

@@ -1,7 +1,11 @@
 """Learning-rate schedules: linear warm-up, then cosine, WSD (warmup-stable-decay) or constant.
 
-Each is a function step → multiplier of the peak lr, used through torch's LambdaLR. Its state is
-the step and the config: a resumed run rebuilds it at its step from the (possibly changed) config.
+Each is a function step → multiplier of the peak lr, used through torch's LambdaLR; steps count
+from 0 and the run's last step is `steps - 1`. Warm-up rises linearly to the peak at its last step
+(`warmup - 1`: 1/warmup at step 0); cosine and WSD's decay end at exactly `min_ratio` on the last
+step, so the final learning rate is train.min_lr_ratio · train.lr (as TorchTitan's schedules).
+The state is the step and the config: a resumed run rebuilds the schedule at its step from the
+(possibly changed) config, so a longer train.steps stretches what is left of the decay.
 """
 
 import math
@@ -17,23 +21,30 @@ def _warmup(step: int, warmup: int) -> float | None:
     return (step + 1) / warmup if step < warmup else None
 
 
+def _decay_progress(step: int, *, start: int, steps: int) -> float:
+    """0 at `start` (the last step at the peak) to 1 at the last step, `steps - 1`."""
+    return min(1.0, (step - start) / max(1, steps - 1 - start))
+
+
 def cosine(step: int, *, steps: int, warmup: int, min_ratio: float) -> float:
     w = _warmup(step, warmup)
     if w is not None:
         return w
-    progress = min(1.0, (step - warmup) / max(1, steps - warmup))
+    progress = _decay_progress(step, start=max(warmup - 1, 0), steps=steps)
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def wsd(step: int, *, steps: int, warmup: int, min_ratio: float, decay_fraction: float) -> float:
+    """Peak until the last round(decay_fraction · steps) steps (at least one, and none of them in
+    the warm-up), which decay linearly to `min_ratio` at the last step."""
     w = _warmup(step, warmup)
     if w is not None:
         return w
-    decay_start = steps - int(decay_fraction * steps)
-    if step < decay_start:
+    decay_steps = max(1, round(decay_fraction * steps))
+    start = max(steps - 1 - decay_steps, warmup - 1, 0)
+    if step <= start:
         return 1.0
-    progress = min(1.0, (step - decay_start) / max(1, steps - decay_start))
-    return 1.0 - (1 - min_ratio) * progress
+    return 1.0 - (1 - min_ratio) * _decay_progress(step, start=start, steps=steps)
 
 
 def constant(step: int, *, steps: int, warmup: int, min_ratio: float) -> float:

@@ -6,6 +6,7 @@ import errno
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -249,3 +250,32 @@ def test_a_signal_between_log_steps_logs_the_steps_since_the_last_one(tmp_path, 
     assert list(logged) == [4, 6, 8, 12]
     for step, first in ((4, 1), (6, 5), (8, 7), (12, 9)):
         assert logged[step] == pytest.approx(sum(losses[s] for s in range(first, step + 1)) / (step + 1 - first))
+
+
+@pytest.mark.parametrize("name, kind", [("metrics.jsonl", "directory"), (".lock", "directory"),
+                                        ("checkpoints", "file")])
+def test_an_entry_of_the_run_dir_of_the_wrong_kind_is_refused_in_one_line(tmp_path, tiny_args, capsys, name, kind):
+    """A directory where the run writes a file (or the reverse) failed with a traceback once training
+    had started, or, for checkpoints in a new run, was taken for a run without a checkpoint (a
+    resume says it finds no checkpoint there)."""
+    run = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run), *tiny_args, "--train.steps", "2", "--train.warmup_steps", "1"]) == 0
+    fresh = tmp_path / "fresh"
+    runs = [(fresh, ["--run-dir", str(fresh), *tiny_args])]
+    if name != "checkpoints":
+        runs.append((run, ["--resume", str(run), "--train.steps", "4"]))
+    for run_dir, argv in runs:
+        path = run_dir / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        path.unlink(missing_ok=True)
+        path.parent.mkdir(exist_ok=True)
+        path.mkdir() if kind == "directory" else path.write_text("")
+        before = _files(run_dir)
+        capsys.readouterr()
+        assert main(["train", *argv]) == 2
+        expected = "file" if kind == "directory" else "directory"
+        assert capsys.readouterr().err.splitlines() == [
+            f"moefold: error: --run-dir {run_dir}: {name} is a {kind}, where the run keeps its {name} {expected}; "
+            "move it away, or choose another --run-dir"]
+        assert _files(run_dir) == before

@@ -154,11 +154,23 @@ def run_dir_holds_run(run_dir: Path) -> bool:
     return (run_dir / "config.toml").exists() or (run_dir / "checkpoints").exists()
 
 
+_RUN_DIR_ENTRIES = {"config.toml": "file", "metrics.jsonl": "file", ".lock": "file", "checkpoints": "directory",
+                    "tb": "directory"}
+"""What the trainer writes in a run directory, and of which kind."""
+
+
 def refuse_run_dir(run_dir: Path, resumed: Path | None = None) -> None:
-    """--run-dir checked before any work: writable, not in use by another training, and free of
-    another run (`_refuse_mixed_runs`)."""
+    """--run-dir checked before any work: writable, not in use by another training, its entries of
+    the kinds the run writes (a directory named metrics.jsonl failed mid-start with a traceback),
+    and free of another run (`_refuse_mixed_runs`)."""
     refuse_unwritable_dir(run_dir)
     refuse_run_dir_in_use(run_dir)
+    for name, kind in _RUN_DIR_ENTRIES.items():
+        path = run_dir / name
+        if path.exists() and path.is_dir() != (kind == "directory"):
+            found = "directory" if path.is_dir() else "file"
+            raise ConfigError(f"--run-dir {run_dir}: {name} is a {found}, where the run keeps its {name} {kind}; "
+                              "move it away, or choose another --run-dir")
     _refuse_mixed_runs(run_dir, resumed)
 
 

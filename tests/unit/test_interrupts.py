@@ -279,3 +279,46 @@ def test_an_entry_of_the_run_dir_of_the_wrong_kind_is_refused_in_one_line(tmp_pa
             f"moefold: error: --run-dir {run_dir}: {name} is a {kind}, where the run keeps its {name} {expected}; "
             "move it away, or choose another --run-dir"]
         assert _files(run_dir) == before
+
+
+_KILLED_WHILE_ROTATING = """
+import os, shutil, signal, sys
+from pathlib import Path
+import moefold.checkpoint.dcp as ckpt
+rmtree = shutil.rmtree
+def killed_halfway(path, *args, **kwargs):
+    shards = list(Path(path).glob("*.distcp")) if Path(path).is_dir() else []
+    if shards and (Path(path) / ".metadata").is_file():  # a checkpoint being removed
+        for shard in shards:
+            shard.unlink()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return rmtree(path, *args, **kwargs)
+ckpt.shutil.rmtree = killed_halfway
+from moefold.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_removal_of_an_old_checkpoint_killed_halfway_leaves_no_complete_looking_one(tmp_path, tiny_args):
+    """checkpoint.keep removes the oldest after a save; killed with its shards gone and .metadata
+    still there, it was listed as a complete checkpoint that cannot be read."""
+    run = tmp_path / "run"
+    killed = subprocess.run([sys.executable, "-c", _KILLED_WHILE_ROTATING, "train", "--run-dir", str(run), *tiny_args,
+                             "--train.steps", "6", "--checkpoint.every", "2", "--checkpoint.keep", "2"],
+                            capture_output=True, text=True, timeout=120)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert [step for step, _ in complete_checkpoints(run)] == [4, 6]
+    assert main(["train", "--resume", str(run), "--train.steps", "8"]) == 0
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000006", "step_00000008"]
+
+
+def test_the_next_save_removes_what_saves_and_removals_cut_short_left_at_any_step(tmp_path, tiny_args):
+    """SIGKILL in a save at step 517 (a scheduler's grace period over), resumed from step 500:
+    the partial step_517.tmp, a whole checkpoint's size, was removed only by a save of step 517."""
+    run = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run), *tiny_args, "--train.steps", "4", "--checkpoint.every", "2"]) == 0
+    (run / "checkpoints" / "step_00000003.tmp").mkdir()
+    (run / "checkpoints" / "step_00000003.tmp" / "__0_0.distcp").write_bytes(b"partial")
+    (run / "checkpoints" / "step_00000001.old").mkdir()
+    assert main(["train", "--resume", str(run), "--train.steps", "6"]) == 0
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000004", "step_00000006"]

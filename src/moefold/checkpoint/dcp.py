@@ -4,7 +4,9 @@ A checkpoint is a DCP directory `<run_dir>/checkpoints/step_<N>` holding the sta
 steps: model, optimizer, data position, step and RNG (the lr schedule is the config's at that step;
 checkpoints of earlier versions also hold the scheduler's state). It is written under a `.tmp` name
 and renamed when complete, so a save killed half-way never replaces or damages the last good one;
-incomplete `.tmp` directories are ignored and cleaned up by the next save.
+a checkpoint rotated out is renamed `.old` before it is deleted, so a removal killed half-way never
+leaves a complete-looking one with shards missing. Leftover `.tmp` and `.old` directories, of any
+step, are ignored and removed by the next save.
 """
 
 import contextlib
@@ -26,6 +28,7 @@ from moefold.parallel.local import local_tensor
 
 CHECKPOINTS = "checkpoints"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_LEFTOVER = re.compile(r"^step_\d+\.(tmp|old)$")  # of a save or a removal cut short
 _METADATA = ".metadata"  # written by DCP's FileSystemWriter last, once every shard is on disk
 
 
@@ -89,7 +92,7 @@ def save_checkpoint(state: dict[str, Any], run_dir: Path, step: int, keep: int) 
     tmp = final.with_name(final.name + ".tmp")
     coordinator = not dist.is_initialized() or dist.get_rank() == 0
     if coordinator:
-        shutil.rmtree(tmp, ignore_errors=True)  # leftover of an interrupted save
+        _remove_leftovers(final.parent)  # a save killed at another step is resumed from the one before
     _barrier()
     try:
         with _single_process_ok():
@@ -103,9 +106,23 @@ def save_checkpoint(state: dict[str, Any], run_dir: Path, step: int, keep: int) 
     if coordinator:
         _replace_dir(tmp, final)
         for _, old in complete_checkpoints(run_dir)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            doomed = old.with_name(old.name + ".old")
+            shutil.rmtree(doomed, ignore_errors=True)
+            os.replace(old, doomed)  # no longer complete before any of it is deleted
+            shutil.rmtree(doomed, ignore_errors=True)
     _barrier()  # nobody reads or writes checkpoints before the rename
     return final
+
+
+def _remove_leftovers(root: Path) -> None:
+    if not root.is_dir():
+        return
+    for path in root.iterdir():
+        if _LEFTOVER.match(path.name):
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
 
 
 def _save_failure(final: Path, state: dict[str, Any], error: BaseException) -> str:

@@ -157,7 +157,8 @@ class GradNormClipper:
         grads = [g for g, _ in pairs]
         if not grads:
             return torch.zeros(())
-        norms = torch.stack(torch._foreach_norm(grads, 2.0)).float()
+        # fp32 norms of bf16 gradients: rounded to bf16, each piece would be off by up to 2^-9
+        norms = torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32))
         weights = torch.tensor([w for _, w in pairs], device=norms.device)
         total_sq = (norms.square() * weights).sum()
         if self.group is not None:

@@ -20,12 +20,14 @@ def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 class KeepsBufferDtypes(nn.Module):
     """A module whose own buffers keep their dtypes when the model is cast (model.to(torch.bfloat16)):
     in bf16 a sum of ones stops growing past 256 and an update of 1e-3 vanishes past 0.5, so the
-    MoE layers' fp32 statistics and the router's expert bias stay fp32. Moves between devices
-    still apply."""
+    MoE layers' fp32 statistics and the router's expert bias stay fp32, with their values (not
+    cast back from bf16's). Moves between devices still apply."""
 
     def _apply(self, fn, recurse=True):
-        dtypes = {name: buf.dtype for name, buf in self._buffers.items() if buf is not None}
-        super()._apply(fn, recurse)
-        for name, dtype in dtypes.items():
-            self._buffers[name] = self._buffers[name].to(dtype)
+        buffers = {name: buf for name, buf in self._buffers.items() if buf is not None}
+        super()._apply(fn, recurse)  # replaces each buffer by fn(buffer), leaving the old one whole
+        for name, buf in buffers.items():
+            new = self._buffers[name]
+            if new.dtype != buf.dtype:  # the old values, where fn put the cast ones
+                self._buffers[name] = buf.to(new.device)
         return self

@@ -60,7 +60,7 @@ from moefold.train.compile import compile_blocks, compile_loss
 from moefold.train.flops import count_params, peak_tflops, train_flops_per_token
 from moefold.train.heatmap import append_window, write_load_heatmap
 from moefold.train.loss import build_objective, cross_entropy_loss
-from moefold.train.run_lock import RunDirLock, refuse_run_dir_in_use
+from moefold.train.run_lock import LOCK_FILE, RunDirLock, refuse_run_dir_in_use
 
 
 class TrainingInterrupted(Exception):
@@ -154,7 +154,7 @@ def run_dir_holds_run(run_dir: Path) -> bool:
     return (run_dir / "config.toml").exists() or (run_dir / "checkpoints").exists()
 
 
-_RUN_DIR_ENTRIES = {"config.toml": "file", "metrics.jsonl": "file", ".lock": "file", "checkpoints": "directory",
+_RUN_DIR_ENTRIES = {"config.toml": "file", "metrics.jsonl": "file", LOCK_FILE: "file", "checkpoints": "directory",
                     "tb": "directory"}
 """What the trainer writes in a run directory, and of which kind."""
 

@@ -35,6 +35,19 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 GRAD_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
+class AdamW(torch.optim.AdamW):
+    """torch's AdamW whose kernel stays this process's choice when a state dict loads: torch's
+    load_state_dict puts back the saver's `fused` and `foreach` with its hyperparameters, so a GPU
+    run resumed from a CPU run's checkpoint stepped with foreach, which refuses the clip coefficient
+    handed to the fused kernel (`ClipInFusedAdamW`: an AssertionError at the first step)."""
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        chosen = [{key: group[key] for key in ("fused", "foreach")} for group in self.param_groups]
+        super().load_state_dict(state_dict)
+        for group, keys in zip(self.param_groups, chosen, strict=True):
+            group.update(keys)
+
+
 def round_gradients(dtype: torch.dtype):
     """An optimizer step pre-hook that rounds every gradient to `dtype` in place (it keeps its
     storage dtype, which autograd ties to the parameter's): the step sees `dtype` gradients
@@ -68,8 +81,8 @@ def _build(model: nn.Module, t: TrainConfig, device: torch.device, o: OptimConfi
                                    exp_avg_sq_dtype=o.exp_avg_sq_dtype, master=o.master_dtype, fused=fused)
     # fused on GPU (one kernel for all parameters); foreach on CPU, where fused gives no gain.
     fused = device.type == "cuda"
-    return torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
-                             eps=t.eps, fused=fused, foreach=None if fused else True)
+    return AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
+                 fused=fused, foreach=None if fused else True)
 
 
 class ClipInFusedAdamW:
@@ -105,7 +118,7 @@ def clip_scaling(optimizer: torch.optim.Optimizer, o: OptimConfig):
     a pre-hook rounds the fp32 gradients unclipped). PrecisionAwareAdamW's Triton kernel always: it
     multiplies the (possibly bf16) gradients in fp32, one rounding fewer than in place."""
     fused = optimizer.defaults.get("fused")
-    if fused and type(optimizer) is torch.optim.AdamW and o.grad_dtype == "fp32":
+    if fused and isinstance(optimizer, torch.optim.AdamW) and o.grad_dtype == "fp32":
         return ClipInFusedAdamW(optimizer)
     if fused and isinstance(optimizer, PrecisionAwareAdamW):
         return ClipInFusedPrecisionAdamW(optimizer)

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import TINY_OVERRIDES, run_cli, run_cli_interrupted
 from moefold.checkpoint.dcp import complete_checkpoints, latest_checkpoint
@@ -387,3 +388,30 @@ def test_global_batch_size_sets_the_micro_batches_per_step(tmp_path, tiny_args, 
     capsys.readouterr()
     assert main(["train", "--run-dir", str(tmp_path / "bad"), *tiny_args, "--train.global_batch_size", "6"]) == 2
     assert "train.global_batch_size=6 is not divisible by train.micro_batch_size · dp = 4 · 1" in capsys.readouterr().err
+
+
+def test_validation_weights_each_batch_by_its_real_labels(tmp_path, text_corpus):
+    """Labels of -100 count in neither the loss nor its weight: the validation loss is the mean over
+    every real label of all batches (an independent sum of per-token losses), not each batch's mean
+    weighted by its size."""
+    import dataclasses
+
+    import torch.nn.functional as F
+
+    from moefold.config import load_config
+    from moefold.train.trainer import Trainer
+
+    cfg = load_config(None, {**TINY_OVERRIDES, "data.path": str(text_corpus), "train.steps": "1",
+                             "train.warmup_steps": "0", "train.val_batches": "2"})
+    trainer = Trainer(cfg, tmp_path / "run", out=lambda line: None)
+    first, second = trainer.val_batches[:2]
+    labels_BS = second.labels_BS.clone()
+    labels_BS[:, labels_BS.shape[1] // 4:] = -100  # three quarters of the second batch ignored
+    trainer.val_batches = [first, dataclasses.replace(second, labels_BS=labels_BS)]
+    with torch.no_grad():
+        trainer.model.eval()
+        per_token = [F.cross_entropy(trainer.model(b.input_ids_BS).flatten(0, 1).double(),
+                                     b.labels_BS.flatten(), reduction="none", ignore_index=-100)
+                     for b in trainer.val_batches]
+        expected = torch.cat(per_token).sum() / sum((b.labels_BS != -100).sum() for b in trainer.val_batches)
+    assert trainer.validate() == pytest.approx(expected.item(), rel=1e-5)

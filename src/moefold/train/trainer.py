@@ -59,6 +59,7 @@ from moefold.train import metrics
 from moefold.train.compile import compile_blocks, compile_loss
 from moefold.train.flops import count_params, peak_tflops, train_flops_per_token
 from moefold.train.heatmap import append_window, write_load_heatmap
+from moefold.train.chunked_loss import IGNORE_INDEX
 from moefold.train.loss import build_objective, cross_entropy_loss
 from moefold.train.run_lock import LOCK_FILE, RunDirLock, refuse_run_dir_in_use
 
@@ -459,8 +460,9 @@ class Trainer:
             input_ids_BS, labels_BS = self._to_device(batch)  # this data rank's rows
             with self.autocast():
                 logits_BSV = self.model(input_ids_BS)
-            sums[0] += cross_entropy_loss(logits_BSV, labels_BS).double() * labels_BS.numel()
-            sums[1] += labels_BS.numel()
+            targets = (labels_BS != IGNORE_INDEX).sum()  # what the mean loss divides by
+            sums[0] += cross_entropy_loss(logits_BSV, labels_BS).double() * targets
+            sums[1] += targets
         self.model.train()
         total, tokens = self.dist.sum_over_data(sums).tolist()  # HOST SYNC: once per validation
         return total / tokens

@@ -130,7 +130,7 @@ def _add_bench_parser(commands) -> None:
 
 
 def _add_plan_parser(commands) -> None:
-    from moefold.plan.memory import DEVICES_GB  # torch-free at import
+    from moefold.plan.devices import DEVICES_GB  # torch-free at import
 
     plan = commands.add_parser("plan", help="predict resources of a training job")
     plan_commands = plan.add_subparsers(dest="plan_command", required=True)
@@ -357,7 +357,8 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     from moefold.parallel.dims import ParallelDims
-    from moefold.plan.memory import DEVICES_GB, predict_memory
+    from moefold.plan.devices import DEVICES_GB
+    from moefold.plan.memory import predict_memory
     from moefold.plan.report import format_plan
 
     cfg = load_config(args.config, _overrides(args))

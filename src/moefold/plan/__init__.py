@@ -5,6 +5,15 @@
 small configs.
 """
 
-from moefold.plan.memory import DEVICES_GB, MemoryPlan, predict_memory
+from moefold.plan.devices import DEVICES_GB
 
 __all__ = ["DEVICES_GB", "MemoryPlan", "predict_memory"]
+
+
+def __getattr__(name: str):
+    """plan.memory (which imports torch) on first use: the command line's parser imports
+    plan.devices through this package and must stay torch-free."""
+    if name in ("MemoryPlan", "predict_memory"):
+        from moefold.plan import memory
+        return getattr(memory, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -63,8 +63,6 @@ from moefold.plan.pipeline import (
 )
 
 GIB = 1024 ** 3
-DEVICES_GB = {"h100": 80, "h200": 141, "b200": 180, "gb200": 186}
-"""Memory per GPU as marketed, in GB (10^9 bytes)."""
 MOMENT_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp8": 1.0 + 4.0 / 128}
 MASTER_BYTES = {"fp32": 4, "bf16": 2, "bf16+remainder": 2}
 

@@ -130,6 +130,7 @@ def test_sigterm_saves_then_resume_matches_uninterrupted(tmp_path, tiny_args):
     result = run_cli_interrupted(["train", "--run-dir", str(run), *args], run)
     assert result.returncode == 128 + signal.SIGTERM, result.stderr
     assert "interrupted by SIGTERM" in result.stderr and "Traceback" not in result.stderr
+    assert "moefold: SIGTERM received; stopping after this step with a checkpoint" in result.stderr
     stopped_at = complete_checkpoints(run)[-1][0]
     assert 3 <= stopped_at < 400
 

@@ -653,6 +653,13 @@ class Trainer:
 
     def _install_signal_handlers(self) -> dict[int, Any]:
         def request_stop(signum, _frame):
+            if self._stop_signal is None and self.dist.is_main:
+                when = ("after this step" if self.dist.layout is None else
+                        f"at the next log step (every {self.cfg.logging.log_every})")
+                # os.write, not print: a handler printing while the loop prints is a reentrant call.
+                os.write(2, f"moefold: {signal.Signals(signum).name} received; stopping {when} with "
+                            "a checkpoint (SIGKILL stops at once, losing the steps since the last "
+                            "one)\n".encode())
             self._stop_signal = signum  # acted on after the current step, with a checkpoint
         previous = {}
         for signum in (signal.SIGINT, signal.SIGTERM):

@@ -1,6 +1,7 @@
 """ZeRO-1 (`parallel.data_parallel = ddp`): tiny Qwen3-MoE and DeepSeek-V3 trained for 10 steps on
-gloo ranks match the single-process run — losses and gradient norms to 1e-4 relative, or to half a
-bf16 ulp with bf16 parameters (test_precision_states.py says why) — while each rank keeps optimizer
+gloo ranks match the single-process run — losses and gradient norms to 1e-4 relative, or with bf16
+parameters the first step's norm to 2^-9 and the losses to 2^-7 (test_precision_states.py says
+why) — while each rank keeps optimizer
 states for its 1/dp (dense) or 1/edp (experts) share only, and a checkpoint saved on 4 ranks
 resumes in one process, on 2 ddp ranks and under FSDP, every state in its own dtype.
 
@@ -27,7 +28,9 @@ from moefold.train.trainer import Trainer
 LEAN = {"exp_avg_dtype": "bf16", "exp_avg_sq_dtype": "fp8", "master_dtype": "bf16+remainder"}
 FP8_MOMENT = {"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "bf16", "master_dtype": "fp32"}
 VARIANTS = {"fp32": {}, "lean": LEAN, "fp8-bf16": FP8_MOMENT}
-LOSS_RTOL = {"fp32": 1e-4, "lean": 2.0 ** -9, "fp8-bf16": 1e-4}
+LOSS_RTOL = {"fp32": 1e-4, "lean": 2.0 ** -7, "fp8-bf16": 1e-4}
+NORM_RTOL = {"fp32": 1e-4, "lean": 2.0 ** -9, "fp8-bf16": 1e-4}
+"""The first step's gradient norm with bf16 parameters: one backward's roundings, not 10 steps'."""
 NORM_STEPS = {"fp32": STEPS, "lean": 1, "fp8-bf16": STEPS}
 """Steps whose gradient norms are compared. With bf16 parameters only the first: from the second
 step on the two runs' bf16 parameters differ by roundings, which the norm (dominated by a few large
@@ -181,9 +184,10 @@ def _check_losses(result: dict, ref: dict, variant: str, note: str, first: int =
     """Losses and gradient norms (those of the first NORM_STEPS steps) of steps `first`... against
     the reference's."""
     n = max(0, NORM_STEPS[variant] - first)
-    for key, got, want in (("losses", result["losses"], ref["losses"][first:]),
-                           ("grad_norms", result["grad_norms"][:n], ref["grad_norms"][first:first + n])):
-        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=LOSS_RTOL[variant],
+    for key, got, want, rtol in (("losses", result["losses"], ref["losses"][first:], LOSS_RTOL),
+                                 ("grad_norms", result["grad_norms"][:n], ref["grad_norms"][first:first + n],
+                                  NORM_RTOL)):
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=rtol[variant],
                                    atol=0, msg=lambda m, k=key: f"{note} {k}: {m}")
 
 

@@ -33,6 +33,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from moefold.memory.sites import targets
+from moefold.parallel.local import memory_holder
 
 
 def apply_offload(model: torch.nn.Module, names: Sequence[str], min_bytes: int,
@@ -60,7 +61,7 @@ class ActivationOffload:
         return run
 
     def pack(self, t: torch.Tensor):
-        local = t._local_tensor if isinstance(t, DTensor) else t  # what holds the memory
+        local = memory_holder(t)
         if not self._offloadable(t, local):
             return t
         self.offloaded_bytes += local.numel() * local.element_size()

@@ -31,7 +31,7 @@ from torch.utils.checkpoint import checkpoint, get_device_states, set_device_sta
 from moefold.memory.moe_tape import moe_recompute_contexts
 from moefold.memory.sites import Site, targets
 from moefold.moe.layer import MoELayer
-from moefold.parallel.local import local_tensor
+from moefold.parallel.local import memory_holder
 
 
 def apply_recompute(model: torch.nn.Module, names: Sequence[str]) -> None:
@@ -173,7 +173,6 @@ class _Run:
 
 
 def _storage(t: torch.Tensor) -> torch.UntypedStorage:
-    """The memory `t` holds on this rank: a DTensor (a sequence-parallel norm's input and output)
-    is a wrapper without storage of its own; its local shard has it. Detached first, so that
-    reading it adds no node to the graph."""
-    return local_tensor(t.detach()).untyped_storage()
+    """The memory `t` holds on this rank (a sequence-parallel norm's input and output are
+    DTensors)."""
+    return memory_holder(t).untyped_storage()

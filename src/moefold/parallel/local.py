@@ -12,6 +12,13 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def memory_holder(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor whose storage holds `t`'s memory on this rank: a DTensor's local shard (a
+    DTensor is a wrapper without storage of its own), read without adding an autograd node, as
+    saved-tensor hooks and storage bookkeeping need."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
 def held_indices(p: torch.Tensor) -> list[torch.Tensor | None]:
     """Per dimension of `p`'s whole value, the indices this rank's piece holds, in the piece's
     order (`piece == whole[ix_(*held)]`); None where the piece holds the whole dimension. What a

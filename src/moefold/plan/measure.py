@@ -20,12 +20,12 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from moefold.config import Config
 from moefold.data.tokenizer import model_vocab_size
 from moefold.parallel.dims import ParallelLayout
+from moefold.parallel.local import memory_holder
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -92,9 +92,7 @@ def _scope(name: str) -> str:
 
 def _storage_key(t: torch.Tensor) -> int:
     """The storage a tensor holds on this rank: a DTensor's is its local shard's."""
-    if isinstance(t, DTensor):
-        t = t._local_tensor
-    return t.untyped_storage()._cdata
+    return memory_holder(t).untyped_storage()._cdata
 
 
 @dataclass
@@ -303,8 +301,7 @@ def measure_saved_activations(cfg: Config, dtype: str = "bf16", vocab_size: int 
             entry = saved.get(key)
             if entry is None or not entry.alive():  # a dead entry's address was reused
                 scope, category = stack.where()
-                local = t._local_tensor if isinstance(t, DTensor) else t
-                entry = saved[key] = _Saved(local.untyped_storage(), scope,
+                entry = saved[key] = _Saved(memory_holder(t).untyped_storage(), scope,
                                             "weight_copies" if key in param_casts.casts else category)
             entry.refs.append(weakref.ref(t))
             return t

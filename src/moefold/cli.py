@@ -399,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_command(argv: list[str]) -> int:
-    parser = _build_parser()  # imports torch (the plan and bench commands' defaults)
+    parser = _build_parser()  # torch-free (tests/unit/test_cli_startup.py): the commands import it
     try:
         args, unknown = parser.parse_known_args(argv)
     except SystemExit as e:  # --help, --version, or a usage error that _Parser said in one line

@@ -56,10 +56,10 @@ from moefold.parallel.data import DataParallel, GradNormClipper
 from moefold.parallel.launch import TRAIN_LAUNCH, join
 from moefold.plan.fit import rank_capacity, refuse_model_beyond_memory
 from moefold.train import metrics
+from moefold.train.chunked_loss import IGNORE_INDEX
 from moefold.train.compile import compile_blocks, compile_loss
 from moefold.train.flops import count_params, peak_tflops, train_flops_per_token
 from moefold.train.heatmap import append_window, write_load_heatmap
-from moefold.train.chunked_loss import IGNORE_INDEX
 from moefold.train.loss import build_objective, cross_entropy_loss
 from moefold.train.run_lock import LOCK_FILE, RunDirLock, refuse_run_dir_in_use
 

@@ -61,6 +61,13 @@ def run_cli(args: list[str], timeout: float = 300, launcher: list[str] | None = 
 
 
 
+def assert_runs_in_a_fresh_process(script: str) -> None:
+    """`python -c SCRIPT` exits 0: for what only a new interpreter shows (modules not yet imported,
+    per-process caches not yet filled)."""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
 def run_cli_interrupted(args: list[str], run_dir: Path, signum: int = signal.SIGTERM) -> subprocess.CompletedProcess:
     """`python -m moefold ARGS` sent `signum` once the run's metrics.jsonl holds three records."""
     proc = subprocess.Popen([sys.executable, "-m", "moefold", *args], stdout=subprocess.PIPE,

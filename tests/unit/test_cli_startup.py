@@ -1,8 +1,7 @@
 """The command line answers --help, and parses, without importing torch (seconds on a cold start):
 each command's parser reads only torch-free modules; the commands import what they run."""
 
-import subprocess
-import sys
+from conftest import assert_runs_in_a_fresh_process
 
 
 def test_building_the_parser_imports_no_torch():
@@ -11,5 +10,4 @@ def test_building_the_parser_imports_no_torch():
               "_build_parser().parse_args(['plan', 'memory', '--device', 'h100'])\n"
               "loaded = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
               "assert not loaded, loaded[:5]\n")
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr[-2000:]
+    assert_runs_in_a_fresh_process(script)

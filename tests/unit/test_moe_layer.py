@@ -6,6 +6,7 @@ import dataclasses
 import pytest
 import torch
 
+from conftest import assert_runs_in_a_fresh_process
 from moe_reference import BACKENDS, build, random_config, reference_layer
 from moefold.config import MoEConfig
 from moefold.errors import ConfigError, UserError
@@ -278,9 +279,6 @@ def test_building_a_layer_draws_nothing_from_the_global_generator():
     """The first build probes torch._grouped_mm (cached per process): with random operands it drew
     from the generator a user seeded, so the first model built after torch.manual_seed got other
     weights than the next. In a fresh process, where the probe has not run yet."""
-    import subprocess
-    import sys
-
     script = ("import torch\n"
               "from moefold.config import MoEConfig\n"
               "from moefold.moe.layer import build_moe_layer\n"
@@ -289,5 +287,4 @@ def test_building_a_layer_draws_nothing_from_the_global_generator():
               "drawn = torch.rand(4)\n"
               "torch.manual_seed(0)\n"
               "assert torch.equal(drawn, torch.rand(4)), 'the build drew from the global generator'\n")
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr[-2000:]
+    assert_runs_in_a_fresh_process(script)

@@ -181,7 +181,7 @@ def _offloaded(cfg: Config, name: str, layer_id: int, sh: Shapes, full: Bytes,
     from moefold.models.transformer import is_moe_layer
 
     sh = act.block_shapes(cfg, layer_id, sh)
-    T, D, a = sh.tokens, cfg.model.dim, sh.act_bytes
+    D, a = cfg.model.dim, sh.act_bytes
     moe_layer = is_moe_layer(cfg, layer_id)
     rows = act.expert_rows(cfg, sh) if moe_layer else 0
     pre_norms = [(sh.residual_tokens, D)] * 2

@@ -1,6 +1,7 @@
 """End-to-end training runs on a tiny model: metrics, exact resume, signals, atomic checkpoints."""
 
 import json
+import math
 import signal
 import subprocess
 import sys
@@ -416,3 +417,23 @@ def test_validation_weights_each_batch_by_its_real_labels(tmp_path, text_corpus)
                      for b in trainer.val_batches]
         expected = torch.cat(per_token).sum() / sum((b.labels_BS != -100).sum() for b in trainer.val_batches)
     assert trainer.validate() == pytest.approx(expected.item(), rel=1e-5)
+
+
+def test_a_validation_batch_with_every_label_ignored_adds_nothing(tmp_path, text_corpus):
+    """Its mean loss is nan (a mean over no tokens), and nan · 0 tokens made the whole validation
+    loss nan: it is the loss of the other batches, as if it were not there."""
+    import dataclasses
+
+    from moefold.config import load_config
+    from moefold.train.trainer import Trainer
+
+    cfg = load_config(None, {**TINY_OVERRIDES, "data.path": str(text_corpus), "train.steps": "1",
+                             "train.warmup_steps": "0", "train.val_batches": "2"})
+    trainer = Trainer(cfg, tmp_path / "run", out=lambda line: None)
+    first, second = trainer.val_batches[:2]
+    trainer.val_batches = [first]
+    without = trainer.validate()
+    ignored = dataclasses.replace(second, labels_BS=torch.full_like(second.labels_BS, -100))
+    trainer.val_batches = [first, ignored]
+    assert math.isfinite(without)
+    assert trainer.validate() == without

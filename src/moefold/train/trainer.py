@@ -47,6 +47,7 @@ from moefold.data.tokenizer import build_tokenizer
 from moefold.errors import CheckpointError, ConfigError, TrainingDiverged, refuse_unwritable_dir
 from moefold.fp8.apply import apply_fp8
 from moefold.fp8.weight_cache import refresh_weight_caches
+from moefold.models.mtp import loss_or_zero
 from moefold.models.transformer import Transformer, build_model, materialize
 from moefold.moe.stats import AUX_SUM, ENTROPY_SUM, ENTROPY_TOKENS, summarize
 from moefold.optim.adamw import GRAD_DTYPES, build_optimizer, clip_scaling
@@ -461,7 +462,9 @@ class Trainer:
             with self.autocast():
                 logits_BSV = self.model(input_ids_BS)
             targets = (labels_BS != IGNORE_INDEX).sum()  # what the mean loss divides by
-            sums[0] += cross_entropy_loss(logits_BSV, labels_BS).double() * targets
+            # No targets: the mean is nan, and nan · 0 would poison the sum.
+            loss = loss_or_zero(cross_entropy_loss(logits_BSV, labels_BS), labels_BS)
+            sums[0] += loss.double() * targets
             sums[1] += targets
         self.model.train()
         total, tokens = self.dist.sum_over_data(sums).tolist()  # HOST SYNC: once per validation

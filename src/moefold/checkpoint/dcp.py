@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from moefold.errors import CheckpointError
+from moefold.files import fsync
 from moefold.parallel.local import local_tensor
 
 CHECKPOINTS = "checkpoints"
@@ -165,15 +166,7 @@ def _replace_dir(src: Path, dst: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(src, dst)
-    _fsync_dir(dst.parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync(dst.parent)
 
 
 def load_checkpoint(state: dict[str, Any], path: Path) -> None:

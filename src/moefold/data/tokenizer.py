@@ -28,6 +28,11 @@ EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end
 PIECE_CHARS = 1 << 18
 PIECES_PER_CALL = 4
 SEAM_CHARS = 256
+# Text encoded before each later piece and its ids dropped, in the order tried: none, then the
+# newline before the cut (every cut follows one). A SentencePiece-style tokenizer prepends "▁" to
+# each call's text (its dummy prefix, from a Metaspace pre-tokenizer or a Prepend normalizer):
+# alone, a piece's first word would take it; after the newline, the "▁" goes on the dropped ids.
+LEADS = ("", "\n")
 
 
 @runtime_checkable
@@ -96,27 +101,36 @@ class HFTokenizer:
     def _encode_long(self, text: str) -> np.ndarray:
         """A long text (a whole .txt file) encoded in line-aligned pieces, a few at a time: in one
         call the Rust tokenizer holds ~150 bytes per character (20 MB of text took 3.4 GB) and
-        runs on one core. Only cuts where this tokenizer splits anyway are taken, so the ids are
-        those of one call; a tokenizer that marks piece starts (SentencePiece's "▁" prefix) gets
-        one call."""
+        runs on one core. Only cuts where this tokenizer splits anyway are taken, each piece
+        after the first led by the first of `LEADS` that gives one call's ids at every cut; where
+        none does, one call."""
         cuts = _line_cuts(text, PIECE_CHARS)
-        if not all(self._splits_at(text, cut) for cut in cuts):
-            cuts = []
-        bounds = [0, *cuts, len(text)]
-        pieces = [text[start:end] for start, end in zip(bounds, bounds[1:])]
+        lead = next((lead for lead in LEADS
+                     if all(self._splits_at(text, cut, lead) for cut in cuts)), None)
+        if lead is None:
+            cuts, lead = [], ""
+        starts = [0, *(cut - len(lead) for cut in cuts)]
+        pieces = [text[start:end] for start, end in zip(starts, [*cuts, len(text)])]
+        drops = [0] + [len(self.encode(lead))] * len(cuts)
         ids: list[np.ndarray] = []
         for first in range(0, len(pieces), PIECES_PER_CALL):
             encodings = self._tokenizer.encode_batch(pieces[first:first + PIECES_PER_CALL],
                                                      add_special_tokens=False)
-            ids += [np.asarray(encoding.ids, dtype=np.int64) for encoding in encodings]
+            ids += [np.asarray(encoding.ids[drop:], dtype=np.int64)
+                    for encoding, drop in zip(encodings, drops[first:])]
         return np.concatenate(ids)
 
-    def _splits_at(self, text: str, cut: int) -> bool:
-        """Whether encoding `text` in two pieces at `cut` gives the ids of one call, checked on
-        the characters around it (both encodings share the window's ends)."""
+    def _splits_at(self, text: str, cut: int, lead: str = "") -> bool:
+        """Whether encoding `text` in two pieces at `cut`, the second after `lead` (the text
+        before `cut`) whose own ids it drops, gives the ids of one call, checked on the characters
+        around it (both encodings share the window's ends)."""
+        assert text.endswith(lead, 0, cut), "a lead is the text before the cut"
         before, after = text[max(cut - SEAM_CHARS, 0):cut], text[cut:cut + SEAM_CHARS]
-        apart = self._tokenizer.encode_batch([before, after], add_special_tokens=False)
-        return self.encode(before + after) == apart[0].ids + apart[1].ids
+        lead_ids = self.encode(lead)
+        apart = self._tokenizer.encode_batch([before, lead + after], add_special_tokens=False)
+        led_ids = apart[1].ids
+        return (led_ids[:len(lead_ids)] == lead_ids
+                and self.encode(before + after) == apart[0].ids + led_ids[len(lead_ids):])
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._tokenizer.decode(_id_list(ids), skip_special_tokens=True)

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import re
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -263,25 +264,14 @@ def _hf_config(hf_dir: Path) -> Config:
 def _convert(args: argparse.Namespace) -> int:
     import torch
 
-    from moefold.checkpoint.hf import CONFIG, convert_to_run_checkpoint, save_pretrained
+    from moefold.checkpoint.hf import CONFIG, save_pretrained
     from moefold.data.tokenizer import tokenizer_files
     from moefold.generate import load_model_from_run
-    from moefold.train.trainer import run_dir_holds_run
 
     if args.from_hf is not None:
         if args.out is None or args.to_hf is not None:
             raise UserError("convert --from-hf DIR needs --out RUN_DIR (and no --to-hf)")
-        refuse_unwritable_dir(args.out, "--out")
-        if run_dir_holds_run(args.out):
-            raise UserError(f"--out {args.out} already holds a run; choose another directory")
-        # Tensor by tensor through file-backed storage: the model is never in memory as a whole.
-        cfg, path = convert_to_run_checkpoint(args.from_hf, args.out)
-        tokenizer = args.from_hf / "tokenizer.json"
-        if tokenizer.is_file():
-            cfg.data.tokenizer = str(tokenizer.resolve())
-        (args.out / "config.toml").write_text(to_toml(cfg))
-        print(f"converted {args.from_hf} -> {path} (train on with: moefold train --resume {args.out})")
-        return 0
+        return _convert_from_hf(args.from_hf, args.out)
     if args.to_hf is None or args.out is not None:
         raise UserError("convert --run-dir RUN_DIR needs --to-hf DIR (and no --out)")
     refuse_unwritable_dir(args.to_hf, "--to-hf")
@@ -293,6 +283,36 @@ def _convert(args: argparse.Namespace) -> int:
     dtype = torch.bfloat16 if cfg.optim.master_dtype == "bf16" else None
     save_pretrained(model, args.to_hf, dtype=dtype, copies=tokenizer_files(cfg.data.tokenizer))
     print(f"converted {args.run_dir} -> {args.to_hf}")
+    return 0
+
+
+def _convert_from_hf(hf_dir: Path, out: Path) -> int:
+    """Under the run directory's lock, as a training takes it: neither writes over the other."""
+    from moefold.checkpoint.hf import convert_to_run_checkpoint
+    from moefold.train.run_lock import CONVERSION, RunDirLock
+    from moefold.train.trainer import run_dir_holds_run
+
+    refuse_unwritable_dir(out, "--out")
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    lock = RunDirLock(out, "--out", CONVERSION)
+    lock.acquire()
+    try:
+        if run_dir_holds_run(out):
+            raise UserError(f"--out {out} already holds a run; choose another directory")
+        # Tensor by tensor through file-backed storage: the model is never in memory as a whole.
+        cfg, path = convert_to_run_checkpoint(hf_dir, out)
+        tokenizer = hf_dir / "tokenizer.json"
+        if tokenizer.is_file():
+            cfg.data.tokenizer = str(tokenizer.resolve())
+        (out / "config.toml").write_text(to_toml(cfg))
+    except BaseException:
+        if created:  # a failed conversion leaves no directory it made (nobody else can use it: locked)
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+    finally:
+        lock.release()
+    print(f"converted {hf_dir} -> {path} (train on with: moefold train --resume {out})")
     return 0
 
 

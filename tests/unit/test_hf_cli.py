@@ -1,7 +1,9 @@
 """`moefold convert` both ways and `moefold train --init-from-hf`, against transformers."""
 
 import json
+import os
 import re
+import socket
 
 import pytest
 import torch
@@ -51,6 +53,43 @@ def test_convert_round_trip_keeps_every_tensor(tmp_path, hf_dir, capsys):
     for name in original:
         assert torch.equal(original[name], exported[name]), name
 
+
+def test_convert_refuses_an_out_dir_a_training_holds(tmp_path, hf_dir, capsys):
+    """Run directories have one writer at a time: a conversion into one a training holds wrote its
+    checkpoint and config.toml among the training's."""
+    from moefold.train.run_lock import RunDirLock
+
+    run = tmp_path / "run"
+    run.mkdir()
+    training = RunDirLock(run)
+    training.acquire()  # as a training takes it once it writes
+    assert main(["convert", "--from-hf", str(hf_dir), "--out", str(run)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"moefold: error: --out {run} is in use by a training (process {os.getpid()} on {socket.gethostname()}); "
+        "wait for it to end, or choose another --out"]
+    assert [p.name for p in run.iterdir()] == [".lock"]
+    training.release()
+
+
+def test_a_training_is_refused_an_out_dir_a_conversion_is_writing(tmp_path, hf_dir, tiny_args, capsys, monkeypatch):
+    """A conversion writes its checkpoint, then config.toml: a training started in between found
+    the directory free, and the two wrote over each other's files."""
+    import moefold.checkpoint.hf as hf
+
+    run, trained = tmp_path / "run", []
+    convert = hf.convert_to_run_checkpoint
+
+    def a_training_starts_meanwhile(path, run_dir):
+        trained.append(main(["train", "--run-dir", str(run), *tiny_args, "--train.steps", "2"]))
+        return convert(path, run_dir)
+
+    monkeypatch.setattr(hf, "convert_to_run_checkpoint", a_training_starts_meanwhile)
+    assert main(["convert", "--from-hf", str(hf_dir), "--out", str(run)]) == 0
+    assert trained == [2]
+    assert capsys.readouterr().err.splitlines() == [
+        f"moefold: error: --run-dir {run} is in use by a conversion (process {os.getpid()} on "
+        f"{socket.gethostname()}); wait for it to end, or choose another --run-dir"]
+    assert main(["generate", "--run-dir", str(run), "--prompt", "ab", "--max-new-tokens", "2"]) == 0
 
 def test_convert_keeps_the_checkpoints_load_balancing_loss(tmp_path):
     """DeepSeek's `aux_loss_alpha` with `seq_aux` is the run's sequence-level aux loss (not moefold's

@@ -26,6 +26,7 @@ from moefold.checkpoint.hf import SCRATCH, convert_to_run_checkpoint, load_pretr
 from moefold.cli import main  # noqa: E402
 from moefold.errors import CheckpointError  # noqa: E402
 from moefold.generate import load_model_from_run  # noqa: E402
+from moefold.train.run_lock import LOCK_FILE  # noqa: E402
 
 CASES = {  # name -> (transformers config, save_pretrained kwargs, add an MTP layer)
     "qwen3_moe": (lambda: qwen3(vocab_size=300), {}, False),
@@ -229,7 +230,8 @@ def test_missing_tensor_leaves_no_run(hf_checkpoint, tmp_path, capsys):
 
 @pytest.mark.parametrize("out_exists", [False, True])
 def test_error_while_filling_leaves_no_scratch_and_no_run(out_exists, hf_checkpoint, tmp_path, capsys):
-    """The MTP copy of the embedding is checked last, once every scratch file is written."""
+    """The MTP copy of the embedding is checked last, once every scratch file is written. A
+    directory that was there keeps the lock file the conversion held, as a training's does."""
     def edit(tensors):
         tensors["model.layers.2.embed_tokens.weight"][0, 0] += 1
 
@@ -239,7 +241,7 @@ def test_error_while_filling_leaves_no_scratch_and_no_run(out_exists, hf_checkpo
         run.mkdir()
     assert main(["convert", "--from-hf", str(hf), "--out", str(run)]) == 2
     assert "model.layers.2.embed_tokens.weight must equal" in capsys.readouterr().err
-    assert (list(run.iterdir()) == []) if out_exists else not run.exists()
+    assert ([p.name for p in run.iterdir()] == [LOCK_FILE]) if out_exists else not run.exists()
 
 
 def test_error_while_saving_leaves_no_scratch_and_no_run(hf_checkpoint, tmp_path, monkeypatch):

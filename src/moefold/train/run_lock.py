@@ -1,9 +1,10 @@
-"""One training at a time in a run directory.
+"""One writer at a time in a run directory: a training, or a conversion into it (`moefold convert
+--from-hf`).
 
-Rank 0 holds an advisory lock (`flock`) on `<run_dir>/.lock` from the moment it writes into the run
-directory until `fit` returns. The kernel releases it when the process ends, however it ends (a
-kill included), so there is never a stale lock to clear by hand; the file itself names the holder
-for the error a second training gets.
+A training's rank 0 holds an advisory lock (`flock`) on `<run_dir>/.lock` from the moment it writes
+into the run directory until `fit` returns; a conversion holds it while it writes. The kernel
+releases it when the process ends, however it ends (a kill included), so there is never a stale
+lock to clear by hand; the file itself names the holder for the error a second writer gets.
 """
 
 import errno
@@ -16,20 +17,23 @@ from moefold.errors import ConfigError
 
 LOCK_FILE = ".lock"
 _HELD = (errno.EWOULDBLOCK, errno.EAGAIN)
+TRAINING, CONVERSION = "training", "conversion"
+"""What holds a lock, as the lock file records it and a refusal names it."""
 
 
 class RunDirLock:
-    def __init__(self, run_dir: Path):
-        self.run_dir = Path(run_dir)
+    def __init__(self, run_dir: Path, option: str = "--run-dir", work: str = TRAINING):
+        """`option`: the command's option naming `run_dir`; `work`: what this process does there."""
+        self.run_dir, self.option, self.work = Path(run_dir), option, work
         self._file = None  # open while held; closing it (or the process ending) releases the lock
 
     def acquire(self) -> None:
-        """Hold the lock, or raise ConfigError naming the training that holds it."""
+        """Hold the lock, or raise ConfigError naming the training or conversion that holds it."""
         f = open(self.run_dir / LOCK_FILE, "ab+")
-        if not _try_lock(f, self.run_dir):
+        if not _try_lock(f, self.run_dir, self.option, self.work):
             return  # a filesystem without flock: unguarded, as before the lock
         f.truncate(0)
-        f.write(f"{os.getpid()} {socket.gethostname()}\n".encode())
+        f.write(f"{os.getpid()} {socket.gethostname()} {self.work}\n".encode())
         f.flush()
         self._file = f
 
@@ -39,18 +43,18 @@ class RunDirLock:
             self._file = None
 
 
-def refuse_run_dir_in_use(run_dir: Path) -> None:
-    """Refuse a run directory another training holds, before any work (tried and let go at once;
-    the lock itself is taken when the trainer first writes)."""
+def refuse_run_dir_in_use(run_dir: Path, option: str = "--run-dir", work: str = TRAINING) -> None:
+    """Refuse a run directory another training or conversion holds, before any work (tried and let
+    go at once; the lock itself is taken when the trainer first writes)."""
     try:
         f = open(Path(run_dir) / LOCK_FILE, "rb")
     except OSError:  # no lock file, nobody ever locked here (or no such run directory yet)
         return
     with f:
-        _try_lock(f, run_dir)
+        _try_lock(f, run_dir, option, work)
 
 
-def _try_lock(f, run_dir: Path) -> bool:
+def _try_lock(f, run_dir: Path, option: str, work: str) -> bool:
     """Lock `f` exclusively; False where the filesystem has no flock (Lustre mounted without it)."""
     try:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -61,6 +65,8 @@ def _try_lock(f, run_dir: Path) -> bool:
             return False
         holder = os.pread(f.fileno(), 256, 0).decode(errors="replace").split()
         f.close()
-        by = f" (process {holder[0]} on {holder[1]})" if len(holder) == 2 else ""
-        raise ConfigError(f"--run-dir {run_dir} is in use by another training{by}; wait for it to end, "
-                          "or choose another --run-dir") from None
+        by = f" (process {holder[0]} on {holder[1]})" if len(holder) >= 2 else ""
+        held_for = holder[2] if len(holder) >= 3 else TRAINING  # a file from before conversions locked
+        which = "another" if held_for == work else "a"
+        raise ConfigError(f"{option} {run_dir} is in use by {which} {held_for}{by}; wait for it to end, "
+                          f"or choose another {option}") from None

@@ -40,6 +40,7 @@ class CountingCounts(LocalCounts):
     """Stands in for DataParallelCounts: each call would be one all-reduce."""
 
     def __init__(self):
+        super().__init__()
         self.calls = 0
 
     def __call__(self, *args):

@@ -3,7 +3,8 @@
 A checkpointed region that holds an MoE layer (memory.recompute = ["moe"] or ["layer"]) runs the
 layer's forward a second time in backward. That run must take the decisions its forward took — the
 experts of each token, the capacity mask, the routed counts (summed over the data-parallel ranks in
-the forward) and the global-batch counts — and record nothing: the load statistics, the step's counts
+the forward), the per-sequence counts (summed over the TP ranks' sequence shards under sequence
+parallelism) and the global-batch counts — and record nothing: the load statistics, the step's counts
 for the expert-bias update, the global aux-loss counts and a router-replay recording are taken once,
 by the forward, and no collective runs again.
 
@@ -26,7 +27,8 @@ from moefold.memory.sites import Site
 from moefold.moe.layer import MoELayer
 
 # (part of the layer, attribute): the calls whose results a recompute must reproduce exactly.
-_DECISIONS = (("router", "select"), ("", "capacity"), ("", "count_routed"), ("balancer", "_accumulate"))
+_DECISIONS = (("router", "select"), ("", "capacity"), ("", "count_routed"), ("balancer", "_accumulate"),
+              ("balancer", "_sequence_counts"))
 
 
 def _decision_sites(layer: MoELayer) -> list[Site]:

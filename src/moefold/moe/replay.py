@@ -12,6 +12,10 @@ One `RouterReplay` serves all routers of a model. Each router calls `register` o
 time a router hands its choice to `route`, which does what the active mode says: choose live (the
 default), choose live and record (`record()`), or return the given indices (`replay(...)`). The
 modes are objects swapped by the context managers, so a router never branches on them.
+
+The indices are the batch's, [B, S] flattened, whatever the layout: a router that sees only a
+shard of the tokens (sequence parallelism, parallel/sequence.py) records the TP group's whole
+batch and replays its own rows of it, through its `ReplayedSelection`'s `rows`.
 """
 
 from __future__ import annotations
@@ -26,8 +30,21 @@ from moefold.moe.recomputing import in_backward
 Select = Callable[[torch.Tensor], torch.Tensor]  # selection_TE -> idx_TK
 
 
+class WholeBatch:
+    """The rows of a router that routes every token of the batch: the batch's own."""
+
+    def whole(self, idx_TK: torch.Tensor) -> torch.Tensor:
+        return idx_TK
+
+    def mine(self, idx_TK: torch.Tensor) -> torch.Tensor:
+        return idx_TK
+
+    def whole_tokens(self, num_tokens: int) -> int:
+        return num_tokens
+
+
 class _Live:
-    def route(self, layer: int, selection_TE: torch.Tensor, select: Select) -> torch.Tensor:
+    def route(self, layer: int, selection_TE: torch.Tensor, select: Select, rows: WholeBatch) -> torch.Tensor:
         return select(selection_TE)
 
 
@@ -35,10 +52,10 @@ class _Recording:
     def __init__(self, num_layers: int):
         self.idx_per_layer: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
 
-    def route(self, layer: int, selection_TE: torch.Tensor, select: Select) -> torch.Tensor:
+    def route(self, layer: int, selection_TE: torch.Tensor, select: Select, rows: WholeBatch) -> torch.Tensor:
         idx_TK = select(selection_TE)
         if not in_backward():  # a recompute of torch.utils.checkpoint's chose these already
-            self.idx_per_layer[layer].append(idx_TK.detach())
+            self.idx_per_layer[layer].append(rows.whole(idx_TK.detach()))
         return idx_TK
 
 
@@ -46,14 +63,14 @@ class _Replaying:
     def __init__(self, idx_per_layer: list[torch.Tensor], expected: Callable[[int], str]):
         self.idx_per_layer, self.expected = idx_per_layer, expected
 
-    def route(self, layer: int, selection_TE: torch.Tensor, select: Select) -> torch.Tensor:
+    def route(self, layer: int, selection_TE: torch.Tensor, select: Select, rows: WholeBatch) -> torch.Tensor:
         idx_TK = self.idx_per_layer[layer]
-        num_tokens = selection_TE.shape[0]
+        num_tokens = rows.whole_tokens(selection_TE.shape[0])
         if idx_TK.shape[0] != num_tokens:  # shapes live on the host: no sync
             given = [idx_TK.shape[0], len(self.idx_per_layer), idx_TK.shape[1]]
             raise ValueError(f"router replay: expected indices of shape {self.expected(num_tokens)}, "
                              f"got {given} (the batch has {num_tokens} tokens)")
-        return idx_TK.to(selection_TE.device)
+        return rows.mine(idx_TK.to(selection_TE.device))
 
 
 class RouterReplay:
@@ -82,9 +99,11 @@ class RouterReplay:
         self._registered += 1
         return self._registered - 1
 
-    def route(self, layer: int, selection_TE: torch.Tensor, select: Select) -> torch.Tensor:
-        """idx_TK of router `layer`, according to the active mode."""
-        return self._mode.route(layer, selection_TE, select)
+    def route(self, layer: int, selection_TE: torch.Tensor, select: Select,
+              rows: WholeBatch = WholeBatch()) -> torch.Tensor:
+        """idx_TK of router `layer`, according to the active mode; `rows`: which of the batch's
+        tokens the router sees."""
+        return self._mode.route(layer, selection_TE, select, rows)
 
     @contextlib.contextmanager
     def record(self) -> Iterator[RouterReplay]:

@@ -25,6 +25,7 @@ from torch import nn
 
 from moefold.config import MoEConfig
 from moefold.dtypes import KeepsBufferDtypes
+from moefold.moe.replay import WholeBatch
 
 if TYPE_CHECKING:
     from moefold.moe.replay import RouterReplay
@@ -173,13 +174,16 @@ class RoundRobinSelection:
 
 
 class ReplayedSelection:
-    """Hands the choice to a shared `RouterReplay`: live, recorded, or replayed (see replay.py)."""
+    """Hands the choice to a shared `RouterReplay`: live, recorded, or replayed (see replay.py).
+    `rows`: which of the batch's tokens this router sees (all of them, unless sequence parallelism
+    gives it a shard, parallel/sequence.py)."""
 
     def __init__(self, select: Selection, replay: RouterReplay, layer: int):
         self.select, self.replay, self.layer = select, replay, layer
+        self.rows = WholeBatch()
 
     def __call__(self, selection_TE: torch.Tensor) -> torch.Tensor:
-        return self.replay.route(self.layer, selection_TE, self.select)
+        return self.replay.route(self.layer, selection_TE, self.select, self.rows)
 
 
 def build_selection(cfg: MoEConfig) -> Selection:
@@ -255,7 +259,12 @@ class Router(KeepsBufferDtypes):
     def logits(self, x_TD: torch.Tensor) -> torch.Tensor:
         with torch.autocast(x_TD.device.type, enabled=False):
             x_TD = self.jitter(x_TD.to(self.router_dtype), self.training)
-            return F.linear(x_TD, self.weight.to(self.router_dtype))
+            return F.linear(x_TD, self.routing_weight().to(self.router_dtype))
+
+    def routing_weight(self) -> torch.Tensor:
+        """The [E, D] weight the logits read (under sequence parallelism its gradient is summed
+        over the TP ranks, parallel/sequence.py)."""
+        return self.weight
 
     def combine_weights(self, logits_TE: torch.Tensor, scores_TE: torch.Tensor,
                         idx_TK: torch.Tensor) -> torch.Tensor:

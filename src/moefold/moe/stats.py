@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from moefold.dtypes import KeepsBufferDtypes
+from moefold.moe.balance import whole_sequences
 
 # Keys of the dict returned by `ExpertLoadStats.pop`.
 TOKENS = "tokens_per_expert_E"  # int64 [E]: routed copies per expert, before capacity drops
@@ -29,6 +30,11 @@ _RESERVED = {"load_imbalance", "load_imbalance_max", "load_cv", "dead_expert_fra
              "routing_entropy", "dropped_fraction", "loss", "val_loss"}
 
 
+def _is_shard_sum(key: str) -> bool:
+    """Sums over this rank's own tokens; the routed counts are already the data rank's."""
+    return key in (ENTROPY_SUM, ENTROPY_TOKENS) or key.startswith(AUX_SUM)
+
+
 class ExpertLoadStats(KeepsBufferDtypes):
     """Device-side accumulators of one MoE layer, all non-persistent buffers.
 
@@ -41,6 +47,9 @@ class ExpertLoadStats(KeepsBufferDtypes):
         super().__init__()
         self.num_experts = num_experts
         self.aux_names: list[str] = []
+        # Sequence parallelism (parallel/sequence.py) sets a sum over the TP group: each rank's
+        # entropy and aux-loss sums are then its sequences' shard of them.
+        self.sum_over_shards = whole_sequences
         self.register_buffer("tokens_E", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
         self.register_buffer("dropped", torch.zeros((), dtype=torch.int64), persistent=False)
         self.register_buffer("entropy_sum", torch.zeros((), dtype=torch.float32), persistent=False)
@@ -91,8 +100,11 @@ class ExpertLoadStats(KeepsBufferDtypes):
 
     @torch.no_grad()
     def pop(self) -> dict[str, Tensor]:
-        """The raw sums since the last pop (device tensors, no sync), then reset to zero."""
+        """The raw sums since the last pop (device tensors, no sync; under sequence parallelism the
+        shards' sums added up, a collective), then reset to zero."""
         raw = {key: buf.clone() for key, buf in self._raw().items()}
+        for key in filter(_is_shard_sum, raw):
+            raw[key] = self.sum_over_shards(raw[key])
         for buf in self.buffers():
             buf.zero_()  # in place: CUDA graphs and compiled code keep the buffers' addresses
         return raw

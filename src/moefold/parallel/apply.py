@@ -3,8 +3,8 @@
 Every rank builds the same full model (on the meta device in a run; a filled one also works),
 then calls `parallelize`, which keeps this rank's share: attention and dense MLPs (and shared
 experts) TP-sharded over the attention grid's tp, routed experts EP/ETP-sharded over the expert
-grid, each MoE layer dispatching only its TP rank's tokens and counting routed copies over the
-data ranks, and finally every parameter FSDP-sharded (or replicated) over its data-parallel mesh.
+grid, each MoE layer dispatching only its TP rank's tokens (under sequence parallelism the shard
+it routes) and counting routed copies over the data ranks, and finally every parameter FSDP-sharded (or replicated) over its data-parallel mesh.
 A model on the meta device is materialized and initialised only then, each rank allocating and
 filling its own pieces (`Trainer._build_model`): no rank holds, draws or reads much more of the
 model than its shards.
@@ -37,6 +37,6 @@ def parallelize(model: nn.Module, layout: ParallelLayout, cfg: ParallelConfig,
     for layer in model.moe_layers():
         apply_expert_parallel(layer, layout, cfg.ep_dispatcher)
         split_sequence_over_tp(layer, layout.tp_group)
-        if dims.dp * dims.cp > 1:
-            layer.count_routed = DataParallelCounts(layout.dp_cp_group)
+        if dims.dp * dims.cp > 1:  # on top of the sum over a sequence-parallel layer's shards
+            layer.count_routed = DataParallelCounts(layout.dp_cp_group, layer.count_routed.sum_over_shards)
     return apply_data_parallel(model, layout, cfg.data_parallel, grad_dtype, initialize)

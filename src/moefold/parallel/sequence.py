@@ -1,16 +1,22 @@
-"""Sequence split of the routed experts' tokens over the tensor-parallel ranks.
+"""The routed experts' tokens under tensor parallelism: each TP rank dispatches its 1/tp of them.
 
-Under TP every rank of a TP group holds the same tokens (attention and dense layers are sharded by
-heads and hidden units, their inputs and outputs replicated). Routed experts are not TP-sharded, so
-without a split every TP rank would send the same copies to the experts: tp-fold the dispatch
-traffic and expert compute. As in Megatron-Core (which requires sequence parallelism with MoE and
-TP), each TP rank dispatches only its own 1/tp of the tokens and the outputs are gathered back.
+Routed experts are not TP-sharded, so if every rank of a TP group dispatched the same tokens the
+experts would get tp copies of each: tp-fold dispatch traffic and expert compute. Two forms:
 
-The router, its statistics and the aux losses still run on all T tokens of the TP group (the same
-on every TP rank; T·D·E is small next to the experts), so they need no extra reduction; only the
-dispatched tensors — tokens, combine weights, expert ids, keep mask — are split. Autograd:
-split ↔ all-gather are each other's backward, so the router and the tokens get their full
-gradients on every TP rank, as replicated computation requires.
+- **Sequence parallelism** (`route_sequence_shard`, the main blocks when parallel.sequence_parallel):
+  the residual stream already holds 1/tp of each sequence per rank, and the MoE layer takes that
+  shard as it is, as Megatron-Core does — no all-gather in or out. The router, the capacity limit
+  and the statistics see the rank's own T/tp tokens; the routed counts, the per-sequence counts and
+  the statistics' sums add up over the TP group (`SequenceShards`), each rank's balancing losses are
+  its share of the group's (moe/balance.py), and the router's gradient (a replicated weight used on
+  different tokens) is summed over the group. Shared experts, TP-sharded like a dense MLP,
+  all-gather the tokens and reduce-scatter their output.
+- **Replicated tokens** (`split_sequence_over_tp`: TP without sequence parallelism, and the MTP
+  blocks, which never are): every TP rank holds all T tokens. The router, its statistics and the
+  aux losses run on all of them (the same on every rank, no reduction needed), and only the
+  dispatched tensors — tokens, combine weights, expert ids, keep mask — are split. Split ↔
+  all-gather are each other's backward, so the router and the tokens get their full gradients on
+  every TP rank, as replicated computation requires.
 
 T tokens of the TP group, t = T/tp this rank's, K top-k, D model dim.
 """
@@ -19,9 +25,19 @@ import dataclasses
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInputOutput,
+    RowwiseParallel,
+    parallelize_module,
+)
 
 from moefold.errors import ConfigError
-from moefold.moe.router import Routing
+from moefold.moe.balance import LocalCounts, SequenceShards
+from moefold.moe.replay import WholeBatch
+from moefold.moe.router import ReplayedSelection, Router, Routing
 
 
 class _SplitRows(torch.autograd.Function):
@@ -85,9 +101,122 @@ class SequenceSplitDispatcher:
 
 
 def split_sequence_over_tp(layer, tp_group) -> None:
-    """Make `layer` (an MoELayer) dispatch only this TP rank's share of its tokens."""
-    if dist.get_world_size(tp_group) > 1:
+    """Make `layer` (an MoELayer whose input every TP rank holds whole) dispatch only this TP
+    rank's share of its tokens. A layer that already routes a sequence shard is left as it is."""
+    if dist.get_world_size(tp_group) > 1 and not getattr(layer, "routes_sequence_shard", False):
         layer.dispatcher = SequenceSplitDispatcher(layer.dispatcher, tp_group)
 
 
-__all__ = ["SequenceSplitDispatcher", "split_sequence_over_tp"]
+# ---------------------------------------------------------------------------------------------
+# Sequence parallelism: the layer routes the rank's shard of each sequence
+# ---------------------------------------------------------------------------------------------
+
+
+def route_sequence_shard(layer, tp_mesh: DeviceMesh) -> None:
+    """Make `layer` (an MoELayer of a sequence-parallel block, whose input arrives as a DTensor
+    sharded along the sequence, Shard(1)) route and dispatch the local shard, returning its output
+    as the same DTensor layout. Counts, per-sequence counts and statistics add up over the group;
+    the router's gradient is summed over it; shared experts gather the tokens."""
+    group = tp_mesh.get_group()
+    shards = SequenceShards(group)
+    layer.count_routed = LocalCounts(shards)
+    layer.balancer.sum_over_shards = shards
+    layer.stats.sum_over_shards = shards
+    ShardRoutingRouter.convert(layer.router, group)
+    rows = SequenceShardRows(group)
+    if isinstance(layer.router.select, ReplayedSelection):
+        layer.router.select.rows = rows
+    if layer.shared is not None:
+        _gather_tokens_for_shared_experts(layer.shared, tp_mesh)
+    layer.register_forward_pre_hook(lambda module, args: _local_shard(tp_mesh, rows, *args))
+    layer.register_forward_hook(
+        lambda module, args, y_BtD: DTensor.from_local(y_BtD, tp_mesh, (Shard(1),), run_check=False))
+    layer.routes_sequence_shard = True
+
+
+def _local_shard(tp_mesh: DeviceMesh, rows: "SequenceShardRows", x_BSD: DTensor,
+                 valid_BS: torch.Tensor | None = None):
+    """(x, valid) → this rank's [B, S/tp, D] tokens and the same positions of the [B, S] mask."""
+    if valid_BS is not None:  # Replicate → Shard(1) is a local slice, the residual stream's one
+        valid_BS = DTensor.from_local(valid_BS, tp_mesh, (Replicate(),), run_check=False)
+        valid_BS = valid_BS.redistribute(tp_mesh, (Shard(1),)).to_local()
+    x_BtD = x_BSD.to_local()
+    rows.shard_len = x_BtD.shape[1]
+    return x_BtD, valid_BS
+
+
+class SequenceShardRows(WholeBatch):
+    """Router replay's rows for a router routing this rank's [B, S/tp] shard: a recording holds
+    the TP group's whole batch in sequence order ([B, S] flattened, as one process records it; one
+    all-gather, while recording only), a replay hands the router its shard's rows of it.
+    `shard_len` (S/tp) is set by the layer's input hook before each forward."""
+
+    def __init__(self, group):
+        self.group, self.shard_len = group, 0
+        self.tp, self.rank = dist.get_world_size(group), dist.get_rank(group)
+
+    def whole(self, idx_tK: torch.Tensor) -> torch.Tensor:
+        K = idx_tK.shape[1]
+        ranks_tK = _all_gather_rows(idx_tK.contiguous(), self.group)  # rank-major: [tp · B·S/tp, K]
+        ranks_BsK = ranks_tK.view(self.tp, -1, self.shard_len, K)
+        return ranks_BsK.transpose(0, 1).reshape(-1, K)
+
+    def mine(self, idx_TK: torch.Tensor) -> torch.Tensor:
+        K = idx_TK.shape[1]
+        return idx_TK.view(-1, self.tp, self.shard_len, K)[:, self.rank].reshape(-1, K)
+
+    def whole_tokens(self, num_tokens: int) -> int:
+        return num_tokens * self.tp
+
+
+class ShardRoutingRouter(Router):
+    """A router whose TP ranks route different tokens with the same weight: its gradient is summed
+    over the TP group where forward reads it (as the QK-norms' under TP, parallel/tensor.py)."""
+
+    group: dist.ProcessGroup
+
+    @classmethod
+    def convert(cls, router: Router, group) -> None:
+        """In place (class swapped, as FSDP2's fully_shard does): the parameter, buffers, hooks and
+        any wrapper build_model put on the instance stay."""
+        router.__class__, router.group = cls, group
+
+    def routing_weight(self) -> torch.Tensor:
+        return SumGrad.apply(self.weight, self.group)
+
+
+def _gather_tokens_for_shared_experts(shared, tp_mesh: DeviceMesh) -> None:
+    """Shared experts under sequence parallelism, as a sequence-parallel dense MLP: the rank's
+    [t, D] tokens are all-gathered once into a DTensor that gate and up both read (their partial
+    input gradients add up before one reduce-scatter), down's partial sums are reduce-scattered
+    back to the rank's t rows. The rows are gathered in rank order, not sequence order: a
+    per-token MLP does not care, and the reduce-scatter hands each rank its own rows back. A
+    shared-expert gate reads the gathered tokens with its weight replicated as a DTensor."""
+    parallelize_module(shared, tp_mesh, PrepareModuleInputOutput(
+        input_layouts=(Shard(0),), desired_input_layouts=(Replicate(),), use_local_input=False,
+        output_layouts=(Shard(0),), desired_output_layouts=(Shard(0),), use_local_output=True))
+    plan = {"w1": ColwiseParallel(), "w2": RowwiseParallel(output_layouts=Shard(0), use_local_output=False)}
+    if hasattr(shared, "w3"):  # gated activations only
+        plan["w3"] = ColwiseParallel()
+    parallelize_module(shared, tp_mesh, plan)
+    if getattr(shared, "gate", None) is not None:
+        distribute_module(shared.gate, tp_mesh)  # its weight a Replicate DTensor
+
+
+class SumGrad(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over `group` (Megatron's copy-to-TP-region):
+    for a replicated weight whose TP ranks see different tokens, or different heads."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+__all__ = ["SequenceSplitDispatcher", "route_sequence_shard", "split_sequence_over_tp"]

@@ -30,13 +30,15 @@ Between these TP regions:
 - With it (Megatron's sequence parallelism, `_sequence_parallel`), the main blocks' residual stream
   and pre-norms hold only this rank's 1/tp of the sequence (DTensors, Shard(1)): the first block
   splits the embeddings, attention and dense MLPs all-gather their normed input and reduce-scatter
-  their output, MoE layers all-gather their input and keep their slice of the output, and the last
-  block's output is gathered again, so the final norm, the output head and the MTP blocks (never
-  sequence-parallel) see replicated tensors.
+  their output, MoE layers route and dispatch the rank's shard as it is (no all-gather; their
+  shared experts gather and reduce-scatter), and the last block's output is gathered again, so
+  the final norm, the output head and the MTP blocks (never sequence-parallel) see replicated
+  tensors.
 
-Routed experts are not TP-sharded: in both modes the router runs on all tokens of the TP group and
-each TP rank dispatches its 1/tp of them (parallel/sequence.py); expert parallelism / expert TP
-shard the experts (parallel/expert.py).
+Routed experts are not TP-sharded: each TP rank dispatches its 1/tp of the tokens — under sequence
+parallelism the shard it holds, routed there; without it the rank's share of the tokens the
+router saw whole (parallel/sequence.py). Expert parallelism / expert TP shard the experts
+(parallel/expert.py).
 """
 
 import torch
@@ -60,6 +62,7 @@ from moefold.models.attention import Attention
 from moefold.models.mla import MLAttention
 from moefold.models.mlp import SwiGLUMLP
 from moefold.models.norm import RMSNorm
+from moefold.parallel.sequence import SumGrad, route_sequence_shard
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> None:
@@ -82,7 +85,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = Fa
             _tp_gqa(block.attn, tp_mesh, out)
         if isinstance(block.ffn, SwiGLUMLP):
             _tp_mlp(block.ffn, tp_mesh, out)
-        elif getattr(block.ffn, "shared", None) is not None:  # an MoE layer with shared experts
+        elif getattr(block.ffn, "shared", None) is not None and id(block) not in sp_blocks:
             _tp_mlp(block.ffn.shared, tp_mesh, _REPLICATED_OUTPUT)  # summed with the routed output
     if sequence_parallel:
         _sequence_parallel(model, tp_mesh)
@@ -102,22 +105,20 @@ def _SP_OUTPUT() -> RowwiseParallel:
 def _sequence_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     """Megatron's sequence parallelism for the main blocks: between TP regions the residual stream
     and the norms hold only this rank's 1/tp of the sequence (DTensor Shard(1)). The first block's
-    input (the embeddings) is split, each attention / dense MLP all-gathers its normed input and reduce-scatters its
-    output, each MoE layer all-gathers its input (its router sees the TP group's tokens and its
-    experts get this rank's share, parallel/sequence.py) and keeps its slice of the output, and the
-    last block's output is gathered again for the final norm, head and MTP modules."""
+    input (the embeddings) is split, each attention / dense MLP all-gathers its normed input and
+    reduce-scatters its output, each MoE layer routes and dispatches the rank's shard as it is
+    (its shared experts gather and reduce-scatter; parallel/sequence.py), and the last block's
+    output is gathered again for the final norm, head and MTP modules."""
     seq_in = PrepareModuleInput(input_layouts=(Shard(1), None, None),
                                 desired_input_layouts=(Replicate(), None, None), use_local_output=True)
     for block in model.layers:
-        ffn_plan = (PrepareModuleInput(input_layouts=(Shard(1), None),
-                                       desired_input_layouts=(Replicate(), None), use_local_output=True)
-                    if isinstance(block.ffn, SwiGLUMLP) else
-                    PrepareModuleInputOutput(input_layouts=(Shard(1), None),
-                                             desired_input_layouts=(Replicate(), None),
-                                             use_local_input=True, output_layouts=Replicate(),
-                                             desired_output_layouts=Shard(1), use_local_output=False))
-        parallelize_module(block, tp_mesh, {"attn_norm": SequenceParallel(), "attn": seq_in,
-                                            "ffn_norm": SequenceParallel(), "ffn": ffn_plan})
+        plan = {"attn_norm": SequenceParallel(), "attn": seq_in, "ffn_norm": SequenceParallel()}
+        if isinstance(block.ffn, SwiGLUMLP):
+            plan["ffn"] = PrepareModuleInput(input_layouts=(Shard(1), None),
+                                             desired_input_layouts=(Replicate(), None), use_local_output=True)
+        else:
+            route_sequence_shard(block.ffn, tp_mesh)
+        parallelize_module(block, tp_mesh, plan)
     # Into the first block (x, cos, sin, valid): split the embeddings; out of the last: gather.
     split = dict(input_layouts=(Replicate(), None, None, None),
                  desired_input_layouts=(Shard(1), None, None, None))
@@ -184,22 +185,7 @@ class HeadShardedRMSNorm(RMSNorm):
         norm.__class__, norm.group = cls, group
 
     def scale(self) -> torch.Tensor:
-        return _SumGrad.apply(self.weight, self.group)
-
-
-class _SumGrad(torch.autograd.Function):
-    """Identity forward; backward sums the gradient over `group` (Megatron's copy-to-TP-region)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        grad = grad.clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+        return SumGrad.apply(self.weight, self.group)
 
 
 class _SumGradColumns(torch.autograd.Function):

@@ -2,6 +2,7 @@
 checkpoints, metrics.jsonl and config.toml; signals land at chosen moments through hooks that send
 them from inside the process, not through timing."""
 
+import copy
 import errno
 import json
 import os
@@ -276,6 +277,36 @@ def test_a_signal_between_log_steps_logs_the_steps_since_the_last_one(tmp_path, 
     for step, first in ((4, 1), (6, 5), (8, 7), (12, 9)):
         assert logged[step] == pytest.approx(sum(losses[s] for s in range(first, step + 1)) / (step + 1 - first))
 
+
+def test_a_signal_in_the_last_step_still_draws_the_whole_runs_expert_load_heatmap(tmp_path, tiny_args,
+                                                                                monkeypatch):
+    """The stop raised before the end of the run, where the heatmap is drawn: a run that had
+    trained every step ended without it. It is drawn, from the uninterrupted run's history, and
+    the run still ends as a signalled one (a --nproc launcher expects 128 + the signal)."""
+    import moefold.train.trainer as trainer
+
+    drawn = []
+
+    def draw(history, path, layer_ids):
+        drawn.append((Path(path), copy.deepcopy(history)))
+        return path
+
+    monkeypatch.setattr(trainer, "write_load_heatmap", draw)
+    heatmap = ["--logging.expert_load_heatmap", "true", "--train.steps", "4"]
+    reference, run = tmp_path / "reference", tmp_path / "run"
+    assert main(["train", "--run-dir", str(reference), *tiny_args, *heatmap]) == 0
+    train_step = trainer.Trainer.train_step
+
+    def signalled_in_the_last_step(self):
+        if self.step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return train_step(self)
+
+    monkeypatch.setattr(trainer.Trainer, "train_step", signalled_in_the_last_step)
+    assert main(["train", "--run-dir", str(run), *tiny_args, *heatmap]) == 128 + signal.SIGTERM
+    assert latest_checkpoint(run).name == "step_00000004"
+    assert [path for path, _ in drawn] == [reference / "expert_load.png", run / "expert_load.png"]
+    assert len(drawn[0][1]) == 4 and drawn[1][1] == drawn[0][1]
 
 @pytest.mark.parametrize("name, kind", [("metrics.jsonl", "directory"), (".lock", "directory"),
                                         ("checkpoints", "file")])

@@ -529,11 +529,14 @@ class Trainer:
                     self._refuse_diverged(window)
                     signum = self._stop_signal or signal.SIGTERM  # another rank got the signal
                     # A signal during a due save stops with that checkpoint, not a second copy.
-                    raise TrainingInterrupted(signum, self.step, saved or self.save())
+                    checkpoint = saved or self.save()
+                    if self.step == t.steps:  # the run is complete all the same
+                        self._write_end_of_run()
+                    raise TrainingInterrupted(signum, self.step, checkpoint)
             if self.cfg.checkpoint.save_at_end and t.steps > 0:
                 self._refuse_diverged(window)
                 last["checkpoint"] = str(self.save())
-            self._write_heatmap()
+            self._write_end_of_run()
         finally:
             bar.close()
             self.sinks.close()
@@ -569,7 +572,9 @@ class Trainer:
         every, steps = self.cfg.train.val_every, self.cfg.train.steps
         return bool(self.val_batches) and ((every and self.step % every == 0) or self.step == steps)
 
-    def _write_heatmap(self) -> None:
+    def _write_end_of_run(self) -> None:
+        """What a run writes once its last step is trained (a signal in that step included): the
+        expert-load heatmap of the whole run."""
         if not (self.cfg.logging.expert_load_heatmap and self.load_history and self.dist.is_main):
             return
         path = write_load_heatmap(self.load_history, self.run_dir / "expert_load.png",

@@ -24,11 +24,18 @@ def _metrics(run_dir):
     return [json.loads(line) for line in lines]
 
 
-def test_nproc_trains_like_one_process_with_one_voice(tiny_args, tmp_path):
-    one = run_cli(["train", *tiny_args, "--run-dir", str(tmp_path / "one"), "--train.micro_batch_size", "4"])
+# (layout, per-rank micro-batch): 2 data ranks × 2 sequences, or tp 2 with sequence parallelism
+# (each rank routes its half of every sequence and the statistics add up over the two) × 4.
+LAUNCHED_LAYOUTS = [(["--parallel.ep", "2"], 2), (["--parallel.tp", "2", "--model.n_kv_heads", "2"], 4)]
+
+
+@pytest.mark.parametrize("layout, micro_batch", LAUNCHED_LAYOUTS, ids=["ep2", "tp2-sp"])
+def test_nproc_trains_like_one_process_with_one_voice(layout, micro_batch, tiny_args, tmp_path):
+    model = layout[2:]  # a model option the layout needs, given to both runs
+    one = run_cli(["train", *tiny_args, *model, "--run-dir", str(tmp_path / "one"), "--train.micro_batch_size", "4"])
     assert one.returncode == 0, one.stderr
-    two = run_cli(["train", *tiny_args, "--nproc", "2", "--parallel.ep", "2", "--run-dir", str(tmp_path / "two"),
-                   "--train.micro_batch_size", "2"])  # 2 data ranks × 2 = the same global batch
+    two = run_cli(["train", *tiny_args, "--nproc", "2", *layout, "--run-dir", str(tmp_path / "two"),
+                   "--train.micro_batch_size", str(micro_batch)])  # the same global batch
     assert two.returncode == 0, two.stderr
     assert two.stdout.count("run dir:") == 1  # only rank 0 speaks
     steps = [r["step"] for r in _metrics(tmp_path / "two") if "loss" in r]

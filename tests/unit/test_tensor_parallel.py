@@ -35,13 +35,23 @@ CASES = [
     ("tiny-deepseek", {}),  # MLA with q_lora_rank, dense first layer, an MTP block
     ("tiny-deepseek", {"model.q_lora_rank": 0}),  # MLA with a plain wq
 ]
+# Under sequence parallelism each rank routes its shard of the sequences: the balancing losses (at
+# weights large enough for a wrong share to show in the router's gradient), the gated shared expert
+# and a padding mask that leaves the ranks different numbers of real tokens.
+STRONG_LOSSES = {"moe.aux_loss_coeff": 1.0, "moe.z_loss_coeff": 1.0}
+SHARD_CASES = [
+    ("tiny-qwen3", {"moe.first_k_dense": 1, **STRONG_LOSSES, "moe.shared_experts": 1,
+                    "moe.shared_expert_gate": True}),
+    ("tiny-deepseek", {"moe.seq_aux_loss_coeff": 1.0, "moe.global_aux_loss_coeff": 1.0}),
+]
 
 
 def _full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _check_case(preset: str, overrides: dict, tp_mesh, sequence_parallel: bool = False) -> None:
+def _check_case(preset: str, overrides: dict, tp_mesh, sequence_parallel: bool = False,
+                padded: bool = False) -> None:
     cfg = load_config(preset, overrides)
     torch.manual_seed(0)
     model = build_model(cfg, VOCAB)
@@ -61,8 +71,12 @@ def _check_case(preset: str, overrides: dict, tp_mesh, sequence_parallel: bool =
     gen = torch.Generator().manual_seed(2)
     ids_BS = torch.randint(0, VOCAB, (B, S), generator=gen)
     upstream_BSV = torch.randn(B, S, VOCAB, generator=gen)
-    logits = model(ids_BS)
-    logits_ref = ref(ids_BS)
+    valid_BS = None
+    if padded:  # rank 1's half of sequence 0 is mostly padding, rank 0's whole
+        valid_BS = torch.ones(B, S, dtype=torch.bool)
+        valid_BS[0, S - 3:] = False
+    logits = model(ids_BS, valid_BS)
+    logits_ref = ref(ids_BS, valid_BS)
     assert not isinstance(logits, DTensor)
     torch.testing.assert_close(logits, logits_ref, **TOL)
     if sequence_parallel:  # 1/tp of the sequence per rank
@@ -90,11 +104,39 @@ def _check_case(preset: str, overrides: dict, tp_mesh, sequence_parallel: bool =
     assert checked > len(sharded)
 
 
+def _check_replay(preset: str, tp_mesh) -> None:
+    """Router replay under sequence parallelism: a recording holds the batch's tokens in sequence
+    order, as one process records them, and replaying one process's indices routes alike."""
+    cfg = load_config(preset)
+    torch.manual_seed(0)
+    model = build_model(cfg, VOCAB)
+    model.init_weights(seed=1)
+    ref = copy.deepcopy(model)
+    apply_tp(model, tp_mesh, sequence_parallel=True)
+    ids_BS = torch.randint(0, VOCAB, (B, S), generator=torch.Generator().manual_seed(3))
+    recorded = {}
+    for name, m in (("tp", model), ("ref", ref)):
+        with torch.no_grad(), m.router_replay.record():
+            m(ids_BS)
+        recorded[name] = m.router_replay.recorded()
+    assert torch.equal(recorded["tp"], recorded["ref"])
+    shifted_TLK = (recorded["ref"] + 1) % cfg.moe.num_experts  # not what the routers would choose
+    with torch.no_grad(), model.router_replay.replay(shifted_TLK), ref.router_replay.replay(shifted_TLK):
+        logits, logits_ref = model(ids_BS), ref(ids_BS)
+    torch.testing.assert_close(logits, logits_ref, **TOL)
+    with torch.no_grad():
+        assert not torch.allclose(logits, ref(ids_BS), **TOL)  # the replay changed the routing
+
+
 def _check_all(rank: int) -> None:
     tp_mesh = ParallelLayout(ParallelDims(WORLD, tp=WORLD)).tp_mesh
     for preset, overrides in CASES:
         _check_case(preset, overrides, tp_mesh)
         _check_case(preset, overrides, tp_mesh, sequence_parallel=True)
+    for preset, overrides in SHARD_CASES:
+        _check_case(preset, overrides, tp_mesh, padded=True)
+        _check_case(preset, overrides, tp_mesh, sequence_parallel=True, padded=True)
+    _check_replay("tiny-qwen3", tp_mesh)
 
     # Indivisible heads: a ConfigError, before anything is sharded.
     for overrides, what in [({"model.n_heads": 3, "model.n_kv_heads": 1, "model.head_dim": 16}, "n_heads=3"),

@@ -1,6 +1,10 @@
-"""memory.offload on CPU: the hooks copy each chosen saved tensor to a host tensor and back, training
-stays bit-identical with every option, parameters and small tensors stay put, fewer bytes stay on
-the device side."""
+"""memory.offload on CPU: the hooks copy the storage of each chosen saved tensor to a host tensor
+once per region and bring it back as the same views, training stays bit-identical with every option,
+parameters and small tensors stay put, fewer bytes stay on the device side, and nothing is left on
+the host after backward."""
+
+import contextlib
+import weakref
 
 import pytest
 import torch
@@ -17,26 +21,52 @@ from memory_runs import (
 )
 
 from moefold.memory.offload import ActivationOffload, HostCopy
+from moefold.train.loss import build_objective
 
 CASES = [(config, name) for config in CONFIGS for name in MODULES[config]]
 
 
-class SpyingCopy(HostCopy):
-    """Records what went to the host."""
+class Spy:
+    """What an offload sent to the host: per region, each saved tensor that went with its version
+    when saved (kept alive, so storages stay distinct), and weak references to the host copies."""
 
-    def __init__(self):
-        super().__init__()
-        self.moved: list[torch.Tensor] = []
+    def __init__(self, offload: ActivationOffload):
+        self.regions: list[list[tuple[torch.Tensor, int]]] = []
+        self.host_copies: list[weakref.ref[torch.Tensor]] = []
+        region, pack, to_host = offload.region, offload.pack, offload.copier.to_host
 
-    def to_host(self, t):
-        self.moved.append(t)
-        return super().to_host(t)
+        @contextlib.contextmanager
+        def recording_region():
+            self.regions.append([])
+            with region():
+                yield
+
+        def recording_pack(t):
+            packed = pack(t)
+            if packed is not t:
+                self.regions[-1].append((t, t._version))
+            return packed
+
+        def recording_to_host(storage_B):
+            packed = to_host(storage_B)
+            self.host_copies.append(weakref.ref(packed.host_B))
+            return packed
+        offload.region, offload.pack = recording_region, recording_pack
+        offload.copier.to_host = recording_to_host
+
+    @property
+    def moved(self) -> list[torch.Tensor]:
+        return [t for region in self.regions for t, _ in region]
+
+    def distinct_storage_bytes(self) -> int:
+        """The bytes of each region's distinct storages (as of their version when saved)."""
+        return sum(sum({(t.untyped_storage().data_ptr(), version): t.untyped_storage().nbytes()
+                        for t, version in region}.values()) for region in self.regions)
 
 
 def offloaded(config: str, names: str, min_bytes: int = 0, **extra):
     model = build(config, {"memory.offload": names, "memory.offload_min_bytes": str(min_bytes), **extra})
-    spy = model.activation_offload.copier = SpyingCopy()
-    return model, spy
+    return model, Spy(model.activation_offload)
 
 
 @pytest.mark.parametrize("config,name", CASES)
@@ -44,7 +74,7 @@ def test_offload_trains_bit_identically(config, name):
     model, spy = offloaded(config, f'["{name}"]')
     run = train(model)
     assert spy.moved, f"{name}: nothing was offloaded"
-    assert model.activation_offload.offloaded_bytes == sum(t.numel() * t.element_size() for t in spy.moved)
+    assert model.activation_offload.offloaded_bytes == spy.distinct_storage_bytes()
     assert_identical(run, plain_run(config))
 
 
@@ -74,23 +104,101 @@ def test_parameters_their_casts_and_small_tensors_stay():
 
 def test_a_weight_cast_is_not_offloaded():
     w = torch.nn.Parameter(torch.randn(64, 64))
-    offload = ActivationOffload(0, SpyingCopy())
+    offload = ActivationOffload(0, HostCopy())
+    spy = Spy(offload)
     x = torch.randn(8, 64, requires_grad=True) * 1.0  # an activation, not a leaf
-    with torch.autograd.graph.saved_tensors_hooks(offload.pack, offload.unpack):
+    with offload.region():
         y = (x.double() @ w.double()).sum()  # saves x.double() (an activation) and w.double()
     y.backward()
-    assert [t.shape for t in offload.copier.moved] == [(8, 64)]
+    assert [t.shape for t in spy.moved] == [(8, 64)]
 
 
-def test_host_copy_keeps_strides_and_values_of_views():
+def test_tensors_on_one_storage_go_to_the_host_once_and_come_back_as_its_views():
     base = torch.randn(4, 6, 10)
     offload = ActivationOffload(0, HostCopy())
-    for view in (base.split([7, 3], dim=-1)[0], base.transpose(0, 2), base[:, 1]):
-        back = offload.unpack(offload.pack(view))
-        assert back.stride() == view.stride() and torch.equal(back, view)
-        assert back.untyped_storage().data_ptr() != view.untyped_storage().data_ptr()
+    views = (base, base, base.split([7, 3], dim=-1)[0], base.transpose(0, 2), base[:, 1],
+             base.view(torch.int32)[1:])
+    with offload.region():
+        packed = [offload.pack(v) for v in views]
+    assert offload.offloaded_bytes == base.untyped_storage().nbytes()  # 960 B (one by one: 4,432)
+    back = [offload.unpack(p) for p in packed]
+    for b, v in zip(back, views):
+        assert (b.dtype, b.shape, b.stride(), b.storage_offset()) == \
+            (v.dtype, v.shape, v.stride(), v.storage_offset())
+        assert torch.equal(b, v)
+    assert len({b.untyped_storage().data_ptr() for b in back}) == 1
+    assert back[0].untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
     broadcast = base[:1].expand(3, 6, 10)  # stride 0: stays
     assert offload.pack(broadcast) is broadcast
+
+
+class DeviceLikeCopy(HostCopy):
+    """Brings each storage back as a new tensor, as the CUDA copier does, and counts the restores."""
+
+    def __init__(self):
+        super().__init__()
+        self.restored: list[weakref.ref[torch.Tensor]] = []
+
+    def to_device(self, packed):
+        restored_B = packed.host_B.clone()
+        self.restored.append(weakref.ref(restored_B))
+        return restored_B
+
+
+def swiglu_with_shared_storages(x_TD, w_DF2, w_FD):
+    """Saves 6 tensors on 4 storages: x (by two GEMMs), the gate and up halves of one fused output
+    (by silu and mul), silu's output and the down GEMM's input."""
+    g_TF, u_TF = (x_TD @ w_DF2).chunk(2, dim=-1)
+    return ((torch.nn.functional.silu(g_TF) * u_TF) @ w_FD + x_TD @ w_DF2[:, :1]).sum()
+
+
+def test_a_region_restores_each_storage_once_and_drops_it_when_every_view_was_unpacked():
+    gen = torch.Generator().manual_seed(0)
+    a_TD, w_DF2, w_FD = (torch.randn(*shape, generator=gen, requires_grad=True)
+                         for shape in ((16, 8), (8, 64), (32, 8)))
+    plain = torch.autograd.grad(swiglu_with_shared_storages(a_TD * 1.0, w_DF2, w_FD), (a_TD, w_DF2, w_FD))
+    offload = ActivationOffload(0, DeviceLikeCopy())
+    spy = Spy(offload)
+    with offload.region():
+        loss = swiglu_with_shared_storages(a_TD * 1.0, w_DF2, w_FD)
+    assert len(spy.moved) == 6 and len(spy.host_copies) == 4
+    assert offload.offloaded_bytes == spy.distinct_storage_bytes() == 4 * 16 * (8 + 64 + 32 + 32)
+    grads = torch.autograd.grad(loss, (a_TD, w_DF2, w_FD), retain_graph=True)
+    assert all(torch.equal(g, p) for g, p in zip(grads, plain))
+    assert len(offload.copier.restored) == 4 and not any(r() for r in offload.copier.restored)
+    assert all(h() is not None for h in spy.host_copies)  # the retained graph still needs them
+    again = torch.autograd.grad(loss, (a_TD, w_DF2, w_FD))
+    assert all(torch.equal(g, p) for g, p in zip(again, plain))
+    assert len(offload.copier.restored) == 8 and not any(r() for r in offload.copier.restored)
+    assert not any(h() for h in spy.host_copies)  # backward released the graph: loss still lives
+
+
+def test_a_storage_written_in_place_after_saving_is_copied_again():
+    """Each saved tensor comes back with the values it had when saved (autograd checks no version
+    of a hooked tensor), so a storage whose version moved is not shared with the earlier copy."""
+    a = torch.randn(64, requires_grad=True)
+    offload = ActivationOffload(0, HostCopy())
+    with offload.region():
+        x = a * 1.0
+        y = x.sin()  # saves x
+        x.mul_(2.0)
+        loss = y.sum() + x.cos().sum()  # saves x again, written since
+    loss.backward()
+    b = a.detach().requires_grad_()
+    x = b * 1.0
+    (x.sin().sum() + (x * 2.0).cos().sum()).backward()
+    assert torch.equal(a.grad, b.grad)
+    assert offload.offloaded_bytes == 2 * 64 * 4
+
+
+def test_no_host_copy_outlives_backward():
+    model, spy = offloaded("deepseek", '["layer"]')
+    ids = batches(1)[0]
+    loss, _ = build_objective(model)(model, ids[:, :-1], ids[:, 1:])
+    assert any(h() is not None for h in spy.host_copies)  # (the router's group pick's graph dies)
+    loss.backward()
+    assert not any(h() for h in spy.host_copies)  # loss, and with it the graph, still lives
+    assert model.activation_offload._regions == []
 
 
 def test_offload_with_recompute_is_bit_identical():

@@ -1,24 +1,34 @@
 """Activation offload: `apply_offload(model, names, min_bytes, device_type)` (memory.offload).
 
-Each call of a named site (memory/sites.py) runs under `torch.autograd.graph.saved_tensors_hooks`:
-pack copies a saved tensor to host memory and keeps only that copy, unpack brings it back when
-backward needs it. The copy keeps the tensor's exact strides and values, so results are
-bit-identical to the plain run. Parameters (and their dtype casts, e.g. a bf16 copy of an expert
-weight) stay on the device: they outlive the step anyway. So do tensors under `min_bytes`, where a
-copy's launch costs more than the memory is worth, and broadcast views (stride 0, small by nature).
+Each call of a named site (memory/sites.py) is a region run under
+`torch.autograd.graph.saved_tensors_hooks`: pack copies the storage of a saved tensor to host memory
+and keeps only that copy, unpack brings it back when backward needs it. The unit is the storage, not
+the tensor: the tensors one region saves are often views of one storage (a linear's input saved by
+the gate and the up projection, the halves of a fused output), so each storage is copied once per
+region and every tensor saved on it comes back as a view of one restored storage, with its own
+shape, strides, offset and dtype. Results are bit-identical to the plain run. A storage changed in
+place after a tensor on it was saved (its version counter moved) is copied again for the later
+tensors, since each must come back with the values it had when saved. The region's table of copies
+lives for its forward only; a restored storage is held for the tensors on it until each of them was
+unpacked, then autograd's references alone keep it.
+
+Parameters (and their dtype casts, e.g. a bf16 copy of an expert weight) stay on the device: they
+outlive the step anyway. So do tensors under `min_bytes`, where a copy's launch costs more than the
+memory is worth, and broadcast views (stride 0, small by nature).
 
 Under tensor parallelism many saved tensors are DTensors: the sharded linears' inputs and, with
 sequence parallelism, everything the pre-norms save. A DTensor is a wrapper; its local shard holds
-the memory, so the shard is what moves (`min_bytes` and the stride check apply to it), with its
-place in the whole (mesh, placements, global shape and stride). Unpack wraps the shard brought back
-in an equal DTensor (`DTensor.from_local`, no communication), detached as a non-reentrant
-checkpoint's recomputed tensors are: backward reads only the value.
+the memory, so the shard's storage is what moves (`min_bytes` and the stride check apply to the
+shard), with the shard's place in the whole (mesh, placements, global shape and stride). Unpack
+wraps the shard brought back in an equal DTensor (`DTensor.from_local`, no communication), detached
+as a non-reentrant checkpoint's recomputed tensors are: backward reads only the value.
 
-The copier is a strategy chosen from the device type when the model is built:
+The copier is a strategy chosen from the device type when the model is built; it moves one storage's
+bytes (`storage_B`: B bytes, a flat uint8 tensor over the whole storage) each way:
 * `StreamedHostCopy` (CUDA): device→host copies go to pinned memory on a side stream during forward
-  (the source is `record_stream`ed, so its memory is not reused before the copy ends). One site
-  call's tensors form a group; the first unpack of a group brings the whole group back on the side
-  stream and starts bringing the group saved before it, which backward needs next.
+  (the source is `record_stream`ed, so its memory is not reused before the copy ends). One region's
+  storages form a group; the first unpack of a group brings the whole group back on the side stream
+  and starts bringing the group saved before it, which backward needs next.
 * `HostCopy` (CPU, or where nothing overlaps): a plain synchronous copy to a host tensor (pinned
   when CUDA is available). On a CPU-only machine it saves nothing, but it runs the same hooks, so
   the CPU tests prove the path and its bit-identity.
@@ -26,11 +36,13 @@ The copier is a strategy chosen from the device type when the model is built:
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from moefold.memory.sites import targets
 from moefold.parallel.local import memory_holder
@@ -52,34 +64,68 @@ class ActivationOffload:
     def __init__(self, min_bytes: int, copier: HostCopy | StreamedHostCopy):
         self.min_bytes, self.copier = min_bytes, copier
         self.offloaded_bytes = 0  # since the model was built: a diagnostic
+        # Per open region (nested sites nest), its storages' host copies by (storage, version).
+        self._regions: list[dict[tuple[StorageWeakRef, int], _Offloaded]] = []
 
     def wrap(self, fn: Callable) -> Callable:
         def run(*args, **kwargs):
-            self.copier.begin_group()
-            with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
+            with self.region():
                 return fn(*args, **kwargs)
         return run
+
+    @contextlib.contextmanager
+    def region(self) -> Iterator[None]:
+        """Offload what autograd saves inside: each storage goes to the host once."""
+        self.copier.begin_group()
+        self._regions.append({})
+        try:  # self.pack looked up per call: plan.measure and tests replace it
+            with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
+                yield
+        finally:
+            self._regions.pop()  # the tensors packed hold their copies; nothing else may
 
     def pack(self, t: torch.Tensor):
         local = memory_holder(t)
         if not self._offloadable(t, local):
             return t
-        self.offloaded_bytes += local.numel() * local.element_size()
-        host = self.copier.to_host(local)
-        return host if local is t else _OffloadedShard(host, t)
+        return _Saved(self._host_copy(local), local, _Place(t) if local is not t else None)
 
     def unpack(self, packed) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
             return packed
-        if isinstance(packed, _OffloadedShard):
-            return packed.rebuild(self.copier.to_device(packed.local))
-        return self.copier.to_device(packed)
+        return packed.view_in(self._restored(packed))
+
+    def _host_copy(self, local: torch.Tensor) -> _Offloaded:
+        """The region's host copy of `local`'s storage as it is now: a tensor saved on a storage
+        written in place since the last copy (autograd bumped its version) needs its own."""
+        storage = local.untyped_storage()
+        copies = self._regions[-1] if self._regions else {}  # outside a region: no sharing
+        key = (StorageWeakRef(storage), local._version)  # weak: the device memory may go
+        if key not in copies:
+            copies[key] = self.copier.to_host(_bytes_of(storage))
+            self.offloaded_bytes += storage.nbytes()
+        copies[key].sharers += 1
+        return copies[key]
+
+    def _restored(self, saved: _Saved) -> torch.Tensor:
+        """`saved`'s storage back on its device: one restore for all the tensors saved on it."""
+        copy = saved.copy
+        if copy.restored_B is None:
+            copy.restored_B = self.copier.to_device(copy)
+        restored_B = copy.restored_B
+        copy.unpacked.add(id(saved))
+        if len(copy.unpacked) == copy.sharers:  # all have their views: autograd holds it from here
+            copy.restored_B, copy.unpacked = None, set()  # (a retained graph's next backward: anew)
+        return restored_B
 
     def _offloadable(self, t: torch.Tensor, local: torch.Tensor) -> bool:
         # type() is not isinstance(): parameters, DTensors and fake tensors are subclasses. A
         # DTensor parameter is a DTensor: _is_weight looks at the wrapper, the rest at its shard.
+        # A conjugate or negative view's bit would not survive a storage copy (no model here is
+        # complex, so none is saved).
         return (type(local) is torch.Tensor and local.layout == torch.strided
                 and local.device.type != "meta" and self.copier.accepts(local)
+                and not local.is_conj() and not local.is_neg()
                 and local.numel() * local.element_size() >= self.min_bytes and not _is_weight(t)
                 and all(stride or size == 1 for size, stride in zip(local.shape, local.stride())))
 
@@ -108,35 +154,63 @@ def _is_weight(t: torch.Tensor) -> bool:
     return hasattr(fn, "variable")  # AccumulateGrad: a parameter's
 
 
-def _empty_strided_like(t: torch.Tensor, device, pin_memory: bool = False) -> torch.Tensor:
-    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device, pin_memory=pin_memory)
+def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
+    """The whole storage as a flat uint8 tensor: what moves, whatever views the tensors on it are."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
-class _OffloadedShard:
-    """A DTensor's local shard gone to the host (`local`, as the copier packed it), and where it
-    sits in the whole: unpack rebuilds an equal DTensor around the shard brought back. Not the
-    DTensor itself, which would keep the shard's device memory alive."""
-    __slots__ = ("local", "mesh", "placements", "shape", "stride")
+def _host_bytes(like_B: torch.Tensor, pin_memory: bool) -> torch.Tensor:
+    return torch.empty(like_B.numel(), dtype=torch.uint8, device="cpu", pin_memory=pin_memory)
 
-    def __init__(self, local, t: DTensor):
-        self.local, self.mesh, self.placements = local, t.device_mesh, t.placements
+
+def _device_copy(host_B: torch.Tensor, device: torch.device, non_blocking: bool = False) -> torch.Tensor:
+    return torch.empty_like(host_B, device=device).copy_(host_B, non_blocking=non_blocking)
+
+
+class _Place:
+    """Where a DTensor's local shard sits in the whole: unpack wraps the shard brought back in an
+    equal DTensor. Not the DTensor itself, which would keep the shard's device memory alive."""
+    __slots__ = ("mesh", "placements", "shape", "stride")
+
+    def __init__(self, t: DTensor):
+        self.mesh, self.placements = t.device_mesh, t.placements
         self.shape, self.stride = t.shape, t.stride()
 
-    def rebuild(self, local: torch.Tensor) -> DTensor:
+    def wrap(self, local: torch.Tensor) -> DTensor:
         return DTensor.from_local(local, self.mesh, self.placements, run_check=False,
                                   shape=self.shape, stride=self.stride)
 
 
-class _Offloaded:
-    """A saved tensor's host copy, and what it takes to bring it back."""
-    __slots__ = ("__weakref__", "copied", "device", "group", "host", "prefetched")
+class _Saved:
+    """One saved tensor gone to the host: the copy of its storage (shared with the region's other
+    tensors on it) and its view of that storage; a DTensor shard's also its `_Place`."""
+    __slots__ = ("copy", "dtype", "offset", "place", "shape", "stride")
 
-    def __init__(self, host: torch.Tensor, device: torch.device, copied=None, group=None):
-        self.host, self.device, self.copied, self.group, self.prefetched = host, device, copied, group, None
+    def __init__(self, copy: _Offloaded, local: torch.Tensor, place: _Place | None):
+        self.copy, self.dtype, self.place = copy, local.dtype, place
+        self.offset, self.shape, self.stride = local.storage_offset(), local.shape, local.stride()
+
+    def view_in(self, storage_B: torch.Tensor) -> torch.Tensor:
+        local = storage_B.new_empty(0, dtype=self.dtype)
+        local.set_(storage_B.untyped_storage(), self.offset, self.shape, self.stride)
+        return local if self.place is None else self.place.wrap(local)
+
+
+class _Offloaded:
+    """A storage's host copy, and what it takes to bring it back. `sharers` tensors were saved on
+    it; `restored_B` holds it back on the device until each of them (`unpacked`: their ids) has
+    its view."""
+    __slots__ = ("__weakref__", "copied", "device", "group", "host_B", "prefetched_B", "restored_B",
+                 "sharers", "unpacked")
+
+    def __init__(self, host_B: torch.Tensor, device: torch.device, copied=None, group=None):
+        self.host_B, self.device, self.copied, self.group = host_B, device, copied, group
+        self.prefetched_B = self.restored_B = None
+        self.sharers, self.unpacked = 0, set()
 
 
 class HostCopy:
-    """Synchronous copies; a CPU tensor comes back as its host copy."""
+    """Synchronous copies; a CPU storage comes back as its host copy."""
 
     def __init__(self):
         self.pin_memory = torch.cuda.is_available()
@@ -147,19 +221,19 @@ class HostCopy:
     def accepts(self, t: torch.Tensor) -> bool:
         return True
 
-    def to_host(self, t: torch.Tensor) -> _Offloaded:
-        host = _empty_strided_like(t, "cpu", self.pin_memory and t.device.type != "cpu")
-        host.copy_(t)
-        return _Offloaded(host, t.device)
+    def to_host(self, storage_B: torch.Tensor) -> _Offloaded:
+        host_B = _host_bytes(storage_B, self.pin_memory and storage_B.device.type != "cpu")
+        host_B.copy_(storage_B)
+        return _Offloaded(host_B, storage_B.device)
 
     def to_device(self, packed: _Offloaded) -> torch.Tensor:
         if packed.device.type == "cpu":
-            return packed.host
-        return _empty_strided_like(packed.host, packed.device).copy_(packed.host)
+            return packed.host_B
+        return _device_copy(packed.host_B, packed.device)
 
 
 class _Group:
-    """The tensors one site call saved, and the group saved before it (weakly)."""
+    """The storages one region copied, and the group copied before it (weakly)."""
 
     def __init__(self, previous: _Group | None):
         self.previous = weakref.ref(previous) if previous is not None else None
@@ -186,14 +260,14 @@ class StreamedHostCopy:
         """Only device tensors: attention kernels also save small host tensors (RNG state)."""
         return t.is_cuda
 
-    def to_host(self, t: torch.Tensor) -> _Offloaded:
-        stream = self._stream(t.device)
-        stream.wait_stream(torch.cuda.current_stream(t.device))  # t is written on the compute stream
+    def to_host(self, storage_B: torch.Tensor) -> _Offloaded:
+        stream = self._stream(storage_B.device)
+        stream.wait_stream(torch.cuda.current_stream(storage_B.device))  # written on that stream
         with torch.cuda.stream(stream):
-            host = _empty_strided_like(t, "cpu", pin_memory=True)
-            host.copy_(t, non_blocking=True)
-        t.record_stream(stream)  # t's memory is not reused before the copy ends
-        packed = _Offloaded(host, t.device, stream.record_event(), self._group)
+            host_B = _host_bytes(storage_B, pin_memory=True)
+            host_B.copy_(storage_B, non_blocking=True)
+        storage_B.record_stream(stream)  # the storage is not reused before the copy ends
+        packed = _Offloaded(host_B, storage_B.device, stream.record_event(), self._group)
         self._group.members.append(weakref.ref(packed))
         return packed
 
@@ -204,13 +278,13 @@ class StreamedHostCopy:
         if previous is not None:
             self._fetch(previous)  # backward needs it next: its copies overlap this group's compute
         current = torch.cuda.current_stream(packed.device)
-        t, packed.prefetched = packed.prefetched, None
-        if t is None:  # unpacked a second time: copy again on the compute stream
+        restored_B, packed.prefetched_B = packed.prefetched_B, None
+        if restored_B is None:  # restored a second time: copy again on the compute stream
             current.wait_event(packed.copied)
-            return _empty_strided_like(packed.host, packed.device).copy_(packed.host, non_blocking=True)
+            return _device_copy(packed.host_B, packed.device, non_blocking=True)
         current.wait_event(group.fetched)
-        t.record_stream(current)  # allocated on the side stream, used and freed on this one
-        return t
+        restored_B.record_stream(current)  # allocated on the side stream, used and freed on this one
+        return restored_B
 
     def _fetch(self, group: _Group) -> None:
         if group.fetched is not None:
@@ -221,5 +295,5 @@ class StreamedHostCopy:
         stream = self._stream(alive[0].device)
         with torch.cuda.stream(stream):  # after the device→host copies on the same stream
             for p in alive:
-                p.prefetched = _empty_strided_like(p.host, p.device).copy_(p.host, non_blocking=True)
+                p.prefetched_B = _device_copy(p.host_B, p.device, non_blocking=True)
         group.fetched = stream.record_event()

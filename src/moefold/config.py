@@ -682,6 +682,10 @@ def validate(cfg: Config) -> None:
     _require(0.0 <= t.beta1 < 1.0, f"train.beta1={t.beta1} must be in [0, 1)")
     _require(0.0 <= t.beta2 < 1.0, f"train.beta2={t.beta2} must be in [0, 1)")
     _require(t.eps > 0, f"train.eps={t.eps} must be > 0")
+    _require(t.lr * t.weight_decay < 1,
+             f"train.lr={t.lr} · train.weight_decay={t.weight_decay} = {t.lr * t.weight_decay:g} must be < 1 "
+             "(AdamW's decay multiplies each weight by 1 − lr · weight_decay a step: 0 or less zeroes it or "
+             "flips its sign)")
     _one_of("train.device", t.device, ("auto", "cpu", "cuda"))
     _require(0.0 <= cfg.data.val_fraction < 1.0,
              f"data.val_fraction={cfg.data.val_fraction} must be in [0, 1)")

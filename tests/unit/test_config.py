@@ -65,6 +65,16 @@ def test_invalid_values_name_field_value_and_rule(overrides, message):
         load_config("tiny", overrides)
 
 
+def test_an_adamw_decay_that_would_zero_or_flip_every_weight_is_refused():
+    """AdamW's decoupled decay multiplies each weight by 1 − lr · weight_decay a step: from
+    lr · weight_decay = 1 on, that zeroes every decayed weight or flips its sign."""
+    load_config("tiny", {"train.lr": "1.98", "train.weight_decay": "0.5"})  # 0.99: shrinks them
+    with pytest.raises(ConfigError, match=re.escape(
+            "train.lr=2.0 · train.weight_decay=0.5 = 1 must be < 1 (AdamW's decay multiplies each weight by "
+            "1 − lr · weight_decay a step: 0 or less zeroes it or flips its sign)")):
+        load_config("tiny", {"train.lr": "2", "train.weight_decay": "0.5"})
+
+
 def test_unknown_preset_and_bad_toml(tmp_path):
     with pytest.raises(ConfigError, match="no such preset or file"):
         load_config("tinyy")

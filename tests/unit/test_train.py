@@ -175,15 +175,17 @@ def test_save_killed_halfway_leaves_previous_checkpoint_loadable(tmp_path, tiny_
 
 @pytest.mark.parametrize("log_every, steps", [(1, "step 2"), (4, "steps 1–2")])
 def test_a_diverged_run_stops_before_saving_non_finite_weights(tmp_path, tiny_args, capsys, log_every, steps):
-    """lr 1e30: step 1's update makes step 2's gradient norm nan. The run stops there, at a log
-    step or before the save due at step 2, with one line; the checkpoint of step 1 stays the
-    latest (rotation would otherwise have deleted it for nan weights)."""
+    """lr 1e30, without weight decay (that would flip every weight's sign, which is refused):
+    step 1's update makes step 2's gradient norm nan. The run stops there, at a log step or before
+    the save due at step 2, with one line; the checkpoint of step 1 stays the latest (rotation
+    would otherwise have deleted it for nan weights)."""
     from moefold.generate import load_model_from_run
 
     run = tmp_path / "run"
     capsys.readouterr()
-    assert main(["train", "--run-dir", str(run), *tiny_args, "--train.lr", "1e30", "--train.warmup_steps", "1",
-                 "--checkpoint.every", "1", "--checkpoint.keep", "1", "--logging.log_every", str(log_every)]) == 2
+    assert main(["train", "--run-dir", str(run), *tiny_args, "--train.lr", "1e30", "--train.weight_decay", "0",
+                 "--train.warmup_steps", "1", "--checkpoint.every", "1", "--checkpoint.keep", "1",
+                 "--logging.log_every", str(log_every)]) == 2
     assert capsys.readouterr().err.splitlines() == [
         f"moefold: error: training diverged: the gradient norm was nan within {steps}, which leaves the weights "
         "non-finite; nothing from these steps is saved. Lower train.lr (now 1e+30) or raise "

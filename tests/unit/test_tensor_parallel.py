@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from test_parallel_dims import run_on_ranks
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.debug import CommDebugMode
 
 from moefold.config import load_config
 from moefold.errors import ConfigError
@@ -128,6 +129,24 @@ def _check_replay(preset: str, tp_mesh) -> None:
         assert not torch.allclose(logits, ref(ids_BS), **TOL)  # the replay changed the routing
 
 
+def _check_backward_collectives(tp_mesh) -> None:
+    """One dense block (GQA without QK-norm, SwiGLU MLP): attention's q/k/v and the MLP's gate and
+    up read one input each, so its gradient is summed over TP once — one reduce-scatter under
+    sequence parallelism, one all-reduce without — not once per linear (5 all-reduces before)."""
+    expected = {True: {"all_gather_into_tensor": 3, "reduce_scatter_tensor": 2},  # + row-wise outputs
+                False: {"all_reduce": 2}}
+    for sequence_parallel, counts in expected.items():
+        cfg = load_config("tiny-qwen3", {"model.n_layers": 1, "moe.first_k_dense": 1, "model.qk_norm": False})
+        model = build_model(cfg, VOCAB)
+        model.init_weights(seed=1)
+        apply_tp(model, tp_mesh, sequence_parallel)
+        logits = model(torch.randint(0, VOCAB, (B, S), generator=torch.Generator().manual_seed(4)))
+        with CommDebugMode() as comm:
+            logits.sum().backward()
+        seen = {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}
+        assert seen == counts, f"sequence_parallel={sequence_parallel}"
+
+
 def _check_all(rank: int) -> None:
     tp_mesh = ParallelLayout(ParallelDims(WORLD, tp=WORLD)).tp_mesh
     for preset, overrides in CASES:
@@ -137,6 +156,7 @@ def _check_all(rank: int) -> None:
         _check_case(preset, overrides, tp_mesh, padded=True)
         _check_case(preset, overrides, tp_mesh, sequence_parallel=True, padded=True)
     _check_replay("tiny-qwen3", tp_mesh)
+    _check_backward_collectives(tp_mesh)
 
     # Indivisible heads: a ConfigError, before anything is sharded.
     for overrides, what in [({"model.n_heads": 3, "model.n_kv_heads": 1, "model.head_dim": 16}, "n_heads=3"),

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.placement_types import Placement
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInputOutput,
@@ -127,7 +128,7 @@ def route_sequence_shard(layer, tp_mesh: DeviceMesh) -> None:
     if isinstance(layer.router.select, ReplayedSelection):
         layer.router.select.rows = rows
     if layer.shared is not None:
-        _gather_tokens_for_shared_experts(layer.shared, tp_mesh)
+        shard_shared_experts(layer.shared, tp_mesh, Shard(0))
     layer.register_forward_pre_hook(lambda module, args: _local_shard(tp_mesh, rows, *args))
     layer.register_forward_hook(
         lambda module, args, y_BtD: DTensor.from_local(y_BtD, tp_mesh, (Shard(1),), run_check=False))
@@ -185,17 +186,19 @@ class ShardRoutingRouter(Router):
         return SumGrad.apply(self.weight, self.group)
 
 
-def _gather_tokens_for_shared_experts(shared, tp_mesh: DeviceMesh) -> None:
-    """Shared experts under sequence parallelism, as a sequence-parallel dense MLP: the rank's
-    [t, D] tokens are all-gathered once into a DTensor that gate and up both read (their partial
-    input gradients add up before one reduce-scatter), down's partial sums are reduce-scattered
-    back to the rank's t rows. The rows are gathered in rank order, not sequence order: a
-    per-token MLP does not care, and the reduce-scatter hands each rank its own rows back. A
-    shared-expert gate reads the gathered tokens with its weight replicated as a DTensor."""
+def shard_shared_experts(shared, tp_mesh: DeviceMesh, tokens: Placement) -> None:
+    """Shared experts TP-sharded like a dense MLP (gate and up column-wise, down row-wise) on the
+    [T, D] tokens laid out as `tokens`: Replicate() (every TP rank holds them all), or Shard(0)
+    under sequence parallelism (the rank's t rows, all-gathered here in rank order, not sequence
+    order: a per-token MLP does not care, and the reduce-scatter hands each rank its own rows
+    back). Either way the tokens become one DTensor that gate and up (and a shared-expert gate,
+    its weight replicated as a DTensor) all read, so their partial input gradients add up before
+    one all-reduce (reduce-scatter under sequence parallelism) rather than one each; the output
+    leaves in the tokens' layout, as a plain tensor."""
     parallelize_module(shared, tp_mesh, PrepareModuleInputOutput(
-        input_layouts=(Shard(0),), desired_input_layouts=(Replicate(),), use_local_input=False,
-        output_layouts=(Shard(0),), desired_output_layouts=(Shard(0),), use_local_output=True))
-    plan = {"w1": ColwiseParallel(), "w2": RowwiseParallel(output_layouts=Shard(0), use_local_output=False)}
+        input_layouts=(tokens,), desired_input_layouts=(Replicate(),), use_local_input=False,
+        output_layouts=(tokens,), desired_output_layouts=(tokens,), use_local_output=True))
+    plan = {"w1": ColwiseParallel(), "w2": RowwiseParallel(output_layouts=tokens, use_local_output=False)}
     if hasattr(shared, "w3"):  # gated activations only
         plan["w3"] = ColwiseParallel()
     parallelize_module(shared, tp_mesh, plan)
@@ -219,4 +222,4 @@ class SumGrad(torch.autograd.Function):
         return grad, None
 
 
-__all__ = ["SequenceSplitDispatcher", "route_sequence_shard", "split_sequence_over_tp"]
+__all__ = ["SequenceSplitDispatcher", "route_sequence_shard", "shard_shared_experts", "split_sequence_over_tp"]

@@ -62,7 +62,7 @@ from moefold.models.attention import Attention
 from moefold.models.mla import MLAttention
 from moefold.models.mlp import SwiGLUMLP
 from moefold.models.norm import RMSNorm
-from moefold.parallel.sequence import SumGrad, route_sequence_shard
+from moefold.parallel.sequence import SumGrad, route_sequence_shard, shard_shared_experts
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> None:
@@ -86,7 +86,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = Fa
         if isinstance(block.ffn, SwiGLUMLP):
             _tp_mlp(block.ffn, tp_mesh, out)
         elif getattr(block.ffn, "shared", None) is not None and id(block) not in sp_blocks:
-            _tp_mlp(block.ffn.shared, tp_mesh, _REPLICATED_OUTPUT)  # summed with the routed output
+            shard_shared_experts(block.ffn.shared, tp_mesh, Replicate())  # summed with the routed output
+        if id(block) not in sp_blocks:
+            _one_input_gradient_sum(block, tp_mesh)
     if sequence_parallel:
         _sequence_parallel(model, tp_mesh)
     shard_fp8_linears(model)  # FP8 linears (precision.fp8) compute on their local shards
@@ -109,13 +111,11 @@ def _sequence_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     reduce-scatters its output, each MoE layer routes and dispatches the rank's shard as it is
     (its shared experts gather and reduce-scatter; parallel/sequence.py), and the last block's
     output is gathered again for the final norm, head and MTP modules."""
-    seq_in = PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                desired_input_layouts=(Replicate(), None, None), use_local_output=True)
     for block in model.layers:
-        plan = {"attn_norm": SequenceParallel(), "attn": seq_in, "ffn_norm": SequenceParallel()}
+        plan = {"attn_norm": SequenceParallel(), "attn": _gathered_input(block.attn, Shard(1), 3),
+                "ffn_norm": SequenceParallel()}
         if isinstance(block.ffn, SwiGLUMLP):
-            plan["ffn"] = PrepareModuleInput(input_layouts=(Shard(1), None),
-                                             desired_input_layouts=(Replicate(), None), use_local_output=True)
+            plan["ffn"] = _gathered_input(block.ffn, Shard(1), 2)
         else:
             route_sequence_shard(block.ffn, tp_mesh)
         parallelize_module(block, tp_mesh, plan)
@@ -129,6 +129,27 @@ def _sequence_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     else:
         parallelize_module(first, tp_mesh, PrepareModuleInput(**split))
         parallelize_module(last, tp_mesh, PrepareModuleOutput(**gather))
+
+
+def _gathered_input(module: nn.Module, layout, num_args: int) -> PrepareModuleInput:
+    """The plan of a TP region's input x (its first of `num_args` arguments) laid out as `layout`
+    (Shard(1) under sequence parallelism, else Replicate()): all-gathered where sharded, and kept a
+    DTensor where only column-wise linears read it (GQA's q/k/v, an MLP's gate and up), so their
+    partial input gradients add up before one reduce-scatter (all-reduce) instead of one
+    all-reduce each. MLA's down-projections are replicated plain linears: they read a plain x."""
+    plain = isinstance(module, MLAttention)
+    rest = (None,) * (num_args - 1)
+    return PrepareModuleInput(input_layouts=(layout, *rest), desired_input_layouts=(Replicate(), *rest),
+                              use_local_output=plain)
+
+
+def _one_input_gradient_sum(block: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Without sequence parallelism: the replicated input of GQA attention and of a dense MLP as a
+    DTensor too (`_gathered_input`), one all-reduce of its gradient instead of one per linear."""
+    if not isinstance(block.attn, MLAttention):
+        parallelize_module(block.attn, tp_mesh, _gathered_input(block.attn, Replicate(), 3))
+    if isinstance(block.ffn, SwiGLUMLP):
+        parallelize_module(block.ffn, tp_mesh, _gathered_input(block.ffn, Replicate(), 2))
 
 
 def _tp_mlp(mlp: nn.Module, tp_mesh: DeviceMesh, output_style) -> None:

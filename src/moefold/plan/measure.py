@@ -7,8 +7,8 @@ innermost module running when it was first saved, mapped to the planner's catego
 in `plan.activations`), so the analytic model can be compared module by module, not only in total;
 casts of parameters (autocast's bf16 weights, the experts' `w.to(bf16)`, fp32 norm weights), seen
 by a dispatch mode as `_to_copy` of a parameter's storage, are charged to `weight_copies`.
-For small configs (the planner's formulas are what scale); single process, or (fp32, for real) one
-rank's share of a tensor-parallel model, where a DTensor counts its local shard's storage.
+For small configs (the planner's formulas are what scale); single process, or (for real) one rank's
+share of a tensor-parallel model, where a DTensor counts its local shard's storage.
 """
 
 from __future__ import annotations
@@ -51,8 +51,10 @@ def _category(module: nn.Module, parent: nn.Module | None) -> str:
     from moefold.models.mla import MLAttention
     from moefold.models.mlp import SwiGLUMLP
     from moefold.models.norm import RMSNorm
+    from moefold.moe.balance import LoadBalancer
     from moefold.moe.experts import Experts
     from moefold.moe.layer import MoELayer
+    from moefold.moe.router import Router
     from moefold.moe.shared import SharedExperts
 
     if isinstance(module, RMSNorm):
@@ -72,7 +74,7 @@ def _category(module: nn.Module, parent: nn.Module | None) -> str:
             return "shared_experts"
         if isinstance(owner, SwiGLUMLP):
             return "mlp"
-    if type(module).__name__ in ("Router", "LoadBalancer"):
+    if isinstance(module, (Router, LoadBalancer)):  # a subclass too (ShardRoutingRouter under SP)
         return "router"
     if isinstance(module, nn.Embedding):
         return "embedding"
@@ -259,30 +261,29 @@ def measure_saved_activations(cfg: Config, dtype: str = "bf16", vocab_size: int 
     here.
 
     fp32 runs for real on the CPU instead (keep the config small): grouped_mm's fake kernel takes
-    bf16 only, and the loop backend needs real token counts. With a `layout` (fp32 only, every rank
-    of its process group calling) the model is parallelized as the trainer does it, and this rank's
-    bytes are measured."""
+    bf16 only, and the loop backend needs real token counts. With a `layout` (every rank of its
+    process group calling) the model is parallelized as the trainer does it, and this rank's bytes
+    are measured; bf16 then runs for real too (on the CPU, under autocast), as collectives need
+    real tensors."""
     from moefold.fp8.apply import apply_fp8
     from moefold.fp8.weight_cache import refresh_weight_caches
     from moefold.models.transformer import build_model
     from moefold.moe.experts import grouped_mm_supported
     from moefold.train.loss import build_objective
 
-    if layout is not None and dtype != "fp32":
-        raise ValueError(f"measuring a parallel layout needs real tensors: dtype='fp32', not {dtype!r}")
-
     torch_dtype, param_torch_dtype = DTYPES[dtype], DTYPES[param_dtype or dtype]
     grouped_mm_supported("cpu", torch_dtype)  # cached probe with real tensors, outside fake mode
     vocab = vocab_size or model_vocab_size(cfg)
     B, S = cfg.train.micro_batch_size, cfg.train.seq_len
-    fake = FakeTensorMode() if dtype == "bf16" else contextlib.nullcontext()
+    real = dtype == "fp32" or layout is not None
+    fake = contextlib.nullcontext() if real else FakeTensorMode()
     with fake, _fused_attention():
         model = build_model(cfg, vocab, "cpu", torch_dtype)
         apply_fp8(model, cfg.precision, "cpu", shared_inputs=param_torch_dtype == torch_dtype,
                   compute_dtype=torch_dtype)
         model = _cast_params(model, param_torch_dtype).train()
         refresh_weight_caches(model)  # precision.fp8_weight_cache's buffers: not activations
-        if dtype == "fp32":
+        if real:
             model.init_weights(cfg.train.seed)  # uninitialised memory may hold slow denormals
         if layout is not None:
             _parallelize(model, layout, cfg)

@@ -2,12 +2,14 @@
 parallelism, against the real model's on 2 gloo ranks.
 
 Each rank builds the model, parallelizes it as the trainer does (tp 2) and counts what autograd
-keeps for backward, each storage once, a DTensor by its local shard (plan.measure, fp32 for real);
-the planner's activations of one micro-batch (predict_memory at tp 2, sp on and off) must agree
-with them category by category within 0.1% (to the byte when written), and in total with
-memory.recompute or memory.offload (the planner charges what they keep or move to the site, the
-measurement to the module that saved it). Sequence parallelism puts the main blocks' pre-norms on
-T/tp tokens; the router runs on all T tokens of the TP group on every TP rank.
+keeps for backward, each storage once, a DTensor by its local shard (plan.measure, for real on the
+CPU: fp32, bf16 parameters under bf16 autocast, and fp32 parameters under it); the planner's
+activations of one micro-batch (predict_memory at tp 2, sp on and off) must agree with them
+category by category within 0.1% (to the byte when written), and in total with memory.recompute
+or memory.offload (the planner charges what they keep or move to the site, the measurement to the
+module that saved it; checked in fp32). Sequence parallelism puts the main blocks' pre-norms on
+T/tp tokens, and their MoE layers route the rank's own T/tp tokens (router, balancing losses,
+dispatch); their shared experts all-gather the T tokens and reduce-scatter their output.
 """
 
 import json
@@ -21,33 +23,58 @@ from moefold.plan import predict_memory
 from moefold.plan.measure import measure_saved_activations
 
 TP = 2
+GATED_SHARED = {"moe.first_k_dense": 1, "moe.shared_experts": 1, "moe.shared_expert_gate": True}
 CASES = {
     "qwen3": ("tiny-qwen3", {"moe.first_k_dense": 1}),  # GQA with QK-norm, a dense and an MoE layer
-    "deepseek": ("tiny-deepseek", {}),  # MLA with q-LoRA, shared expert, an MTP block (never SP)
+    # MLA with q-LoRA, a DeepSeek shared expert, sigmoid scores with DeepSeek's sequence aux loss
+    # (per-sequence counts summed over the TP group under SP), an MTP block (never SP)
+    "deepseek": ("tiny-deepseek", {}),
     "deepseek-combine": ("tiny-deepseek", {"model.q_lora_rank": 0, "moe.memory_efficient_permute": False}),
-    # memory.recompute: the pre-norms keep their input, this rank's share under SP; the QK-norms,
-    # head-sharded by apply_tp, stay checkpointed.
+    # Qwen2-MoE's gated shared expert: under SP a replicated [T, 1] gate times the rank's rows
+    "qwen2-gate": ("tiny-qwen3", GATED_SHARED),
+    # every balancing loss on a softmax router: sequence, global-batch, z-loss besides the aux loss
+    "qwen3-losses": ("tiny-qwen3", {"moe.first_k_dense": 1, "moe.seq_aux_loss_coeff": 0.001,
+                                    "moe.global_aux_loss_coeff": 0.001, "moe.z_loss_coeff": 0.001}),
+    # memory.recompute: the pre-norms keep their input, this rank's share under SP, and free their
+    # output only before MLA and MoE layers (GQA attention and dense MLPs read a DTensor of it);
+    # the QK-norms, head-sharded by apply_tp, stay checkpointed.
     "qwen3-norm": ("tiny-qwen3", {"moe.first_k_dense": 1, "memory.recompute": '["norm"]'}),
     "deepseek-norm": ("tiny-deepseek", {"memory.recompute": '["norm"]'}),
     "qwen3-layer": ("tiny-qwen3", {"memory.recompute": '["layer"]'}),
+    # a recomputed MoE layer keeps its input (the rank's shard under SP), recomputed shared experts
+    # theirs (under SP the all-gathered tokens)
+    "deepseek-moe": ("tiny-deepseek", {"memory.recompute": '["moe"]'}),
+    "qwen2-gate-shared": ("tiny-qwen3", {**GATED_SHARED, "memory.recompute": '["shared_experts"]'}),
     # memory.offload: what the sharded linears and (sp) the pre-norms save are DTensors, whose local
     # shards move; offload_min_bytes applies to a shard's size.
     "qwen3-offload": ("tiny-qwen3", {"moe.first_k_dense": 1, "memory.offload": '["norm", "attn_core", "mlp"]',
                                      "memory.offload_min_bytes": 4096}),
     "deepseek-offload": ("tiny-deepseek", {"memory.offload": '["layer"]', "memory.offload_min_bytes": 0}),
 }
+# name: (precision.compute_dtype, optim.master_dtype, measure's dtype and param_dtype); the cases
+# with memory.recompute or memory.offload run in fp32 only
+DTYPES = {"fp32": ("fp32", "fp32", "fp32", ""), "bf16": ("bf16", "bf16", "bf16", ""),
+          "bf16-fp32-params": ("bf16", "fp32", "bf16", "fp32")}
+RUNS = [(name, dtype) for name in CASES for dtype in DTYPES
+        if dtype == "fp32" or not any(key.startswith("memory.") for key in CASES[name][1])]
 
 
-def _config(name: str, sp: bool):
+def _config(name: str, dtype: str, sp: bool):
     preset, overrides = CASES[name]
-    return load_config(preset, {**overrides, "train.micro_batch_size": 2, "precision.compute_dtype": "fp32",
-                                "parallel.tp": TP, "parallel.sequence_parallel": sp})
+    compute, master = DTYPES[dtype][:2]
+    return load_config(preset, {**overrides, "train.micro_batch_size": 2, "precision.compute_dtype": compute,
+                                "optim.master_dtype": master, "parallel.tp": TP,
+                                "parallel.sequence_parallel": sp})
 
 
 def _measure_all(rank: int, out_dir: str) -> None:
     layout = ParallelLayout(ParallelDims(TP, tp=TP))
-    measured = {f"{name} sp={sp}": measure_saved_activations(_config(name, sp), "fp32", layout=layout)
-                .by_category for name in CASES for sp in (False, True)}
+    measured = {}
+    for name, dtype in RUNS:
+        for sp in (False, True):
+            run_dtype, param_dtype = DTYPES[dtype][2:]
+            measured[f"{name} {dtype} sp={sp}"] = measure_saved_activations(
+                _config(name, dtype, sp), run_dtype, param_dtype=param_dtype, layout=layout).by_category
     with open(f"{out_dir}/rank{rank}.json", "w") as f:
         json.dump(measured, f)
 
@@ -62,10 +89,10 @@ def measured(tmp_path_factory):
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
-@pytest.mark.parametrize("name", CASES)
-def test_activations_match_the_tensor_parallel_model(measured, name, sp):
-    cfg = _config(name, sp)
-    real, planned = measured[f"{name} sp={sp}"], predict_memory(cfg, TP).activations
+@pytest.mark.parametrize("name,dtype", RUNS, ids=[f"{name}-{dtype}" for name, dtype in RUNS])
+def test_activations_match_the_tensor_parallel_model(measured, name, dtype, sp):
+    cfg = _config(name, dtype, sp)
+    real, planned = measured[f"{name} {dtype} sp={sp}"], predict_memory(cfg, TP).activations
     assert sum(planned.values()) == pytest.approx(sum(real.values()), rel=1e-3)
     if cfg.memory.recompute or cfg.memory.offload:  # charged to other categories: see above
         return
@@ -73,10 +100,44 @@ def test_activations_match_the_tensor_parallel_model(measured, name, sp):
         assert planned.get(category, 0) == pytest.approx(real.get(category, 0), rel=1e-3), category
 
 
+def _dims(name: str) -> tuple[int, int, int, int]:
+    """T (the TP group's tokens), D, E, K of a case."""
+    cfg = _config(name, "fp32", True)
+    T = cfg.train.micro_batch_size * cfg.train.seq_len
+    return T, cfg.model.dim, cfg.moe.num_experts, cfg.moe.top_k
+
+
 def test_sequence_parallelism_puts_the_pre_norms_on_a_tp_share(measured):
     """On tiny-qwen3 (2 layers, 2 pre-norms each, T tokens per TP rank) SP keeps half of each
     pre-norm's fp32 input, normalised rows and rsqrt per row: T/2 · (8·D + 4) bytes a norm."""
-    cfg = _config("qwen3", True)
-    T, D = cfg.train.micro_batch_size * cfg.train.seq_len, cfg.model.dim
-    saving = measured["qwen3 sp=False"]["norm"] - measured["qwen3 sp=True"]["norm"]
+    T, D, _, _ = _dims("qwen3")
+    saving = measured["qwen3 fp32 sp=False"]["norm"] - measured["qwen3 fp32 sp=True"]["norm"]
     assert saving == 2 * 2 * T // TP * (8 * D + 4)
+
+
+def test_sequence_parallelism_routes_the_rank_s_own_tokens(measured):
+    """Under SP an MoE layer routes the rank's T/tp tokens of the residual stream as they are
+    (parallel/sequence.route_sequence_shard). It used to all-gather them, and its router ran on all
+    T tokens of the TP group on every rank, so SP left the router's activations as they were
+    (Qwen3-30B-A3B at tp 4, ep 8, 4 × 4096: 6.45 GiB a GPU, now 1.61). On tiny-qwen3's MoE layer
+    (fp32 router, softmax, renormalised top-k, micro-batch aux loss) the router keeps per token its
+    fp32 input (4·D), scores (4·E), ids (8·K), chosen probabilities (4·K) and their sum (4), and
+    the aux loss's valid-token mask (1): SP keeps T/tp tokens' fewer. The dispatcher's keep mask is
+    the rank's own [T/tp·K] bools, no longer a view of the group's [T·K]."""
+    T, D, E, K = _dims("qwen3")
+    on, off = measured["qwen3 fp32 sp=True"], measured["qwen3 fp32 sp=False"]
+    assert off["router"] - on["router"] == T // TP * (4 * D + 4 * E + 12 * K + 5)
+    assert off["moe_dispatch"] - on["moe_dispatch"] == T // TP * K
+
+
+def test_sequence_parallel_shared_experts_gather_their_input(measured):
+    """Under SP shared experts all-gather the rank's tokens into one [T, D] tensor that w1, w3 and
+    a gate read; without SP, in fp32, they read the norm's output, which the router keeps already.
+    A gated one's product keeps the replicated gate [T, 1] and the rank's T/tp rows of w2's
+    reduce-scattered output, not all T. fp32: tiny-deepseek's 2 sequence-parallel MoE layers (its
+    MTP block is never SP) keep T·D·4 more each; tiny-qwen3 with a gated shared expert, T·D·4 more
+    input and (T − T/tp)·D·4 less output."""
+    T, D, _, _ = _dims("deepseek")
+    grown = {name: measured[f"{name} fp32 sp=True"]["shared_experts"]
+             - measured[f"{name} fp32 sp=False"]["shared_experts"] for name in ("deepseek", "qwen2-gate")}
+    assert grown == {"deepseek": 2 * T * D * 4, "qwen2-gate": T * D * 4 - (T - T // TP) * D * 4}

@@ -24,8 +24,11 @@ the output head run on all T tokens on every TP rank. Under sequence parallelism
 (parallel.sequence_parallel with tp > 1, parallel/tensor.py) the main blocks' residual stream and
 pre-norms hold this rank's T/tp tokens (`Shapes.residual_tokens`); the linears after a pre-norm keep
 the all-gathered T tokens as they would keep the norm's output; the MTP modules and blocks are not
-sequence-parallel. The router runs on all T tokens of the TP group on every TP rank; each TP rank
-dispatches its T/tp (parallel/sequence.py) and its experts see R rows.
+sequence-parallel. An MoE layer routes the residual stream's tokens (parallel/sequence.py): without
+sequence parallelism the router runs on all T tokens of the TP group on every TP rank and each rank
+dispatches its T/tp of them; with it the router, the balancing losses and the dispatch see only the
+rank's own T/tp, and the shared experts all-gather the T tokens and reduce-scatter their output
+back to the rank's rows. Either way a rank dispatches T/tp·K copies and its experts see R rows.
 """
 
 from __future__ import annotations
@@ -71,7 +74,9 @@ class Shapes:
 
     @property
     def residual_tokens(self) -> int:
-        """Tokens of the residual stream and the pre-norms on this rank."""
+        """Tokens of the residual stream and the pre-norms on this rank, which are also the tokens
+        an MoE layer routes: all T of the TP group without sequence parallelism, the rank's own
+        T/tp with it (parallel/sequence.py's route_sequence_shard)."""
         return self.tokens // self.seq_split
 
     @property
@@ -208,8 +213,9 @@ def row_multiple(cfg: Config, sh: Shapes) -> int:
 
 
 def router_bytes(cfg: Config, sh: Shapes) -> int:
+    """The router and its balancing losses on the tokens it routes (`Shapes.residual_tokens`)."""
     moe, D = cfg.moe, cfg.model.dim
-    T, K, E, r = sh.tokens, moe.top_k, moe.num_experts, ROUTER_BYTES[moe.router_dtype]
+    T, K, E, r = sh.residual_tokens, moe.top_k, moe.num_experts, ROUTER_BYTES[moe.router_dtype]
     total = T * D * r + T * E * r + T * K * INT64  # fp32 input, scores, chosen ids
     if moe.input_jitter:
         total += T * D * r  # the noise
@@ -225,6 +231,9 @@ def router_bytes(cfg: Config, sh: Shapes) -> int:
 
 
 def _balance_bytes(cfg: Config, sh: Shapes, T: int) -> int:
+    """The balancing losses over the router's T tokens of B sequences (under sequence parallelism
+    a shard of each, whose counts are summed over the TP group in tensors of the same sizes,
+    moe/balance.py)."""
     moe, E, B = cfg.moe, cfg.moe.num_experts, sh.batch
     total = 0
     if moe.score_func == "sigmoid" and (moe.aux_loss_coeff or moe.seq_aux_loss_coeff
@@ -251,18 +260,19 @@ def dispatch_bytes(cfg: Config, sh: Shapes, rows: int) -> int:
     """Permutation indices and masks of this rank's N = T/tp·K copies; without the memory-efficient
     permutation also the [N, D] expert outputs and [N] probabilities of the weighted combine."""
     moe, a = cfg.moe, sh.act_bytes
-    N = sh.tokens // sh.tp * moe.top_k
+    N, routed = sh.tokens // sh.tp * moe.top_k, sh.residual_tokens * moe.top_k
     # The gathers' backward maps (moe/permute.py): each copy's row and keep mask (permute), each
     # row's copy and valid mask (unpermute; the probabilities' gather shares that index). The keep
-    # mask of a TP rank's copies is a view of the TP group's [T·K] mask (parallel/sequence.py).
-    total = N * INT64 + sh.tokens * moe.top_k + rows * INT64 + (rows + 1)
+    # mask is the router's tokens' [T·K]: without sequence parallelism a TP rank's copies are a
+    # view of the TP group's (parallel/sequence.py), with it the rank's own [T/tp·K].
+    total = N * INT64 + routed + rows * INT64 + (rows + 1)
     if _has_aux_loss(cfg):
         total += FP32  # the summed aux loss, kept by the autograd function that injects it
     if moe.memory_efficient_permute:
         return total
     # The weighted combine keeps the expert outputs and the probabilities in the compute dtype: in
-    # fp32 (and an fp32 router) the probabilities themselves, a view of the TP group's [T, K].
-    probs = sh.tokens * moe.top_k * FP32 if sh.fp32 and ROUTER_BYTES[moe.router_dtype] == FP32 else N * a
+    # fp32 (and an fp32 router) the probabilities themselves, a view of the router's [T, K].
+    probs = routed * FP32 if sh.fp32 and ROUTER_BYTES[moe.router_dtype] == FP32 else N * a
     return total + N * cfg.model.dim * a + probs
 
 
@@ -285,21 +295,27 @@ def experts_bytes(cfg: Config, sh: Shapes, rows: int) -> int:
 
 
 def shared_bytes(cfg: Config, sh: Shapes) -> int:
+    """Shared experts, TP-sharded like a dense MLP, on all T tokens of the TP group: under sequence
+    parallelism they all-gather the rank's T/tp (one [T, D] tensor w1, w3 and the gate read) and
+    reduce-scatter w2's output back to its rows (parallel/sequence.py)."""
     moe, T, a, D = cfg.moe, sh.tokens, sh.act_bytes, cfg.model.dim
     F = moe.shared_experts * (moe.shared_expert_hidden or moe.expert_hidden) // sh.tp
     gated = GATED[moe.activation]
-    # In fp32 the input is the norm output the router already keeps; with input copies each of
-    # w1, w3 (and the gate) keeps its own bf16 cast of it.
+    # In fp32 the input is the norm output, which the router keeps already, but under sequence
+    # parallelism it is the all-gathered copy; with input copies each of w1, w3 (and the gate)
+    # keeps its own bf16 cast of it.
     Fg = moe.shared_experts * (moe.shared_expert_hidden or moe.expert_hidden)  # global
     fp8_in = [fp8_linear(cfg, sh, f"ffn.shared.{w}", D, Fg) for w in (("w1", "w3") if gated else ("w1",))]
     fp8_out = fp8_linear(cfg, sh, "ffn.shared.w2", Fg, D)
     if sh.input_copies:
         inputs = sum(kept_input(T, D, sh, f) for f in fp8_in) + moe.shared_expert_gate * T * D * a
     else:
-        inputs = 0 if sh.fp32 else T * D * a
+        inputs = 0 if sh.fp32 and sh.seq_split == 1 else T * D * a
     total = inputs + (3 if gated else 1) * T * F * a + kept_input(T, F, sh, fp8_out)  # ..., w2's input h
     if moe.shared_expert_gate:
-        total += T * D * a + T * a  # the gate's product keeps the experts' output and the gate
+        # The gate's product keeps the experts' output (the rank's rows of it under sequence
+        # parallelism, w2's reduce-scatter) and the gate [T, 1] (replicated: all T rows).
+        total += sh.residual_tokens * D * a + T * a
     return total
 
 
@@ -392,9 +408,10 @@ def rope_table_bytes(cfg: Config, sh: Shapes) -> int:
 
 
 def head_bytes(cfg: Config, sh: Shapes, vocab: int) -> int:
-    """Output head and loss: the head's input, fp32 log-probabilities, labels, the loss weight."""
+    """Output head and loss: the head's input, fp32 log-probabilities, labels, the loss weight and
+    the flag of loss_or_zero (models/mtp.py): whether any label is not ignored."""
     T = sh.tokens
-    return T * cfg.model.dim * sh.act_bytes + T * vocab * FP32 + T * INT64 + FP32
+    return T * cfg.model.dim * sh.act_bytes + T * vocab * FP32 + T * INT64 + FP32 + 1
 
 
 def first_stage_bytes(cfg: Config, sh: Shapes) -> Bytes:
@@ -409,9 +426,8 @@ def last_stage_bytes(cfg: Config, sh: Shapes, vocab: int) -> Bytes:
     # MTP) already keeps.
     hnorm_shared = T * D * FP32 if sh.params == FP32 else 0
     for _ in range(mtp):
-        # + the flag of loss_or_zero (models/mtp.py): whether the depth has any target
         _add(out, embedding=T * INT64, norm=3 * norm_bytes(T, D, sh) - hnorm_shared,
-             mtp_proj=T * 2 * D * sh.act_bytes, head=head_bytes(cfg, sh, vocab) + 1)
+             mtp_proj=T * 2 * D * sh.act_bytes, head=head_bytes(cfg, sh, vocab))
     # The head's weight (the embedding's when tied) is cast once: autocast caches leaf casts.
     copies = (_cast(vocab * D + mtp * 2 * D * D, sh.act_bytes, sh)
               + _cast((1 + 3 * mtp) * D, FP32, sh))

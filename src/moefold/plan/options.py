@@ -76,8 +76,8 @@ def _pre_and_qk_norm_copies(cfg: Config, sh: Shapes) -> int:
 def _moe_tensors(cfg: Config, sh: Shapes, rows: int) -> list[int]:
     """The MoE layer's large saved tensors (router input and scores, indices, expert rows)."""
     moe, D, a = cfg.moe, cfg.model.dim, sh.act_bytes
-    T, F, r = sh.tokens, moe.expert_hidden // sh.etp, ROUTER_BYTES[moe.router_dtype]
-    N = T // sh.tp * moe.top_k  # this TP rank's copies; the router sees all T tokens
+    T, F, r = sh.residual_tokens, moe.expert_hidden // sh.etp, ROUTER_BYTES[moe.router_dtype]
+    N = sh.tokens // sh.tp * moe.top_k  # this TP rank's copies; the router routes T (T/tp under SP)
     gated = act.GATED[moe.activation]
     return [T * D * r, T * moe.num_experts * r, T * moe.top_k * INT64, rows * INT64,
             N * INT64, rows * D * a, *[rows * F * a] * (3 if gated else 2), rows * FP32]
@@ -96,16 +96,17 @@ def _recompute(cfg: Config, name: str, layer_id: int, sh_params: Shapes, full: B
     x = T * D * a  # a sub-layer's input (all-gathered under sequence parallelism)
     if name == "layer":  # the block's input: this rank's share under sequence parallelism
         return act._add({k: -v for k, v in full.items()}, kept_inputs=sh.residual_tokens * D * a)
-    if name == "moe" and moe_layer:
+    if name == "moe" and moe_layer:  # its input: this rank's share under sequence parallelism
         parts = ("router", "moe_dispatch", "experts", "shared_experts")
-        return act._add({k: -full.get(k, 0) for k in parts}, kept_inputs=x,
+        return act._add({k: -full.get(k, 0) for k in parts}, kept_inputs=sh.residual_tokens * D * a,
                         weight_copies=-_copies(cfg, layer_id, sh_params, "router", "experts", "shared"))
     if name == "mlp" and not moe_layer:
         return {"mlp": -full["mlp"], "kept_inputs": x,
                 "weight_copies": -_copies(cfg, layer_id, sh_params, "mlp")}
     if name == "shared_experts" and moe_layer and cfg.moe.shared_experts:
-        # The input is the normed x: with an fp32 one, the router keeps it already.
-        kept = 0 if sh.fp32 or sh.input_copies else x
+        # The input is the normed x: with an fp32 one, the router keeps it already; under sequence
+        # parallelism the all-gathered copy of it, in its own dtype.
+        kept = T * D * sh.params if sh.seq_split > 1 else 0 if sh.fp32 or sh.input_copies else x
         return {"shared_experts": -full["shared_experts"], "kept_inputs": kept,
                 "weight_copies": -_copies(cfg, layer_id, sh_params, "shared")}
     if name == "attn_core":
@@ -165,9 +166,13 @@ def _recompute_norms(cfg: Config, moe_layer: bool, sh: Shapes, same_dtype: bool)
         return out
     if sh.seq_split > 1:  # sequence parallelism: they keep the all-gathered copy, not the norm's
         return out
-    act._add(out, attn_proj=-T * D * a)
+    # Under TP, GQA attention and a dense MLP get the normed x wrapped as a DTensor by their input
+    # plan (parallel/tensor.py): not the norm's output itself, so it is not freed. MLA reads it plain.
+    wrapped = sh.tp > 1
+    if not wrapped or cfg.model.attention == "mla":
+        act._add(out, attn_proj=-T * D * a)
     if not moe_layer:
-        return act._add(out, mlp=-T * D * a)
+        return out if wrapped else act._add(out, mlp=-T * D * a)
     if sh.fp32 and ROUTER_BYTES[cfg.moe.router_dtype] == FP32:
         act._add(out, router=-T * D * FP32)  # the router's "copy" is the normed x itself
     if cfg.moe.shared_experts and not sh.fp32:

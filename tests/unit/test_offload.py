@@ -21,6 +21,7 @@ from memory_runs import (
 )
 
 from moefold.memory.offload import ActivationOffload, HostCopy
+from moefold.parallel.sequence import SumGrad
 from moefold.train.loss import build_objective
 
 CASES = [(config, name) for config in CONFIGS for name in MODULES[config]]
@@ -110,6 +111,18 @@ def test_a_weight_cast_is_not_offloaded():
     with offload.region():
         y = (x.double() @ w.double()).sum()  # saves x.double() (an activation) and w.double()
     y.backward()
+    assert [t.shape for t in spy.moved] == [(8, 64)]
+
+
+def test_a_weight_whose_gradient_tp_sums_is_not_offloaded():
+    """A replicated weight read through TP's gradient sum (a sequence-parallel router, QK-norms)
+    and cast is still the weight: on the device for the whole step anyway."""
+    w = torch.nn.Parameter(torch.randn(64, 64))
+    offload = ActivationOffload(0, HostCopy())
+    spy = Spy(offload)
+    x = torch.randn(8, 64, requires_grad=True) * 1.0
+    with offload.region():
+        y = (x.double() @ SumGrad.apply(w, None).double()).sum()  # the group is read in backward only
     assert [t.shape for t in spy.moved] == [(8, 64)]
 
 

@@ -131,9 +131,11 @@ class ActivationOffload:
 
 
 # What a parameter goes through on its way to an op that saves it, the result still counting as
-# the parameter (on the device for the whole step anyway): a dtype cast, and a DTensor parameter's
-# `to_local()` (the experts read their EP/ETP-sharded weights so, parallel/expert.py).
-_WEIGHT_STEPS = ("ToCopyBackward0", "_ToTorchTensorBackward")
+# the parameter (on the device for the whole step anyway): a dtype cast, a DTensor parameter's
+# `to_local()` (the experts read their EP/ETP-sharded weights so, parallel/expert.py), and TP's
+# gradient sum of a replicated weight (parallel/sequence.SumGrad: QK-norms, a sequence-parallel
+# router).
+_WEIGHT_STEPS = ("ToCopyBackward0", "_ToTorchTensorBackward", "SumGradBackward")
 
 
 def _is_weight(t: torch.Tensor) -> bool:

@@ -1,13 +1,13 @@
 """The `moefold` command line: train | generate | config.
 
 Every config field is an option `--<section>.<field> VALUE` whose help is the field's docstring.
-User errors print one line and exit with status 2; an interrupted run exits with 128 + signal.
+User errors print one line and exit with status 2; an output the storage failed to write (EIO), one
+line and status 1; an interrupted run exits with 128 + signal.
 """
 
 import argparse
 import dataclasses
 import difflib
-import errno
 import json
 import math
 import os
@@ -21,11 +21,10 @@ from typing import Any
 from moefold import __version__
 from moefold.config import (SECTIONS, Config, apply_overrides, config_from_toml, field_docs,
                             field_types, load_config, preset_names, to_toml, validate)
-from moefold.errors import ConfigError, UserError, refuse_unwritable_dir, report
+from moefold.errors import (FULL_OR_READ_ONLY, ConfigError, OutputError, UserError, refuse_unwritable_dir,
+                            report)
 
-EXIT_USAGE = 2
-FULL_OR_READ_ONLY = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
-"""Errors writing an output that are the machine's state, the user's to fix: one line, no traceback."""
+EXIT_FAILURE, EXIT_USAGE = 1, 2
 
 
 def _add_config_options(parser: argparse.ArgumentParser) -> None:
@@ -435,11 +434,14 @@ def _run_command(argv: list[str]) -> int:
         report(f"moefold: error: {e}")
         return EXIT_USAGE
     except OSError as e:
-        if e.errno not in FULL_OR_READ_ONLY:
+        if e.errno in FULL_OR_READ_ONLY:
+            report(f"moefold: error: writing {e.filename or 'an output'}: {e.strerror}; free space (or "
+                   "choose another directory) and run again")
+            return EXIT_USAGE
+        if not isinstance(e, OutputError):
             raise
-        report(f"moefold: error: writing {e.filename or 'an output'}: {e.strerror}; free space (or "
-               "choose another directory) and run again")
-        return EXIT_USAGE
+        report(f"moefold: error: writing {e.filename}: [Errno {e.errno}] {e.strerror}")  # EIO: not the input
+        return EXIT_FAILURE
     except RuntimeError as e:  # torch.OutOfMemoryError on CUDA; a plain RuntimeError on the CPU
         allocation = _failed_allocation(e)
         if allocation is None:

@@ -2,10 +2,13 @@
 
 Anything a user can cause (a typo in a config, a missing data file, a corrupt checkpoint) raises a
 subclass of `UserError`. The CLI prints its message on one line and exits with status 2, as it does
-for a job larger than the machine's memory and for a full or read-only disk (cli.py); everything
-else is a bug and keeps its traceback.
+for a job larger than the machine's memory and for a full or read-only disk (cli.py). An output
+that could not be written for the storage's own reason (`OutputError`: EIO, a stale NFS handle) is
+one line too, with status 1; everything else is a bug and keeps its traceback.
 """
 
+import contextlib
+import errno
 import os
 import sys
 import tempfile
@@ -28,6 +31,24 @@ class DataError(UserError):
 
 class CheckpointError(UserError):
     """A checkpoint or run directory is missing, unreadable or corrupt."""
+
+
+FULL_OR_READ_ONLY = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+"""Errors writing an output that are the machine's state, the user's to fix: one line, no traceback."""
+
+
+class OutputError(OSError):
+    """Writing an output failed; `filename` is the output the user knows (config.toml, a
+    checkpoint), not a temporary file's name or none (a write cut short carries none)."""
+
+
+@contextlib.contextmanager
+def writing(path: Path):
+    """An OSError raised inside becomes an OutputError naming `path`."""
+    try:
+        yield
+    except OSError as e:
+        raise OutputError(e.errno, e.strerror or str(e), str(path)) from None
 
 
 class TrainingDiverged(UserError):

@@ -252,6 +252,81 @@ def test_config_toml_is_flushed_to_disk_before_its_rename_and_its_directory_afte
     assert [e for e in events if any(run in (p, *p.parents) for p in e[1:])] == [
         ("fsync", tmp), ("replace", tmp, config), ("fsync", run)]
 
+def _input_output_error(*args, **kwargs):
+    raise OSError(errno.EIO, "Input/output error")
+
+
+def _eio_in_checkpoint_shards(monkeypatch):
+    import moefold.checkpoint.dcp as checkpoint
+
+    def save(state, checkpoint_id):
+        Path(checkpoint_id).mkdir(parents=True)
+        (Path(checkpoint_id) / "__0_0.distcp").write_bytes(b"partial")
+        _input_output_error()
+
+    monkeypatch.setattr(checkpoint.dcp, "save", save)
+
+
+def _eio_in_checkpoint_rename(monkeypatch):
+    replace = os.replace
+
+    def failing(src, dst):
+        if Path(dst).parent.name == "checkpoints":  # the saved checkpoint's .tmp into place
+            _input_output_error()
+        return replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", failing)
+
+
+def _eio_in_metrics(monkeypatch):
+    from moefold.train.metrics import MetricsSinks
+
+    class FailingFile:
+        def __init__(self, file):
+            self.file, self.write = file, _input_output_error
+
+        def __getattr__(self, name):
+            return getattr(self.file, name)
+
+    opened = MetricsSinks.__init__
+
+    def open_on_a_failing_disk(self, *args, **kwargs):
+        opened(self, *args, **kwargs)
+        self.jsonl = FailingFile(self.jsonl)
+
+    monkeypatch.setattr(MetricsSinks, "__init__", open_on_a_failing_disk)
+
+
+def _eio_in_config_toml(monkeypatch):
+    write_text = Path.write_text
+    monkeypatch.setattr(Path, "write_text", lambda self, *args, **kwargs: _input_output_error()
+                        if self.name == "config.toml.tmp" else write_text(self, *args, **kwargs))
+
+
+@pytest.mark.parametrize("fail, written", [(_eio_in_checkpoint_shards, "checkpoints/step_00000004"),
+                                           (_eio_in_checkpoint_rename, "checkpoints/step_00000004"),
+                                           (_eio_in_metrics, "metrics.jsonl"),
+                                           (_eio_in_config_toml, "config.toml")],
+                         ids=["checkpoint-shards", "checkpoint-rename", "metrics", "config"])
+def test_an_io_error_writing_the_run_is_one_line_naming_the_output_and_keeps_what_was_written(
+        tmp_path, tiny_args, capsys, monkeypatch, fail, written):
+    """EIO (a failing disk, a stale NFS handle) while a checkpoint, metrics or config.toml is
+    written ended in a traceback: one line names the output and the OS error, with status 1 (the
+    storage failed, not the input); the checkpoint before and the file's earlier records stay."""
+    run = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run), *tiny_args, "--train.steps", "2", "--train.warmup_steps", "1"]) == 0
+    kept = _files(run / "checkpoints" / "step_00000002")
+    before = (run / written).read_bytes() if (run / written).is_file() else None
+    fail(monkeypatch)
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run), "--train.steps", "4"]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        f"moefold: error: writing {run / written}: [Errno {errno.EIO}] Input/output error"]
+    assert [step for step, _ in complete_checkpoints(run)] == [2]
+    assert _files(run / "checkpoints" / "step_00000002") == kept
+    if before is not None:
+        assert (run / written).read_bytes() == before
+
 def test_a_signal_between_log_steps_logs_the_steps_since_the_last_one(tmp_path, tiny_args, monkeypatch):
     """SIGTERM in step 6 of a run that logs every 4: the run stops with step 6 saved and a record
     of steps 5–6, not with their metrics never written (the resumed run logs from step 7 on)."""

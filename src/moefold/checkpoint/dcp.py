@@ -23,7 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from moefold.errors import CheckpointError
+from moefold.errors import FULL_OR_READ_ONLY, CheckpointError, OutputError, writing
 from moefold.files import fsync
 from moefold.parallel.local import local_tensor
 
@@ -93,26 +93,33 @@ def save_checkpoint(state: dict[str, Any], run_dir: Path, step: int, keep: int) 
     tmp = final.with_name(final.name + ".tmp")
     coordinator = not dist.is_initialized() or dist.get_rank() == 0
     if coordinator:
-        _remove_leftovers(final.parent)  # a save killed at another step is resumed from the one before
+        with writing(final):
+            _remove_leftovers(final.parent)  # a save killed at another step is resumed from the one before
     _barrier()
     try:
         with _single_process_ok():
             dcp.save(state, checkpoint_id=tmp)
     except (Exception, CheckpointException) as e:  # DCP raises it on every rank when one fails
-        message = _save_failure(final, state, e)
+        failure = _save_failure(final, state, e)
         if coordinator:
             shutil.rmtree(tmp, ignore_errors=True)  # the partial shards: space back, nothing to mistake
-        raise CheckpointError(message) from None
+        raise failure from None
     _barrier()
     if coordinator:
-        _replace_dir(tmp, final)
-        for _, old in complete_checkpoints(run_dir)[:-keep]:
-            doomed = old.with_name(old.name + ".old")
-            shutil.rmtree(doomed, ignore_errors=True)
-            os.replace(old, doomed)  # no longer complete before any of it is deleted
-            shutil.rmtree(doomed, ignore_errors=True)
+        with writing(final):
+            _replace_dir(tmp, final)
+            _rotate(run_dir, keep)
     _barrier()  # nobody reads or writes checkpoints before the rename
     return final
+
+
+def _rotate(run_dir: Path, keep: int) -> None:
+    """Delete all but the newest `keep` complete checkpoints."""
+    for _, old in complete_checkpoints(run_dir)[:-keep]:
+        doomed = old.with_name(old.name + ".old")
+        shutil.rmtree(doomed, ignore_errors=True)
+        os.replace(old, doomed)  # no longer complete before any of it is deleted
+        shutil.rmtree(doomed, ignore_errors=True)
 
 
 def _remove_leftovers(root: Path) -> None:
@@ -126,10 +133,14 @@ def _remove_leftovers(root: Path) -> None:
                 path.unlink(missing_ok=True)
 
 
-def _save_failure(final: Path, state: dict[str, Any], error: BaseException) -> str:
-    """One line on a save that failed: why, the room it needed against what its filesystem had
-    left (a full disk surfaces as an opaque write error from torch.save), and that nothing already
-    saved changed."""
+def _save_failure(final: Path, state: dict[str, Any], error: BaseException) -> Exception:
+    """What a failed save raises. The storage's own failure (EIO, a stale NFS handle): an
+    OutputError naming the checkpoint. Else a CheckpointError in one line: why, the room it needed
+    against what its filesystem had left (a full disk surfaces as an opaque write error from
+    torch.save), and that nothing already saved changed."""
+    cause = _cause(error)
+    if isinstance(cause, OSError) and cause.errno is not None and cause.errno not in FULL_OR_READ_ONLY:
+        return OutputError(cause.errno, cause.strerror, str(final))
     try:
         free = f"{shutil.disk_usage(final.parent).free / 2**20:,.1f} MiB free"
     except OSError:
@@ -137,7 +148,7 @@ def _save_failure(final: Path, state: dict[str, Any], error: BaseException) -> s
     needed = f"this rank's tensors take {_tensor_bytes(state) / 2**20:,.1f} MiB, {free}"
     latest = latest_checkpoint(final.parent.parent)
     kept = f"the latest complete checkpoint, {latest.name}, is intact" if latest else "no earlier checkpoint"
-    return f"saving checkpoint {final} failed ({_reason(error)}; {needed}); {kept}"
+    return CheckpointError(f"saving checkpoint {final} failed ({_reason(error)}; {needed}); {kept}")
 
 
 def _tensor_bytes(value: Any) -> int:
@@ -223,15 +234,21 @@ def _refuse_other_model_shapes(model_state: dict[str, Any], metadata, path: Path
 
 
 def _reason(error: BaseException) -> str:
-    """One line on why a load failed; DCP wraps each rank's exception in a CheckpointException
-    (newer torch: as an (exception, traceback) pair)."""
+    """One line on why a load or save failed."""
+    error = _cause(error)
+    text = " ".join(str(error).split()) or type(error).__name__
+    return f"{type(error).__name__}: {text}"[:300]
+
+
+def _cause(error: BaseException) -> BaseException:
+    """The exception under DCP's CheckpointException, which wraps each rank's (newer torch: as an
+    (exception, traceback) pair)."""
     if isinstance(error, CheckpointException) and error.failures:
         inner = next(iter(error.failures.values()))
         if isinstance(inner, tuple):
             inner = next((x for x in inner if isinstance(x, BaseException)), inner)
         error = getattr(inner, "exception", inner)
-    text = " ".join(str(error).split()) or type(error).__name__
-    return f"{type(error).__name__}: {text}"[:300]
+    return error
 
 
 _last_metadata: dict[tuple, Any] = {}

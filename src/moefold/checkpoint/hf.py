@@ -37,7 +37,7 @@ from torch import nn
 
 from moefold.checkpoint.hf_families import FAMILIES, Family, PerExpert, Rule, family_of
 from moefold.config import Config, validate
-from moefold.errors import CheckpointError, ConfigError
+from moefold.errors import CheckpointError, ConfigError, writing
 from moefold.models.transformer import Transformer, build_model, materialize
 from moefold.parallel.local import held_indices, local_tensor
 
@@ -508,10 +508,8 @@ def _write_all_or_nothing(path: Path, writes: dict[str, Callable[[Path], Any]], 
     partials = {name: path / f".partial-{name}" for name in writes}
     try:
         for name, write in writes.items():
-            try:
+            with writing(path / name):
                 write(partials[name])
-            except OSError as e:
-                raise OSError(e.errno, e.strerror, str(path / name)) from None
     except BaseException:
         for file in partials.values():
             file.unlink(missing_ok=True)

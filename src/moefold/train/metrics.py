@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from moefold.errors import writing
+
 
 def peak_memory_gib(device: torch.device) -> float:
     """Peak allocated device memory on a GPU; peak resident host memory of the process on CPU."""
@@ -54,13 +56,14 @@ class MetricsSinks:
 
     def __init__(self, run_dir: Path, tensorboard: bool, out: Callable[[str], None] = print):
         self.jsonl_path = Path(run_dir) / "metrics.jsonl"
-        whole = _whole_lines_size(self.jsonl_path)
-        self.jsonl = open(self.jsonl_path, "ab", buffering=0)  # each record on disk as it is written
-        if whole is not None:  # a record cut short (a kill or crash mid-write): the appends follow a whole line
-            cut = os.fstat(self.jsonl.fileno()).st_size - whole
-            self.jsonl.truncate(whole)
-            out(f"{self.jsonl_path}: removed its last line, an incomplete record of {cut} bytes "
-                "(a write cut short)")
+        with writing(self.jsonl_path):
+            whole = _whole_lines_size(self.jsonl_path)
+            self.jsonl = open(self.jsonl_path, "ab", buffering=0)  # each record on disk as it is written
+            if whole is not None:  # a record cut short (a kill or crash mid-write): the appends follow a whole line
+                cut = os.fstat(self.jsonl.fileno()).st_size - whole
+                self.jsonl.truncate(whole)
+                out(f"{self.jsonl_path}: removed its last line, an incomplete record of {cut} bytes "
+                    "(a write cut short)")
         self.tb = _tensorboard_writer(Path(run_dir) / "tb") if tensorboard else None
 
     def write(self, record: dict[str, Any]) -> None:
@@ -73,14 +76,15 @@ class MetricsSinks:
     def _append_line(self, line: bytes) -> None:
         """The whole line or nothing: a write cut short (a full disk) is undone, so the file stays
         one JSON record per line for readers and for a resumed run's appends."""
-        start = os.fstat(self.jsonl.fileno()).st_size
-        try:
-            rest = memoryview(line)
-            while rest:
-                rest = rest[self.jsonl.write(rest):]
-        except OSError as e:
-            self.jsonl.truncate(start)
-            raise OSError(e.errno, e.strerror, str(self.jsonl_path)) from None
+        with writing(self.jsonl_path):
+            start = os.fstat(self.jsonl.fileno()).st_size
+            try:
+                rest = memoryview(line)
+                while rest:
+                    rest = rest[self.jsonl.write(rest):]
+            except OSError:
+                self.jsonl.truncate(start)
+                raise
 
     def close(self) -> None:
         self.jsonl.close()

@@ -44,7 +44,7 @@ from moefold.config import (Config, config_from_toml, micro_batches_per_step, re
 from moefold.data.corpus import build_token_streams
 from moefold.data.loader import Batch, PackedSequences, TrainLoader, val_batches
 from moefold.data.tokenizer import build_tokenizer
-from moefold.errors import CheckpointError, ConfigError, TrainingDiverged, refuse_unwritable_dir
+from moefold.errors import CheckpointError, ConfigError, TrainingDiverged, refuse_unwritable_dir, writing
 from moefold.files import fsync
 from moefold.fp8.apply import apply_fp8
 from moefold.fp8.weight_cache import refresh_weight_caches
@@ -139,17 +139,17 @@ def _with_absolute_data_paths(cfg: Config) -> Config:
 
 def _write_config(path: Path, cfg: Config) -> None:
     """config.toml replaced whole or left as it was, on disk before the training it describes
-    (`fsync`); a full disk names it (a write cut short has no file name of its own) and leaves no
-    partial copy beside it."""
+    (`fsync`); a failed write names it (a write cut short has no file name of its own) and leaves
+    no partial copy beside it."""
     tmp = path.with_name(path.name + ".tmp")
-    try:
-        tmp.write_text(to_toml(cfg))
-        fsync(tmp)
-        os.replace(tmp, path)
-        fsync(path.parent)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise OSError(e.errno, e.strerror, str(path)) from None
+    with writing(path):
+        try:
+            tmp.write_text(to_toml(cfg))
+            fsync(tmp)
+            os.replace(tmp, path)
+            fsync(path.parent)
+        finally:
+            tmp.unlink(missing_ok=True)  # renamed already, unless the write failed
 
 
 def _same_dir(a: Path, b: Path) -> bool:

@@ -439,3 +439,27 @@ def test_a_validation_batch_with_every_label_ignored_adds_nothing(tmp_path, text
     trainer.val_batches = [first, ignored]
     assert math.isfinite(without)
     assert trainer.validate() == without
+
+
+def test_validation_without_a_single_label_is_nan_and_said_when_the_run_starts(tmp_path, text_corpus):
+    """Every validation label -100 (a mean over no tokens) divided by zero tokens: a
+    ZeroDivisionError traceback at the first validation. The loss is nan (null in metrics.jsonl),
+    the run says why as it starts, and it trains on: validation measures, it does not steer."""
+    import dataclasses
+
+    from moefold.config import load_config
+    from moefold.train.trainer import Trainer
+
+    cfg = load_config(None, {**TINY_OVERRIDES, "data.path": str(text_corpus), "train.steps": "2",
+                             "train.warmup_steps": "0", "train.val_every": "1"})
+    said = []
+    trainer = Trainer(cfg, tmp_path / "run", out=said.append)
+    trainer.val_batches = [dataclasses.replace(b, labels_BS=torch.full_like(b.labels_BS, -100))
+                           for b in trainer.val_batches]
+    assert math.isnan(trainer.validate())
+    assert math.isnan(trainer.fit()["val_loss"])
+    assert said.count("warning: no validation token has a label (every label is -100): val_loss is nan "
+                      "(null in metrics.jsonl)") == 1
+    assert [(r["step"], r["val_loss"]) for r in read_metrics(tmp_path / "run") if "val_loss" in r] == [
+        (1, None), (2, None)]
+    assert latest_checkpoint(tmp_path / "run").name == "step_00000002"

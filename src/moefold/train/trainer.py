@@ -458,7 +458,9 @@ class Trainer:
     @torch.no_grad()
     def validate(self) -> float:
         """Token-weighted mean loss over the fixed validation batches (in eval mode, so MoE layers
-        record no statistics and no aux losses)."""
+        record no statistics and no aux losses). nan when no validation token has a label (every
+        one -100): a mean over no tokens, as `F.cross_entropy` gives one; the run starts with a
+        warning saying so (`_announce`), and trains on."""
         self.model.eval()
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss · tokens, tokens
         for batch in self.val_batches:
@@ -472,7 +474,7 @@ class Trainer:
             sums[1] += targets
         self.model.train()
         total, tokens = self.dist.sum_over_data(sums).tolist()  # HOST SYNC: once per validation
-        return total / tokens
+        return total / tokens if tokens else math.nan
 
     # ------------------------------------------------------------------------------- the loop
 
@@ -658,6 +660,9 @@ class Trainer:
                          f"tp) = ({d.pp}, {d.dp}, {d.cp}, {d.tp}), experts (pp, edp, ep, etp) = "
                          f"({d.pp}, {d.edp}, {d.ep}, {d.etp}), {par.data_parallel}, "
                          f"{par.ep_dispatcher if d.ep * d.etp > 1 else 'local'} dispatch")
+        if self.val_batches and not any(bool((b.labels_BS != IGNORE_INDEX).any()) for b in self.val_batches):
+            lines.append("warning: no validation token has a label (every label is -100): val_loss is nan "
+                         "(null in metrics.jsonl)")
         for line in lines:
             self.out(line)
 

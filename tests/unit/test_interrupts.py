@@ -21,6 +21,9 @@ from moefold.cli import main
 
 _SIGINT_WHILE_BUILDING_THE_PARSER = """
 import os, signal, sys
+# Python turns SIGINT into KeyboardInterrupt only if its parent did not ignore the signal, as a
+# shell does for the jobs it starts in the background: a Ctrl-C from a terminal is what is tested.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 import moefold.cli as cli
 add_plan_parser = cli._add_plan_parser
 def interrupted(commands):  # Ctrl-C in the seconds the parser's imports (torch) take

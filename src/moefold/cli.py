@@ -288,6 +288,7 @@ def _convert(args: argparse.Namespace) -> int:
 def _convert_from_hf(hf_dir: Path, out: Path) -> int:
     """Under the run directory's lock, as a training takes it: neither writes over the other."""
     from moefold.checkpoint.hf import convert_to_run_checkpoint
+    from moefold.files import write_atomically
     from moefold.train.run_lock import CONVERSION, RunDirLock
     from moefold.train.trainer import run_dir_holds_run
 
@@ -304,7 +305,8 @@ def _convert_from_hf(hf_dir: Path, out: Path) -> int:
         tokenizer = hf_dir / "tokenizer.json"
         if tokenizer.is_file():
             cfg.data.tokenizer = str(tokenizer.resolve())
-        (out / "config.toml").write_text(to_toml(cfg))
+        config = to_toml(cfg)
+        write_atomically(out / "config.toml", lambda tmp: tmp.write_text(config))  # durable, as a training's
     except BaseException:
         if created:  # a failed conversion leaves no directory it made (nobody else can use it: locked)
             shutil.rmtree(out, ignore_errors=True)

@@ -1,9 +1,11 @@
 """`moefold convert` both ways and `moefold train --init-from-hf`, against transformers."""
 
+import errno
 import json
 import os
 import re
 import socket
+from pathlib import Path
 
 import pytest
 import torch
@@ -90,6 +92,47 @@ def test_a_training_is_refused_an_out_dir_a_conversion_is_writing(tmp_path, hf_d
         f"moefold: error: --run-dir {run} is in use by a conversion (process {os.getpid()} on "
         f"{socket.gethostname()}); wait for it to end, or choose another --run-dir"]
     assert main(["generate", "--run-dir", str(run), "--prompt", "ab", "--max-new-tokens", "2"]) == 0
+
+def test_convert_from_hf_flushes_config_toml_to_disk_as_a_training_does(tmp_path, hf_dir, monkeypatch):
+    """config.toml was written in place, unflushed: a power cut soon after could leave it empty
+    or half written (ext4 and XFS may write the name before the data), and the converted run
+    could not be resumed. It is written beside, flushed, renamed, and its directory flushed."""
+    out = tmp_path.resolve() / "run"  # as /proc/self/fd names the files
+    config, tmp = out / "config.toml", out / "config.toml.tmp"
+    events, fsync, replace = [], os.fsync, os.replace
+
+    def recorded_fsync(fd):
+        events.append(("fsync", Path(os.readlink(f"/proc/self/fd/{fd}"))))
+        fsync(fd)
+
+    def recorded_replace(src, dst):
+        events.append(("replace", Path(src), Path(dst)))
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", recorded_fsync)
+    monkeypatch.setattr(os, "replace", recorded_replace)
+    assert main(["convert", "--from-hf", str(hf_dir), "--out", str(out)]) == 0
+    assert [e for e in events if set(e[1:]) <= {out, config, tmp}] == [
+        ("fsync", tmp), ("replace", tmp, config), ("fsync", out)]
+
+
+def test_an_io_error_writing_convert_config_toml_is_one_line_naming_it(tmp_path, hf_dir, capsys, monkeypatch):
+    """EIO writing config.toml ended `convert --from-hf` in a traceback: one line names the file
+    and the OS error, status 1, and the directory the conversion created is gone."""
+    out = tmp_path / "run"
+    write_text = Path.write_text
+
+    def failing(self, *args, **kwargs):
+        if self.name.startswith("config.toml"):
+            raise OSError(errno.EIO, "Input/output error")
+        return write_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", failing)
+    assert main(["convert", "--from-hf", str(hf_dir), "--out", str(out)]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        f"moefold: error: writing {out / 'config.toml'}: [Errno {errno.EIO}] Input/output error"]
+    assert not out.exists()
+
 
 def test_convert_keeps_the_checkpoints_load_balancing_loss(tmp_path):
     """DeepSeek's `aux_loss_alpha` with `seq_aux` is the run's sequence-level aux loss (not moefold's

@@ -44,8 +44,8 @@ from moefold.config import (Config, config_from_toml, micro_batches_per_step, re
 from moefold.data.corpus import build_token_streams
 from moefold.data.loader import Batch, PackedSequences, TrainLoader, val_batches
 from moefold.data.tokenizer import build_tokenizer
-from moefold.errors import CheckpointError, ConfigError, TrainingDiverged, refuse_unwritable_dir, writing
-from moefold.files import fsync
+from moefold.errors import CheckpointError, ConfigError, TrainingDiverged, refuse_unwritable_dir
+from moefold.files import write_atomically
 from moefold.fp8.apply import apply_fp8
 from moefold.fp8.weight_cache import refresh_weight_caches
 from moefold.models.mtp import loss_or_zero
@@ -135,21 +135,6 @@ def _with_absolute_data_paths(cfg: Config) -> Config:
     d = cfg.data
     return dataclasses.replace(cfg, data=dataclasses.replace(
         d, path=d.path and os.path.abspath(d.path), tokenizer=d.tokenizer and os.path.abspath(d.tokenizer)))
-
-
-def _write_config(path: Path, cfg: Config) -> None:
-    """config.toml replaced whole or left as it was, on disk before the training it describes
-    (`fsync`); a failed write names it (a write cut short has no file name of its own) and leaves
-    no partial copy beside it."""
-    tmp = path.with_name(path.name + ".tmp")
-    with writing(path):
-        try:
-            tmp.write_text(to_toml(cfg))
-            fsync(tmp)
-            os.replace(tmp, path)
-            fsync(path.parent)
-        finally:
-            tmp.unlink(missing_ok=True)  # renamed already, unless the write failed
 
 
 def _same_dir(a: Path, b: Path) -> bool:
@@ -364,7 +349,8 @@ class Trainer:
         self._run_lock.acquire()  # held until fit() returns
         try:
             _refuse_mixed_runs(self.run_dir, self.resumed_from)  # again: a training may have started here since
-            _write_config(self.run_dir / "config.toml", _with_absolute_data_paths(self.cfg))
+            config = to_toml(_with_absolute_data_paths(self.cfg))  # on disk before the training it describes
+            write_atomically(self.run_dir / "config.toml", lambda tmp: tmp.write_text(config))
         except BaseException:
             self._run_lock.release()
             raise

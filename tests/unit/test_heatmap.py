@@ -1,11 +1,17 @@
 """The expert-load heatmap PNG and the bounded history it is drawn from."""
 
+import errno
+import json
+import os
 import struct
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from moefold.checkpoint.dcp import latest_checkpoint
+from moefold.cli import main
 from moefold.train.heatmap import append_window, relative_load, write_load_heatmap
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -63,3 +69,70 @@ def test_append_window_merges_pairs_past_the_limit():
         append_window(h, step, [[step, 1]], max_windows=4)
     # The 5th window overflows 4: (1,2) → step 2, (3,4) → step 4, 5 stays.
     assert h == [(2, [[3, 2]]), (4, [[7, 2]]), (5, [[5, 1]])]
+
+
+def _matplotlib_that_saves(monkeypatch, savefig) -> None:
+    """A stand-in for the two matplotlib classes the heatmap imports (matplotlib is optional and
+    absent on the test machine): a figure whose `savefig(file, **options)` is `savefig(file)`;
+    nothing is drawn."""
+    import types
+
+    import moefold.train.heatmap as heatmap
+
+    class Figure:
+        def __init__(self, figsize):
+            pass
+
+        def savefig(self, file, **options):
+            savefig(Path(file))
+
+    figure, agg = types.ModuleType("matplotlib.figure"), types.ModuleType("matplotlib.backends.backend_agg")
+    figure.Figure, agg.FigureCanvasAgg = Figure, lambda fig: None
+    for name, module in {"matplotlib": types.ModuleType("matplotlib"), "matplotlib.figure": figure,
+                         "matplotlib.backends": types.ModuleType("matplotlib.backends"),
+                         "matplotlib.backends.backend_agg": agg}.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(heatmap, "_draw", lambda *args: None)
+
+
+def test_the_png_is_flushed_to_disk_before_its_rename_and_its_directory_after(tmp_path, monkeypatch):
+    """Renamed unflushed, a power cut soon after could leave expert_load.png empty (ext4 and XFS
+    may write the rename before the data): it is made durable as checkpoints and config.toml are."""
+    _matplotlib_that_saves(monkeypatch, lambda file: file.write_bytes(PNG_SIGNATURE))
+    plots = tmp_path.resolve() / "plots"  # as /proc/self/fd names the files
+    events, fsync, replace = [], os.fsync, os.replace
+
+    def recorded_fsync(fd):
+        events.append(("fsync", Path(os.readlink(f"/proc/self/fd/{fd}"))))
+        fsync(fd)
+
+    def recorded_replace(src, dst):
+        events.append(("replace", Path(src), Path(dst)))
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", recorded_fsync)
+    monkeypatch.setattr(os, "replace", recorded_replace)
+    path = write_load_heatmap(history(2, 4, 3), plots / "expert_load.png")
+    tmp = plots / "expert_load.png.tmp"
+    assert events == [("fsync", tmp), ("replace", tmp, path), ("fsync", plots)]
+    assert path.read_bytes() == PNG_SIGNATURE
+
+
+def test_an_io_error_drawing_the_heatmap_is_one_line_naming_it_and_keeps_the_run(tmp_path, tiny_args, capsys,
+                                                                               monkeypatch):
+    """EIO while the heatmap is written, at the end of a run, ended it in a traceback: one line
+    names the file and the OS error, status 1 (the storage failed, not the input); the final
+    checkpoint and every metrics record were written before it, and no partial PNG is left."""
+    def failing_disk(file):
+        file.write_bytes(PNG_SIGNATURE[:4])
+        raise OSError(errno.EIO, "Input/output error")
+
+    _matplotlib_that_saves(monkeypatch, failing_disk)
+    run = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run), *tiny_args, "--logging.expert_load_heatmap", "true"]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        f"moefold: error: writing {run / 'expert_load.png'}: [Errno {errno.EIO}] Input/output error"]
+    assert not list(run.glob("expert_load.png*"))
+    assert latest_checkpoint(run).name == "step_00000012"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == list(range(1, 13))

@@ -134,6 +134,34 @@ def test_an_io_error_writing_convert_config_toml_is_one_line_naming_it(tmp_path,
     assert not out.exists()
 
 
+def test_export_flushes_every_file_before_its_rename_and_the_directory_after(tmp_path, hf_dir, monkeypatch):
+    """The shards and config.json were renamed into place unflushed: a power cut soon after could
+    leave a name on an empty file (ext4 and XFS may write the rename before the data). Each is
+    flushed once written, before any rename, and the directory once all are renamed."""
+    from moefold.checkpoint.hf import load_pretrained, save_pretrained
+
+    out = tmp_path.resolve() / "export"  # as /proc/self/fd names the files
+    events, fsync, replace = [], os.fsync, os.replace
+
+    def recorded_fsync(fd):
+        events.append(("fsync", Path(os.readlink(f"/proc/self/fd/{fd}"))))
+        fsync(fd)
+
+    def recorded_replace(src, dst):
+        events.append(("replace", Path(src), Path(dst)))
+        replace(src, dst)
+
+    model = load_pretrained(hf_dir)
+    monkeypatch.setattr(os, "fsync", recorded_fsync)
+    monkeypatch.setattr(os, "replace", recorded_replace)
+    save_pretrained(model, out, max_shard_bytes=2**16)
+    names = [p.name for p in sorted(out.iterdir()) if p.name != "config.json"] + ["config.json"]
+    assert len(names) > 3  # shards and their index
+    written = [("fsync", out / f".partial-{name}") for name in names]
+    renamed = [("replace", out / f".partial-{name}", out / name) for name in names]
+    assert events == [*written, *renamed, ("fsync", out)]
+
+
 def test_convert_keeps_the_checkpoints_load_balancing_loss(tmp_path):
     """DeepSeek's `aux_loss_alpha` with `seq_aux` is the run's sequence-level aux loss (not moefold's
     generic 0.01 micro-batch loss), and `convert --to-hf` writes the keys back."""

@@ -330,6 +330,50 @@ def test_an_io_error_writing_the_run_is_one_line_naming_the_output_and_keeps_wha
     if before is not None:
         assert (run / written).read_bytes() == before
 
+class _FailingTensorBoard:
+    """A TensorBoard writer (tensorboard is optional and absent on the test machine) whose disk
+    fails at `fail` (open, the third record's scalars, close) with EIO."""
+
+    def __init__(self, fail: str, calls: list[str]):
+        self.fail, self.calls, self.records = fail, calls, 0
+        self._call("open")
+
+    def _call(self, name: str) -> None:
+        self.calls.append(name)
+        if name == self.fail:
+            _input_output_error()
+
+    def add_scalar(self, key, value, step):
+        if key == "loss":
+            self.records += 1
+            self._call("add_scalar" if self.records == 3 else "add_scalar (before)")
+
+    def close(self):
+        self._call("close")
+
+
+@pytest.mark.parametrize("fail", ["open", "add_scalar", "close"])
+def test_tensorboard_failing_to_write_is_said_once_and_turned_off_and_the_run_trains_on(
+        tmp_path, tiny_args, capsys, monkeypatch, fail):
+    """EIO writing TensorBoard's events ended the run in a traceback. They are a copy of
+    metrics.jsonl, for viewing: the failure is said once, they are off for the rest of the run,
+    and the run trains on to its end with every checkpoint and record."""
+    import moefold.train.metrics as metrics
+
+    calls = []
+    monkeypatch.setattr(metrics, "_tensorboard_writer", lambda path: _FailingTensorBoard(fail, calls))
+    run = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run), *tiny_args, "--logging.tensorboard", "true"]) == 0
+    out, err = capsys.readouterr()
+    assert [line for line in out.splitlines() if "TensorBoard" in line] == [
+        f"warning: writing {run / 'tb'}: [Errno {errno.EIO}] Input/output error; TensorBoard events are off "
+        "for the rest of this run (metrics.jsonl holds every record)"]
+    assert err == ""
+    assert calls[-1] == fail  # nothing written to it after it failed
+    assert [r["step"] for r in _records(run) if "loss" in r] == list(range(1, 13))
+    assert latest_checkpoint(run).name == "step_00000012"
+
+
 def test_a_signal_between_log_steps_logs_the_steps_since_the_last_one(tmp_path, tiny_args, monkeypatch):
     """SIGTERM in step 6 of a run that logs every 4: the run stops with step 6 saved and a record
     of steps 5–6, not with their metrics never written (the resumed run logs from step 7 on)."""

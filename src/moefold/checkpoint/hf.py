@@ -38,6 +38,7 @@ from torch import nn
 from moefold.checkpoint.hf_families import FAMILIES, Family, PerExpert, Rule, family_of
 from moefold.config import Config, validate
 from moefold.errors import CheckpointError, ConfigError, writing
+from moefold.files import fsync
 from moefold.models.transformer import Transformer, build_model, materialize
 from moefold.parallel.local import held_indices, local_tensor
 
@@ -502,25 +503,30 @@ def save_pretrained(model: Transformer, path: str | Path, max_shard_bytes: int =
 
 
 def _write_all_or_nothing(path: Path, writes: dict[str, Callable[[Path], Any]], created: bool) -> None:
-    """Each `writes[name](file)` into `path/.partial-<name>`; then earlier shards and index go and
-    the partial files take their names. On failure the partial files go (and `path`, if this
-    export created it) and an OSError names the file it was writing."""
+    """Each `writes[name](file)` into `path/.partial-<name>`, flushed to disk; then earlier shards
+    and index go, the partial files take their names and `path` is flushed, as a checkpoint's
+    rename is (`files.fsync`: else a power cut soon after could leave a name on an empty file).
+    On a failed write the partial files go (and `path`, if this export created it); an OSError
+    becomes an OutputError naming the file it was writing, or `path` once they are written."""
     partials = {name: path / f".partial-{name}" for name in writes}
     try:
         for name, write in writes.items():
             with writing(path / name):
                 write(partials[name])
+                fsync(partials[name])
     except BaseException:
         for file in partials.values():
             file.unlink(missing_ok=True)
         if created and not any(path.iterdir()):
             path.rmdir()
         raise
-    for old in path.iterdir():
-        if (_SHARD.match(old.name) or old.name == INDEX) and old.name not in writes:
-            old.unlink()
-    for name, file in partials.items():
-        os.replace(file, path / name)
+    with writing(path):
+        for old in path.iterdir():
+            if (_SHARD.match(old.name) or old.name == INDEX) and old.name not in writes:
+                old.unlink()
+        for name, file in partials.items():
+            os.replace(file, path / name)
+        fsync(path)
 
 
 @dataclass(frozen=True)

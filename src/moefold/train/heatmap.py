@@ -7,10 +7,13 @@ returns it. matplotlib (the `viz` extra) is optional and imported only when a fi
 """
 
 import math
-import os
+from functools import partial
 from pathlib import Path
 
 import numpy as np
+
+from moefold.errors import writing
+from moefold.files import write_atomically
 
 History = list[tuple[int, list[list[int]]]]
 
@@ -36,7 +39,9 @@ def append_window(history: History, step: int, tokens_per_expert_per_layer: list
 
 
 def write_load_heatmap(history: History, path: Path, layer_ids: list[int] | None = None) -> Path | None:
-    """Write the PNG to `path` (atomically: a viewer never sees half a file) and return it.
+    """Write the PNG to `path` and return it: atomically (a viewer never sees half a file) and
+    durably (`files.write_atomically`: on disk before and after its rename, as a checkpoint is);
+    a failed write raises an OutputError naming `path`.
 
     `layer_ids` titles the panels (default 0..L-1, the MoE layers' order). Returns None when
     matplotlib is not installed or the history is empty.
@@ -56,10 +61,9 @@ def write_load_heatmap(history: History, path: Path, layer_ids: list[int] | None
     FigureCanvasAgg(fig)
     _draw(fig, load_L_EW, steps_W, layer_ids)
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    fig.savefig(tmp, format="png", dpi=_DPI)
-    os.replace(tmp, path)
+    with writing(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomically(path, partial(fig.savefig, format="png", dpi=_DPI))
     return path
 
 

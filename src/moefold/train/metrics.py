@@ -4,6 +4,7 @@ Every log step produces one flat dict of plain numbers; sinks write it to the co
 `<run_dir>/metrics.jsonl` (one JSON object per line) and TensorBoard when it is installed.
 """
 
+import contextlib
 import json
 import math
 import os
@@ -15,7 +16,7 @@ from typing import Any
 
 import torch
 
-from moefold.errors import writing
+from moefold.errors import OutputError, writing
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -52,10 +53,16 @@ def format_line(m: dict[str, Any], total_steps: int) -> str:
 
 
 class MetricsSinks:
-    """metrics.jsonl (appended, flushed each write) and TensorBoard (when installed and enabled)."""
+    """metrics.jsonl (appended, flushed each write) and TensorBoard (when installed and enabled).
+
+    metrics.jsonl is the record: a failure writing it stops the run (an OutputError naming it).
+    TensorBoard's events are a second copy of it, for viewing: a failure writing them (EIO, a full
+    disk) is said once and turns them off for the rest of the run, which trains on; stopping would
+    cost the training since the last checkpoint for a copy of what metrics.jsonl still holds."""
 
     def __init__(self, run_dir: Path, tensorboard: bool, out: Callable[[str], None] = print):
         self.jsonl_path = Path(run_dir) / "metrics.jsonl"
+        self.tb_path, self.out = Path(run_dir) / "tb", out
         with writing(self.jsonl_path):
             whole = _whole_lines_size(self.jsonl_path)
             self.jsonl = open(self.jsonl_path, "ab", buffering=0)  # each record on disk as it is written
@@ -64,14 +71,31 @@ class MetricsSinks:
                 self.jsonl.truncate(whole)
                 out(f"{self.jsonl_path}: removed its last line, an incomplete record of {cut} bytes "
                     "(a write cut short)")
-        self.tb = _tensorboard_writer(Path(run_dir) / "tb") if tensorboard else None
+        self.tb = None
+        if tensorboard:
+            with self._tensorboard_or_off():
+                self.tb = _tensorboard_writer(self.tb_path)
 
     def write(self, record: dict[str, Any]) -> None:
         self._append_line((json.dumps(_finite_or_null(record), allow_nan=False) + "\n").encode())
         if self.tb is not None:
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and key != "step" and math.isfinite(value):
-                    self.tb.add_scalar(key, value, record["step"])
+            with self._tensorboard_or_off():
+                for key, value in record.items():
+                    if isinstance(value, (int, float)) and key != "step" and math.isfinite(value):
+                        self.tb.add_scalar(key, value, record["step"])
+
+    @contextlib.contextmanager
+    def _tensorboard_or_off(self):
+        """An OSError writing TensorBoard's events (raised by the call that follows the failed
+        write: its writer writes on a thread) is said and turns them off; the failed writer is
+        dropped, not closed, since closing flushes into the same failure."""
+        try:
+            with writing(self.tb_path):
+                yield
+        except OutputError as e:
+            self.tb = None
+            self.out(f"warning: writing {e.filename}: [Errno {e.errno}] {e.strerror}; TensorBoard events are "
+                     "off for the rest of this run (metrics.jsonl holds every record)")
 
     def _append_line(self, line: bytes) -> None:
         """The whole line or nothing: a write cut short (a full disk) is undone, so the file stays
@@ -89,7 +113,8 @@ class MetricsSinks:
     def close(self) -> None:
         self.jsonl.close()
         if self.tb is not None:
-            self.tb.close()
+            with self._tensorboard_or_off():
+                self.tb.close()
 
 
 def _whole_lines_size(path: Path) -> int | None:

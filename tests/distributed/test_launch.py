@@ -188,7 +188,63 @@ def test_sigterm_to_the_launcher_reaches_every_rank(tiny_args, tmp_path):
                                   "--train.steps", "3000"], run_dir)
     assert result.returncode == 128 + signal.SIGTERM, result.stderr
     acknowledged, line = result.stderr.splitlines()  # rank 0's, at once; the job's, at its end
-    assert acknowledged.startswith("moefold: SIGTERM received; stopping at the next log step "), acknowledged
+    assert acknowledged.startswith("moefold: SIGTERM received; stopping after the next step at the latest "), acknowledged
     assert line.startswith("moefold: interrupted by SIGTERM at step "), line
     checkpoint = next((run_dir / "checkpoints").iterdir())
     assert sorted(p.name for p in checkpoint.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+
+
+_SIGTERM_TO_RANK_1 = """
+import os, runpy, signal
+import moefold.checkpoint.dcp as checkpoint
+from moefold.train.trainer import Trainer
+to_rank_1 = lambda: os.environ["RANK"] == "1" and os.kill(os.getpid(), signal.SIGTERM)
+train_step, save = Trainer.train_step, checkpoint.dcp.save
+def in_step_6(self):
+    if self.step == 5:
+        to_rank_1()
+    return train_step(self)
+def in_the_save_of_step_4(state, checkpoint_id):
+    if state["step"] == 4:
+        to_rank_1()
+    return save(state, checkpoint_id=checkpoint_id)
+if os.environ["SIGNAL_IN"] == "step 6":
+    Trainer.train_step = in_step_6
+else:
+    checkpoint.dcp.save = in_the_save_of_step_4
+runpy.run_module("moefold", run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("signal_in, options, stop", [
+    ("step 6", [], 7), ("the save of step 4", ["--checkpoint.every", "4", "--checkpoint.keep", "1"], 4)])
+def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(tiny_args, tmp_path, signal_in, options, stop):
+    """SIGTERM to rank 1 alone (a scheduler signalling one node), as torchrun runs the ranks (no
+    launcher passing it on). The ranks agreed on a stop at log steps only: with logging.log_every
+    past the end of the run nobody stopped before step 12, however long the grace period. They vote
+    every step: both stop after the signal's step or the next (7), or with the checkpoint the
+    signal arrived in the save of (4, not a second save), each with its shard of it and 128 +
+    SIGTERM; the run resumes from it."""
+    run = tmp_path / "run"
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(launch.free_port()), "WORLD_SIZE": "2",
+           "LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "1", "SIGNAL_IN": signal_in}
+    command = [sys.executable, "-c", _SIGTERM_TO_RANK_1, "train", *tiny_args, "--run-dir", str(run),
+               "--parallel.ep", "2", "--logging.log_every", "100", *options]
+    ranks = [subprocess.Popen(command, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    try:
+        ended = [rank.communicate(timeout=300) for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()
+    checkpoint = run / "checkpoints" / f"step_{stop:08d}"
+    for rank, (_, err) in zip(ranks, ended):
+        assert (rank.returncode, err.splitlines()) == (128 + signal.SIGTERM, [
+            f"moefold: interrupted by SIGTERM at step {stop}; checkpoint saved to {checkpoint}"]), err
+    assert [p.name for p in (run / "checkpoints").iterdir()] == [checkpoint.name]
+    assert sorted(p.name for p in checkpoint.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert [r["step"] for r in _metrics(run) if "loss" in r] == [stop]  # on record before the stop
+    resumed = run_cli(["train", "--resume", str(run), "--nproc", "2"])
+    assert resumed.returncode == 0, resumed.stderr
+    assert [r["step"] for r in _metrics(run) if "loss" in r] == [stop, 12]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir())[-1] == "step_00000012"

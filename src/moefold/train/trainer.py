@@ -64,6 +64,7 @@ from moefold.train.flops import count_params, peak_tflops, train_flops_per_token
 from moefold.train.heatmap import append_window, write_load_heatmap
 from moefold.train.loss import build_objective, cross_entropy_loss
 from moefold.train.run_lock import LOCK_FILE, RunDirLock, refuse_run_dir_in_use
+from moefold.train.stop import StopVote
 
 
 class TrainingInterrupted(Exception):
@@ -231,6 +232,8 @@ class Trainer:
         if full_state:
             _refuse_changed_state_dtypes(cfg, checkpoint)
         self.dist, self.device = join(cfg, cfg.train.device, self.launch_command)
+        # Several ranks vote on a stop signal every step (train/stop.py); built on each at once.
+        self._stop_vote = StopVote() if self.dist.layout is not None else None
         _refuse_weight_cache_over_fsdp(cfg, self.dist.layout)
         if not self.dist.is_main:  # rank 0 speaks for the job
             self.out = lambda line: None
@@ -511,11 +514,11 @@ class Trainer:
                     self._refuse_diverged(window)
                     with window.paused():
                         saved = self.save()
-                if self._stop_requested():
+                signum = self._stop_requested(synced=saved is not None)
+                if signum is not None:
                     if window.steps:  # the steps since the last log step, on record before the run stops
                         last.update(self._log_window(window, lr, emit))
                     self._refuse_diverged(window)
-                    signum = self._stop_signal or signal.SIGTERM  # another rank got the signal
                     # A signal during a due save stops with that checkpoint, not a second copy.
                     checkpoint = saved or self.save()
                     if self.step == t.steps:  # the run is complete all the same
@@ -547,14 +550,18 @@ class Trainer:
             f"non-finite; nothing from these steps is saved. Lower train.lr (now {self.cfg.train.lr:g}) or "
             "raise train.warmup_steps, then resume from the last checkpoint")
 
-    def _stop_requested(self) -> bool:
-        """A signal arrived (on any rank). With several ranks they agree at log steps only, which
-        costs one tiny all-reduce there instead of one per step."""
-        if self.dist.layout is None:
-            return self._stop_signal is not None
-        if self.step % self.cfg.logging.log_every and self.step < self.cfg.train.steps:
-            return False
-        return self.dist.any_rank(self._stop_signal is not None, self.device)
+    def _stop_requested(self, synced: bool) -> int | None:
+        """The signal to stop on at this step boundary, or None. One process: its own, after the
+        step it arrived in. Several ranks: the one any rank had, voted on every step off the
+        training stream (`StopVote`), so every rank stops at the same step, after the one the
+        signal arrived in or the next; read at once where the ranks have just waited for each
+        other (`synced`: a save) and at the last step."""
+        if self._stop_vote is None:
+            return self._stop_signal
+        agreed = self._stop_vote.agreed(self._stop_signal, now=synced or self.step == self.cfg.train.steps)
+        if agreed is not None:
+            self._stop_signal = agreed  # stopping: a signal from now on needs no acknowledgement
+        return agreed
 
     def _validation_due(self) -> bool:
         every, steps = self.cfg.train.val_every, self.cfg.train.steps
@@ -657,8 +664,7 @@ class Trainer:
     def _install_signal_handlers(self) -> dict[int, Any]:
         def request_stop(signum, _frame):
             if self._stop_signal is None and self.dist.is_main:
-                when = ("after this step" if self.dist.layout is None else
-                        f"at the next log step (every {self.cfg.logging.log_every})")
+                when = "after this step" if self._stop_vote is None else "after the next step at the latest"
                 # os.write, not print: a handler printing while the loop prints is a reentrant call.
                 os.write(2, f"moefold: {signal.Signals(signum).name} received; stopping {when} with "
                             "a checkpoint (SIGKILL stops at once, losing the steps since the last "

@@ -65,14 +65,6 @@ class DistributedContext:
         data_ranks = self.layout.dims.dp * self.layout.dims.cp if self.layout else 1
         return self.sum_over_data(values) / data_ranks
 
-    def any_rank(self, flag: bool, device: torch.device) -> bool:
-        """Whether `flag` is set on any rank (a collective: every rank must call it)."""
-        if self.layout is None:
-            return flag
-        t = torch.tensor([int(flag)], device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
-
 
 def world_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))

@@ -35,6 +35,7 @@ class SavedActivations:
     """Bytes autograd keeps between forward and backward, by category and by scope."""
     by_category: dict[str, int] = field(default_factory=dict)
     by_scope: dict[str, int] = field(default_factory=dict)  # "layer 3", "mtp 1", "model"
+    host: int = 0  # memory.offload's host copies still held when forward ends
 
     @property
     def total(self) -> int:
@@ -189,7 +190,8 @@ def _memory_wrappers_seen(pack):
     """Let the measurement see through memory.recompute and memory.offload: a checkpoint (and an
     output-discarding producer) keeps its tensor inputs, which no saved-tensor hook reports; an
     offloaded site's own hooks hide what it saved, so the tensors its offload leaves on the device
-    (too small, parameters and their casts) are reported here. The outputs that output-discarding
+    (too small, parameters and their casts) are reported here, and its host copies are followed
+    (weakly: a copy dies with the graph node that saved it). The outputs that output-discarding
     frees count 0 because sizes are read when forward ends."""
     from moefold.memory import offload, recompute
 
@@ -199,7 +201,7 @@ def _memory_wrappers_seen(pack):
     def keep(t):
         if isinstance(t, torch.Tensor):
             pack(t)
-            _kept.append(t)  # a strong reference, as the checkpoint holds its inputs
+            seen.kept.append(t)  # a strong reference, as the checkpoint holds its inputs
 
     def checkpoint(fn, *args, **kwargs):
         for a in (*args, *kwargs.values()):
@@ -215,16 +217,28 @@ def _memory_wrappers_seen(pack):
         packed = real_pack(self, t)
         if packed is t:  # stays on the device
             pack(t)
+        else:
+            seen.host_copies.append(weakref.ref(packed.copy))
         return packed
 
-    _kept: list[torch.Tensor] = []
+    seen = _WrappersSeen()
     recompute.checkpoint, recompute._Run.forward = checkpoint, forward
     offload.ActivationOffload.pack = offload_pack
     try:
-        yield _kept  # the caller holds them until it has counted
+        yield seen  # the caller holds the kept inputs until it has counted
     finally:
         recompute.checkpoint, recompute._Run.forward = real_checkpoint, real_forward
         offload.ActivationOffload.pack = real_pack
+
+
+@dataclass
+class _WrappersSeen:
+    kept: list[torch.Tensor] = field(default_factory=list)  # checkpoints' inputs
+    host_copies: list[weakref.ref] = field(default_factory=list)  # offload's, one per storage and call
+
+    def host_bytes(self) -> int:
+        alive = {id(c): c for c in (ref() for ref in self.host_copies) if c is not None}
+        return sum(c.host_B.nbytes for c in alive.values())
 
 
 class _ParamCasts(TorchDispatchMode):
@@ -264,7 +278,9 @@ def measure_saved_activations(cfg: Config, dtype: str = "bf16", vocab_size: int 
     bf16 only, and the loop backend needs real token counts. With a `layout` (every rank of its
     process group calling) the model is parallelized as the trainer does it, and this rank's bytes
     are measured; bf16 then runs for real too (on the CPU, under autocast), as collectives need
-    real tensors."""
+    real tensors. So it does with memory.recompute or memory.offload: output discarding tells a
+    site's outputs from its inputs by their storages' addresses and offload moves plain tensors,
+    and fake tensors have neither (under them nothing would be freed or moved)."""
     from moefold.fp8.apply import apply_fp8
     from moefold.fp8.weight_cache import refresh_weight_caches
     from moefold.models.transformer import build_model
@@ -275,7 +291,7 @@ def measure_saved_activations(cfg: Config, dtype: str = "bf16", vocab_size: int 
     grouped_mm_supported("cpu", torch_dtype)  # cached probe with real tensors, outside fake mode
     vocab = vocab_size or model_vocab_size(cfg)
     B, S = cfg.train.micro_batch_size, cfg.train.seq_len
-    real = dtype == "fp32" or layout is not None
+    real = dtype == "fp32" or layout is not None or bool(cfg.memory.recompute or cfg.memory.offload)
     fake = contextlib.nullcontext() if real else FakeTensorMode()
     with fake, _fused_attention():
         model = build_model(cfg, vocab, "cpu", torch_dtype)
@@ -311,7 +327,7 @@ def measure_saved_activations(cfg: Config, dtype: str = "bf16", vocab_size: int 
                     else contextlib.nullcontext())
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast, \
-                    _memory_wrappers_seen(pack) as kept_inputs, param_casts:
+                    _memory_wrappers_seen(pack) as wrappers, param_casts:
                 loss, _ = build_objective(model)(model, ids_BS, labels_BS)
         finally:
             stack.remove()
@@ -319,7 +335,8 @@ def measure_saved_activations(cfg: Config, dtype: str = "bf16", vocab_size: int 
         for entry in saved.values():
             if entry.alive():  # saved by a graph node that backward will run
                 result.add(entry.scope, entry.category, entry.storage.nbytes())
-        del kept_inputs
+        result.host = wrappers.host_bytes()
+        del wrappers
         param_casts.casts.clear()
         loss.backward()
     return result

@@ -244,36 +244,78 @@ def test_bad_input_is_one_line(args, message, capsys):
     assert message in err and err.count("\n") == 1 and "Traceback" not in err
 
 
-# memory.recompute / memory.offload: the planner's saving against the real model's saved bytes with
-# the wrappers applied (fp32 on the CPU: output discarding frees real storages, and offload moves
-# only plain tensors). offload_min_bytes 4096 keeps some small tensors on the device.
-OPTION_CASES = [(preset, kind, name) for preset, names in (
-    ("tiny-qwen3", ("norm", "attn_core", "moe_act", "moe", "layer")),
-    ("tiny-deepseek", ("shared_experts", "mlp", "moe", "mla_up_proj")),
-    ("tiny-deepseek-nolora", ("mla_up_proj",)),
-    ("tiny-mixtral", ("attn_core",))) for name in names for kind in ("recompute", "offload")]
+# memory.recompute / memory.offload: the planner's saved bytes and host copies against the real
+# model's with the wrappers applied, to the byte (plan.measure runs it for real in every dtype:
+# output discarding frees real storages, and offload moves only plain tensors).
+# offload_min_bytes 4096 keeps some small tensors on the device. name: (precision.compute_dtype,
+# optim.master_dtype, measure's dtype and param_dtype), as in test_plan_tp.py.
+DTYPES = {"fp32": ("fp32", "fp32", "fp32", ""), "bf16": ("bf16", "bf16", "bf16", ""),
+          "bf16-fp32-params": ("bf16", "fp32", "bf16", "fp32")}
+NOLORA, COMBINE = {"model.q_lora_rank": 0}, {"model.q_lora_rank": 0, "moe.memory_efficient_permute": False}
+DENSE_FIRST, FP64_ROUTER = {"moe.first_k_dense": 1}, {"moe.router_dtype": "fp64"}
+OPTION_CASES = [(preset, extra, {f"memory.{kind}": f'["{name}"]'}, "fp32") for preset, extra, names in (
+    ("tiny-qwen3", {}, ("norm", "attn_core", "moe_act", "moe", "layer")),
+    ("tiny-deepseek", {}, ("shared_experts", "mlp", "moe", "mla_up_proj")),
+    ("tiny-deepseek", NOLORA, ("mla_up_proj",)),
+    ("tiny-mixtral", {}, ("attn_core",))) for name in names for kind in ("recompute", "offload")] + [
+    # offload moves the storages of at least offload_min_bytes and leaves the rest: every small one
+    # of the router, the dispatcher, the experts, the norms and attention (their list was partial)
+    ("tiny-qwen3", {}, {"memory.offload": '["moe"]', "memory.offload_min_bytes": 65536}, "fp32"),
+    ("tiny-qwen3", {}, {"memory.offload": '["layer"]', "memory.offload_min_bytes": 65536}, "fp32"),
+    ("tiny-deepseek", {}, {"memory.offload": '["layer"]'}, "fp32"),
+    ("tiny-deepseek", COMBINE, {"memory.offload": '["moe"]'}, "bf16-fp32-params"),
+    ("tiny-mixtral", {}, {"memory.offload": '["moe", "attn_core"]', "memory.offload_min_bytes": 65536}, "bf16"),
+    # ... and each storage once per site call: MLA's up-projection copies the RoPE tables, the trunk's
+    # freed after forward; the attention output and (without q-LoRA) the normed x are copied but
+    # stay (the output projection, wkv_a keep them); the activation keeps silu(gate) too (no
+    # memory-efficient permutation)
+    ("tiny-deepseek", NOLORA, {"memory.offload": '["mla_up_proj", "attn_core", "shared_experts"]',
+                               "memory.offload_min_bytes": 0}, "fp32"),
+    ("tiny-deepseek", COMBINE, {"memory.offload": '["moe_act"]'}, "fp32"),
+    # fp32 parameters under bf16 autocast: the residual stream and the normed x are fp32, as
+    # recomputed pre-norms, layers, MoE layers and MLPs keep them; the fp32 router reads the normed x
+    # itself, which recomputing the norms frees. A recomputed site's kept normed x goes with it.
+    ("tiny-qwen3", DENSE_FIRST, {"memory.recompute": '["norm"]'}, "bf16-fp32-params"),
+    ("tiny-qwen3", {}, {"memory.recompute": '["layer"]'}, "bf16-fp32-params"),
+    ("tiny-deepseek", {}, {"memory.recompute": '["moe"]'}, "bf16-fp32-params"),
+    ("tiny-deepseek", {}, {"memory.recompute": '["norm", "mlp"]'}, "bf16-fp32-params"),
+    ("tiny-qwen3", DENSE_FIRST, {"memory.recompute": '["norm", "moe"]'}, "bf16"),
+    ("tiny-deepseek", NOLORA, {"memory.recompute": '["norm", "mla_up_proj"]'}, "bf16-fp32-params"),
+    # without the memory-efficient permutation the recomputed activation frees silu(gate) and keeps
+    # the [R] probabilities it is handed
+    ("tiny-deepseek", COMBINE, {"memory.recompute": '["moe_act"]'}, "fp32"),
+    # an fp64 router keeps its own cast of the normed x: recomputed shared experts keep the normed
+    # x, which recomputing the norms frees
+    ("tiny-deepseek", FP64_ROUTER, {"memory.recompute": '["norm", "shared_experts"]'}, "bf16-fp32-params"),
+    ("tiny-deepseek", FP64_ROUTER, {"memory.recompute": '["norm"]'}, "fp32"),
+]
 
 
-def _predicted_total(cfg) -> int:
-    from moefold.plan import options
-    sh = act.Shapes(cfg.train.micro_batch_size, cfg.train.seq_len, 1, 1, 1, 4)
-    total = sum(act.model_bytes(cfg, sh, cfg.model.vocab_size or 257).values())
-    total -= options.rope_offloaded(cfg, sh)
-    for layer_id in range(cfg.model.n_layers + cfg.model.mtp_layers):
-        total += sum(options.layer_delta(cfg, layer_id, sh)[0].values())
-    return total
+def _case_config(preset: str, overrides: dict, dtype: str):
+    compute, master = DTYPES[dtype][:2]
+    return load_config(preset, {"train.micro_batch_size": 2, "memory.offload_min_bytes": 4096,
+                                "precision.compute_dtype": compute, "optim.master_dtype": master, **overrides})
 
 
-@pytest.mark.parametrize("preset,kind,name", OPTION_CASES)
-def test_recompute_and_offload_savings_match_the_wrapped_model(preset, kind, name):
-    base = {"train.micro_batch_size": 2, "memory.offload_min_bytes": 4096}
-    if preset.endswith("-nolora"):
-        preset, base = preset.removesuffix("-nolora"), {**base, "model.q_lora_rank": 0}
-    plain, wrapped = load_config(preset, base), load_config(preset, {**base, f"memory.{kind}": f'["{name}"]'})
-    measured = measure_saved_activations(plain, "fp32").total - measure_saved_activations(wrapped, "fp32").total
-    predicted = _predicted_total(plain) - _predicted_total(wrapped)
-    assert measured > 0
-    assert predicted == pytest.approx(measured, rel=0.05)
+@pytest.mark.parametrize("preset,extra,options,dtype", OPTION_CASES,
+                         ids=[f"{p}-{e}-{o}-{d}" for p, e, o, d in OPTION_CASES])
+def test_recompute_and_offload_match_the_wrapped_model(preset, extra, options, dtype):
+    cfg = _case_config(preset, {**extra, **options}, dtype)
+    measured = measure_saved_activations(cfg, DTYPES[dtype][2], param_dtype=DTYPES[dtype][3])
+    plan = predict_memory(cfg, 1)
+    assert measured.total == plan.activation_total
+    assert measured.host == plan.offloaded
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_an_fp64_router_keeps_its_own_cast_of_the_normed_x(dtype):
+    """moe.router_dtype=fp64: the router keeps an fp64 cast of the normed x, so the shared experts
+    keep the normed x themselves (in fp32 they were counted 0, as where the router's input is that
+    very tensor), and the sigmoid scores' per-token sum for balancing is fp64 too. Category by
+    category, to the byte."""
+    cfg = _case_config("tiny-deepseek", FP64_ROUTER, dtype)
+    measured = measure_saved_activations(cfg, DTYPES[dtype][2], param_dtype=DTYPES[dtype][3]).by_category
+    assert predict_memory(cfg, 1).activations == measured
 
 
 def test_plan_counts_offloaded_bytes_and_recompute_lowers_the_peak():

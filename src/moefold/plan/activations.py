@@ -1,7 +1,8 @@
 """Saved-activation bytes of one micro-batch, module by module, from the config alone.
 
-Each formula counts what moefold's code keeps for backward, op by op (the tensors autograd saves,
-each storage once, parameters excluded), for GPU kernels: attention is a fused kernel (FlashAttention-2
+Each formula lists what moefold's code keeps for backward, op by op, storage by storage (the
+tensors autograd saves, each storage once, parameters excluded; `layer_tensors`: memory.offload
+moves or leaves each by its size), for GPU kernels: attention is a fused kernel (FlashAttention-2
 / cuDNN) that keeps q, k, v, the output and an fp32 log-sum-exp. `plan.measure` runs the real model
 under FakeTensorMode (or one rank of it under TP, for real) and counts the same thing, and tests
 hold the two together category by category. Rules that recur:
@@ -9,7 +10,8 @@ hold the two together category by category. Rules that recur:
 - RMSNorm computes in fp32: it keeps the fp32 input, the normalised fp32 rows and one rsqrt per
   row (8·d + 4 bytes a row), whatever the compute dtype; its output is kept by the next linear.
 - Linears keep their input (shared by the q/k/v projections, which read one tensor).
-- The router runs in fp32 on an fp32 copy of its input, and keeps fp32 scores [T, E].
+- The router runs in its dtype (fp32, or fp64) on a copy of its input in it, and keeps scores
+  [T, E] in it; where the normed x is in the router's dtype already, that copy is the normed x.
 - A parameter used in another dtype than its own is cast once per forward and the cast is kept
   (category `weight_copies`): under bf16 autocast over fp32 parameters every matmul weight
   (autocast's cast of a linear's weight, the experts' `w.to(bf16)`), with bf16 parameters the
@@ -93,31 +95,55 @@ class Shapes:
         return self.params != self.act_bytes
 
 
-def norm_bytes(rows: int, dim: int, sh: Shapes) -> int:
-    """RMSNorm: fp32 input (a copy unless it is fp32), normalised fp32 rows, rsqrt per row."""
-    return rows * (8 * dim + 4)
-
-
 Bytes = dict[str, int]
+Tensors = dict[str, list[int]]  # by category, the bytes of each storage kept for backward
 
 
-def kept_input(rows: int, cols: int, sh: Shapes, fp8: bool = True) -> int:
-    """Bytes a linear keeps of its [rows, cols] input: the compute dtype, or, where inputs are kept
-    in FP8 (fp8/saved.py) and this linear runs in FP8, 1 byte per element plus the forward tiles'
-    fp32 scales — one per row, per 128 columns of a row (1x128 tiles), or one for the tensor."""
+class Viewed(int):
+    """A storage's bytes where the ops saved only a smaller view of it (`view` bytes): the valid
+    mask's [R] of R + 1 bools, MLA's v of the kv up-projection. memory.offload compares each saved
+    tensor's own bytes with offload_min_bytes, and a storage stays whole where a view of it stays."""
+
+    view: int
+
+    def __new__(cls, nbytes: int, view: int) -> Viewed:
+        storage = super().__new__(cls, nbytes)
+        storage.view = view
+        return storage
+
+
+def view_bytes(storage: int) -> int:
+    """The bytes of the tensors saved on `storage` (all of it unless it is `Viewed`)."""
+    return getattr(storage, "view", storage)
+
+
+def norm_tensors(rows: int, dim: int) -> list[int]:
+    """RMSNorm: fp32 input (a copy unless it is fp32), normalised fp32 rows, rsqrt per row."""
+    return [rows * dim * FP32, rows * dim * FP32, rows * FP32]
+
+
+def norm_bytes(rows: int, dim: int) -> int:
+    return sum(norm_tensors(rows, dim))
+
+
+def kept_input(rows: int, cols: int, sh: Shapes, fp8: bool = True) -> list[int]:
+    """What a linear keeps of its [rows, cols] input: the input in the compute dtype, or, where
+    inputs are kept in FP8 (fp8/saved.py) and this linear runs in FP8, 1 byte per element and the
+    forward tiles' fp32 scales — one per row, per 128 columns of a row (1x128 tiles), or one for
+    the tensor (two storages)."""
     if not (sh.fp8_kept and fp8):
-        return rows * cols * sh.act_bytes
+        return [rows * cols * sh.act_bytes]
     scales = {"row": rows, "1x128": rows * (cols // 128), "tensor": 1}[sh.fp8_kept]
-    return rows * cols + scales * FP32
+    return [rows * cols, scales * FP32]
 
 
-def sibling_inputs(rows: int, cols: int, sh: Shapes, fp8: list[bool]) -> int:
+def sibling_inputs(rows: int, cols: int, sh: Shapes, fp8: list[bool]) -> list[int]:
     """Siblings reading one input (q/k/v, gate and up; `fp8`: which run in FP8): with input copies
     each keeps its own, in FP8 where inputs are; otherwise one shared compute-dtype tensor
     (fp8/apply.py keeps a shared input as it is: FP8 copies would each cost half of it)."""
     if sh.input_copies:
-        return sum(kept_input(rows, cols, sh, f) for f in fp8)
-    return rows * cols * sh.act_bytes
+        return [s for f in fp8 for s in kept_input(rows, cols, sh, f)]
+    return [rows * cols * sh.act_bytes]
 
 
 def fp8_module(cfg: Config, sh: Shapes, name: str) -> bool:
@@ -142,50 +168,63 @@ def _add(into: Bytes, **parts: int) -> Bytes:
     return into
 
 
-def gqa_bytes(cfg: Config, sh: Shapes) -> Bytes:
-    m, T, a = cfg.model, sh.tokens, sh.act_bytes
+def gqa_tensors(cfg: Config, sh: Shapes) -> Tensors:
+    m, T = cfg.model, sh.tokens
     H, G = m.n_heads // sh.tp, (m.n_kv_heads or m.n_heads) // sh.tp
     Dh = m.head_dim or m.dim // m.n_heads
     # x (once per q, k, v projection with input copies); wo's input is a view of the core's output
     Hg, Gg = m.n_heads * Dh, (m.n_kv_heads or m.n_heads) * Dh
     qkv_fp8 = [fp8_linear(cfg, sh, "attn.wq", m.dim, Hg), fp8_linear(cfg, sh, "attn.wk", m.dim, Gg),
                fp8_linear(cfg, sh, "attn.wv", m.dim, Gg)]
-    out = _add({}, attn_proj=sibling_inputs(T, m.dim, sh, qkv_fp8))
+    out = {"attn_proj": sibling_inputs(T, m.dim, sh, qkv_fp8)}
     if m.qk_norm:
-        _add(out, norm=norm_bytes(T * H, Dh, sh) + norm_bytes(T * G, Dh, sh))
-    core = T * (2 * H + 2 * G) * Dh * a + T * H * FP32  # q, k, v, out, lse
+        out["norm"] = norm_tensors(T * H, Dh) + norm_tensors(T * G, Dh)
+    qkv, output, internal = core_tensors(cfg, sh)
+    return {**out, "attn_core": [*qkv, output, *internal]}
+
+
+def core_tensors(cfg: Config, sh: Shapes) -> tuple[list[int], int, list[int]]:
+    """The fused attention kernel's saved storages: q, k and v; the output; the log-sum-exp and a
+    sliding window's mask (a bias in q's dtype). MLA's q and k are concatenations (nope | rope)
+    and its v a view of the kv up-projection, whose whole [.., Dn + Dv] output it keeps alive."""
+    m, T, a, H = cfg.model, sh.tokens, sh.act_bytes, cfg.model.n_heads // sh.tp
+    internal = [T * H * FP32]
+    if m.attention == "mla":
+        Dn, Dr, Dv = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
+        qk = T * H * (Dn + Dr) * a
+        return [qk, qk, Viewed(T * H * (Dn + Dv) * a, T * H * Dv * a)], T * H * Dv * a, internal
+    G, Dh = (m.n_kv_heads or m.n_heads) // sh.tp, m.head_dim or m.dim // m.n_heads
     if m.sliding_window:
-        core += sh.seq * sh.seq * a  # the window mask, as an attention bias in q's dtype
-    return _add(out, attn_core=core)
+        internal.append(sh.seq * sh.seq * a)
+    return [T * H * Dh * a, T * G * Dh * a, T * G * Dh * a], T * H * Dh * a, internal
 
 
-def mla_bytes(cfg: Config, sh: Shapes) -> Bytes:
-    m, T, a = cfg.model, sh.tokens, sh.act_bytes
-    H, Q, C = m.n_heads // sh.tp, m.q_lora_rank, m.kv_lora_rank
+def mla_tensors(cfg: Config, sh: Shapes) -> Tensors:
+    m, T = cfg.model, sh.tokens
+    Q, C = m.q_lora_rank, m.kv_lora_rank
     Dn, Dr, Dv = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
     # x (for wq_a or wq and for wkv_a with input copies), wq_b's and wkv_b's (normed) inputs
     Hq, Hkv = m.n_heads * (Dn + Dr), m.n_heads * (Dn + Dv)  # global output features
     x_fp8 = [fp8_linear(cfg, sh, "attn.wq_a" if Q else "attn.wq", m.dim, Q or Hq),
              fp8_linear(cfg, sh, "attn.wkv_a", m.dim, C + Dr)]
-    q_b = kept_input(T, Q, sh, fp8_linear(cfg, sh, "attn.wq_b", Q, Hq)) if Q else 0
+    q_b = kept_input(T, Q, sh, fp8_linear(cfg, sh, "attn.wq_b", Q, Hq)) if Q else []
     kv_b = kept_input(T, C, sh, fp8_linear(cfg, sh, "attn.wkv_b", C, Hkv))
-    out = _add({}, attn_proj=sibling_inputs(T, m.dim, sh, x_fp8) + q_b + kv_b)
+    out = {"attn_proj": sibling_inputs(T, m.dim, sh, x_fp8) + q_b + kv_b}
     # In fp32 the latent norm keeps its input as it is: a view of wkv_a's [T, C + Dr] output.
-    _add(out, norm=norm_bytes(T, C, sh) + (T * Dr * FP32 if sh.fp32 else 0))
-    if Q:
-        _add(out, norm=norm_bytes(T, Q, sh))
-    # q and k are concatenations (nope | rope); v keeps wkv_b's whole [.., Dn + Dv] output alive.
-    core = T * H * (2 * (Dn + Dr) + (Dn + Dv) + Dv) * a + T * H * FP32
-    return _add(out, attn_core=core)
+    out["norm"] = norm_tensors(T, C) + (norm_tensors(T, Q) if Q else [])
+    if sh.fp32:
+        out["norm"][0] = Viewed(T * (C + Dr) * FP32, T * C * FP32)
+    qkv, output, internal = core_tensors(cfg, sh)
+    return {**out, "attn_core": [*qkv, output, *internal]}
 
 
-def dense_mlp_bytes(cfg: Config, sh: Shapes) -> Bytes:
+def dense_mlp_tensors(cfg: Config, sh: Shapes) -> list[int]:
     T, a, H = sh.tokens, sh.act_bytes, cfg.model.ffn_hidden // sh.tp
     # x (w1 and w3 each cast it with input copies); gate, up, silu(gate) and w2's input h
     D, Hg = cfg.model.dim, cfg.model.ffn_hidden
     fp8_in = [fp8_linear(cfg, sh, f"ffn.{w}", D, Hg) for w in ("w1", "w3")]
     fp8_out = fp8_linear(cfg, sh, "ffn.w2", Hg, D)
-    return {"mlp": sibling_inputs(T, D, sh, fp8_in) + 3 * T * H * a + kept_input(T, H, sh, fp8_out)}
+    return sibling_inputs(T, D, sh, fp8_in) + [T * H * a] * 3 + kept_input(T, H, sh, fp8_out)
 
 
 def expert_rows(cfg: Config, sh: Shapes) -> int:
@@ -212,42 +251,49 @@ def row_multiple(cfg: Config, sh: Shapes) -> int:
     return multiple
 
 
-def router_bytes(cfg: Config, sh: Shapes) -> int:
+def router_tensors(cfg: Config, sh: Shapes) -> list[int]:
     """The router and its balancing losses on the tokens it routes (`Shapes.residual_tokens`)."""
     moe, D = cfg.moe, cfg.model.dim
     T, K, E, r = sh.residual_tokens, moe.top_k, moe.num_experts, ROUTER_BYTES[moe.router_dtype]
-    total = T * D * r + T * E * r + T * K * INT64  # fp32 input, scores, chosen ids
+    out = [T * D * r, T * E * r, T * K * INT64]  # fp32 input, scores, chosen ids
     if moe.input_jitter:
-        total += T * D * r  # the noise
+        out.append(T * D * r)  # the noise
     mixtral_style = moe.score_func == "softmax" and not moe.softmax_before_topk
     if mixtral_style:
-        total += T * E * r  # gather keeps the logits it picks from
+        out.append(T * E * r)  # gather keeps the logits it picks from
     if moe.norm_topk_prob or mixtral_style:
-        total += T * K * r  # the chosen probabilities, kept by the renormalising division
+        out.append(T * K * r)  # the chosen probabilities, kept by the renormalising division
     if moe.norm_topk_prob:
-        total += T * r
+        out.append(T * r)
     # Group-limited selection keeps nothing: only its indices are used, which carry no gradient.
-    return total + _balance_bytes(cfg, sh, T)
+    return out + _balance_tensors(cfg, sh, T)
 
 
-def _balance_bytes(cfg: Config, sh: Shapes, T: int) -> int:
+def router_reads_normed_x(cfg: Config, sh: Shapes) -> bool:
+    """Whether the router's input is the normed x itself, not a cast of it: the router dtype is the
+    residual stream's (fp32 compute, or fp32 parameters under autocast, with an fp32 router)."""
+    return ROUTER_BYTES[cfg.moe.router_dtype] == sh.params
+
+
+def _balance_tensors(cfg: Config, sh: Shapes, T: int) -> list[int]:
     """The balancing losses over the router's T tokens of B sequences (under sequence parallelism
     a shard of each, whose counts are summed over the TP group in tensors of the same sizes,
     moe/balance.py)."""
     moe, E, B = cfg.moe, cfg.moe.num_experts, sh.batch
-    total = 0
+    out = []
     if moe.score_func == "sigmoid" and (moe.aux_loss_coeff or moe.seq_aux_loss_coeff
                                         or moe.global_aux_loss_coeff):
-        total += T * FP32  # the per-token sum that normalises sigmoid scores for balancing
+        # the per-token sum that normalises sigmoid scores for balancing, in the scores' dtype
+        out.append(T * ROUTER_BYTES[moe.router_dtype])
     if moe.aux_loss_coeff:
-        total += T + INT64 + E * FP32
+        out += [T, INT64, E * FP32]
     if moe.seq_aux_loss_coeff:
-        total += T + B * INT64 + B * E * FP32 + INT64
+        out += [T, B * INT64, B * E * FP32, INT64]
     if moe.global_aux_loss_coeff:
-        total += T + E * FP32 + INT64
+        out += [T, E * FP32, INT64]
     if moe.z_loss_coeff:
-        total += T * E * FP32 + T * (FP32 + 1) + INT64
-    return total
+        out += [T * E * FP32, T * FP32, T, INT64]
+    return out
 
 
 def _has_aux_loss(cfg: Config) -> bool:
@@ -256,75 +302,81 @@ def _has_aux_loss(cfg: Config) -> bool:
                 or moe.z_loss_coeff)
 
 
-def dispatch_bytes(cfg: Config, sh: Shapes, rows: int) -> int:
+def dispatch_tensors(cfg: Config, sh: Shapes, rows: int) -> list[int]:
     """Permutation indices and masks of this rank's N = T/tp·K copies; without the memory-efficient
     permutation also the [N, D] expert outputs and [N] probabilities of the weighted combine."""
     moe, a = cfg.moe, sh.act_bytes
     N, routed = sh.tokens // sh.tp * moe.top_k, sh.residual_tokens * moe.top_k
     # The gathers' backward maps (moe/permute.py): each copy's row and keep mask (permute), each
-    # row's copy and valid mask (unpermute; the probabilities' gather shares that index). The keep
-    # mask is the router's tokens' [T·K]: without sequence parallelism a TP rank's copies are a
-    # view of the TP group's (parallel/sequence.py), with it the rank's own [T/tp·K].
-    total = N * INT64 + routed + rows * INT64 + (rows + 1)
+    # row's copy and valid mask (unpermute, [R] of R + 1; the probabilities' gather shares that
+    # index). The keep mask is the router's tokens' [T·K]: without sequence parallelism a TP rank's
+    # copies are a view of the TP group's (parallel/sequence.py), with it the rank's own [T/tp·K].
+    out = [N * INT64, Viewed(routed, N), rows * INT64, Viewed(rows + 1, rows)]
     if _has_aux_loss(cfg):
-        total += FP32  # the summed aux loss, kept by the autograd function that injects it
+        out.append(FP32)  # the summed aux loss, kept by the autograd function that injects it
     if moe.memory_efficient_permute:
-        return total
+        return out
     # The weighted combine keeps the expert outputs and the probabilities in the compute dtype: in
     # fp32 (and an fp32 router) the probabilities themselves, a view of the router's [T, K].
-    probs = routed * FP32 if sh.fp32 and ROUTER_BYTES[moe.router_dtype] == FP32 else N * a
-    return total + N * cfg.model.dim * a + probs
+    probs = Viewed(routed * FP32, N * FP32) if sh.fp32 and ROUTER_BYTES[moe.router_dtype] == FP32 else N * a
+    return out + [N * cfg.model.dim * a, probs]
 
 
-def experts_bytes(cfg: Config, sh: Shapes, rows: int) -> int:
-    moe, a, D = cfg.moe, sh.act_bytes, cfg.model.dim
+def experts_tensors(cfg: Config, sh: Shapes, rows: int) -> list[int]:
+    moe, D = cfg.moe, cfg.model.dim
     F = moe.expert_hidden // sh.etp
     if not fp8_module(cfg, sh, "ffn.experts"):
         sh = replace(sh, fp8_kept="")  # excluded: the experts keep their inputs as they are
     elif sh.fp8_kept:  # the experts' own tiles (a tensorwise run's experts scale rows: fp8/grouped.py)
         sh = replace(sh, fp8_kept=grouped_scaling(cfg.precision.fp8).forward.a.tile)
-    gated = GATED[moe.activation]
     # The input rows (once: in FP8 gate and up keep one copy, fp8/grouped.py's fp8_grouped_mms),
     # int32 offsets, and the activation's output h, which the down GEMM keeps.
-    inputs = kept_input(rows, D, sh) if sh.fp8_kept else rows * D * a
-    total = inputs + moe.num_experts // sh.ep * 4 + kept_input(rows, F, sh)
-    if moe.memory_efficient_permute:
-        # gate and up, and the [R] probabilities
-        return total + (2 if gated else 1) * rows * F * a + rows * FP32
-    return total + (3 if gated else 1) * rows * F * a
+    out = kept_input(rows, D, sh) + [moe.num_experts // sh.ep * 4] + kept_input(rows, F, sh)
+    return out + activation_tensors(cfg, sh, rows)
 
 
-def shared_bytes(cfg: Config, sh: Shapes) -> int:
+def activation_tensors(cfg: Config, sh: Shapes, rows: int) -> list[int]:
+    """What the experts' activation (moe/activation.py) saves of its [R, F] inputs: gate and up
+    (and the [R] probabilities it folds in) with the memory-efficient permutation, else its
+    input(s) and silu(gate)."""
+    F, gated = cfg.moe.expert_hidden // sh.etp, GATED[cfg.moe.activation]
+    if cfg.moe.memory_efficient_permute:
+        return [rows * F * sh.act_bytes] * (2 if gated else 1) + [rows * FP32]
+    return [rows * F * sh.act_bytes] * (3 if gated else 1)
+
+
+def shared_tensors(cfg: Config, sh: Shapes) -> list[int]:
     """Shared experts, TP-sharded like a dense MLP, on all T tokens of the TP group: under sequence
     parallelism they all-gather the rank's T/tp (one [T, D] tensor w1, w3 and the gate read) and
     reduce-scatter w2's output back to its rows (parallel/sequence.py)."""
     moe, T, a, D = cfg.moe, sh.tokens, sh.act_bytes, cfg.model.dim
     F = moe.shared_experts * (moe.shared_expert_hidden or moe.expert_hidden) // sh.tp
     gated = GATED[moe.activation]
-    # In fp32 the input is the norm output, which the router keeps already, but under sequence
-    # parallelism it is the all-gathered copy; with input copies each of w1, w3 (and the gate)
-    # keeps its own bf16 cast of it.
     Fg = moe.shared_experts * (moe.shared_expert_hidden or moe.expert_hidden)  # global
     fp8_in = [fp8_linear(cfg, sh, f"ffn.shared.{w}", D, Fg) for w in (("w1", "w3") if gated else ("w1",))]
     fp8_out = fp8_linear(cfg, sh, "ffn.shared.w2", Fg, D)
+    # With input copies each of w1, w3 (and the gate) keeps its own bf16 cast of the normed x.
+    # Otherwise they read it as it is, which the router keeps already where it reads it too (not
+    # under sequence parallelism: they read the all-gathered copy).
     if sh.input_copies:
-        inputs = sum(kept_input(T, D, sh, f) for f in fp8_in) + moe.shared_expert_gate * T * D * a
+        inputs = [s for f in fp8_in for s in kept_input(T, D, sh, f)] + [T * D * a] * moe.shared_expert_gate
     else:
-        inputs = 0 if sh.fp32 and sh.seq_split == 1 else T * D * a
-    total = inputs + (3 if gated else 1) * T * F * a + kept_input(T, F, sh, fp8_out)  # ..., w2's input h
+        inputs = [] if router_reads_normed_x(cfg, sh) and sh.seq_split == 1 else [T * D * a]
+    # gate, up, silu(gate) (or the activation's input), w2's input h
+    out = inputs + [T * F * a] * (3 if gated else 1) + kept_input(T, F, sh, fp8_out)
     if moe.shared_expert_gate:
         # The gate's product keeps the experts' output (the rank's rows of it under sequence
         # parallelism, w2's reduce-scatter) and the gate [T, 1] (replicated: all T rows).
-        total += sh.residual_tokens * D * a + T * a
-    return total
+        out += [sh.residual_tokens * D * a, T * a]
+    return out
 
 
-def moe_bytes(cfg: Config, sh: Shapes) -> Bytes:
+def moe_tensors(cfg: Config, sh: Shapes) -> Tensors:
     rows = expert_rows(cfg, sh)
-    out = {"router": router_bytes(cfg, sh), "moe_dispatch": dispatch_bytes(cfg, sh, rows),
-           "experts": experts_bytes(cfg, sh, rows)}
+    out = {"router": router_tensors(cfg, sh), "moe_dispatch": dispatch_tensors(cfg, sh, rows),
+           "experts": experts_tensors(cfg, sh, rows)}
     if cfg.moe.shared_experts:
-        out["shared_experts"] = shared_bytes(cfg, sh)
+        out["shared_experts"] = shared_tensors(cfg, sh)
     return out
 
 
@@ -388,16 +440,23 @@ def block_shapes(cfg: Config, layer_id: int, sh: Shapes) -> Shapes:
     return replace(sh, param_bytes=0) if layer_id >= n else sh
 
 
-def layer_bytes(cfg: Config, layer_id: int, sh: Shapes) -> Bytes:
-    """One transformer block (layer ids count on through the MTP blocks)."""
+def layer_tensors(cfg: Config, layer_id: int, sh: Shapes) -> Tensors:
+    """The storages one transformer block keeps, by category, but for its weight copies (layer
+    ids count on through the MTP blocks)."""
     from moefold.models.transformer import is_moe_layer
 
-    copies = weight_copy_bytes(cfg, layer_id, sh)
     sh = block_shapes(cfg, layer_id, sh)
-    out = _add({}, norm=2 * norm_bytes(sh.residual_tokens, cfg.model.dim, sh))
-    for part in (mla_bytes(cfg, sh) if cfg.model.attention == "mla" else gqa_bytes(cfg, sh),
-                 moe_bytes(cfg, sh) if is_moe_layer(cfg, layer_id) else dense_mlp_bytes(cfg, sh)):
-        _add(out, **part)
+    out = mla_tensors(cfg, sh) if cfg.model.attention == "mla" else gqa_tensors(cfg, sh)
+    out["norm"] = norm_tensors(sh.residual_tokens, cfg.model.dim) * 2 + out.get("norm", [])
+    if is_moe_layer(cfg, layer_id):
+        return {**out, **moe_tensors(cfg, sh)}
+    return {**out, "mlp": dense_mlp_tensors(cfg, sh)}
+
+
+def layer_bytes(cfg: Config, layer_id: int, sh: Shapes) -> Bytes:
+    """One transformer block (layer ids count on through the MTP blocks)."""
+    out = {category: sum(sizes) for category, sizes in layer_tensors(cfg, layer_id, sh).items()}
+    copies = weight_copy_bytes(cfg, layer_id, sh)
     return _add(out, weight_copies=copies) if copies else out
 
 
@@ -421,12 +480,12 @@ def first_stage_bytes(cfg: Config, sh: Shapes) -> Bytes:
 def last_stage_bytes(cfg: Config, sh: Shapes, vocab: int) -> Bytes:
     """Final norm and head, and each MTP module without its block (counted as a layer)."""
     T, D, mtp = sh.tokens, cfg.model.dim, cfg.model.mtp_layers
-    out = {"norm": norm_bytes(T, D, sh), "head": head_bytes(cfg, sh, vocab)}
+    out = {"norm": norm_bytes(T, D), "head": head_bytes(cfg, sh, vocab)}
     # With an fp32 residual stream hnorm's input is the hidden state the previous norm (final or
     # MTP) already keeps.
     hnorm_shared = T * D * FP32 if sh.params == FP32 else 0
     for _ in range(mtp):
-        _add(out, embedding=T * INT64, norm=3 * norm_bytes(T, D, sh) - hnorm_shared,
+        _add(out, embedding=T * INT64, norm=3 * norm_bytes(T, D) - hnorm_shared,
              mtp_proj=T * 2 * D * sh.act_bytes, head=head_bytes(cfg, sh, vocab))
     # The head's weight (the embedding's when tied) is cast once: autocast caches leaf casts.
     copies = (_cast(vocab * D + mtp * 2 * D * D, sh.act_bytes, sh)

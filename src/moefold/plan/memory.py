@@ -84,7 +84,8 @@ class MemoryPlan:
     optimizer_step: float  # the optimizer's workspace
     phases: dict[str, dict[str, float]] = field(default_factory=dict)
     # "forward" / "backward" / "optimizer step": what is held at that phase's peak, by part
-    offloaded: float = 0.0  # saved activations memory.offload keeps in host memory instead
+    offloaded: float = 0.0  # host memory memory.offload's copies hold as forward ends: one per
+    # storage a site call saved, those that also stay on the GPU included
     fp8_weight_cache: float = 0.0  # precision.fp8_weight_cache: the experts' FP8 weights, both layouts
     rank_peaks: list[float] = field(default_factory=list)  # every pipeline rank's peak
     notes: list[str] = field(default_factory=list)
@@ -302,9 +303,8 @@ def _rank_plan(cfg: Config, lay: _Layout, chunks: list[Chunk], rank: int, sh: ac
     per_chunk = [_chunk_activations(cfg, ch, sh, vocab) for ch in mine]
     flight = peak_in_flight([sum(b.values()) for b in per_chunk], micro_batches, d.pp, rank)
     activations: dict[str, float] = {}
-    offloaded = sum(n * (options.rope_offloaded(cfg, sh) + sum(
-        options.layer_delta(cfg, i, sh)[1] for i in ch.layers))
-        for n, ch in zip(flight.per_chunk, mine))
+    offloaded = sum(n * sum(options.layer_delta(cfg, i, sh)[1] for i in ch.layers)
+                    for n, ch in zip(flight.per_chunk, mine))
     for n, b in zip(flight.per_chunk, per_chunk):
         for key, value in b.items():
             activations[key] = activations.get(key, 0) + n * value

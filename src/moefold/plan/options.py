@@ -5,25 +5,32 @@ Each name (memory/sites.py) wraps sites whose saved tensors we know from plan.ac
 - **recompute**: a checkpointed site keeps its inputs instead of what its ops saved (`moe`,
   `layer`, `attn_core`, `mlp`, `shared_experts`, the QK-norms); an output-discarding producer
   (`norm` before the attention / FFN, `moe_act` before the down GEMM, `mla_up_proj` before the core)
-  keeps its input, and its output is freed where the consumer kept that very tensor.
-- **offload**: the tensors saved inside the site's calls leave the GPU when they hold at least
-  `memory.offload_min_bytes`; parameters and their dtype casts stay, and so do tensors a consumer
-  outside the site also keeps (the attention output the output projection keeps, the expert
-  activation the down GEMM keeps).
+  keeps its input, and its output is freed where the consumer kept that very tensor — with every
+  other reference to that storage, a checkpoint's kept input among them. Inputs are kept in the
+  dtype they arrive in: with fp32 parameters under autocast the residual stream and normed x are
+  fp32.
+- **offload**: each storage saved inside a site's call leaves the GPU when the tensors saved on
+  it hold at least `memory.offload_min_bytes` (plan.activations lists a layer's storages one by
+  one); parameters and their dtype casts stay, and so do storages a consumer outside the site also
+  keeps (the attention output the output projection keeps, the expert activation the down GEMM
+  keeps). The host holds one copy of each storage per call (memory/offload.py), those that stay
+  on the GPU too.
 
 `layer_delta(cfg, layer_id, sh)` returns the change by category (negative: freed) and the bytes
-moved to the host. A recomputed site's parameter casts (`weight_copies`) are made again in
-backward, so they are freed too; offload leaves them on the device. Checked against the real model's saved bytes with the
-wrappers applied (plan.measure on CPU, tests/unit/test_plan_memory.py; recompute and offload under
-TP with and without sequence parallelism, tests/unit/test_plan_tp.py, where offload moves the local
-shards of the DTensors that the sharded linears and sequence-parallel norms save).
+the layer's host copies hold. A recomputed site's parameter casts (`weight_copies`) are made again
+in backward, so they are freed too; offload leaves them on the device. Names are planned one by
+one: a site nested in another offloaded or recomputed one is not composed with it. Checked to the
+byte against the real model's saved bytes and host copies with the wrappers applied (plan.measure
+on CPU, tests/unit/test_plan_memory.py; recompute and offload under TP with and without sequence
+parallelism, tests/unit/test_plan_tp.py, where offload moves the local shards of the DTensors that
+the sharded linears and sequence-parallel norms save).
 """
 
 from __future__ import annotations
 
 from moefold.config import Config
 from moefold.plan import activations as act
-from moefold.plan.activations import FP32, INT64, ROUTER_BYTES, Bytes, Shapes
+from moefold.plan.activations import FP32, Bytes, Shapes
 
 
 def _gqa_dims(cfg: Config, sh: Shapes) -> tuple[int, int, int]:
@@ -31,36 +38,11 @@ def _gqa_dims(cfg: Config, sh: Shapes) -> tuple[int, int, int]:
     return m.n_heads // sh.tp, (m.n_kv_heads or m.n_heads) // sh.tp, m.head_dim or m.dim // m.n_heads
 
 
-def _norm_tensors(rows: int, dim: int) -> list[int]:
-    """An RMSNorm's saved tensors that can move: fp32 input, normalised rows, rsqrt per row."""
-    return [rows * dim * FP32, rows * dim * FP32, rows * FP32]
-
-
 def _qk_norms(cfg: Config, sh: Shapes) -> list[tuple[int, int]]:
     if cfg.model.attention != "gqa" or not cfg.model.qk_norm:
         return []
     H, G, Dh = _gqa_dims(cfg, sh)
     return [(sh.tokens * H, Dh), (sh.tokens * G, Dh)]
-
-
-def _core_inputs(cfg: Config, sh: Shapes) -> list[int]:
-    """q, k, v storages the attention core keeps (MLA's v is a view of the kv up-projection)."""
-    m, T, a = cfg.model, sh.tokens, sh.act_bytes
-    if m.attention == "mla":
-        H = m.n_heads // sh.tp
-        qk = T * H * (m.qk_nope_head_dim + m.qk_rope_head_dim) * a
-        return [qk, qk, T * H * (m.qk_nope_head_dim + m.v_head_dim) * a]
-    H, G, Dh = _gqa_dims(cfg, sh)
-    return [T * H * Dh * a, T * G * Dh * a, T * G * Dh * a]
-
-
-def _core_internal(cfg: Config, sh: Shapes) -> list[int]:
-    """What the core saves besides q, k, v and its output: log-sum-exp, a window's mask bias."""
-    H = cfg.model.n_heads // sh.tp
-    out = [sh.tokens * H * FP32]
-    if cfg.model.attention == "gqa" and cfg.model.sliding_window:
-        out.append(sh.seq * sh.seq * sh.act_bytes)
-    return out
 
 
 def _copies(cfg: Config, layer_id: int, sh: Shapes, *parts: str) -> int:
@@ -73,53 +55,60 @@ def _pre_and_qk_norm_copies(cfg: Config, sh: Shapes) -> int:
     return act._cast(2 * cfg.model.dim + sum(d for _, d in _qk_norms(cfg, sh)), FP32, sh)
 
 
-def _moe_tensors(cfg: Config, sh: Shapes, rows: int) -> list[int]:
-    """The MoE layer's large saved tensors (router input and scores, indices, expert rows)."""
-    moe, D, a = cfg.moe, cfg.model.dim, sh.act_bytes
-    T, F, r = sh.residual_tokens, moe.expert_hidden // sh.etp, ROUTER_BYTES[moe.router_dtype]
-    N = sh.tokens // sh.tp * moe.top_k  # this TP rank's copies; the router routes T (T/tp under SP)
-    gated = act.GATED[moe.activation]
-    return [T * D * r, T * moe.num_experts * r, T * moe.top_k * INT64, rows * INT64,
-            N * INT64, rows * D * a, *[rows * F * a] * (3 if gated else 2), rows * FP32]
-
-
-def _small(sizes: list[int], min_bytes: int) -> int:
-    return sum(s for s in sizes if s < min_bytes)
+def _large(storages: list[int], min_bytes: int) -> int:
+    """The bytes of the storages offload moves: those whose saved tensors hold at least
+    offload_min_bytes each (a storage stays whole where a smaller view of it stays)."""
+    return sum(s for s in storages if act.view_bytes(s) >= min_bytes)
 
 
 def _recompute(cfg: Config, name: str, layer_id: int, sh_params: Shapes, full: Bytes) -> Bytes:
     from moefold.models.transformer import is_moe_layer
 
     sh = act.block_shapes(cfg, layer_id, sh_params)  # activations; casts follow sh_params
-    T, D, a = sh.tokens, cfg.model.dim, sh.act_bytes
+    T, D = sh.tokens, cfg.model.dim
     moe_layer = is_moe_layer(cfg, layer_id)
-    x = T * D * a  # a sub-layer's input (all-gathered under sequence parallelism)
-    if name == "layer":  # the block's input: this rank's share under sequence parallelism
-        return act._add({k: -v for k, v in full.items()}, kept_inputs=sh.residual_tokens * D * a)
-    if name == "moe" and moe_layer:  # its input: this rank's share under sequence parallelism
+    # The residual stream and the normed x are in the parameters' dtype (fp32 ones under autocast
+    # too): a checkpoint keeps a block's or an MoE layer's input as it is, this rank's share
+    # under sequence parallelism; a dense MLP's, all-gathered.
+    x = sh.residual_tokens * D * sh.params
+    if name == "layer":
+        return act._add({k: -v for k, v in full.items()}, kept_inputs=x)
+    if name == "moe" and moe_layer:
         parts = ("router", "moe_dispatch", "experts", "shared_experts")
-        return act._add({k: -full.get(k, 0) for k in parts}, kept_inputs=sh.residual_tokens * D * a,
+        return act._add({k: -full.get(k, 0) for k in parts}, kept_inputs=x,
                         weight_copies=-_copies(cfg, layer_id, sh_params, "router", "experts", "shared"))
     if name == "mlp" and not moe_layer:
-        return {"mlp": -full["mlp"], "kept_inputs": x,
+        return {"mlp": -full["mlp"], "kept_inputs": T * D * sh.params,
                 "weight_copies": -_copies(cfg, layer_id, sh_params, "mlp")}
     if name == "shared_experts" and moe_layer and cfg.moe.shared_experts:
-        # The input is the normed x: with an fp32 one, the router keeps it already; under sequence
-        # parallelism the all-gathered copy of it, in its own dtype.
-        kept = T * D * sh.params if sh.seq_split > 1 else 0 if sh.fp32 or sh.input_copies else x
-        return {"shared_experts": -full["shared_experts"], "kept_inputs": kept,
+        # The input is the normed x, which the router keeps already where it reads it as it is;
+        # under sequence parallelism the all-gathered copy of it.
+        shared = sh.seq_split == 1 and act.router_reads_normed_x(cfg, sh)
+        return {"shared_experts": -full["shared_experts"], "kept_inputs": 0 if shared else T * D * sh.params,
                 "weight_copies": -_copies(cfg, layer_id, sh_params, "shared")}
     if name == "attn_core":
         kept = sh.seq * sh.seq if cfg.model.attention == "gqa" and cfg.model.sliding_window else 0
-        return {"attn_core": -sum(_core_internal(cfg, sh)), "kept_inputs": kept}
+        return {"attn_core": -sum(act.core_tensors(cfg, sh)[2]), "kept_inputs": kept}
     if name == "moe_act" and moe_layer:
-        return {"experts": -act.expert_rows(cfg, sh) * (cfg.moe.expert_hidden // sh.etp) * a}
+        return _recompute_moe_act(cfg, sh)
     if name == "mla_up_proj" and cfg.model.attention == "mla":
         return _recompute_mla_up_proj(cfg, sh, sh_params)
     if name == "norm":
-        out = _recompute_norms(cfg, moe_layer, sh, not sh.input_copies)
+        out = _recompute_norms(cfg, moe_layer, sh)
         return act._add(out, weight_copies=-_pre_and_qk_norm_copies(cfg, sh_params))
     return {}
+
+
+def _recompute_moe_act(cfg: Config, sh: Shapes) -> Bytes:
+    """Output discarding frees the activation's output h, which the down GEMM kept, and what the
+    activation saved besides its inputs (silu(gate) without the memory-efficient permutation). It
+    keeps its inputs, the [R] probabilities among them, which the plain activation (no
+    memory-efficient permutation) is handed but does not save."""
+    rows, F, a = act.expert_rows(cfg, sh), cfg.moe.expert_hidden // sh.etp, sh.act_bytes
+    if cfg.moe.memory_efficient_permute:
+        return {"experts": -rows * F * a}
+    silu = rows * F * a if act.GATED[cfg.moe.activation] else 0
+    return {"experts": -rows * F * a - silu, "kept_inputs": rows * FP32}
 
 
 def _mla_up_proj_saved(cfg: Config, sh: Shapes) -> list[tuple[str, int]]:
@@ -127,15 +116,14 @@ def _mla_up_proj_saved(cfg: Config, sh: Shapes) -> list[tuple[str, int]]:
     wkv_b's inputs (with q-LoRA off, wq's input is x: its own copy only with input copies)."""
     m, T, a = cfg.model, sh.tokens, sh.act_bytes
     Q, C, Dr = m.q_lora_rank, m.kv_lora_rank, m.qk_rope_head_dim
-    kv_in = T * C * FP32 if not sh.fp32 else 0  # in fp32 the input is the latent view itself
+    # The kv norm's fp32 input: in fp32 a view of the [T, C + Dr] latent storage, kept whole.
+    kv_in = act.Viewed(T * (C + Dr) * FP32, T * C * FP32) if sh.fp32 else T * C * FP32
     out = [("norm", kv_in), ("norm", T * C * FP32), ("norm", T * FP32), ("attn_proj", T * C * a)]
     if Q:
         out += [("norm", T * Q * FP32), ("norm", T * Q * FP32), ("norm", T * FP32),
                 ("attn_proj", T * Q * a)]
     elif sh.input_copies:
         out.append(("attn_proj", T * m.dim * a))
-    if sh.fp32:
-        out.append(("norm", T * (C + Dr) * FP32))  # the latent storage, norm input in fp32
     return out
 
 
@@ -144,7 +132,7 @@ def _recompute_mla_up_proj(cfg: Config, sh: Shapes, sh_params: Shapes) -> Bytes:
     everything it saved and the q, k and kv outputs the core kept go (rebuilt in backward)."""
     m, T, a = cfg.model, sh.tokens, sh.act_bytes
     Q, C, Dr, H = m.q_lora_rank, m.kv_lora_rank, m.qk_rope_head_dim, m.n_heads // sh.tp
-    out = act._add({}, attn_core=-sum(_core_inputs(cfg, sh)))
+    out = act._add({}, attn_core=-sum(act.core_tensors(cfg, sh)[0]))
     for category, size in _mla_up_proj_saved(cfg, sh):
         act._add(out, **{category: -size})
     q_in = T * Q * a if Q else (T * m.dim * sh.params if sh.input_copies else 0)
@@ -154,97 +142,153 @@ def _recompute_mla_up_proj(cfg: Config, sh: Shapes, sh_params: Shapes) -> Bytes:
     return act._add(out, kept_inputs=q_in + T * (C + Dr) * a, weight_copies=-copies)
 
 
-def _recompute_norms(cfg: Config, moe_layer: bool, sh: Shapes, same_dtype: bool) -> Bytes:
-    """Pre-norms keep their input (the residual, this rank's share under sequence parallelism)
-    instead of their internals; the consumer's copy of the normed x is freed when it kept that
-    very tensor. QK-norms are checkpointed."""
-    T, D, a, Tr = sh.tokens, cfg.model.dim, sh.act_bytes, sh.residual_tokens
-    out = act._add({}, norm=2 * (-act.norm_bytes(Tr, D, sh) + Tr * D * a))
+def _recompute_norms(cfg: Config, moe_layer: bool, sh: Shapes) -> Bytes:
+    """Pre-norms keep their input (the residual, in the parameters' dtype; this rank's share under
+    sequence parallelism) instead of their internals; the consumers' references to the normed x
+    are freed where they kept that very tensor (`_freed_norm_outputs`). QK-norms are
+    checkpointed."""
+    D, a, Tr = cfg.model.dim, sh.act_bytes, sh.residual_tokens
+    out = act._add({}, norm=2 * (-act.norm_bytes(Tr, D) + Tr * D * sh.params))
     for rows, dim in _qk_norms(cfg, sh):
-        act._add(out, norm=-act.norm_bytes(rows, dim, sh) + rows * dim * a)
-    if not same_dtype:  # the projections keep their own compute-dtype casts of the normed x
-        return out
+        act._add(out, norm=-act.norm_bytes(rows, dim) + rows * dim * a)
     if sh.seq_split > 1:  # sequence parallelism: they keep the all-gathered copy, not the norm's
         return out
-    # Under TP, GQA attention and a dense MLP get the normed x wrapped as a DTensor by their input
-    # plan (parallel/tensor.py): not the norm's output itself, so it is not freed. MLA reads it plain.
-    wrapped = sh.tp > 1
-    if not wrapped or cfg.model.attention == "mla":
-        act._add(out, attn_proj=-T * D * a)
-    if not moe_layer:
-        return out if wrapped else act._add(out, mlp=-T * D * a)
-    if sh.fp32 and ROUTER_BYTES[cfg.moe.router_dtype] == FP32:
-        act._add(out, router=-T * D * FP32)  # the router's "copy" is the normed x itself
-    if cfg.moe.shared_experts and not sh.fp32:
-        act._add(out, shared_experts=-T * D * a)
+    return act._add(out, **_freed_norm_outputs(cfg, moe_layer, sh))
+
+
+def _freed_norm_outputs(cfg: Config, moe_layer: bool, sh: Shapes) -> Bytes:
+    """The normed x that output discarding frees where the consumer takes it itself: every
+    reference to that storage goes, what a consumer saved and a recomputed site's kept input alike,
+    charged to the one holder the plan counts it in. Under TP, GQA attention and a dense MLP get it
+    wrapped as a DTensor by their input plan (parallel/tensor.py): not the norm's output itself, so
+    nothing is freed there. MLA and MoE layers read it plain."""
+    x, names = sh.tokens * cfg.model.dim * sh.params, cfg.memory.recompute
+    out: Bytes = {}
+    if sh.tp == 1 or cfg.model.attention == "mla":
+        holder = _attn_input_holder(cfg, sh, names)
+        if holder:
+            out[holder] = -x
+    if moe_layer or sh.tp == 1:
+        holder = _ffn_input_holder(cfg, moe_layer, sh, names)
+        if holder:
+            act._add(out, **{holder: -x})
     return out
 
 
-def _offloaded(cfg: Config, name: str, layer_id: int, sh: Shapes, full: Bytes,
-               min_bytes: int) -> Bytes:
-    """Bytes by category that offloading `name` moves off the GPU (positive)."""
-    from moefold.models.transformer import is_moe_layer
+def _attn_input_holder(cfg: Config, sh: Shapes, names: list[str]) -> str:
+    """The category the attention's normed x is counted in ("" where nothing keeps it): its
+    projections read it as it is, unless each keeps its own compute-dtype cast (input copies);
+    then MLA's recomputed up-projection keeps it as its input, where wq reads it (no q-LoRA)."""
+    if not sh.input_copies:
+        return "attn_proj"
+    mla = cfg.model.attention == "mla" and not cfg.model.q_lora_rank
+    return "kept_inputs" if mla and "mla_up_proj" in names else ""
 
-    sh = act.block_shapes(cfg, layer_id, sh)
-    D, a = cfg.model.dim, sh.act_bytes
-    moe_layer = is_moe_layer(cfg, layer_id)
-    rows = act.expert_rows(cfg, sh) if moe_layer else 0
-    pre_norms = [(sh.residual_tokens, D)] * 2
+
+def _ffn_input_holder(cfg: Config, moe_layer: bool, sh: Shapes, names: list[str]) -> str:
+    """The category the FFN's normed x is counted in ("" where nothing keeps it): a recomputed
+    MLP or MoE layer's kept input; a router that reads it as it is; recomputed shared experts' kept
+    input; else the MLP or shared experts, reading it as it is (no input copies)."""
+    if not moe_layer:
+        return "kept_inputs" if "mlp" in names else "" if sh.input_copies else "mlp"
+    if "moe" in names:
+        return "kept_inputs"
+    if act.router_reads_normed_x(cfg, sh):
+        return "router"
+    if not cfg.moe.shared_experts:
+        return ""
+    if "shared_experts" in names:
+        return "kept_inputs"
+    return "" if sh.input_copies else "shared_experts"
+
+
+# Whole modules: what a call saves is their categories' storages (in the layers that have them).
+_MODULE_PARTS = {"moe": ("router", "moe_dispatch", "experts", "shared_experts"), "mlp": ("mlp",),
+                 "shared_experts": ("shared_experts",)}
+
+
+def _site_storages(cfg: Config, name: str, layer_id: int, sh_params: Shapes) -> act.Tensors:
+    """By category, the storages a call of the site `name` saves and no consumer outside it keeps:
+    offload takes them off the GPU."""
+    sh = act.block_shapes(cfg, layer_id, sh_params)
+    tensors = act.layer_tensors(cfg, layer_id, sh_params)
+    if name == "layer":
+        return tensors
+    if name in _MODULE_PARTS:
+        return {k: tensors[k] for k in _MODULE_PARTS[name] if k in tensors}
     if name == "norm":
-        norms = [*pre_norms, *_qk_norms(cfg, sh)]
-        return {"norm": sum(s for r, d in norms for s in _norm_tensors(r, d) if s >= min_bytes)}
-    if name == "attn_core":
-        return {"attn_core": sum(s for s in _core_inputs(cfg, sh) + _core_internal(cfg, sh)
-                                 if s >= min_bytes)}
-    if name == "moe_act" and moe_layer:
-        F = cfg.moe.expert_hidden // sh.etp
-        sizes = [rows * F * a] * (2 if act.GATED[cfg.moe.activation] else 1)
-        if cfg.moe.memory_efficient_permute:
-            sizes.append(rows * FP32)
-        return {"experts": sum(s for s in sizes if s >= min_bytes)}
-    if name in ("moe", "layer") and moe_layer or name == "layer":
-        parts = ("router", "moe_dispatch", "experts", "shared_experts")
-        if name == "layer":
-            parts = tuple(k for k in full if k != "weight_copies")  # casts stay
-        moved = {k: full.get(k, 0) for k in parts}
-        stays = _small(_moe_tensors(cfg, sh, rows), min_bytes) if moe_layer else 0
-        if name == "layer":
-            norms = [*pre_norms, *_qk_norms(cfg, sh)]
-            stays += _small([s for r, d in norms for s in _norm_tensors(r, d)], min_bytes)
-            stays += _small(_core_inputs(cfg, sh) + _core_internal(cfg, sh), min_bytes)
-        first = "router" if "router" in moved else next(iter(moved))
-        moved[first] -= min(stays, moved[first])
-        return moved
-    if name == "mlp" and not moe_layer:
-        return {"mlp": full["mlp"]}
-    if name == "shared_experts" and moe_layer and cfg.moe.shared_experts:
-        return {"shared_experts": full["shared_experts"]}
-    if name == "mla_up_proj" and cfg.model.attention == "mla":
-        # the per-head q, k, v stay (the core keeps them); what the up-projection saved moves
-        moved: Bytes = {}
+        norms = [(sh.residual_tokens, cfg.model.dim)] * 2 + _qk_norms(cfg, sh)
+        return {"norm": [s for rows, dim in norms for s in act.norm_tensors(rows, dim)]}
+    if name == "attn_core":  # the output stays: the output projection keeps it
+        qkv, _, internal = act.core_tensors(cfg, sh)
+        return {"attn_core": qkv + internal}
+    if name == "moe_act" and "experts" in tensors:  # its output h stays: the down GEMM keeps it
+        return {"experts": act.activation_tensors(cfg, sh, act.expert_rows(cfg, sh))}
+    if name == "mla_up_proj" and cfg.model.attention == "mla":  # q, k, v stay: the core keeps them
+        out: act.Tensors = {}
         for category, size in _mla_up_proj_saved(cfg, sh):
-            if size >= min_bytes:
-                act._add(moved, **{category: size})
-        return moved
+            out.setdefault(category, []).append(size)
+        return out
     return {}
 
 
+def _copied_but_kept(cfg: Config, name: str, layer_id: int, sh_params: Shapes) -> list[int]:
+    """Storages a call of the site `name` copies to the host though they stay on the GPU (offload
+    copies each storage saved in a call once, memory/offload.py): the attention output, which the
+    output projection keeps; the normed x that shared experts read where the router keeps it, and
+    that MLA's wq reads without q-LoRA (wkv_a keeps it); the RoPE tables, which the trunk holds
+    until forward ends."""
+    from moefold.models.transformer import is_moe_layer
+
+    sh = act.block_shapes(cfg, layer_id, sh_params)
+    x = [sh.tokens * cfg.model.dim * sh.act_bytes]
+    if name == "attn_core":
+        return [act.core_tensors(cfg, sh)[1]]
+    if name == "mla_up_proj" and cfg.model.attention == "mla" and not cfg.model.q_lora_rank:
+        return _rope_tables(cfg, sh) + ([] if sh.input_copies else x)
+    if name == "shared_experts" and is_moe_layer(cfg, layer_id) and cfg.moe.shared_experts:
+        read = not sh.input_copies and sh.seq_split == 1 and act.router_reads_normed_x(cfg, sh)
+        return x if read else []
+    return _rope_tables(cfg, sh) if name in _rope_sites(cfg) else []
+
+
+def _offloaded(cfg: Config, name: str, layer_id: int, sh: Shapes, min_bytes: int) -> tuple[Bytes, int]:
+    """Bytes by category that offloading `name` takes off the GPU (positive), and the bytes of
+    its host copies."""
+    moved = {k: _large(v, min_bytes) for k, v in _site_storages(cfg, name, layer_id, sh).items()}
+    return moved, sum(moved.values()) + _large(_copied_but_kept(cfg, name, layer_id, sh), min_bytes)
+
+
 def layer_delta(cfg: Config, layer_id: int, sh: Shapes) -> tuple[Bytes, int]:
-    """(change of the layer's saved bytes by category, bytes moved to the host)."""
+    """(change of the layer's saved bytes by category, bytes its offload holds on the host)."""
     full = act.layer_bytes(cfg, layer_id, sh)
     delta: Bytes = {}
     for name in cfg.memory.recompute:
         act._add(delta, **_recompute(cfg, name, layer_id, sh, full))
     host = 0
     for name in cfg.memory.offload:
-        moved = _offloaded(cfg, name, layer_id, sh, full, cfg.memory.offload_min_bytes)
+        moved, copied = _offloaded(cfg, name, layer_id, sh, cfg.memory.offload_min_bytes)
         act._add(delta, **{k: -v for k, v in moved.items()})
-        host += sum(moved.values())
+        host += copied
     return delta, host
 
 
-def rope_offloaded(cfg: Config, sh: Shapes) -> int:
-    """With whole layers offloaded, each layer's saved RoPE tables go too (the trunk's originals
-    are freed once forward ends)."""
+def _rope_sites(cfg: Config) -> tuple[str, ...]:
+    """The sites that apply RoPE, saving the tables: the whole layer, and MLA's up-projection."""
+    return ("layer", "mla_up_proj") if cfg.model.attention == "mla" else ("layer",)
+
+
+def _rope_tables(cfg: Config, sh: Shapes) -> list[int]:
+    """cos and sin as a layer saves them: DeepSeek's interleaved RoPE reads the first half of each
+    (rope.apply_rope_interleaved)."""
     table = act.rope_table_bytes(cfg, sh) // 2
-    return 2 * table if "layer" in cfg.memory.offload and table >= cfg.memory.offload_min_bytes else 0
+    half = cfg.model.attention == "mla" and cfg.model.rope_interleaved
+    return [act.Viewed(table, table // 2 if half else table)] * 2
+
+
+def rope_offloaded(cfg: Config, sh: Shapes) -> int:
+    """Where every layer's site that applies RoPE is offloaded, each layer's call copies the tables
+    it saved, and the trunk's originals are freed once forward ends."""
+    if not set(_rope_sites(cfg)) & set(cfg.memory.offload):
+        return 0
+    return _large(_rope_tables(cfg, sh), cfg.memory.offload_min_bytes)

@@ -1,3 +1,4 @@
+import os
 import signal
 import subprocess
 import sys
@@ -59,6 +60,26 @@ def run_cli(args: list[str], timeout: float = 300, launcher: list[str] | None = 
     command = launcher or [sys.executable, "-m", "moefold"]
     return subprocess.run([*command, *args], capture_output=True, text=True, timeout=timeout, **kwargs)
 
+
+
+@pytest.fixture
+def durability_events(monkeypatch) -> list[tuple]:
+    """What reaches the disk, in order: ("fsync", path) for each os.fsync (the path its file
+    descriptor names, as /proc/self/fd resolves it) and ("replace", src, dst) for each os.replace.
+    Tests of writes that must survive a power cut read it (a rename flushed before its data)."""
+    events, fsync, replace = [], os.fsync, os.replace
+
+    def recorded_fsync(fd):
+        events.append(("fsync", Path(os.readlink(f"/proc/self/fd/{fd}"))))
+        fsync(fd)
+
+    def recorded_replace(src, dst):
+        events.append(("replace", Path(src), Path(dst)))
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", recorded_fsync)
+    monkeypatch.setattr(os, "replace", recorded_replace)
+    return events
 
 
 def assert_runs_in_a_fresh_process(script: str) -> None:

@@ -2,7 +2,6 @@
 
 import errno
 import json
-import os
 import struct
 import sys
 from pathlib import Path
@@ -95,23 +94,13 @@ def _matplotlib_that_saves(monkeypatch, savefig) -> None:
     monkeypatch.setattr(heatmap, "_draw", lambda *args: None)
 
 
-def test_the_png_is_flushed_to_disk_before_its_rename_and_its_directory_after(tmp_path, monkeypatch):
+def test_the_png_is_flushed_to_disk_before_its_rename_and_its_directory_after(tmp_path, monkeypatch,
+                                                                              durability_events):
     """Renamed unflushed, a power cut soon after could leave expert_load.png empty (ext4 and XFS
     may write the rename before the data): it is made durable as checkpoints and config.toml are."""
     _matplotlib_that_saves(monkeypatch, lambda file: file.write_bytes(PNG_SIGNATURE))
     plots = tmp_path.resolve() / "plots"  # as /proc/self/fd names the files
-    events, fsync, replace = [], os.fsync, os.replace
-
-    def recorded_fsync(fd):
-        events.append(("fsync", Path(os.readlink(f"/proc/self/fd/{fd}"))))
-        fsync(fd)
-
-    def recorded_replace(src, dst):
-        events.append(("replace", Path(src), Path(dst)))
-        replace(src, dst)
-
-    monkeypatch.setattr(os, "fsync", recorded_fsync)
-    monkeypatch.setattr(os, "replace", recorded_replace)
+    events = durability_events
     path = write_load_heatmap(history(2, 4, 3), plots / "expert_load.png")
     tmp = plots / "expert_load.png.tmp"
     assert events == [("fsync", tmp), ("replace", tmp, path), ("fsync", plots)]

@@ -93,24 +93,13 @@ def test_a_training_is_refused_an_out_dir_a_conversion_is_writing(tmp_path, hf_d
         f"{socket.gethostname()}); wait for it to end, or choose another --run-dir"]
     assert main(["generate", "--run-dir", str(run), "--prompt", "ab", "--max-new-tokens", "2"]) == 0
 
-def test_convert_from_hf_flushes_config_toml_to_disk_as_a_training_does(tmp_path, hf_dir, monkeypatch):
+def test_convert_from_hf_flushes_config_toml_to_disk_as_a_training_does(tmp_path, hf_dir, durability_events):
     """config.toml was written in place, unflushed: a power cut soon after could leave it empty
     or half written (ext4 and XFS may write the name before the data), and the converted run
     could not be resumed. It is written beside, flushed, renamed, and its directory flushed."""
     out = tmp_path.resolve() / "run"  # as /proc/self/fd names the files
     config, tmp = out / "config.toml", out / "config.toml.tmp"
-    events, fsync, replace = [], os.fsync, os.replace
-
-    def recorded_fsync(fd):
-        events.append(("fsync", Path(os.readlink(f"/proc/self/fd/{fd}"))))
-        fsync(fd)
-
-    def recorded_replace(src, dst):
-        events.append(("replace", Path(src), Path(dst)))
-        replace(src, dst)
-
-    monkeypatch.setattr(os, "fsync", recorded_fsync)
-    monkeypatch.setattr(os, "replace", recorded_replace)
+    events = durability_events
     assert main(["convert", "--from-hf", str(hf_dir), "--out", str(out)]) == 0
     assert [e for e in events if set(e[1:]) <= {out, config, tmp}] == [
         ("fsync", tmp), ("replace", tmp, config), ("fsync", out)]
@@ -134,26 +123,16 @@ def test_an_io_error_writing_convert_config_toml_is_one_line_naming_it(tmp_path,
     assert not out.exists()
 
 
-def test_export_flushes_every_file_before_its_rename_and_the_directory_after(tmp_path, hf_dir, monkeypatch):
+def test_export_flushes_every_file_before_its_rename_and_the_directory_after(tmp_path, hf_dir, durability_events):
     """The shards and config.json were renamed into place unflushed: a power cut soon after could
     leave a name on an empty file (ext4 and XFS may write the rename before the data). Each is
     flushed once written, before any rename, and the directory once all are renamed."""
     from moefold.checkpoint.hf import load_pretrained, save_pretrained
 
     out = tmp_path.resolve() / "export"  # as /proc/self/fd names the files
-    events, fsync, replace = [], os.fsync, os.replace
-
-    def recorded_fsync(fd):
-        events.append(("fsync", Path(os.readlink(f"/proc/self/fd/{fd}"))))
-        fsync(fd)
-
-    def recorded_replace(src, dst):
-        events.append(("replace", Path(src), Path(dst)))
-        replace(src, dst)
-
     model = load_pretrained(hf_dir)
-    monkeypatch.setattr(os, "fsync", recorded_fsync)
-    monkeypatch.setattr(os, "replace", recorded_replace)
+    events = durability_events
+    events.clear()  # what the export writes
     save_pretrained(model, out, max_shard_bytes=2**16)
     names = [p.name for p in sorted(out.iterdir()) if p.name != "config.json"] + ["config.json"]
     assert len(names) > 3  # shards and their index

@@ -233,24 +233,13 @@ def test_a_full_disk_while_config_toml_is_rewritten_names_it_and_keeps_the_old_o
 
 
 def test_config_toml_is_flushed_to_disk_before_its_rename_and_its_directory_after(tmp_path, text_corpus,
-                                                                                  monkeypatch):
+                                                                                  durability_events):
     """Renamed unflushed, a power cut soon after could leave config.toml empty (ext4 and XFS may
     write the rename before the data), and the run could not be resumed."""
     from moefold.train.trainer import Trainer
 
     run = tmp_path.resolve() / "run"  # as /proc/self/fd names the files
-    events, fsync, replace = [], os.fsync, os.replace
-
-    def recorded_fsync(fd):
-        events.append(("fsync", Path(os.readlink(f"/proc/self/fd/{fd}"))))
-        fsync(fd)
-
-    def recorded_replace(src, dst):
-        events.append(("replace", Path(src), Path(dst)))
-        replace(src, dst)
-
-    monkeypatch.setattr(os, "fsync", recorded_fsync)
-    monkeypatch.setattr(os, "replace", recorded_replace)
+    events = durability_events
     Trainer(_tiny_config(text_corpus), run, out=lambda line: None)
     tmp, config = run / "config.toml.tmp", run / "config.toml"
     assert [e for e in events if any(run in (p, *p.parents) for p in e[1:])] == [

@@ -26,14 +26,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
-from torch.distributed.tensor.placement_types import Placement
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInputOutput,
-    RowwiseParallel,
-    parallelize_module,
-)
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from moefold.errors import ConfigError
 from moefold.moe.balance import LocalCounts, SequenceShards
@@ -104,7 +97,7 @@ class SequenceSplitDispatcher:
 def split_sequence_over_tp(layer, tp_group) -> None:
     """Make `layer` (an MoELayer whose input every TP rank holds whole) dispatch only this TP
     rank's share of its tokens. A layer that already routes a sequence shard is left as it is."""
-    if dist.get_world_size(tp_group) > 1 and not getattr(layer, "routes_sequence_shard", False):
+    if dist.get_world_size(tp_group) > 1 and not isinstance(layer.router, ShardRoutingRouter):
         layer.dispatcher = SequenceSplitDispatcher(layer.dispatcher, tp_group)
 
 
@@ -117,7 +110,8 @@ def route_sequence_shard(layer, tp_mesh: DeviceMesh) -> None:
     """Make `layer` (an MoELayer of a sequence-parallel block, whose input arrives as a DTensor
     sharded along the sequence, Shard(1)) route and dispatch the local shard, returning its output
     as the same DTensor layout. Counts, per-sequence counts and statistics add up over the group;
-    the router's gradient is summed over it; shared experts gather the tokens."""
+    the router's gradient is summed over it. (Its shared experts, TP-sharded by apply_tp, gather
+    the tokens themselves.)"""
     group = tp_mesh.get_group()
     shards = SequenceShards(group)
     layer.count_routed = LocalCounts(shards)
@@ -127,12 +121,9 @@ def route_sequence_shard(layer, tp_mesh: DeviceMesh) -> None:
     rows = SequenceShardRows(group)
     if isinstance(layer.router.select, ReplayedSelection):
         layer.router.select.rows = rows
-    if layer.shared is not None:
-        shard_shared_experts(layer.shared, tp_mesh, Shard(0))
     layer.register_forward_pre_hook(lambda module, args: _local_shard(tp_mesh, rows, *args))
     layer.register_forward_hook(
         lambda module, args, y_BtD: DTensor.from_local(y_BtD, tp_mesh, (Shard(1),), run_check=False))
-    layer.routes_sequence_shard = True
 
 
 def _local_shard(tp_mesh: DeviceMesh, rows: "SequenceShardRows", x_BSD: DTensor,
@@ -186,26 +177,6 @@ class ShardRoutingRouter(Router):
         return SumGrad.apply(self.weight, self.group)
 
 
-def shard_shared_experts(shared, tp_mesh: DeviceMesh, tokens: Placement) -> None:
-    """Shared experts TP-sharded like a dense MLP (gate and up column-wise, down row-wise) on the
-    [T, D] tokens laid out as `tokens`: Replicate() (every TP rank holds them all), or Shard(0)
-    under sequence parallelism (the rank's t rows, all-gathered here in rank order, not sequence
-    order: a per-token MLP does not care, and the reduce-scatter hands each rank its own rows
-    back). Either way the tokens become one DTensor that gate and up (and a shared-expert gate,
-    its weight replicated as a DTensor) all read, so their partial input gradients add up before
-    one all-reduce (reduce-scatter under sequence parallelism) rather than one each; the output
-    leaves in the tokens' layout, as a plain tensor."""
-    parallelize_module(shared, tp_mesh, PrepareModuleInputOutput(
-        input_layouts=(tokens,), desired_input_layouts=(Replicate(),), use_local_input=False,
-        output_layouts=(tokens,), desired_output_layouts=(tokens,), use_local_output=True))
-    plan = {"w1": ColwiseParallel(), "w2": RowwiseParallel(output_layouts=tokens, use_local_output=False)}
-    if hasattr(shared, "w3"):  # gated activations only
-        plan["w3"] = ColwiseParallel()
-    parallelize_module(shared, tp_mesh, plan)
-    if getattr(shared, "gate", None) is not None:
-        distribute_module(shared.gate, tp_mesh)  # its weight a Replicate DTensor
-
-
 class SumGrad(torch.autograd.Function):
     """Identity forward; backward sums the gradient over `group` (Megatron's copy-to-TP-region):
     for a replicated weight whose TP ranks see different tokens, or different heads."""
@@ -222,4 +193,4 @@ class SumGrad(torch.autograd.Function):
         return grad, None
 
 
-__all__ = ["SequenceSplitDispatcher", "route_sequence_shard", "shard_shared_experts", "split_sequence_over_tp"]
+__all__ = ["SequenceSplitDispatcher", "route_sequence_shard", "split_sequence_over_tp"]

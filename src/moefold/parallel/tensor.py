@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -62,7 +62,7 @@ from moefold.models.attention import Attention
 from moefold.models.mla import MLAttention
 from moefold.models.mlp import SwiGLUMLP
 from moefold.models.norm import RMSNorm
-from moefold.parallel.sequence import SumGrad, route_sequence_shard, shard_shared_experts
+from moefold.parallel.sequence import SumGrad, route_sequence_shard
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> None:
@@ -85,8 +85,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = Fa
             _tp_gqa(block.attn, tp_mesh, out)
         if isinstance(block.ffn, SwiGLUMLP):
             _tp_mlp(block.ffn, tp_mesh, out)
-        elif getattr(block.ffn, "shared", None) is not None and id(block) not in sp_blocks:
-            shard_shared_experts(block.ffn.shared, tp_mesh, Replicate())  # summed with the routed output
+        elif getattr(block.ffn, "shared", None) is not None:  # summed with the routed output
+            _tp_shared_experts(block.ffn.shared, tp_mesh, Shard(0) if id(block) in sp_blocks else Replicate())
         if id(block) not in sp_blocks:
             _one_input_gradient_sum(block, tp_mesh)
     if sequence_parallel:
@@ -157,6 +157,23 @@ def _tp_mlp(mlp: nn.Module, tp_mesh: DeviceMesh, output_style) -> None:
     if hasattr(mlp, "w3"):  # gated activations only
         plan["w3"] = ColwiseParallel()
     parallelize_module(mlp, tp_mesh, plan)
+
+
+def _tp_shared_experts(shared: nn.Module, tp_mesh: DeviceMesh, tokens) -> None:
+    """Shared experts, sharded like a dense MLP, on the [T, D] tokens laid out as `tokens`:
+    Replicate() (every TP rank holds them all), or Shard(0) where the MoE layer routes a sequence
+    shard (parallel/sequence.py: the rank's t rows, all-gathered here in rank order, not sequence
+    order — a per-token MLP does not care, and the reduce-scatter hands each rank its own rows
+    back). Either way the tokens become one DTensor that gate and up (and a shared-expert gate,
+    its weight replicated as a DTensor) all read, so their partial input gradients add up before
+    one all-reduce (reduce-scatter under sequence parallelism) rather than one each; the output
+    leaves in the tokens' layout, as a plain tensor."""
+    parallelize_module(shared, tp_mesh, PrepareModuleInputOutput(
+        input_layouts=(tokens,), desired_input_layouts=(Replicate(),), use_local_input=False,
+        output_layouts=(tokens,), desired_output_layouts=(tokens,), use_local_output=True))
+    _tp_mlp(shared, tp_mesh, lambda: RowwiseParallel(output_layouts=tokens, use_local_output=False))
+    if getattr(shared, "gate", None) is not None:
+        distribute_module(shared.gate, tp_mesh)  # its weight a Replicate DTensor
 
 
 def _check_heads(attn: nn.Module, tp: int) -> None:

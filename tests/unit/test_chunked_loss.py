@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from moefold.config import load_config
+from moefold.data import IGNORE_INDEX
 from moefold.models.transformer import build_model
 from moefold.train.chunked_loss import chunked_linear_cross_entropy
 from moefold.train.loss import ChunkedNextTokenLoss, NextTokenLoss, build_objective, cross_entropy_loss, next_token_loss
@@ -18,7 +19,7 @@ def test_matches_plain_head_and_cross_entropy(chunk):
     h = torch.randn(B, S, D, dtype=torch.float32, generator=gen, requires_grad=True)
     w = torch.randn(V, D, dtype=torch.float32, generator=gen, requires_grad=True)
     labels = torch.randint(0, V, (B, S), generator=gen)
-    labels[0, :5] = -100  # ignored positions count neither in the loss nor in the mean
+    labels[0, :5] = IGNORE_INDEX  # ignored positions count neither in the loss nor in the mean
     h_ref, w_ref = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
     ref = F.cross_entropy((h_ref @ w_ref.T).flatten(0, 1), labels.flatten())
     loss = chunked_linear_cross_entropy(h, w, labels, chunk)

@@ -6,6 +6,7 @@ import shutil
 import pytest
 import torch
 
+from moefold.data import IGNORE_INDEX
 from moefold.train.compile import compile_loss
 from moefold.train.loss import cross_entropy_loss
 
@@ -18,7 +19,7 @@ def test_compiled_cross_entropy_matches_eager(dtype):
     gen = torch.Generator().manual_seed(0)
     logits_BSV = (4 * torch.randn(2, 16, 300, generator=gen)).to(dtype)
     labels_BS = torch.randint(0, 300, (2, 16), generator=gen)
-    labels_BS[0, :5] = -100  # padding is ignored
+    labels_BS[0, :5] = IGNORE_INDEX  # padding is ignored
     results = []
     for fn in (cross_entropy_loss, compile_loss(cross_entropy_loss)):
         x = logits_BSV.clone().requires_grad_()

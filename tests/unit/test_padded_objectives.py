@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from moefold.config import load_config
+from moefold.data import IGNORE_INDEX
 from moefold.models.transformer import build_model
 from moefold.train.loss import ChunkedNextTokenLoss, NextTokenAndMTPLoss, NextTokenLoss
 
@@ -58,10 +59,11 @@ def _total(lm, depths):
 
 
 def _padded(ids_BL, labels_BL, lengths, S):
-    """Sequence b's first lengths[b] tokens, then padding to S: ids PAD, labels -100, valid False."""
+    """Sequence b's first lengths[b] tokens, then padding to S: ids PAD, labels IGNORE_INDEX, valid
+    False."""
     B = ids_BL.shape[0]
     ids_BS = torch.full((B, S), PAD)
-    labels_BS = torch.full((B, S), -100)
+    labels_BS = torch.full((B, S), IGNORE_INDEX)
     valid_BS = torch.zeros(B, S, dtype=torch.bool)
     for b, L in enumerate(lengths):
         ids_BS[b, :L], labels_BS[b, :L], valid_BS[b, :L] = ids_BL[b, :L], labels_BL[b, :L], True
@@ -155,7 +157,7 @@ def test_a_micro_batch_without_labels_adds_zero_loss_and_zero_gradient(kind):
     chunked loss already gave 0); a nan in one micro-batch made the step's gradients nan."""
     model = _model(mtp_layers=2 if kind == "mtp" else 0)
     ids_BS = _tokens(B=2, L=12, seed=3)[0]
-    labels_BS = torch.full_like(ids_BS, -100)
+    labels_BS = torch.full_like(ids_BS, IGNORE_INDEX)
     valid_BS = torch.zeros_like(ids_BS, dtype=torch.bool)  # no token to balance either
     total, parts = _objective(kind)(model, ids_BS, labels_BS, valid_BS)
     total.backward()

@@ -13,6 +13,7 @@ import torch
 from conftest import TINY_OVERRIDES, run_cli, run_cli_interrupted
 from moefold.checkpoint.dcp import complete_checkpoints, latest_checkpoint
 from moefold.cli import main
+from moefold.data import IGNORE_INDEX
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -395,9 +396,9 @@ def test_global_batch_size_sets_the_micro_batches_per_step(tmp_path, tiny_args, 
 
 
 def test_validation_weights_each_batch_by_its_real_labels(tmp_path, text_corpus):
-    """Labels of -100 count in neither the loss nor its weight: the validation loss is the mean over
-    every real label of all batches (an independent sum of per-token losses), not each batch's mean
-    weighted by its size."""
+    """Labels of IGNORE_INDEX count in neither the loss nor its weight: the validation loss is the
+    mean over every real label of all batches (an independent sum of per-token losses), not each
+    batch's mean weighted by its size."""
     import dataclasses
 
     import torch.nn.functional as F
@@ -410,14 +411,14 @@ def test_validation_weights_each_batch_by_its_real_labels(tmp_path, text_corpus)
     trainer = Trainer(cfg, tmp_path / "run", out=lambda line: None)
     first, second = trainer.val_batches[:2]
     labels_BS = second.labels_BS.clone()
-    labels_BS[:, labels_BS.shape[1] // 4:] = -100  # three quarters of the second batch ignored
+    labels_BS[:, labels_BS.shape[1] // 4:] = IGNORE_INDEX  # three quarters of the second batch ignored
     trainer.val_batches = [first, dataclasses.replace(second, labels_BS=labels_BS)]
     with torch.no_grad():
         trainer.model.eval()
         per_token = [F.cross_entropy(trainer.model(b.input_ids_BS).flatten(0, 1).double(),
-                                     b.labels_BS.flatten(), reduction="none", ignore_index=-100)
+                                     b.labels_BS.flatten(), reduction="none", ignore_index=IGNORE_INDEX)
                      for b in trainer.val_batches]
-        expected = torch.cat(per_token).sum() / sum((b.labels_BS != -100).sum() for b in trainer.val_batches)
+        expected = torch.cat(per_token).sum() / sum((b.labels_BS != IGNORE_INDEX).sum() for b in trainer.val_batches)
     assert trainer.validate() == pytest.approx(expected.item(), rel=1e-5)
 
 
@@ -435,14 +436,14 @@ def test_a_validation_batch_with_every_label_ignored_adds_nothing(tmp_path, text
     first, second = trainer.val_batches[:2]
     trainer.val_batches = [first]
     without = trainer.validate()
-    ignored = dataclasses.replace(second, labels_BS=torch.full_like(second.labels_BS, -100))
+    ignored = dataclasses.replace(second, labels_BS=torch.full_like(second.labels_BS, IGNORE_INDEX))
     trainer.val_batches = [first, ignored]
     assert math.isfinite(without)
     assert trainer.validate() == without
 
 
 def test_validation_without_a_single_label_is_nan_and_said_when_the_run_starts(tmp_path, text_corpus):
-    """Every validation label -100 (a mean over no tokens) divided by zero tokens: a
+    """Every validation label IGNORE_INDEX (a mean over no tokens) divided by zero tokens: a
     ZeroDivisionError traceback at the first validation. The loss is nan (null in metrics.jsonl),
     the run says why as it starts, and it trains on: validation measures, it does not steer."""
     import dataclasses
@@ -454,7 +455,7 @@ def test_validation_without_a_single_label_is_nan_and_said_when_the_run_starts(t
                              "train.warmup_steps": "0", "train.val_every": "1"})
     said = []
     trainer = Trainer(cfg, tmp_path / "run", out=said.append)
-    trainer.val_batches = [dataclasses.replace(b, labels_BS=torch.full_like(b.labels_BS, -100))
+    trainer.val_batches = [dataclasses.replace(b, labels_BS=torch.full_like(b.labels_BS, IGNORE_INDEX))
                            for b in trainer.val_batches]
     assert math.isnan(trainer.validate())
     assert math.isnan(trainer.fit()["val_loss"])

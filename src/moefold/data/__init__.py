@@ -9,11 +9,12 @@
 """
 
 from moefold.data.corpus import TokenStreams, build_token_streams
-from moefold.data.loader import (Batch, PackedSequences, TrainLoader, Vocabulary, make_batch,
-                                 val_batches)
+from moefold.data.loader import (IGNORE_INDEX, Batch, PackedSequences, TrainLoader, Vocabulary,
+                                 make_batch, val_batches)
 from moefold.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, build_tokenizer
 
 __all__ = [
+    "IGNORE_INDEX",
     "Batch",
     "ByteTokenizer",
     "HFTokenizer",

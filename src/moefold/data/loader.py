@@ -18,6 +18,11 @@ import torch
 
 from moefold.errors import DataError
 
+IGNORE_INDEX = -100
+"""The label of a position that has no target: it counts neither in a loss nor in the number of
+tokens that loss is a mean over. -100 is `F.cross_entropy`'s default `ignore_index`, and the value
+Hugging Face and Megatron-Core use for padding's labels."""
+
 
 class PackedSequences:
     """A token stream seen as `(N - 1) // seq_len` overlapping windows of `seq_len + 1` tokens."""
@@ -77,7 +82,8 @@ class Batch:
     input_ids_BS: torch.Tensor
     """int64 token ids."""
     labels_BS: torch.Tensor
-    """int64: the next token of each input position."""
+    """int64: the next token of each input position, or IGNORE_INDEX where there is none to
+    predict (padding; packed batches have none)."""
     doc_ids_BS: torch.Tensor
     """int32: index of the document each input position belongs to, from 0 in every sequence."""
 

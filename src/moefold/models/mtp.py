@@ -7,10 +7,9 @@ B batch, S sequence, D model dim, V vocabulary.
 import torch
 from torch import nn
 
+from moefold.data.loader import IGNORE_INDEX
 from moefold.models.norm import RMSNorm
 from moefold.moe.layer import valid_mask
-
-IGNORE_INDEX = -100
 
 
 class MTPModule(nn.Module):

@@ -10,12 +10,13 @@ onehot) / N, then dh = dlogits·W and dW += dlogitsᵀ·h. Backward only scales 
 the incoming gradient. Peak memory holds one chunk's logits instead of all of them; the GEMMs are
 the same three per token as the plain head.
 
-Labels of -100 are ignored (they count neither in the loss nor in N), as in `F.cross_entropy`.
+Labels of IGNORE_INDEX (-100) are ignored (they count neither in the loss nor in N), as in
+`F.cross_entropy`.
 """
 
 import torch
 
-IGNORE_INDEX = -100
+from moefold.data.loader import IGNORE_INDEX
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):

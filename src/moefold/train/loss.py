@@ -5,7 +5,8 @@ multi-token-prediction losses when the model has MTP modules. Each returns the t
 differentiate and the parts to log (`lm_loss` is always the plain next-token loss, so runs with
 and without MTP compare). `valid_BS` (optional; the trainer's packed batches have no padding)
 marks real tokens for the MoE layers of the trunk and of every MTP depth, as `model(ids,
-valid_BS)` does; the loss reads only the labels (-100: ignored), so padding's labels must be -100.
+valid_BS)` does; the loss reads only the labels (IGNORE_INDEX: ignored), so padding's labels must
+be IGNORE_INDEX.
 """
 
 from collections.abc import Callable
@@ -13,14 +14,16 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from moefold.data.loader import IGNORE_INDEX
 from moefold.models.mtp import loss_or_zero
 from moefold.train.chunked_loss import chunked_linear_cross_entropy
 
 
 def cross_entropy_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy in fp32 (bf16 logits lose too much in the log-sum-exp);
-    labels of -100 are ignored."""
-    return F.cross_entropy(logits_BSV.flatten(0, 1).float(), labels_BS.flatten())
+    labels of IGNORE_INDEX are ignored."""
+    return F.cross_entropy(logits_BSV.flatten(0, 1).float(), labels_BS.flatten(),
+                           ignore_index=IGNORE_INDEX)
 
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

@@ -42,7 +42,7 @@ from moefold.checkpoint.dcp import (
 from moefold.config import (Config, config_from_toml, micro_batches_per_step, refuse_unsupported_parallel,
                             to_toml, validate)
 from moefold.data.corpus import build_token_streams
-from moefold.data.loader import Batch, PackedSequences, TrainLoader, val_batches
+from moefold.data.loader import IGNORE_INDEX, Batch, PackedSequences, TrainLoader, val_batches
 from moefold.data.tokenizer import build_tokenizer
 from moefold.errors import CheckpointError, ConfigError, TrainingDiverged, refuse_unwritable_dir
 from moefold.files import write_atomically
@@ -58,7 +58,6 @@ from moefold.parallel.data import DataParallel, GradNormClipper
 from moefold.parallel.launch import TRAIN_LAUNCH, join
 from moefold.plan.fit import rank_capacity, refuse_model_beyond_memory
 from moefold.train import metrics
-from moefold.train.chunked_loss import IGNORE_INDEX
 from moefold.train.compile import compile_blocks, compile_loss
 from moefold.train.flops import count_params, peak_tflops, train_flops_per_token
 from moefold.train.heatmap import append_window, write_load_heatmap
@@ -448,7 +447,7 @@ class Trainer:
     def validate(self) -> float:
         """Token-weighted mean loss over the fixed validation batches (in eval mode, so MoE layers
         record no statistics and no aux losses). nan when no validation token has a label (every
-        one -100): a mean over no tokens, as `F.cross_entropy` gives one; the run starts with a
+        one IGNORE_INDEX): a mean over no tokens, as `F.cross_entropy` gives one; the run starts with a
         warning saying so (`_announce`), and trains on."""
         self.model.eval()
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss · tokens, tokens
@@ -654,7 +653,7 @@ class Trainer:
                          f"({d.pp}, {d.edp}, {d.ep}, {d.etp}), {par.data_parallel}, "
                          f"{par.ep_dispatcher if d.ep * d.etp > 1 else 'local'} dispatch")
         if self.val_batches and not any(bool((b.labels_BS != IGNORE_INDEX).any()) for b in self.val_batches):
-            lines.append("warning: no validation token has a label (every label is -100): val_loss is nan "
+            lines.append(f"warning: no validation token has a label (every label is {IGNORE_INDEX}): val_loss is nan "
                          "(null in metrics.jsonl)")
         for line in lines:
             self.out(line)

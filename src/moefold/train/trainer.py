@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -194,11 +194,18 @@ _CONFIG_HYPERPARAMETERS = ("initial_lr", "betas", "eps", "weight_decay")
 @dataclasses.dataclass
 class _Window:
     """What accumulates between two log steps; losses stay on the device until logged."""
-    start: float
     first_step: int
+    start: float = dataclasses.field(default_factory=lambda: time.perf_counter())  # module's clock, at opening
     steps: int = 0
     loss_sums: dict = dataclasses.field(default_factory=dict)
     grad_norm_sum: torch.Tensor | float = 0.0
+
+    def add(self, losses: dict[str, torch.Tensor], grad_norm: torch.Tensor) -> None:
+        """One more step's losses and gradient norm, summed on the device (no host sync)."""
+        self.steps += 1
+        for name, value in losses.items():
+            self.loss_sums[name] = self.loss_sums.get(name, 0.0) + value
+        self.grad_norm_sum += grad_norm
 
     @contextlib.contextmanager
     def paused(self):
@@ -474,64 +481,85 @@ class Trainer:
             self._run_lock.release()  # the run directory is free for the next training (a resume)
 
     def _fit(self) -> dict[str, Any]:
-        t, log = self.cfg.train, self.cfg.logging
-        if self.resumed_from is not None and self.step == t.steps:  # nothing to run, nothing re-saved
-            self._announce()
+        self._announce()
+        if self.resumed_from is not None and self.step == self.cfg.train.steps:  # nothing to run, nothing re-saved
             self.out(f"nothing to train: the run is already at step {self.step} = train.steps; "
                      f"give --train.steps above {self.step} to continue it")
             return {}
-        self._announce()
+        with self._loop_outputs() as (bar, emit):
+            return self._train_loop(bar, emit)
+
+    @contextlib.contextmanager
+    def _loop_outputs(self):
+        """What lives as long as the loop: the metric sinks, the stop-signal handlers and the
+        progress bar; yields the bar and where lines go (above the bar while it shows)."""
+        log = self.cfg.logging
         self.sinks = (metrics.MetricsSinks(self.run_dir, log.tensorboard, self.out) if self.dist.is_main
                       else metrics.NullSinks())
         self._stop_signal: int | None = None
         previous_handlers = self._install_signal_handlers()
         show_bar = log.progress_bar and metrics.is_interactive() and self.dist.is_main
-        bar = tqdm(total=t.steps, initial=self.step, disable=not show_bar, dynamic_ncols=True,
-                   leave=False)
-        emit = tqdm.write if not bar.disable else self.out
-        last: dict[str, Any] = {}
+        bar = tqdm(total=self.cfg.train.steps, initial=self.step, disable=not show_bar,
+                   dynamic_ncols=True, leave=False)
         try:
-            window = _Window(start=time.perf_counter(), first_step=self.step + 1)
-            while self.step < t.steps:
-                lr = self.optimizer.param_groups[0]["lr"]
-                losses, grad_norm = self.train_step()
-                self.step += 1
-                bar.update(1)
-                window.steps += 1
-                for name, value in losses.items():
-                    window.loss_sums[name] = window.loss_sums.get(name, 0.0) + value
-                window.grad_norm_sum += grad_norm
-                if self.step % log.log_every == 0 or self.step == t.steps:
-                    last.update(self._log_window(window, lr, emit))
-                    self._refuse_diverged(window)
-                    window = _Window(start=time.perf_counter(), first_step=self.step + 1)
-                if self._validation_due():
-                    with window.paused():
-                        last.update(self._log_validation(emit))
-                saved = None
-                if self._checkpoint_due():
-                    self._refuse_diverged(window)
-                    with window.paused():
-                        saved = self.save()
-                signum = self._stop_requested(synced=saved is not None)
-                if signum is not None:
-                    if window.steps:  # the steps since the last log step, on record before the run stops
-                        last.update(self._log_window(window, lr, emit))
-                    self._refuse_diverged(window)
-                    # A signal during a due save stops with that checkpoint, not a second copy.
-                    checkpoint = saved or self.save()
-                    if self.step == t.steps:  # the run is complete all the same
-                        self._write_end_of_run()
-                    raise TrainingInterrupted(signum, self.step, checkpoint)
-            if self.cfg.checkpoint.save_at_end and t.steps > 0:
-                self._refuse_diverged(window)
-                last["checkpoint"] = str(self.save())
-            self._write_end_of_run()
+            yield bar, (tqdm.write if not bar.disable else self.out)
         finally:
             bar.close()
             self.sinks.close()
             self._restore_signal_handlers(previous_handlers)
+
+    def _train_loop(self, bar: tqdm, emit: Callable[[str], None]) -> dict[str, Any]:
+        """Steps to train.steps, each followed by what is due at its end, in this order: a log
+        line, a validation, a checkpoint, a stop on a signal; then the final checkpoint. Returns
+        the last train and validation records (and that checkpoint's path)."""
+        last: dict[str, Any] = {}
+        window = _Window(first_step=self.step + 1)
+        while self.step < self.cfg.train.steps:
+            lr = self.optimizer.param_groups[0]["lr"]  # the rate this step trains with
+            window.add(*self.train_step())
+            self.step += 1
+            bar.update(1)
+            if self._log_due():
+                last.update(self._close_window(window, lr, emit))
+                window = _Window(first_step=self.step + 1)
+            if self._validation_due():
+                with window.paused():
+                    last.update(self._log_validation(emit))
+            saved = self._save_if_due(window)
+            signum = self._stop_requested(synced=saved is not None)
+            if signum is not None:
+                self._stop(signum, window, lr, saved, emit)
+        if self.cfg.checkpoint.save_at_end and self.cfg.train.steps > 0:
+            self._refuse_diverged(window)
+            last["checkpoint"] = str(self.save())
+        self._write_end_of_run()
         return last
+
+    def _close_window(self, window: _Window, lr: float, emit) -> dict[str, Any]:
+        """The window's log record, written; then a stop if its steps diverged (the log has
+        just read their gradient norm)."""
+        record = self._log_window(window, lr, emit)
+        self._refuse_diverged(window)
+        return record
+
+    def _save_if_due(self, window: _Window) -> Path | None:
+        """The checkpoint of this step when one is due (never of diverged weights), else None."""
+        if not self._checkpoint_due():
+            return None
+        self._refuse_diverged(window)
+        with window.paused():
+            return self.save()
+
+    def _stop(self, signum: int, window: _Window, lr: float, saved: Path | None, emit) -> NoReturn:
+        """Ends the run on a signal at this step boundary: the steps since the last log step go
+        on record, then the checkpoint to resume from. A signal during a due save stops with
+        that checkpoint (`saved`), not a second copy."""
+        if window.steps:
+            self._close_window(window, lr, emit)
+        checkpoint = saved or self.save()
+        if self.step == self.cfg.train.steps:  # the run is complete all the same
+            self._write_end_of_run()
+        raise TrainingInterrupted(signum, self.step, checkpoint)
 
     def _refuse_diverged(self, window: _Window) -> None:
         """Stop before non-finite weights reach a checkpoint (where rotation would delete the good
@@ -561,6 +589,9 @@ class Trainer:
         if agreed is not None:
             self._stop_signal = agreed  # stopping: a signal from now on needs no acknowledgement
         return agreed
+
+    def _log_due(self) -> bool:
+        return self.step % self.cfg.logging.log_every == 0 or self.step == self.cfg.train.steps
 
     def _validation_due(self) -> bool:
         every, steps = self.cfg.train.val_every, self.cfg.train.steps

@@ -19,9 +19,9 @@ memory is worth, and broadcast views (stride 0, small by nature).
 Under tensor parallelism many saved tensors are DTensors: the sharded linears' inputs and, with
 sequence parallelism, everything the pre-norms save. A DTensor is a wrapper; its local shard holds
 the memory, so the shard's storage is what moves (`min_bytes` and the stride check apply to the
-shard), with the shard's place in the whole (mesh, placements, global shape and stride). Unpack
-wraps the shard brought back in an equal DTensor (`DTensor.from_local`, no communication), detached
-as a non-reentrant checkpoint's recomputed tensors are: backward reads only the value.
+shard), with the shard's place in the whole (its DTensorSpec: mesh, placements, shard order, global
+shape and stride). Unpack wraps the shard brought back in an equal DTensor (no communication),
+detached as a non-reentrant checkpoint's recomputed tensors are: backward reads only the value.
 
 The copier is a strategy chosen from the device type when the model is built; it moves one storage's
 bytes (`storage_B`: B bytes, a flat uint8 tensor over the whole storage) each way:
@@ -171,16 +171,18 @@ def _device_copy(host_B: torch.Tensor, device: torch.device, non_blocking: bool 
 
 class _Place:
     """Where a DTensor's local shard sits in the whole: unpack wraps the shard brought back in an
-    equal DTensor. Not the DTensor itself, which would keep the shard's device memory alive."""
-    __slots__ = ("mesh", "placements", "shape", "stride")
+    equal DTensor. Not the DTensor itself, which would keep the shard's device memory alive.
+    The spec whole, not `from_local` of its placements: a flattened sequence shard (the
+    `_StridedShard` a linear saves of its [B, S/tp, D] input) carries a shard order that
+    `from_local` does not take, and without it DTensor's backward chose another plan — two
+    all-gathers and other rounding (a replicated weight's gradient under sequence parallelism)."""
+    __slots__ = ("spec",)
 
     def __init__(self, t: DTensor):
-        self.mesh, self.placements = t.device_mesh, t.placements
-        self.shape, self.stride = t.shape, t.stride()
+        self.spec = t._spec
 
     def wrap(self, local: torch.Tensor) -> DTensor:
-        return DTensor.from_local(local, self.mesh, self.placements, run_check=False,
-                                  shape=self.shape, stride=self.stride)
+        return DTensor(local, self.spec, requires_grad=False)
 
 
 class _Saved:

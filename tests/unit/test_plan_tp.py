@@ -47,6 +47,12 @@ CASES = {
     # a recomputed MoE layer keeps its input (the rank's shard under SP), recomputed shared experts
     # theirs (under SP the all-gathered tokens)
     "deepseek-moe": ("tiny-deepseek", {"memory.recompute": '["moe"]'}),
+    # MLA under SP: the latents on the rank's share, the up-projections' all-gathered inputs, the
+    # all-gathered RoPE key (a recomputed up-projection's input), wq's own all-gathered x (no q-LoRA)
+    "deepseek-up-proj": ("tiny-deepseek", {"memory.recompute": '["mla_up_proj"]'}),
+    "deepseek-combine-up-proj": ("tiny-deepseek", {"model.q_lora_rank": 0, "memory.recompute": '["norm", "mla_up_proj"]'}),
+    "deepseek-combine-up-proj-offload": ("tiny-deepseek", {"model.q_lora_rank": 0, "memory.offload": '["mla_up_proj"]',
+                                                           "memory.offload_min_bytes": 0}),
     "qwen2-gate-shared": ("tiny-qwen3", {**GATED_SHARED, "memory.recompute": '["shared_experts"]'}),
     # memory.offload: what the sharded linears and (sp) the pre-norms save are DTensors, whose local
     # shards move; offload_min_bytes applies to a shard's size.

@@ -14,11 +14,16 @@ import pytest
 import torch
 import torch.distributed as dist
 from test_parallel_dims import run_on_ranks
-from torch.distributed.tensor import DTensor, Shard
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from moefold.config import load_config
 from moefold.errors import ConfigError
+from moefold.fp8.gemm import EmulatedFp8Gemm, HighPrecisionWeightGrad, linear_scaling
+from moefold.fp8.linear import Fp8Linear, shard_fp8_linears
 from moefold.models.transformer import build_model
 from moefold.parallel.dims import ParallelDims, ParallelLayout
 from moefold.parallel.tensor import apply_tp
@@ -147,6 +152,73 @@ def _check_backward_collectives(tp_mesh) -> None:
         assert seen == counts, f"sequence_parallel={sequence_parallel}"
 
 
+class CollectiveShapes(TorchDispatchMode):
+    """(op, input shape) of every c10d collective dispatched while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[tuple[str, tuple[int, ...]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "_c10d_functional" and "wait" not in func.__name__:
+            self.seen.append((func.__name__.split(".")[0], tuple(args[0].shape)))
+        return func(*args, **(kwargs or {}))
+
+    def widths(self, op: str) -> list[int]:
+        return [shape[-1] for name, shape in self.seen if name == op]
+
+
+def _check_mla_gathers_latents(tp_mesh) -> None:
+    """Under sequence parallelism MLA projects the rank's shard down and all-gathers the latents
+    (Megatron-Core's order), not the D-wide normed x: in a dense MLA block the forward all-gathers
+    the RoPE key (Dr), the query latent (Q) and the key/value latent (C), then the MLP's input and
+    the last block's output (D); backward reduce-scatters those three gradients and all-reduces
+    nothing (the replicated weights' partial gradients are summed where data parallelism reduces
+    them). Without q-LoRA, wq reads x itself and gathers it (D)."""
+    for q_lora, gathered in ((16, "Q"), (0, "D")):
+        cfg = load_config("tiny-deepseek", {"model.n_layers": 1, "model.mtp_layers": 0,
+                                            "model.q_lora_rank": q_lora})
+        m = cfg.model
+        D, Dr, C, Q = m.dim, m.qk_rope_head_dim, m.kv_lora_rank, q_lora or m.dim
+        assert len({D, Dr, C, Q}) == 4 or not q_lora
+        model = build_model(cfg, VOCAB)
+        model.init_weights(seed=1)
+        apply_tp(model, tp_mesh, sequence_parallel=True)
+        with CollectiveShapes() as forward:
+            logits = model(torch.randint(0, VOCAB, (B, S), generator=torch.Generator().manual_seed(4)))
+        with CollectiveShapes() as backward:
+            logits.sum().backward()
+        assert forward.widths("all_gather_into_tensor") == [Dr, Q, C, D, D], gathered
+        assert sorted(backward.widths("reduce_scatter_tensor")) == sorted([Dr, Q, C, D]), gathered
+        assert backward.widths("all_reduce") == [], gathered
+
+
+def _check_fp8_token_shards(tp_mesh) -> None:
+    """An FP8 linear with a replicated weight reading the rank's sequence shard (MLA's
+    down-projections under sequence parallelism; fp8/linear.TokenShards). Rowwise scales are per
+    token and per weight column, so the output and the input's gradient equal one process's bit for
+    bit; the weight's gradient (unquantized: precision.fp8_weight_grad=bf16) is the ranks' parts
+    summed."""
+    torch.manual_seed(5)
+    linear = nn.Linear(32, 16, bias=False)
+    gemm, scaling = HighPrecisionWeightGrad(EmulatedFp8Gemm()), linear_scaling("rowwise")
+    ref = Fp8Linear.from_linear(copy.deepcopy(linear), gemm, scaling)
+    fp8 = Fp8Linear.from_linear(linear, gemm, scaling)
+    parallelize_module(fp8, tp_mesh, SequenceParallel())
+    shard_fp8_linears(fp8)
+    gen = torch.Generator().manual_seed(6)
+    x_BSK, upstream_BSN = torch.randn(B, S, 32, generator=gen), torch.randn(B, S, 16, generator=gen)
+    x_ref = x_BSK.clone().requires_grad_()
+    y_ref = ref(x_ref)
+    (y_ref * upstream_BSN).sum().backward()
+    x = x_BSK.clone().requires_grad_()
+    y = fp8(DTensor.from_local(x, tp_mesh, (Replicate(),)).redistribute(tp_mesh, (Shard(1),)))
+    assert y.placements == (Shard(1),)
+    (y.full_tensor() * upstream_BSN).sum().backward()
+    assert torch.equal(y.full_tensor(), y_ref) and torch.equal(x.grad, x_ref.grad)
+    torch.testing.assert_close(fp8.weight.grad.full_tensor(), ref.weight.grad, **TOL)
+
+
 def _check_all(rank: int) -> None:
     tp_mesh = ParallelLayout(ParallelDims(WORLD, tp=WORLD)).tp_mesh
     for preset, overrides in CASES:
@@ -157,6 +229,8 @@ def _check_all(rank: int) -> None:
         _check_case(preset, overrides, tp_mesh, sequence_parallel=True, padded=True)
     _check_replay("tiny-qwen3", tp_mesh)
     _check_backward_collectives(tp_mesh)
+    _check_mla_gathers_latents(tp_mesh)
+    _check_fp8_token_shards(tp_mesh)
 
     # Indivisible heads: a ConfigError, before anything is sharded.
     for overrides, what in [({"model.n_heads": 3, "model.n_kv_heads": 1, "model.head_dim": 16}, "n_heads=3"),

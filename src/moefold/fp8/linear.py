@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from moefold.fp8.gemm import Fp8GemmBase, Fp8Scaling
 from moefold.fp8.saved import SaveInput
@@ -79,12 +79,28 @@ class RowShards(ColumnShards):
         return DTensor.from_local(y, self.mesh, [Partial()], run_check=False)
 
 
+class TokenShards(ColumnShards):
+    """A replicated weight (Replicate) reading this rank's shard of the sequence (Shard(1) of
+    [B, S, K]; MLA's down-projections under sequence parallelism): the GEMMs run on the local
+    tokens and give the same shard of the output. The weight's gradient is this rank's tokens'
+    part of the TP group's sum (Partial), as DTensor leaves a sequence-parallel norm's."""
+
+    def local(self, x: DTensor, w: DTensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x.to_local(), w.to_local(grad_placements=[Partial()])
+
+    def wrap(self, y: torch.Tensor) -> DTensor:
+        return DTensor.from_local(y, self.mesh, [Shard(1)], run_check=False)
+
+
 def shard_fp8_linears(module: nn.Module) -> None:
-    """Give every Fp8Linear in `module` whose weight tensor parallelism sharded the local-shard
-    strategy of its sharding (called by parallel/tensor.py after it parallelizes the model)."""
+    """Give every Fp8Linear in `module` whose weight tensor parallelism distributed the local-shard
+    strategy of its layout (called by parallel/tensor.py after it parallelizes the model)."""
     for m in module.modules():
         if isinstance(m, Fp8Linear) and isinstance(m.weight, DTensor):
-            m.shards = ColumnShards(m.weight) if m.weight.placements[0] == Shard(0) else RowShards(m.weight)
+            m.shards = _SHARDS_BY_PLACEMENT[m.weight.placements[0]](m.weight)
+
+
+_SHARDS_BY_PLACEMENT = {Shard(0): ColumnShards, Shard(1): RowShards, Replicate(): TokenShards}
 
 
 class Fp8Linear(nn.Linear):

@@ -16,7 +16,8 @@ form in place:
 - MLA: wq (or wq_b) and wkv_b column-wise by heads, wo row-wise; wq_a, wkv_a and the latent norms
   replicated. The RoPE key that wkv_a produces is shared by all heads, so the gradient of those
   columns of wkv_a's output is summed over TP (the latent columns already arrive summed through
-  wkv_b's column-wise input).
+  wkv_b's column-wise input). Under sequence parallelism the replicated part runs on the rank's
+  sequence shard instead (`_tp_mla_on_sequence_shard`).
 - Dense SwiGLU MLP: w1/w3 column-wise, w2 row-wise.
 - Shared experts of MoE layers: like the dense MLP (w1/w3 column-wise, w2 row-wise), their output
   all-reduced (it is summed with the routed output); a shared expert gate stays replicated.
@@ -29,9 +30,11 @@ Between these TP regions:
   computes the same on every TP rank.
 - With it (Megatron's sequence parallelism, `_sequence_parallel`), the main blocks' residual stream
   and pre-norms hold only this rank's 1/tp of the sequence (DTensors, Shard(1)): the first block
-  splits the embeddings, attention and dense MLPs all-gather their normed input and reduce-scatter
-  their output, MoE layers route and dispatch the rank's shard as it is (no all-gather; their
-  shared experts gather and reduce-scatter), and the last block's output is gathered again, so
+  splits the embeddings, GQA attention and dense MLPs all-gather their normed input and
+  reduce-scatter their output, MLA projects the rank's shard down to its latents and all-gathers
+  those (Megatron-Core's order: the latents are 3-4x narrower than the model dim), MoE layers route
+  and dispatch the rank's shard as it is (no all-gather; their shared experts gather and
+  reduce-scatter), and the last block's output is gathered again, so
   the final norm, the output head and the MTP blocks (never sequence-parallel) see replicated
   tensors.
 
@@ -45,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -80,7 +83,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = Fa
     for block in blocks:
         out = _SP_OUTPUT if id(block) in sp_blocks else _REPLICATED_OUTPUT
         if isinstance(block.attn, MLAttention):
-            _tp_mla(block.attn, tp_mesh, out)
+            tp_mla = _tp_mla_on_sequence_shard if id(block) in sp_blocks else _tp_mla
+            tp_mla(block.attn, tp_mesh, out)
         else:
             _tp_gqa(block.attn, tp_mesh, out)
         if isinstance(block.ffn, SwiGLUMLP):
@@ -108,14 +112,16 @@ def _sequence_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     """Megatron's sequence parallelism for the main blocks: between TP regions the residual stream
     and the norms hold only this rank's 1/tp of the sequence (DTensor Shard(1)). The first block's
     input (the embeddings) is split, each attention / dense MLP all-gathers its normed input and
-    reduce-scatters its output, each MoE layer routes and dispatches the rank's shard as it is
-    (its shared experts gather and reduce-scatter; parallel/sequence.py), and the last block's
-    output is gathered again for the final norm, head and MTP modules."""
+    reduce-scatters its output (MLA takes the shard as it is: `_tp_mla_on_sequence_shard`), each
+    MoE layer routes and dispatches the rank's shard as it is (its shared experts gather and
+    reduce-scatter; parallel/sequence.py), and the last block's output is gathered again for the
+    final norm, head and MTP modules."""
     for block in model.layers:
-        plan = {"attn_norm": SequenceParallel(), "attn": _gathered_input(block.attn, Shard(1), 3),
-                "ffn_norm": SequenceParallel()}
+        plan = {"attn_norm": SequenceParallel(), "ffn_norm": SequenceParallel()}
+        if not isinstance(block.attn, MLAttention):
+            plan["attn"] = _gathered_input(Shard(1), 3)
         if isinstance(block.ffn, SwiGLUMLP):
-            plan["ffn"] = _gathered_input(block.ffn, Shard(1), 2)
+            plan["ffn"] = _gathered_input(Shard(1), 2)
         else:
             route_sequence_shard(block.ffn, tp_mesh)
         parallelize_module(block, tp_mesh, plan)
@@ -131,25 +137,25 @@ def _sequence_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
         parallelize_module(last, tp_mesh, PrepareModuleOutput(**gather))
 
 
-def _gathered_input(module: nn.Module, layout, num_args: int) -> PrepareModuleInput:
+def _gathered_input(layout, num_args: int) -> PrepareModuleInput:
     """The plan of a TP region's input x (its first of `num_args` arguments) laid out as `layout`
     (Shard(1) under sequence parallelism, else Replicate()): all-gathered where sharded, and kept a
-    DTensor where only column-wise linears read it (GQA's q/k/v, an MLP's gate and up), so their
+    DTensor, since only column-wise linears read it (GQA's q/k/v, an MLP's gate and up), so their
     partial input gradients add up before one reduce-scatter (all-reduce) instead of one
-    all-reduce each. MLA's down-projections are replicated plain linears: they read a plain x."""
-    plain = isinstance(module, MLAttention)
+    all-reduce each."""
     rest = (None,) * (num_args - 1)
     return PrepareModuleInput(input_layouts=(layout, *rest), desired_input_layouts=(Replicate(), *rest),
-                              use_local_output=plain)
+                              use_local_output=False)
 
 
 def _one_input_gradient_sum(block: nn.Module, tp_mesh: DeviceMesh) -> None:
     """Without sequence parallelism: the replicated input of GQA attention and of a dense MLP as a
-    DTensor too (`_gathered_input`), one all-reduce of its gradient instead of one per linear."""
+    DTensor too (`_gathered_input`), one all-reduce of its gradient instead of one per linear.
+    (MLA's down-projections are replicated plain linears: they read a plain x.)"""
     if not isinstance(block.attn, MLAttention):
-        parallelize_module(block.attn, tp_mesh, _gathered_input(block.attn, Replicate(), 3))
+        parallelize_module(block.attn, tp_mesh, _gathered_input(Replicate(), 3))
     if isinstance(block.ffn, SwiGLUMLP):
-        parallelize_module(block.ffn, tp_mesh, _gathered_input(block.ffn, Replicate(), 2))
+        parallelize_module(block.ffn, tp_mesh, _gathered_input(Replicate(), 2))
 
 
 def _tp_mlp(mlp: nn.Module, tp_mesh: DeviceMesh, output_style) -> None:
@@ -207,6 +213,43 @@ def _tp_mla(attn: MLAttention, tp_mesh: DeviceMesh, output_style) -> None:
     rope_start = attn.kv_lora_rank
     attn.wkv_a.register_forward_hook(
         lambda module, args, out: _SumGradColumns.apply(out, rope_start, group))
+
+
+def _tp_mla_on_sequence_shard(attn: MLAttention, tp_mesh: DeviceMesh, output_style) -> None:
+    """MLA in a sequence-parallel block, in Megatron-Core's order: the down-projections and the
+    latent norms (replicated weights, whose gradients DTensor leaves partial over TP, as a
+    sequence-parallel norm's) run on the rank's [B, S/tp, D] shard as it arrives; the up-projections
+    all-gather the latents, Q + C wide rather than D, and reduce-scatter their gradients; the RoPE
+    key all heads share is all-gathered on its own (`SequenceShardMLA`). Without q-LoRA, wq reads
+    x itself and gathers it."""
+    gathered = ColwiseParallel(input_layouts=Shard(1))  # all-gather forward, reduce-scatter backward
+    plan = {"wkv_a": SequenceParallel(), "kv_norm": SequenceParallel(), "wkv_b": gathered, "wo": output_style()}
+    if attn.q_lora_rank > 0:
+        plan |= {"wq_a": SequenceParallel(), "q_norm": SequenceParallel(), "wq_b": gathered}
+    else:
+        plan["wq"] = gathered
+    parallelize_module(attn, tp_mesh, plan)
+    attn.n_heads //= tp_mesh.size()
+    SequenceShardMLA.convert(attn, tp_mesh)
+
+
+class SequenceShardMLA(MLAttention):
+    """MLA whose down-projections run on this rank's sequence shard: the RoPE key wkv_a gives (a
+    [B, S/tp, Dr] DTensor) is all-gathered for the local heads, and its gradient, which each rank's
+    heads make only part of, is summed back onto the shard (a reduce-scatter)."""
+
+    mesh: DeviceMesh
+
+    @classmethod
+    def convert(cls, attn: MLAttention, mesh: DeviceMesh) -> None:
+        """In place (class swapped, as FSDP2's fully_shard does): the memory.recompute and
+        memory.offload wrappers build_model put on the instance's seams stay."""
+        attn.__class__, attn.mesh = cls, mesh
+
+    def down_proj(self, x_BSD: DTensor) -> tuple[DTensor, DTensor, torch.Tensor]:
+        q_in_BSX, latent_BSC, k_rope_BSDr = super().down_proj(x_BSD)
+        whole_BSDr = k_rope_BSDr.redistribute(self.mesh, (Replicate(),)).to_local(grad_placements=(Partial(),))
+        return q_in_BSX, latent_BSC, whole_BSDr
 
 
 class HeadShardedRMSNorm(RMSNorm):

@@ -21,11 +21,13 @@ hold the two together category by category. Rules that recur:
   parameters only): q, k and v three copies, gated MLPs two.
 
 Sizes are per rank: T tokens of the rank's micro-batch after context parallelism (B·S/cp); heads and
-dense/shared hidden sizes divided by tp; MLA's down-projections and latent norms, the final norm and
-the output head run on all T tokens on every TP rank. Under sequence parallelism
-(parallel.sequence_parallel with tp > 1, parallel/tensor.py) the main blocks' residual stream and
-pre-norms hold this rank's T/tp tokens (`Shapes.residual_tokens`); the linears after a pre-norm keep
-the all-gathered T tokens as they would keep the norm's output; the MTP modules and blocks are not
+dense/shared hidden sizes divided by tp; the final norm and the output head run on all T tokens on
+every TP rank, and so do MLA's down-projections and latent norms without sequence parallelism.
+Under sequence parallelism (parallel.sequence_parallel with tp > 1, parallel/tensor.py) the main
+blocks' residual stream and pre-norms hold this rank's T/tp tokens (`Shapes.residual_tokens`); the
+GQA and dense-MLP linears after a pre-norm keep the all-gathered T tokens as they would keep the
+norm's output, MLA's down-projections and latent norms run on the T/tp tokens and its
+up-projections keep the all-gathered latents; the MTP modules and blocks are not
 sequence-parallel. An MoE layer routes the residual stream's tokens (parallel/sequence.py): without
 sequence parallelism the router runs on all T tokens of the TP group on every TP rank and each rank
 dispatches its T/tp of them; with it the router, the balancing losses and the dispatch see only the
@@ -200,20 +202,29 @@ def core_tensors(cfg: Config, sh: Shapes) -> tuple[list[int], int, list[int]]:
 
 
 def mla_tensors(cfg: Config, sh: Shapes) -> Tensors:
-    m, T = cfg.model, sh.tokens
+    """The down-projections and latent norms run on the residual stream's tokens (the rank's T/tp
+    under sequence parallelism, parallel/tensor.py), the up-projections on all T (under sequence
+    parallelism they keep the all-gathered latents, and wq without q-LoRA the all-gathered x)."""
+    m, T, Tr = cfg.model, sh.tokens, sh.residual_tokens
     Q, C = m.q_lora_rank, m.kv_lora_rank
     Dn, Dr, Dv = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
     # x (for wq_a or wq and for wkv_a with input copies), wq_b's and wkv_b's (normed) inputs
     Hq, Hkv = m.n_heads * (Dn + Dr), m.n_heads * (Dn + Dv)  # global output features
-    x_fp8 = [fp8_linear(cfg, sh, "attn.wq_a" if Q else "attn.wq", m.dim, Q or Hq),
-             fp8_linear(cfg, sh, "attn.wkv_a", m.dim, C + Dr)]
+    wq_fp8 = fp8_linear(cfg, sh, "attn.wq_a" if Q else "attn.wq", m.dim, Q or Hq)
+    wkv_a_fp8 = fp8_linear(cfg, sh, "attn.wkv_a", m.dim, C + Dr)
+    if Q or Tr == T:
+        x = sibling_inputs(Tr, m.dim, sh, [wq_fp8, wkv_a_fp8])
+    else:  # wq gathers x itself: its own [T, D]. apply_fp8 still treats them as siblings, which
+        # keep their compute-dtype input unless each casts its own (fp8/apply._keeps_fp8_input).
+        own = sh.input_copies
+        x = kept_input(Tr, m.dim, sh, own and wkv_a_fp8) + kept_input(T, m.dim, sh, own and wq_fp8)
     q_b = kept_input(T, Q, sh, fp8_linear(cfg, sh, "attn.wq_b", Q, Hq)) if Q else []
     kv_b = kept_input(T, C, sh, fp8_linear(cfg, sh, "attn.wkv_b", C, Hkv))
-    out = {"attn_proj": sibling_inputs(T, m.dim, sh, x_fp8) + q_b + kv_b}
-    # In fp32 the latent norm keeps its input as it is: a view of wkv_a's [T, C + Dr] output.
-    out["norm"] = norm_tensors(T, C) + (norm_tensors(T, Q) if Q else [])
+    out = {"attn_proj": x + q_b + kv_b}
+    # In fp32 the latent norm keeps its input as it is: a view of wkv_a's [Tr, C + Dr] output.
+    out["norm"] = norm_tensors(Tr, C) + (norm_tensors(Tr, Q) if Q else [])
     if sh.fp32:
-        out["norm"][0] = Viewed(T * (C + Dr) * FP32, T * C * FP32)
+        out["norm"][0] = Viewed(Tr * (C + Dr) * FP32, Tr * C * FP32)
     qkv, output, internal = core_tensors(cfg, sh)
     return {**out, "attn_core": [*qkv, output, *internal]}
 

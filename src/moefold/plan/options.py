@@ -112,34 +112,38 @@ def _recompute_moe_act(cfg: Config, sh: Shapes) -> Bytes:
 
 
 def _mla_up_proj_saved(cfg: Config, sh: Shapes) -> list[tuple[str, int]]:
-    """What MLA's up-projection saves inside itself: the latent norms' internals and wq_b's /
-    wkv_b's inputs (with q-LoRA off, wq's input is x: its own copy only with input copies)."""
-    m, T, a = cfg.model, sh.tokens, sh.act_bytes
+    """What MLA's up-projection saves inside itself: the latent norms' internals (on the residual
+    stream's Tr tokens) and wq_b's / wkv_b's inputs (all T: under sequence parallelism the
+    all-gathered latents). With q-LoRA off, wq's input is x: its own copy only with input copies,
+    or all-gathered under sequence parallelism."""
+    m, T, Tr, a = cfg.model, sh.tokens, sh.residual_tokens, sh.act_bytes
     Q, C, Dr = m.q_lora_rank, m.kv_lora_rank, m.qk_rope_head_dim
-    # The kv norm's fp32 input: in fp32 a view of the [T, C + Dr] latent storage, kept whole.
-    kv_in = act.Viewed(T * (C + Dr) * FP32, T * C * FP32) if sh.fp32 else T * C * FP32
-    out = [("norm", kv_in), ("norm", T * C * FP32), ("norm", T * FP32), ("attn_proj", T * C * a)]
+    # The kv norm's fp32 input: in fp32 a view of the [Tr, C + Dr] latent storage, kept whole.
+    kv_in = act.Viewed(Tr * (C + Dr) * FP32, Tr * C * FP32) if sh.fp32 else Tr * C * FP32
+    out = [("norm", kv_in), ("norm", Tr * C * FP32), ("norm", Tr * FP32), ("attn_proj", T * C * a)]
     if Q:
-        out += [("norm", T * Q * FP32), ("norm", T * Q * FP32), ("norm", T * FP32),
+        out += [("norm", Tr * Q * FP32), ("norm", Tr * Q * FP32), ("norm", Tr * FP32),
                 ("attn_proj", T * Q * a)]
-    elif sh.input_copies:
+    elif sh.input_copies or Tr < T:
         out.append(("attn_proj", T * m.dim * a))
     return out
 
 
 def _recompute_mla_up_proj(cfg: Config, sh: Shapes, sh_params: Shapes) -> Bytes:
-    """Output-discarding producer: its inputs (q_in and the [T, C + Dr] latent storage) stay,
-    everything it saved and the q, k and kv outputs the core kept go (rebuilt in backward)."""
-    m, T, a = cfg.model, sh.tokens, sh.act_bytes
+    """Output-discarding producer: its inputs (q_in and the [Tr, C + Dr] latent storage, and under
+    sequence parallelism the all-gathered [T, Dr] RoPE key) stay, everything it saved and the q, k
+    and kv outputs the core kept go (rebuilt in backward)."""
+    m, T, Tr, a = cfg.model, sh.tokens, sh.residual_tokens, sh.act_bytes
     Q, C, Dr, H = m.q_lora_rank, m.kv_lora_rank, m.qk_rope_head_dim, m.n_heads // sh.tp
     out = act._add({}, attn_core=-sum(act.core_tensors(cfg, sh)[0]))
     for category, size in _mla_up_proj_saved(cfg, sh):
         act._add(out, **{category: -size})
-    q_in = T * Q * a if Q else (T * m.dim * sh.params if sh.input_copies else 0)
+    q_in = Tr * Q * a if Q else (Tr * m.dim * sh.params if sh.input_copies else 0)
+    rope_key = T * Dr * a if Tr < T else 0  # else a view of the latent storage
     wq = Q * H * (m.qk_nope_head_dim + Dr) if Q else m.dim * H * (m.qk_nope_head_dim + Dr)
     copies = (act._cast(wq + C * H * (m.qk_nope_head_dim + m.v_head_dim), a, sh_params)
               + act._cast(C + Q, FP32, sh_params))
-    return act._add(out, kept_inputs=q_in + T * (C + Dr) * a, weight_copies=-copies)
+    return act._add(out, kept_inputs=q_in + Tr * (C + Dr) * a + rope_key, weight_copies=-copies)
 
 
 def _recompute_norms(cfg: Config, moe_layer: bool, sh: Shapes) -> Bytes:
@@ -151,8 +155,6 @@ def _recompute_norms(cfg: Config, moe_layer: bool, sh: Shapes) -> Bytes:
     out = act._add({}, norm=2 * (-act.norm_bytes(Tr, D) + Tr * D * sh.params))
     for rows, dim in _qk_norms(cfg, sh):
         act._add(out, norm=-act.norm_bytes(rows, dim) + rows * dim * a)
-    if sh.seq_split > 1:  # sequence parallelism: they keep the all-gathered copy, not the norm's
-        return out
     return act._add(out, **_freed_norm_outputs(cfg, moe_layer, sh))
 
 
@@ -160,15 +162,17 @@ def _freed_norm_outputs(cfg: Config, moe_layer: bool, sh: Shapes) -> Bytes:
     """The normed x that output discarding frees where the consumer takes it itself: every
     reference to that storage goes, what a consumer saved and a recomputed site's kept input alike,
     charged to the one holder the plan counts it in. Under TP, GQA attention and a dense MLP get it
-    wrapped as a DTensor by their input plan (parallel/tensor.py): not the norm's output itself, so
-    nothing is freed there. MLA and MoE layers read it plain."""
-    x, names = sh.tokens * cfg.model.dim * sh.params, cfg.memory.recompute
+    wrapped as a DTensor by their input plan (parallel/tensor.py), all-gathered under sequence
+    parallelism: not the norm's output itself, so nothing is freed there. MLA reads it as it is
+    (the rank's shard under sequence parallelism); MoE layers too, but under sequence parallelism
+    (their input hook's `to_local()` of the shard keeps it)."""
+    x, names = sh.residual_tokens * cfg.model.dim * sh.params, cfg.memory.recompute
     out: Bytes = {}
     if sh.tp == 1 or cfg.model.attention == "mla":
         holder = _attn_input_holder(cfg, sh, names)
         if holder:
             out[holder] = -x
-    if moe_layer or sh.tp == 1:
+    if moe_layer and sh.seq_split == 1 or sh.tp == 1:
         holder = _ffn_input_holder(cfg, moe_layer, sh, names)
         if holder:
             act._add(out, **{holder: -x})
@@ -245,7 +249,8 @@ def _copied_but_kept(cfg: Config, name: str, layer_id: int, sh_params: Shapes) -
     if name == "attn_core":
         return [act.core_tensors(cfg, sh)[1]]
     if name == "mla_up_proj" and cfg.model.attention == "mla" and not cfg.model.q_lora_rank:
-        return _rope_tables(cfg, sh) + ([] if sh.input_copies else x)
+        # Under sequence parallelism wq keeps its own all-gathered x, which goes.
+        return _rope_tables(cfg, sh) + ([] if sh.input_copies or sh.seq_split > 1 else x)
     if name == "shared_experts" and is_moe_layer(cfg, layer_id) and cfg.moe.shared_experts:
         read = not sh.input_copies and sh.seq_split == 1 and act.router_reads_normed_x(cfg, sh)
         return x if read else []

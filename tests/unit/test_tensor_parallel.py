@@ -66,6 +66,8 @@ def _check_case(preset: str, overrides: dict, tp_mesh, sequence_parallel: bool =
     apply_tp(model, tp_mesh, sequence_parallel)
     seen = []  # what the last block receives: the residual stream between TP regions
     model.layers[-1].register_forward_pre_hook(lambda module, args: seen.append(args[0]))
+    gathered = []  # and what it returns, after apply_tp's hooks
+    model.layers[-1].register_forward_hook(lambda module, args, out: gathered.append(out))
 
     sharded = {n for n, p in model.named_parameters()
                if isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements)}
@@ -88,6 +90,8 @@ def _check_case(preset: str, overrides: dict, tp_mesh, sequence_parallel: bool =
     if sequence_parallel:  # 1/tp of the sequence per rank
         assert isinstance(seen[0], DTensor) and seen[0].placements == (Shard(1),)
         assert seen[0].to_local().shape == (B, S // WORLD, cfg.model.dim)
+        # A new tensor, not a view: FSDP2 warns of a view returned by a unit (the last block).
+        assert not isinstance(gathered[0], DTensor) and gathered[0]._base is None
     else:
         assert not isinstance(seen[0], DTensor) and seen[0].shape == (B, S, cfg.model.dim)
     (logits * upstream_BSV).sum().backward()
@@ -153,15 +157,23 @@ def _check_backward_collectives(tp_mesh) -> None:
 
 
 class CollectiveShapes(TorchDispatchMode):
-    """(op, input shape) of every c10d collective dispatched while active."""
+    """(op, input shape) of every collective dispatched while active: DTensor's functional ones
+    and torch.distributed's own (named alike)."""
+
+    NAMES = {"_allgather_base_": "all_gather_into_tensor", "_reduce_scatter_base_": "reduce_scatter_tensor",
+             "allreduce_": "all_reduce"}
 
     def __init__(self):
         super().__init__()
         self.seen: list[tuple[str, tuple[int, ...]]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "_c10d_functional" and "wait" not in func.__name__:
-            self.seen.append((func.__name__.split(".")[0], tuple(args[0].shape)))
+        name = func.__name__.split(".")[0]
+        if func.namespace == "_c10d_functional" and "wait" not in name:
+            self.seen.append((name, tuple(args[0].shape)))
+        elif func.namespace == "c10d" and name in self.NAMES:  # (output, input, ...) / ([tensors], ...)
+            first = args[1] if name != "allreduce_" else args[0][0]
+            self.seen.append((self.NAMES[name], tuple(first.shape)))
         return func(*args, **(kwargs or {}))
 
     def widths(self, op: str) -> list[int]:

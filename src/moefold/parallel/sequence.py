@@ -46,7 +46,7 @@ class _SplitRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_t: torch.Tensor):
-        return _all_gather_rows(grad_t.contiguous(), ctx.group), None
+        return all_gather_rows(grad_t.contiguous(), ctx.group), None
 
 
 class _GatherRows(torch.autograd.Function):
@@ -56,7 +56,7 @@ class _GatherRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_t: torch.Tensor, group) -> torch.Tensor:
         ctx.group = group
-        return _all_gather_rows(x_t.contiguous(), group)
+        return all_gather_rows(x_t.contiguous(), group)
 
     @staticmethod
     def backward(ctx, grad_T: torch.Tensor):
@@ -64,7 +64,7 @@ class _GatherRows(torch.autograd.Function):
         return grad_T.chunk(size)[rank].contiguous(), None
 
 
-def _all_gather_rows(x_t: torch.Tensor, group) -> torch.Tensor:
+def all_gather_rows(x_t: torch.Tensor, group) -> torch.Tensor:
     out = x_t.new_empty(dist.get_world_size(group) * x_t.shape[0], *x_t.shape[1:])
     dist.all_gather_into_tensor(out, x_t, group=group)
     return out
@@ -149,7 +149,7 @@ class SequenceShardRows(WholeBatch):
 
     def whole(self, idx_tK: torch.Tensor) -> torch.Tensor:
         K = idx_tK.shape[1]
-        ranks_tK = _all_gather_rows(idx_tK.contiguous(), self.group)  # rank-major: [tp · B·S/tp, K]
+        ranks_tK = all_gather_rows(idx_tK.contiguous(), self.group)  # rank-major: [tp · B·S/tp, K]
         ranks_BsK = ranks_tK.view(self.tp, -1, self.shard_len, K)
         return ranks_BsK.transpose(0, 1).reshape(-1, K)
 

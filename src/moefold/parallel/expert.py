@@ -51,6 +51,7 @@ from moefold.moe.permute import (
     unpermute,
 )
 from moefold.moe.router import Routing
+from moefold.parallel.collectives import all_gather_single
 from moefold.parallel.dims import expert_coords
 
 
@@ -473,7 +474,7 @@ class AllGatherDispatcher(_ExpertParallelDispatcher):
     def _communicate(self, x_TD, key_N, probs_TK) -> _Gathered:
         """Tokens and probabilities by the autograd-aware all-gather; expert ids need no gradient."""
         key_M = key_N.new_empty(self.group_size * key_N.numel())
-        dist.all_gather_into_tensor(key_M, key_N.contiguous(), group=self.group)
+        all_gather_single(key_M, key_N.contiguous(), group=self.group)
         return _Gathered(x_GD=torch.cat(dist_fn.all_gather(x_TD, group=self.group)),
                          key_M=key_M,
                          probs_GK=torch.cat(dist_fn.all_gather(probs_TK, group=self.group)))

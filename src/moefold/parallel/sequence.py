@@ -29,6 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from moefold.errors import ConfigError
+from moefold.parallel.collectives import all_gather_single
 from moefold.moe.balance import LocalCounts, SequenceShards
 from moefold.moe.replay import WholeBatch
 from moefold.moe.router import ReplayedSelection, Router, Routing
@@ -66,7 +67,7 @@ class _GatherRows(torch.autograd.Function):
 
 def all_gather_rows(x_t: torch.Tensor, group) -> torch.Tensor:
     out = x_t.new_empty(dist.get_world_size(group) * x_t.shape[0], *x_t.shape[1:])
-    dist.all_gather_into_tensor(out, x_t, group=group)
+    all_gather_single(out, x_t, group=group)
     return out
 
 

@@ -52,17 +52,13 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from moefold.optim.precision import replace_local
+from moefold.parallel.collectives import all_gather_single, reduce_scatter_single
 from moefold.parallel.data import DataParallel, dense_parameters, expert_parameters
 from moefold.parallel.local import local_tensor
 
 BUCKET_ELEMENTS = 2 ** 26
 """Elements (all ranks' segments) of one bucket: bounds the flat buffers' extra memory (256 MiB
 of fp32) while keeping collectives few (Megatron-Core's buckets are of a similar size)."""
-
-# torch 2.13 deprecates reduce_scatter_tensor and all_gather_into_tensor for *_single; older torch
-# (the GPU machine's 2.11) has only the former names.
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def shard_dim(local_shape: torch.Size, world: int) -> int:
@@ -202,7 +198,7 @@ class _Bucket:
             slot.in_segments(send_WS).copy_(padded.view(slot.P, W, slot.C, slot.Q).transpose(0, 1))
             slot.param.grad = None
         recv_S = torch.empty(self.segment, dtype=self.reduce_dtype, device=self.device)
-        _reduce_scatter(recv_S, send_WS.view(-1), group=self.group)
+        reduce_scatter_single(recv_S, send_WS.view(-1), group=self.group)
         recv_S.div_(self.divide_by)
         for slot in self.slots:
             slot.set_gradient(slot.own_rows(recv_S))
@@ -215,7 +211,7 @@ class _Bucket:
         for slot in self.slots:
             slot.own_rows(send_S).copy_(slot.shard_rows())
         recv_WS = torch.empty(W, self.segment, dtype=self.dtype, device=self.device)
-        _all_gather(recv_WS.view(-1), send_S, group=self.group)
+        all_gather_single(recv_WS.view(-1), send_S, group=self.group)
         for slot in self.slots:
             rows_PNQ = slot.in_segments(recv_WS).transpose(0, 1).reshape(slot.P, W * slot.C, slot.Q)
             local_tensor(slot.param).detach().view(slot.P, slot.N, slot.Q).copy_(rows_PNQ[:, :slot.N])

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from moefold.cli import main
 from moefold.config import load_config, preset_names
@@ -305,6 +306,25 @@ def test_recompute_and_offload_match_the_wrapped_model(preset, extra, options, d
     plan = predict_memory(cfg, 1)
     assert measured.total == plan.activation_total
     assert measured.host == plan.offloaded
+
+
+def test_a_checkpoint_saves_its_inputs_through_the_hooks_around_it():
+    """What plan.options and plan.measure rely on: torch.utils.checkpoint (non-reentrant) saves
+    its positional inputs through the saved-tensor hooks around its call, so inside an offloaded
+    site they go to the host, and holds its keyword arguments itself."""
+    packed = []
+
+    def pack(t):
+        packed.append(t)
+        return t
+
+    x_N = torch.randn(8, requires_grad=True)
+    a_N, scale_N = x_N * 2, torch.full((8,), 3.0)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y_N = checkpoint(lambda t, scale: (t * scale).sin(), a_N, scale=scale_N, use_reentrant=False)
+    assert len(packed) == 1 and packed[0] is a_N  # the ops inside save under the checkpoint's hooks
+    y_N.sum().backward()
+    assert torch.allclose(x_N.grad, 6 * (a_N * 3).cos())
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

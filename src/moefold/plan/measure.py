@@ -187,30 +187,32 @@ def _fused_attention():
 
 @contextlib.contextmanager
 def _memory_wrappers_seen(pack):
-    """Let the measurement see through memory.recompute and memory.offload: a checkpoint (and an
-    output-discarding producer) keeps its tensor inputs, which no saved-tensor hook reports; an
-    offloaded site's own hooks hide what it saved, so the tensors its offload leaves on the device
-    (too small, parameters and their casts) are reported here, and its host copies are followed
-    (weakly: a copy dies with the graph node that saved it). The outputs that output-discarding
-    frees count 0 because sizes are read when forward ends."""
+    """Let the measurement see through memory.recompute and memory.offload: an output-discarding
+    producer holds its tensor inputs itself, and a checkpoint its keyword arguments (the recompute
+    closure does), which no saved-tensor hook reports; a checkpoint's positional inputs need
+    nothing, torch.utils.checkpoint saving them through the saved-tensor hooks around it (pack, or
+    an offloaded site's, which copies them to the host). An offloaded site's own hooks hide what it
+    saved, so the tensors its offload leaves on the device (too small, parameters and their casts)
+    are reported here, and its host copies are followed (weakly: a copy dies with the graph node
+    that saved it). The outputs that output-discarding frees count 0 because sizes are read when
+    forward ends."""
     from moefold.memory import offload, recompute
 
     real_checkpoint, real_forward, real_pack = recompute.checkpoint, recompute._Run.forward, \
         offload.ActivationOffload.pack
 
-    def keep(t):
-        if isinstance(t, torch.Tensor):
-            pack(t)
-            seen.kept.append(t)  # a strong reference, as the checkpoint holds its inputs
+    def hold(tensors):
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                pack(t)
+                seen.held.append(t)  # a strong reference, as the wrapper holds it
 
     def checkpoint(fn, *args, **kwargs):
-        for a in (*args, *kwargs.values()):
-            keep(a)
+        hold(kwargs.values())
         return real_checkpoint(fn, *args, **kwargs)
 
     def forward(run):
-        for a in run.args:
-            keep(a)
+        hold(run.args)
         return real_forward(run)
 
     def offload_pack(self, t):
@@ -233,7 +235,7 @@ def _memory_wrappers_seen(pack):
 
 @dataclass
 class _WrappersSeen:
-    kept: list[torch.Tensor] = field(default_factory=list)  # checkpoints' inputs
+    held: list[torch.Tensor] = field(default_factory=list)  # producers' inputs, checkpoints' kwargs
     host_copies: list[weakref.ref] = field(default_factory=list)  # offload's, one per storage and call
 
     def host_bytes(self) -> int:

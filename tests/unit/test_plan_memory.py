@@ -15,6 +15,7 @@ from moefold.plan import activations as act
 from moefold.plan import predict_memory
 from moefold.plan.measure import measure_saved_activations
 from moefold.plan.params import model_params
+from moefold.plan.storages import block_storages
 from moefold.plan.peaks import measure_peaks
 from moefold.plan.pipeline import model_chunks, peak_in_flight, rank_chunks
 from moefold.train.flops import count_params, meta_model
@@ -292,20 +293,81 @@ OPTION_CASES = [(preset, extra, {f"memory.{kind}": f'["{name}"]'}, "fp32") for p
 ]
 
 
+def _nested(outer: str, inner: str) -> list[dict]:
+    """`inner` recomputed inside an offloaded `outer`, offloaded inside a recomputed one, and
+    both offloaded."""
+    return [{"memory.recompute": f'["{inner}"]', "memory.offload": f'["{outer}"]'},
+            {"memory.recompute": f'["{outer}"]', "memory.offload": f'["{inner}"]'},
+            {"memory.offload": f'["{inner}", "{outer}"]'}]
+
+
+# Names nested in one another or sharing storages side by side compose as the wrappers do, storage
+# by storage (plan.options): only the innermost saved-tensor hooks run; a checkpoint saves its
+# inputs through the hooks around it (so, inside an offloaded site, to the host), a producer holds
+# its own; nested offloaded calls each copy what they save; a recomputed producer frees what an
+# offloaded consumer copied. Each was wrong while names were planned one by one (in fp32:
+# tiny-qwen3's moe_act recomputed in an offloaded moe 17.7% low, tiny-deepseek's mla_up_proj
+# recomputed with attn_core offloaded 24.3% low; moe and layer both offloaded, or layer recomputed
+# around an offloaded moe, below zero).
+AROUND = {"layer": ("norm", "attn_core", "mla_up_proj", "moe_act", "shared_experts", "mlp", "moe"),
+          "moe": ("moe_act", "shared_experts")}
+NESTED_CASES = [("tiny-deepseek", {}, options, "fp32") for outer, inners in AROUND.items()
+                for inner in inners for options in _nested(outer, inner)] + [
+    ("tiny-qwen3", {}, {"memory.recompute": '["moe_act"]', "memory.offload": '["moe"]'}, "fp32"),
+    ("tiny-qwen3", {}, {"memory.offload": '["moe", "layer"]'}, "fp32"),
+    ("tiny-qwen3", {}, {"memory.recompute": '["norm"]', "memory.offload": '["layer"]'}, "bf16-fp32-params"),
+    ("tiny-qwen3", {}, {"memory.recompute": '["layer"]', "memory.offload": '["moe"]'}, "bf16"),
+    # side by side: the normed x or MLA's q, k and kv, freed by the recomputed producer after the
+    # offloaded consumer copied them
+    ("tiny-deepseek", {}, {"memory.recompute": '["mla_up_proj"]', "memory.offload": '["attn_core"]'}, "fp32"),
+    ("tiny-deepseek", {}, {"memory.recompute": '["norm"]', "memory.offload": '["moe"]'}, "fp32"),
+    ("tiny-deepseek", {}, {"memory.recompute": '["norm"]', "memory.offload": '["mlp"]'}, "fp32"),
+    ("tiny-deepseek", {}, {"memory.recompute": '["norm"]', "memory.offload": '["shared_experts"]'}, "bf16"),
+    # without q-LoRA, fp32 parameters under autocast: x is the up-projection's input
+    ("tiny-deepseek", NOLORA, {"memory.recompute": '["norm", "mla_up_proj"]',
+                               "memory.offload": '["attn_core", "moe", "layer"]'}, "bf16-fp32-params"),
+    # a sliding window's mask is the core's keyword argument: its checkpoint holds it on the device
+    ("tiny-mixtral", {}, {"memory.recompute": '["attn_core"]', "memory.offload": '["layer"]'}, "bf16"),
+]
+
+
 def _case_config(preset: str, overrides: dict, dtype: str):
     compute, master = DTYPES[dtype][:2]
     return load_config(preset, {"train.micro_batch_size": 2, "memory.offload_min_bytes": 4096,
                                 "precision.compute_dtype": compute, "optim.master_dtype": master, **overrides})
 
 
-@pytest.mark.parametrize("preset,extra,options,dtype", OPTION_CASES,
-                         ids=[f"{p}-{e}-{o}-{d}" for p, e, o, d in OPTION_CASES])
+@pytest.mark.parametrize("preset,extra,options,dtype", OPTION_CASES + NESTED_CASES,
+                         ids=[f"{p}-{e}-{o}-{d}" for p, e, o, d in OPTION_CASES + NESTED_CASES])
 def test_recompute_and_offload_match_the_wrapped_model(preset, extra, options, dtype):
     cfg = _case_config(preset, {**extra, **options}, dtype)
     measured = measure_saved_activations(cfg, DTYPES[dtype][2], param_dtype=DTYPES[dtype][3])
     plan = predict_memory(cfg, 1)
     assert measured.total == plan.activation_total
     assert measured.host == plan.offloaded
+
+
+STORAGE_CASES = [("tiny-qwen3", {"moe.first_k_dense": 1, "moe.shared_experts": 1, "moe.shared_expert_gate": True}),
+                 ("tiny-deepseek", {}), ("tiny-deepseek", COMBINE), ("tiny-deepseek", FP64_ROUTER),
+                 ("tiny-mixtral", {})]
+
+
+@pytest.mark.parametrize("preset,overrides", STORAGE_CASES)
+def test_block_storages_are_the_planned_activations(preset, overrides):
+    """plan.storages, what recompute and offload act on, lists plan.activations' storages with who
+    keeps them: by category the ones saved sum to each block's bytes, MTP block included, at tp 1
+    and 2 (with and without sequence parallelism), in fp32, bf16 and with fp32 parameters."""
+    for tp, sp in ((1, False), (2, False), (2, True)):
+        cfg = load_config(preset, {**overrides, "parallel.tp": tp, "parallel.sequence_parallel": sp})
+        for act_bytes, param_bytes in ((4, 0), (2, 0), (2, 4)):
+            sh = act.Shapes(2, 64, tp, 1, 1, act_bytes, param_bytes=param_bytes)
+            for layer_id in range(cfg.model.n_layers + cfg.model.mtp_layers):
+                saved: dict[str, int] = {}
+                for s in block_storages(cfg, layer_id, sh):
+                    if s.saved_in:
+                        act._add(saved, **{s.category: s.nbytes})
+                planned = {k: v for k, v in act.layer_bytes(cfg, layer_id, sh).items() if v}
+                assert saved == planned, (tp, sp, act_bytes, param_bytes, layer_id)
 
 
 def test_a_checkpoint_saves_its_inputs_through_the_hooks_around_it():

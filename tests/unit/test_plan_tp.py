@@ -62,6 +62,12 @@ CASES = {
     # the small storages offload leaves on the device; the attention output it copies but leaves
     "qwen3-offload-moe": ("tiny-qwen3", {"moe.first_k_dense": 1, "memory.offload": '["moe", "attn_core"]',
                                          "memory.offload_min_bytes": 4096}),
+    # names nested in one another or sharing storages, composed storage by storage (plan.options)
+    "qwen3-nested": ("tiny-qwen3", {"moe.first_k_dense": 1, "memory.recompute": '["norm", "moe_act", "mlp"]',
+                                    "memory.offload": '["moe", "layer"]', "memory.offload_min_bytes": 4096}),
+    "deepseek-nested": ("tiny-deepseek", {"memory.recompute": '["moe", "mla_up_proj"]',
+                                          "memory.offload": '["norm", "attn_core", "shared_experts"]',
+                                          "memory.offload_min_bytes": 0}),
 }
 # name: (precision.compute_dtype, optim.master_dtype, measure's dtype and param_dtype); the cases
 # with memory.recompute or memory.offload run in fp32 and with fp32 parameters under bf16 autocast

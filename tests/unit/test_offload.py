@@ -225,3 +225,14 @@ def test_offloading_a_region_with_recompute_inside_is_bit_identical():
     run = train(build("qwen3", {"memory.recompute": '["attn_core", "moe_act"]',
                                 "memory.offload": '["layer"]', "memory.offload_min_bytes": "0"}))
     assert_identical(run, plain_run("qwen3"))
+
+
+def test_a_site_offloaded_inside_a_recomputed_one_offloads_in_forward():
+    """Its hooks are the innermost ones, inside the checkpoint's: what it saves goes to the host
+    in forward (and again when backward recomputes the region), results bit-identical."""
+    names, recompute = '["attn_core", "moe_act", "norm"]', {"memory.recompute": '["layer"]'}
+    model, spy = offloaded("qwen3", names, **recompute)
+    ids = batches(1)[0]
+    build_objective(model)(model, ids[:, :-1], ids[:, 1:])
+    assert spy.moved
+    assert_identical(train(offloaded("qwen3", names, **recompute)[0]), plain_run("qwen3"))

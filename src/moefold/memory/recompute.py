@@ -12,8 +12,8 @@ Two ways to recompute, chosen per site (memory/sites.py) when the model is built
   freed (`untyped_storage().resize_(0)`, which the consumer's saved reference shares), and a hook
   on the consumer's output rebuilds it in place right before the consumer's backward. The site's own
   backward then differentiates that one recompute: nothing runs twice. When the consumer is not the
-  output's only user as expected (another call in between, a copy instead of the tensor itself),
-  the output is simply not freed, which costs memory but never correctness.
+  output's only user as expected (another call in between, a copy instead of the tensor or a view
+  of it), the output is simply not freed, which costs memory but never correctness.
 
 Neither way changes a result: recomputed ops see the same inputs, RNG state and autocast state, so
 losses and gradients are bit-identical to the plain run (tests/unit/test_recompute.py).
@@ -124,12 +124,13 @@ class _Run:
         return self.recomputed[holder]
 
     def consumed_by(self, args: tuple) -> bool:
-        """The consumer got every output itself (not a copy), and no output shares an input's
-        storage (freeing it would free the input)."""
+        """The consumer got every output's memory (the output itself or a view of it, not a copy:
+        an MoE layer under sequence parallelism gets the local shard of the normed DTensor, which
+        its input hook takes out), and no output shares an input's storage (freeing it would free
+        the input)."""
         inputs = {_storage(a).data_ptr() for a in self.args if isinstance(a, torch.Tensor)}
-        return (all(any(o is a for a in args) for o in self.outputs)
-                and all(o.device.type != "meta" and _storage(o).data_ptr() not in inputs
-                        for o in self.outputs))
+        given = {_storage(a).data_ptr() for a in args if isinstance(a, torch.Tensor) and a.device.type != "meta"}
+        return all(o.device.type != "meta" and _storage(o).data_ptr() in given - inputs for o in self.outputs)
 
     def discard_until_backward_of(self, consumer_out: torch.Tensor) -> None:
         for o in self.outputs:

@@ -72,14 +72,14 @@ def block_storages(cfg: Config, layer_id: int, sh_params: Shapes) -> list[Stored
     sh = act.block_shapes(cfg, layer_id, sh_params)
     tensors = act.layer_tensors(cfg, layer_id, sh_params)
     moe_layer = is_moe_layer(cfg, layer_id)
-    # Output discarding frees a pre-norm's output where the consumer takes it as it is: not GQA
-    # attention's or a dense MLP's under TP, which read a DTensor their input plan wraps around it
-    # (all-gathered under SP), nor an MoE layer's under SP (its input hook's `to_local()` of the
-    # shard). MLA reads it as it is, the rank's shard under SP.
+    # Output discarding frees a pre-norm's output where the consumer takes its memory: the tensor
+    # or a view of it (under TP the DTensor that GQA attention's or a dense MLP's input plan wraps
+    # around it; under SP MLA's shard as it is, an MoE layer's `to_local()` of it). Not where
+    # GQA attention and dense MLPs all-gather it under SP.
+    gathered = sh.seq_split > 1
     attn_norm, attn_x = _pre_norm(cfg, sh, tensors["norm"][:3], ATTN_NORM,
-                                  frees=sh.tp == 1 or cfg.model.attention == "mla")
-    ffn_norm, ffn_x = _pre_norm(cfg, sh, tensors["norm"][3:6], FFN_NORM,
-                                frees=sh.tp == 1 or moe_layer and sh.seq_split == 1)
+                                  frees=not gathered or cfg.model.attention == "mla")
+    ffn_norm, ffn_x = _pre_norm(cfg, sh, tensors["norm"][3:6], FFN_NORM, frees=not gathered or moe_layer)
     attn_norm[0].input_of.append(LAYER)  # the block's input, which a recomputed block keeps
     attention = (_mla if cfg.model.attention == "mla" else _gqa)(cfg, sh, tensors, attn_x)
     ffn = _moe(cfg, sh, tensors, ffn_x) if moe_layer else _dense_mlp(cfg, sh, tensors, ffn_x)

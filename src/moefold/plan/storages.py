@@ -15,7 +15,7 @@ with it:
 - `held_by`: the recomputed calls that hold it themselves: an output-discarding producer's inputs,
   a checkpoint's keyword arguments (its recompute closure holds them).
 - `output_of`: the output-discarding producer whose recompute frees it, every reference with it
-  (the consumer takes that very tensor: not a copy, not a DTensor around it).
+  (the consumer takes that tensor or a view of it, a DTensor around it among them; not a copy).
 
 A storage with several roles is one object: the normed x that a pre-norm makes, the router and the
 shared experts save and a recomputed MoE layer keeps; the attention output that the core and the

@@ -29,10 +29,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from moefold.errors import ConfigError
-from moefold.parallel.collectives import all_gather_single
 from moefold.moe.balance import LocalCounts, SequenceShards
 from moefold.moe.replay import WholeBatch
 from moefold.moe.router import ReplayedSelection, Router, Routing
+from moefold.parallel.collectives import all_gather_single
 
 
 class _SplitRows(torch.autograd.Function):

@@ -201,26 +201,37 @@ def core_tensors(cfg: Config, sh: Shapes) -> tuple[list[int], int, list[int]]:
     return [T * H * Dh * a, T * G * Dh * a, T * G * Dh * a], T * H * Dh * a, internal
 
 
-def mla_tensors(cfg: Config, sh: Shapes) -> Tensors:
-    """The down-projections and latent norms run on the residual stream's tokens (the rank's T/tp
+def mla_proj_inputs(cfg: Config, sh: Shapes) -> tuple[list[int], list[int], list[int]]:
+    """MLA's attn_proj storages in three parts: wq_a's (or wq's) own input ([] where it reads
+    wkv_a's, the normed x, as a sibling: no input copies), wkv_a's input, and wq_b's and wkv_b's
+    (normed) inputs. The down-projections run on the residual stream's tokens (the rank's T/tp
     under sequence parallelism, parallel/tensor.py), the up-projections on all T (under sequence
-    parallelism they keep the all-gathered latents, and wq without q-LoRA the all-gathered x)."""
+    parallelism they keep the all-gathered latents, and wq without q-LoRA an all-gathered x)."""
     m, T, Tr = cfg.model, sh.tokens, sh.residual_tokens
     Q, C = m.q_lora_rank, m.kv_lora_rank
     Dn, Dr, Dv = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
-    # x (for wq_a or wq and for wkv_a with input copies), wq_b's and wkv_b's (normed) inputs
     Hq, Hkv = m.n_heads * (Dn + Dr), m.n_heads * (Dn + Dv)  # global output features
     wq_fp8 = fp8_linear(cfg, sh, "attn.wq_a" if Q else "attn.wq", m.dim, Q or Hq)
     wkv_a_fp8 = fp8_linear(cfg, sh, "attn.wkv_a", m.dim, C + Dr)
+    # apply_fp8 treats wq(_a) and wkv_a as siblings, which keep their compute-dtype input unless
+    # each casts its own (fp8/apply._keeps_fp8_input), even where wq gathers x itself under SP.
+    own = sh.input_copies
+    wkv_x = kept_input(Tr, m.dim, sh, own and wkv_a_fp8)
     if Q or Tr == T:
-        x = sibling_inputs(Tr, m.dim, sh, [wq_fp8, wkv_a_fp8])
-    else:  # wq gathers x itself: its own [T, D]. apply_fp8 still treats them as siblings, which
-        # keep their compute-dtype input unless each casts its own (fp8/apply._keeps_fp8_input).
-        own = sh.input_copies
-        x = kept_input(Tr, m.dim, sh, own and wkv_a_fp8) + kept_input(T, m.dim, sh, own and wq_fp8)
+        wq_x = kept_input(Tr, m.dim, sh, wq_fp8) if own else []  # sibling_inputs' rule
+    else:  # wq gathers x itself: its own [T, D]
+        wq_x = kept_input(T, m.dim, sh, own and wq_fp8)
     q_b = kept_input(T, Q, sh, fp8_linear(cfg, sh, "attn.wq_b", Q, Hq)) if Q else []
     kv_b = kept_input(T, C, sh, fp8_linear(cfg, sh, "attn.wkv_b", C, Hkv))
-    out = {"attn_proj": x + q_b + kv_b}
+    return wq_x, wkv_x, q_b + kv_b
+
+
+def mla_tensors(cfg: Config, sh: Shapes) -> Tensors:
+    """MLA's storages: the projections' inputs (`mla_proj_inputs`), the latent norms', the core's."""
+    m, Tr = cfg.model, sh.residual_tokens
+    Q, C, Dr = m.q_lora_rank, m.kv_lora_rank, m.qk_rope_head_dim
+    wq_x, wkv_x, up_inputs = mla_proj_inputs(cfg, sh)
+    out = {"attn_proj": wq_x + wkv_x + up_inputs}
     # In fp32 the latent norm keeps its input as it is: a view of wkv_a's [Tr, C + Dr] output.
     out["norm"] = norm_tensors(Tr, C) + (norm_tensors(Tr, Q) if Q else [])
     if sh.fp32:

@@ -161,7 +161,7 @@ def _mla(cfg: Config, sh: Shapes, tensors: act.Tensors, attn_x: Stored) -> list[
     m, T, Tr, a = cfg.model, sh.tokens, sh.residual_tokens, sh.act_bytes
     Q, C, Dr = m.q_lora_rank, m.kv_lora_rank, m.qk_rope_head_dim
     wq_in = LAYER if Q else UP_PROJ
-    wq_x, wkv_x, up_inputs = _mla_x_parts(cfg, sh, tensors["attn_proj"])
+    wq_x, wkv_x, up_inputs = act.mla_proj_inputs(cfg, sh)  # tensors["attn_proj"], in parts
     if sh.input_copies:
         out = _saved(wkv_x, "attn_proj", LAYER)
     else:
@@ -180,26 +180,6 @@ def _mla(cfg: Config, sh: Shapes, tensors: act.Tensors, attn_x: Stored) -> list[
     q, k, kv, output, *internal = tensors["attn_core"]
     qkv = [Stored(s, "attn_core", [CORE], [CORE], output_of=UP_PROJ) for s in (q, k, kv)]
     return out + qkv + _core_rest(cfg, sh, output, internal)
-
-
-def _mla_x_parts(cfg: Config, sh: Shapes, proj: list[int]) -> tuple[list[int], list[int], list[int]]:
-    """MLA's attn_proj storages as plan.activations.mla_tensors lays them out: wq_a's (or wq's)
-    input (none where it reads wkv_a's, the normed x), wkv_a's, and wq_b's and wkv_b's inputs."""
-    m, T, Tr = cfg.model, sh.tokens, sh.residual_tokens
-    Q, C, Dr = m.q_lora_rank, m.kv_lora_rank, m.qk_rope_head_dim
-    Hq = m.n_heads * (m.qk_nope_head_dim + Dr)
-    wq_fp8 = act.fp8_linear(cfg, sh, "attn.wq_a" if Q else "attn.wq", m.dim, Q or Hq)
-    wkv_fp8 = act.fp8_linear(cfg, sh, "attn.wkv_a", m.dim, C + Dr)
-    if Q or Tr == T:
-        if not sh.input_copies:
-            return [], proj[:1], proj[1:]
-        wq = len(act.kept_input(Tr, m.dim, sh, wq_fp8))
-        wkv = wq + len(act.kept_input(Tr, m.dim, sh, wkv_fp8))
-        return proj[:wq], proj[wq:wkv], proj[wkv:]
-    own = sh.input_copies  # wq gathers x itself, after wkv_a's
-    wkv = len(act.kept_input(Tr, m.dim, sh, own and wkv_fp8))
-    wq = wkv + len(act.kept_input(T, m.dim, sh, own and wq_fp8))
-    return proj[wkv:wq], proj[:wkv], proj[wq:]
 
 
 def _latent_norm(sh: Shapes, norm: list[int], latent: int) -> list[Stored]:

@@ -50,19 +50,22 @@ class _SplitRows(torch.autograd.Function):
         return all_gather_rows(grad_t.contiguous(), ctx.group), None
 
 
-class _GatherRows(torch.autograd.Function):
-    """Forward: all-gather every rank's block. Backward: this rank's block of the gradient (what
-    follows is replicated computation, so every rank holds the same full gradient)."""
+class GatherBlocks(torch.autograd.Function):
+    """Forward: every rank's block all-gathered along `dim`, in rank order, into a new tensor (dim
+    0: the MoE tokens' rows; dim 1: a sequence-parallel stream's [B, S/tp, D] shards). Backward:
+    this rank's block of the gradient (what follows is replicated computation, so every rank holds
+    the same full gradient)."""
 
     @staticmethod
-    def forward(ctx, x_t: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        return all_gather_rows(x_t.contiguous(), group)
+    def forward(ctx, x: torch.Tensor, group, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        ranks = all_gather_rows(x.contiguous(), group)  # rank-major along dim 0
+        return ranks if dim == 0 else torch.cat(ranks.chunk(dist.get_world_size(group)), dim=dim)
 
     @staticmethod
-    def backward(ctx, grad_T: torch.Tensor):
+    def backward(ctx, grad: torch.Tensor):
         size, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
-        return grad_T.chunk(size)[rank].contiguous(), None
+        return grad.chunk(size, dim=ctx.dim)[rank].contiguous(), None, None
 
 
 def all_gather_rows(x_t: torch.Tensor, group) -> torch.Tensor:
@@ -92,7 +95,7 @@ class SequenceSplitDispatcher:
         return self.inner.dispatch(_SplitRows.apply(x_TD, self.group), mine, keep_N)
 
     def combine(self, y_RD: torch.Tensor, handle) -> torch.Tensor:
-        return _GatherRows.apply(self.inner.combine(y_RD, handle), self.group)
+        return GatherBlocks.apply(self.inner.combine(y_RD, handle), self.group, 0)
 
 
 def split_sequence_over_tp(layer, tp_group) -> None:
@@ -194,4 +197,4 @@ class SumGrad(torch.autograd.Function):
         return grad, None
 
 
-__all__ = ["SequenceSplitDispatcher", "route_sequence_shard", "split_sequence_over_tp"]
+__all__ = ["GatherBlocks", "SequenceSplitDispatcher", "route_sequence_shard", "split_sequence_over_tp"]

@@ -64,7 +64,7 @@ from moefold.models.attention import Attention
 from moefold.models.mla import MLAttention
 from moefold.models.mlp import SwiGLUMLP
 from moefold.models.norm import RMSNorm
-from moefold.parallel.sequence import SumGrad, all_gather_rows, route_sequence_shard
+from moefold.parallel.sequence import GatherBlocks, SumGrad, route_sequence_shard
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> None:
@@ -128,27 +128,10 @@ def _sequence_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     parallelize_module(model.layers[0], tp_mesh, PrepareModuleInput(
         input_layouts=(Replicate(), None, None, None), desired_input_layouts=(Shard(1), None, None, None)))
     group = tp_mesh.get_group()
-    model.layers[-1].register_forward_hook(lambda module, args, x_BsD: _GatherSequence.apply(x_BsD.to_local(), group))
-
-
-class _GatherSequence(torch.autograd.Function):
-    """Forward: the TP ranks' [B, S/tp, D] shards all-gathered along the sequence into a new
-    [B, S, D] tensor. Backward: this rank's slice of the gradient (what follows is replicated, so
-    every rank holds the same whole gradient). What PrepareModuleOutput(Shard(1) → Replicate(),
-    use_local_output=True) computes, but that returns `to_local()`'s view of the gathered tensor,
-    and FSDP2 warns of a view returned by a unit (the last block, the root's trunk): pytorch#181832,
-    a hazard only for in-place changes, which nothing after the trunk makes."""
-
-    @staticmethod
-    def forward(ctx, x_BsD: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        ranks_PBsD = all_gather_rows(x_BsD.contiguous(), group)  # [tp·B, S/tp, D], rank-major
-        return torch.cat(ranks_PBsD.chunk(dist.get_world_size(group)), dim=1)  # never a view
-
-    @staticmethod
-    def backward(ctx, grad_BSD: torch.Tensor):
-        tp, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
-        return grad_BSD.chunk(tp, dim=1)[rank].contiguous(), None
+    # A new tensor: PrepareModuleOutput(Shard(1) → Replicate(), use_local_output=True) returns
+    # to_local()'s view of the gathered stream, and FSDP2 warns of a view a unit (the last block,
+    # the root's trunk) returns (pytorch#181832: a hazard only for in-place changes, none here).
+    model.layers[-1].register_forward_hook(lambda module, args, x_BsD: GatherBlocks.apply(x_BsD.to_local(), group, 1))
 
 
 def _gathered_input(layout, num_args: int) -> PrepareModuleInput:

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from test_plan_tp import DTYPES
 from torch.utils.checkpoint import checkpoint
 
 from moefold.cli import main
@@ -249,10 +250,8 @@ def test_bad_input_is_one_line(args, message, capsys):
 # memory.recompute / memory.offload: the planner's saved bytes and host copies against the real
 # model's with the wrappers applied, to the byte (plan.measure runs it for real in every dtype:
 # output discarding frees real storages, and offload moves only plain tensors).
-# offload_min_bytes 4096 keeps some small tensors on the device. name: (precision.compute_dtype,
-# optim.master_dtype, measure's dtype and param_dtype), as in test_plan_tp.py.
-DTYPES = {"fp32": ("fp32", "fp32", "fp32", ""), "bf16": ("bf16", "bf16", "bf16", ""),
-          "bf16-fp32-params": ("bf16", "fp32", "bf16", "fp32")}
+# offload_min_bytes 4096 keeps some small tensors on the device. Dtypes by name as test_plan_tp's
+# DTYPES: (precision.compute_dtype, optim.master_dtype, measure's dtype and param_dtype).
 NOLORA, COMBINE = {"model.q_lora_rank": 0}, {"model.q_lora_rank": 0, "moe.memory_efficient_permute": False}
 DENSE_FIRST, FP64_ROUTER = {"moe.first_k_dense": 1}, {"moe.router_dtype": "fp64"}
 OPTION_CASES = [(preset, extra, {f"memory.{kind}": f'["{name}"]'}, "fp32") for preset, extra, names in (

@@ -67,10 +67,19 @@ def state_kinds(trainer: Trainer) -> set[tuple]:
 
 
 def _sharded_like(t, p: DTensor, scale: bool) -> bool:
-    """`t` has `p`'s mesh and placements; fp8 scales are replicated where `p` splits its last dim."""
+    """`t` has `p`'s mesh and placements; fp8 scales are replicated where `p` splits its last dim
+    into pieces that cut 128-element blocks."""
     last = p.dim() - 1
-    want = [Replicate() if scale and getattr(pl, "dim", None) == last else pl for pl in p.placements]
+    splits = [i for i, pl in enumerate(p.placements) if getattr(pl, "dim", None) == last]
+    want = [Replicate() if scale and i in splits and not _whole_block_pieces(p, splits) else pl
+            for i, pl in enumerate(p.placements)]
     return isinstance(t, DTensor) and t.device_mesh == p.device_mesh and list(t.placements) == want
+
+
+def _whole_block_pieces(p: DTensor, splits: list[int]) -> bool:
+    cols = p.shape[-1]
+    piece = -(-cols // p.device_mesh.size(splits[0]))  # torch.chunk's
+    return len(splits) == 1 and (piece % 128 == 0 or piece >= cols)
 
 
 def train(cfg, run_dir, resume=None, save_at: int = 0) -> dict:
@@ -108,7 +117,8 @@ def quantise_shards_on_rank(rank: int) -> None:
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (2,))
     gen = torch.Generator().manual_seed(0)
-    cases = [((300,), 0), ((3, 200), 1), ((5, 130), 0), ((64,), 0), ((1, 40), 0), ((2, 3, 260), 2)]
+    cases = [((300,), 0), ((3, 200), 1), ((5, 130), 0), ((64,), 0), ((1, 40), 0), ((2, 3, 260), 2),
+             ((3, 512), 1), ((2, 255), 1), ((512,), 0)]  # the last three split at block boundaries
     fulls = [torch.randn(shape, generator=gen) * torch.rand(shape, generator=gen).exp2().pow(6)
              for shape, _ in cases]
     dts = [distribute_tensor(x, mesh, [Shard(dim)]) for x, (_, dim) in zip(fulls, cases)]
@@ -129,6 +139,71 @@ def quantise_shards_on_rank(rank: int) -> None:
         assert torch.equal(dequantize_fp8(q, scale, b), dequantize_fp8(q_ref, scale_ref, row_blocks(x))
                            .reshape(x.shape)[tuple(slice(o, o + n) for o, n in
                                                    zip(_offset(d), d.to_local().shape))])
+
+
+def aligned_splits_on_rank(rank: int, out) -> None:
+    """A last dimension split at block boundaries (even, uneven with a short last block, 1-D) is
+    quantised piece by piece with no collective, its scales split like it; the optimizer then
+    steps exactly as one process does. A split that cuts blocks still all-reduces."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from moefold.optim.precision import PrecisionAwareAdamW
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2,))
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(3, 512), (2, 255), (512,), (3, 200)]  # pieces 256, 128 + 127, 256; 100 (cuts a block)
+    fulls = [torch.randn(shape, generator=gen) for shape in shapes]
+    grads = [torch.randn(shape, generator=gen) for shape in shapes]
+    params = [torch.nn.Parameter(distribute_tensor(x, mesh, [Shard(x.dim() - 1)])) for x in fulls]
+    reference = [torch.nn.Parameter(x.clone()) for x in fulls]
+    calls = []
+    real_all_reduce = dist.all_reduce
+    dist.all_reduce = lambda t, *a, **k: calls.append(t.numel()) or real_all_reduce(t, *a, **k)
+    try:
+        collectives = []
+        for d in params:
+            calls.clear()
+            quantize_fp8(d.to_local(), row_blocks(d))
+            collectives.append(len(calls))
+    finally:
+        dist.all_reduce = real_all_reduce
+    options = {"lr": 1e-2, "exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp8"}
+    for ps, gs in ((params, [distribute_tensor(g, mesh, p.placements) for g, p in zip(grads, params)]),
+                   (reference, grads)):
+        opt = PrecisionAwareAdamW(ps, **options)
+        for _ in range(2):
+            for p, g in zip(ps, gs):
+                p.grad = g
+            opt.step()
+        if ps is params:
+            sharded_states = [{k: _bytes_whole(v) for k, v in opt.state[p].items() if k != "step"} for p in ps]
+            placements = [opt.state[p]["exp_avg_scale"].placements for p in ps]
+        else:
+            states = [{k: _bytes(v) for k, v in opt.state[p].items() if k != "step"} for p in ps]
+    same = [torch.equal(p.full_tensor(), r.detach()) and all(torch.equal(s[k], r_s[k]) for k in r_s)
+            for p, r, s, r_s in zip(params, reference, sharded_states, states, strict=True)]
+    if rank == 0:
+        torch.save({"collectives": collectives, "same": same, "placements": [list(p) for p in placements]}, out)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype == FP8 else t  # gloo moves no fp8; compare bit for bit
+
+
+def _bytes_whole(d: DTensor) -> torch.Tensor:
+    return DTensor.from_local(_bytes(d.to_local()), d.device_mesh, d.placements, shape=d.shape,
+                              stride=d.stride()).full_tensor()
+
+
+def test_splits_at_block_boundaries_need_no_collective(tmp_path):
+    run_ranks(2, aligned_splits_on_rank, tmp_path / "out.pt")
+    out = torch.load(tmp_path / "out.pt", weights_only=False)
+    assert out["collectives"] == [0, 0, 0, 1]
+    assert out["same"] == [True] * 4
+    assert [type(p[0]).__name__ for p in out["placements"]] == ["Shard", "Shard", "Shard", "Replicate"]
 
 
 def _offset(d: DTensor) -> tuple:

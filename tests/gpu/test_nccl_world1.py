@@ -100,3 +100,37 @@ def test_tensor_parallel_on_nccl(layout, preset):
     for (name, p), p_tp in zip(model.named_parameters(), tp.parameters()):
         grad = p_tp.grad.full_tensor() if hasattr(p_tp.grad, "full_tensor") else p_tp.grad
         torch.testing.assert_close(grad, p.grad, msg=name)
+
+
+def test_fp8_moments_of_a_last_dimension_split_take_the_kernel(layout, monkeypatch):
+    """A parameter split along its last dimension at block boundaries (here over a one-rank mesh:
+    the piece is the whole row) holds its fp8 blocks whole: the optimizer's Triton kernel steps it
+    as it steps the plain tensor, bit for bit, instead of leaving it to the foreach path."""
+    import moefold.optim.precision as precision
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = layout.tp_mesh
+    options = {"lr": 1e-2, "weight_decay": 0.1, "exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp8",
+               "master": "bf16+remainder", "fused": True}
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    full = torch.randn(3, 512, device="cuda", generator=gen).bfloat16()
+    plain = torch.nn.Parameter(full.clone())
+    split = torch.nn.Parameter(distribute_tensor(full.clone(), mesh, [Shard(1)]))
+    kernel_calls = []
+    kernel = precision.fused_adamw_step_
+    monkeypatch.setattr(precision, "fused_adamw_step_",
+                        lambda param, *a, **k: kernel_calls.append(param.shape) or kernel(param, *a, **k))
+    opts = [precision.PrecisionAwareAdamW([p], **options) for p in (plain, split)]
+    for _ in range(3):
+        grad = torch.randn(3, 512, device="cuda", generator=gen).bfloat16()
+        plain.grad = grad.clone()
+        split.grad = distribute_tensor(grad.clone(), mesh, [Shard(1)])
+        for opt in opts:
+            opt.step()
+    assert len(kernel_calls) == 6
+    assert torch.equal(split.full_tensor(), plain.detach())
+    for key, value in opts[0].state[plain].items():
+        got = opts[1].state[split][key]
+        got = got.full_tensor() if hasattr(got, "full_tensor") else got
+        assert torch.equal(got.view(torch.uint8) if got.dtype == torch.float8_e4m3fn else got,
+                           value.view(torch.uint8) if value.dtype == torch.float8_e4m3fn else value), key

@@ -5,13 +5,16 @@ A block is BLOCK consecutive elements of one row along the last dimension of the
 tensor's values, never on how it is sharded, so:
 
 - every parallel layout quantises exactly as one process does (bit-identical, given the same
-  values): FSDP and EP/TP shard leading dimensions, which keep rows whole; where the last dimension
-  is split (1-D norm weights under FSDP, row-wise TP, ETP's hidden slice), each rank takes the
-  maximum over its part of every block it touches and one all-reduce (MAX, exact) over the ranks
-  splitting that dimension completes the block maxima;
+  values): FSDP and EP/TP shard leading dimensions, which keep rows whole. Where the last dimension
+  is split (1-D norm weights under FSDP, row-wise TP, ETP's hidden slice) at block boundaries —
+  one mesh dimension splits it and its pieces, ceil(C / ranks) columns, are whole blocks — each
+  piece is quantised on its own, like a tensor of its own (no collective; on CUDA the fused
+  update takes it). Otherwise each rank takes the maximum over its part of every block it touches
+  and one all-reduce (MAX, exact) over the ranks splitting that dimension completes the maxima;
 - the scales of a tensor of shape [..., C] have shape [..., ceil(C / BLOCK)] and are sharded like
-  the tensor along its leading dimensions and replicated over the ranks that split the last one, so
-  DCP reshards them with the moments into any other layout.
+  the tensor: along its leading dimensions, and along the last one where it splits at block
+  boundaries (the scales then split at the same blocks); replicated over the ranks that split it
+  elsewhere. DCP reshards them with the moments into any other layout.
 
 R local rows (product of the leading dims), C local columns, L local blocks per row (those the
 local columns touch), N blocks per global row.
@@ -25,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 BLOCK = 128
 """Elements per fp8 scaling block, along the last dimension."""
@@ -64,31 +67,53 @@ def row_blocks(t: torch.Tensor) -> RowBlocks:
         return RowBlocks(math.prod(shape[:-1]), shape[-1], 0, math.ceil(shape[-1] / BLOCK))
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    last = len(shape) - 1
     local_shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
     local_shape, offset = tuple(local_shape) or (1,), tuple(offset) or (0,)
-    groups = []
-    for i, placement in enumerate(t.placements):
-        if getattr(placement, "dim", None) == last:
-            if type(placement).__name__ == "_StridedShard":  # local columns not contiguous
-                raise NotImplementedError(f"fp8 optimizer states of a tensor whose last dimension is "
-                                          f"strided-sharded ({t.placements}) are not supported")
-            groups.append(t.device_mesh.get_group(i))
+    splits = _last_dim_splits(t)
+    if any(type(t.placements[i]).__name__ == "_StridedShard" for i in splits):  # columns not contiguous
+        raise NotImplementedError(f"fp8 optimizer states of a tensor whose last dimension is "
+                                  f"strided-sharded ({t.placements}) are not supported")
+    if _splits_whole_blocks(t):  # a tensor of its own
+        return RowBlocks(math.prod(local_shape[:-1]), local_shape[-1], 0, math.ceil(local_shape[-1] / BLOCK))
     return RowBlocks(math.prod(local_shape[:-1]), local_shape[-1], offset[-1],
-                     math.ceil(shape[-1] / BLOCK), tuple(groups))
+                     math.ceil(shape[-1] / BLOCK), tuple(t.device_mesh.get_group(i) for i in splits))
+
+
+def _last_dim_splits(t: DTensor) -> list[int]:
+    """The mesh dimensions whose placement splits t's last dimension."""
+    last = max(t.ndim - 1, 0)
+    return [i for i, placement in enumerate(t.placements) if getattr(placement, "dim", None) == last]
+
+
+def _splits_whole_blocks(t: DTensor) -> bool:
+    """Whether t's last dimension is split at block boundaries: by one mesh dimension (plain
+    Shard), into pieces of ceil(C / ranks) columns — torch's chunking, which the scales' last
+    dimension then follows block for block — that are whole blocks or whole rows (one rank).
+    Every piece then starts a block and ends one (or the row), on every rank alike."""
+    splits = _last_dim_splits(t)
+    if len(splits) != 1 or type(t.placements[splits[0]]) is not Shard:
+        return False
+    cols = t.shape[-1] if t.ndim else 1
+    piece = -(-cols // t.device_mesh.size(splits[0]))
+    return piece % BLOCK == 0 or piece >= cols
 
 
 def scale_like(t: torch.Tensor) -> torch.Tensor:
     """Ones in the shape of `t`'s block scales: [..., N]; a DTensor sharded like `t` along the
-    leading dimensions and replicated where `t` splits the last one."""
+    leading dimensions and, where `t` splits the last one, split at the same blocks or (when its
+    pieces cut blocks) replicated."""
     shape = tuple(t.shape) or (1,)
     n = math.ceil(shape[-1] / BLOCK)
     if not isinstance(t, DTensor):
         return torch.ones(*shape[:-1], n, device=t.device)
     local_shape = tuple(t.to_local().shape) or (1,)
-    last = len(shape) - 1
-    placements = [Replicate() if getattr(pl, "dim", None) == last else pl for pl in t.placements]
-    local = torch.ones(*local_shape[:-1], n, device=t.device)
+    if _splits_whole_blocks(t):  # split at the same blocks as t
+        placements, local_n = list(t.placements), math.ceil(local_shape[-1] / BLOCK)
+    else:
+        splits = _last_dim_splits(t)
+        placements = [Replicate() if i in splits else pl for i, pl in enumerate(t.placements)]
+        local_n = n
+    local = torch.ones(*local_shape[:-1], local_n, device=t.device)
     global_shape = torch.Size((*shape[:-1], n))
     return DTensor.from_local(local, t.device_mesh, placements, run_check=False, shape=global_shape,
                               stride=torch.empty(global_shape, device="meta").stride())

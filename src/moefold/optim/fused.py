@@ -7,8 +7,8 @@ path (optim/precision.py) builds fp32 working copies of all of them and makes ab
 Handled: moments in fp32, bf16 or fp8 (e4m3 with one fp32 scale per block of 128 elements along
 the last dimension, optim/blocks.py: a program then holds whole blocks, takes each block's maximum
 in registers and writes the new scales, where the foreach path makes separate passes for the
-maximum, the division and the cast; only for pieces that hold whole rows — where the last
-dimension is split over ranks, a block's maximum needs an all-reduce and the foreach path does
+maximum, the division and the cast; only for pieces that hold their blocks whole — where the last
+dimension is split across a block, its maximum needs an all-reduce and the foreach path does
 it), every master mode (fp32; bf16 rounded to nearest; bf16 + int16 remainder, split and joined
 with `split_fp32` / `join_fp32`'s bit arithmetic), gradients in fp32 or bf16, optionally multiplied
 by a coefficient read on the device (the clip coefficient: no host sync).

@@ -18,8 +18,9 @@ State per parameter (all allocated at construction, so a checkpoint template is 
 
 Sharded parameters (DTensors: FSDP2, TP, EP) are updated on their local shards, which is exact for
 this element-wise update; every state is a DTensor with the parameter's mesh and placements (the
-fp8 scales replicated where the parameter splits its last dimension), so DCP saves whole states by
-name and resumes them under any other layout, in their own dtypes.
+fp8 scales split with a last dimension split at block boundaries, replicated where the split cuts
+blocks: optim/blocks.py), so DCP saves whole states by name and resumes them under any other
+layout, in their own dtypes.
 
 fp8 second moment: exp_avg_sq holds sqrt(v) in e4m3 with per-block scales, not v. sqrt halves the
 dynamic range in log space, so e4m3 (2^-9..448 within a block) spans 2^35 of v against e5m2's 2^32,
@@ -28,8 +29,8 @@ rounded to zero (it is clamped to the smallest subnormal), which would otherwise
 to m/eps. Overestimating a tiny v only shrinks that element's step.
 
 `fused=True` updates CUDA parameters by one Triton kernel pass each (optim/fused.py), with the
-foreach path's arithmetic; fp8 moments there too, except in pieces that split their last dimension
-(the foreach path completes those blocks' maxima over the ranks). Not here yet: stochastic rounding.
+foreach path's arithmetic; fp8 moments there too, except in pieces whose last dimension is split
+across a block (the foreach path completes those blocks' maxima over the ranks). Not here yet: stochastic rounding.
 """
 
 import math

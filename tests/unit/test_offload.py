@@ -229,7 +229,8 @@ def test_offloading_a_region_with_recompute_inside_is_bit_identical():
 
 def test_a_site_offloaded_inside_a_recomputed_one_offloads_in_forward():
     """Its hooks are the innermost ones, inside the checkpoint's: what it saves goes to the host
-    in forward (and again when backward recomputes the region), results bit-identical."""
+    in forward (and again when backward recomputes the region: test_plan_memory counts those
+    copies), results bit-identical."""
     names, recompute = '["attn_core", "moe_act", "norm"]', {"memory.recompute": '["layer"]'}
     model, spy = offloaded("qwen3", names, **recompute)
     ids = batches(1)[0]

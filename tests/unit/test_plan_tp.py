@@ -95,6 +95,7 @@ def _measure_all(rank: int, out_dir: str) -> None:
                                               layout=layout)
             measured[f"{name} {dtype} sp={sp}"] = saved.by_category
             measured[f"{name} {dtype} sp={sp} host"] = saved.host
+            measured[f"{name} {dtype} sp={sp} host peak"] = saved.host_peak
     with open(f"{out_dir}/rank{rank}.json", "w") as f:
         json.dump(measured, f)
 
@@ -114,6 +115,7 @@ def test_activations_match_the_tensor_parallel_model(measured, name, dtype, sp):
     cfg = _config(name, dtype, sp)
     real, plan = measured[f"{name} {dtype} sp={sp}"], predict_memory(cfg, TP)
     assert measured[f"{name} {dtype} sp={sp} host"] == plan.offloaded
+    assert measured[f"{name} {dtype} sp={sp} host peak"] == plan.offloaded_peak
     planned = plan.activations
     assert sum(planned.values()) == sum(real.values())
     if cfg.memory.recompute or cfg.memory.offload:  # charged to other categories: see above

@@ -36,6 +36,8 @@ class SavedActivations:
     by_category: dict[str, int] = field(default_factory=dict)
     by_scope: dict[str, int] = field(default_factory=dict)  # "layer 3", "mtp 1", "model"
     host: int = 0  # memory.offload's host copies still held when forward ends
+    host_peak: int = 0  # ... at their most from then through backward (a recomputed region with
+    # an offloaded site inside copies again as backward recomputes it)
 
     @property
     def total(self) -> int:
@@ -193,9 +195,8 @@ def _memory_wrappers_seen(pack):
     nothing, torch.utils.checkpoint saving them through the saved-tensor hooks around it (pack, or
     an offloaded site's, which copies them to the host). An offloaded site's own hooks hide what it
     saved, so the tensors its offload leaves on the device (too small, parameters and their casts)
-    are reported here, and its host copies are followed (weakly: a copy dies with the graph node
-    that saved it). The outputs that output-discarding frees count 0 because sizes are read when
-    forward ends."""
+    are reported here (its host copies are followed by `_HostCopies`). The outputs that
+    output-discarding frees count 0 because sizes are read when forward ends."""
     from moefold.memory import offload, recompute
 
     real_checkpoint, real_forward, real_pack = recompute.checkpoint, recompute._Run.forward, \
@@ -219,8 +220,6 @@ def _memory_wrappers_seen(pack):
         packed = real_pack(self, t)
         if packed is t:  # stays on the device
             pack(t)
-        else:
-            seen.host_copies.append(weakref.ref(packed.copy))
         return packed
 
     seen = _WrappersSeen()
@@ -236,11 +235,43 @@ def _memory_wrappers_seen(pack):
 @dataclass
 class _WrappersSeen:
     held: list[torch.Tensor] = field(default_factory=list)  # producers' inputs, checkpoints' kwargs
-    host_copies: list[weakref.ref] = field(default_factory=list)  # offload's, one per storage and call
 
-    def host_bytes(self) -> int:
-        alive = {id(c): c for c in (ref() for ref in self.host_copies) if c is not None}
-        return sum(c.host_B.nbytes for c in alive.values())
+
+class _HostCopies:
+    """memory.offload's host copies, one per storage and site call, followed from forward through
+    backward: the bytes they hold now (`live`) and at most since `from_now` (`peak`). A copy lives
+    until autograd releases the last tensor saved on it (followed weakly), as the pinned copy on a
+    GPU does."""
+
+    def __init__(self):
+        self.live = self.peak = 0
+        self._seen: weakref.WeakSet = weakref.WeakSet()
+
+    @contextlib.contextmanager
+    def followed(self):
+        from moefold.memory import offload
+
+        real = offload.ActivationOffload._host_copy
+
+        def host_copy(offload_self, local):
+            copy = real(offload_self, local)
+            if copy not in self._seen:  # a new copy (the region's table shares one per storage)
+                self._seen.add(copy)
+                self.live += copy.host_B.nbytes
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(copy, self._release, copy.host_B.nbytes)
+            return copy
+        offload.ActivationOffload._host_copy = host_copy
+        try:
+            yield self
+        finally:
+            offload.ActivationOffload._host_copy = real
+
+    def from_now(self) -> None:
+        self.peak = self.live
+
+    def _release(self, nbytes: int) -> None:
+        self.live -= nbytes
 
 
 class _ParamCasts(TorchDispatchMode):
@@ -327,20 +358,22 @@ def measure_saved_activations(cfg: Config, dtype: str = "bf16", vocab_size: int 
 
         autocast = (torch.autocast("cpu", dtype=torch_dtype) if torch_dtype != torch.float32
                     else contextlib.nullcontext())
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast, \
-                    _memory_wrappers_seen(pack) as wrappers, param_casts:
-                loss, _ = build_objective(model)(model, ids_BS, labels_BS)
-        finally:
-            stack.remove()
-        result = SavedActivations()
-        for entry in saved.values():
-            if entry.alive():  # saved by a graph node that backward will run
-                result.add(entry.scope, entry.category, entry.storage.nbytes())
-        result.host = wrappers.host_bytes()
-        del wrappers
-        param_casts.casts.clear()
-        loss.backward()
+        with _HostCopies().followed() as host_copies:
+            try:
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast, \
+                        _memory_wrappers_seen(pack) as wrappers, param_casts:
+                    loss, _ = build_objective(model)(model, ids_BS, labels_BS)
+            finally:
+                stack.remove()
+            result = SavedActivations(host=host_copies.live)
+            host_copies.from_now()  # (forward's own peak can hold copies of nodes forward freed)
+            for entry in saved.values():
+                if entry.alive():  # saved by a graph node that backward will run
+                    result.add(entry.scope, entry.category, entry.storage.nbytes())
+            del wrappers
+            param_casts.casts.clear()
+            loss.backward()
+        result.host_peak = host_copies.peak
     return result
 
 

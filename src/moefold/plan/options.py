@@ -23,11 +23,13 @@ does).
 So names compose as the wrappers do: a site recomputed inside an offloaded one saves nothing to
 copy, but its inputs go to the host where it is a checkpoint and stay where it is a producer; a
 site offloaded inside a recomputed one copies what it saves all the same (and again when backward
-recomputes it); nested offloaded calls each copy what they save, a storage saved in both once by
-each; an offloaded consumer copies what a recomputed producer then frees.
+recomputes the region, if it comes before the region's last save of its own: `backward_host`);
+nested offloaded calls each copy what they save, a storage saved in both once by each; an
+offloaded consumer copies what a recomputed producer then frees.
 
 `layer_delta(cfg, layer_id, sh)` returns the change by category (negative: freed) and the bytes
-the block's host copies hold; `rope_tables_freed` the RoPE tables no block keeps. Checked to the
+the block's host copies hold when forward ends; `backward_host` the most they hold while backward
+goes through the block; `rope_tables_freed` the RoPE tables no block keeps. Checked to the
 byte, in total and host copies, against the real model with the wrappers applied, every pair of
 names included (plan.measure on CPU, tests/unit/test_plan_memory.py; under TP with and without
 sequence parallelism, tests/unit/test_plan_tp.py, where offload moves the local shards of the
@@ -41,7 +43,7 @@ from dataclasses import dataclass
 from moefold.config import Config
 from moefold.plan import activations as act
 from moefold.plan.activations import Bytes, Shapes
-from moefold.plan.storages import Call, Stored, block_storages, rope_tables, site
+from moefold.plan.storages import Call, Stored, block_calls, block_storages, rope_tables, site
 
 
 @dataclass(frozen=True)
@@ -91,37 +93,70 @@ def _fates(s: Stored, wrapped: _Wrapped) -> set[str | Call]:
     return saves | {_KEPT if fate == _STAYS else fate for fate in inputs}
 
 
-def _held(storages: list[Stored], wrapped: _Wrapped) -> tuple[Bytes, int]:
-    """The bytes the storages keep on the device by category, and those of their host copies."""
+def _kept(storages: list[Stored], wrapped: _Wrapped) -> Bytes:
+    """The bytes the storages keep on the device, by category."""
     kept: Bytes = {}
-    host = 0
     for s in storages:
         fates = _fates(s, wrapped)
-        host += sum(isinstance(fate, tuple) for fate in fates) * int(s.nbytes)
         if s.output_of is not None and site(s.output_of) in wrapped.recompute:
             continue  # freed once the consumer ran
         if _STAYS in fates:
             act._add(kept, **{s.category: s.nbytes})
         elif _KEPT in fates:
             act._add(kept, kept_inputs=s.nbytes)
-    return kept, host
+    return kept
+
+
+def _host_by_call(storages: list[Stored], wrapped: _Wrapped) -> dict[Call, int]:
+    """The bytes of each offloaded call's host copies: one of each storage it saved."""
+    host: dict[Call, int] = {}
+    for s in storages:
+        for fate in _fates(s, wrapped):
+            if isinstance(fate, tuple):
+                host[fate] = host.get(fate, 0) + int(s.nbytes)
+    return host
 
 
 def layer_delta(cfg: Config, layer_id: int, sh: Shapes) -> tuple[Bytes, int]:
-    """(change of the block's saved bytes by category, bytes its offload holds on the host: the
-    RoPE tables' copies too, which every block's call of the site that saves them makes)."""
+    """(change of the block's saved bytes by category, bytes its offload holds on the host when
+    forward ends: the RoPE tables' copies too, which every block's call of the site that saves
+    them makes)."""
     wrapped = _Wrapped.of(cfg)
     if not (wrapped.recompute or wrapped.offload):
         return {}, 0
     storages = block_storages(cfg, layer_id, sh)
-    plain, _ = _held(storages, _Wrapped())
-    kept, host = _held(storages, wrapped)
+    plain, kept = _kept(storages, _Wrapped()), _kept(storages, wrapped)
     delta = {k: kept.get(k, 0) - plain.get(k, 0) for k in kept.keys() | plain.keys()}
-    return {k: v for k, v in delta.items() if v}, host + _held(rope_tables(cfg, sh), wrapped)[1]
+    host = _host_by_call(storages + rope_tables(cfg, sh), wrapped)
+    return {k: v for k, v in delta.items() if v}, sum(host.values())
+
+
+def backward_host(cfg: Config, layer_id: int, sh: Shapes) -> int:
+    """The most the block's host copies hold while backward goes through it: all of them as it
+    starts, or more where a recomputed region (`layer`, `moe`) holds offloaded sites. Backward
+    runs the nodes in reverse order of their making, so when it reaches the region's last save of
+    its own and recomputes the region, the copies made after that save are released already;
+    the recompute then runs the region up to that save again (torch.utils.checkpoint stops there),
+    and each offloaded call inside it copies what it saves a second time, held until the
+    recompute ends."""
+    wrapped = _Wrapped.of(cfg)
+    if not wrapped.offload:
+        return 0
+    host = _host_by_call(block_storages(cfg, layer_id, sh) + rope_tables(cfg, sh), wrapped)
+    calls = block_calls(cfg, layer_id)
+    last = {wrapped.innermost(call): k for k, call in enumerate(calls)}  # each wrapper's last save
+    regions = {call[:d] for call in calls for d in range(1, len(call) + 1)
+               if site(call[:d]) in wrapped.recompute}
+    most = sum(host.values())
+    for region in regions:
+        before = [w for w in host if last.get(w, -1) < last[region]]
+        again = sum(host[w] for w in before if w[:len(region)] == region)
+        most = max(most, sum(host[w] for w in before) + again)
+    return most
 
 
 def rope_tables_freed(cfg: Config, sh: Shapes) -> int:
     """The bytes of the RoPE tables that no block keeps on the device (every block alike), which
     the trunk lets go when forward ends."""
-    kept, _ = _held(rope_tables(cfg, sh), _Wrapped.of(cfg))
+    kept = _kept(rope_tables(cfg, sh), _Wrapped.of(cfg))
     return act.rope_table_bytes(cfg, sh) - sum(kept.values())

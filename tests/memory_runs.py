@@ -149,17 +149,19 @@ class SavedBytes:
         monkeypatch.setattr(recompute, "checkpoint", keeping_inputs)
         run_forward = recompute._Run.forward
 
-        def keeping_args(run):  # an output-discarding producer keeps its inputs on the run
+        def keeping_args(run, args):  # an output-discarding producer keeps its inputs on the run
             for a in run.args:
                 if isinstance(a, torch.Tensor):
                     self._keep(a)
-            return run_forward(run)
+            return run_forward(run, args)
         monkeypatch.setattr(recompute._Run, "forward", keeping_args)
 
     def _keep(self, t: torch.Tensor) -> torch.Tensor:
+        # By the storage itself, not its address: output discarding frees a kept storage in
+        # forward, and a later one may take its address (it was then left out).
         storage = t.untyped_storage()
         if storage.data_ptr() not in self.params:
-            self.storages.setdefault(storage.data_ptr(), storage)
+            self.storages.setdefault(storage._cdata, storage)
         return t
 
     def of_forward(self, model, ids_BS: torch.Tensor) -> int:

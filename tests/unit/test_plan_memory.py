@@ -282,8 +282,8 @@ OPTION_CASES = [(preset, extra, {f"memory.{kind}": f'["{name}"]'}, "fp32") for p
     ("tiny-deepseek", {}, {"memory.recompute": '["norm", "mlp"]'}, "bf16-fp32-params"),
     ("tiny-qwen3", DENSE_FIRST, {"memory.recompute": '["norm", "moe"]'}, "bf16"),
     ("tiny-deepseek", NOLORA, {"memory.recompute": '["norm", "mla_up_proj"]'}, "bf16-fp32-params"),
-    # without the memory-efficient permutation the recomputed activation frees silu(gate) and keeps
-    # the [R] probabilities it is handed
+    # without the memory-efficient permutation the recomputed activation frees silu(gate) and holds
+    # none of the [R] probabilities it is handed and ignores
     ("tiny-deepseek", COMBINE, {"memory.recompute": '["moe_act"]'}, "fp32"),
     # an fp64 router keeps its own cast of the normed x: recomputed shared experts keep the normed
     # x, which recomputing the norms frees

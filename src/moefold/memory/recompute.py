@@ -42,7 +42,7 @@ def apply_recompute(model: torch.nn.Module, names: Sequence[str]) -> None:
         moe_layers = [m for m in target.site.modules() if isinstance(m, MoELayer)]
         target.site.wrap(lambda fn, layers=moe_layers: checkpointed(fn, layers))
     for target in (t for t in chosen if t.consumer is not None):
-        DiscardedOutput(target.site, target.consumer)
+        DiscardedOutput(target.site, target.consumer, target.unread)
 
 
 def checkpointed(fn: Callable, moe_layers: list[MoELayer]) -> Callable:
@@ -63,8 +63,9 @@ class DiscardedOutput:
     """One producer → consumer pair: the producer's output is freed after the consumer ran and
     rebuilt just before the consumer's backward (see the module docstring)."""
 
-    def __init__(self, producer: Site, consumer: Site):
+    def __init__(self, producer: Site, consumer: Site, unread: tuple[int, ...] = ()):
         self._pending: _Run | None = None  # set by the producer, taken by the very next consumer call
+        self._unread = unread  # the producer's arguments it ignores: neither held nor recomputed with
         producer.wrap(self._producing)
         consumer.wrap(self._consuming)
 
@@ -72,8 +73,8 @@ class DiscardedOutput:
         def produce(*args):
             if not torch.is_grad_enabled():
                 return fn(*args)
-            self._pending = _Run(fn, args)
-            return self._pending.forward()
+            self._pending = _Run(fn, args, self._unread)
+            return self._pending.forward(args)
         return produce
 
     def _consuming(self, fn: Callable) -> Callable:
@@ -95,10 +96,12 @@ class _Run:
     """One call of a producer, run like a non-reentrant checkpoint: the forward builds the real
     graph (so backward sums gradients in the same order as the plain run, bit for bit) but each
     tensor it saves is replaced by a `_Holder`; the one recompute fills them and rebuilds the
-    output. A recomputed tensor is freed with its holder, when autograd releases the node."""
+    output. A recomputed tensor is freed with its holder, when autograd releases the node. `args`
+    holds the inputs until the recompute, None for the `unread` ones (the producer ignores them)."""
 
-    def __init__(self, fn: Callable, args: tuple):
-        self.fn, self.args, self.outputs, self.freed = fn, args, (), {}
+    def __init__(self, fn: Callable, args: tuple, unread: tuple[int, ...] = ()):
+        self.fn, self.outputs, self.freed = fn, (), {}
+        self.args = tuple(None if i in unread else a for i, a in enumerate(args))
         self.holders: list[weakref.ref[_Holder]] = []
         self.recomputed: weakref.WeakKeyDictionary[_Holder, torch.Tensor] = weakref.WeakKeyDictionary()
         self.device_type = next(a for a in args if isinstance(a, torch.Tensor)).device.type
@@ -107,9 +110,9 @@ class _Run:
         self.autocast = {dt: (torch.is_autocast_enabled(dt), torch.get_autocast_dtype(dt))
                          for dt in {"cpu", self.device_type}}
 
-    def forward(self):
+    def forward(self, args: tuple):
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-            outputs = self.fn(*self.args)
+            outputs = self.fn(*args)
         self.outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         return outputs
 

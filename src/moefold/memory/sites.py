@@ -50,6 +50,7 @@ class Site:
 class Target:
     site: Site
     consumer: Site | None = None  # takes the site's output at once and saves it for backward
+    unread: tuple[int, ...] = ()  # positional arguments the site ignores: a recompute holds none
 
 
 class _CallableProxy:
@@ -91,7 +92,10 @@ def _mla_up_proj(block) -> Iterator[Target]:
 def _moe_act(block) -> Iterator[Target]:
     if isinstance(block.ffn, MoELayer):
         experts = block.ffn.experts
-        yield Target(Site(experts, "activation"), Site(experts, "_mm"))
+        # Without the memory-efficient permutation the activation is handed the [R] probabilities
+        # (its first argument) and ignores them: the combine weighs the rows.
+        unread = () if experts.activation.applies_probs else (0,)
+        yield Target(Site(experts, "activation"), Site(experts, "_mm"), unread)
 
 
 def _shared_experts(block) -> Iterator[Target]:

@@ -212,9 +212,9 @@ def _memory_wrappers_seen(pack):
         hold(kwargs.values())
         return real_checkpoint(fn, *args, **kwargs)
 
-    def forward(run):
+    def forward(run, args):
         hold(run.args)
-        return real_forward(run)
+        return real_forward(run, args)
 
     def offload_pack(self, t):
         packed = real_pack(self, t)

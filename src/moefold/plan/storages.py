@@ -229,9 +229,10 @@ def _moe(cfg: Config, sh: Shapes, tensors: act.Tensors, ffn_x: Stored) -> list[S
 
 def _experts(cfg: Config, sh: Shapes, experts: list[int]) -> list[Stored]:
     """The GEMMs' inputs and offsets in the MoE layer; the activation (a call of its own) keeps
-    its inputs when recomputed (the [R] probabilities it is handed among them) and frees its
-    output h, which the down GEMM saves. FP8 is refused with moe_act (config.py), so where that
-    recompute runs, h is one compute-dtype storage."""
+    the inputs it reads when recomputed (not the [R] probabilities it is handed and ignores without
+    the memory-efficient permutation) and frees its output h, which the down GEMM saves. FP8 is
+    refused with moe_act (config.py), so where that recompute runs, h is one compute-dtype
+    storage."""
     rows, mem_efficient = act.expert_rows(cfg, sh), cfg.moe.memory_efficient_permute
     activation = act.activation_tensors(cfg, sh, rows)
     gemms, h = experts[:-len(activation) - 1], experts[-len(activation) - 1]
@@ -239,8 +240,6 @@ def _experts(cfg: Config, sh: Shapes, experts: list[int]) -> list[Stored]:
     out = _saved(gemms, "experts", MOE) + [Stored(h, "experts", [MOE], output_of=MOE_ACT)]
     out += [Stored(s, "experts", [MOE_ACT], held_by=[MOE_ACT]) for s in activation[:inputs]]
     out += _saved(activation[inputs:], "experts", MOE_ACT)  # silu(gate)
-    if not mem_efficient:
-        out.append(Stored(rows * FP32, "", held_by=[MOE_ACT]))
     return out
 
 

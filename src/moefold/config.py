@@ -286,7 +286,8 @@ class MemoryConfig:
     """Modules (same names as memory.recompute) whose saved activations move to host memory during
     forward (pinned, on a side stream on CUDA) and back before backward needs them."""
     offload_min_bytes: int = 1048576
-    """Only saved tensors of at least this many bytes are offloaded; parameters never are."""
+    """Only saved tensors on a storage of at least this many bytes are offloaded (the storage is
+    what moves); parameters never are."""
 
 
 @dataclass

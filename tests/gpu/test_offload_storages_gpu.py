@@ -20,8 +20,8 @@ def test_views_of_one_storage_share_one_copy_each_way():
              base.view(torch.int32)[1:])
     with offload.region():
         packed = [offload.pack(v) for v in views]
-    assert offload.offloaded_bytes == base.untyped_storage().nbytes()
     back = [offload.unpack(p) for p in packed]
+    assert offload.offloaded_bytes == base.untyped_storage().nbytes()  # counted when brought back
     torch.cuda.synchronize()
     for b, v in zip(back, views):
         assert b.is_cuda and torch.equal(b, v)
@@ -52,8 +52,9 @@ def test_a_region_of_shared_storages_trains_bit_identically_and_leaves_no_host_c
     offload.copier.to_host = recording_to_host
     with offload.region():
         loss = swiglu(a_TD * 1.0)
-    assert len(host_copies) == 4 and offload.offloaded_bytes == 4 * 256 * (64 + 512 + 256 + 256)
+    assert len(host_copies) == 4
     grads = torch.autograd.grad(loss, (a_TD, w_DF2, w_FD))
+    assert offload.offloaded_bytes == 4 * 256 * (64 + 512 + 256 + 256)  # counted when brought back
     torch.cuda.synchronize()
     assert all(torch.equal(g, p) for g, p in zip(grads, plain))
     assert not any(h() for h in host_copies)

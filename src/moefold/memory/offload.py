@@ -13,14 +13,16 @@ lives for its forward only; a restored storage is held for the tensors on it unt
 unpacked, then autograd's references alone keep it.
 
 Parameters (and their dtype casts, e.g. a bf16 copy of an expert weight) stay on the device: they
-outlive the step anyway. So do tensors under `min_bytes`, where a copy's launch costs more than the
-memory is worth, and broadcast views (stride 0, small by nature).
+outlive the step anyway. So do tensors on a storage under `min_bytes`, where a copy's launch costs
+more than the memory is worth (the storage, what moves, is measured: small views of a large one
+go, all with one copy), and broadcast views (stride 0, small by nature).
 
 Under tensor parallelism many saved tensors are DTensors: the sharded linears' inputs and, with
 sequence parallelism, everything the pre-norms save. A DTensor is a wrapper; its local shard holds
 the memory, so the shard's storage is what moves (`min_bytes` and the stride check apply to the
 shard), with the shard's place in the whole (its DTensorSpec: mesh, placements, shard order, global
-shape and stride). Unpack wraps the shard brought back in an equal DTensor (no communication),
+shape and stride). Unpack wraps the shard brought
+back in an equal DTensor (no communication),
 detached as a non-reentrant checkpoint's recomputed tensors are: backward reads only the value.
 
 The copier is a strategy chosen from the device type when the model is built; it moves one storage's
@@ -61,9 +63,19 @@ def apply_offload(model: torch.nn.Module, names: Sequence[str], min_bytes: int,
 
 
 class ActivationOffload:
+    """The offload of one model: its sites' regions, the host copies, the count of what moved."""
+
+    offloaded_bytes: int
+    """Bytes moved to the host and brought back for backward since the model was built: each host
+    copy (one per storage and region call) once, when backward first restores it. Per micro-batch
+    that is the host memory the copies hold when forward ends (MemoryPlan.offloaded). Copies never
+    brought back do not count: those of tensors saved by graph nodes that die in forward (a
+    selection's indices, whose graph nothing keeps) and the second copies a recomputed region's
+    offloaded sites make in backward, which go with the recompute."""
+
     def __init__(self, min_bytes: int, copier: HostCopy | StreamedHostCopy):
         self.min_bytes, self.copier = min_bytes, copier
-        self.offloaded_bytes = 0  # since the model was built: a diagnostic
+        self.offloaded_bytes = 0
         # Per open region (nested sites nest), its storages' host copies by (storage, version).
         self._regions: list[dict[tuple[StorageWeakRef, int], _Offloaded]] = []
 
@@ -103,7 +115,6 @@ class ActivationOffload:
         key = (StorageWeakRef(storage), local._version)  # weak: the device memory may go
         if key not in copies:
             copies[key] = self.copier.to_host(_bytes_of(storage))
-            self.offloaded_bytes += storage.nbytes()
         copies[key].sharers += 1
         return copies[key]
 
@@ -112,6 +123,9 @@ class ActivationOffload:
         copy = saved.copy
         if copy.restored_B is None:
             copy.restored_B = self.copier.to_device(copy)
+            if not copy.returned:  # (a retained graph's next backward restores it again)
+                copy.returned = True
+                self.offloaded_bytes += copy.host_B.nbytes
         restored_B = copy.restored_B
         copy.unpacked.add(id(saved))
         if len(copy.unpacked) == copy.sharers:  # all have their views: autograd holds it from here
@@ -126,7 +140,7 @@ class ActivationOffload:
         return (type(local) is torch.Tensor and local.layout == torch.strided
                 and local.device.type != "meta" and self.copier.accepts(local)
                 and not local.is_conj() and not local.is_neg()
-                and local.numel() * local.element_size() >= self.min_bytes and not _is_weight(t)
+                and local.untyped_storage().nbytes() >= self.min_bytes and not _is_weight(t)
                 and all(stride or size == 1 for size, stride in zip(local.shape, local.stride())))
 
 
@@ -203,14 +217,14 @@ class _Saved:
 class _Offloaded:
     """A storage's host copy, and what it takes to bring it back. `sharers` tensors were saved on
     it; `restored_B` holds it back on the device until each of them (`unpacked`: their ids) has
-    its view."""
+    its view; `returned` once backward restored it."""
     __slots__ = ("__weakref__", "copied", "device", "group", "host_B", "prefetched_B", "restored_B",
-                 "sharers", "unpacked")
+                 "returned", "sharers", "unpacked")
 
     def __init__(self, host_B: torch.Tensor, device: torch.device, copied=None, group=None):
         self.host_B, self.device, self.copied, self.group = host_B, device, copied, group
         self.prefetched_B = self.restored_B = None
-        self.sharers, self.unpacked = 0, set()
+        self.sharers, self.unpacked, self.returned = 0, set(), False
 
 
 class HostCopy:

@@ -101,24 +101,6 @@ Bytes = dict[str, int]
 Tensors = dict[str, list[int]]  # by category, the bytes of each storage kept for backward
 
 
-class Viewed(int):
-    """A storage's bytes where the ops saved only a smaller view of it (`view` bytes): the valid
-    mask's [R] of R + 1 bools, MLA's v of the kv up-projection. memory.offload compares each saved
-    tensor's own bytes with offload_min_bytes, and a storage stays whole where a view of it stays."""
-
-    view: int
-
-    def __new__(cls, nbytes: int, view: int) -> Viewed:
-        storage = super().__new__(cls, nbytes)
-        storage.view = view
-        return storage
-
-
-def view_bytes(storage: int) -> int:
-    """The bytes of the tensors saved on `storage` (all of it unless it is `Viewed`)."""
-    return getattr(storage, "view", storage)
-
-
 def norm_tensors(rows: int, dim: int) -> list[int]:
     """RMSNorm: fp32 input (a copy unless it is fp32), normalised fp32 rows, rsqrt per row."""
     return [rows * dim * FP32, rows * dim * FP32, rows * FP32]
@@ -194,7 +176,7 @@ def core_tensors(cfg: Config, sh: Shapes) -> tuple[list[int], int, list[int]]:
     if m.attention == "mla":
         Dn, Dr, Dv = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
         qk = T * H * (Dn + Dr) * a
-        return [qk, qk, Viewed(T * H * (Dn + Dv) * a, T * H * Dv * a)], T * H * Dv * a, internal
+        return [qk, qk, T * H * (Dn + Dv) * a], T * H * Dv * a, internal  # the kv storage v views
     G, Dh = (m.n_kv_heads or m.n_heads) // sh.tp, m.head_dim or m.dim // m.n_heads
     if m.sliding_window:
         internal.append(sh.seq * sh.seq * a)
@@ -235,7 +217,7 @@ def mla_tensors(cfg: Config, sh: Shapes) -> Tensors:
     # In fp32 the latent norm keeps its input as it is: a view of wkv_a's [Tr, C + Dr] output.
     out["norm"] = norm_tensors(Tr, C) + (norm_tensors(Tr, Q) if Q else [])
     if sh.fp32:
-        out["norm"][0] = Viewed(Tr * (C + Dr) * FP32, Tr * C * FP32)
+        out["norm"][0] = Tr * (C + Dr) * FP32
     qkv, output, internal = core_tensors(cfg, sh)
     return {**out, "attn_core": [*qkv, output, *internal]}
 
@@ -333,14 +315,14 @@ def dispatch_tensors(cfg: Config, sh: Shapes, rows: int) -> list[int]:
     # row's copy and valid mask (unpermute, [R] of R + 1; the probabilities' gather shares that
     # index). The keep mask is the router's tokens' [T·K]: without sequence parallelism a TP rank's
     # copies are a view of the TP group's (parallel/sequence.py), with it the rank's own [T/tp·K].
-    out = [N * INT64, Viewed(routed, N), rows * INT64, Viewed(rows + 1, rows)]
+    out = [N * INT64, routed, rows * INT64, rows + 1]
     if _has_aux_loss(cfg):
         out.append(FP32)  # the summed aux loss, kept by the autograd function that injects it
     if moe.memory_efficient_permute:
         return out
     # The weighted combine keeps the expert outputs and the probabilities in the compute dtype: in
     # fp32 (and an fp32 router) the probabilities themselves, a view of the router's [T, K].
-    probs = Viewed(routed * FP32, N * FP32) if sh.fp32 and ROUTER_BYTES[moe.router_dtype] == FP32 else N * a
+    probs = routed * FP32 if sh.fp32 and ROUTER_BYTES[moe.router_dtype] == FP32 else N * a
     return out + [N * cfg.model.dim * a, probs]
 
 

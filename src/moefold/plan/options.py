@@ -7,7 +7,7 @@ reference an op takes goes the way of the innermost wrapped call around the op, 
 innermost saved-tensor hooks run:
 
 - recomputed: a placeholder, rebuilt in backward;
-- offloaded: a host copy, one per storage and call (memory/offload.py), where the tensor holds at
+- offloaded: a host copy, one per storage and call (memory/offload.py), where the storage holds at
   least `memory.offload_min_bytes` and is not a parameter's cast; otherwise the tensor stays;
 - neither: the tensor stays.
 
@@ -77,7 +77,7 @@ def _taken(s: Stored, call: Call, wrapped: _Wrapped) -> str | Call:
         return _STAYS
     if site(wrapper) in wrapped.recompute:
         return _DROPPED
-    if s.weight or act.view_bytes(s.nbytes) < wrapped.min_bytes:
+    if s.weight or s.nbytes < wrapped.min_bytes:  # the storage is what moves, and measured
         return _STAYS
     return wrapper
 

@@ -46,7 +46,7 @@ def site(call: Call) -> str:
 @dataclass(eq=False)
 class Stored:
     """One storage and who keeps it (see the module docstring)."""
-    nbytes: int  # an act.Viewed where the tensors saved on it are a smaller view of it
+    nbytes: int  # the whole storage's, also where the tensors saved on it are a smaller view
     category: str  # where it counts while an op's reference to it stays on the device
     saved_in: list[Call] = field(default_factory=list)
     input_of: list[Call] = field(default_factory=list)
@@ -112,10 +112,8 @@ def rope_tables(cfg: Config, sh: Shapes) -> list[Stored]:
     (DeepSeek's interleaved RoPE saves the first half of each, rope.apply_rope_interleaved). The
     trunk makes them once per stage and lets them go when forward ends: only blocks keep them."""
     table = act.rope_table_bytes(cfg, sh) // 2
-    mla = cfg.model.attention == "mla"
-    view = table // 2 if mla and cfg.model.rope_interleaved else table
-    applied_in, held_by = (UP_PROJ, [UP_PROJ]) if mla else (LAYER, [])
-    return [Stored(act.Viewed(table, view), "attn_core", [applied_in], [LAYER], list(held_by)) for _ in "cs"]
+    applied_in, held_by = (UP_PROJ, [UP_PROJ]) if cfg.model.attention == "mla" else (LAYER, [])
+    return [Stored(table, "attn_core", [applied_in], [LAYER], list(held_by)) for _ in "cs"]
 
 
 def _pre_norm(cfg: Config, sh: Shapes, norm: list[int], call: Call, frees: bool) -> tuple[list[Stored], Stored]:

@@ -1,5 +1,5 @@
-"""`compile_loss` (train.compile): the compiled cross-entropy gives eager's loss and logits gradient,
-with ignored labels, for fp32 and bf16 logits. Inductor on the CPU needs a C++ compiler."""
+"""`compile_loss` (train.compile): the compiled cross-entropy, and the chunked loss's step, give
+eager's loss and logits gradient, with ignored labels, for fp32 and bf16 logits. Inductor on the CPU needs a C++ compiler."""
 
 import shutil
 
@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from moefold.data import IGNORE_INDEX
+from moefold.train.chunked_loss import chunk_loss_and_grad
 from moefold.train.compile import compile_loss
 from moefold.train.loss import cross_entropy_loss
 
@@ -32,3 +33,20 @@ def test_compiled_cross_entropy_matches_eager(dtype):
     tol = dict(rtol=1e-5, atol=1e-7) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=1e-5)
     torch.testing.assert_close(grad, ref_grad, **tol)
     assert grad.dtype == dtype and (grad[0, :5] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_chunk_step_matches_eager(dtype):
+    """The chunked loss's per-chunk step (train.loss_chunk_tokens) compiled: the same summed loss
+    and logits gradient as eager, which test_chunked_loss checks against F.cross_entropy."""
+    gen = torch.Generator().manual_seed(1)
+    logits_CV = (4 * torch.randn(16, 300, generator=gen)).to(dtype)
+    labels_C = torch.randint(0, 300, (16,), generator=gen)
+    labels_C[:5] = IGNORE_INDEX
+    count = torch.tensor(40)  # the micro-batch's labelled tokens, over every chunk
+    (loss, grad), (ref_loss, ref_grad) = (compile_loss(chunk_loss_and_grad)(logits_CV, labels_C, count),
+                                          chunk_loss_and_grad(logits_CV, labels_C, count))
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    tol = dict(rtol=1e-5, atol=1e-7) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=1e-5)
+    torch.testing.assert_close(grad, ref_grad, **tol)
+    assert loss.dtype == torch.float32 and grad.dtype == dtype and (grad[:5] == 0).all()

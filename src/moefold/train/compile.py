@@ -22,9 +22,10 @@ from torch import nn
 
 
 def compile_loss(loss_fn):
-    """The logits' cross-entropy compiled: Inductor fuses the fp32 upcast, log-sum-exp and target
-    pick forward, and softmax − one-hot backward, into passes over the bf16 logits, where eager
-    writes and reads [T, V] fp32 copies (about 10 GB each at 16k tokens × 152k vocabulary)."""
+    """The logits' cross-entropy compiled (or the chunked loss's step, train/chunked_loss.py):
+    Inductor fuses the fp32 upcast, log-sum-exp and target pick forward, and softmax − one-hot
+    backward, into passes over the bf16 logits, where eager writes and reads [T, V] fp32 copies
+    (about 10 GB each at 16k tokens × 152k vocabulary)."""
     return torch.compile(loss_fn, dynamic=False)
 
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from moefold.data.loader import IGNORE_INDEX
 from moefold.models.mtp import loss_or_zero
-from moefold.train.chunked_loss import chunked_linear_cross_entropy
+from moefold.train.chunked_loss import ChunkStep, chunk_loss_and_grad, chunked_linear_cross_entropy
 
 
 def cross_entropy_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
@@ -67,22 +67,27 @@ class NextTokenAndMTPLoss:
 
 class ChunkedNextTokenLoss:
     """Next-token loss through the chunked head + cross-entropy (no `[T, V]` logits kept); 0 with
-    no labels (it divides by max(tokens, 1))."""
+    no labels (it divides by max(tokens, 1)). `chunk_step`: each chunk's loss and logits' gradient
+    (train/chunked_loss.py; compiled under train.compile)."""
 
-    def __init__(self, chunk_tokens: int):
-        self.chunk_tokens = chunk_tokens
+    def __init__(self, chunk_tokens: int, chunk_step: ChunkStep = chunk_loss_and_grad):
+        self.chunk_tokens, self.chunk_step = chunk_tokens, chunk_step
 
     def __call__(self, model, input_ids_BS, labels_BS,
                  valid_BS=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         h_BSD, _ = model.trunk(input_ids_BS, valid_BS)
         loss = chunked_linear_cross_entropy(model.norm(h_BSD), model.output.weight, labels_BS,
-                                            self.chunk_tokens)
+                                            self.chunk_tokens, self.chunk_step)
         return loss, {"lm_loss": loss.detach()}
 
 
-def build_objective(model, chunk_tokens: int = 0, loss_fn: LossFn = cross_entropy_loss):
+def build_objective(model, chunk_tokens: int = 0, loss_fn: LossFn = cross_entropy_loss,
+                    chunk_step: ChunkStep = chunk_loss_and_grad):
     """`chunk_tokens` > 0 (train.loss_chunk_tokens) picks the chunked head + loss for models
-    without MTP; `loss_fn` is the logits' cross-entropy otherwise (train/compile.py compiles it)."""
+    without MTP, each chunk through `chunk_step`; `loss_fn` is the logits' cross-entropy otherwise
+    (train/compile.py compiles either)."""
     if model.mtp is not None:
         return NextTokenAndMTPLoss(model.cfg.model.mtp_loss_weight, loss_fn)
-    return ChunkedNextTokenLoss(chunk_tokens) if chunk_tokens > 0 else NextTokenLoss(loss_fn)
+    if chunk_tokens > 0:
+        return ChunkedNextTokenLoss(chunk_tokens, chunk_step)
+    return NextTokenLoss(loss_fn)

@@ -338,6 +338,10 @@ NESTED_CASES = [("tiny-deepseek", {}, options, "fp32") for outer, inners in AROU
 ]
 
 
+def _nonzero(by_category: dict) -> dict:
+    return {k: v for k, v in by_category.items() if v}
+
+
 def _case_config(preset: str, overrides: dict, dtype: str):
     compute, master = DTYPES[dtype][:2]
     return load_config(preset, {"train.micro_batch_size": 2, "memory.offload_min_bytes": 4096,
@@ -351,6 +355,7 @@ def test_recompute_and_offload_match_the_wrapped_model(preset, extra, options, d
     measured = measure_saved_activations(cfg, DTYPES[dtype][2], param_dtype=DTYPES[dtype][3])
     plan = predict_memory(cfg, 1)
     assert measured.total == plan.activation_total
+    assert _nonzero(plan.activations) == _nonzero(measured.by_category)
     assert measured.host == plan.offloaded
     assert measured.host_peak == plan.offloaded_peak
 

@@ -3,8 +3,10 @@ under `FakeTensorMode` (shapes and dtypes, no memory) and measure what autograd 
 
 Every tensor saved for backward goes through a `saved_tensors_hooks` pack hook; its *storage* is
 counted once (views of one buffer share it), parameters excluded. Each storage is charged to the
-innermost module running when it was first saved, mapped to the planner's categories (`CATEGORIES`
-in `plan.activations`), so the analytic model can be compared module by module, not only in total;
+innermost module running when an op first saved it, mapped to the planner's categories (`CATEGORIES`
+in `plan.activations`), so the analytic model can be compared module by module, not only in total
+(with memory.recompute, a storage only a recompute keeps, as a checkpoint's or an output-discarding
+producer's input, to `kept_inputs`);
 casts of parameters (autocast's bf16 weights, the experts' `w.to(bf16)`, fp32 norm weights), seen
 by a dispatch mode as `_to_copy` of a parameter's storage, are charged to `weight_copies`.
 For small configs (the planner's formulas are what scale); single process, or (for real) one rank's
@@ -188,15 +190,16 @@ def _fused_attention():
 
 
 @contextlib.contextmanager
-def _memory_wrappers_seen(pack):
+def _memory_wrappers_seen(pack, seen: _WrappersSeen):
     """Let the measurement see through memory.recompute and memory.offload: an output-discarding
     producer holds its tensor inputs itself, and a checkpoint its keyword arguments (the recompute
     closure does), which no saved-tensor hook reports; a checkpoint's positional inputs need
     nothing, torch.utils.checkpoint saving them through the saved-tensor hooks around it (pack, or
-    an offloaded site's, which copies them to the host). An offloaded site's own hooks hide what it
-    saved, so the tensors its offload leaves on the device (too small, parameters and their casts)
-    are reported here (its host copies are followed by `_HostCopies`). The outputs that
-    output-discarding frees count 0 because sizes are read when forward ends."""
+    an offloaded site's, which copies them to the host), before it runs the site (`seen.inputs`
+    says when). An offloaded site's own hooks hide what it saved, so the tensors its offload leaves
+    on the device (too small, parameters and their casts) are reported here (its host copies are
+    followed by `_HostCopies`). The outputs that output-discarding frees count 0 because sizes are
+    read when forward ends."""
     from moefold.memory import offload, recompute
 
     real_checkpoint, real_forward, real_pack = recompute.checkpoint, recompute._Run.forward, \
@@ -205,12 +208,20 @@ def _memory_wrappers_seen(pack):
     def hold(tensors):
         for t in tensors:
             if isinstance(t, torch.Tensor):
-                pack(t)
+                pack(t, kept_input=True)
                 seen.held.append(t)  # a strong reference, as the wrapper holds it
 
     def checkpoint(fn, *args, **kwargs):
         hold(kwargs.values())
-        return real_checkpoint(fn, *args, **kwargs)
+
+        def site(*a, **k):
+            seen.inputs = False  # its inputs are saved: what follows, the site's ops save
+            return fn(*a, **k)
+        seen.inputs = True
+        try:
+            return real_checkpoint(site, *args, **kwargs)
+        finally:
+            seen.inputs = False
 
     def forward(run, args):
         hold(run.args)
@@ -219,14 +230,13 @@ def _memory_wrappers_seen(pack):
     def offload_pack(self, t):
         packed = real_pack(self, t)
         if packed is t:  # stays on the device
-            pack(t)
+            pack(t, kept_input=seen.inputs)
         return packed
 
-    seen = _WrappersSeen()
     recompute.checkpoint, recompute._Run.forward = checkpoint, forward
     offload.ActivationOffload.pack = offload_pack
     try:
-        yield seen  # the caller holds the kept inputs until it has counted
+        yield
     finally:
         recompute.checkpoint, recompute._Run.forward = real_checkpoint, real_forward
         offload.ActivationOffload.pack = real_pack
@@ -234,7 +244,9 @@ def _memory_wrappers_seen(pack):
 
 @dataclass
 class _WrappersSeen:
+    """What memory.recompute keeps as inputs: held here until the caller has counted them."""
     held: list[torch.Tensor] = field(default_factory=list)  # producers' inputs, checkpoints' kwargs
+    inputs: bool = False  # a checkpoint is saving its positional inputs
 
 
 class _HostCopies:
@@ -344,15 +356,24 @@ def measure_saved_activations(cfg: Config, dtype: str = "bf16", vocab_size: int 
         saved: dict[int, _Saved] = {}
         param_casts = _ParamCasts(params)
 
-        def pack(t: torch.Tensor) -> torch.Tensor:
+        wrappers = _WrappersSeen()
+
+        def pack(t: torch.Tensor, kept_input: bool = False) -> torch.Tensor:
+            """A storage counts where an op first saved it, as `kept_inputs` where only recompute
+            keeps it (as the planner charges it)."""
             key = _storage_key(t)
             if key in params:
                 return t
             entry = saved.get(key)
+            kept_input = kept_input or wrappers.inputs
             if entry is None or not entry.alive():  # a dead entry's address was reused
                 scope, category = stack.where()
                 entry = saved[key] = _Saved(memory_holder(t).untyped_storage(), scope,
-                                            "weight_copies" if key in param_casts.casts else category)
+                                            "kept_inputs" if kept_input else category)
+            elif entry.category == "kept_inputs" and not kept_input:
+                entry.scope, entry.category = stack.where()
+            if key in param_casts.casts:
+                entry.category = "weight_copies"
             entry.refs.append(weakref.ref(t))
             return t
 
@@ -361,7 +382,7 @@ def measure_saved_activations(cfg: Config, dtype: str = "bf16", vocab_size: int 
         with _HostCopies().followed() as host_copies:
             try:
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast, \
-                        _memory_wrappers_seen(pack) as wrappers, param_casts:
+                        _memory_wrappers_seen(pack, wrappers), param_casts:
                     loss, _ = build_objective(model)(model, ids_BS, labels_BS)
             finally:
                 stack.remove()

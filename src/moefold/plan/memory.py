@@ -190,7 +190,7 @@ def _shapes(cfg: Config, lay: _Layout, imbalance: float) -> act.Shapes:
 
 def _chunk_activations(cfg: Config, chunk: Chunk, sh: act.Shapes, vocab: int) -> dict[str, int]:
     """One micro-batch's saved bytes of a model chunk, after memory.recompute / memory.offload."""
-    out = {"attn_core": act.rope_table_bytes(cfg, sh) - options.rope_tables_freed(cfg, sh)}
+    out = dict(options.rope_tables_kept(cfg, sh))
     for layer_id in chunk.layers:
         act._add(out, **act.layer_bytes(cfg, layer_id, sh))
         act._add(out, **options.layer_delta(cfg, layer_id, sh)[0])

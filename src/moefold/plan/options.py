@@ -29,7 +29,7 @@ offloaded consumer copies what a recomputed producer then frees.
 
 `layer_delta(cfg, layer_id, sh)` returns the change by category (negative: freed) and the bytes
 the block's host copies hold when forward ends; `backward_host` the most they hold while backward
-goes through the block; `rope_tables_freed` the RoPE tables no block keeps. Checked to the
+goes through the block; `rope_tables_kept` the RoPE tables blocks keep. Checked to the
 byte, in total and host copies, against the real model with the wrappers applied, every pair of
 names included (plan.measure on CPU, tests/unit/test_plan_memory.py; under TP with and without
 sequence parallelism, tests/unit/test_plan_tp.py, where offload moves the local shards of the
@@ -101,10 +101,15 @@ def _kept(storages: list[Stored], wrapped: _Wrapped) -> Bytes:
         if s.output_of is not None and site(s.output_of) in wrapped.recompute:
             continue  # freed once the consumer ran
         if _STAYS in fates:
-            act._add(kept, **{s.category: s.nbytes})
+            act._add(kept, **{_category(s, wrapped): s.nbytes})
         elif _KEPT in fates:
             act._add(kept, kept_inputs=s.nbytes)
     return kept
+
+
+def _category(s: Stored, wrapped: _Wrapped) -> str:
+    """The category of the first reference to `s` an op takes that stays on the device."""
+    return next(s.category_of(i) for i, call in enumerate(s.saved_in) if _taken(s, call, wrapped) == _STAYS)
 
 
 def _host_by_call(storages: list[Stored], wrapped: _Wrapped) -> dict[Call, int]:
@@ -155,8 +160,7 @@ def backward_host(cfg: Config, layer_id: int, sh: Shapes) -> int:
     return most
 
 
-def rope_tables_freed(cfg: Config, sh: Shapes) -> int:
-    """The bytes of the RoPE tables that no block keeps on the device (every block alike), which
-    the trunk lets go when forward ends."""
-    kept = _kept(rope_tables(cfg, sh), _Wrapped.of(cfg))
-    return act.rope_table_bytes(cfg, sh) - sum(kept.values())
+def rope_tables_kept(cfg: Config, sh: Shapes) -> Bytes:
+    """The bytes of the RoPE tables that blocks keep on the device (every block alike), by
+    category; the trunk lets the rest go when forward ends."""
+    return _kept(rope_tables(cfg, sh), _Wrapped.of(cfg))

@@ -53,11 +53,20 @@ class Stored:
     held_by: list[Call] = field(default_factory=list)
     output_of: Call | None = None
     weight: bool = False  # a parameter's cast: offload leaves it on the device
+    saved_as: dict[int, str] = field(default_factory=dict)  # saved_in[i]'s category, where another
 
     def saved(self, *calls: Call, category: str = "") -> Stored:
-        self.saved_in += calls
+        for call in calls:
+            if category and self.category and category != self.category:
+                self.saved_as[len(self.saved_in)] = category
+            self.saved_in.append(call)
         self.category = self.category or category
         return self
+
+    def category_of(self, i: int) -> str:
+        """The category of the reference saved_in[i] takes: where the storage counts when it is
+        the first that stays on the device (plan.measure charges a storage to its first saver)."""
+        return self.saved_as.get(i, self.category)
 
 
 def _saved(sizes: list[int], category: str, call: Call) -> list[Stored]:
@@ -164,7 +173,8 @@ def _gqa(cfg: Config, sh: Shapes, tensors: act.Tensors, attn_x: Stored) -> list[
 def _core_rest(cfg: Config, sh: Shapes, output: int, internal: list[int]) -> list[Stored]:
     """The attention output, which the output projection saves too; the log-sum-exp (and a
     sliding window's bias, whose bool mask a recomputed core keeps)."""
-    out = [Stored(output, "attn_core", [CORE, LAYER]), *_saved(internal, "attn_core", CORE)]
+    out = [Stored(output, "attn_core", [CORE]).saved(LAYER, category="attn_proj"),
+           *_saved(internal, "attn_core", CORE)]
     if cfg.model.attention == "gqa" and cfg.model.sliding_window:
         out.append(Stored(sh.seq * sh.seq, "", held_by=[CORE]))  # a keyword argument
     return out

@@ -391,7 +391,7 @@ def measure_saved_activations(cfg: Config, dtype: str = "bf16", vocab_size: int 
             for entry in saved.values():
                 if entry.alive():  # saved by a graph node that backward will run
                     result.add(entry.scope, entry.category, entry.storage.nbytes())
-            del wrappers
+            wrappers.held.clear()  # the kept inputs are counted: the wrappers alone hold them now
             param_casts.casts.clear()
             loss.backward()
         result.host_peak = host_copies.peak

@@ -242,7 +242,7 @@ class TrainConfig:
     """Clip the global gradient norm to this value; 0 disables clipping."""
     loss_chunk_tokens: int = 0
     """Tokens per chunk of the fused output head + cross-entropy, which never holds the whole
-    [tokens, vocabulary] logits (0: the plain head and loss). Models with MTP use the plain one."""
+    [tokens, vocabulary] logits (0: the plain head and loss); the MTP depths' heads too."""
     compile: bool = False
     """torch.compile each transformer block (regional compilation; train/compile.py). For GPUs:
     on the CPU Inductor needs a C++ compiler."""

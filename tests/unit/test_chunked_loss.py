@@ -8,7 +8,7 @@ from moefold.config import load_config
 from moefold.data import IGNORE_INDEX
 from moefold.models.transformer import build_model
 from moefold.train.chunked_loss import chunked_linear_cross_entropy
-from moefold.train.loss import ChunkedNextTokenLoss, NextTokenLoss, build_objective, cross_entropy_loss, next_token_loss
+from moefold.train.loss import ChunkedLoss, LogitsLoss, NextTokenAndMTPLoss, NextTokenLoss, build_head_loss, build_objective, cross_entropy_loss, next_token_loss
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 64, 1000])  # uneven last chunk, one chunk for all
@@ -38,14 +38,15 @@ def test_objective_trains_like_the_plain_one():
     plain, chunked = build_model(cfg, 64), build_model(cfg, 64)
     plain.init_weights(seed=1)
     chunked.load_state_dict(plain.state_dict())
-    assert isinstance(build_objective(chunked, 16), ChunkedNextTokenLoss)
-    objective = build_objective(plain, 0)
-    assert isinstance(objective, NextTokenLoss) and objective.loss_fn is cross_entropy_loss
+    chunked_objective = build_objective(chunked, build_head_loss(16))
+    assert isinstance(chunked_objective.head_loss, ChunkedLoss)
+    objective = build_objective(plain, build_head_loss(0))
+    assert isinstance(objective, NextTokenLoss) and objective.head_loss.loss_fn is cross_entropy_loss
     gen = torch.Generator().manual_seed(2)
     for _ in range(3):
         ids = torch.randint(0, 64, (2, 24), generator=gen)
         losses = []
-        for model, objective in ((plain, next_token_loss), (chunked, ChunkedNextTokenLoss(10))):
+        for model, objective in ((plain, next_token_loss), (chunked, NextTokenLoss(ChunkedLoss(10)))):
             loss, _ = objective(model, ids[:, :-1], ids[:, 1:])
             loss.backward()
             with torch.no_grad():
@@ -56,3 +57,29 @@ def test_objective_trains_like_the_plain_one():
         assert losses[0] == pytest.approx(losses[1], rel=1e-5)
     for (name, p), q in zip(plain.named_parameters(), chunked.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_mtp_depths_take_the_chunked_loss_too():
+    """A model with MTP modules under train.loss_chunk_tokens: the trunk's head and every depth's
+    go through the chunked loss, with the plain objective's losses and gradients."""
+    cfg = load_config("tiny-deepseek", {"model.n_layers": 2, "model.mtp_layers": 2, "moe.experts_backend": "loop",
+                                        "moe.router_dtype": "fp64"})  # in fp64
+    torch.manual_seed(0)
+    model = build_model(cfg, 64).double()
+    model.init_weights(seed=1)
+    ids = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(3))
+    results = []
+    for head_loss in (LogitsLoss(), ChunkedLoss(7)):
+        objective = build_objective(model, head_loss)
+        assert isinstance(objective, NextTokenAndMTPLoss) and objective.head_loss is head_loss
+        total, parts = objective(model, ids[:, :-1], ids[:, 1:])
+        total.backward()
+        results.append((parts, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+        model.zero_grad()
+    (plain_parts, plain_grads), (parts, grads) = results
+    # the chunked loss works in fp32 (test_matches_plain_head_and_cross_entropy's tolerances)
+    for key in ("lm_loss", "mtp_loss"):
+        torch.testing.assert_close(parts[key], plain_parts[key], rtol=1e-5, atol=1e-6)
+    assert grads.keys() == plain_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, plain_grads[name], rtol=1e-4, atol=1e-6, msg=name)

@@ -180,7 +180,7 @@ def test_an_mtp_depth_without_targets_adds_zero_to_the_mtp_loss(seq_len):
     and every gradient is finite."""
     import torch.nn.functional as F
 
-    from moefold.train.loss import NextTokenAndMTPLoss, cross_entropy_loss
+    from moefold.train.loss import LogitsLoss, NextTokenAndMTPLoss
 
     cfg = load_config("tiny-deepseek", {"model.n_layers": "1", "model.mtp_layers": "2"})
     model = build_model(cfg, vocab_size=50)
@@ -192,7 +192,7 @@ def test_an_mtp_depth_without_targets_adds_zero_to_the_mtp_loss(seq_len):
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
 
     h, (cos, sin) = model.trunk(ids)
-    depths = model.mtp(h, ids, labels, model.tok_embeddings, model.output, cos, sin, cross_entropy_loss)
+    depths = model.mtp(h, ids, labels, model.tok_embeddings, model.output, cos, sin, LogitsLoss())
     assert depths[1].item() == 0.0  # depth 2 never has a target here
     if seq_len == 1:
         assert depths[0].item() == 0.0

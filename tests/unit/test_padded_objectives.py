@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from moefold.config import load_config
 from moefold.data import IGNORE_INDEX
 from moefold.models.transformer import build_model
-from moefold.train.loss import ChunkedNextTokenLoss, NextTokenAndMTPLoss, NextTokenLoss
+from moefold.train.loss import ChunkedLoss, NextTokenAndMTPLoss, NextTokenLoss
 
 V, PAD = 61, 7  # the padding's id is a real token's: only the mask tells it apart
 MTP_WEIGHT = 0.3
@@ -33,8 +33,8 @@ def _model(mtp_layers: int):
 
 
 def _objective(kind: str):
-    return {"plain": NextTokenLoss(), "chunked": ChunkedNextTokenLoss(5),
-            "mtp": NextTokenAndMTPLoss(MTP_WEIGHT)}[kind]
+    return {"plain": NextTokenLoss(), "chunked": NextTokenLoss(ChunkedLoss(5)),
+            "mtp": NextTokenAndMTPLoss(MTP_WEIGHT), "mtp-chunked": NextTokenAndMTPLoss(MTP_WEIGHT, ChunkedLoss(5))}[kind]
 
 
 def deepseek_v3_reference(model, ids_BL, labels_BL):
@@ -91,14 +91,14 @@ def _tokens(B, L, seed):
     return seq[:, :-1], seq[:, 1:]
 
 
-@pytest.mark.parametrize("kind", ["plain", "chunked", "mtp"])
+@pytest.mark.parametrize("kind", ["plain", "chunked", "mtp", "mtp-chunked"])
 def test_a_padded_batch_trains_as_the_sequences_unpadded(kind):
     """Sequences of L = 10 tokens and 5 of padding: the same losses, MoE statistics (tokens per
     expert, entropy, balance losses) and gradients as the 10 tokens alone. The MTP blocks route
     only the L − k positions module k has in DeepSeek-V3; a depth mask of the tokens alone
     (padding at i, not at i + k) routed the last k real positions against padding's embedding."""
-    model = _model(mtp_layers=2 if kind == "mtp" else 0)
-    assert len(model.moe_layers()) == (3 if kind == "mtp" else 1)
+    model = _model(mtp_layers=2 if kind.startswith("mtp") else 0)
+    assert len(model.moe_layers()) == (3 if kind.startswith("mtp") else 1)
     ids_BL, labels_BL = _tokens(B=3, L=10, seed=1)
     ids_BS, labels_BS, valid_BS = _padded(ids_BL, labels_BL, [10, 10, 10], S=15)
 
@@ -149,13 +149,13 @@ def test_sequences_of_different_lengths_count_and_score_as_each_alone():
     torch.testing.assert_close(parts["mtp_loss"], torch.stack(depth_means).mean())
 
 
-@pytest.mark.parametrize("kind", ["plain", "chunked", "mtp"])
+@pytest.mark.parametrize("kind", ["plain", "chunked", "mtp", "mtp-chunked"])
 def test_a_micro_batch_without_labels_adds_zero_loss_and_zero_gradient(kind):
     """Every label ignored (a micro-batch all padding, or all prompt in fine-tuning): each loss is
     0 and every gradient 0, as Megatron-Core divides the summed loss by max(tokens, 1). The plain
     and MTP objectives' next-token loss was a mean over no tokens, nan (the MTP depths and the
     chunked loss already gave 0); a nan in one micro-batch made the step's gradients nan."""
-    model = _model(mtp_layers=2 if kind == "mtp" else 0)
+    model = _model(mtp_layers=2 if kind.startswith("mtp") else 0)
     ids_BS = _tokens(B=2, L=12, seed=3)[0]
     labels_BS = torch.full_like(ids_BS, IGNORE_INDEX)
     valid_BS = torch.zeros_like(ids_BS, dtype=torch.bool)  # no token to balance either

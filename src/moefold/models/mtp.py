@@ -38,20 +38,20 @@ class MultiTokenPrediction(nn.Module):
         super().__init__()
         self.layers = nn.ModuleList(modules)
 
-    def forward(self, h_BSD, input_ids_BS, labels_BS, embed: nn.Module, head, cos, sin,
-                loss_fn, valid_BS: torch.Tensor | None = None) -> list[torch.Tensor]:
+    def forward(self, h_BSD, input_ids_BS, labels_BS, embed: nn.Module, head: nn.Module, cos, sin,
+                head_loss, valid_BS: torch.Tensor | None = None) -> list[torch.Tensor]:
         """The loss of each depth k = 1..D, on the positions that have a target k tokens on; 0
-        for a depth with none (`loss_or_zero`). `valid_BS` is the trunk's mask of real tokens;
-        each depth's MoE layers read `next_depth_valid` of the one before."""
+        for a depth with none (`loss_or_zero`). `head_loss(head, h_BSD, targets_BS)`: the shared
+        head's mean loss (train/loss.py). `valid_BS` is the trunk's mask of real tokens; each
+        depth's MoE layers read `next_depth_valid` of the one before."""
         losses = []
         valid_BS = valid_mask(valid_BS, input_ids_BS.shape)
         for k, module in enumerate(self.layers, start=1):
             emb_BSD = embed(shift_left(input_ids_BS, k, fill=0))
             valid_BS = next_depth_valid(valid_BS)
             h_BSD = module(h_BSD, emb_BSD, cos, sin, valid_BS)
-            logits_BSV = head(module.norm(h_BSD))
             targets_BS = shift_left(labels_BS, k, fill=IGNORE_INDEX)
-            losses.append(loss_or_zero(loss_fn(logits_BSV, targets_BS), targets_BS))
+            losses.append(loss_or_zero(head_loss(head, module.norm(h_BSD), targets_BS), targets_BS))
         return losses
 
 

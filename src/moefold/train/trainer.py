@@ -58,11 +58,10 @@ from moefold.parallel.data import DataParallel, GradNormClipper
 from moefold.parallel.launch import TRAIN_LAUNCH, join
 from moefold.plan.fit import rank_capacity, refuse_model_beyond_memory
 from moefold.train import metrics
-from moefold.train.compile import compile_blocks, compile_loss
+from moefold.train.compile import compile_blocks
 from moefold.train.flops import count_params, peak_tflops, train_flops_per_token
 from moefold.train.heatmap import append_window, write_load_heatmap
-from moefold.train.chunked_loss import chunk_loss_and_grad
-from moefold.train.loss import build_objective, cross_entropy_loss
+from moefold.train.loss import build_head_loss, build_objective, cross_entropy_loss
 from moefold.train.run_lock import LOCK_FILE, RunDirLock, refuse_run_dir_in_use
 from moefold.train.stop import StopVote
 
@@ -336,10 +335,8 @@ class Trainer:
         self.model: Transformer = model
         for layer in self.model.moe_layers():
             layer.aux_loss_scale = 1.0 / self.grad_accum  # the CE loss is averaged the same way
-        loss_fn, chunk_step = cross_entropy_loss, chunk_loss_and_grad
-        if cfg.train.compile:
-            loss_fn, chunk_step = compile_loss(loss_fn), compile_loss(chunk_step)
-        self.objective = build_objective(self.model, cfg.train.loss_chunk_tokens, loss_fn, chunk_step)
+        self.objective = build_objective(self.model, build_head_loss(cfg.train.loss_chunk_tokens,
+                                                                     cfg.train.compile))
         self.param_counts = count_params(self.model)  # of the whole model, before sharding
         self.flops_per_token = train_flops_per_token(self.model, cfg.train.seq_len)
         self.data_parallel = DataParallel(self.model)  # the optimizer updates the model itself

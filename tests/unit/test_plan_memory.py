@@ -192,15 +192,24 @@ def test_fsdp_shards_everything_and_low_precision_moments_shrink_states():
     assert _state_bytes(predict_memory(lean, 1)) == pytest.approx(n * (2 + 2 + 2 + 1 + 4 / 128 + 2))
 
 
-def test_fp8_moments_take_a_foreach_workspace_only_where_pieces_split_their_rows():
-    """The Triton update takes fp8 moments of pieces that hold whole rows (no working copies); only
-    TP's and ETP's last-dimension cuts go through the foreach path's fp32 copies."""
+def test_fp8_moments_take_a_foreach_workspace_only_where_pieces_cut_their_blocks():
+    """The Triton update takes fp8 moments of pieces that hold their 128-element blocks whole (no
+    working copies); only TP's and ETP's last-dimension cuts across a block go through the foreach
+    path's fp32 copies (optim/blocks.py)."""
     fp8 = {"optim.exp_avg_dtype": "fp8", "optim.exp_avg_sq_dtype": "fp8", "optim.master_dtype": "bf16+remainder"}
     for world, parallel in ((1, {}), (4, {"parallel.ep": "4"})):
         step = predict_memory(load_config("tiny-qwen3", {**fp8, **parallel}), world).phases["optimizer step"]
         assert step.get("transient", 0) == 0, parallel
+    # tiny-qwen3's wo is 4 heads x 16 wide: 32 columns a TP rank, a quarter of a block
     split = predict_memory(load_config("tiny-qwen3", {**fp8, "parallel.tp": "2"}), 2).phases["optimizer step"]
     assert split["transient"] > 0
+    # Qwen3-30B-A3B at tp 4: wo 4096 / 4, the shared-less experts untouched, no dense MLP; with 80-wide
+    # heads 2560 / 4 = 640 columns, five whole blocks; with 72-wide ones 576, 4.5 blocks
+    qwen3 = {**fp8, "parallel.tp": "4", "parallel.ep": "8"}
+    for head_dim, cuts in ((128, False), (80, False), (72, True)):
+        cfg = load_config("qwen3-30b-a3b", {**qwen3, "model.head_dim": str(head_dim)})
+        step = predict_memory(cfg, 32).phases["optimizer step"]
+        assert (step.get("transient", 0) > 0) == cuts, head_dim
 
 
 def test_expert_parallelism_divides_expert_states():

@@ -53,7 +53,7 @@ from moefold.errors import ConfigError
 from moefold.parallel.dims import ParallelDims
 from moefold.plan import activations as act
 from moefold.plan import options
-from moefold.plan.params import ParamSplit, embedding_params, head_params, layer_params
+from moefold.plan.params import ParamSplit, embedding_params, head_params, layer_params, moe_layer_count
 from moefold.plan.pipeline import (
     Chunk,
     model_chunks,
@@ -168,17 +168,31 @@ def _after_backward(cfg: Config, lay: _Layout, dense: float, expert: float, grad
 
 def _optimizer_step(cfg: Config, lay: _Layout, split: ParamSplit) -> float:
     """PrecisionAwareAdamW's fp32 working copies of its largest tensor on its foreach path, which
-    the GPU takes only for fp8 moments of pieces that split their last dimension over ranks (TP's
-    row-parallel weights, ETP's slices of w1/w3; bounded here by the largest piece): torch's fused
-    AdamW and the Triton update (optim/fused.py) make none. Without TP and ETP only FSDP's cuts of
-    1-D norm weights remain, kilobytes: not counted."""
+    the GPU takes only for fp8 moments of pieces whose last dimension is split across a 128-element
+    block (optim/blocks.py: TP's row-parallel weights, ETP's slices of w1/w3, when their width over
+    the ranks is no multiple of 128; bounded here by the largest piece): torch's fused AdamW and the
+    Triton update (optim/fused.py) make none. FSDP's cuts of 1-D norm weights, kilobytes: not
+    counted."""
     o = cfg.optim
     d = lay.dims
-    if "fp8" not in (o.exp_avg_dtype, o.exp_avg_sq_dtype) or d.tp * d.etp == 1:
+    if "fp8" not in (o.exp_avg_dtype, o.exp_avg_sq_dtype) or not _splits_cut_blocks(cfg, d):
         return 0.0
     largest = max(split.largest_dense / lay.dense_shard,
                   split.largest_expert / (d.ep * d.etp * lay.expert_shard))
     return 5 * 4 * largest  # grad, master, two moments and the denominator in fp32
+
+
+def _splits_cut_blocks(cfg: Config, d: ParallelDims) -> bool:
+    """Whether a weight split along its last dimension (TP's row-parallel wo and w2, ETP's expert
+    w1/w3) gives the ranks pieces of ceil(width / ranks) columns that are no multiple of 128."""
+    m, moe = cfg.model, cfg.moe
+    attn_out = m.n_heads * (m.v_head_dim if m.attention == "mla" else m.head_dim or m.dim // m.n_heads)
+    widths = [(attn_out, d.tp), (moe.expert_hidden, d.etp)]
+    if moe_layer_count(cfg) < m.n_layers + m.mtp_layers:  # dense MLPs
+        widths.append((m.ffn_hidden, d.tp))
+    if moe.shared_experts:
+        widths.append((moe.shared_experts * (moe.shared_expert_hidden or moe.expert_hidden), d.tp))
+    return any(ranks > 1 and -(-width // ranks) % 128 for width, ranks in widths)
 
 
 def _shapes(cfg: Config, lay: _Layout, imbalance: float) -> act.Shapes:

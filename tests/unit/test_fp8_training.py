@@ -546,3 +546,20 @@ def test_fp8_saved_activations_never_keep_more(preset, overrides, param_dtype):
     for category, nbytes in saved.by_category.items():
         assert nbytes <= plain.by_category[category], category
     assert saved.by_category["experts"] < plain.by_category["experts"]  # w2's input in FP8
+
+
+@pytest.mark.parametrize("q_lora_rank", [0, 32])
+def test_fp8_saved_inputs_follow_the_sequence_parallel_mla(q_lora_rank):
+    """MLA on a sequence shard without q-LoRA (parallel/tensor.py): wq all-gathers its own x and
+    wkv_a reads the rank's rows, so neither shares its input and precision.fp8_saved_activations
+    keeps both in FP8. Unsharded, and with q-LoRA (wq_a and wkv_a read the rank's rows together),
+    they stay siblings that keep their one bf16 input; MTP blocks are never sequence-parallel."""
+    cfg = load_config("tiny-deepseek", {"model.q_lora_rank": q_lora_rank, "model.qk_rope_head_dim": 16,  # wkv_a
+                                        "precision.fp8": "rowwise", "precision.fp8_saved_activations": True})
+    for sequence_parallel in (False, True):
+        model = build_model(cfg, vocab_size=64)
+        apply_fp8(model, cfg.precision, "cpu", sequence_parallel=sequence_parallel)
+        first = ("wq", "wkv_a") if q_lora_rank == 0 else ("wq_a", "wkv_a")
+        for block, on_shard in ((model.layers[0], sequence_parallel), (model.mtp.layers[0].block, False)):
+            kept_fp8 = [isinstance(getattr(block.attn, name).saver, SaveFp8Input) for name in first]
+            assert kept_fp8 == [on_shard and q_lora_rank == 0] * 2, (sequence_parallel, first)

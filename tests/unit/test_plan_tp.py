@@ -31,6 +31,10 @@ CASES = {
     # (per-sequence counts summed over the TP group under SP), an MTP block (never SP)
     "deepseek": ("tiny-deepseek", {}),
     "deepseek-combine": ("tiny-deepseek", {"model.q_lora_rank": 0, "moe.memory_efficient_permute": False}),
+    # FP8 inputs kept for backward: under SP wq (no q-LoRA) keeps its all-gathered x and wkv_a the
+    # rank's rows, each in FP8, where without SP the two share the normed x (fp8/apply.py)
+    "deepseek-combine-fp8": ("tiny-deepseek", {"model.q_lora_rank": 0, "model.qk_rope_head_dim": 16,  # wkv_a: 48
+                                               "precision.fp8": "rowwise", "precision.fp8_saved_activations": True}),
     # an fp64 router keeps its own cast of the normed x: without SP the shared experts keep it
     "deepseek-fp64": ("tiny-deepseek", {"moe.router_dtype": "fp64"}),
     # Qwen2-MoE's gated shared expert: under SP a replicated [T, 1] gate times the rank's rows

@@ -33,7 +33,8 @@ _NEVER_FP8 = ("gate",)  # GatedSharedExperts.gate: a [D, 1] router-like scalar g
 
 
 def apply_fp8(model: nn.Module, precision: PrecisionConfig, device_type: str,
-              shared_inputs: bool = True, compute_dtype: torch.dtype | None = None) -> list[str]:
+              shared_inputs: bool = True, compute_dtype: torch.dtype | None = None,
+              sequence_parallel: bool = False) -> list[str]:
     """Swap the selected modules for their FP8 versions in place; returns their names.
 
     `model` is a Transformer (blocks(), layers). The FP8 modules share the original parameters, so
@@ -43,7 +44,9 @@ def apply_fp8(model: nn.Module, precision: PrecisionConfig, device_type: str,
     bf16 autocast); it decides which linears keep their input in FP8 (`_keeps_fp8_input`).
     `compute_dtype`: the run's (autocast below fp32), which decides what the experts cast their
     weights to and so what `precision.fp8_weight_cache` quantizes from (needed only with it; the
-    cache is empty until refresh_weight_caches).
+    cache is empty until refresh_weight_caches). `sequence_parallel`: the main blocks will run on
+    sequence shards (parallel.sequence_parallel with tp > 1), where MLA's wq without q-LoRA
+    all-gathers its own input (parallel/tensor.py) and shares it with no sibling.
     """
     if precision.fp8 == "off":
         return []
@@ -57,8 +60,10 @@ def apply_fp8(model: nn.Module, precision: PrecisionConfig, device_type: str,
     excluded = _excluded_names(model, precision)
     converted = []
     for block_name, block in _fp8_blocks(model, precision):
+        mtp = block_name.startswith("mtp.")  # never sequence-parallel
         # An MTP block reads the projection's output, in the compute dtype: its inputs are shared.
-        block_shares_inputs = shared_inputs or block_name.startswith("mtp.")
+        block_shares_inputs = shared_inputs or mtp
+        siblings = _SEQUENCE_SHARD_SIBLINGS if sequence_parallel and not mtp else _SIBLINGS
         for name, module in list(block.named_modules(prefix=block_name)):
             if name in excluded:
                 continue
@@ -70,7 +75,7 @@ def apply_fp8(model: nn.Module, precision: PrecisionConfig, device_type: str,
                 setattr(layer, attr, _fp8_experts(module, grouped_gemm, grouped, grouped_saver, weight_cache))
             elif type(module) is nn.Linear and attr not in _NEVER_FP8 and _aligned(module, lin.row_multiple):
                 parent = model.get_submodule(parent_name)
-                saver = lin_saver if _keeps_fp8_input(parent, attr, block_shares_inputs) else SaveInput()
+                saver = lin_saver if _keeps_fp8_input(parent, attr, block_shares_inputs, siblings) else SaveInput()
                 setattr(parent, attr, Fp8Linear.from_linear(module, gemm, lin, saver))
             else:
                 continue
@@ -109,9 +114,11 @@ def _excluded_names(model: nn.Module, precision: PrecisionConfig) -> set[str]:
 
 # Linears that read one tensor together: while any of them keeps it for backward, it is kept once.
 _SIBLINGS = ({"wq", "wk", "wv"}, {"wq", "wkv_a"}, {"wq_a", "wkv_a"}, {"w1", "w3"})
+# On a sequence shard MLA's wq without q-LoRA reads its own all-gathered x, wkv_a the rank's rows.
+_SEQUENCE_SHARD_SIBLINGS = tuple(group for group in _SIBLINGS if group != {"wq", "wkv_a"})
 
 
-def _keeps_fp8_input(parent: nn.Module, attr: str, shared_inputs: bool) -> bool:
+def _keeps_fp8_input(parent: nn.Module, attr: str, shared_inputs: bool, siblings=_SIBLINGS) -> bool:
     """Whether precision.fp8_saved_activations should keep this linear's input in FP8: only where
     that frees the input's compute-dtype copy. Not for `wo`, whose input is a view of the attention
     core's output, which the core keeps for its own backward; not for siblings reading one shared
@@ -119,8 +126,8 @@ def _keeps_fp8_input(parent: nn.Module, attr: str, shared_inputs: bool) -> bool:
     fp32 parameters under autocast every sibling casts its own copy, and FP8 halves each."""
     if attr == "wo":
         return False
-    siblings = any(attr in group and all(hasattr(parent, n) for n in group) for group in _SIBLINGS)
-    return not (siblings and shared_inputs)
+    has_sibling = any(attr in group and all(hasattr(parent, n) for n in group) for group in siblings)
+    return not (has_sibling and shared_inputs)
 
 
 def _aligned(linear: nn.Linear, multiple: int) -> bool:

@@ -195,14 +195,13 @@ def mla_proj_inputs(cfg: Config, sh: Shapes) -> tuple[list[int], list[int], list
     Hq, Hkv = m.n_heads * (Dn + Dr), m.n_heads * (Dn + Dv)  # global output features
     wq_fp8 = fp8_linear(cfg, sh, "attn.wq_a" if Q else "attn.wq", m.dim, Q or Hq)
     wkv_a_fp8 = fp8_linear(cfg, sh, "attn.wkv_a", m.dim, C + Dr)
-    # apply_fp8 treats wq(_a) and wkv_a as siblings, which keep their compute-dtype input unless
-    # each casts its own (fp8/apply._keeps_fp8_input), even where wq gathers x itself under SP.
-    own = sh.input_copies
-    wkv_x = kept_input(Tr, m.dim, sh, own and wkv_a_fp8)
-    if Q or Tr == T:
-        wq_x = kept_input(Tr, m.dim, sh, wq_fp8) if own else []  # sibling_inputs' rule
-    else:  # wq gathers x itself: its own [T, D]
-        wq_x = kept_input(T, m.dim, sh, own and wq_fp8)
+    if Q or Tr == T:  # wq(_a) and wkv_a read the normed x: sibling_inputs' rule
+        own = sh.input_copies
+        wkv_x = kept_input(Tr, m.dim, sh, own and wkv_a_fp8)
+        wq_x = kept_input(Tr, m.dim, sh, wq_fp8) if own else []
+    else:  # under SP wq gathers x itself, its own [T, D], and wkv_a alone keeps the rank's rows
+        wkv_x = kept_input(Tr, m.dim, sh, wkv_a_fp8)
+        wq_x = kept_input(T, m.dim, sh, wq_fp8)
     q_b = kept_input(T, Q, sh, fp8_linear(cfg, sh, "attn.wq_b", Q, Hq)) if Q else []
     kv_b = kept_input(T, C, sh, fp8_linear(cfg, sh, "attn.wkv_b", C, Hkv))
     return wq_x, wkv_x, q_b + kv_b

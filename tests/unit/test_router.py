@@ -117,6 +117,23 @@ def test_sigmoid_expert_bias_changes_selection_not_probs():
     torch.testing.assert_close(biased.scores_TE, unbiased.scores_TE)
 
 
+@pytest.mark.parametrize("groups", [0, 4])
+def test_routing_saves_only_what_its_backward_reads(groups):
+    """Choosing the experts builds no autograd graph: the only integer tensor the router saves for
+    backward is idx_TK (the gather of the chosen weights). A selection on the differentiable
+    scores saved the top-k indices and group masks of a graph that dies in forward, which
+    memory.offload copied to the host."""
+    cfg = MoEConfig(score_func="sigmoid", num_experts=8, top_k=2, expert_bias=True,
+                    num_groups=groups, group_top_k=2 if groups else 0)
+    router = make_router(cfg)
+    x = tokens(16).requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        routing = router(x)
+    integer = [t for t in saved if not t.is_floating_point()]
+    assert len(integer) == 1 and integer[0] is routing.idx_TK
+
+
 def test_router_without_expert_bias_has_no_buffer_and_ignores_updates():
     router = make_router(MoEConfig(num_experts=4, top_k=2))
     assert "expert_bias_E" not in router.state_dict()

@@ -251,7 +251,9 @@ class Router(KeepsBufferDtypes):
     def forward(self, x_TD: torch.Tensor) -> Routing:
         logits_TE = self.logits(x_TD)
         scores_TE = self.score_fn.scores(logits_TE)
-        idx_TK = self.select(self.selection_scores(logits_TE, scores_TE))
+        # The choice is not differentiable: detached, it builds no graph whose saved tensors
+        # (top-k indices, group masks) memory.offload would copy to the host for nothing.
+        idx_TK = self.select(self.selection_scores(logits_TE, scores_TE).detach())
         probs_TK = self.combine_weights(logits_TE, scores_TE, idx_TK)
         balance_TE = self.score_fn.balance(scores_TE)
         return Routing(probs_TK.float(), idx_TK, balance_TE.float(), logits_TE)

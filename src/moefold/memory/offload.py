@@ -69,9 +69,9 @@ class ActivationOffload:
     """Bytes moved to the host and brought back for backward since the model was built: each host
     copy (one per storage and region call) once, when backward first restores it. Per micro-batch
     that is the host memory the copies hold when forward ends (MemoryPlan.offloaded). Copies never
-    brought back do not count: those of tensors saved by graph nodes that die in forward (a
-    selection's indices, whose graph nothing keeps) and the second copies a recomputed region's
-    offloaded sites make in backward, which go with the recompute."""
+    brought back do not count: those of tensors saved by graph nodes that die in forward (whose
+    output nothing differentiates) and the second copies a recomputed region's offloaded sites
+    make in backward, which go with the recompute."""
 
     def __init__(self, min_bytes: int, copier: HostCopy | StreamedHostCopy):
         self.min_bytes, self.copier = min_bytes, copier

@@ -330,7 +330,7 @@ def measure_saved_activations(cfg: Config, dtype: str = "bf16", vocab_size: int 
     from moefold.fp8.weight_cache import refresh_weight_caches
     from moefold.models.transformer import build_model
     from moefold.moe.experts import grouped_mm_supported
-    from moefold.train.loss import build_objective
+    from moefold.train.loss import build_head_loss, build_objective
 
     torch_dtype, param_torch_dtype = DTYPES[dtype], DTYPES[param_dtype or dtype]
     grouped_mm_supported("cpu", torch_dtype)  # cached probe with real tensors, outside fake mode
@@ -380,11 +380,13 @@ def measure_saved_activations(cfg: Config, dtype: str = "bf16", vocab_size: int 
 
         autocast = (torch.autocast("cpu", dtype=torch_dtype) if torch_dtype != torch.float32
                     else contextlib.nullcontext())
+        # The head loss the trainer builds from the config, eager: what the planner models.
+        objective = build_objective(model, build_head_loss(cfg.train.loss_chunk_tokens, compiled=False))
         with _HostCopies().followed() as host_copies:
             try:
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast, \
                         _memory_wrappers_seen(pack, wrappers), param_casts:
-                    loss, _ = build_objective(model)(model, ids_BS, labels_BS)
+                    loss, _ = objective(model, ids_BS, labels_BS)
             finally:
                 stack.remove()
             result = SavedActivations(host=host_copies.live)

@@ -469,44 +469,30 @@ def rope_table_bytes(cfg: Config, sh: Shapes) -> int:
     return 2 * sh.seq * rope_dim * FP32  # cos and sin, shared by every layer of a stage
 
 
-def head_bytes(cfg: Config, sh: Shapes, vocab: int) -> int:
-    """Output head and loss: the head's input, fp32 log-probabilities, labels, the loss weight and
-    the flag of loss_or_zero (models/mtp.py): whether any label is not ignored."""
-    T = sh.tokens
-    return T * cfg.model.dim * sh.act_bytes + T * vocab * FP32 + T * INT64 + FP32 + 1
-
-
 def first_stage_bytes(cfg: Config, sh: Shapes) -> Bytes:
     return {"embedding": sh.tokens * INT64}
 
 
 def last_stage_bytes(cfg: Config, sh: Shapes, vocab: int) -> Bytes:
-    """Final norm and head, and each MTP module without its block (counted as a layer)."""
+    """Final norm, every head with its loss (the trunk's and each MTP depth's, plan.head), and
+    each MTP module without its block (counted as a layer)."""
+    from moefold.plan.head import head_losses
+
     T, D, mtp = sh.tokens, cfg.model.dim, cfg.model.mtp_layers
-    out = {"norm": norm_bytes(T, D), "head": head_bytes(cfg, sh, vocab)}
+    heads = head_losses(cfg, sh, vocab)
+    out = {"norm": norm_bytes(T, D), "head": sum(head.saved() for head in heads)}
     # With an fp32 residual stream hnorm's input is the hidden state the previous norm (final or
     # MTP) already keeps.
     hnorm_shared = T * D * FP32 if sh.params == FP32 else 0
     for _ in range(mtp):
         _add(out, embedding=T * INT64, norm=3 * norm_bytes(T, D) - hnorm_shared,
-             mtp_proj=T * 2 * D * sh.act_bytes, head=head_bytes(cfg, sh, vocab))
-    # The head's weight (the embedding's when tied) is cast once: autocast caches leaf casts.
-    copies = (_cast(vocab * D + mtp * 2 * D * D, sh.act_bytes, sh)
+             mtp_proj=T * 2 * D * sh.act_bytes)
+    # The head's weight (the embedding's when tied) is cast once where the heads keep its cast:
+    # autocast caches leaf casts.
+    head_cast = vocab * D if heads[0].keeps_weight_cast else 0
+    copies = (_cast(head_cast + mtp * 2 * D * D, sh.act_bytes, sh)
               + _cast((1 + 3 * mtp) * D, FP32, sh))
     return _add(out, weight_copies=copies) if copies else out
-
-
-def loss_workspace_bytes(sh: Shapes, vocab: int) -> int:
-    """Forward transient at the loss: the logits in the compute dtype and their fp32 copy (none in
-    fp32) next to the kept log-probabilities."""
-    return sh.tokens * vocab * (sh.act_bytes + (0 if sh.fp32 else FP32))
-
-
-def loss_backward_bytes(sh: Shapes, vocab: int) -> int:
-    """Backward transient at the loss: the fp32 gradients of the log-probabilities (nll's, dense)
-    and of the logits (log-softmax's), while the log-probabilities are still held; the
-    compute-dtype gradient comes after the first is freed."""
-    return 2 * sh.tokens * vocab * FP32
 
 
 def model_bytes(cfg: Config, sh: Shapes, vocab: int) -> Bytes:

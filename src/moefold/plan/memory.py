@@ -22,9 +22,11 @@ What one GPU holds, and the assumptions behind each part (docs/memory.md explain
   times the micro-batches in flight on the rank under Megatron-Core's 1F1B / interleaved schedule
   (`plan.pipeline`). Routing is assumed balanced; `imbalance` scales the busiest rank's rows.
   Under bf16 autocast over fp32 parameters they include the bf16 weight casts kept for backward.
-- **Transients**: at the loss, the logits and their fp32 copy (forward) or the fp32 gradients of
-  the log-probabilities and the logits (backward), on the rank with the head; in backward one
-  layer's working set, taken as its saved activations less the experts' [R, F] tensors.
+- **Transients**: at the loss, on the rank with the head (`plan.head`), the logits and their fp32
+  copy (forward) or the fp32 gradients of the log-probabilities and the logits (backward); with
+  train.loss_chunk_tokens, the eager chunk step's logits and elementwise passes over one chunk
+  (forward) or the scaled dh and dW (backward); in backward one layer's working set, taken as its
+  saved activations less the experts' [R, F] tensors.
 - **Communication buffers**: the all-to-all send and receive buffers of one MoE layer (ep·etp > 1),
   FSDP2's all-gathered parameters (in their own dtype) of two blocks (the current and the prefetched
   one), the root's embedding and head (kept gathered from forward to backward), one block's
@@ -53,6 +55,7 @@ from moefold.errors import ConfigError
 from moefold.parallel.dims import ParallelDims
 from moefold.plan import activations as act
 from moefold.plan import options
+from moefold.plan.head import head_losses
 from moefold.plan.params import ParamSplit, embedding_params, head_params, layer_params, moe_layer_count
 from moefold.plan.pipeline import (
     Chunk,
@@ -277,7 +280,8 @@ class _Rank:
     # order: (one micro-batch's saved activations, their weight copies, backward working set,
     # gradients)
     head: tuple[float, float, float]  # the loss's forward and backward workspace, head gradients
-    head_backward: tuple[float, float]  # log-probabilities freed by then, the logits' gradient
+    head_backward: tuple[float, float]  # what the heads kept, freed by the head's backward (the
+    # log-probabilities, or the chunked loss's dh and dW), and its working set (plan.head)
     accumulating: bool  # gradients already exist when forward starts (micro-batches accumulate)
     comm: dict[str, float]
     optimizer: float
@@ -346,11 +350,11 @@ def _rank_plan(cfg: Config, lay: _Layout, chunks: list[Chunk], rank: int, sh: ac
         work = sum(full.values()) - full.get("weight_copies", 0) - full.get("experts", 0)
         layers.append((saved, copies, work, grad_per_element * layer_params(cfg, i).total))
     head, head_backward = (0.0, 0.0, 0.0), (0.0, 0.0)
-    if last.last:
-        head = (act.loss_workspace_bytes(sh, vocab), act.loss_backward_bytes(sh, vocab),
+    if last.last:  # forward ends, and backward starts, at the last head (an MTP depth's, if any)
+        heads = head_losses(cfg, sh, vocab)
+        head = (heads[-1].forward_workspace(), heads[-1].backward_workspace(),
                 grad_per_element * head_params(cfg, vocab).total)
-        heads = 1 + cfg.model.mtp_layers
-        head_backward = (heads * sh.tokens * vocab * act.FP32, sh.tokens * vocab * sh.act_bytes)
+        head_backward = (sum(h.freed_in_backward() for h in heads), heads[-1].grad_workspace())
     optimizer = _optimizer_step(cfg, lay, split)
     r = _Rank(states, sum(activations.values()), layers, head, head_backward,
               micro_batches > 1 or d.pp > 1, _comm_buffers(cfg, lay, mine, sh, vocab), optimizer,

@@ -47,6 +47,7 @@ from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from moefold.memory.sites import targets
+from moefold.moe.recomputing import in_backward
 from moefold.parallel.local import memory_holder
 
 
@@ -68,10 +69,10 @@ class ActivationOffload:
     offloaded_bytes: int
     """Bytes moved to the host and brought back for backward since the model was built: each host
     copy (one per storage and region call) once, when backward first restores it. Per micro-batch
-    that is the host memory the copies hold when forward ends (MemoryPlan.offloaded). Copies never
-    brought back do not count: those of tensors saved by graph nodes that die in forward (whose
-    output nothing differentiates) and the second copies a recomputed region's offloaded sites
-    make in backward, which go with the recompute."""
+    that is the host memory the copies hold when forward ends (MemoryPlan.offloaded), and the most
+    they hold: a recomputed region's offloaded sites copy nothing when backward runs them again
+    (`_recomputed`). Copies never brought back do not count: those of tensors saved by graph nodes
+    that die in forward (whose output nothing differentiates)."""
 
     def __init__(self, min_bytes: int, copier: HostCopy | StreamedHostCopy):
         self.min_bytes, self.copier = min_bytes, copier
@@ -97,6 +98,8 @@ class ActivationOffload:
             self._regions.pop()  # the tensors packed hold their copies; nothing else may
 
     def pack(self, t: torch.Tensor):
+        if in_backward():  # a checkpoint's recompute: see _recomputed
+            return _recomputed(t)
         local = memory_holder(t)
         if not self._offloadable(t, local):
             return t
@@ -142,6 +145,18 @@ class ActivationOffload:
                 and not local.is_conj() and not local.is_neg()
                 and local.untyped_storage().nbytes() >= self.min_bytes and not _is_weight(t)
                 and all(stride or size == 1 for size, stride in zip(local.shape, local.stride())))
+
+
+def _recomputed(t: torch.Tensor) -> torch.Tensor:
+    """What a site saves when a checkpoint around it (a recomputed `layer` or `moe`) runs it again
+    in backward: the tensor, detached. The forward graph's nodes hold the site's host copies, and
+    torch.utils.checkpoint (non-reentrant) takes only what its own hooks saved from the recompute,
+    whose graph is never differentiated and dies when the recompute ends: a second host copy would
+    be traffic and pinned memory for nothing (tiny-deepseek, fp32, micro-batch 2, `layer`
+    recomputed with `attn_core` offloaded: 1,589,248 B copied again in each backward). Detached,
+    since the tensor itself would close a cycle no backward breaks when an op saves its own
+    output (the output, its grad_fn, the saved output): the recomputed graph would never be freed."""
+    return t.detach()
 
 
 # What a parameter goes through on its way to an op that saves it, the result still counting as

@@ -83,3 +83,29 @@ def test_mtp_depths_take_the_chunked_loss_too():
     assert grads.keys() == plain_grads.keys()
     for name, grad in grads.items():
         torch.testing.assert_close(grad, plain_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("chunk", [48, 100])  # one chunk; three, the last short
+def test_kept_gradients_are_in_the_compute_dtype(chunk):
+    """fp32 parameters under bf16 autocast (the default optimizer on a GPU): the chunked loss keeps
+    dh and dW in bf16, as the plain head's GEMMs give them (half the bytes of fp32 ones), and
+    backward hands fp32 gradients that match the plain autocast head's within bf16 rounding."""
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(2, 24, 32, generator=gen, requires_grad=True)
+    w = (0.3 * torch.randn(70, 32, generator=gen)).requires_grad_()
+    labels = torch.randint(0, 70, (2, 24), generator=gen)
+    saved = []
+    with torch.autocast("cpu", dtype=torch.bfloat16), \
+            torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        loss = chunked_linear_cross_entropy(h, w, labels, chunk)
+    assert [(t.dtype, tuple(t.shape)) for t in saved] == [(torch.bfloat16, (48, 32)), (torch.bfloat16, (70, 32))]
+    (2.5 * loss).backward()
+    h_ref, w_ref = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = h_ref @ w_ref.T
+    (2.5 * F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())).backward()
+    assert h.grad.dtype == w.grad.dtype == torch.float32
+    torch.testing.assert_close(loss, F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()).detach(),
+                               rtol=1e-5, atol=1e-5)
+    for grad, ref in ((h.grad, h_ref.grad), (w.grad, w_ref.grad)):  # bf16 GEMMs, rounded apart: 2 ulps
+        torch.testing.assert_close(grad, ref, rtol=2 ** -7, atol=2 ** -8 * ref.abs().max().item())

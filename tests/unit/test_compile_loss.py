@@ -40,12 +40,13 @@ def test_compiled_chunk_step_matches_eager(dtype):
     """The chunked loss's per-chunk step (train.loss_chunk_tokens) compiled: the same summed loss
     and logits gradient as eager, which test_chunked_loss checks against F.cross_entropy."""
     gen = torch.Generator().manual_seed(1)
-    logits_CV = (4 * torch.randn(16, 300, generator=gen)).to(dtype)
+    h_CD = (2 * torch.randn(16, 32, generator=gen)).to(dtype)
+    w_VD = torch.randn(300, 32, generator=gen).to(dtype)
     labels_C = torch.randint(0, 300, (16,), generator=gen)
     labels_C[:5] = IGNORE_INDEX
     count = torch.tensor(40)  # the micro-batch's labelled tokens, over every chunk
-    (loss, grad), (ref_loss, ref_grad) = (compile_loss(chunk_loss_and_grad)(logits_CV, labels_C, count),
-                                          chunk_loss_and_grad(logits_CV, labels_C, count))
+    (loss, grad), (ref_loss, ref_grad) = (compile_loss(chunk_loss_and_grad)(h_CD, w_VD, labels_C, count),
+                                          chunk_loss_and_grad(h_CD, w_VD, labels_C, count))
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
     tol = dict(rtol=1e-5, atol=1e-7) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=1e-5)
     torch.testing.assert_close(grad, ref_grad, **tol)

@@ -71,10 +71,10 @@ class LogitsHead:
 @dataclass(frozen=True)
 class ChunkedHead:
     """The chunked head + loss (`ChunkedLoss`, train.loss_chunk_tokens): forward walks the tokens C
-    at a time and computes the gradients then, so it keeps only dh [T, D] (h's dtype) and dW
-    [V, D] (w's dtype), and backward scales them. The transients are those of the eager chunk
-    step (`chunk_loss_and_grad` run as written: train.compile false, or on the CPU), op by op;
-    compiled, the step fuses its passes and holds less."""
+    at a time and computes the gradients then, so it keeps only dh [T, D] and dW [V, D], both in
+    the compute dtype, and backward scales them into h's and w's dtypes. The transients are those
+    of the eager chunk step (`chunk_loss_and_grad` run as written: train.compile false, or on the
+    CPU), op by op; compiled, the step fuses its passes and holds less."""
     s: HeadShapes
     chunk: int
 
@@ -82,37 +82,55 @@ class ChunkedHead:
 
     def saved(self) -> int:
         s = self.s
-        return s.tokens * s.dim * s.inp + s.vocab * s.dim * s.weight + FLAG
+        return (s.tokens + s.vocab) * s.dim * s.act + FLAG
 
     def forward_workspace(self) -> int:
         """Beside what it keeps: its input (which nothing keeps) and, where the dtypes differ, the
-        weight's and each chunk's input's casts to the compute dtype, and the fp32 dW it
-        accumulates where the kept one is not fp32; then the largest of three moments: a chunk's
-        step, its dW product, the kept dW's cast."""
+        weight's and a chunk's input's casts to the compute dtype; then the most of any moment of
+        the loop, chunk by chunk (`_moments`), less the kept dW, made at its end."""
         s, C = self.s, min(self.chunk, self.s.tokens)
-        held = (s.tokens * s.dim * s.inp + s.vocab * s.dim * (FP32 - s.weight)
-                + (s.vocab * s.dim * s.act if s.weight != s.act else 0)
+        held = (s.tokens * s.dim * s.inp + (s.vocab * s.dim * s.act if s.weight != s.act else 0)
                 + (C * s.dim * s.act if s.inp != s.act else 0))
-        last = s.tokens - C * ((s.tokens - 1) // C)  # the last chunk's rows
-        cast_dw = s.vocab * s.dim * s.weight if s.weight != FP32 else 0
-        return held + max(self._step_peak(),
-                          C * s.vocab * s.act + s.vocab * s.dim * s.act,  # dlogitsᵀ·h in the compute dtype
-                          last * s.vocab * s.act + cast_dw)  # the last chunk's dlogits still bound
+        return held + max(self._moments()) - s.vocab * s.dim * s.act
 
-    def _step_peak(self) -> int:
-        """The most a chunk step holds: its logits and the ops of `chunk_loss_and_grad` (per logit,
-        `step_bytes`; per row its mask, clamped labels, log-sum-exp and target logit), with the
-        previous chunk's dlogits still bound in the loop. The largest is the second chunk's (its
-        predecessor is full) or, in one chunk, the first."""
-        s, C = self.s, self.chunk
-        per_row = s.vocab * step_bytes(s.act) + 1 + INT64 + 2 * FP32
-        if s.tokens <= C:
-            return s.tokens * per_row
-        return max(C * per_row, C * s.vocab * s.act + min(C, s.tokens - C) * per_row)
+    def _moments(self) -> list[int]:
+        """What the loop holds beside the above at each of its moments, chunk by chunk: the dW sum
+        (the first chunk's product; fp32 from the second chunk on, its copy made before the
+        product), the previous chunk's dlogits (bound until the step returns), and the step
+        (`_step`); after it the chunk's dlogits with dh's product, then with dW's; after the loop
+        the kept dW's cast. Chunks past the third repeat the third's, but for the last."""
+        s = self.s
+        C = min(self.chunk, s.tokens)
+        n = -(-s.tokens // C)
+        rows = [C] * (n - 1) + [s.tokens - C * (n - 1)]
+        one, summed = s.vocab * s.dim * s.act, s.vocab * s.dim * FP32
+        moments = []
+        for k in sorted({1, 2, 3, n} & set(range(1, n + 1))):
+            r, before = rows[k - 1], rows[k - 2] * s.vocab * s.act if k > 1 else 0
+            held = 0 if k == 1 else one if k == 2 or s.act == FP32 else summed
+            moments.append(held + before + self._step(r))
+            dlogits = r * s.vocab * s.act
+            moments.append(held + dlogits + r * s.dim * s.act)  # dh's rows, before they are copied
+            if k == 2 and s.act != FP32:
+                moments.append(one + summed + dlogits)  # the sum made fp32
+            moments.append((0 if k == 1 else summed) + one + dlogits)
+        last = rows[-1] * s.vocab * s.act
+        moments.append(last + (one if n == 1 or s.act == FP32 else summed + one))
+        return moments
+
+    def _step(self, rows: int) -> int:
+        """What `chunk_loss_and_grad` holds at its most on `rows` rows: its fp32 buffer of the
+        logits beside the logits (their GEMM's output, let go once copied; none apart in fp32) or
+        beside the gradient's cast back, with the rows' mask, clamped labels and log-sum-exp; in
+        fp32 (no copy either way) the buffer with those and two of the loss's per-row temporaries."""
+        s, V = self.s, self.s.vocab
+        if s.act == FP32:
+            return rows * (V * FP32 + 1 + INT64 + FP32 + 2 * FP32)
+        return rows * (V * (FP32 + s.act) + 1 + INT64 + FP32)
 
     def backward_workspace(self) -> int:
-        """dh and dW scaled by the incoming gradient while the kept ones are still held (the new
-        dW becomes the weight's gradient)."""
+        """dh and dW scaled by the incoming gradient, in h's and w's dtypes, while the kept ones
+        are still held (the new dW becomes the weight's gradient)."""
         s = self.s
         return s.tokens * s.dim * s.inp + s.vocab * s.dim * s.weight
 
@@ -122,16 +140,6 @@ class ChunkedHead:
     def grad_workspace(self) -> int:
         """dh, handed to the final norm's backward."""
         return self.s.tokens * self.s.dim * self.s.inp
-
-
-def step_bytes(act: int) -> int:
-    """Bytes per logit the eager `chunk_loss_and_grad` holds at its most: the logits (a) and their
-    fp32 copy (none in fp32), the probabilities (4), the one-hot mask (1), the gradient and its
-    division by the token count (4 + 4) and, in a lower precision, its cast back (a). Torch's
-    log-sum-exp makes an fp32 [C, V] temporary of its own, earlier, while less is held."""
-    if act == FP32:
-        return FP32 + FP32 + 1 + 2 * FP32
-    return act + FP32 + FP32 + 1 + 2 * FP32 + act
 
 
 Head = LogitsHead | ChunkedHead

@@ -6,14 +6,15 @@ For large vocabularies (Qwen3: 151,936) the logits and their fp32 copies are the
 activations of a step (about 4·T·V·… bytes). Here forward walks the tokens C at a time: logits of
 one chunk (in the compute dtype, fp32 accumulation), their log-sum-exp and loss in fp32, and —
 because the loss is the end of the graph — the chunk's gradients right away: dlogits = (softmax −
-onehot) / N, then dh = dlogits·W and dW += dlogitsᵀ·h. Backward only scales the saved dh and dW by
-the incoming gradient. Peak memory holds one chunk's logits instead of all of them; the GEMMs are
-the same three per token as the plain head.
+onehot) / N, then dh = dlogits·W and dW += dlogitsᵀ·h (summed in fp32). Both are kept in the
+compute dtype, as the plain head's GEMMs give them; backward only scales them by the incoming
+gradient, in the dtypes of h and W. Peak memory holds one chunk's logits instead of all of them;
+the GEMMs are the same three per token as the plain head.
 
 The chunk's cross-entropy and its gradient (`chunk_loss_and_grad`) are elementwise passes over the
-[C, V] logits. Run eagerly they write and read fp32 copies, about 40 bytes per logit; `train.compile`
-compiles that function on its own (`compile_loss`), which fuses it into passes over the logits in
-the compute dtype, as the plain head's compiled loss does.
+[C, V] logits. Run eagerly they work in place in one fp32 copy of them (log-sum-exp adds a
+temporary of its own); `train.compile` compiles that function on its own (`compile_loss`), which
+fuses it into passes over the logits in the compute dtype, as the plain head's compiled loss does.
 
 Labels of IGNORE_INDEX (-100) are ignored (they count neither in the loss nor in N), as in
 `F.cross_entropy`.
@@ -26,23 +27,26 @@ import torch
 from moefold.data.loader import IGNORE_INDEX
 
 
-ChunkStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+ChunkStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+                     tuple[torch.Tensor, torch.Tensor]]
 
 
-def chunk_loss_and_grad(logits_CV: torch.Tensor, labels_C: torch.Tensor,
+def chunk_loss_and_grad(h_CD: torch.Tensor, w_VD: torch.Tensor, labels_C: torch.Tensor,
                         count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One chunk's summed cross-entropy over its labelled rows (fp32) and the gradient of the mean
-    loss over `count` tokens with respect to its logits, softmax − one-hot, in the logits' dtype.
-    Pointwise ops and row reductions only, which torch.compile fuses."""
-    x_CV = logits_CV.float()
-    valid_C, labels_C = labels_C != IGNORE_INDEX, labels_C.clamp(min=0)
+    """One chunk's logits h·Wᵀ (in the inputs' dtype, fp32 accumulation), their summed
+    cross-entropy over the labelled rows (fp32), and the gradient of the mean loss over `count`
+    tokens with respect to them, softmax − one-hot, in the logits' dtype. Eagerly it works in one
+    fp32 [C, V] buffer, in place; torch.compile fuses the same ops into passes over the logits."""
+    logits_CV = h_CD @ w_VD.T
+    x_CV = logits_CV.float()  # the logits themselves in fp32, none kept beside: worked on in place
+    dtype, logits_CV = logits_CV.dtype, None
+    valid_C, labels_C = labels_C != IGNORE_INDEX, labels_C.clamp(min=0)[:, None]
     lse_C = torch.logsumexp(x_CV, dim=-1)
-    target_C = x_CV.gather(1, labels_C[:, None])[:, 0]
-    loss = torch.where(valid_C, lse_C - target_C, 0.0).sum()
-    probs_CV = torch.exp(x_CV - lse_C[:, None])
-    is_label_CV = torch.arange(x_CV.shape[1], device=x_CV.device) == labels_C[:, None]
-    grad_CV = torch.where(valid_C[:, None], torch.where(is_label_CV, probs_CV - 1.0, probs_CV), 0.0)
-    return loss, (grad_CV / count).to(logits_CV.dtype)
+    loss = torch.where(valid_C, lse_C - x_CV.gather(1, labels_C)[:, 0], 0.0).sum()
+    grad_CV = x_CV.sub_(lse_C[:, None]).exp_()  # softmax
+    grad_CV.scatter_add_(1, labels_C, torch.full(labels_C.shape, -1.0, device=grad_CV.device))  # − one-hot
+    grad_CV.mul_(valid_C[:, None]).div_(count)  # labelled rows only, over the micro-batch's count
+    return loss, grad_CV.to(dtype)
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -50,23 +54,36 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, h_TD, weight_VD, labels_T, chunk: int, compute_dtype, step: ChunkStep):
         count = (labels_T != IGNORE_INDEX).sum().clamp(min=1)
         w_VD = weight_VD.to(compute_dtype)
-        grad_h_TD = torch.empty_like(h_TD)
-        grad_w_VD = torch.zeros(weight_VD.shape, dtype=torch.float32, device=weight_VD.device)
+        # dh and dW are kept in the compute dtype, as the plain head's GEMMs give them: with fp32
+        # parameters under autocast that halves what the loss holds from forward to backward.
+        grad_h_TD = torch.empty(h_TD.shape, dtype=compute_dtype, device=h_TD.device)
+        grad_w_VD = None
         loss = torch.zeros((), dtype=torch.float32, device=h_TD.device)
         for start in range(0, h_TD.shape[0], chunk):
             rows = slice(start, start + chunk)
             h_CD = h_TD[rows].to(compute_dtype)
-            chunk_loss, grad_CV = step(h_CD @ w_VD.T, labels_T[rows], count)  # logits in fp32 accumulation
+            chunk_loss, grad_CV = step(h_CD, w_VD, labels_T[rows], count)
             loss += chunk_loss
-            grad_h_TD[rows] = (grad_CV @ w_VD).to(h_TD.dtype)
-            grad_w_VD.add_(grad_CV.T @ h_CD)  # in fp32, with no fp32 copy of the [V, D] product
-        ctx.save_for_backward(grad_h_TD, grad_w_VD.to(weight_VD.dtype))
+            grad_h_TD[rows] = grad_CV @ w_VD
+            # dW: one chunk's is the plain head's GEMM, with no [V, D] fp32 buffer; from the second
+            # chunk on the sum is fp32 (made before the product, so the first one's copy is gone by
+            # then) and each product is added in place.
+            if grad_w_VD is not None:
+                grad_w_VD = grad_w_VD.float()
+            part_VD = grad_CV.T @ h_CD
+            grad_w_VD = part_VD if grad_w_VD is None else grad_w_VD.add_(part_VD)
+            del part_VD
+        ctx.dtypes = h_TD.dtype, weight_VD.dtype
+        ctx.save_for_backward(grad_h_TD, grad_w_VD.to(compute_dtype))
         return loss / count
 
     @staticmethod
     def backward(ctx, grad_loss):
         grad_h_TD, grad_w_VD = ctx.saved_tensors
-        return grad_h_TD * grad_loss.to(grad_h_TD.dtype), grad_w_VD * grad_loss.to(grad_w_VD.dtype), \
+        h_dtype, w_dtype = ctx.dtypes
+        # In the inputs' dtypes, scaled in place: one new tensor each (a copy: a retained graph's
+        # next backward reads the kept ones again).
+        return grad_h_TD.to(h_dtype, copy=True).mul_(grad_loss), grad_w_VD.to(w_dtype, copy=True).mul_(grad_loss), \
             None, None, None, None
 
 

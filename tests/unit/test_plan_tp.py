@@ -119,7 +119,7 @@ def test_activations_match_the_tensor_parallel_model(measured, name, dtype, sp):
     cfg = _config(name, dtype, sp)
     real, plan = measured[f"{name} {dtype} sp={sp}"], predict_memory(cfg, TP)
     assert measured[f"{name} {dtype} sp={sp} host"] == plan.offloaded
-    assert measured[f"{name} {dtype} sp={sp} host peak"] == plan.offloaded_peak
+    assert measured[f"{name} {dtype} sp={sp} host peak"] == plan.offloaded  # backward copies nothing
     planned = plan.activations
     assert sum(planned.values()) == sum(real.values())
     for category in set(real) | set(planned):

@@ -38,8 +38,8 @@ class SavedActivations:
     by_category: dict[str, int] = field(default_factory=dict)
     by_scope: dict[str, int] = field(default_factory=dict)  # "layer 3", "mtp 1", "model"
     host: int = 0  # memory.offload's host copies still held when forward ends
-    host_peak: int = 0  # ... at their most from then through backward (a recomputed region with
-    # an offloaded site inside copies again as backward recomputes it)
+    host_peak: int = 0  # ... at their most from then through backward (`host`: a recomputed
+    # region's offloaded sites copy nothing when backward runs them again)
 
     @property
     def total(self) -> int:

@@ -87,10 +87,9 @@ class MemoryPlan:
     optimizer_step: float  # the optimizer's workspace
     phases: dict[str, dict[str, float]] = field(default_factory=dict)
     # "forward" / "backward" / "optimizer step": what is held at that phase's peak, by part
-    offloaded: float = 0.0  # host memory memory.offload's copies hold as forward ends: one per
-    # storage a site call saved, those that also stay on the GPU included
-    offloaded_peak: float = 0.0  # ... at their most, in backward: a recomputed region with
-    # offloaded sites inside copies what they save again as backward recomputes it
+    offloaded: float = 0.0  # host memory memory.offload's copies hold as forward ends, their most
+    # (backward only releases them): one per storage a site call saved, those that also stay on the
+    # GPU included
     fp8_weight_cache: float = 0.0  # precision.fp8_weight_cache: the experts' FP8 weights, both layouts
     rank_peaks: list[float] = field(default_factory=list)  # every pipeline rank's peak
     notes: list[str] = field(default_factory=list)
@@ -323,8 +322,8 @@ def _rank_plan(cfg: Config, lay: _Layout, chunks: list[Chunk], rank: int, sh: ac
     per_chunk = [_chunk_activations(cfg, ch, sh, vocab) for ch in mine]
     flight = peak_in_flight([sum(b.values()) for b in per_chunk], micro_batches, d.pp, rank)
     activations: dict[str, float] = {}
-    host_of = {i: options.layer_delta(cfg, i, sh)[1] for ch in mine for i in ch.layers}
-    offloaded = sum(n * sum(host_of[i] for i in ch.layers) for n, ch in zip(flight.per_chunk, mine))
+    offloaded = sum(n * sum(options.layer_delta(cfg, i, sh)[1] for i in ch.layers)
+                    for n, ch in zip(flight.per_chunk, mine))
     for n, b in zip(flight.per_chunk, per_chunk):
         for key, value in b.items():
             activations[key] = activations.get(key, 0) + n * value
@@ -336,7 +335,6 @@ def _rank_plan(cfg: Config, lay: _Layout, chunks: list[Chunk], rank: int, sh: ac
     states["fp8_weight_cache"] = _fp8_weight_cache(cfg, mine, sh, d)
     grad_per_element = states["gradients"] / max(1, split.total)  # local, sharded or not
     last = mine[-1]
-    offloaded_peak = _host_peak(cfg, last, sh, offloaded, host_of)
     layers = []
     for i in last.layers:
         full = act.layer_bytes(cfg, i, sh)
@@ -363,17 +361,7 @@ def _rank_plan(cfg: Config, lay: _Layout, chunks: list[Chunk], rank: int, sh: ac
     return MemoryPlan(world_size=d.world, pp_rank=rank, layers=tuple(i for ch in mine for i in ch.layers),
                       **states, activations=activations, in_flight=flight.per_chunk,
                       transient=transient, comm_buffers=r.comm, optimizer_step=r.optimizer,
-                      phases=_phases(r), offloaded=offloaded, offloaded_peak=offloaded_peak)
-
-
-def _host_peak(cfg: Config, last: Chunk, sh: act.Shapes, offloaded: float, host_of: dict[int, int]) -> float:
-    """The most offload's host copies hold: as forward ends, or in backward, as the walk of
-    `_phases` reaches each layer of the last local chunk (the layers above it released theirs)."""
-    peak, released = offloaded, 0
-    for i in reversed(last.layers):
-        peak = max(peak, offloaded - released - host_of[i] + options.backward_host(cfg, i, sh))
-        released += host_of[i]
-    return peak
+                      phases=_phases(r), offloaded=offloaded)
 
 
 def predict_memory(cfg: Config, world_size: int, imbalance: float = 1.0,

@@ -22,18 +22,18 @@ does).
 
 So names compose as the wrappers do: a site recomputed inside an offloaded one saves nothing to
 copy, but its inputs go to the host where it is a checkpoint and stay where it is a producer; a
-site offloaded inside a recomputed one copies what it saves all the same (and again when backward
-recomputes the region, if it comes before the region's last save of its own: `backward_host`);
-nested offloaded calls each copy what they save, a storage saved in both once by each; an
-offloaded consumer copies what a recomputed producer then frees.
+site offloaded inside a recomputed one copies what it saves all the same (and nothing when
+backward recomputes the region: memory/offload.py's `_recomputed`); nested offloaded calls each
+copy what they save, a storage saved in both once by each; an offloaded consumer copies what a
+recomputed producer then frees.
 
 `layer_delta(cfg, layer_id, sh)` returns the change by category (negative: freed) and the bytes
-the block's host copies hold when forward ends; `backward_host` the most they hold while backward
-goes through the block; `rope_tables_kept` the RoPE tables blocks keep. Checked to the
-byte, in total and host copies, against the real model with the wrappers applied, every pair of
-names included (plan.measure on CPU, tests/unit/test_plan_memory.py; under TP with and without
-sequence parallelism, tests/unit/test_plan_tp.py, where offload moves the local shards of the
-DTensors that the sharded linears and sequence-parallel norms save).
+the block's host copies hold when forward ends, the most they hold (backward only releases them);
+`rope_tables_kept` the RoPE tables blocks keep. Checked to the byte, in total and host copies
+(as forward ends and at their most in backward), against the real model with the wrappers
+applied, every pair of names included (plan.measure on CPU, tests/unit/test_plan_memory.py;
+under TP with and without sequence parallelism, tests/unit/test_plan_tp.py, where offload moves
+the local shards of the DTensors that the sharded linears and sequence-parallel norms save).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from moefold.config import Config
 from moefold.plan import activations as act
 from moefold.plan.activations import Bytes, Shapes
-from moefold.plan.storages import Call, Stored, block_calls, block_storages, rope_tables, site
+from moefold.plan.storages import Call, Stored, block_storages, rope_tables, site
 
 
 @dataclass(frozen=True)
@@ -112,14 +112,9 @@ def _category(s: Stored, wrapped: _Wrapped) -> str:
     return next(s.category_of(i) for i, call in enumerate(s.saved_in) if _taken(s, call, wrapped) == _STAYS)
 
 
-def _host_by_call(storages: list[Stored], wrapped: _Wrapped) -> dict[Call, int]:
-    """The bytes of each offloaded call's host copies: one of each storage it saved."""
-    host: dict[Call, int] = {}
-    for s in storages:
-        for fate in _fates(s, wrapped):
-            if isinstance(fate, tuple):
-                host[fate] = host.get(fate, 0) + int(s.nbytes)
-    return host
+def _host(storages: list[Stored], wrapped: _Wrapped) -> int:
+    """The bytes of the offloaded calls' host copies: one of each storage each call saved."""
+    return sum(int(s.nbytes) for s in storages for fate in _fates(s, wrapped) if isinstance(fate, tuple))
 
 
 def layer_delta(cfg: Config, layer_id: int, sh: Shapes) -> tuple[Bytes, int]:
@@ -132,32 +127,7 @@ def layer_delta(cfg: Config, layer_id: int, sh: Shapes) -> tuple[Bytes, int]:
     storages = block_storages(cfg, layer_id, sh)
     plain, kept = _kept(storages, _Wrapped()), _kept(storages, wrapped)
     delta = {k: kept.get(k, 0) - plain.get(k, 0) for k in kept.keys() | plain.keys()}
-    host = _host_by_call(storages + rope_tables(cfg, sh), wrapped)
-    return {k: v for k, v in delta.items() if v}, sum(host.values())
-
-
-def backward_host(cfg: Config, layer_id: int, sh: Shapes) -> int:
-    """The most the block's host copies hold while backward goes through it: all of them as it
-    starts, or more where a recomputed region (`layer`, `moe`) holds offloaded sites. Backward
-    runs the nodes in reverse order of their making, so when it reaches the region's last save of
-    its own and recomputes the region, the copies made after that save are released already;
-    the recompute then runs the region up to that save again (torch.utils.checkpoint stops there),
-    and each offloaded call inside it copies what it saves a second time, held until the
-    recompute ends."""
-    wrapped = _Wrapped.of(cfg)
-    if not wrapped.offload:
-        return 0
-    host = _host_by_call(block_storages(cfg, layer_id, sh) + rope_tables(cfg, sh), wrapped)
-    calls = block_calls(cfg, layer_id)
-    last = {wrapped.innermost(call): k for k, call in enumerate(calls)}  # each wrapper's last save
-    regions = {call[:d] for call in calls for d in range(1, len(call) + 1)
-               if site(call[:d]) in wrapped.recompute}
-    most = sum(host.values())
-    for region in regions:
-        before = [w for w in host if last.get(w, -1) < last[region]]
-        again = sum(host[w] for w in before if w[:len(region)] == region)
-        most = max(most, sum(host[w] for w in before) + again)
-    return most
+    return {k: v for k, v in delta.items() if v}, _host(storages + rope_tables(cfg, sh), wrapped)
 
 
 def rope_tables_kept(cfg: Config, sh: Shapes) -> Bytes:

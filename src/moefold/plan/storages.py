@@ -96,26 +96,6 @@ def block_storages(cfg: Config, layer_id: int, sh_params: Shapes) -> list[Stored
     return [s for s in {id(s): s for s in out}.values() if s.saved_in or s.input_of or s.held_by]
 
 
-def block_calls(cfg: Config, layer_id: int) -> list[Call]:
-    """The calls whose ops save tensors, in the order forward runs them (a call again where the
-    block comes back to it). Where a recompute stops depends on it: torch.utils.checkpoint
-    (non-reentrant) recomputes a region only up to the last tensor its own hooks saved, so an
-    offloaded site after that point does not run again."""
-    from moefold.models.transformer import is_moe_layer
-
-    m = cfg.model
-    if m.attention == "mla":  # wq_a and wkv_a; the up-projection
-        attn = [LAYER, UP_PROJ]
-    else:  # q, k and v; the QK-norms and RoPE
-        attn = [LAYER, Q_NORM, K_NORM, LAYER] if m.qk_norm else [LAYER]
-    block = [ATTN_NORM, *attn, CORE, LAYER, FFN_NORM]  # LAYER: the output projection
-    if not is_moe_layer(cfg, layer_id):
-        return block + [MLP]
-    # router, dispatch, gate and up; the activation; the down GEMM and combine; the shared experts;
-    # the balancing losses' injection, which saves their sum (without any, a zero all the same)
-    return block + [MOE, MOE_ACT, MOE, *([SHARED] if cfg.moe.shared_experts else []), MOE]
-
-
 def rope_tables(cfg: Config, sh: Shapes) -> list[Stored]:
     """cos and sin as a block keeps them, RoPE applied in the block (GQA) or MLA's up-projection
     (DeepSeek's interleaved RoPE saves the first half of each, rope.apply_rope_interleaved). The

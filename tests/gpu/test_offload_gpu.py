@@ -8,6 +8,7 @@ import torch
 from memory_runs import CONFIGS, MODULES, assert_identical, batches, build, train
 
 from moefold.memory.offload import StreamedHostCopy
+from moefold.moe.recomputing import in_backward
 
 pytestmark = pytest.mark.gpu
 
@@ -63,3 +64,22 @@ def test_offloaded_layers_free_gpu_memory():
     plain = allocated_after_forward({})
     offloaded = allocated_after_forward({"memory.offload": '["layer"]', "memory.offload_min_bytes": "0"})
     assert offloaded < 0.5 * plain, (offloaded, plain)
+
+
+def test_a_recomputed_layer_copies_to_the_host_in_forward_only():
+    """Backward recomputes the layer, and with it the offloaded sites inside: what they save then
+    stays on the GPU (test_offload.py on the CPU); every pinned copy is made in forward and brought
+    back in backward."""
+    model = build("qwen3", {"memory.recompute": '["layer"]', "memory.offload": '["attn_core", "moe_act"]',
+                            "memory.offload_min_bytes": "0"}, device_type="cuda").cuda()
+    offload, copied_in_backward = model.activation_offload, []
+    to_host = offload.copier.to_host
+
+    def recording(storage_B):
+        copied_in_backward.append(in_backward())
+        return to_host(storage_B)
+    offload.copier.to_host = recording
+    train(model, device="cuda")
+    torch.cuda.synchronize()
+    assert copied_in_backward and not any(copied_in_backward)
+    assert offload.offloaded_bytes > 0

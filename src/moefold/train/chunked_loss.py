@@ -13,8 +13,9 @@ the GEMMs are the same three per token as the plain head.
 
 The chunk's cross-entropy and its gradient (`chunk_loss_and_grad`) are elementwise passes over the
 [C, V] logits. Run eagerly they work in place in one fp32 copy of them (log-sum-exp adds a
-temporary of its own); `train.compile` compiles that function on its own (`compile_loss`), which
-fuses it into passes over the logits in the compute dtype, as the plain head's compiled loss does.
+temporary of its own); under `train.compile` their fusible twin (`fused_chunk_loss_and_grad`) is
+compiled on its own (`compile_loss`) into passes over the logits in the compute dtype, as the
+plain head's compiled loss is.
 
 Labels of IGNORE_INDEX (-100) are ignored (they count neither in the loss nor in N), as in
 `F.cross_entropy`.
@@ -35,18 +36,41 @@ def chunk_loss_and_grad(h_CD: torch.Tensor, w_VD: torch.Tensor, labels_C: torch.
                         count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One chunk's logits h·Wᵀ (in the inputs' dtype, fp32 accumulation), their summed
     cross-entropy over the labelled rows (fp32), and the gradient of the mean loss over `count`
-    tokens with respect to them, softmax − one-hot, in the logits' dtype. Eagerly it works in one
-    fp32 [C, V] buffer, in place; torch.compile fuses the same ops into passes over the logits."""
-    logits_CV = h_CD @ w_VD.T
-    x_CV = logits_CV.float()  # the logits themselves in fp32, none kept beside: worked on in place
-    dtype, logits_CV = logits_CV.dtype, None
+    tokens with respect to them, softmax − one-hot, in the logits' dtype. Eager: it works in one
+    fp32 [C, V] buffer, in place."""
+    x_CV, dtype = _fp32_logits(h_CD, w_VD)
     valid_C, labels_C = labels_C != IGNORE_INDEX, labels_C.clamp(min=0)[:, None]
-    lse_C = torch.logsumexp(x_CV, dim=-1)
-    loss = torch.where(valid_C, lse_C - x_CV.gather(1, labels_C)[:, 0], 0.0).sum()
+    loss, lse_C = _loss(x_CV, valid_C, labels_C)
     grad_CV = x_CV.sub_(lse_C[:, None]).exp_()  # softmax
     grad_CV.scatter_add_(1, labels_C, torch.full(labels_C.shape, -1.0, device=grad_CV.device))  # − one-hot
     grad_CV.mul_(valid_C[:, None]).div_(count)  # labelled rows only, over the micro-batch's count
     return loss, grad_CV.to(dtype)
+
+
+def fused_chunk_loss_and_grad(h_CD: torch.Tensor, w_VD: torch.Tensor, labels_C: torch.Tensor,
+                              count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`chunk_loss_and_grad` in pointwise ops and row reductions only, the one-hot a comparison,
+    for torch.compile to fuse into passes over the logits (a scatter would make it write the fp32
+    buffer out). Bit for bit the same values."""
+    x_CV, dtype = _fp32_logits(h_CD, w_VD)
+    valid_C, labels_C = labels_C != IGNORE_INDEX, labels_C.clamp(min=0)[:, None]
+    loss, lse_C = _loss(x_CV, valid_C, labels_C)
+    probs_CV = torch.exp(x_CV - lse_C[:, None])
+    is_label_CV = torch.arange(x_CV.shape[1], device=x_CV.device) == labels_C
+    grad_CV = torch.where(valid_C[:, None], torch.where(is_label_CV, probs_CV - 1.0, probs_CV), 0.0)
+    return loss, (grad_CV / count).to(dtype)
+
+
+def _fp32_logits(h_CD: torch.Tensor, w_VD: torch.Tensor) -> tuple[torch.Tensor, torch.dtype]:
+    """The chunk's logits in fp32, and their dtype: the GEMM's output is let go once copied."""
+    logits_CV = h_CD @ w_VD.T
+    return logits_CV.float(), logits_CV.dtype
+
+
+def _loss(x_CV: torch.Tensor, valid_C: torch.Tensor, labels_C1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The summed cross-entropy of the labelled rows, and every row's log-sum-exp."""
+    lse_C = torch.logsumexp(x_CV, dim=-1)
+    return torch.where(valid_C, lse_C - x_CV.gather(1, labels_C1)[:, 0], 0.0).sum(), lse_C
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):

@@ -17,7 +17,12 @@ from torch import nn
 
 from moefold.data.loader import IGNORE_INDEX
 from moefold.models.mtp import loss_or_zero
-from moefold.train.chunked_loss import ChunkStep, chunk_loss_and_grad, chunked_linear_cross_entropy
+from moefold.train.chunked_loss import (
+    ChunkStep,
+    chunk_loss_and_grad,
+    chunked_linear_cross_entropy,
+    fused_chunk_loss_and_grad,
+)
 from moefold.train.compile import compile_loss
 
 
@@ -63,7 +68,7 @@ def build_head_loss(chunk_tokens: int = 0, compiled: bool = False) -> HeadLoss:
     """`ChunkedLoss` for chunk_tokens > 0 (train.loss_chunk_tokens), else `LogitsLoss`; their
     elementwise work compiled when `compiled` (train.compile)."""
     if chunk_tokens > 0:
-        return ChunkedLoss(chunk_tokens, compile_loss(chunk_loss_and_grad) if compiled else chunk_loss_and_grad)
+        return ChunkedLoss(chunk_tokens, compile_loss(fused_chunk_loss_and_grad) if compiled else chunk_loss_and_grad)
     return LogitsLoss(compile_loss(cross_entropy_loss) if compiled else cross_entropy_loss)
 
 

@@ -21,8 +21,7 @@ Under tensor parallelism many saved tensors are DTensors: the sharded linears' i
 sequence parallelism, everything the pre-norms save. A DTensor is a wrapper; its local shard holds
 the memory, so the shard's storage is what moves (`min_bytes` and the stride check apply to the
 shard), with the shard's place in the whole (its DTensorSpec: mesh, placements, shard order, global
-shape and stride). Unpack wraps the shard brought
-back in an equal DTensor (no communication),
+shape and stride). Unpack wraps the shard brought back in an equal DTensor (no communication),
 detached as a non-reentrant checkpoint's recomputed tensors are: backward reads only the value.
 
 The copier is a strategy chosen from the device type when the model is built; it moves one storage's

@@ -49,8 +49,9 @@ class LogitsLoss:
 
 class ChunkedLoss:
     """The head and cross-entropy `chunk_tokens` tokens at a time, never holding the [B, S, V]
-    logits (train/chunked_loss.py; train.loss_chunk_tokens). `chunk_step`: each chunk's loss and
-    logits' gradient, compiled under train.compile."""
+    logits (train/chunked_loss.py; train.loss_chunk_tokens). `chunk_step`: each chunk's logits,
+    loss and logits' gradient (`chunk_loss_and_grad`; under train.compile the compiled
+    `fused_chunk_loss_and_grad`)."""
 
     def __init__(self, chunk_tokens: int, chunk_step: ChunkStep = chunk_loss_and_grad):
         self.chunk_tokens, self.chunk_step = chunk_tokens, chunk_step

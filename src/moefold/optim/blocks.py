@@ -87,14 +87,19 @@ def _last_dim_splits(t: DTensor) -> list[int]:
 
 def _splits_whole_blocks(t: DTensor) -> bool:
     """Whether t's last dimension is split at block boundaries: by one mesh dimension (plain
-    Shard), into pieces of ceil(C / ranks) columns — torch's chunking, which the scales' last
-    dimension then follows block for block — that are whole blocks or whole rows (one rank).
-    Every piece then starts a block and ends one (or the row), on every rank alike."""
+    Shard), into pieces that hold whole blocks (`pieces_hold_whole_blocks`)."""
     splits = _last_dim_splits(t)
     if len(splits) != 1 or type(t.placements[splits[0]]) is not Shard:
         return False
-    cols = t.shape[-1] if t.ndim else 1
-    piece = -(-cols // t.device_mesh.size(splits[0]))
+    return pieces_hold_whole_blocks(t.shape[-1] if t.ndim else 1, t.device_mesh.size(splits[0]))
+
+
+def pieces_hold_whole_blocks(cols: int, ranks: int) -> bool:
+    """Whether `cols` columns split over `ranks` into torch's pieces of ceil(cols / ranks) — which
+    the scales' last dimension then follows block for block — are whole blocks or whole rows (one
+    rank): every piece starts a block and ends one (or the row), on every rank alike. The memory
+    planner asks the same of the weights it knows are split so."""
+    piece = -(-cols // ranks)
     return piece % BLOCK == 0 or piece >= cols
 
 

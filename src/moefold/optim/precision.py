@@ -30,7 +30,8 @@ to m/eps. Overestimating a tiny v only shrinks that element's step.
 
 `fused=True` updates CUDA parameters by one Triton kernel pass each (optim/fused.py), with the
 foreach path's arithmetic; fp8 moments there too, except in pieces whose last dimension is split
-across a block (the foreach path completes those blocks' maxima over the ranks). Not here yet: stochastic rounding.
+across a block (the foreach path completes those blocks' maxima over the ranks). Not here yet:
+stochastic rounding.
 """
 
 import math

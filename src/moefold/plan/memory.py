@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from moefold.config import Config, micro_batches_per_step
 from moefold.data.tokenizer import model_vocab_size
 from moefold.errors import ConfigError
+from moefold.optim.blocks import pieces_hold_whole_blocks
 from moefold.parallel.dims import ParallelDims
 from moefold.plan import activations as act
 from moefold.plan import options
@@ -186,7 +187,7 @@ def _optimizer_step(cfg: Config, lay: _Layout, split: ParamSplit) -> float:
 
 def _splits_cut_blocks(cfg: Config, d: ParallelDims) -> bool:
     """Whether a weight split along its last dimension (TP's row-parallel wo and w2, ETP's expert
-    w1/w3) gives the ranks pieces of ceil(width / ranks) columns that are no multiple of 128."""
+    w1/w3) gives the ranks pieces that cut the optimizer's fp8 blocks (optim/blocks.py)."""
     m, moe = cfg.model, cfg.moe
     attn_out = m.n_heads * (m.v_head_dim if m.attention == "mla" else m.head_dim or m.dim // m.n_heads)
     widths = [(attn_out, d.tp), (moe.expert_hidden, d.etp)]
@@ -194,7 +195,7 @@ def _splits_cut_blocks(cfg: Config, d: ParallelDims) -> bool:
         widths.append((m.ffn_hidden, d.tp))
     if moe.shared_experts:
         widths.append((moe.shared_experts * (moe.shared_expert_hidden or moe.expert_hidden), d.tp))
-    return any(ranks > 1 and -(-width // ranks) % 128 for width, ranks in widths)
+    return not all(pieces_hold_whole_blocks(width, ranks) for width, ranks in widths)
 
 
 def _shapes(cfg: Config, lay: _Layout, imbalance: float) -> act.Shapes:

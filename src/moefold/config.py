@@ -206,6 +206,11 @@ class ParallelConfig:
     device→host copy of split sizes per layer) or allgather (gather all tokens, no host sync)."""
 
 
+    @property
+    def shards_sequence(self) -> bool:
+        """Whether the main blocks run on sequence shards: sequence_parallel, with tp > 1."""
+        return self.sequence_parallel and self.tp > 1
+
 @dataclass
 class TrainConfig:
     steps: int = 300
@@ -860,7 +865,7 @@ def _validate_parallel(cfg: Config) -> None:
                   n_kv_heads=m.n_kv_heads if m.attention == "gqa" else 0,
                   n_layers=m.n_layers, seq_len=cfg.train.seq_len, expert_hidden=cfg.moe.expert_hidden)
     _require(p.vpp >= 1, f"parallel.vpp={p.vpp} must be >= 1")
-    _require(not (p.sequence_parallel and p.tp > 1) or cfg.train.seq_len % p.tp == 0,
+    _require(not p.shards_sequence or cfg.train.seq_len % p.tp == 0,
              f"parallel.sequence_parallel needs train.seq_len={cfg.train.seq_len} divisible by "
              f"parallel.tp={p.tp} (set parallel.sequence_parallel=false otherwise)")
     tokens = cfg.train.micro_batch_size * cfg.train.seq_len

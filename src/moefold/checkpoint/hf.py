@@ -312,8 +312,6 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 def _tensor_files(path: Path) -> dict[str, Path]:
     """Every tensor name of the checkpoint and its safetensors file."""
-    from safetensors import safe_open
-
     if (path / INDEX).is_file():
         weight_map = _read_json(path / INDEX).get("weight_map")
         if not isinstance(weight_map, dict):
@@ -323,7 +321,7 @@ def _tensor_files(path: Path) -> dict[str, Path]:
                 raise CheckpointError(f"{path / INDEX} names {file}, which does not exist")
         return {name: path / file for name, file in weight_map.items()}
     if (path / SINGLE).is_file():
-        with safe_open(path / SINGLE, framework="pt") as f:
+        with _safetensors_file(path / SINGLE) as f:
             return dict.fromkeys(f.keys(), path / SINGLE)
     raise CheckpointError(f"{path}: neither {SINGLE} nor {INDEX} (only safetensors checkpoints load)")
 
@@ -369,11 +367,9 @@ def _check_names(plan: Plan, file_of: dict[str, Path], path: Path) -> None:
 def _check_shapes(plan: Plan, file_of: dict[str, Path]) -> None:
     """Every tensor's shape from its file's header, before anything is read: each rank of a
     parallel run reads only its own rows and experts, yet all refuse a bad checkpoint alike."""
-    from safetensors import safe_open
-
     repeated = {**plan.aliases, **plan.copies}
     for file in sorted(set(file_of.values())):
-        with safe_open(file, framework="pt") as f:
+        with _safetensors_file(file) as f:
             for name in f.keys():
                 slot = plan.slots.get(name) or (Slot(repeated[name]) if name in repeated else None)
                 if slot is not None:
@@ -445,18 +441,30 @@ def _reading(file_of: dict[str, Path]) -> Iterator[Callable[..., torch.Tensor]]:
     """`read(name, box=None)`: a checkpoint tensor (or the box of it a tuple of slices names),
     from its file, opened once in the block. The files are closed when it ends: the pages of a
     mapped file count as the process's memory until then."""
-    from safetensors import safe_open
-
     with ExitStack() as stack:
         opened: dict[Path, Any] = {}
 
         def read(name: str, box: tuple[slice, ...] | None = None) -> torch.Tensor:
             file = file_of[name]
             if file not in opened:
-                opened[file] = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
+                opened[file] = stack.enter_context(_safetensors_file(file))
             return opened[file].get_tensor(name) if box is None else opened[file].get_slice(name)[box]
 
         yield read
+
+
+@contextmanager
+def _safetensors_file(file: Path) -> Iterator[Any]:
+    """`safe_open(file)` on the CPU; a file safetensors cannot read (cut short by a failed
+    download or copy, or not safetensors at all) is a CheckpointError naming it, not a traceback."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        f = safe_open(file, framework="pt", device="cpu")
+    except SafetensorError as e:
+        raise CheckpointError(f"{file}: not a readable safetensors file ({e}); download or copy it again") from None
+    with f:
+        yield f
 
 
 def _check_shape(target: torch.Tensor, slot: Slot, name: str, shape: Sequence[int], file: Path) -> None:

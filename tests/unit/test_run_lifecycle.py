@@ -1,0 +1,75 @@
+"""A run directory's life on the CPU: train, stop, resume, convert, generate — each bad input one
+line and exit status 2, with nothing already written lost."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from moefold.cli import main
+
+
+def snapshot(run_dir: Path) -> dict[Path, bytes]:
+    return {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+
+
+def error_line(capsys, argv) -> str:
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err.strip()
+
+
+@pytest.fixture
+def finished_run(tmp_path, tiny_args) -> Path:
+    run = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run), *tiny_args, "--train.steps", "3"]) == 0
+    return run
+
+
+# ------------------------------------------------------------------------ corrupt Hugging Face files
+
+@pytest.fixture
+def hf_export(tmp_path) -> Path:
+    """A tiny model exported to Hugging Face safetensors in one file."""
+    from moefold.checkpoint.hf import save_pretrained
+    from moefold.config import load_config
+    from moefold.models.transformer import build_model
+
+    torch.manual_seed(0)
+    model = build_model(load_config("tiny-qwen3"), 257, "cpu", torch.float32)
+    save_pretrained(model, tmp_path / "hf")
+    return tmp_path / "hf"
+
+
+def _cut_short(file: Path, keep: int) -> None:
+    file.write_bytes(file.read_bytes()[:keep])
+
+
+@pytest.mark.parametrize("keep", [5000, -1000], ids=["header-cut", "data-cut"])
+def test_a_cut_short_safetensors_file_is_one_line_for_convert_and_init_from_hf(hf_export, tmp_path, capsys,
+                                                                               tiny_args, keep):
+    """A download or copy cut short ended `convert --from-hf` and `train --init-from-hf` in a
+    safetensors traceback (exit 1)."""
+    weights = hf_export / "model.safetensors"
+    _cut_short(weights, keep)
+    line = error_line(capsys, ["convert", "--from-hf", str(hf_export), "--out", str(tmp_path / "run")])
+    assert str(weights) in line and "not a readable safetensors file" in line
+    assert not (tmp_path / "run").exists()
+    line = error_line(capsys, ["train", "--init-from-hf", str(hf_export), "--run-dir", str(tmp_path / "ft"),
+                               *tiny_args])
+    assert str(weights) in line and not (tmp_path / "ft").exists()
+
+
+def test_a_cut_short_shard_of_a_sharded_checkpoint_is_one_line(tmp_path, capsys):
+    from moefold.checkpoint.hf import save_pretrained
+    from moefold.config import load_config
+    from moefold.models.transformer import build_model
+
+    model = build_model(load_config("tiny-qwen3"), 257, "cpu", torch.float32)
+    save_pretrained(model, tmp_path / "hf", max_shard_bytes=2**16)
+    shard = sorted((tmp_path / "hf").glob("*.safetensors"))[-1]
+    _cut_short(shard, -100)
+    line = error_line(capsys, ["convert", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run")])
+    assert str(shard) in line and not (tmp_path / "run").exists()

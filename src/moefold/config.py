@@ -637,6 +637,11 @@ def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
     _require(value in allowed, f"{key}={value!r} is not one of {', '.join(allowed)}")
 
 
+# fp32's smallest normal number, 2**-126: a smaller AdamW eps is 0 (or a subnormal that GPU
+# kernels flush to 0) in the optimizer's arithmetic, and a parameter without gradient then gets 0/0.
+FP32_SMALLEST_NORMAL = 2.0**-126
+
+
 def micro_batches_per_step(t: TrainConfig, dp: int) -> int:
     """Micro-batches per optimizer step on each data rank: train.grad_accum, or what
     train.global_batch_size leaves after micro_batch_size · dp (the trainer and the planner)."""
@@ -687,7 +692,8 @@ def validate(cfg: Config) -> None:
              f"train.warmup_steps={t.warmup_steps} exceeds train.steps={t.steps}")
     _require(0.0 <= t.beta1 < 1.0, f"train.beta1={t.beta1} must be in [0, 1)")
     _require(0.0 <= t.beta2 < 1.0, f"train.beta2={t.beta2} must be in [0, 1)")
-    _require(t.eps > 0, f"train.eps={t.eps} must be > 0")
+    _require(t.eps >= FP32_SMALLEST_NORMAL, f"train.eps={t.eps} must be >= {FP32_SMALLEST_NORMAL:.2g} (fp32's "
+             "smallest normal number: the optimizer's fp32 arithmetic makes a smaller one 0)")
     _require(t.lr * t.weight_decay < 1,
              f"train.lr={t.lr} · train.weight_decay={t.weight_decay} = {t.lr * t.weight_decay:g} must be < 1 "
              "(AdamW's decay multiplies each weight by 1 − lr · weight_decay a step: 0 or less zeroes it or "

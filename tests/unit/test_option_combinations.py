@@ -1,0 +1,34 @@
+"""Options that only mean something together with another: a value the rest of the config would
+silently ignore, or one that validates but cannot train, is refused from the config with one line
+naming it and what it needs. Found by a single-process sweep of option combinations on the tiny
+presets (capacity, routers, balancing losses, MTP and chunked loss, recompute × offload × FP8 ×
+optimizer precision, odd sizes)."""
+
+import pytest
+import torch
+from torch import nn
+
+from moefold.config import FP32_SMALLEST_NORMAL, OptimConfig, TrainConfig, load_config
+from moefold.errors import ConfigError
+from moefold.optim.adamw import build_optimizer
+
+
+@pytest.mark.parametrize("eps", ["1e-300", "1e-46"])
+def test_an_adamw_eps_that_fp32_rounds_to_zero_is_refused(eps):
+    """Such an eps validated, then the second step divided 0 by 0 for every parameter without a
+    gradient (an idle expert's rows) and the run stopped as 'diverged', blaming train.lr."""
+    with pytest.raises(ConfigError, match=rf"^train.eps={eps} must be >= 1.2e-38 \(fp32's smallest normal"):
+        load_config("tiny-qwen3", {"train.eps": eps})
+
+
+@pytest.mark.parametrize("optim", [OptimConfig(), OptimConfig("bf16", "bf16"), OptimConfig("fp8", "fp8"),
+                                   OptimConfig(master_dtype="bf16+remainder")])
+def test_the_smallest_allowed_eps_keeps_a_parameter_without_gradient_finite(optim):
+    load_config("tiny-qwen3", {"train.eps": str(FP32_SMALLEST_NORMAL)})
+    model = nn.Linear(256, 2, bias=False)
+    optimizer = build_optimizer(model, TrainConfig(eps=FP32_SMALLEST_NORMAL, weight_decay=0.0),
+                                torch.device("cpu"), optim)
+    for _ in range(2):
+        model.weight.grad = torch.zeros_like(model.weight)
+        optimizer.step()
+    assert torch.isfinite(model.weight).all()

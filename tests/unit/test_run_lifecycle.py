@@ -28,6 +28,28 @@ def finished_run(tmp_path, tiny_args) -> Path:
     return run
 
 
+# ------------------------------------------------------------------------ resume with other data
+
+@pytest.mark.parametrize("override, named", [
+    (["--train.seq_len", "16"], "train.seq_len"),
+    (["--train.seed", "7"], "train.seed"),
+    (["--data.val_fraction", "0.5"], "data.path, data.tokenizer or data.val_fraction"),
+])
+def test_a_resume_over_other_training_data_is_refused_in_one_line(finished_run, tmp_path, capsys, override, named):
+    """The checkpoint's data position (epoch, cursor) counts in its run's sequences and seeded
+    order; over other ones it trained on, silently repeating some sequences and skipping others."""
+    before = snapshot(finished_run)
+    line = error_line(capsys, ["train", "--resume", str(finished_run), "--train.steps", "5", *override])
+    assert named in line and "step_00000003" in line
+    assert snapshot(finished_run) == before
+
+
+def test_a_resume_with_another_batch_size_continues_the_same_data_order(finished_run, capsys):
+    """The position counts sequences, so the batch size may change: not refused."""
+    assert main(["train", "--resume", str(finished_run), "--train.steps", "5",
+                 "--train.micro_batch_size", "2"]) == 0
+
+
 # ------------------------------------------------------------------------ corrupt Hugging Face files
 
 @pytest.fixture

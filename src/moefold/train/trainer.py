@@ -129,6 +129,20 @@ def _refuse_changed_state_dtypes(cfg: Config, checkpoint: Path) -> None:
                               f"optim.{key}={held!r}: a run resumes with the states it saved; keep optim.{key}")
 
 
+def _refuse_other_data_order(saved: dict[str, int], given: dict[str, int], checkpoint: Path) -> None:
+    """A checkpoint's data position (epoch, cursor) points into its run's training sequences in
+    its seeded order; over other sequences or another order it would silently repeat some and skip
+    others (the loader's own check catches only a position past the end)."""
+    for key in ("seed", "seq_len"):
+        if int(saved[key]) != given[key]:
+            raise ConfigError(f"train.{key}={given[key]}, but {checkpoint} was saved with train.{key}={saved[key]}, "
+                              f"the data order its position counts in: a run continues in its order; keep train.{key}")
+    if int(saved["sequences"]) != given["sequences"]:
+        raise ConfigError(f"the training data holds {given['sequences']} sequences, but {checkpoint} holds a data "
+                          f"position among {saved['sequences']}: data.path, data.tokenizer or data.val_fraction "
+                          "changed since it was saved; a run continues with the data it was trained with")
+
+
 def _with_absolute_data_paths(cfg: Config) -> Config:
     """`cfg` with data.path and data.tokenizer absolute, for the run's config.toml: `--resume`,
     `generate` and `convert` read it from wherever they are started."""
@@ -373,15 +387,24 @@ class Trainer:
         optim_sd = get_optimizer_state_dict(self.data_parallel.optimized, self.optimizer)
         # No schedule: it is the config's at `step` (`_load`). Checkpoints that hold one load too.
         return {"model": model_sd, "optim": optim_sd, "data": self.train_loader.state_dict(),
-                "step": self.step, "rng": rng_state(), "expert_load": self.load_history}
+                "data_order": self._data_order(), "step": self.step, "rng": rng_state(),
+                "expert_load": self.load_history}
+
+    def _data_order(self) -> dict[str, int]:
+        """What the loader's position (epoch, cursor) counts in: its sequences and their seeded order."""
+        return {"sequences": len(self.train_loader.sequences), "seq_len": self.cfg.train.seq_len,
+                "seed": self.cfg.train.seed}
 
     def _load(self, path: Path) -> None:
         """A full checkpoint's model, optimizer, data order, step and RNG; the schedule is rebuilt at
         the step."""
         state = self._state()
-        if "expert_load" not in checkpoint_keys(path):  # saved before the heatmap's history was
-            del state["expert_load"]
+        for key in ("expert_load", "data_order"):  # saved by later versions than some checkpoints
+            if key not in checkpoint_keys(path):
+                del state[key]
         load_checkpoint(state, path)
+        if "data_order" in state:
+            _refuse_other_data_order(state["data_order"], self._data_order(), path)
         self.load_history = list(state.get("expert_load", []))  # the heatmap covers the whole run
         set_model_state_dict(self.model, state["model"])  # ZeRO-1's shards follow (a load hook)
         # The config's hyperparameters, not the saved ones torch's load puts back: a resume with

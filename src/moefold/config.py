@@ -676,6 +676,7 @@ def validate(cfg: Config) -> None:
         head_dim = m.head_dim or m.dim // m.n_heads
         _require(head_dim % 2 == 0, f"model.head_dim={head_dim} must be even for RoPE")
     validate_moe(moe)
+    _validate_shared_experts(moe)
     layers = m.n_layers + m.mtp_layers
     _require(all(0 <= i < layers for i in moe.dense_layers),
              f"moe.dense_layers={moe.dense_layers} names a layer that does not exist; allowed: 0 to "
@@ -831,9 +832,19 @@ def validate_moe(moe: MoEConfig) -> None:
     _validate_groups(moe)
 
 
+def _validate_shared_experts(moe: MoEConfig) -> None:
+    """A gate or hidden size for shared experts the model does not have changes nothing. A config
+    check, not one of validate_moe's: a layer built in Python may carry them unused."""
+    if moe.shared_experts == 0:
+        _require(not moe.shared_expert_gate, "moe.shared_expert_gate=true needs moe.shared_experts > 0")
+        _require(moe.shared_expert_hidden == 0,
+                 f"moe.shared_expert_hidden={moe.shared_expert_hidden} needs moe.shared_experts > 0")
+
+
 def _validate_groups(moe: MoEConfig) -> None:
     if moe.num_groups <= 1:
-        _require(moe.group_top_k == 0, f"moe.group_top_k={moe.group_top_k} needs moe.num_groups > 1")
+        for key in ("group_top_k", "group_score_top_k"):
+            _require(getattr(moe, key) == 0, f"moe.{key}={getattr(moe, key)} needs moe.num_groups > 1")
         return
     _require(moe.num_experts % moe.num_groups == 0,
              f"moe.num_experts={moe.num_experts} is not divisible by moe.num_groups={moe.num_groups}")

@@ -32,3 +32,23 @@ def test_the_smallest_allowed_eps_keeps_a_parameter_without_gradient_finite(opti
         model.weight.grad = torch.zeros_like(model.weight)
         optimizer.step()
     assert torch.isfinite(model.weight).all()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    # group_top_k was refused without groups; its sibling was silently dropped
+    ({"moe.group_score_top_k": "2"}, "moe.group_score_top_k=2 needs moe.num_groups > 1"),
+    ({"moe.shared_expert_gate": "true"}, "moe.shared_expert_gate=true needs moe.shared_experts > 0"),
+    ({"moe.shared_expert_hidden": "24"}, "moe.shared_expert_hidden=24 needs moe.shared_experts > 0"),
+])
+def test_a_moe_option_without_the_feature_it_shapes_is_refused(overrides, message):
+    """Each trained bit for bit as the run without it."""
+    with pytest.raises(ConfigError, match=f"^{message}"):
+        load_config("tiny-qwen3", overrides)
+
+
+@pytest.mark.parametrize("preset, overrides", [
+    ("tiny-deepseek", {"moe.shared_expert_gate": "true", "moe.shared_expert_hidden": "24"}),
+    ("tiny-qwen3", {"moe.num_groups": "2", "moe.group_top_k": "1", "moe.group_score_top_k": "2"}),
+])
+def test_the_same_options_with_their_feature_validate(preset, overrides):
+    load_config(preset, overrides)

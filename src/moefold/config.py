@@ -63,7 +63,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     """RoPE base frequency."""
     rope_interleaved: bool = False
-    """RoPE dims stored interleaved and de-interleaved before rotation (DeepSeek-V3 checkpoints)."""
+    """MLA: RoPE dims stored interleaved and de-interleaved before rotation (DeepSeek-V3 checkpoints)."""
     rope_scaling: str = "none"
     """RoPE scaling for long context: none or yarn."""
     rope_factor: float = 1.0
@@ -728,7 +728,12 @@ def _validate_model(m: ModelConfig) -> None:
         _require(m.qk_rope_head_dim % 2 == 0,
                  f"model.qk_rope_head_dim={m.qk_rope_head_dim} must be even for RoPE")
         _require(m.sliding_window == 0, "model.sliding_window needs model.attention='gqa'")
-    if m.rope_scaling == "yarn":
+    else:  # GQA has no query latent and rotates half-split dims: MLA's options would change nothing
+        _require(m.q_lora_rank == 0, f"model.q_lora_rank={m.q_lora_rank} needs model.attention='mla'")
+        _require(not m.rope_interleaved, "model.rope_interleaved=true needs model.attention='mla'")
+    if m.rope_scaling != "yarn":
+        _require(m.rope_factor == 1, f"model.rope_factor={m.rope_factor} needs model.rope_scaling='yarn'")
+    else:
         _require(m.rope_factor >= 1, f"model.rope_factor={m.rope_factor} must be >= 1")
         _require(m.rope_original_max_len > 0,
                  f"model.rope_original_max_len={m.rope_original_max_len} must be > 0")

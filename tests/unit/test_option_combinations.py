@@ -52,3 +52,23 @@ def test_a_moe_option_without_the_feature_it_shapes_is_refused(overrides, messag
 ])
 def test_the_same_options_with_their_feature_validate(preset, overrides):
     load_config(preset, overrides)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"model.q_lora_rank": "16"}, "model.q_lora_rank=16 needs model.attention='mla'"),
+    ({"model.rope_interleaved": "true"}, "model.rope_interleaved=true needs model.attention='mla'"),
+    ({"model.rope_factor": "4"}, "model.rope_factor=4.0 needs model.rope_scaling='yarn'"),
+])
+def test_an_attention_option_of_another_variant_is_refused(overrides, message):
+    """MLA's and YaRN's options on a GQA model without scaling trained bit for bit as without them
+    (model.sliding_window, GQA's own, was already refused under MLA)."""
+    with pytest.raises(ConfigError, match=f"^{message}"):
+        load_config("tiny-qwen3", overrides)
+
+
+@pytest.mark.parametrize("preset, overrides", [
+    ("tiny-deepseek", {"model.rope_interleaved": "false", "model.q_lora_rank": "16"}),
+    ("tiny-qwen3", {"model.rope_scaling": "yarn", "model.rope_factor": "4"}),
+])
+def test_the_same_attention_options_with_their_variant_validate(preset, overrides):
+    load_config(preset, overrides)

@@ -351,7 +351,7 @@ def test_tensorboard_failing_to_write_is_said_once_and_turned_off_and_the_run_tr
     import moefold.train.metrics as metrics
 
     calls = []
-    monkeypatch.setattr(metrics, "_tensorboard_writer", lambda path: _FailingTensorBoard(fail, calls))
+    monkeypatch.setattr(metrics, "_tensorboard_writer", lambda path, first_step: _FailingTensorBoard(fail, calls))
     run = tmp_path / "run"
     assert main(["train", "--run-dir", str(run), *tiny_args, "--logging.tensorboard", "true"]) == 0
     out, err = capsys.readouterr()

@@ -95,3 +95,40 @@ def test_a_cut_short_shard_of_a_sharded_checkpoint_is_one_line(tmp_path, capsys)
     _cut_short(shard, -100)
     line = error_line(capsys, ["convert", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run")])
     assert str(shard) in line and not (tmp_path / "run").exists()
+
+
+# ------------------------------------------------------------------------ TensorBoard after a resume
+
+def _run_killed_after_its_last_checkpoint(tmp_path, tiny_args) -> Path:
+    """A run that logged steps 1-6 and saved at 3 (as if killed at step 6 before its next save)."""
+    run = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run), *tiny_args, "--train.steps", "6", "--checkpoint.every", "3",
+                 "--checkpoint.keep", "2", "--logging.tensorboard", "true"]) == 0
+    for path in (run / "checkpoints" / "step_00000006").iterdir():
+        path.unlink()
+    (run / "checkpoints" / "step_00000006").rmdir()
+    return run
+
+
+def test_a_resumed_run_hides_the_tensorboard_steps_it_logs_again(tmp_path, tiny_args, monkeypatch):
+    """Steps 4-6, logged by the run before it was killed and again by the resumed one, were drawn
+    twice in TensorBoard; the resumed run's writer purges the earlier events from its first step."""
+    import moefold.train.metrics as metrics
+
+    first_steps = []
+    monkeypatch.setattr(metrics, "_tensorboard_writer", lambda path, first_step: first_steps.append(first_step))
+    run = _run_killed_after_its_last_checkpoint(tmp_path, tiny_args)
+    assert main(["train", "--resume", str(run), "--train.steps", "8"]) == 0
+    assert first_steps == [1, 4]
+
+
+def test_tensorboard_shows_each_step_once_after_a_resume(tmp_path, tiny_args):
+    """The same, read back by TensorBoard itself (where the viz extra is installed)."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = _run_killed_after_its_last_checkpoint(tmp_path, tiny_args)
+    assert main(["train", "--resume", str(run), "--train.steps", "8", "--train.lr", "1e-4"]) == 0
+    events = EventAccumulator(str(run / "tb"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("loss")] == list(range(1, 9))

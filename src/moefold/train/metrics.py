@@ -60,7 +60,8 @@ class MetricsSinks:
     disk) is said once and turns them off for the rest of the run, which trains on; stopping would
     cost the training since the last checkpoint for a copy of what metrics.jsonl still holds."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool, out: Callable[[str], None] = print):
+    def __init__(self, run_dir: Path, tensorboard: bool, out: Callable[[str], None] = print, first_step: int = 1):
+        """`first_step`: the first step this run logs (a resumed run's: its checkpoint's + 1)."""
         self.jsonl_path = Path(run_dir) / "metrics.jsonl"
         self.tb_path, self.out = Path(run_dir) / "tb", out
         with writing(self.jsonl_path):
@@ -74,7 +75,7 @@ class MetricsSinks:
         self.tb = None
         if tensorboard:
             with self._tensorboard_or_off():
-                self.tb = _tensorboard_writer(self.tb_path)
+                self.tb = _tensorboard_writer(self.tb_path, first_step)
 
     def write(self, record: dict[str, Any]) -> None:
         self._append_line((json.dumps(_finite_or_null(record), allow_nan=False) + "\n").encode())
@@ -159,12 +160,15 @@ class NullSinks:
         pass
 
 
-def _tensorboard_writer(path: Path):
+def _tensorboard_writer(path: Path, first_step: int):
+    """The events of earlier runs in `path` from `first_step` on are hidden (`purge_step`): a run
+    killed after its last checkpoint logged steps the resumed run logs again, which TensorBoard
+    would otherwise draw twice (metrics.jsonl keeps both: a step's last record is the run's)."""
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:  # the `viz` extra is optional
         return None
-    return SummaryWriter(str(path))
+    return SummaryWriter(str(path), purge_step=first_step)
 
 
 def is_interactive() -> bool:

@@ -518,8 +518,8 @@ class Trainer:
         """What lives as long as the loop: the metric sinks, the stop-signal handlers and the
         progress bar; yields the bar and where lines go (above the bar while it shows)."""
         log = self.cfg.logging
-        self.sinks = (metrics.MetricsSinks(self.run_dir, log.tensorboard, self.out) if self.dist.is_main
-                      else metrics.NullSinks())
+        self.sinks = (metrics.MetricsSinks(self.run_dir, log.tensorboard, self.out, first_step=self.step + 1)
+                      if self.dist.is_main else metrics.NullSinks())
         self._stop_signal: int | None = None
         previous_handlers = self._install_signal_handlers()
         show_bar = log.progress_bar and metrics.is_interactive() and self.dist.is_main

@@ -287,8 +287,6 @@ def _convert(args: argparse.Namespace) -> int:
 
 def _convert_from_hf(hf_dir: Path, out: Path) -> int:
     """Under the run directory's lock, as a training takes it: neither writes over the other."""
-    from moefold.checkpoint.hf import convert_to_run_checkpoint
-    from moefold.files import write_atomically
     from moefold.train.run_lock import CONVERSION, RunDirLock
     from moefold.train.trainer import run_dir_holds_run
 
@@ -300,6 +298,22 @@ def _convert_from_hf(hf_dir: Path, out: Path) -> int:
     try:
         if run_dir_holds_run(out):
             raise UserError(f"--out {out} already holds a run; choose another directory")
+        path = _write_converted_run(hf_dir, out, created)
+    finally:
+        lock.release()
+    print(f"converted {hf_dir} -> {path} (train on with: moefold train --resume {out})")
+    return 0
+
+
+def _write_converted_run(hf_dir: Path, out: Path, created: bool) -> Path:
+    """The run of `hf_dir` in `out`, which holds none: its step-0 checkpoint, then config.toml. A
+    failure leaves nothing of it: not the directory it made, nor checkpoints without a config.toml
+    in one that was there (`--out` would then hold a run that neither resumes nor converts again)."""
+    from moefold.checkpoint.dcp import CHECKPOINTS
+    from moefold.checkpoint.hf import convert_to_run_checkpoint
+    from moefold.files import write_atomically
+
+    try:
         # Tensor by tensor through file-backed storage: the model is never in memory as a whole.
         cfg, path = convert_to_run_checkpoint(hf_dir, out)
         tokenizer = hf_dir / "tokenizer.json"
@@ -308,13 +322,9 @@ def _convert_from_hf(hf_dir: Path, out: Path) -> int:
         config = to_toml(cfg)
         write_atomically(out / "config.toml", lambda tmp: tmp.write_text(config))  # durable, as a training's
     except BaseException:
-        if created:  # a failed conversion leaves no directory it made (nobody else can use it: locked)
-            shutil.rmtree(out, ignore_errors=True)
+        shutil.rmtree(out if created else out / CHECKPOINTS, ignore_errors=True)  # locked: nobody else's
         raise
-    finally:
-        lock.release()
-    print(f"converted {hf_dir} -> {path} (train on with: moefold train --resume {out})")
-    return 0
+    return path
 
 
 def _run_dir_of(resume: Path) -> Path:

@@ -156,3 +156,13 @@ def test_a_failed_conversion_into_an_existing_directory_leaves_no_checkpoint_beh
     assert not (out / "checkpoints").exists()
     monkeypatch.undo()
     assert main(["convert", "--from-hf", str(hf_export), "--out", str(out)]) == 0
+
+
+def test_convert_into_a_directory_whose_lock_file_is_a_directory_is_one_line(hf_export, tmp_path, capsys):
+    """open(.lock) raised IsADirectoryError: a traceback (a training refuses such a run directory
+    in one line already)."""
+    out = tmp_path / "run"
+    (out / ".lock").mkdir(parents=True)
+    line = error_line(capsys, ["convert", "--from-hf", str(hf_export), "--out", str(out)])
+    assert "--out" in line and ".lock is a directory" in line
+    assert sorted(p.name for p in out.iterdir()) == [".lock"]

@@ -29,6 +29,9 @@ class RunDirLock:
 
     def acquire(self) -> None:
         """Hold the lock, or raise ConfigError naming the training or conversion that holds it."""
+        if (self.run_dir / LOCK_FILE).is_dir():  # a training refuses it earlier (refuse_run_dir); a conversion here
+            raise ConfigError(f"{self.option} {self.run_dir}: {LOCK_FILE} is a directory, where a run keeps its lock "
+                              f"file; move it away, or choose another {self.option}")
         f = open(self.run_dir / LOCK_FILE, "ab+")
         if not _try_lock(f, self.run_dir, self.option, self.work):
             return  # a filesystem without flock: unguarded, as before the lock

@@ -760,21 +760,13 @@ def _validate_precision(cfg: Config) -> None:
     for pattern in p.fp8_exclude:
         _require(bool(pattern.strip()), f"precision.fp8_exclude={p.fp8_exclude} has an empty pattern; "
                  "allowed: fnmatch patterns over module names, e.g. 'layers.0.*'")
-    changed = _changed_fp8_options(p) if p.fp8 == "off" else []
-    if changed:  # every other fp8_* option shapes the FP8 GEMMs: without them it changes nothing
-        key = changed[0]
-        raise ConfigError(f"precision.{key}={_toml_value(getattr(p, key))} needs precision.fp8 "
-                          f"({', '.join(FP8_RECIPES[1:])}), not 'off'")
+    _require(p.fp8 != "off" or not p.fp8_weight_cache,
+             "precision.fp8_weight_cache=true caches FP8 weights: it needs precision.fp8 "
+             f"({', '.join(FP8_RECIPES[1:])}), not 'off'")
     wrapped = [k for k in ("recompute", "offload") if "moe_act" in getattr(cfg.memory, k)]
     _require(p.fp8 == "off" or not wrapped,
              f"precision.fp8={p.fp8!r} with 'moe_act' in memory.{wrapped[0] if wrapped else ''} is not "
              "yet supported (it wraps the experts' GEMM before FP8 replaces it); use 'moe' instead")
-
-
-def _changed_fp8_options(p: PrecisionConfig) -> list[str]:
-    default = PrecisionConfig()
-    return [f.name for f in dataclasses.fields(p)
-            if f.name.startswith("fp8_") and getattr(p, f.name) != getattr(default, f.name)]
 
 
 # A name that already recomputes everything the listed ones would.

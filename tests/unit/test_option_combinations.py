@@ -72,17 +72,3 @@ def test_an_attention_option_of_another_variant_is_refused(overrides, message):
 ])
 def test_the_same_attention_options_with_their_variant_validate(preset, overrides):
     load_config(preset, overrides)
-
-
-@pytest.mark.parametrize("key, value", [
-    ("precision.fp8_saved_activations", "true"), ("precision.fp8_weight_grad", "bf16"),
-    ("precision.fp8_emulate", "true"), ("precision.fp8_grouped_gemm", "cutlass"),
-    ("precision.fp8_exclude", '["layers.0.*"]'), ("precision.fp8_bf16_first_layers", "1"),
-    ("precision.fp8_bf16_last_layers", "1"), ("precision.fp8_weight_cache", "true"),
-])
-def test_an_fp8_option_without_fp8_is_refused(key, value):
-    """They trained bit for bit as without them (only fp8_weight_cache was refused)."""
-    with pytest.raises(ConfigError, match=rf"^{key}=\S+ needs precision.fp8 \(tensorwise, rowwise, "
-                                          r"blockwise\), not 'off'$"):
-        load_config("tiny-qwen3", {key: value})
-    load_config("tiny-qwen3", {key: value, "precision.fp8": "rowwise"})

@@ -406,7 +406,9 @@ def _deepseek_v3_to_hf(cfg: Config) -> dict[str, Any]:
     _expressible(moe.shared_experts >= 1, "moe.shared_experts", moe.shared_experts, fam, "needs >= 1")
     _expressible(moe.shared_expert_hidden in (0, moe.expert_hidden), "moe.shared_expert_hidden",
                  moe.shared_expert_hidden, fam, "shared experts have moe_intermediate_size")
-    _expressible(moe.num_groups <= 1 or moe.group_score_top_k == 2, "moe.group_score_top_k",
+    # 0 means top_k // group_top_k (GroupLimitedSelection): what counts is the value routing uses.
+    group_score_top_k = moe.group_score_top_k or moe.top_k // max(moe.group_top_k, 1)
+    _expressible(moe.num_groups <= 1 or group_score_top_k == 2, "moe.group_score_top_k",
                  moe.group_score_top_k, fam, "a group scores by its top-2 experts")
     first, n_blocks = moe.first_k_dense, m.n_layers + m.mtp_layers
     _expressible(_moe_layer_ids(cfg, n_blocks) == list(range(first, n_blocks)),

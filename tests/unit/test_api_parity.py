@@ -1,0 +1,45 @@
+"""The Python API and the Hugging Face families against independent references (transformers,
+naive recomputation), in the cases tests/unit/test_hf_interop.py and test_kv_cache.py leave out."""
+
+import math
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from moefold.checkpoint.hf import save_pretrained  # noqa: E402
+from moefold.config import load_config  # noqa: E402
+from moefold.models.transformer import build_model  # noqa: E402
+
+VOCAB = 96
+transformers.logging.set_verbosity_error()
+
+
+@torch.no_grad()
+def randomize(model, seed: int) -> None:
+    """Unit-scale activations, norms near 1, a non-zero expert bias (uneven routing)."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, t in model.state_dict(keep_vars=True).items():
+        noise = torch.randn(t.shape, generator=gen)
+        if name.endswith("expert_bias_E"):
+            t.copy_(0.1 * noise)
+        elif t.dim() == 1:
+            t.copy_(1 + 0.2 * noise)
+        else:
+            t.copy_(noise / math.sqrt(t.shape[-2] if t.dim() == 3 else t.shape[-1]))
+
+
+def test_group_score_top_k_0_that_means_2_exports_to_deepseek_v3(tmp_path):
+    """moe.group_score_top_k = 0 is top_k // group_top_k (here 4 // 2 = 2, DeepSeek-V3's top-2
+    group score): the export refused it as if it were not 2."""
+    cfg = load_config("tiny-deepseek", {"model.vocab_size": str(VOCAB), "moe.top_k": "4",
+                                        "moe.group_score_top_k": "0"})
+    ours = build_model(cfg, VOCAB)
+    randomize(ours, seed=0)
+    save_pretrained(ours.eval(), tmp_path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32,
+                                                           attn_implementation="eager").eval()
+    ids = torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), hf(ids).logits, rtol=1e-5, atol=1e-5)

@@ -51,7 +51,8 @@ def sample(model, prompt_ids: list[int], max_new_tokens: int, temperature: float
     tokenizer's; the rows a model.vocab_size padded beyond it are never sampled (None: every row).
     Options `moefold generate` refuses are refused here with its messages (`check_sampling`), as
     is a `context` below 1 and an empty prompt (the model has no beginning-of-sequence token to
-    start from)."""
+    start from). The model runs in eval mode, whatever its own (restored after): generation
+    never counts toward a training step's routing statistics."""
     check_sampling(max_new_tokens, temperature, top_k)
     if context < 1:
         raise UserError(f"sample: context {context} must be >= 1 (the tokens the model reads at "
@@ -59,10 +60,23 @@ def sample(model, prompt_ids: list[int], max_new_tokens: int, temperature: float
     if len(prompt_ids) == 0:
         raise UserError("sample: prompt_ids is empty; give at least one token to continue (the "
                         "model has no beginning-of-sequence token to start from)")
-    device = next(model.parameters()).device
-    ids = list(prompt_ids)
+    was_training = model.training
+    # In training mode the MoE layers would jitter the router input and add the generated
+    # tokens to the step's counts (the expert-bias update, the statistics): eval, then restore.
+    model.eval()
+    try:
+        return _generate(model, list(prompt_ids), max_new_tokens, temperature, top_k, context, eos_id,
+                         generator, vocab_size)
+    finally:
+        model.train(was_training)
+
+
+def _generate(model, ids: list[int], max_new_tokens: int, temperature: float, top_k: int, context: int,
+              eos_id: int, generator: torch.Generator, vocab_size: int | None) -> list[int]:
+    """`sample`'s loop, the model in eval mode: the new ids after `ids`."""
+    device, prompt_len = next(model.parameters()).device, len(ids)
     cache, unread = model.new_cache(context), ids[-context:]
-    for _ in range(max_new_tokens):  # the model is in eval mode: MoE layers record nothing
+    for _ in range(max_new_tokens):
         next_id = _pick(_read(model, unread, cache, device)[:vocab_size], temperature, top_k, generator)
         if next_id == eos_id:
             break
@@ -70,7 +84,7 @@ def sample(model, prompt_ids: list[int], max_new_tokens: int, temperature: float
         unread = [next_id]
         if cache.length == context:  # full: the window moves on by one, read anew
             cache, unread = model.new_cache(context), ids[-context:]
-    return ids[len(prompt_ids):]
+    return ids[prompt_len:]
 
 
 def check_sampling(max_new_tokens: int, temperature: float, top_k: int,

@@ -46,20 +46,68 @@ class Routing:
 # ---------------------------------------------------------------------------------------------
 
 
+class TokenPlaces:
+    """Where a router's T tokens sit in the global micro-batch ([B, S] flattened, as one process
+    routes it): `data_rank`'s block of rows (set by parallelization) and, under sequence
+    parallelism, in each row the rank's shard (`sequence`: SequenceShardRows, whose shard_len the
+    layer's input hook sets). Alone: the tokens are the batch."""
+
+    def __init__(self):
+        self.data_rank, self.sequence = 0, None
+
+    def __call__(self, num_tokens: int, device: torch.device) -> torch.Tensor:
+        """[T] int64: each token's index in the global micro-batch."""
+        tp, tp_rank, shard_len = 1, 0, num_tokens  # the rank's tokens as one block
+        if self.sequence is not None:
+            tp, tp_rank, shard_len = self.sequence.tp, self.sequence.rank, self.sequence.shard_len
+        rows = num_tokens // shard_len
+        row_B = self.data_rank * rows + torch.arange(rows, device=device)
+        place_BS = (row_B[:, None] * tp + tp_rank) * shard_len + torch.arange(shard_len, device=device)
+        return place_BS.reshape(-1)
+
+
 class UniformJitter:
-    """Multiply the router input by U(1-eps, 1+eps) noise in training (Switch Transformer, §2.4)."""
+    """Multiply the router input by U(1-eps, 1+eps) noise in training (Switch Transformer, §2.4).
+
+    A token's noise is a hash of a key drawn once per call and of its place in the global
+    micro-batch, so every layout gives each token the noise one process gives it, each rank
+    computing only its own tokens'. (A draw in the shape of the rank's tokens would repeat the same
+    noise on every data rank and sequence shard, whose RNGs are seeded alike.)"""
 
     def __init__(self, eps: float):
         self.eps = eps
 
-    def __call__(self, x_TD: torch.Tensor, training: bool) -> torch.Tensor:
+    def __call__(self, x_TD: torch.Tensor, training: bool, places: TokenPlaces) -> torch.Tensor:
         if not training:
             return x_TD
-        return x_TD * torch.empty_like(x_TD).uniform_(1.0 - self.eps, 1.0 + self.eps)
+        T, D = x_TD.shape
+        key = torch.randint(2**32, (), device=x_TD.device)  # the same on every rank: RNGs seeded alike
+        index_TD = places(T, x_TD.device)[:, None] * D + torch.arange(D, device=x_TD.device)
+        u_TD = hashed_uniform(index_TD, key).to(x_TD.dtype)
+        return x_TD * (1.0 - self.eps + 2.0 * self.eps * u_TD)
 
 
-def no_jitter(x_TD: torch.Tensor, training: bool) -> torch.Tensor:
+def no_jitter(x_TD: torch.Tensor, training: bool, places: TokenPlaces) -> torch.Tensor:
     return x_TD
+
+
+_LOW32 = 0xFFFFFFFF
+
+
+def hashed_uniform(index: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """fp32 in [0, 1) per non-negative int64 `index`: a counter-based draw (no RNG state, no
+    host sync), 24 bits of a 32-bit hash of (key, index)."""
+    h = _mix32(_mix32(key ^ (index >> 32)) ^ (index & _LOW32))
+    return (h >> 8).float() * 2.0**-24
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 (C. Wellons' hash prospector), a bijection of 32 bits, in int64 arithmetic: the
+    products wrap past 2^63 but their low 32 bits, all that is kept, are exact."""
+    x = x & _LOW32
+    x = ((x ^ (x >> 16)) * 0x7FEB352D) & _LOW32
+    x = ((x ^ (x >> 15)) * 0x846CA68B) & _LOW32
+    return x ^ (x >> 16)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -234,6 +282,7 @@ class Router(KeepsBufferDtypes):
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, dim))
 
         self.jitter = UniformJitter(cfg.input_jitter) if cfg.input_jitter > 0 else no_jitter
+        self.token_places = TokenPlaces()  # the jitter's: set by parallelization
         self.score_fn = build_score_function(cfg)
         self.select = build_selection(cfg)
         self.replay_layer = None
@@ -260,7 +309,7 @@ class Router(KeepsBufferDtypes):
 
     def logits(self, x_TD: torch.Tensor) -> torch.Tensor:
         with torch.autocast(x_TD.device.type, enabled=False):
-            x_TD = self.jitter(x_TD.to(self.router_dtype), self.training)
+            x_TD = self.jitter(x_TD.to(self.router_dtype), self.training, self.token_places)
             return F.linear(x_TD, self.routing_weight().to(self.router_dtype))
 
     def routing_weight(self) -> torch.Tensor:

@@ -37,6 +37,7 @@ def parallelize(model: nn.Module, layout: ParallelLayout, cfg: ParallelConfig,
     for layer in model.moe_layers():
         apply_expert_parallel(layer, layout, cfg.ep_dispatcher)
         split_sequence_over_tp(layer, layout.tp_group)
+        layer.router.token_places.data_rank = layout.attention_coords[1]  # the rows the trainer gives it
         if dims.dp * dims.cp > 1:  # on top of the sum over a sequence-parallel layer's shards
             layer.count_routed = DataParallelCounts(layout.dp_cp_group, layer.count_routed.sum_over_shards)
     return apply_data_parallel(model, layout, cfg.data_parallel, grad_dtype, initialize)

@@ -728,6 +728,9 @@ def _validate_model(m: ModelConfig) -> None:
         _require(m.qk_rope_head_dim % 2 == 0,
                  f"model.qk_rope_head_dim={m.qk_rope_head_dim} must be even for RoPE")
         _require(m.sliding_window == 0, "model.sliding_window needs model.attention='gqa'")
+        for key in ("n_kv_heads", "head_dim"):  # MLA's heads are qk_*_head_dim wide, every head its own kv
+            _require(getattr(m, key) == 0, f"model.{key}={getattr(m, key)} needs model.attention='gqa' "
+                     "(MLA sizes its heads with model.qk_nope_head_dim, qk_rope_head_dim and v_head_dim)")
     else:  # GQA has no query latent and rotates half-split dims: MLA's options would change nothing
         _require(m.q_lora_rank == 0, f"model.q_lora_rank={m.q_lora_rank} needs model.attention='mla'")
         _require(not m.rope_interleaved, "model.rope_interleaved=true needs model.attention='mla'")

@@ -72,3 +72,12 @@ def test_an_attention_option_of_another_variant_is_refused(overrides, message):
 ])
 def test_the_same_attention_options_with_their_variant_validate(preset, overrides):
     load_config(preset, overrides)
+
+
+@pytest.mark.parametrize("key", ["n_kv_heads", "head_dim"])
+def test_gqa_head_sizes_under_mla_are_refused(key):
+    """MLA sizes its heads with qk_nope/qk_rope/v_head_dim and gives every head its own keys and
+    values: GQA's head sizes there trained as without them."""
+    with pytest.raises(ConfigError, match=f"^model.{key}=4 needs model.attention='gqa'"):
+        load_config("tiny-deepseek", {f"model.{key}": "4"})
+    load_config("tiny-qwen3", {f"model.{key}": "4"})

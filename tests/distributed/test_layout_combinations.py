@@ -39,3 +39,22 @@ def test_router_jitter_under_sequence_and_data_parallelism_draws_as_one_process(
     results = torch.load(out)
     for name in ("tp2", "ep2"):
         _check_same_training(results[name], ref, f"jitter {name}")
+
+
+def test_padding_to_capacity_where_tp_ranks_split_the_routed_tokens(corpus, tmp_path):
+    """moe.pad_to_capacity under tp2 where the router sees the TP group's whole batch and each TP
+    rank dispatches its half (SequenceSplitDispatcher: without sequence parallelism, and in
+    DeepSeek's MTP block with it): padding changes no result. The groups were padded to the
+    capacity of the rank's half, though the drop kept up to the whole batch's C copies of an
+    expert, all of which one half may hold: rows spilled into the next expert's group, or past
+    the buffer (IndexError at the first step)."""
+    capacity = {"moe.capacity_factor": "1.0", "train.steps": str(STEPS)}
+    padded = {**capacity, "moe.pad_to_capacity": "true"}
+    cases = [("qwen3", dict(tp=2, sequence_parallel="false")), ("deepseek", dict(tp=2))]
+    runs = [(f"{model}-{name}", model, corpus, 1, parallel, tmp_path / f"{model}-{name}", None, 0, extra)
+            for model, parallel in cases for name, extra in (("drop", capacity), ("pad", padded))]
+    out = tmp_path / "results.pt"
+    run_ranks(2, train_on_rank, runs, out)
+    results = torch.load(out)
+    for model, _ in cases:
+        _check_same_training(results[f"{model}-pad"], results[f"{model}-drop"], f"pad to capacity {model}")

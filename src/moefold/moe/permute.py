@@ -55,6 +55,16 @@ class RowLayout:
         m = self.multiple
         return (kept_per_expert_E + m - 1) // m * m
 
+    def of_slice(self, slices: int) -> "RowLayout":
+        """The layout for one of `slices` equal slices of tokens whose capacity drop ran on all of
+        them (SequenceSplitDispatcher): groups padded to the whole tokens' capacity, since one slice
+        may hold every copy an expert kept."""
+        if self.capacity_of is None:
+            return self
+        whole = self.capacity_of
+        return RowLayout(self.num_experts, self.top_k, self.multiple,
+                         capacity_of=lambda num_tokens: whole(num_tokens * slices))
+
     def _padded_capacity(self, num_copies: int) -> int:
         capacity = self.capacity_of(num_copies // self.top_k)
         return (capacity + self.multiple - 1) // self.multiple * self.multiple

@@ -82,6 +82,8 @@ class SequenceSplitDispatcher:
         self.inner, self.group = inner, tp_group
         self.top_k = inner.top_k
         self.tp_size, self.tp_rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
+        if hasattr(inner, "layout"):  # rows laid out by capacity: the capacity the drop used, of all T
+            inner.layout = inner.layout.of_slice(self.tp_size)
 
     def dispatch(self, x_TD: torch.Tensor, routing: Routing, keep_N: torch.Tensor):
         T = x_TD.shape[0]

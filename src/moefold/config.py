@@ -872,7 +872,7 @@ def _validate_groups(moe: MoEConfig) -> None:
 
 # Sizes the layout accepts but the trainer cannot run yet; the other checks live in ParallelDims
 # (sizes >= 1, order, pipeline stages) and ParallelDims.validate (how the model fits).
-_PARALLEL_NOT_YET = ("cp", "pp")
+_PARALLEL_NOT_YET = ("cp", "pp", "vpp")
 
 
 def _validate_parallel(cfg: Config) -> None:

@@ -35,6 +35,10 @@ CASES = {
     # rank's rows, each in FP8, where without SP the two share the normed x (fp8/apply.py)
     "deepseek-combine-fp8": ("tiny-deepseek", {"model.q_lora_rank": 0, "model.qk_rope_head_dim": 16,  # wkv_a: 48
                                                "precision.fp8": "rowwise", "precision.fp8_saved_activations": True}),
+    # rows padded to capacity: without SP (and in the MTP block) the drop runs on the TP group's T
+    # tokens and each rank lays its rows out by the capacity of all T (SequenceSplitDispatcher)
+    "qwen3-padded": ("tiny-qwen3", {"moe.first_k_dense": 1, "moe.capacity_factor": 1.0, "moe.pad_to_capacity": True}),
+    "deepseek-padded": ("tiny-deepseek", {"moe.capacity_factor": 1.0, "moe.pad_to_capacity": True}),
     # an fp64 router keeps its own cast of the normed x: without SP the shared experts keep it
     "deepseek-fp64": ("tiny-deepseek", {"moe.router_dtype": "fp64"}),
     # Qwen2-MoE's gated shared expert: under SP a replicated [T, 1] gate times the rank's rows

@@ -234,13 +234,15 @@ def expert_rows(cfg: Config, sh: Shapes) -> int:
     """R: rows one rank's experts compute. Balanced routing sends T/tp·K copies from every rank of
     the ep·etp group and spreads them over ep ranks; an etp group computes its rows together.
     Padded to capacity, every rank of the group sends each expert exactly C rows, whatever the
-    routing (C of its T/tp tokens, rounded up to the row multiple)."""
+    routing, rounded up to the row multiple: C of the tokens the router dropped from, the rank's
+    T/tp under sequence parallelism, else the TP group's T, one rank's half of which may hold all
+    C copies of an expert (SequenceSplitDispatcher, RowLayout.of_slice)."""
     moe = cfg.moe
     multiple = row_multiple(cfg, sh)
     capacity_of = padded_capacity(moe)
     if capacity_of is not None:  # every rank of the group lays out E·C rows (the layer's RowLayout): etp·E·C
         layout = RowLayout(moe.num_experts, moe.top_k, multiple, capacity_of)
-        return sh.etp * layout.num_rows(sh.tokens // sh.tp * moe.top_k)
+        return sh.etp * layout.num_rows(sh.residual_tokens * moe.top_k)
     copies = sh.tokens // sh.tp * moe.top_k * sh.etp
     return int(copies * sh.imbalance) + moe.num_experts // sh.ep * (multiple - 1)
 

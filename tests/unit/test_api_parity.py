@@ -1,8 +1,6 @@
 """The Python API and the Hugging Face families against independent references (transformers,
 naive recomputation), in the cases tests/unit/test_hf_interop.py and test_kv_cache.py leave out."""
 
-import math
-
 import pytest
 import torch
 
@@ -11,23 +9,10 @@ transformers = pytest.importorskip("transformers")
 from moefold.checkpoint.hf import save_pretrained  # noqa: E402
 from moefold.config import load_config  # noqa: E402
 from moefold.models.transformer import build_model  # noqa: E402
+from test_hf_interop import randomize_ours as randomize  # noqa: E402
 
 VOCAB = 96
 transformers.logging.set_verbosity_error()
-
-
-@torch.no_grad()
-def randomize(model, seed: int) -> None:
-    """Unit-scale activations, norms near 1, a non-zero expert bias (uneven routing)."""
-    gen = torch.Generator().manual_seed(seed)
-    for name, t in model.state_dict(keep_vars=True).items():
-        noise = torch.randn(t.shape, generator=gen)
-        if name.endswith("expert_bias_E"):
-            t.copy_(0.1 * noise)
-        elif t.dim() == 1:
-            t.copy_(1 + 0.2 * noise)
-        else:
-            t.copy_(noise / math.sqrt(t.shape[-2] if t.dim() == 3 else t.shape[-1]))
 
 
 def test_group_score_top_k_0_that_means_2_exports_to_deepseek_v3(tmp_path):

@@ -7,18 +7,11 @@ import pytest
 import torch
 
 from moefold.cli import main
+from test_bad_input import error_line
 
 
 def snapshot(run_dir: Path) -> dict[Path, bytes]:
     return {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
-
-
-def error_line(capsys, argv) -> str:
-    capsys.readouterr()
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "Traceback" not in err, err
-    return err.strip()
 
 
 @pytest.fixture

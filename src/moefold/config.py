@@ -205,11 +205,11 @@ class ParallelConfig:
     """How routed tokens reach their experts under ep/etp > 1: alltoall (token all-to-all, one
     device→host copy of split sizes per layer) or allgather (gather all tokens, no host sync)."""
 
-
     @property
     def shards_sequence(self) -> bool:
         """Whether the main blocks run on sequence shards: sequence_parallel, with tp > 1."""
         return self.sequence_parallel and self.tp > 1
+
 
 @dataclass
 class TrainConfig:

@@ -48,22 +48,18 @@ class Routing:
 
 class TokenPlaces:
     """Where a router's T tokens sit in the global micro-batch ([B, S] flattened, as one process
-    routes it): `data_rank`'s block of rows (set by parallelization) and, under sequence
-    parallelism, in each row the rank's shard (`sequence`: SequenceShardRows, whose shard_len the
-    layer's input hook sets). Alone: the tokens are the batch."""
+    routes it): `data_rank`'s block of it (set by parallelization), within which the router holds
+    `rows` of its TP group's batch (router replay's `WholeBatch`; under sequence parallelism
+    `SequenceShardRows`, the rank's shard of each sequence, set by route_sequence_shard)."""
 
     def __init__(self):
-        self.data_rank, self.sequence = 0, None
+        self.data_rank, self.rows = 0, WholeBatch()
 
     def __call__(self, num_tokens: int, device: torch.device) -> torch.Tensor:
         """[T] int64: each token's index in the global micro-batch."""
-        tp, tp_rank, shard_len = 1, 0, num_tokens  # the rank's tokens as one block
-        if self.sequence is not None:
-            tp, tp_rank, shard_len = self.sequence.tp, self.sequence.rank, self.sequence.shard_len
-        rows = num_tokens // shard_len
-        row_B = self.data_rank * rows + torch.arange(rows, device=device)
-        place_BS = (row_B[:, None] * tp + tp_rank) * shard_len + torch.arange(shard_len, device=device)
-        return place_BS.reshape(-1)
+        group_tokens = self.rows.whole_tokens(num_tokens)
+        group_places_N1 = torch.arange(group_tokens, device=device)[:, None]
+        return self.data_rank * group_tokens + self.rows.mine(group_places_N1)[:, 0]
 
 
 class UniformJitter:

@@ -127,7 +127,7 @@ def route_sequence_shard(layer, tp_mesh: DeviceMesh) -> None:
     rows = SequenceShardRows(group)
     if isinstance(layer.router.select, ReplayedSelection):
         layer.router.select.rows = rows
-    layer.router.token_places.sequence = rows
+    layer.router.token_places.rows = rows  # the jitter's places, replay's rows: one layout
     layer.register_forward_pre_hook(lambda module, args: _local_shard(tp_mesh, rows, *args))
     layer.register_forward_hook(
         lambda module, args, y_BtD: DTensor.from_local(y_BtD, tp_mesh, (Shard(1),), run_check=False))

@@ -1,3 +1,4 @@
+import errno
 import os
 import signal
 import subprocess
@@ -80,6 +81,21 @@ def durability_events(monkeypatch) -> list[tuple]:
     monkeypatch.setattr(os, "fsync", recorded_fsync)
     monkeypatch.setattr(os, "replace", recorded_replace)
     return events
+
+
+@pytest.fixture
+def failing_config_toml_write(monkeypatch):
+    """Path.write_text raises EIO for config.toml and its temporary, as a failing disk would; the
+    monkeypatch, for `undo()`."""
+    write_text = Path.write_text
+
+    def failing(self, *args, **kwargs):
+        if self.name.startswith("config.toml"):
+            raise OSError(errno.EIO, "Input/output error")
+        return write_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", failing)
+    return monkeypatch
 
 
 def assert_runs_in_a_fresh_process(script: str) -> None:

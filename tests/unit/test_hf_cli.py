@@ -5,7 +5,6 @@ import json
 import os
 import re
 import socket
-from pathlib import Path
 
 import pytest
 import torch
@@ -105,18 +104,11 @@ def test_convert_from_hf_flushes_config_toml_to_disk_as_a_training_does(tmp_path
         ("fsync", tmp), ("replace", tmp, config), ("fsync", out)]
 
 
-def test_an_io_error_writing_convert_config_toml_is_one_line_naming_it(tmp_path, hf_dir, capsys, monkeypatch):
+def test_an_io_error_writing_convert_config_toml_is_one_line_naming_it(tmp_path, hf_dir, capsys,
+                                                                       failing_config_toml_write):
     """EIO writing config.toml ended `convert --from-hf` in a traceback: one line names the file
     and the OS error, status 1, and the directory the conversion created is gone."""
     out = tmp_path / "run"
-    write_text = Path.write_text
-
-    def failing(self, *args, **kwargs):
-        if self.name.startswith("config.toml"):
-            raise OSError(errno.EIO, "Input/output error")
-        return write_text(self, *args, **kwargs)
-
-    monkeypatch.setattr(Path, "write_text", failing)
     assert main(["convert", "--from-hf", str(hf_dir), "--out", str(out)]) == 1
     assert capsys.readouterr().err.splitlines() == [
         f"moefold: error: writing {out / 'config.toml'}: [Errno {errno.EIO}] Input/output error"]

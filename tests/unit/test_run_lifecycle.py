@@ -130,24 +130,14 @@ def test_tensorboard_shows_each_step_once_after_a_resume(tmp_path, tiny_args):
 # ------------------------------------------------------------------------ convert into an existing directory
 
 def test_a_failed_conversion_into_an_existing_directory_leaves_no_checkpoint_behind(hf_export, tmp_path, capsys,
-                                                                                    monkeypatch):
+                                                                                    failing_config_toml_write):
     """EIO writing config.toml left `--out`, a directory that was there, with checkpoints/ and no
     config.toml: a run that neither resumes (no config.toml) nor converts again (it holds a run)."""
-    import errno
-
     out = tmp_path / "run"
     out.mkdir()
-    write_text = Path.write_text
-
-    def failing(self, *args, **kwargs):
-        if self.name.startswith("config.toml"):
-            raise OSError(errno.EIO, "Input/output error")
-        return write_text(self, *args, **kwargs)
-
-    monkeypatch.setattr(Path, "write_text", failing)
     assert main(["convert", "--from-hf", str(hf_export), "--out", str(out)]) == 1
     assert not (out / "checkpoints").exists()
-    monkeypatch.undo()
+    failing_config_toml_write.undo()
     assert main(["convert", "--from-hf", str(hf_export), "--out", str(out)]) == 0
 
 

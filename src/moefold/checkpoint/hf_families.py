@@ -27,9 +27,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from moefold.config import Config
+from moefold.config import Config, MoEConfig
 from moefold.errors import CheckpointError
 from moefold.models.transformer import is_moe_layer
+from moefold.moe.router import GroupLimitedSelection
 
 TRAINING_MOE_FIELDS = ("router_dtype", "z_loss_coeff", "aux_loss_coeff", "seq_aux_loss_coeff",
                        "global_aux_loss_coeff", "expert_bias_update_rate", "force_balanced",
@@ -395,6 +396,12 @@ def _deepseek_v3_from_hf(hf: dict[str, Any]) -> Config:
     return cfg
 
 
+def _experts_per_group_score(moe: MoEConfig) -> int:
+    """The experts a group scores by, as routing reads moe.group_score_top_k (0: its default)."""
+    return GroupLimitedSelection(moe.top_k, moe.num_groups, moe.group_top_k,
+                                 moe.group_score_top_k).experts_per_group_score
+
+
 def _deepseek_v3_to_hf(cfg: Config) -> dict[str, Any]:
     m, moe = cfg.model, cfg.moe
     fam = "deepseek_v3"
@@ -406,9 +413,7 @@ def _deepseek_v3_to_hf(cfg: Config) -> dict[str, Any]:
     _expressible(moe.shared_experts >= 1, "moe.shared_experts", moe.shared_experts, fam, "needs >= 1")
     _expressible(moe.shared_expert_hidden in (0, moe.expert_hidden), "moe.shared_expert_hidden",
                  moe.shared_expert_hidden, fam, "shared experts have moe_intermediate_size")
-    # 0 means top_k // group_top_k (GroupLimitedSelection): what counts is the value routing uses.
-    group_score_top_k = moe.group_score_top_k or moe.top_k // max(moe.group_top_k, 1)
-    _expressible(moe.num_groups <= 1 or group_score_top_k == 2, "moe.group_score_top_k",
+    _expressible(moe.num_groups <= 1 or _experts_per_group_score(moe) == 2, "moe.group_score_top_k",
                  moe.group_score_top_k, fam, "a group scores by its top-2 experts")
     first, n_blocks = moe.first_k_dense, m.n_layers + m.mtp_layers
     _expressible(_moe_layer_ids(cfg, n_blocks) == list(range(first, n_blocks)),

@@ -175,6 +175,21 @@ def test_a_second_training_in_a_run_dir_in_use_is_refused_until_the_first_ends(t
     assert latest_checkpoint(run).name == "step_00000006"
 
 
+def test_resuming_a_run_that_trains_before_its_first_save_names_the_training(tmp_path, text_corpus, capsys):
+    """--resume of a run still training before its first save said "no complete checkpoint", as if
+    the run had died: it names the training that holds the run, as a resume after the save does."""
+    from moefold.train.trainer import Trainer
+
+    run = tmp_path / "run"
+    first = Trainer(_tiny_config(text_corpus), run, out=lambda line: None)
+    assert main(["train", "--resume", str(run)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"moefold: error: --resume {run} is in use by another training (process {os.getpid()} on "
+        f"{socket.gethostname()}); wait for it to end, or choose another --resume"]
+    first.fit()
+    assert main(["train", "--resume", str(run), "--train.steps", "3"]) == 0
+
+
 @pytest.mark.parametrize("first_ends", [False, True], ids=["first-training", "first-trained"])
 def test_of_two_trainings_started_in_one_new_run_dir_the_second_to_write_is_refused(tmp_path, text_corpus,
                                                                                     monkeypatch, first_ends):

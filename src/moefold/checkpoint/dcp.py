@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from moefold.errors import FULL_OR_READ_ONLY, CheckpointError, OutputError, writing
 from moefold.files import fsync
 from moefold.parallel.local import local_tensor
+from moefold.train.run_lock import refuse_run_dir_in_use
 
 CHECKPOINTS = "checkpoints"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -80,6 +81,7 @@ def resolve_checkpoint(path: Path, option: str = "--resume") -> Path:
         return path
     latest = latest_checkpoint(path)
     if latest is None:
+        refuse_run_dir_in_use(path, option)  # a training there has not saved yet: name it, not the missing save
         raise CheckpointError(f"{option} {path}: no complete checkpoint in {path / CHECKPOINTS}")
     return latest
 

@@ -6,8 +6,8 @@ C = ceil(capacity_factor · T·K / E) copies, chosen by probability or by positi
 Padding tokens are never sent to an expert.
 """
 
-import math
 from collections.abc import Callable
+from fractions import Fraction
 
 import torch
 
@@ -17,8 +17,13 @@ from moefold.moe.router import count_tokens_per_expert
 
 def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
     """C copies an expert keeps; never more than T, the most it can be sent (a token's top-k are
-    distinct experts), so a large factor keeps every copy without sizing padded groups past T."""
-    return min(num_tokens, math.ceil(capacity_factor * num_tokens * top_k / num_experts))
+    distinct experts), so a large factor keeps every copy without sizing padded groups past T.
+
+    Exact integer arithmetic on the factor as written (1.1 is 11/10): in floating point
+    1.1 · 100·2 / 4 = 55.00000000000001, whose ceiling kept 56 copies where the factor asks 55."""
+    factor = Fraction(str(float(capacity_factor)))  # the shortest decimal that reads back as it
+    copies = factor.numerator * num_tokens * top_k
+    return min(num_tokens, -(-copies // (factor.denominator * num_experts)))  # ceil of the ratio
 
 
 class Dropless:

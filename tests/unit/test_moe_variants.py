@@ -53,3 +53,34 @@ def test_an_overloaded_expert_keeps_exactly_its_capacity(pad_to_capacity):
     assert layer.stats.pop()["dropped"].item() == 2 * (100 - C)
     # By position: the first C tokens keep both copies, the rest keep none.
     assert (y_TD[:C].abs().sum(-1) > 0).all() and (y_TD[C:] == 0).all()
+
+
+# ------------------------------------------------------------------------ sigmoid scores, padding
+
+
+@pytest.mark.parametrize("router_dtype", ["fp32", "fp64"])
+@pytest.mark.parametrize("loss", ["aux_loss_coeff", "seq_aux_loss_coeff", "global_aux_loss_coeff"])
+def test_a_padding_token_whose_sigmoid_scores_underflow_changes_no_gradient(loss, router_dtype):
+    """A padding token with every router logit at -1000 (every sigmoid score 0) must train the
+    layer as any other padding does: its balancing scores s / Σs were 0/0, and the NaN, masked out
+    of the loss, still reached the router's and the input's gradients."""
+    cfg = MoEConfig(num_experts=4, top_k=2, expert_hidden=8, score_func="sigmoid", router_dtype=router_dtype,
+                    **{"aux_loss_coeff": 0.0, loss: 0.1}, experts_backend="loop")
+    layer = build_moe_layer(4, cfg, "cpu", torch.float32)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(0)) * 0.5)
+        layer.router.weight.copy_(torch.eye(4))  # logits = x
+    valid_BS = torch.tensor([[True, True, True, False], [True, True, True, True]])
+    x_BSD = torch.randn(2, 4, 4, generator=torch.Generator().manual_seed(1))
+    grads = []
+    for padding in (torch.zeros(4), torch.full((4,), -1000.0)):
+        x = x_BSD.clone()
+        x[0, 3] = padding
+        x.requires_grad_()
+        layer.zero_grad()
+        (layer(x, valid_BS) * valid_BS[..., None]).sum().backward()
+        grads.append([x.grad[valid_BS], *(p.grad for p in layer.parameters())])
+    for underflow, ordinary in zip(grads[1], grads[0]):
+        assert torch.isfinite(underflow).all()
+        torch.testing.assert_close(underflow, ordinary, rtol=0, atol=0)

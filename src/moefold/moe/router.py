@@ -156,7 +156,9 @@ class SigmoidScores:
 
     def balance(self, scores_TE: torch.Tensor) -> torch.Tensor:
         # DeepSeek-V3's sequence-wise loss uses the scores normalised to a distribution per token.
-        return scores_TE / scores_TE.sum(dim=-1, keepdim=True)
+        # The guard: a token whose scores all underflow (a padding token's, masked in the losses)
+        # gave 0/0, whose NaN reached the router's gradient through the mask.
+        return scores_TE / (scores_TE.sum(dim=-1, keepdim=True) + self.renorm_eps)
 
 
 ScoreFunction = SoftmaxScores | SigmoidScores

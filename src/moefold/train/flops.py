@@ -3,7 +3,8 @@
 Training FLOPs per token = 6 · active parameters (every matrix a token passes through, the output
 head included, the embedding lookup excluded; a routed expert counts K/E of its weights)
 + causal attention: 3 · L · S · H · (Dh_qk + Dh_v)  (QKᵀ and AV, forward 2·S·H·Dh each, halved by
-the causal mask, times 3 for forward + backward). docs/metrics.md derives it.
+the causal mask, times 3 for forward + backward); a sliding window of W < S keys puts 2W − W²/S in
+place of S. docs/metrics.md derives it.
 """
 
 from dataclasses import dataclass, replace
@@ -61,9 +62,14 @@ def _count(model: nn.Module, named_params, cfg) -> tuple[int, int]:
 
 
 def attention_flops_per_token(n_layers: int, seq_len: int, n_heads: int, qk_head_dim: int,
-                              v_head_dim: int) -> int:
-    """Causal-halved forward+backward FLOPs of QKᵀ and AV, per token."""
-    return 3 * n_layers * seq_len * n_heads * (qk_head_dim + v_head_dim)
+                              v_head_dim: int, window: int = 0) -> int:
+    """Forward+backward FLOPs of QKᵀ and AV per token: 6 · H · (Dh_qk + Dh_v) per key a query
+    attends to, times the keys a query sees on average: S/2 under the causal mask; with a sliding
+    `window` of W < S keys (the token itself included), the band's area over S, W − W²/(2S): a
+    query past the first W sees W keys (a window of 4,096 at S = 32,768: 0.23 of the causal count)."""
+    # twice the (query, key) pairs of a sequence: the triangle's S²/2, or the band's S·W − W²/2
+    pairs_x2 = seq_len ** 2 if not 0 < window < seq_len else 2 * window * seq_len - window ** 2
+    return 3 * n_layers * n_heads * (qk_head_dim + v_head_dim) * pairs_x2 // seq_len
 
 
 def train_flops_per_token(model: nn.Module, seq_len: int) -> int:
@@ -80,7 +86,8 @@ def _train_flops_per_token(cfg, active: int, head: int, seq_len: int) -> int:
     else:
         qk_dim = v_dim = m.head_dim or m.dim // m.n_heads
     return (6 * active + 6 * m.mtp_layers * head
-            + attention_flops_per_token(m.n_layers + m.mtp_layers, seq_len, m.n_heads, qk_dim, v_dim))
+            + attention_flops_per_token(m.n_layers + m.mtp_layers, seq_len, m.n_heads, qk_dim, v_dim,
+                                        m.sliding_window))
 
 
 def peak_tflops(device: torch.device, configured: float) -> float | None:

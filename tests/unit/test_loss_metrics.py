@@ -1,6 +1,6 @@
 """The logged throughput figures against independent counts: the FLOP convention against the
 matmuls `FlopCounterMode` sees in one forward and backward plus the attention pairs of the model's
-mask counted one by one."""
+mask counted one by one, and the MFU peak against the datasheets."""
 
 import pytest
 import torch
@@ -8,7 +8,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from moefold.config import load_config
 from moefold.models.transformer import build_model
-from moefold.train.flops import train_flops_per_token
+from moefold.train.flops import PEAK_BF16_TFLOPS, peak_tflops, train_flops_per_token
 from moefold.train.loss import build_objective
 
 VOCAB = 64
@@ -60,3 +60,25 @@ def test_flops_per_token_match_the_counted_matmuls_and_attended_pairs(preset, ov
     # the band's area is (S − W)/2 pairs a layer off its staircase of cells: under 0.2% here, where
     # counting all S keys is 4.5% (W = 64) and 16% (W = 16) off
     assert convention == pytest.approx(independent, rel=3e-3)
+
+
+@pytest.mark.parametrize("name, datasheet", [
+    ("NVIDIA H100 80GB HBM3", 989.0),  # SXM
+    ("NVIDIA H100 PCIe", 756.0),  # 1,513 with sparsity
+    ("NVIDIA H100 NVL", 835.5),  # 1,671 with sparsity
+    ("NVIDIA H200", 989.0),
+    ("NVIDIA H200 NVL", 835.5),  # 1,671 with sparsity
+    ("NVIDIA H800 PCIe", 756.0),
+    ("NVIDIA H20", 148.0),
+    ("NVIDIA A100-SXM4-80GB", 312.0),
+    ("NVIDIA B200", 2250.0),
+    ("NVIDIA GeForce RTX 4090", None),
+])
+def test_mfu_divides_by_the_datasheet_peak_of_the_card(monkeypatch, name, datasheet):
+    """The PCIe and NVL cards of a family have lower clocks than its SXM one: an H100 PCIe was
+    taken for an SXM (989), which put its MFU at 0.76 of the true one."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert peak_tflops(torch.device("cuda"), configured=0.0) == datasheet
+    assert peak_tflops(torch.device("cuda"), configured=123.0) == 123.0  # logging.peak_tflops wins
+    assert peak_tflops(torch.device("cpu"), configured=0.0) is None
+    assert all(value > 0 for value in PEAK_BF16_TFLOPS.values())

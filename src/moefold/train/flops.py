@@ -14,8 +14,10 @@ from torch import nn
 
 from moefold.moe.experts import Experts
 
-# Datasheet dense bf16 TFLOP/s (no sparsity) by device-name fragment, for MFU.
+# Datasheet dense bf16 TFLOP/s (no sparsity) by device-name fragment, for MFU; the longest fragment
+# in the name wins. A family's PCIe and NVL cards run at lower clocks than its SXM one.
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "H20": 148.0, "A100": 312.0,
+                    "H100 PCIe": 756.0, "H800 PCIe": 756.0, "H100 NVL": 835.5, "H200 NVL": 835.5,
                     "B200": 2250.0, "GB200": 2500.0, "B300": 2500.0, "GB300": 2500.0, "L40S": 362.0}
 
 

@@ -112,8 +112,9 @@ def make_batch(windows_BS1: torch.Tensor, eos_id: int) -> Batch:
 class TrainLoader:
     """Endless batches of `batch_size` sequences, reshuffled every epoch.
 
-    Epoch e visits the sequences in the order `randperm(len, seed * 1_000_003 + e)`, B at a time;
-    the last partial batch of an epoch is dropped, so every batch holds exactly B sequences.
+    Epoch e visits the sequences in the order `randperm(len, (seed * 1_000_003 + e) mod 2**64)`,
+    B at a time; the last partial batch of an epoch is dropped, so every batch holds exactly B
+    sequences.
     """
 
     def __init__(self, sequences: PackedSequences, batch_size: int, seed: int, eos_id: int, *,
@@ -135,7 +136,8 @@ class TrainLoader:
     def epoch_order(self, epoch: int) -> torch.Tensor:
         """The permutation of sequence indices that epoch `epoch` visits."""
         if epoch != self._order_epoch:
-            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            # Wrapped to 64 bits: manual_seed refuses more, and train.seed may be up to 2**63 - 1.
+            generator = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) % 2**64)
             self._order_N = torch.randperm(len(self.sequences), generator=generator)
             self._order_epoch = epoch
         return self._order_N

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from moefold.data import PackedSequences, TrainLoader
+from moefold.config import DataConfig
+from moefold.data import HFTokenizer, PackedSequences, TrainLoader, build_token_streams
 
 MAX_SEED = 2**63 - 1  # the largest train.seed the config accepts
 
@@ -45,3 +46,28 @@ def test_a_resume_under_another_batch_size_continues_the_order(before, after):
               for e in range(2)]
     assert seen == orders[0][:len(seen)].tolist()
     assert visited(resumed, 1) == orders[1][:after].tolist()  # a partial batch is dropped
+
+
+def gapped_tokenizer(path) -> str:
+    """A tokenizer.json whose ids skip from 2 to 70_000 (past uint16): 5 tokens, 70_001 ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, "hello": 1, "world": 2, "far": 70_000}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.add_special_tokens(["<|endoftext|>"])
+    tokenizer.save(str(path))
+    return str(path)
+
+
+def test_a_tokenizer_with_id_gaps_keeps_its_largest_id(tmp_path):
+    """Its vocabulary is one past the largest id, not the number of tokens (5): the stream stored
+    id 70_000 as uint16, 4464 (another token, silently, under a larger model.vocab_size)."""
+    pytest.importorskip("tokenizers")
+    tokenizer = HFTokenizer(gapped_tokenizer(tmp_path / "tokenizer.json"))
+    assert tokenizer.vocab_size == 70_001
+    (tmp_path / "d.jsonl").write_text('{"text": "hello far"}\n{"text": "far world"}\n')
+    streams = build_token_streams(DataConfig(path=str(tmp_path / "d.jsonl"), val_fraction=0.0),
+                                  tokenizer, vocab_size=100_000)
+    eos = tokenizer.eos_id
+    assert streams.train_N.tolist() == [1, 70_000, eos, 70_000, 2, eos]

@@ -82,7 +82,7 @@ class HFTokenizer:
         # Text that spells a special token ("<|endoftext|>" in a document) stays plain text:
         # only the corpus builder may insert EOS.
         self._tokenizer.encode_special_tokens = True
-        self.vocab_size: int = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        self.vocab_size: int = _id_bound(self._tokenizer)
         self.eos_id: int = _find_eos_id(self._tokenizer, path)
 
     def encode(self, text: str) -> list[int]:
@@ -149,6 +149,13 @@ def _line_cuts(text: str, piece_chars: int) -> list[int]:
         cuts.append(newline + 1)
         newline = text.find("\n", newline + 1 + piece_chars)
     return cuts
+
+
+def _id_bound(tokenizer) -> int:
+    """One past the largest id: the rows an embedding needs. get_vocab_size counts the tokens, fewer
+    where the vocabulary's ids leave gaps; an id past it was then stored wrapped (uint16 stream)."""
+    ids = tokenizer.get_vocab(with_added_tokens=True).values()
+    return max(tokenizer.get_vocab_size(with_added_tokens=True), max(ids, default=-1) + 1)
 
 
 def _id_list(ids: Iterable[int]) -> list[int]:

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from moefold.config import DataConfig
-from moefold.data import HFTokenizer, PackedSequences, TrainLoader, build_token_streams
+from moefold.data import (ByteTokenizer, HFTokenizer, PackedSequences, TrainLoader,
+                          build_token_streams)
+from moefold.errors import DataError
 
 MAX_SEED = 2**63 - 1  # the largest train.seed the config accepts
 
@@ -71,3 +73,15 @@ def test_a_tokenizer_with_id_gaps_keeps_its_largest_id(tmp_path):
                                   tokenizer, vocab_size=100_000)
     eos = tokenizer.eos_id
     assert streams.train_N.tolist() == [1, 70_000, eos, 70_000, 2, eos]
+
+
+@pytest.mark.parametrize("line, kind", [('["hello"]', "array"), ('"hello"', "string"),
+                                        ("3", "number"), ("null", "null"), ("true", "boolean")])
+def test_a_jsonl_line_that_is_no_object_says_so(tmp_path, line, kind):
+    """It was 'no field 'text' (data.text_field)', pointing at the wrong fix."""
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"text": "fine"}\n' + line + "\n")
+    with pytest.raises(DataError) as info:
+        build_token_streams(DataConfig(path=str(path), val_fraction=0.0), ByteTokenizer())
+    assert str(info.value) == (f"data.path={path}: line 2: a JSON {kind}, not an object with "
+                               "field 'text' (one object per line)")

@@ -165,7 +165,10 @@ def _jsonl_documents(file: DataFile, text_field: str) -> Iterator[Document]:
                 record = json.loads(line.decode("utf-8-sig", errors="replace"))
             except ValueError as e:
                 raise file.error(f"line {line_no}: not valid JSON ({e})") from None
-            if not isinstance(record, dict) or text_field not in record:
+            if not isinstance(record, dict):  # "no field" would send the user to data.text_field
+                raise file.error(f"line {line_no}: a JSON {_json_kind(record)}, not an object "
+                                 f"with field {text_field!r} (one object per line)")
+            if text_field not in record:
                 raise file.error(f"line {line_no}: no field {text_field!r} (data.text_field)")
             text = record[text_field]
             if text is None:  # a null carries no document, as in .parquet
@@ -176,6 +179,14 @@ def _jsonl_documents(file: DataFile, text_field: str) -> Iterator[Document]:
             if text:
                 # JSON may escape a lone surrogate ("\ud800"), which no tokenizer can encode.
                 yield Document(f"{file.name}:{line_no}", _LONE_SURROGATE.sub("\ufffd", text))
+
+
+def _json_kind(value: object) -> str:
+    """The JSON type of a parsed non-object value, as JSON names it."""
+    if isinstance(value, bool):
+        return "boolean"
+    kinds = {list: "array", str: "string", int: "number", float: "number", type(None): "null"}
+    return kinds[type(value)]
 
 
 def _parquet_documents(file: DataFile, text_field: str) -> Iterator[Document]:

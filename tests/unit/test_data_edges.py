@@ -85,3 +85,19 @@ def test_a_jsonl_line_that_is_no_object_says_so(tmp_path, line, kind):
         build_token_streams(DataConfig(path=str(path), val_fraction=0.0), ByteTokenizer())
     assert str(info.value) == (f"data.path={path}: line 2: a JSON {kind}, not an object with "
                                "field 'text' (one object per line)")
+
+
+def test_a_validation_share_too_short_names_data_val_fraction(tmp_path):
+    """A small corpus at the default data.val_fraction holds out fewer tokens than one sequence:
+    the message named only train.seq_len and more data, not the option that turns it off."""
+    path = tmp_path / "small.txt"
+    path.write_text("hello world " * 100)  # 1201 tokens; 2%: the last 24 held out
+    streams = build_token_streams(DataConfig(path=str(path)), ByteTokenizer())
+    assert len(streams.val_N) == round(1201 * 0.02)
+    with pytest.raises(DataError) as info:
+        PackedSequences(streams.val_N, 32, "validation")
+    assert str(info.value) == ("train.seq_len=32: the validation stream has 24 tokens, fewer than "
+                               "train.seq_len + 1 = 33; lower train.seq_len, raise "
+                               "data.val_fraction or set it to 0 (no validation) or add data")
+    with pytest.raises(DataError, match=r"; lower train\.seq_len or add data$"):
+        PackedSequences(streams.train_N[:20], 32, "training")

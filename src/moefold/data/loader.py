@@ -31,9 +31,12 @@ class PackedSequences:
         self.tokens_N = tokens_N
         self.seq_len = seq_len
         if len(self) == 0:
+            # A small corpus's validation share is what falls short: name its own option too.
+            also = (", raise data.val_fraction or set it to 0 (no validation)"
+                    if name == "validation" else "")
             raise DataError(f"train.seq_len={seq_len}: the {name} stream has {len(tokens_N)} "
                             f"tokens, fewer than train.seq_len + 1 = {seq_len + 1}; lower "
-                            "train.seq_len or add data")
+                            f"train.seq_len{also} or add data")
 
     def __len__(self) -> int:
         return max(len(self.tokens_N) - 1, 0) // self.seq_len

@@ -109,3 +109,20 @@ def test_kept_gradients_are_in_the_compute_dtype(chunk):
                                rtol=1e-5, atol=1e-5)
     for grad, ref in ((h.grad, h_ref.grad), (w.grad, w_ref.grad)):  # bf16 GEMMs, rounded apart: 2 ulps
         torch.testing.assert_close(grad, ref, rtol=2 ** -7, atol=2 ** -8 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, 1000])
+def test_without_gradients_the_loss_is_the_same(chunk):
+    """Evaluation (validation) under torch.no_grad takes the loss alone, chunk by chunk: the value
+    of `F.cross_entropy`, ignored labels left out, the last short chunk included."""
+    gen = torch.Generator().manual_seed(chunk)
+    h = torch.randn(3, 21, 16, generator=gen, requires_grad=True)
+    w = torch.randn(50, 16, generator=gen, requires_grad=True)
+    labels = torch.randint(0, 50, (3, 21), generator=gen)
+    labels[1, 3:] = IGNORE_INDEX
+    with torch.no_grad():
+        loss = chunked_linear_cross_entropy(h, w, labels, chunk)
+        ref = F.cross_entropy((h @ w.T).flatten(0, 1), labels.flatten())
+    assert not loss.requires_grad
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(loss, chunked_linear_cross_entropy(h, w, labels, chunk).detach(), rtol=0, atol=0)

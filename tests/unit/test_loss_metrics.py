@@ -1,15 +1,24 @@
-"""The logged throughput figures against independent counts: the FLOP convention against the
-matmuls `FlopCounterMode` sees in one forward and backward plus the attention pairs of the model's
-mask counted one by one, and the MFU peak against the datasheets."""
+"""The logged figures against independent counts: the FLOP convention against the matmuls
+`FlopCounterMode` sees in one forward and backward plus the attention pairs of the model's mask
+counted one by one, the MFU peak against the datasheets, and the validation loss against a naive
+token mean."""
+
+import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
+from conftest import TINY_OVERRIDES
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
 from moefold.config import load_config
+from moefold.data import IGNORE_INDEX
 from moefold.models.transformer import build_model
 from moefold.train.flops import PEAK_BF16_TFLOPS, peak_tflops, train_flops_per_token
 from moefold.train.loss import build_objective
+from moefold.train.trainer import Trainer
 
 VOCAB = 64
 MATMULS = {torch.ops.aten.mm, torch.ops.aten.addmm}
@@ -82,3 +91,45 @@ def test_mfu_divides_by_the_datasheet_peak_of_the_card(monkeypatch, name, datash
     assert peak_tflops(torch.device("cuda"), configured=123.0) == 123.0  # logging.peak_tflops wins
     assert peak_tflops(torch.device("cpu"), configured=0.0) is None
     assert all(value > 0 for value in PEAK_BF16_TFLOPS.values())
+
+
+class LargestTensor(TorchDispatchMode):
+    """The most elements any op's output held while the mode was on."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.numel = max(self.numel, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("chunk", [0, 24, 1000])  # plain head; 24 tokens, the last chunk short; one chunk
+def test_validation_takes_the_loss_in_chunks_as_training_does(tmp_path, text_corpus, chunk):
+    """train.loss_chunk_tokens promises a run never holds the whole [tokens, vocabulary] logits, but
+    validation ran the plain head over the validation micro-batch (logits, their fp32 copy and log
+    softmax: 10 bytes a token and vocabulary entry, 25 GB for 16k tokens of Qwen3's vocabulary)
+    where training had fit. Now it takes the run's head loss, and the value stays the token mean."""
+    cfg = load_config(None, {**TINY_OVERRIDES, "data.path": str(text_corpus), "train.steps": "1",
+                             "train.warmup_steps": "0", "train.val_batches": "2",
+                             "train.loss_chunk_tokens": str(chunk)})
+    trainer = Trainer(cfg, tmp_path / "run", out=lambda line: None)
+    first, second = trainer.val_batches[:2]
+    labels_BS = second.labels_BS.clone()
+    labels_BS[1:, 5:] = IGNORE_INDEX  # batches of unequal label counts
+    trainer.val_batches = [first, dataclasses.replace(second, labels_BS=labels_BS)]
+    with torch.no_grad():
+        trainer.model.eval()
+        per_token = [F.cross_entropy(trainer.model(b.input_ids_BS).flatten(0, 1).double(), b.labels_BS.flatten(),
+                                     reduction="sum", ignore_index=IGNORE_INDEX) for b in trainer.val_batches]
+        labelled = sum(int((b.labels_BS != IGNORE_INDEX).sum()) for b in trainer.val_batches)
+        trainer.model.train()
+    with LargestTensor() as largest:
+        val_loss = trainer.validate()
+    assert val_loss == pytest.approx((sum(per_token) / labelled).item(), rel=1e-5)
+    T, V = first.input_ids_BS.numel(), trainer.vocab_size
+    assert (largest.numel >= T * V) == (chunk == 0 or chunk >= T)  # all logits at once: one chunk of all

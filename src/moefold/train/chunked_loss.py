@@ -18,7 +18,8 @@ compiled on its own (`compile_loss`) into passes over the logits in the compute 
 plain head's compiled loss is.
 
 Labels of IGNORE_INDEX (-100) are ignored (they count neither in the loss nor in N), as in
-`F.cross_entropy`.
+`F.cross_entropy`. Without gradients (validation, under torch.no_grad) only the loss is taken, in the
+same chunks.
 """
 
 from collections.abc import Callable
@@ -120,5 +121,20 @@ def chunked_linear_cross_entropy(h_BSD: torch.Tensor, weight_VD: torch.Tensor, l
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) \
         else h_BSD.dtype
     with torch.autocast(device_type, enabled=False):
+        if not torch.is_grad_enabled():  # evaluation: no gradient to take along
+            return _mean_loss(h_BSD.flatten(0, 1), weight_VD, labels_BS.flatten(), chunk, dtype)
         return _ChunkedLinearCrossEntropy.apply(h_BSD.flatten(0, 1), weight_VD, labels_BS.flatten(),
                                                 chunk, dtype, step)
+
+
+def _mean_loss(h_TD: torch.Tensor, weight_VD: torch.Tensor, labels_T: torch.Tensor, chunk: int,
+               compute_dtype: torch.dtype) -> torch.Tensor:
+    """`_ChunkedLinearCrossEntropy`'s loss alone, one chunk's logits at a time."""
+    w_VD = weight_VD.to(compute_dtype)
+    loss = torch.zeros((), dtype=torch.float32, device=h_TD.device)
+    for start in range(0, h_TD.shape[0], chunk):
+        rows = slice(start, start + chunk)
+        x_CV, _ = _fp32_logits(h_TD[rows].to(compute_dtype), w_VD)
+        labels_C = labels_T[rows]
+        loss += _loss(x_CV, labels_C != IGNORE_INDEX, labels_C.clamp(min=0)[:, None])[0]
+    return loss / (labels_T != IGNORE_INDEX).sum().clamp(min=1)

@@ -61,7 +61,7 @@ from moefold.train import metrics
 from moefold.train.compile import compile_blocks
 from moefold.train.flops import count_params, peak_tflops, train_flops_per_token
 from moefold.train.heatmap import append_window, write_load_heatmap
-from moefold.train.loss import build_head_loss, build_objective, cross_entropy_loss
+from moefold.train.loss import build_head_loss, build_objective
 from moefold.train.run_lock import LOCK_FILE, RunDirLock, refuse_run_dir_in_use
 from moefold.train.stop import StopVote
 
@@ -350,8 +350,8 @@ class Trainer:
         self.model: Transformer = model
         for layer in self.model.moe_layers():
             layer.aux_loss_scale = 1.0 / self.grad_accum  # the CE loss is averaged the same way
-        self.objective = build_objective(self.model, build_head_loss(cfg.train.loss_chunk_tokens,
-                                                                     cfg.train.compile))
+        self.head_loss = build_head_loss(cfg.train.loss_chunk_tokens, cfg.train.compile)  # validation's too
+        self.objective = build_objective(self.model, self.head_loss)
         self.param_counts = count_params(self.model)  # of the whole model, before sharding
         self.flops_per_token = train_flops_per_token(self.model, cfg.train.seq_len)
         self.data_parallel = DataParallel(self.model)  # the optimizer updates the model itself
@@ -484,11 +484,12 @@ class Trainer:
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss · tokens, tokens
         for batch in self.val_batches:
             input_ids_BS, labels_BS = self._to_device(batch)  # this data rank's rows
-            with self.autocast():
-                logits_BSV = self.model(input_ids_BS)
+            with self.autocast():  # the head through the training's loss: in chunks under loss_chunk_tokens
+                h_BSD, _ = self.model.trunk(input_ids_BS)
+                loss = self.head_loss(self.model.output, self.model.norm(h_BSD), labels_BS)
             targets = (labels_BS != IGNORE_INDEX).sum()  # what the mean loss divides by
             # No targets: the mean is nan, and nan · 0 would poison the sum.
-            loss = loss_or_zero(cross_entropy_loss(logits_BSV, labels_BS), labels_BS)
+            loss = loss_or_zero(loss, labels_BS)
             sums[0] += loss.double() * targets
             sums[1] += targets
         self.model.train()

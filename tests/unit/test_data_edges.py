@@ -101,3 +101,27 @@ def test_a_validation_share_too_short_names_data_val_fraction(tmp_path):
                                "data.val_fraction or set it to 0 (no validation) or add data")
     with pytest.raises(DataError, match=r"; lower train\.seq_len or add data$"):
         PackedSequences(streams.train_N[:20], 32, "training")
+
+
+def string_column(pa, layout: str, texts: list[str | None]):
+    if layout == "dictionary":  # as pandas writes a category column
+        return pa.array(texts).dictionary_encode()
+    return pa.array(texts, {"large": pa.large_string(), "view": pa.string_view()}[layout])
+
+
+@pytest.mark.parametrize("layout", ["dictionary", "large", "view"])
+def test_every_arrow_string_layout_reads_as_text(tmp_path, layout):
+    """A dictionary-encoded or string_view text column was refused: 'is dictionary<values=string,
+    indices=int32, ordered=0>, not a string'."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    if layout == "view" and not hasattr(pa, "string_view"):
+        pytest.skip("pyarrow < 16 has no string_view")
+    texts = ["alpha", None, "βeta", "alpha", ""]
+    pq.write_table(pa.table({"text": string_column(pa, layout, texts)}), tmp_path / "d.parquet")
+    streams = build_token_streams(DataConfig(path=str(tmp_path / "d.parquet"), val_fraction=0.0),
+                                  ByteTokenizer())
+    eos = ByteTokenizer.eos_id
+    assert streams.train_N.tolist() == [*b"alpha", eos, *"βeta".encode(), eos, *b"alpha", eos]
+

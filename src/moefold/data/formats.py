@@ -200,7 +200,7 @@ def _parquet_documents(file: DataFile, text_field: str) -> Iterator[Document]:
         raise file.error(f"no column {text_field!r} (data.text_field); columns: "
                          f"{', '.join(schema.names)}")
     column_type = schema.field(text_field).type
-    if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
+    if not _is_text(pa, column_type):
         raise file.error(f"column {text_field!r} is {column_type}, not a string")
     row = 0
     for batch in parquet.iter_batches(columns=[text_field], batch_size=4096):
@@ -208,6 +208,16 @@ def _parquet_documents(file: DataFile, text_field: str) -> Iterator[Document]:
             if text:  # None (null) and "" carry no document
                 yield Document(f"{file.name}:{row}", text)
             row += 1
+
+
+def _is_text(pa, column_type) -> bool:
+    """Strings in any of Arrow's layouts: plain, large, view (pyarrow >= 16), or dictionary-encoded
+    (a pandas category, a Polars Categorical), all read back as Python strings."""
+    if pa.types.is_dictionary(column_type):
+        column_type = column_type.value_type
+    is_view = getattr(pa.types, "is_string_view", lambda _: False)
+    return (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)
+            or is_view(column_type))
 
 
 def _import_pyarrow(file: DataFile):

@@ -524,7 +524,8 @@ def test_train_loader_resumes_identically(resume_after):
 
 
 def test_train_loader_errors():
-    with pytest.raises(DataError, match=r"^train\.micro_batch_size=11 exceeds the 10 "):
+    with pytest.raises(DataError, match=r"^train\.micro_batch_size · data-parallel ranks = 11 "
+                                        r"sequences exceeds the 10 "):
         make_loader(num_sequences=10, batch_size=11)
     with pytest.raises(DataError, match="data loader state"):
         make_loader().load_state_dict({"epoch": 0, "cursor": 11})

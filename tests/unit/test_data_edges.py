@@ -125,3 +125,12 @@ def test_every_arrow_string_layout_reads_as_text(tmp_path, layout):
     eos = ByteTokenizer.eos_id
     assert streams.train_N.tolist() == [*b"alpha", eos, *"βeta".encode(), eos, *b"alpha", eos]
 
+
+def test_too_few_sequences_names_the_global_micro_batch():
+    """The trainer passes micro_batch_size · dp; the message said 'train.micro_batch_size=4' to a
+    user who had set 2 on 2 data ranks."""
+    with pytest.raises(DataError) as info:
+        arange_loader(num_sequences=3, batch_size=4, seed=0)  # 2 sequences a rank, 2 ranks
+    assert str(info.value) == ("train.micro_batch_size · data-parallel ranks = 4 sequences exceeds "
+                               "the 3 training sequences of train.seq_len=4 tokens; lower "
+                               "train.micro_batch_size or train.seq_len, or add data")

@@ -122,11 +122,13 @@ class TrainLoader:
 
     def __init__(self, sequences: PackedSequences, batch_size: int, seed: int, eos_id: int, *,
                  vocab: Vocabulary | None = None):
-        """`vocab`: the ids every batch is checked to hold; None checks nothing."""
-        if len(sequences) < batch_size:
-            raise DataError(f"train.micro_batch_size={batch_size} exceeds the {len(sequences)} "
-                            f"training sequences of train.seq_len={sequences.seq_len} tokens; "
-                            "lower train.micro_batch_size or train.seq_len, or add data")
+        """`batch_size`: the global micro-batch, train.micro_batch_size on each data-parallel
+        rank. `vocab`: the ids every batch is checked to hold; None checks nothing."""
+        if len(sequences) < batch_size:  # named as a product: under data parallelism it is one
+            raise DataError(f"train.micro_batch_size · data-parallel ranks = {batch_size} "
+                            f"sequences exceeds the {len(sequences)} training sequences of "
+                            f"train.seq_len={sequences.seq_len} tokens; lower "
+                            "train.micro_batch_size or train.seq_len, or add data")
         self.sequences = sequences
         self.batch_size = batch_size
         self.seed = seed

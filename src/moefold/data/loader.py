@@ -1,8 +1,10 @@
 """Packing a token stream into fixed-length sequences, and the train / validation loaders.
 
 Sequence i is the window `tokens[i*S : i*S + S + 1]`: its first S tokens are the inputs and its last
-S the labels, so consecutive sequences share one boundary token and no token is wasted. Documents
-are packed back to back; `doc_ids` tells the attention where each one starts (document masking).
+S the labels, so consecutive sequences share one boundary token (only the last (N - 1) % S tokens
+go unused). Documents are packed back to back; `doc_ids` marks where each one starts, what
+document masking needs, but the trainer does not pass it on yet: attention spans the whole
+sequence, across documents (design/FEATURES.md: document masking is "later").
 
 The train loader's order is a pure function of (seed, epoch), and its position is two integers, so
 a resumed run sees exactly the batches the interrupted one would have.

@@ -4,7 +4,7 @@ Sequence i is the window `tokens[i*S : i*S + S + 1]`: its first S tokens are the
 S the labels, so consecutive sequences share one boundary token (only the last (N - 1) % S tokens
 go unused). Documents are packed back to back; `doc_ids` marks where each one starts, what
 document masking needs, but the trainer does not pass it on yet: attention spans the whole
-sequence, across documents (design/FEATURES.md: document masking is "later").
+sequence, across documents (shared/design/FEATURES.md lists document masking as "later").
 
 The train loader's order is a pure function of (seed, epoch), and its position is two integers, so
 a resumed run sees exactly the batches the interrupted one would have.

@@ -134,3 +134,37 @@ def test_too_few_sequences_names_the_global_micro_batch():
     assert str(info.value) == ("train.micro_batch_size · data-parallel ranks = 4 sequences exceeds "
                                "the 3 training sequences of train.seq_len=4 tokens; lower "
                                "train.micro_batch_size or train.seq_len, or add data")
+
+
+
+def test_invalid_utf8_in_parquet_becomes_replacement_characters(tmp_path):
+    """A writer that does not check UTF-8 can store bad bytes in a string column: reading them
+    raised UnicodeDecodeError (a traceback); they become U+FFFD, as in .txt and .jsonl files."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    raw = [b"ok", b"bad \xff\xfe end", None, "\u00e9".encode()]
+    column = pa.array(raw, pa.binary()).view(pa.string())  # as such a writer stores it
+    pq.write_table(pa.table({"text": column}), tmp_path / "d.parquet")
+    streams = build_token_streams(DataConfig(path=str(tmp_path / "d.parquet"), val_fraction=0.0),
+                                  ByteTokenizer())
+    eos = ByteTokenizer.eos_id
+    texts = ["ok", "bad \ufffd\ufffd end", "\u00e9"]
+    assert streams.train_N.tolist() == [t for text in texts for t in [*text.encode(), eos]]
+
+
+def test_a_corrupt_parquet_page_is_a_one_line_error(tmp_path):
+    """The footer reads, a data page does not: it was pyarrow's OSError with a traceback."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "d.parquet"
+    texts = [f"document {i} " * 20 for i in range(2000)]
+    pq.write_table(pa.table({"text": texts}), path, use_dictionary=False)
+    data = bytearray(path.read_bytes())
+    data[200:4000] = b"A" * 3800  # inside the first data page, well before the footer
+    path.write_bytes(bytes(data))
+    with pytest.raises(DataError) as info:
+        build_token_streams(DataConfig(path=str(path)), ByteTokenizer())
+    message = str(info.value)
+    assert message.startswith(f"data.path={path}: not a valid Parquet file (") and "\n" not in message

@@ -203,10 +203,11 @@ def _parquet_documents(file: DataFile, text_field: str) -> Iterator[Document]:
     if not _is_text(pa, column_type):
         raise file.error(f"column {text_field!r} is {column_type}, not a string")
     row = 0
-    for batch in parquet.iter_batches(columns=[text_field], batch_size=4096):
-        for text in batch.column(0).to_pylist():
-            if text:  # None (null) and "" carry no document
-                yield Document(f"{file.name}:{row}", text)
+    for column in _column_batches(pa, parquet, file, text_field):
+        for raw in _utf8_values(pa, column):
+            if raw:  # None (null) and "" carry no document
+                # Not every writer checks its UTF-8: bad bytes become U+FFFD, as in .txt files.
+                yield Document(f"{file.name}:{row}", raw.decode("utf-8", errors="replace"))
             row += 1
 
 
@@ -218,6 +219,28 @@ def _is_text(pa, column_type) -> bool:
     is_view = getattr(pa.types, "is_string_view", lambda _: False)
     return (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)
             or is_view(column_type))
+
+
+def _column_batches(pa, parquet, file: DataFile, text_field: str) -> Iterator:
+    """The column `text_field`, a batch of rows at a time. The footer read fine; a corrupt page
+    further on is a one-line DataError too, not pyarrow's traceback."""
+    batches = parquet.iter_batches(columns=[text_field], batch_size=4096)
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except (OSError, pa.ArrowException) as e:
+            raise file.error(f"not a valid Parquet file ({_first_line(e)})") from None
+        yield batch.column(0)
+
+
+def _utf8_values(pa, column) -> list[bytes | None]:
+    """A string column's values as their bytes: to_pylist would raise UnicodeDecodeError (a
+    traceback) on the first invalid UTF-8 value."""
+    if pa.types.is_dictionary(column.type):
+        column = column.dictionary_decode()
+    return column.cast(pa.large_binary()).to_pylist()
 
 
 def _import_pyarrow(file: DataFile):

@@ -3,6 +3,11 @@ size, tokenizers whose ids leave gaps, malformed records, corpora too small to v
 
 from __future__ import annotations
 
+import errno
+import io
+import os
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -168,3 +173,34 @@ def test_a_corrupt_parquet_page_is_a_one_line_error(tmp_path):
         build_token_streams(DataConfig(path=str(path)), ByteTokenizer())
     message = str(info.value)
     assert message.startswith(f"data.path={path}: not a valid Parquet file (") and "\n" not in message
+
+
+def deny(monkeypatch, path: Path) -> None:
+    """Reading `path` fails as a file without read permission does (tests may run as root)."""
+    import builtins
+
+    real_open = builtins.open
+
+    def guarded_open(file, *args, **kwargs):
+        if os.fspath(file) == str(path):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", guarded_open)
+    monkeypatch.setattr(io, "open", guarded_open)  # Path.open, Path.read_bytes
+
+
+@pytest.mark.parametrize("name, content", [
+    ("a.txt", b"text"), ("a.jsonl", b'{"text": "t"}\n'),
+    ("a.npy", np.arange(9)), ("a.bin", np.arange(9, dtype=np.uint16).tobytes())],
+    ids=["txt", "jsonl", "npy", "bin"])
+def test_an_unreadable_data_file_is_a_one_line_error(tmp_path, monkeypatch, name, content):
+    """errors.py: an unreadable data path is a DataError; it was a PermissionError traceback."""
+    path = tmp_path / "data" / name
+    path.parent.mkdir()
+    np.save(path, content) if isinstance(content, np.ndarray) else path.write_bytes(content)
+    deny(monkeypatch, path)
+    with pytest.raises(DataError) as info:
+        build_token_streams(DataConfig(path=str(path.parent)), ByteTokenizer())
+    assert str(info.value) == (f"data.path={path.parent}: {name}: cannot be read "
+                               "(Permission denied)")

@@ -8,6 +8,7 @@ is relative to `data.path`, so the validation split does not move when the data 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -136,13 +137,24 @@ def _check_file(file: DataFile) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def reading(file: DataFile) -> Iterator[None]:
+    """An OSError reading `file` (permission denied, an I/O error) is the one-line DataError
+    naming it that errors.py promises for an unreadable data path, not a traceback."""
+    try:
+        yield
+    except OSError as e:
+        raise file.error(f"cannot be read ({e.strerror or e})") from None
+
+
 def read_documents(file: DataFile, text_field: str) -> Iterator[Document]:
     """The documents of one text file, in file order; empty and null texts are skipped."""
     reader = _READERS.get(file.suffix, _whole_file_document)
     count = 0
-    for document in reader(file, text_field):
-        count += 1
-        yield document
+    with reading(file):
+        for document in reader(file, text_field):
+            count += 1
+            yield document
     if count == 0:
         raise file.error(f"no documents (every record is blank or has an empty or null "
                          f"data.text_field={text_field!r})")
@@ -266,7 +278,8 @@ _READERS: dict[str, Callable[[DataFile, str], Iterator[Document]]] = {
 
 def open_token_file(file: DataFile, token_dtype: str) -> np.ndarray:
     """A read-only, memory-mapped 1-D array of the file's token ids."""
-    tokens_N = _open_npy(file) if file.suffix == ".npy" else _open_bin(file, token_dtype)
+    with reading(file):
+        tokens_N = _open_npy(file) if file.suffix == ".npy" else _open_bin(file, token_dtype)
     if tokens_N.size == 0:
         raise file.error("no tokens")
     return tokens_N

@@ -204,3 +204,21 @@ def test_an_unreadable_data_file_is_a_one_line_error(tmp_path, monkeypatch, name
         build_token_streams(DataConfig(path=str(path.parent)), ByteTokenizer())
     assert str(info.value) == (f"data.path={path.parent}: {name}: cannot be read "
                                "(Permission denied)")
+
+
+def test_an_unlistable_subdirectory_is_an_error_not_less_data(tmp_path, monkeypatch):
+    """os.walk skips a directory it cannot list: its documents went missing without a word."""
+    (tmp_path / "a.txt").write_text("kept")
+    (tmp_path / "private").mkdir()
+    (tmp_path / "private" / "b.txt").write_text("lost")
+    real_scandir = os.scandir
+
+    def guarded_scandir(path):
+        if os.fspath(path) == str(tmp_path / "private"):
+            raise PermissionError(errno.EACCES, "Permission denied", os.fspath(path))
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", guarded_scandir)
+    with pytest.raises(DataError) as info:
+        build_token_streams(DataConfig(path=str(tmp_path)), ByteTokenizer())
+    assert str(info.value) == f"data.path={tmp_path}: private: cannot be read (Permission denied)"

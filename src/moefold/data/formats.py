@@ -88,7 +88,8 @@ def find_data_files(data_path: str) -> list[DataFile]:
     if not root.exists():
         raise DataError(f"data.path={data_path}: no such file or directory")
     if root.is_dir():
-        paths = [p for p in _walk_files(root) if p.is_file() and p.suffix.lower() in SUFFIXES]
+        paths = [p for p in _walk_files(root, data_path)
+                 if p.is_file() and p.suffix.lower() in SUFFIXES]
         if not paths:
             raise DataError(f"data.path={data_path}: no {ALLOWED} files found")
         files = sorted((_data_file(p, p.relative_to(root).as_posix(), data_path) for p in paths),
@@ -103,13 +104,18 @@ def find_data_files(data_path: str) -> list[DataFile]:
     return files
 
 
-def _walk_files(root: Path) -> list[Path]:
+def _walk_files(root: Path, data_path: str) -> list[Path]:
     """Every file under `root`, through symlinked directories too (Path.rglob does not follow
     them). A directory reached again (a symlink loop, a second link) is walked once, by the first
-    path in sorted order."""
+    path in sorted order. One that cannot be listed is an error: os.walk skips it silently."""
+
+    def unreadable(e: OSError) -> None:
+        where = Path(e.filename).relative_to(root).as_posix() if e.filename else "?"
+        raise DataError(f"data.path={data_path}: {where}: cannot be read ({e.strerror or e})")
+
     seen: set[str] = set()
     paths = []
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True, onerror=unreadable):
         real = os.path.realpath(dirpath)
         if real in seen:
             dirnames.clear()

@@ -222,3 +222,21 @@ def test_an_unlistable_subdirectory_is_an_error_not_less_data(tmp_path, monkeypa
     with pytest.raises(DataError) as info:
         build_token_streams(DataConfig(path=str(tmp_path)), ByteTokenizer())
     assert str(info.value) == f"data.path={tmp_path}: private: cannot be read (Permission denied)"
+
+
+def test_the_source_line_counts_files_in_english(tmp_path):
+    """'data: input.txt: 1 files' and '1 token files' were printed at every start."""
+    def source(path: Path) -> str:
+        return build_token_streams(DataConfig(path=str(path), val_fraction=0.0),
+                                   ByteTokenizer()).source
+
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "a.txt").write_text("one")
+    assert source(tmp_path / "text" / "a.txt") == f"{tmp_path / 'text' / 'a.txt'}: 1 file, 0.0 MB"
+    (tmp_path / "text" / "b.txt").write_text("two")
+    assert source(tmp_path / "text") == f"{tmp_path / 'text'}: 2 files, 0.0 MB"
+    (tmp_path / "tokens").mkdir()
+    np.save(tmp_path / "tokens" / "a.npy", np.arange(9))
+    assert source(tmp_path / "tokens") == f"{tmp_path / 'tokens'}: 1 token file, 0.0M tokens"
+    np.save(tmp_path / "tokens" / "b.npy", np.arange(9))
+    assert source(tmp_path / "tokens") == f"{tmp_path / 'tokens'}: 2 token files, 0.0M tokens"

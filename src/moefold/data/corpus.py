@@ -93,7 +93,7 @@ def _text_streams(files: list[DataFile], label: str, cfg: DataConfig, tokenizer:
     megabytes = sum(f.size for f in files) / 1e6
     return TokenStreams(train_N=_concatenate(train_docs, dtype),
                         val_N=_concatenate(val_docs, dtype), eos_id=tokenizer.eos_id, vocab=vocab,
-                        source=f"{label}: {len(files)} files, {megabytes:.1f} MB",
+                        source=f"{label}: {_count(len(files), 'file')}, {megabytes:.1f} MB",
                         train_docs=len(train_docs), val_docs=len(val_docs))
 
 
@@ -150,6 +150,11 @@ def _concatenate(docs: list[np.ndarray], dtype: np.dtype) -> np.ndarray:
     return np.concatenate(docs) if docs else np.empty(0, dtype)
 
 
+def _count(n: int, noun: str) -> str:
+    """'1 file', '2 files': the source line reads as English."""
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
 def _batched(items: Iterable[Document], n: int) -> Iterator[list[Document]]:
     iterator = iter(items)
     while batch := list(itertools.islice(iterator, n)):
@@ -180,7 +185,7 @@ def _token_file_streams(files: list[DataFile], label: str, cfg: DataConfig,
         raise DataError(f"data.path={label}: {len(tokens_N)} tokens leave no training tokens "
                         f"at data.val_fraction={cfg.val_fraction}")
     split = len(tokens_N) - num_val
-    source = f"{label}: {len(files)} token files, {len(tokens_N) / 1e6:.1f}M tokens"
+    source = f"{label}: {_count(len(files), 'token file')}, {len(tokens_N) / 1e6:.1f}M tokens"
     return TokenStreams(train_N=tokens_N[:split], val_N=tokens_N[split:], eos_id=eos_id,
                         vocab=vocab, source=source, train_docs=None, val_docs=None)
 

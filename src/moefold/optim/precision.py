@@ -91,10 +91,10 @@ def _chunks(params: list[torch.Tensor], max_elements: int) -> list[list[torch.Te
     parameter alone). Every rank cuts a group at the same parameters: a chunk's fp8 blocks that
     split their last dimension complete their maxima in one collective over the ranks."""
     chunks: list[list[torch.Tensor]] = []
-    size = max_elements
+    size = 0
     for p in params:
         n = _piece_elements(p)
-        if size + n > max_elements:
+        if not chunks or size + n > max_elements:  # the first opens one, even when empty
             chunks.append([])
             size = 0
         chunks[-1].append(p)

@@ -92,3 +92,14 @@ def test_a_run_logs_the_peak_at_the_end_of_warmup_and_the_final_lr_last(tmp_path
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     lrs = [r["lr"] for r in records if "lr" in r]  # logged steps 1..6 (1-based)
     assert lrs == pytest.approx([5e-4, 1e-3, 1e-3, 1e-3, 1e-3, 2.5e-4])
+
+
+@pytest.mark.parametrize("min_ratio", [0.1, 0.2, 0.3, 0.01, 1 / 3, 0.0, 1.0])
+@pytest.mark.parametrize("name", ["cosine", "wsd"])
+def test_the_last_step_is_exactly_the_min_ratio(name, min_ratio):
+    """As documented, exactly train.min_lr_ratio at the last step, not within rounding: WSD ended at
+    1 − (1 − min_ratio), 0.09999999999999998 for the default 0.1."""
+    fn = {"cosine": cosine, "wsd": wsd}[name]
+    kw = {"decay_fraction": 0.3} if name == "wsd" else {}
+    for steps, warmup in ((10, 1), (300, 30), (5, 0), (4, 3)):
+        assert fn(steps - 1, steps=steps, warmup=warmup, min_ratio=min_ratio, **kw) == min_ratio

@@ -44,7 +44,8 @@ def wsd(step: int, *, steps: int, warmup: int, min_ratio: float, decay_fraction:
     start = max(steps - 1 - decay_steps, warmup - 1, 0)
     if step <= start:
         return 1.0
-    return 1.0 - (1 - min_ratio) * _decay_progress(step, start=start, steps=steps)
+    # min_ratio plus what is left: exactly min_ratio at the end (1 − (1 − 0.1) is 0.09999999999999998)
+    return min_ratio + (1 - min_ratio) * (1 - _decay_progress(step, start=start, steps=steps))
 
 
 def constant(step: int, *, steps: int, warmup: int, min_ratio: float) -> float:

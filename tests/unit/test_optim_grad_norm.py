@@ -42,3 +42,56 @@ def test_clipping_scales_every_gradient_to_the_max_norm(dtype):
         want = (g * (max_norm / (total + 1e-6))).to(dtype)
         # bf16: the product by the coefficient rounded to bf16 (one ulp, docs/optimizer.md)
         torch.testing.assert_close(p.grad, want, rtol=1e-4 if dtype == torch.float32 else 2 ** -7, atol=0)
+
+
+# ---------------------------------------------------------------- several ranks (gloo, two meshes)
+
+# (shape, dtype, mesh, placements): rows split unevenly, a replicated norm weight, a plain tensor
+# (every rank holds it alike), an expert weight on its own 2-D mesh, a bf16 column split.
+SHARDED = [((33, 8), torch.float32, "dense", ("S0",)), ((8,), torch.float32, "dense", ("R",)),
+           ((5,), torch.float32, None, ()), ((4, 6, 8), torch.float32, "expert", ("S0", "S1")),
+           ((6, 10), torch.bfloat16, "dense", ("S1",))]
+
+
+def _sharded_grads_clip_like_one_process(rank: int, max_norm: float, out) -> None:
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+    meshes = {"dense": init_device_mesh("cpu", (2,)), "expert": init_device_mesh("cpu", (2, 1))}
+    gen = torch.Generator().manual_seed(0)
+    fulls = [(torch.randn(shape, generator=gen) * 4).to(dtype) for shape, dtype, _, _ in SHARDED]
+    params = []
+    for full, (_, _, mesh, names) in zip(fulls, SHARDED):
+        if mesh is None:
+            p = torch.nn.Parameter(torch.zeros_like(full))
+            p.grad = full.clone()
+        else:
+            placements = [Replicate() if n == "R" else Shard(int(n[1])) for n in names]
+            p = torch.nn.Parameter(distribute_tensor(torch.zeros_like(full), meshes[mesh], placements))
+            p.grad = distribute_tensor(full.clone(), meshes[mesh], placements)  # scaled in place
+        params.append(p)
+    norm = GradNormClipper(params, dist.group.WORLD)(max_norm)
+    clipped = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in params]
+    if rank == 0:
+        torch.save({"norm": norm, "fulls": fulls, "clipped": clipped}, out)
+
+
+@pytest.mark.parametrize("max_norm", [5.0, float("inf")])
+def test_sharded_norm_and_clipping_equal_the_fp64_whole_tensors(max_norm, tmp_path):
+    """The global norm over two meshes counts every element once: shards summed, replicated and
+    plain tensors not twice; every piece is scaled by min(1, max_norm / (norm + 1e-6))."""
+    from ranks import run_ranks
+
+    run_ranks(2, _sharded_grads_clip_like_one_process, max_norm, tmp_path / "out.pt")
+    got = torch.load(tmp_path / "out.pt")
+    want = torch.cat([g.double().reshape(-1) for g in got["fulls"]]).norm()
+    torch.testing.assert_close(got["norm"].double(), want, rtol=1e-6, atol=0)
+    coef = min(1.0, max_norm / (want.item() + 1e-6))
+    assert coef < 1 or max_norm == float("inf")
+    for full, clipped in zip(got["fulls"], got["clipped"], strict=True):
+        rtol = 1e-6 if full.dtype == torch.float32 else 2 ** -8
+        torch.testing.assert_close(clipped.double(), full.double() * coef, rtol=rtol, atol=0)

@@ -52,7 +52,6 @@ def test_a_loaded_checkpoint_keeps_the_loaders_kernel(saver, loader):
     _train(model, opt, clip, 2, seed=2)  # fused: the clip coefficient goes to the kernel
 
 
-
 ROUND_TRIPS = [OptimConfig(), OptimConfig(exp_avg_dtype="fp8", exp_avg_sq_dtype="fp8"),
                OptimConfig(master_dtype="bf16"), OptimConfig(exp_avg_dtype="bf16", master_dtype="bf16+remainder"),
                OptimConfig(exp_avg_dtype="fp8", exp_avg_sq_dtype="bf16", master_dtype="bf16+remainder"),

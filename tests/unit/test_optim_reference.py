@@ -4,13 +4,12 @@ as build_optimizer builds it and PrecisionAwareAdamW in every precision, per par
 lr changing between steps and parameters without a gradient on some steps. Low-precision states
 are checked one step at a time from their own dequantized values, within their dtype's rounding."""
 
-import math
 
 import pytest
 import torch
 
-from moefold.config import OptimConfig, TrainConfig
-from moefold.optim.adamw import build_optimizer
+from moefold.config import TrainConfig
+from moefold.optim.adamw import build_optimizer, param_groups
 from moefold.optim.blocks import FP8, dequantize_fp8, row_blocks
 from moefold.optim.precision import PrecisionAwareAdamW, join_fp32
 
@@ -73,7 +72,6 @@ def test_fp32_optimizers_follow_the_textbook_adamw(kind):
         opt = build_optimizer(model, TrainConfig(lr=1.0, weight_decay=WD, beta1=BETAS[0], beta2=BETAS[1], eps=EPS),
                               torch.device("cpu"))
     else:
-        from moefold.optim.adamw import param_groups
         opt = PrecisionAwareAdamW(param_groups(model, WD), lr=1.0, betas=BETAS, eps=EPS,
                                   foreach=kind == "precision-fp32")
     assert {id(p): g["weight_decay"] for g in opt.param_groups for p in g["params"]} == \
@@ -128,7 +126,6 @@ def test_each_low_precision_step_is_adamw_from_its_stored_state(options):
     """From the state a step reads (dequantized), the fp64 AdamW step; what it stores is that within
     its dtype's rounding; the master within fp32's (bf16: half a bf16 ulp)."""
     model = _model()
-    from moefold.optim.adamw import param_groups
     opt = PrecisionAwareAdamW(param_groups(model, WD), lr=1.0, betas=BETAS, eps=EPS, **options)
     (b1, b2), params = BETAS, dict(model.named_parameters())
     for t, (lr, grads) in enumerate(zip(LRS, _gradients(model, len(LRS))), start=1):
@@ -167,9 +164,10 @@ def test_an_empty_parameter_first_in_its_group_changes_nothing(options):
     as without them, bit for bit."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(3, 5, generator=gen)
-    with_empty = [torch.nn.Parameter(torch.zeros(0)), torch.nn.Parameter(x.clone()), torch.nn.Parameter(torch.zeros(2, 0))]
+    with_empty = [torch.nn.Parameter(t) for t in (torch.zeros(0), x.clone(), torch.zeros(2, 0))]
     alone = [torch.nn.Parameter(x.clone())]
-    opts = [PrecisionAwareAdamW(ps, lr=1e-2, betas=BETAS, eps=EPS, weight_decay=WD, **options) for ps in (with_empty, alone)]
+    opts = [PrecisionAwareAdamW(ps, lr=1e-2, betas=BETAS, eps=EPS, weight_decay=WD, **options)
+            for ps in (with_empty, alone)]
     ref = TextbookAdamW(x, WD)
     for _ in range(3):
         g = torch.randn(3, 5, generator=gen)

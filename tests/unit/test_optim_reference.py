@@ -4,7 +4,6 @@ as build_optimizer builds it and PrecisionAwareAdamW in every precision, per par
 lr changing between steps and parameters without a gradient on some steps. Low-precision states
 are checked one step at a time from their own dequantized values, within their dtype's rounding."""
 
-
 import pytest
 import torch
 

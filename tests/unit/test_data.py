@@ -268,7 +268,7 @@ def test_text_with_hf_tokenizer(tmp_path):
 
 def test_text_with_a_protocol_only_tokenizer(tmp_path):
     class CharTokenizer:  # no encode_batch_np: exercises the plain `encode` path
-        name, vocab_size, eos_id = "chars", 70_000, 69_999
+        name, vocab_size, eos_id = "chars", 120_000, 119_999
 
         def encode(self, text):
             return [ord(c) for c in text]
@@ -279,7 +279,7 @@ def test_text_with_a_protocol_only_tokenizer(tmp_path):
     (tmp_path / "a.txt").write_text("hi 𝄞")
     streams = streams_of(tmp_path, CharTokenizer(), val_fraction=0.0)
     assert streams.train_N.dtype == np.uint32
-    assert streams.train_N.tolist() == [ord("h"), ord("i"), ord(" "), ord("𝄞"), 69_999]
+    assert streams.train_N.tolist() == [ord("h"), ord("i"), ord(" "), ord("𝄞"), 119_999]
 
 
 def test_text_split_follows_document_name_hash(tmp_path):

@@ -240,3 +240,30 @@ def test_the_source_line_counts_files_in_english(tmp_path):
     assert source(tmp_path / "tokens") == f"{tmp_path / 'tokens'}: 1 token file, 0.0M tokens"
     np.save(tmp_path / "tokens" / "b.npy", np.arange(9))
     assert source(tmp_path / "tokens") == f"{tmp_path / 'tokens'}: 2 token files, 0.0M tokens"
+
+
+class CodePointTokenizer:
+    """A protocol-only tokenizer (no encode_batch_np) that undercounts its vocabulary."""
+
+    name, vocab_size, eos_id = "codepoints", 1000, 999
+
+    def encode(self, text):
+        return [ord(c) for c in text]
+
+    def decode(self, ids):
+        return "".join(map(chr, ids))
+
+
+def test_an_id_past_the_tokenizers_vocab_size_is_refused(tmp_path):
+    """'\U00010000' is id 65536, stored in the uint16 stream as 0 (another token, below every
+    bound the loaders check); now named at once."""
+    (tmp_path / "d.jsonl").write_text('{"text": "ok"}\n{"text": "a\U00010000"}\n')
+    with pytest.raises(DataError) as info:
+        build_token_streams(DataConfig(path=str(tmp_path / "d.jsonl"), val_fraction=0.0),
+                            CodePointTokenizer())
+    assert str(info.value) == ("tokenizer codepoints gave id 65536 (d.jsonl:2), outside its "
+                               "vocabulary [0, 1000) (its vocab_size)")
+    (tmp_path / "d.jsonl").write_text('{"text": "ok"}\n')
+    streams = build_token_streams(DataConfig(path=str(tmp_path / "d.jsonl"), val_fraction=0.0),
+                                  CodePointTokenizer())
+    assert streams.train_N.tolist() == [ord("o"), ord("k"), 999]

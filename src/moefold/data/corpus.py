@@ -85,6 +85,7 @@ def _text_streams(files: list[DataFile], label: str, cfg: DataConfig, tokenizer:
     documents = itertools.chain.from_iterable(read_documents(f, cfg.text_field) for f in files)
     for batch in _batched(documents, _ENCODE_BATCH):
         ids_per_doc = _encode_batch(tokenizer, [doc.text for doc in batch])
+        _check_encoded_ids(ids_per_doc, tokenizer, batch)
         for doc, ids_N in zip(batch, ids_per_doc):
             held_out = is_validation(doc.name, threshold)
             (val_docs if held_out else train_docs).append(_with_eos(ids_N, tokenizer.eos_id, dtype))
@@ -137,6 +138,20 @@ def _encode_batch(tokenizer: Tokenizer, texts: Sequence[str]) -> list[np.ndarray
     if batch_encode is not None:
         return batch_encode(texts)
     return [np.asarray(tokenizer.encode(text), dtype=np.int64) for text in texts]
+
+
+def _check_encoded_ids(ids_per_doc: list[np.ndarray], tokenizer: Tokenizer,
+                       batch: list[Document]) -> None:
+    """Every id lies in [0, tokenizer.vocab_size): the stream's dtype is sized by it, and a larger
+    id would be stored wrapped, as another token, past every later check."""
+    ids_N = np.concatenate([*ids_per_doc, [tokenizer.eos_id]])
+    low, high = int(ids_N.min()), int(ids_N.max())
+    if low >= 0 and high < tokenizer.vocab_size:
+        return
+    bad = low if low < 0 else high
+    name = next((doc.name for doc, ids in zip(batch, ids_per_doc) if bad in ids), "its EOS")
+    raise DataError(f"tokenizer {tokenizer.name} gave id {bad} ({name}), outside its "
+                    f"vocabulary [0, {tokenizer.vocab_size}) (its vocab_size)")
 
 
 def _with_eos(ids_N: np.ndarray, eos_id: int, dtype: np.dtype) -> np.ndarray:

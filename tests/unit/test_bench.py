@@ -196,11 +196,14 @@ def test_balanced_rows():
     assert balanced_rows(10, 4, pad_multiple=8).tolist() == [8, 8, 8, 8]
 
 
-@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-deepseek", "tiny-mixtral"])
-def test_limit_covers_every_matrix_of_the_flop_count(preset):
+@pytest.mark.parametrize("preset, window", [("tiny-qwen3", 0), ("tiny-deepseek", 0), ("tiny-mixtral", 0),
+                                            ("tiny-mixtral", 6)])
+def test_limit_covers_every_matrix_of_the_flop_count(preset, window):
     """The GEMM rows' FLOPs are the convention's count less the 1-D parameters (norm weights): so
-    the limit times every matrix a token passes, once per use (the MTP head use included)."""
-    cfg = load_config(preset, {"train.micro_batch_size": "2", "train.seq_len": "16"})
+    the limit times every matrix a token passes, once per use (the MTP head use included), and
+    core attention counts a sliding window's band as the convention does (window 6 < seq 16)."""
+    cfg = load_config(preset, {"train.micro_batch_size": "2", "train.seq_len": "16",
+                               "model.sliding_window": str(window)})
     r = step_limit(cfg, torch.device("cpu"), torch.float32, repeats=1, optimizer=False, loss=False,
                    warmup=0)
     model = meta_model(cfg)

@@ -157,7 +157,7 @@ class _Shapes:
         def step():
             torch.autograd.grad(attn.core(q, k, v, **mask), (q, k, v), dout)
 
-        flops = attention_flops_per_token(1, S, H, qk_dim, v_dim) * self.T
+        flops = attention_flops_per_token(1, S, H, qk_dim, v_dim, self.cfg.model.sliding_window) * self.T
         return Row("core attention (SDPA)", len(blocks), self.time(step), flops)
 
     def projections(self) -> list[Row]:

@@ -95,3 +95,29 @@ def test_sharded_norm_and_clipping_equal_the_fp64_whole_tensors(max_norm, tmp_pa
     for full, clipped in zip(got["fulls"], got["clipped"], strict=True):
         rtol = 1e-6 if full.dtype == torch.float32 else 2 ** -8
         torch.testing.assert_close(clipped.double(), full.double() * coef, rtol=rtol, atol=0)
+
+
+def _one_rank_without_gradients(rank: int, out) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
+    p = torch.nn.Parameter(torch.zeros(4))
+    if rank == 0:  # rank 1's parameter took no part in the loss: its .grad stays None
+        p.grad = torch.tensor([3.0, 0.0, 0.0, 4.0])
+    norm = GradNormClipper([p], dist.group.WORLD)(1.0)  # plain tensors: replicated, counted once
+    torch.save({"norm": norm, "grad": p.grad}, f"{out}.{rank}")
+
+
+def test_a_rank_without_gradients_still_joins_the_global_norm(tmp_path):
+    """A rank with no gradients returned before the all-reduce the others entered: they hung until
+    the process group's timeout. It now adds zero, and every rank returns the same global norm."""
+    from ranks import run_ranks
+
+    run_ranks(2, _one_rank_without_gradients, tmp_path / "out")
+    got = [torch.load(f"{tmp_path / 'out'}.{rank}") for rank in range(2)]
+    # the plain tensor counts once over 2 replicas: rank 0 adds 25/2, rank 1 nothing
+    assert [g["norm"].item() for g in got] == [pytest.approx(12.5 ** 0.5)] * 2
+    torch.testing.assert_close(got[0]["grad"], torch.tensor([3.0, 0.0, 0.0, 4.0]) / (12.5 ** 0.5 + 1e-6))
+    assert got[1]["grad"] is None

@@ -155,18 +155,23 @@ class GradNormClipper:
     def __call__(self, max_norm: float) -> torch.Tensor:
         pairs = [(local_tensor(p.grad), w) for p, w in zip(self.params, self.weights) if p.grad is not None]
         grads = [g for g, _ in pairs]
-        if not grads:
-            return torch.zeros(())
-        # fp32 norms of bf16 gradients: rounded to bf16, each piece would be off by up to 2^-9
-        norms = torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32))
-        weights = torch.tensor([w for _, w in pairs], device=norms.device)
-        total_sq = (norms.square() * weights).sum()
-        if self.group is not None:
+        total_sq = self._local_sum_of_squares(pairs)
+        if self.group is not None:  # every rank enters it, one without gradients too (or the rest hang)
             dist.all_reduce(total_sq, group=self.group)
         norm = total_sq.sqrt()
-        if math.isfinite(max_norm):
+        if grads and math.isfinite(max_norm):
             self.scale(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))
         return norm
+
+    def _local_sum_of_squares(self, pairs: list[tuple[torch.Tensor, float]]) -> torch.Tensor:
+        """This rank's share of the squared global norm: each piece's squared norm over its replicas."""
+        if not pairs:
+            device = local_tensor(self.params[0]).device if self.params else torch.device("cpu")
+            return torch.zeros((), dtype=torch.float32, device=device)
+        # fp32 norms of bf16 gradients: rounded to bf16, each piece would be off by up to 2^-9
+        norms = torch.stack(torch._foreach_norm([g for g, _ in pairs], 2.0, dtype=torch.float32))
+        weights = torch.tensor([w for _, w in pairs], device=norms.device)
+        return (norms.square() * weights).sum()
 
 
 __all__ = [

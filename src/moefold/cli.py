@@ -344,6 +344,19 @@ def _check_generate_args(args: argparse.Namespace) -> None:
                    option=lambda name: "--" + name.replace("_", "-"))
     if not 0 <= args.seed < 2**63:
         raise UserError(f"--seed {args.seed} must be in [0, 2**63) (a torch.Generator's seed)")
+    _check_prompt(args.prompt)
+
+
+def _check_prompt(prompt: str) -> None:
+    """Bytes of --prompt that are not UTF-8 reach Python as lone surrogates (PEP 383: U+DC80..U+DCFF
+    stand for bytes 0x80..0xFF), which no tokenizer encodes."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = ord(prompt[e.start])
+        what = f"byte {code - 0xDC00:#04x}" if 0xDC80 <= code <= 0xDCFF else f"U+{code:04X}"
+        raise UserError(f"--prompt is not UTF-8 text: {what} at character {e.start} does not decode; "
+                        "give the prompt in UTF-8") from None
 
 
 def _generate(args: argparse.Namespace) -> int:

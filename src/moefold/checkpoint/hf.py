@@ -361,16 +361,26 @@ def _check_names(plan: Plan, file_of: dict[str, Path], path: Path) -> None:
         problems.append(f"{len(missing)} tensor(s) the model needs are missing: {_names(missing)}")
     if problems:
         raise CheckpointError(f"checkpoint {path}: " + "; ".join(problems))
-    _check_shapes(plan, file_of)
+    _check_shapes(plan, file_of, path)
 
 
-def _check_shapes(plan: Plan, file_of: dict[str, Path]) -> None:
+def _check_shapes(plan: Plan, file_of: dict[str, Path], path: Path) -> None:
     """Every tensor's shape from its file's header, before anything is read: each rank of a
-    parallel run reads only its own rows and experts, yet all refuse a bad checkpoint alike."""
+    parallel run reads only its own rows and experts, yet all refuse a bad checkpoint alike. The
+    names checked are those read from the file: an index can send a tensor to a shard without it."""
     repeated = {**plan.aliases, **plan.copies}
-    for file in sorted(set(file_of.values())):
+    names_in: dict[Path, list[str]] = {}
+    for name, file in file_of.items():
+        names_in.setdefault(file, []).append(name)
+    for file in sorted(names_in):
         with _safetensors_file(file) as f:
-            for name in f.keys():
+            held = set(f.keys())
+            absent = [name for name in names_in[file] if name not in held]
+            if absent:
+                raise CheckpointError(f"{path / INDEX} puts {_names(absent)} in {file.name}, which "
+                                      f"does not hold {'it' if len(absent) == 1 else 'them'} (an index out "
+                                      "of date with its shards: download or copy them again)")
+            for name in names_in[file]:
                 slot = plan.slots.get(name) or (Slot(repeated[name]) if name in repeated else None)
                 if slot is not None:
                     _check_shape(plan.tensors[slot.ours], slot, name, f.get_slice(name).get_shape(), file)

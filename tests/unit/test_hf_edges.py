@@ -1,7 +1,9 @@
 """Hugging Face interop at its edges: checkpoints and configs that are damaged or unusual, each
 refused in one line naming the file and tensor (or loaded exactly as transformers loads them)."""
 
+import errno
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -46,4 +48,37 @@ def test_an_index_naming_a_shard_without_the_tensor_is_a_one_line_error(sharded,
     assert main(["convert", "--from-hf", str(path), "--out", str(run)]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+    assert not run.exists()
+
+
+@pytest.mark.parametrize("unreadable", ["config.json", INDEX, "model-00002-of-00012.safetensors"])
+def test_a_checkpoint_file_that_cannot_be_read_is_a_one_line_error(unreadable, sharded, tmp_path, capsys,
+                                                                    monkeypatch):
+    """Permission denied (a download another user owns) on config.json, the index or a shard: a
+    one-line error naming the file, exit 2, as data files are; not an OSError traceback. safetensors
+    raises a bare OSError (no errno) when it cannot open a file."""
+    import safetensors
+
+    path = shutil.copytree(sharded, tmp_path / "hf")
+    denied = path / unreadable
+    real_read_text, real_safe_open = Path.read_text, safetensors.safe_open
+
+    def read_text(self, *args, **kwargs):
+        if self == denied:
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return real_read_text(self, *args, **kwargs)
+
+    def safe_open(file, *args, **kwargs):
+        if Path(file) == denied:
+            raise OSError("Permission denied (os error 13)")
+        return real_safe_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", read_text)
+    monkeypatch.setattr(safetensors, "safe_open", safe_open)
+    with pytest.raises(CheckpointError, match=rf"{re.escape(str(denied))}: cannot be read \(Permission denied"):
+        load_pretrained(path)
+    run = tmp_path / "run"
+    assert main(["convert", "--from-hf", str(path), "--out", str(run)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{denied}: cannot be read (Permission denied" in err[0]
     assert not run.exists()

@@ -308,6 +308,8 @@ def _read_json(path: Path) -> dict[str, Any]:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path}: invalid JSON: {e}") from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot be read ({e.strerror or e})") from None
 
 
 def _tensor_files(path: Path) -> dict[str, Path]:
@@ -466,13 +468,16 @@ def _reading(file_of: dict[str, Path]) -> Iterator[Callable[..., torch.Tensor]]:
 @contextmanager
 def _safetensors_file(file: Path) -> Iterator[Any]:
     """`safe_open(file)` on the CPU; a file safetensors cannot read (cut short by a failed
-    download or copy, or not safetensors at all) is a CheckpointError naming it, not a traceback."""
+    download or copy, or not safetensors at all) or cannot open is a CheckpointError naming it,
+    not a traceback."""
     from safetensors import SafetensorError, safe_open
 
     try:
         f = safe_open(file, framework="pt", device="cpu")
     except SafetensorError as e:
         raise CheckpointError(f"{file}: not a readable safetensors file ({e}); download or copy it again") from None
+    except OSError as e:  # not opened (permission denied): safetensors gives the OS's words, no errno
+        raise CheckpointError(f"{file}: cannot be read ({e.strerror or e})") from None
     with f:
         yield f
 

@@ -50,9 +50,10 @@ def sample(model, prompt_ids: list[int], max_new_tokens: int, temperature: float
     further token re-reads the window that ends with it, as without a cache. `vocab_size`: the
     tokenizer's; the rows a model.vocab_size padded beyond it are never sampled (None: every row).
     Options `moefold generate` refuses are refused here with its messages (`check_sampling`), as
-    is a `context` below 1 and an empty prompt (the model has no beginning-of-sequence token to
-    start from). The model runs in eval mode, whatever its own (restored after): generation
-    never counts toward a training step's routing statistics."""
+    is a `context` below 1, an empty prompt (the model has no beginning-of-sequence token to
+    start from) and a model with a capacity factor (`_check_dropless`). The model runs in eval
+    mode, whatever its own (restored after): generation never counts toward a training step's
+    routing statistics."""
     check_sampling(max_new_tokens, temperature, top_k)
     if context < 1:
         raise UserError(f"sample: context {context} must be >= 1 (the tokens the model reads at "
@@ -60,6 +61,7 @@ def sample(model, prompt_ids: list[int], max_new_tokens: int, temperature: float
     if len(prompt_ids) == 0:
         raise UserError("sample: prompt_ids is empty; give at least one token to continue (the "
                         "model has no beginning-of-sequence token to start from)")
+    _check_dropless(model)
     was_training = model.training
     # In training mode the MoE layers would jitter the router input and add the generated
     # tokens to the step's counts (the expert-bias update, the statistics): eval, then restore.
@@ -85,6 +87,17 @@ def _generate(model, ids: list[int], max_new_tokens: int, temperature: float, to
         if cache.length == context:  # full: the window moves on by one, read anew
             cache, unread = model.new_cache(context), ids[-context:]
     return ids[prompt_len:]
+
+
+def _check_dropless(model) -> None:
+    """Refuses a model whose MoE layers drop tokens: the cache reads the prompt at once, then one
+    token at a time (never a drop), so what a token's context kept would depend on how it was
+    read, and sampling would differ from full forwards and from `moefold generate`'s model."""
+    factors = {layer.capacity.capacity_factor for layer in model.moe_layers()} - {0.0}
+    if factors:
+        raise UserError(f"sample: the model drops tokens past its experts' capacity (moe.capacity_factor="
+                        f"{max(factors)}): a generated token would depend on how its context was read; "
+                        "build it with moe.capacity_factor=0 (load_model_from_run does)")
 
 
 def check_sampling(max_new_tokens: int, temperature: float, top_k: int,

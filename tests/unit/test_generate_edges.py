@@ -1,9 +1,14 @@
 """Edges of `moefold generate` and `moefold.generate.sample`: input the command line must refuse in
-one line (exit 2, no traceback)."""
+one line (exit 2, no traceback), and models `sample` cannot generate from consistently."""
 
 import pytest
+import torch
 
 from moefold.cli import main
+from moefold.config import load_config
+from moefold.errors import UserError
+from moefold.generate import sample
+from moefold.models.transformer import build_model
 
 
 @pytest.fixture
@@ -22,3 +27,39 @@ def test_a_prompt_that_is_not_utf8_is_a_one_line_error(finished_run, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err, err
     assert "--prompt" in err and "UTF-8" in err and "byte 0xe9" in err, err
+
+
+def _tiny_qwen3(overrides: dict[str, str]):
+    cfg = load_config("tiny-qwen3", {"moe.experts_backend": "loop", **overrides})
+    model = build_model(cfg, 97).eval()
+    model.init_weights(0)
+    with torch.no_grad():  # sharper logits than init_std's, so a changed context changes the picks
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.mul_(8)
+    return model
+
+
+def _greedy_by_full_forwards(model, prompt_ids: list[int], max_new_tokens: int, context: int) -> list[int]:
+    ids = list(prompt_ids)
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            ids.append(int(model(torch.tensor([ids[-context:]]))[0, -1].argmax()))
+    return ids[len(prompt_ids):]
+
+
+def test_sampling_from_a_model_that_drops_tokens_is_refused():
+    """With a capacity factor a token's expert output depends on what else its forward reads: the
+    cache reads the prompt at once (drops at its capacity) and then one token at a time (never a
+    drop: C = min(T, ceil(factor·K/E)) = 1), so `sample` picked other tokens than full forwards of
+    the same context (16 of 20 here) and than the dropless model `moefold generate` builds. It
+    now refuses, naming the option; the dropless model with the same weights generates as full
+    forwards do."""
+    dropping = _tiny_qwen3({"moe.capacity_factor": "1.0"})
+    with pytest.raises(UserError, match=r"^sample: the model drops tokens past its experts' capacity "
+                                        r"\(moe.capacity_factor=1.0\)"):
+        sample(dropping, [3, 10, 17, 24, 31], 20, 0.0, 0, 9, -1, torch.Generator())
+    dropless = _tiny_qwen3({})
+    dropless.load_state_dict(dropping.state_dict())
+    assert (sample(dropless, [3, 10, 17, 24, 31], 20, 0.0, 0, 9, -1, torch.Generator())
+            == _greedy_by_full_forwards(dropless, [3, 10, 17, 24, 31], 20, 9))

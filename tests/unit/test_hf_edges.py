@@ -82,3 +82,26 @@ def test_a_checkpoint_file_that_cannot_be_read_is_a_one_line_error(unreadable, s
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"{denied}: cannot be read (Permission denied" in err[0]
     assert not run.exists()
+
+
+@pytest.mark.parametrize("file, content", [
+    ("config.json", "{}".encode("utf-16")),  # as PowerShell's Out-File writes it
+    ("config.json", b"[]"),
+    (INDEX, b'["model-00001-of-00012.safetensors"]'),
+])
+def test_a_json_file_that_is_no_json_object_is_a_one_line_error(file, content, sharded, tmp_path, capsys):
+    """config.json or the index in another encoding than UTF-8, or a JSON value that is not an
+    object: one line naming the file, exit 2; not a UnicodeDecodeError or AttributeError traceback.
+    `train --init-from-hf` reads config.json on its own path and refuses it alike."""
+    path = shutil.copytree(sharded, tmp_path / "hf")
+    (path / file).write_bytes(content)
+    run = tmp_path / "run"
+    assert main(["convert", "--from-hf", str(path), "--out", str(run)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and (f"{path / file}: invalid JSON" in err[0] or "not a JSON object" in err[0]), err
+    assert not run.exists()
+    if file == "config.json":
+        assert main(["train", "--init-from-hf", str(path), "--run-dir", str(run)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "config.json" in err[0], err
+        assert not run.exists()

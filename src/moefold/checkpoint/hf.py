@@ -60,7 +60,7 @@ def config_from_hf(hf_config: dict[str, Any]) -> Config:
     """The moefold `Config` of a Hugging Face config.json (model and MoE sections; the rest default).
 
     Raises CheckpointError naming the key and value of any option moefold cannot express."""
-    family = family_of(hf_config.get("model_type"), "config.json: model_type")
+    family = family_of(_json_object(hf_config, CONFIG).get("model_type"), "config.json: model_type")
     cfg = family.config_from_hf(hf_config)
     try:
         validate(cfg)
@@ -305,11 +305,17 @@ def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise CheckpointError(f"{path}: no such file (not a Hugging Face checkpoint directory?)")
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        return _json_object(json.loads(path.read_text()), path)
+    except ValueError as e:  # JSONDecodeError, or UnicodeDecodeError: not UTF-8 (a UTF-16 editor's)
         raise CheckpointError(f"{path}: invalid JSON: {e}") from None
     except OSError as e:
         raise CheckpointError(f"{path}: cannot be read ({e.strerror or e})") from None
+
+
+def _json_object(value: Any, path: Path | str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path}: not a JSON object (a JSON {type(value).__name__})")
+    return value
 
 
 def _tensor_files(path: Path) -> dict[str, Path]:

@@ -362,7 +362,7 @@ def _check_prompt(prompt: str) -> None:
 def _generate(args: argparse.Namespace) -> int:
     import torch
 
-    from moefold.generate import continuation, load_model_from_run, sample
+    from moefold.generate import continuation, end_of_document_id, load_model_from_run, sample
 
     _check_generate_args(args)  # before loading the model
     model, tokenizer, cfg = load_model_from_run(args.run_dir, args.device)
@@ -371,7 +371,7 @@ def _generate(args: argparse.Namespace) -> int:
         raise UserError(f"--prompt {args.prompt!r} encodes to no tokens; give text to continue")
     generator = torch.Generator().manual_seed(args.seed)
     new_ids = sample(model, prompt_ids, args.max_new_tokens, args.temperature, args.top_k,
-                     cfg.train.seq_len, tokenizer.eos_id, generator, tokenizer.vocab_size)
+                     cfg.train.seq_len, end_of_document_id(cfg, tokenizer), generator, tokenizer.vocab_size)
     print(continuation(tokenizer, args.prompt, prompt_ids, new_ids))
     return 0
 

@@ -35,6 +35,12 @@ def load_model_from_run(run_dir: Path, device_name: str = "auto", exact_masters:
     return model.eval(), tokenizer, cfg
 
 
+def end_of_document_id(cfg: Config, tokenizer) -> int:
+    """The id that ended the run's training documents, where generation stops: data.eos_id where
+    the run's token files set it, else the tokenizer's EOS (as data/corpus.py reads them)."""
+    return cfg.data.eos_id if cfg.data.eos_id >= 0 else tokenizer.eos_id
+
+
 def _dropless(cfg: Config) -> Config:
     """`cfg` without a capacity factor. Capacity drops a token by what else is in the same forward
     (the prompt, a decode call): a generated token would depend on how its context was read, and

@@ -63,3 +63,28 @@ def test_sampling_from_a_model_that_drops_tokens_is_refused():
     dropless.load_state_dict(dropping.state_dict())
     assert (sample(dropless, [3, 10, 17, 24, 31], 20, 0.0, 0, 9, -1, torch.Generator())
             == _greedy_by_full_forwards(dropless, [3, 10, 17, 24, 31], 20, 9))
+
+
+def test_generation_stops_at_the_end_of_document_id_the_run_trained_with(tmp_path, tiny_args, monkeypatch):
+    """A run on token files with data.eos_id ended its documents with that id; `moefold generate`
+    passed `sample` the tokenizer's EOS instead (the byte tokenizer's 256), so it never stopped
+    where the model ends a document and printed past it."""
+    import numpy as np
+
+    import moefold.generate
+
+    rng = np.random.default_rng(0)
+    docs = [np.append(rng.integers(11, 200, size=int(n)), 10) for n in rng.integers(20, 60, size=80)]
+    np.save(tmp_path / "tokens.npy", np.concatenate(docs).astype(np.uint16))
+    run = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run), *tiny_args, "--data.path", str(tmp_path / "tokens.npy"),
+                 "--data.eos_id", "10", "--train.steps", "2", "--train.warmup_steps", "1"]) == 0
+    given = {}
+
+    def recording_sample(model, prompt_ids, max_new_tokens, temperature, top_k, context, eos_id, *args):
+        given["eos_id"] = eos_id
+        return []
+
+    monkeypatch.setattr(moefold.generate, "sample", recording_sample)
+    assert main(["generate", "--run-dir", str(run), "--prompt", "x", "--max-new-tokens", "3"]) == 0
+    assert given == {"eos_id": 10}

@@ -372,8 +372,15 @@ def _generate(args: argparse.Namespace) -> int:
     generator = torch.Generator().manual_seed(args.seed)
     new_ids = sample(model, prompt_ids, args.max_new_tokens, args.temperature, args.top_k,
                      cfg.train.seq_len, end_of_document_id(cfg, tokenizer), generator, tokenizer.vocab_size)
-    print(continuation(tokenizer, args.prompt, prompt_ids, new_ids))
+    _print_text(continuation(tokenizer, args.prompt, prompt_ids, new_ids))
     return 0
+
+
+def _print_text(text: str) -> None:
+    """Generated text is any Unicode (U+FFFD for bytes that are not UTF-8): what stdout's encoding
+    lacks (a Latin-1 locale, cp1252 when Windows redirects to a file) prints as '?'."""
+    encoding = sys.stdout.encoding or "utf-8"
+    print(text.encode(encoding, errors="replace").decode(encoding))
 
 
 def _config(args: argparse.Namespace) -> int:

@@ -88,3 +88,18 @@ def test_generation_stops_at_the_end_of_document_id_the_run_trained_with(tmp_pat
     monkeypatch.setattr(moefold.generate, "sample", recording_sample)
     assert main(["generate", "--run-dir", str(run), "--prompt", "x", "--max-new-tokens", "3"]) == 0
     assert given == {"eos_id": 10}
+
+
+def test_text_that_stdout_cannot_encode_prints_replaced_not_a_traceback(finished_run, monkeypatch):
+    """Generated text is any Unicode (U+FFFD for bytes that are not UTF-8, the prompt's own
+    characters); print to a stdout of another encoding (a Latin-1 locale, cp1252 when Windows
+    redirects to a file, PYTHONIOENCODING=ascii) raised UnicodeEncodeError, a traceback, after
+    the whole generation. Characters it cannot encode now print as '?'."""
+    import io
+    import sys
+
+    latin1 = io.TextIOWrapper(io.BytesIO(), encoding="latin-1")
+    monkeypatch.setattr(sys, "stdout", latin1)
+    assert main(["generate", "--run-dir", str(finished_run), "--prompt", "naïve €5", "--max-new-tokens", "0"]) == 0
+    latin1.flush()
+    assert latin1.buffer.getvalue().decode("latin-1") == "naïve ?5\n"

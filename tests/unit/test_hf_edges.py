@@ -13,9 +13,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-from test_hf_interop import hf_model_of, qwen3  # noqa: E402
+from test_hf_interop import VOCAB, assert_rel_close, hf_model_of, qwen3  # noqa: E402
 
-from moefold.checkpoint.hf import INDEX, load_pretrained, pretrained_on_meta  # noqa: E402
+from moefold.checkpoint.hf import INDEX, config_from_hf, load_pretrained, pretrained_on_meta  # noqa: E402
 from moefold.cli import main  # noqa: E402
 from moefold.errors import CheckpointError  # noqa: E402
 
@@ -105,3 +105,31 @@ def test_a_json_file_that_is_no_json_object_is_a_one_line_error(file, content, s
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "config.json" in err[0], err
         assert not run.exists()
+
+
+@pytest.mark.parametrize("window", ["absent", None, 6])
+@pytest.mark.parametrize("use", [True, False])
+def test_qwen3_sliding_window_is_the_one_transformers_reads(window, use, tmp_path):
+    """Qwen3MoeConfig keeps sliding_window only with use_sliding_window, and an explicit null
+    stays null (full attention) where an absent key is its default 4096."""
+    config = qwen3(use_sliding_window=use).to_dict()
+    del config["sliding_window"]
+    if window != "absent":
+        config["sliding_window"] = window
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    theirs = transformers.AutoConfig.from_pretrained(tmp_path).sliding_window
+    assert config_from_hf(config).model.sliding_window == (theirs or 0)
+
+
+def test_qwen3_null_sliding_window_attends_past_4096_tokens_as_transformers_does(tmp_path):
+    """use_sliding_window with sliding_window null: transformers attends over the whole causal
+    context; a 4096-token window would change every logit past position 4096."""
+    hf = hf_model_of(qwen3(num_hidden_layers=1, use_sliding_window=True, sliding_window=None), attn="sdpa")
+    hf.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["use_sliding_window"] is True and config["sliding_window"] is None
+    ours = load_pretrained(tmp_path)
+    ids = torch.randint(0, VOCAB, (1, 4096 + 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected, actual = hf(ids).logits[0, -8:], ours(ids)[0, -8:]
+    assert_rel_close(actual, expected, 1e-5, "logits past position 4096")

@@ -289,7 +289,8 @@ def _qwen3_moe_from_hf(hf: dict[str, Any]) -> Config:
     m, moe = cfg.model, cfg.moe
     _gqa_from_hf(hf, cfg)
     m.qk_norm = True
-    m.sliding_window = _get(hf, "sliding_window", 4096) if hf.get("use_sliding_window") else 0
+    # As Qwen3MoeConfig: a window only with use_sliding_window; an absent key is 4096, null is none.
+    m.sliding_window = (hf.get("sliding_window", 4096) or 0) if hf.get("use_sliding_window") else 0
     m.ffn_hidden = _get(hf, "intermediate_size")
     moe.num_experts = _get(hf, "num_experts", hf.get("num_local_experts", ...))  # 5.x writes the alias
     moe.top_k = _get(hf, "num_experts_per_tok")

@@ -1,5 +1,6 @@
 """Edges of `moefold generate` and `moefold.generate.sample`: input the command line must refuse in
-one line (exit 2, no traceback), and models `sample` cannot generate from consistently."""
+one line (exit 2, no traceback), models `sample` cannot generate from consistently, where
+generation stops and how its text prints."""
 
 import pytest
 import torch

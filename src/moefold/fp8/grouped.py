@@ -26,7 +26,7 @@ from moefold.dtypes import cast
 from moefold.errors import ConfigError
 from moefold.fp8 import triton_grouped, triton_quant
 from moefold.fp8.gemm import Fp8Scaling, GemmScaling, column_major, pad_rows
-from moefold.fp8.recipes import BLOCK, Operand, fake_quant, quantize
+from moefold.fp8.recipes import BLOCK, Operand, fake_quant, quantize, tile_scale
 from moefold.fp8.saved import SaveInput
 from moefold.moe.grouped_mm import grouped_mm
 
@@ -73,7 +73,7 @@ def _quantize_chunks(x_RN: torch.Tensor, offsets_E: torch.Tensor, op: Operand):
     gid_C = _chunk_group_ids(offsets_E, C)
     amax_GN = torch.zeros(E + 1, N, device=x_RN.device, dtype=torch.float32)
     amax_GN.scatter_reduce_(0, gid_C[:, None].expand(C, N), x_CcN.abs().amax(dim=1).float(), "amax")
-    scale_GN = torch.where(amax_GN > 0, amax_GN * op.fmt.inv_max, torch.ones_like(amax_GN))
+    scale_GN = tile_scale(amax_GN, op.fmt)
     scale_C1N = scale_GN[gid_C][:, None, :]
     x_fp8_CcN = (x_CcN.float() / scale_C1N).clamp(-op.fmt.max, op.fmt.max).to(op.fmt.dtype)
     return x_fp8_CcN, scale_C1N, scale_GN

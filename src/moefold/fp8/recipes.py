@@ -73,12 +73,19 @@ def _check_tiles(x: torch.Tensor, tile: tuple[int, int], what: str) -> None:
                              f"{tile[0]}x{tile[1]} quantization tile; pad it to a multiple of {step}")
 
 
+def tile_scale(amax: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
+    """Each tile's dequantization multiplier, amax · (1 / fp8_max); 1 where that is 0: an all-zero
+    tile, or an fp32 amax below fp8_max · 2^-150, whose scale underflows (its zeros would be 0 / 0)."""
+    scale = amax * fmt.inv_max
+    return torch.where(scale > 0, scale, torch.ones_like(scale))
+
+
 def quantize_tiles(x: torch.Tensor, tile: tuple[int, int], fmt: Fp8Format,
                    what: str = "tensor") -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize the last two dims of `x` in `tile`-shaped tiles; returns (x_fp8, scale).
 
     `scale` has shape `[..., rows / tile[0], cols / tile[1]]` and holds amax / fp8_max per tile
-    (1 where a tile is all zeros, so zeros stay zeros and nothing divides by zero).
+    (1 where a tile is all zeros or its scale underflows, so nothing divides by zero).
     """
     if x.dim() < 2:
         raise ValueError(f"{what} must have at least 2 dims, got shape {tuple(x.shape)}")
@@ -87,7 +94,7 @@ def quantize_tiles(x: torch.Tensor, tile: tuple[int, int], fmt: Fp8Format,
     br, bc = tile
     tiles = x.float().reshape(*batch, rows // br, br, cols // bc, bc)
     amax = tiles.abs().amax(dim=(-3, -1), keepdim=True)
-    scale = torch.where(amax > 0, amax * fmt.inv_max, torch.ones_like(amax))
+    scale = tile_scale(amax, fmt)
     # Saturate: x / scale can land a rounding step above fp8_max, and e4m3fn has no inf to absorb it.
     x_fp8 = (tiles / scale).clamp(-fmt.max, fmt.max).to(fmt.dtype).reshape(x.shape)
     return x_fp8, scale.reshape(*batch, rows // br, cols // bc)

@@ -66,8 +66,9 @@ if HAS_TRITON:
 
     @triton.jit
     def _scale_of(amax, INV_FP8_MAX: tl.constexpr):
-        """recipes.quantize_tiles' scale: amax · (1/fp8_max), 1 where the amax is 0."""
-        return tl.where(amax > 0, amax * INV_FP8_MAX, 1.0)
+        """recipes.tile_scale: amax · (1/fp8_max), 1 where that is 0 (a zero or underflowing amax)."""
+        scale = amax * INV_FP8_MAX
+        return tl.where(scale > 0, scale, 1.0)
 
     @triton.jit
     def _to_fp8(x, scale, FP8_MAX: tl.constexpr, dtype: tl.constexpr):

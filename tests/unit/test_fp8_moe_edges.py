@@ -1,0 +1,30 @@
+"""Numeric and shape edges of the FP8 emulation and of the MoE layer, each against a naive reference.
+
+M rows, K contraction dim, N output features, E experts, R routed rows.
+"""
+
+import pytest
+import torch
+
+from moefold.fp8.grouped import fake_quant_groups
+from moefold.fp8.recipes import E4M3, E5M2, Operand, fake_quant
+
+TINY = 1e-44  # an fp32 subnormal: amax · (1 / fp8_max) rounds to 0
+
+
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("tile", ["tensor", "row", "col", "1x128", "128x1", "128x128"])
+def test_a_tile_whose_scale_underflows_quantizes_to_zeros_not_nan(tile, fmt):
+    """fp32 values below fp8_max · 2^-150 gave a scale of 0, and the tile's zeros 0 / 0 = NaN."""
+    x = torch.zeros(128, 128)
+    x[0, 0] = TINY
+    back = fake_quant(x, Operand(tile, fmt), torch.float32)
+    assert torch.equal(back, torch.zeros_like(x))  # below anything FP8 can carry at any scale
+
+
+def test_group_columns_whose_scale_underflows_quantize_to_zeros_not_nan():
+    """The experts' weight-gradient operands: one scale per column within each group."""
+    x_RN = torch.zeros(32, 4)
+    x_RN[0, 0], x_RN[16:] = TINY, 1.0  # group 0's first column: one tiny value among zeros
+    back_RN = fake_quant_groups(x_RN, torch.tensor([16, 32]), Operand("col"), torch.float32)
+    assert torch.equal(back_RN, torch.where(torch.arange(32)[:, None] < 16, 0.0, x_RN))

@@ -447,6 +447,17 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C at any moment, the seconds building the parser takes too
         report("moefold: interrupted")
         return 130
+    except BrokenPipeError:  # stdout's reader left (`moefold config show | head -3`): stop quietly
+        _silence_stdout()
+        return 128 + 13  # as a Unix tool killed by SIGPIPE, which Python ignores
+
+
+def _silence_stdout() -> None:
+    """Points stdout at /dev/null: the interpreter's flush at exit would meet the closed pipe again
+    ('Exception ignored ... BrokenPipeError' on stderr)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 def _run_command(argv: list[str]) -> int:

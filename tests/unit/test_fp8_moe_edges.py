@@ -6,6 +6,8 @@ M rows, K contraction dim, N output features, E experts, R routed rows.
 import pytest
 import torch
 
+from moe_reference import build
+from moefold.config import MoEConfig
 from moefold.fp8.grouped import fake_quant_groups
 from moefold.fp8.recipes import E4M3, E5M2, Operand, fake_quant
 
@@ -28,3 +30,28 @@ def test_group_columns_whose_scale_underflows_quantize_to_zeros_not_nan():
     x_RN[0, 0], x_RN[16:] = TINY, 1.0  # group 0's first column: one tiny value among zeros
     back_RN = fake_quant_groups(x_RN, torch.tensor([16, 32]), Operand("col"), torch.float32)
     assert torch.equal(back_RN, torch.where(torch.arange(32)[:, None] < 16, 0.0, x_RN))
+
+
+# ------------------------------------------------------------------------ empty batches
+
+
+def empty_batch_layer(**overrides):
+    """A layer whose routed rows are padded; the aux losses but the sequence one (whose batch size
+    an empty batch sets to 0) on."""
+    cfg = MoEConfig(num_experts=4, top_k=2, expert_hidden=16, experts_backend="loop", aux_loss_coeff=0.1,
+                    z_loss_coeff=0.1, global_aux_loss_coeff=0.1, **overrides)
+    return build(cfg, 16, seed=0)
+
+
+@pytest.mark.parametrize("memory_efficient", [False, True])
+@pytest.mark.parametrize("training", [False, True])
+def test_an_empty_batch_passes_through_padded_groups(training, memory_efficient):
+    """A data rank left no validation sequence (fewer than dp of them, `Trainer._local_rows`) runs
+    the layer on B = 0: its padded groups still have rows, which gathered from no tokens."""
+    layer = empty_batch_layer(pad_multiple=8, memory_efficient_permute=memory_efficient).train(training)
+    x_BSD = torch.randn(0, 5, 16, dtype=torch.float64, requires_grad=True)
+    y_BSD = layer(x_BSD)
+    assert y_BSD.shape == x_BSD.shape
+    y_BSD.sum().backward()
+    assert x_BSD.grad.shape == x_BSD.shape
+    assert all(p.grad is None or not p.grad.any() for p in layer.parameters())

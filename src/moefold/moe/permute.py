@@ -115,17 +115,25 @@ class _GatherRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, src_XD, index_Y, valid_Y, back_index_XC, back_valid_XC):
         ctx.save_for_backward(back_index_XC, back_valid_XC)
-        out_YD = src_XD.index_select(0, index_Y)
+        out_YD = _index_rows(src_XD, index_Y)
         return out_YD if valid_Y is None else torch.where(valid_Y[:, None], out_YD, 0)
 
     @staticmethod
     def backward(ctx, grad_YD):
         back_index_XC, back_valid_XC = ctx.saved_tensors
         X, C = back_index_XC.shape
-        grad_XCD = grad_YD.index_select(0, back_index_XC.reshape(-1)).view(X, C, grad_YD.shape[-1])
+        grad_XCD = _index_rows(grad_YD, back_index_XC.reshape(-1)).view(X, C, grad_YD.shape[-1])
         if back_valid_XC is not None:
             grad_XCD = torch.where(back_valid_XC[..., None], grad_XCD, 0)
         return (grad_XCD[:, 0] if C == 1 else grad_XCD.sum(dim=1)), None, None, None, None
+
+
+def _index_rows(src_XD: torch.Tensor, index_Y: torch.Tensor) -> torch.Tensor:
+    """src_XD.index_select(0, index_Y) (rows, or elements of a vector); zeros when src has none (a rank without tokens, e.g. a
+    data rank left no validation sequence, still has its padded groups' rows, all masked, index 0)."""
+    if src_XD.shape[0] == 0:
+        return src_XD.new_zeros(index_Y.shape[0], *src_XD.shape[1:])
+    return src_XD.index_select(0, index_Y)
 
 
 def gather_rows(src_XD: torch.Tensor, index_Y: torch.Tensor, back_index_XC: torch.Tensor,
@@ -146,7 +154,7 @@ def permute(x_TD: torch.Tensor, plan: PermutePlan, top_k: int) -> torch.Tensor:
 
 def row_probs(probs_TK: torch.Tensor, plan: PermutePlan) -> torch.Tensor:
     """probs_R: the routing probability of each row's copy; 0 for padding and unused rows."""
-    return torch.where(plan.row_valid_R, probs_TK.reshape(-1).index_select(0, plan.copy_of_row_R), 0)
+    return torch.where(plan.row_valid_R, _index_rows(probs_TK.reshape(-1), plan.copy_of_row_R), 0)
 
 
 def unpermute(y_RD: torch.Tensor, plan: PermutePlan, top_k: int) -> torch.Tensor:

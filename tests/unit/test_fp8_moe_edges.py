@@ -5,11 +5,17 @@ M rows, K contraction dim, N output features, E experts, R routed rows.
 
 import pytest
 import torch
+from torch import nn
 
 from moe_reference import build
 from moefold.config import MoEConfig
-from moefold.fp8.grouped import fake_quant_groups
+from moefold.fp8.apply import _fp8_experts, _raise_pad_multiple
+from moefold.fp8.gemm import EmulatedFp8Gemm, linear_scaling
+from moefold.fp8.grouped import EmulatedFp8GroupedGemm, fake_quant_groups, grouped_scaling
+from moefold.fp8.linear import Fp8Linear
 from moefold.fp8.recipes import E4M3, E5M2, Operand, fake_quant
+from moefold.fp8.saved import SaveInput
+from moefold.fp8.weight_cache import PerCallWeights
 
 TINY = 1e-44  # an fp32 subnormal: amax · (1 / fp8_max) rounds to 0
 
@@ -35,12 +41,11 @@ def test_group_columns_whose_scale_underflows_quantize_to_zeros_not_nan():
 # ------------------------------------------------------------------------ empty batches
 
 
-def empty_batch_layer(**overrides):
-    """A layer whose routed rows are padded; the aux losses but the sequence one (whose batch size
-    an empty batch sets to 0) on."""
-    cfg = MoEConfig(num_experts=4, top_k=2, expert_hidden=16, experts_backend="loop", aux_loss_coeff=0.1,
+def empty_batch_layer(dim=16, **overrides):
+    """A layer with the aux losses on but the sequence one (whose batch size an empty batch sets to 0)."""
+    cfg = MoEConfig(num_experts=4, top_k=2, expert_hidden=dim, experts_backend="loop", aux_loss_coeff=0.1,
                     z_loss_coeff=0.1, global_aux_loss_coeff=0.1, **overrides)
-    return build(cfg, 16, seed=0)
+    return build(cfg, dim, seed=0)
 
 
 @pytest.mark.parametrize("memory_efficient", [False, True])
@@ -55,3 +60,31 @@ def test_an_empty_batch_passes_through_padded_groups(training, memory_efficient)
     y_BSD.sum().backward()
     assert x_BSD.grad.shape == x_BSD.shape
     assert all(p.grad is None or not p.grad.any() for p in layer.parameters())
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
+def test_an_empty_batch_passes_through_fp8_linears(recipe):
+    """The same data rank with FP8: quantizing no rows (tiles of 0 rows) divided by zero."""
+    gemm, scaling = EmulatedFp8Gemm(), linear_scaling(recipe)
+    linear = Fp8Linear.from_linear(nn.Linear(128, 256, bias=False), gemm, scaling)
+    x_BSK = torch.randn(0, 5, 128, requires_grad=True)
+    y_BSN = linear(x_BSK)
+    assert y_BSN.shape == (0, 5, 256)
+    y_BSN.sum().backward()
+    assert x_BSK.grad.shape == x_BSK.shape
+    assert torch.equal(linear.weight.grad, torch.zeros(256, 128))
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "blockwise"])
+@pytest.mark.parametrize("pad_to_capacity", [False, True])
+def test_an_empty_batch_passes_through_fp8_experts(recipe, pad_to_capacity):
+    """Padded groups (rows of zeros) or, padded to a capacity of 0, no rows at all."""
+    layer = empty_batch_layer(128, capacity_factor=1.0, pad_to_capacity=pad_to_capacity).float()
+    scaling = grouped_scaling(recipe)
+    layer.experts = _fp8_experts(layer.experts, EmulatedFp8GroupedGemm(), scaling, SaveInput(), PerCallWeights())
+    _raise_pad_multiple(layer, scaling.row_multiple)
+    x_BSD = torch.randn(0, 5, 128, requires_grad=True)
+    y_BSD = layer(x_BSD)
+    assert y_BSD.shape == x_BSD.shape
+    y_BSD.sum().backward()
+    assert not layer.experts.w2_EFD.grad.any()

@@ -104,7 +104,8 @@ def dequantize_tiles(x_fp8: torch.Tensor, scale: torch.Tensor,
                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Inverse of `quantize_tiles`: each tile times its scale, computed in fp32, returned in dtype."""
     *batch, rows, cols = x_fp8.shape
-    br, bc = rows // scale.shape[-2], cols // scale.shape[-1]
+    br, bc = (size // tiles if tiles else 1  # an empty dim (no tokens) has no tiles
+              for size, tiles in zip((rows, cols), scale.shape[-2:]))
     tiles = x_fp8.float().reshape(*batch, rows // br, br, cols // bc, bc)
     out = tiles * scale.reshape(*batch, rows // br, 1, cols // bc, 1)
     return out.reshape(x_fp8.shape).to(dtype)
@@ -114,8 +115,9 @@ TILE_KINDS = ("tensor", "row", "col", "1x128", "128x1", "128x128")
 
 
 def tile_shape(kind: str, x: torch.Tensor) -> tuple[int, int]:
-    """The tile of `kind` for the last two dims of x ("row": one scale per row, "col": per column)."""
-    rows, cols = x.shape[-2:]
+    """The tile of `kind` for the last two dims of x ("row": one scale per row, "col": per column);
+    along an empty dim (a batch of no tokens) a side of 1, which gives no tiles."""
+    rows, cols = (max(size, 1) for size in x.shape[-2:])
     shapes = {"tensor": (rows, cols), "row": (1, cols), "col": (rows, 1),
               "1x128": (1, BLOCK), "128x1": (BLOCK, 1), "128x128": (BLOCK, BLOCK)}
     return shapes[kind]

@@ -16,6 +16,7 @@ from moefold.fp8.linear import Fp8Linear
 from moefold.fp8.recipes import E4M3, E5M2, Operand, fake_quant
 from moefold.fp8.saved import SaveInput
 from moefold.fp8.weight_cache import PerCallWeights
+from moefold.moe.balance import sequence_aux_loss
 
 TINY = 1e-44  # an fp32 subnormal: amax · (1 / fp8_max) rounds to 0
 
@@ -88,3 +89,16 @@ def test_an_empty_batch_passes_through_fp8_experts(recipe, pad_to_capacity):
     assert y_BSD.shape == x_BSD.shape
     y_BSD.sum().backward()
     assert not layer.experts.w2_EFD.grad.any()
+
+
+def test_an_empty_batch_trains_with_the_sequence_aux_loss():
+    """B = 0 sequences: view(0, -1) of no tokens is ambiguous. The trainer gives each data rank
+    train.micro_batch_size ≥ 1 rows, so only a direct caller met it; the loss of no sequence is 0."""
+    layer = empty_batch_layer(seq_aux_loss_coeff=0.1).train()
+    x_BSD = torch.randn(0, 5, 16, dtype=torch.float64, requires_grad=True)
+    layer(x_BSD).sum().backward()
+    assert not layer.router.weight.grad.any()
+    scores_TE = torch.rand(0, 4)
+    assert sequence_aux_loss(scores_TE, torch.zeros(0, 2, dtype=torch.int64), 0) == 0
+    with pytest.raises(ValueError, match="do not split into batch_size=0"):
+        sequence_aux_loss(torch.rand(3, 4), torch.zeros(3, 2, dtype=torch.int64), 0)

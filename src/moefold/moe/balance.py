@@ -48,15 +48,15 @@ def sequence_aux_loss(scores_TE: torch.Tensor, idx_TK: torch.Tensor, batch_size:
     [B, E] and valid tokens [B] of the whole sequences, `sequence_counts` below): given when these
     tokens are a shard of each sequence; None counts them here."""
     T, E = scores_TE.shape
-    K = idx_TK.shape[1]
-    if T % batch_size:
+    K, S = idx_TK.shape[1], _sequence_length(T, batch_size)
+    if batch_size * S != T:
         raise ValueError(f"sequence aux loss: {T} tokens do not split into batch_size={batch_size} sequences")
     if sequence_counts is None:
         sequence_counts = per_sequence_counts(idx_TK, batch_size, E, valid_T)
     counts_BE, tokens_B = sequence_counts
     fraction_BE = counts_BE / (tokens_B[:, None] * K).clamp(min=1)
-    valid_BS = _valid_mask(valid_T, T, scores_TE.device).view(batch_size, -1)
-    mean_scores_BE = _masked_sum(scores_TE.view(batch_size, -1, E), valid_BS) / tokens_B[:, None].clamp(min=1)
+    valid_BS = _valid_mask(valid_T, T, scores_TE.device).view(batch_size, S)
+    mean_scores_BE = _masked_sum(scores_TE.view(batch_size, S, E), valid_BS) / tokens_B[:, None].clamp(min=1)
     loss_B = _balance_loss(fraction_BE, mean_scores_BE)
     return loss_B.sum() / (tokens_B > 0).sum().clamp(min=1)
 
@@ -65,8 +65,9 @@ def per_sequence_counts(idx_TK: torch.Tensor, batch_size: int, num_experts: int,
                         valid_T: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """int64 ([B, E] routed copies per expert, [B] valid tokens) of each of the B sequences."""
     T, K = idx_TK.shape
-    valid_BS = _valid_mask(valid_T, T, idx_TK.device).view(batch_size, -1)
-    counts_BE = _counts_per_sequence(idx_TK.reshape(batch_size, -1), valid_BS.repeat_interleave(K, dim=1),
+    S = _sequence_length(T, batch_size)
+    valid_BS = _valid_mask(valid_T, T, idx_TK.device).view(batch_size, S)
+    counts_BE = _counts_per_sequence(idx_TK.reshape(batch_size, S * K), valid_BS.repeat_interleave(K, dim=1),
                                      num_experts)
     return counts_BE, valid_BS.sum(dim=1)
 
@@ -109,6 +110,11 @@ def valid_tokens_per_expert(idx_TK: torch.Tensor, num_experts: int,
     """int64 [E]: routed copies per expert, padded tokens excluded."""
     valid_1N = _valid_mask(valid_T, idx_TK.shape[0], idx_TK.device).repeat_interleave(idx_TK.shape[1])[None]
     return _counts_per_sequence(idx_TK.reshape(1, -1), valid_1N, num_experts)[0]
+
+
+def _sequence_length(num_tokens: int, batch_size: int) -> int:
+    """S of B sequences of T = B·S tokens; 0 for an empty batch, where `view(0, -1)` is ambiguous."""
+    return num_tokens // batch_size if batch_size else 0
 
 
 def _valid_mask(valid_T: torch.Tensor | None, num_tokens: int, device: torch.device) -> torch.Tensor:

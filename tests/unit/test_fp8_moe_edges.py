@@ -17,6 +17,7 @@ from moefold.fp8.recipes import E4M3, E5M2, Operand, fake_quant
 from moefold.fp8.saved import SaveInput
 from moefold.fp8.weight_cache import PerCallWeights
 from moefold.moe.balance import sequence_aux_loss
+from moefold.moe.router import build_router
 
 TINY = 1e-44  # an fp32 subnormal: amax · (1 / fp8_max) rounds to 0
 
@@ -102,3 +103,22 @@ def test_an_empty_batch_trains_with_the_sequence_aux_loss():
     assert sequence_aux_loss(scores_TE, torch.zeros(0, 2, dtype=torch.int64), 0) == 0
     with pytest.raises(ValueError, match="do not split into batch_size=0"):
         sequence_aux_loss(torch.rand(3, 4), torch.zeros(3, 2, dtype=torch.int64), 0)
+
+
+# ------------------------------------------------------------------------ routing
+
+
+def test_softmax_top_k_chosen_by_the_expert_bias_with_underflowed_scores_is_not_nan():
+    """Aux-loss-free balancing on a softmax router: the bias picks expert 1, whose softmax score
+    underflowed to 0 (its logit 120 below expert 0's), and renormalising the top-1 gave 0/0."""
+    cfg = MoEConfig(num_experts=2, top_k=1, expert_bias=True, aux_loss_coeff=0.0)
+    router = build_router(4, cfg)
+    with torch.no_grad():
+        router.weight.copy_(torch.tensor([[30.0, 0, 0, 0], [0, 0, 0, 0]]))
+        router.expert_bias_E.copy_(torch.tensor([0.0, 1.5]))
+    routing = router(torch.tensor([[4.0, 0, 0, 0], [0.1, 0, 0, 0]]))
+    assert routing.idx_TK.tolist() == [[1], [1]]
+    assert routing.probs_TK[0].item() == 0.0  # nothing left to renormalise, as with sigmoid scores
+    assert routing.probs_TK[1].item() == 1.0  # a top-1 of any other token still weighs 1
+    routing.probs_TK.sum().backward()
+    assert torch.isfinite(router.weight.grad).all()

@@ -114,7 +114,9 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 class SoftmaxScores:
     """softmax over all E experts, then top-k of the scores (Qwen3, DeepSeek-V2)."""
 
-    renorm_eps = 0.0  # a softmax top-k sum is never 0
+    # DeepSeek-V3's guard too: with an expert bias the top-k need not hold the best score, and the
+    # chosen scores can all underflow to 0 (a logit 104 below the best in fp32), whose 0/0 was NaN.
+    renorm_eps = 1e-20
 
     def scores(self, logits_TE: torch.Tensor) -> torch.Tensor:
         return logits_TE.softmax(dim=-1)

@@ -129,8 +129,9 @@ class _GatherRows(torch.autograd.Function):
 
 
 def _index_rows(src_XD: torch.Tensor, index_Y: torch.Tensor) -> torch.Tensor:
-    """src_XD.index_select(0, index_Y) (rows, or elements of a vector); zeros when src has none (a rank without tokens, e.g. a
-    data rank left no validation sequence, still has its padded groups' rows, all masked, index 0)."""
+    """src_XD.index_select(0, index_Y) (rows, or elements of a vector); zeros when src has none: a
+    rank without tokens (a data rank left no validation sequence) still has its padded groups'
+    rows, all masked, each at index 0."""
     if src_XD.shape[0] == 0:
         return src_XD.new_zeros(index_Y.shape[0], *src_XD.shape[1:])
     return src_XD.index_select(0, index_Y)

@@ -133,3 +133,45 @@ def test_qwen3_null_sliding_window_attends_past_4096_tokens_as_transformers_does
     with torch.no_grad():
         expected, actual = hf(ids).logits[0, -8:], ours(ids)[0, -8:]
     assert_rel_close(actual, expected, 1e-5, "logits past position 4096")
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("num_hidden_layers", "3", 'num_hidden_layers="3" is not an integer (a JSON string)'),
+    ("num_hidden_layers", [3], "num_hidden_layers=[3] is not an integer (a JSON array)"),
+    ("num_hidden_layers", 3.5, "num_hidden_layers=3.5 is not an integer (a JSON number with a decimal point"),
+    ("num_hidden_layers", 3.0, "num_hidden_layers=3.0 is not an integer (a JSON number with a decimal point"),
+    ("vocab_size", True, "vocab_size=true is not an integer (a JSON boolean)"),
+    ("rms_norm_eps", "1e-6", 'rms_norm_eps="1e-6" is not a number (a JSON string)'),
+    ("norm_topk_prob", "yes", 'norm_topk_prob="yes" is not true or false (a JSON string)'),
+    ("mlp_only_layers", ["1"], 'mlp_only_layers=["1"] is not a list of integers'),
+    ("rope_parameters", {"rope_type": "yarn", "factor": "4"}, 'rope_parameters.factor="4" is not a number'),
+])
+def test_a_config_value_of_the_wrong_json_type_is_a_one_line_error(key, value, message, sharded, tmp_path,
+                                                                    capsys):
+    """A value of another JSON type than the key's (a string, a list, 3.0 layers) ended convert and
+    --init-from-hf in a TypeError traceback: one line naming config.json, the key and what it must
+    be, exit 2, no run. transformers' config classes refuse the same values (3.0 layers too)."""
+    path = shutil.copytree(sharded, tmp_path / "hf")
+    config = json.loads((path / "config.json").read_text())
+    config[key] = value
+    (path / "config.json").write_text(json.dumps(config))
+    if key != "rope_parameters":  # transformers checks that dict's values only as it uses them
+        with pytest.raises(Exception, match=key):
+            transformers.AutoConfig.from_pretrained(path)
+    run = tmp_path / "run"
+    for command in (["convert", "--from-hf", str(path), "--out", str(run)],
+                    ["train", "--init-from-hf", str(path), "--run-dir", str(run)]):
+        assert main(command) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"config.json: {message}" in err[0], err
+        assert not run.exists()
+
+
+def test_an_integer_where_a_number_belongs_is_that_number(sharded):
+    """Some tools write 1.0 as 1: an integer where a float belongs is read as that float, as a
+    moefold TOML config reads it (transformers 5's config classes refuse it)."""
+    config = json.loads((sharded / "config.json").read_text())
+    config.update(router_aux_loss_coef=0, rms_norm_eps=1)
+    cfg = config_from_hf(config)
+    assert (cfg.moe.aux_loss_coeff, cfg.model.norm_eps) == (0.0, 1.0)
+    assert type(cfg.moe.aux_loss_coeff) is float and type(cfg.model.norm_eps) is float

@@ -23,6 +23,7 @@ rest keep moefold's defaults.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -120,6 +121,45 @@ def _get(hf: dict[str, Any], key: str, default: Any = ...) -> Any:
     return value
 
 
+_KINDS = {int: "an integer", float: "a number", bool: "true or false", dict: "an object"}
+_JSON_KINDS = {str: "string", bool: "boolean", int: "integer", float: "number with a decimal point or exponent",
+               list: "array", dict: "object"}
+
+
+def _typed(hf: dict[str, Any], key: str, kind: type, default: Any = ..., where: str = "") -> Any:
+    """hf[key] as `_get` reads it, refused in one line unless it is a `kind`. An integer takes no
+    float (3.0 layers: transformers' config classes refuse it too) and no boolean; a float takes an
+    integer (1 for 1.0, as a moefold TOML config does). `where`: the object holding `key` ("rope_scaling.")."""
+    value = hf.get(key)
+    if value is None:
+        return _get(hf, key, default)
+    if kind is float and type(value) is int:
+        return float(value)
+    if type(value) is not kind:
+        raise CheckpointError(f"config.json: {where}{key}={json.dumps(value)} is not {_KINDS[kind]} "
+                              f"(a JSON {_JSON_KINDS.get(type(value), type(value).__name__)})")
+    return value
+
+
+def _int(hf: dict[str, Any], key: str, default: Any = ...) -> int:
+    return _typed(hf, key, int, default)
+
+
+def _float(hf: dict[str, Any], key: str, default: Any = ..., where: str = "") -> float:
+    return _typed(hf, key, float, default, where)
+
+
+def _bool(hf: dict[str, Any], key: str, default: bool) -> bool:
+    return _typed(hf, key, bool, default)
+
+
+def _int_list(hf: dict[str, Any], key: str) -> list[int]:
+    value = _get(hf, key, [])
+    if type(value) is not list or any(type(v) is not int for v in value):
+        raise CheckpointError(f"config.json: {key}={json.dumps(value)} is not a list of integers")
+    return value
+
+
 def _require(hf: dict[str, Any], key: str, allowed: tuple, default: Any) -> None:
     """hf[key] (`default` when absent or null) must be one of `allowed`."""
     value = _get(hf, key, default)
@@ -131,7 +171,7 @@ def _require(hf: dict[str, Any], key: str, allowed: tuple, default: Any) -> None
 def _common_from_hf(hf: dict[str, Any], family: str, default_theta: float, default_eps: float) -> Config:
     """The fields every family shares: sizes, norms, embeddings, RoPE, and the unsupported options."""
     if hf.get("quantization_config"):
-        method = hf["quantization_config"].get("quant_method", "?")
+        method = _typed(hf, "quantization_config", dict).get("quant_method", "?")
         raise CheckpointError(f"config.json: quantization_config (quant_method={method!r}) is not "
                               "supported; dequantize the checkpoint to bf16/fp32 first")
     _require(hf, "hidden_act", ("silu",), "silu")
@@ -141,13 +181,13 @@ def _common_from_hf(hf: dict[str, Any], family: str, default_theta: float, defau
     cfg = Config()
     m = cfg.model
     m.family = family
-    m.vocab_size = _get(hf, "vocab_size")
-    m.dim = _get(hf, "hidden_size")
-    m.n_layers = _get(hf, "num_hidden_layers")
-    m.n_heads = _get(hf, "num_attention_heads")
-    m.norm_eps = float(_get(hf, "rms_norm_eps", default_eps))
-    m.tie_embeddings = bool(_get(hf, "tie_word_embeddings", False))
-    m.init_std = float(_get(hf, "initializer_range", m.init_std))
+    m.vocab_size = _int(hf, "vocab_size")
+    m.dim = _int(hf, "hidden_size")
+    m.n_layers = _int(hf, "num_hidden_layers")
+    m.n_heads = _int(hf, "num_attention_heads")
+    m.norm_eps = _float(hf, "rms_norm_eps", default_eps)
+    m.tie_embeddings = _bool(hf, "tie_word_embeddings", False)
+    m.init_std = _float(hf, "initializer_range", m.init_std)
     _rope_from_hf(hf, cfg, default_theta)
     return cfg
 
@@ -156,10 +196,11 @@ def _rope_from_hf(hf: dict[str, Any], cfg: Config, default_theta: float) -> None
     """RoPE from the Hub's `rope_theta` + `rope_scaling` or transformers 5's `rope_parameters`,
     resolved as transformers' `standardize_rope_params` and `_compute_yarn_parameters` do."""
     m = cfg.model
-    params = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
-    m.rope_theta = float(params.get("rope_theta") or hf.get("rope_theta") or default_theta)
-    rope_type = params.get("rope_type", params.get("type", "default"))
     key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    params = dict(_typed(hf, key, dict, {}))
+    where = f"{key}."
+    m.rope_theta = _float(params, "rope_theta", 0.0, where) or _float(hf, "rope_theta", 0.0) or default_theta
+    rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         return
     if rope_type != "yarn":
@@ -168,24 +209,24 @@ def _rope_from_hf(hf: dict[str, Any], cfg: Config, default_theta: float) -> None
                           ("partial_rotary_factor", (None, 1, 1.0))):
         if params.get(name) not in allowed:
             raise CheckpointError(f"config.json: {key}.{name}={params[name]!r} is not supported")
-    max_len = _get(hf, "max_position_embeddings", 0)
-    original = (hf.get("original_max_position_embeddings")
-                or params.get("original_max_position_embeddings") or max_len)
+    max_len = _int(hf, "max_position_embeddings", 0)
+    original = (_float(hf, "original_max_position_embeddings", 0.0)
+                or _float(params, "original_max_position_embeddings", 0.0, where) or max_len)
     m.rope_scaling = "yarn"
     m.rope_original_max_len = int(original)
-    m.rope_factor = float(params.get("factor") or max_len / original)
-    m.yarn_beta_fast = float(params.get("beta_fast") or 32.0)
-    m.yarn_beta_slow = float(params.get("beta_slow") or 1.0)
+    m.rope_factor = _float(params, "factor", 0.0, where) or max_len / original
+    m.yarn_beta_fast = _float(params, "beta_fast", 0.0, where) or 32.0
+    m.yarn_beta_slow = _float(params, "beta_slow", 0.0, where) or 1.0
     # transformers uses mscale only together with a non-zero mscale_all_dim; 0 keeps that reading.
-    m.yarn_mscale = float(params.get("mscale") or 0.0)
-    m.yarn_mscale_all_dim = float(params.get("mscale_all_dim") or 0.0)
+    m.yarn_mscale = _float(params, "mscale", 0.0, where)
+    m.yarn_mscale_all_dim = _float(params, "mscale_all_dim", 0.0, where)
 
 
 def _gqa_from_hf(hf: dict[str, Any], cfg: Config) -> None:
     m = cfg.model
     m.attention = "gqa"
-    m.n_kv_heads = _get(hf, "num_key_value_heads", m.n_heads)
-    m.head_dim = _get(hf, "head_dim", m.dim // m.n_heads)
+    m.n_kv_heads = _int(hf, "num_key_value_heads", m.n_heads)
+    m.head_dim = _int(hf, "head_dim", m.dim // m.n_heads)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -250,7 +291,7 @@ def _switch_aux_from_hf(hf: dict[str, Any], cfg: Config) -> None:
     micro-batch Switch loss. transformers pools its counts over the layers and does not divide
     them by K; the coefficient is taken as is, as each layer's weight (as Megatron-Bridge and the
     presets take it)."""
-    cfg.moe.aux_loss_coeff = float(_get(hf, "router_aux_loss_coef", 0.001))
+    cfg.moe.aux_loss_coeff = _float(hf, "router_aux_loss_coef", 0.001)
 
 
 def _switch_aux_to_hf(cfg: Config) -> dict[str, Any]:
@@ -265,8 +306,8 @@ def _deepseek_aux_from_hf(hf: dict[str, Any], cfg: Config) -> None:
     config class (0.001, seq_aux). DeepSeek-V3's config.json says 0.001 where its paper trained
     with 0.0001 (the `deepseek-v3` preset); the checkpoint's key is what is mapped."""
     moe = cfg.moe
-    alpha = float(_get(hf, "aux_loss_alpha", 0.001))
-    per_sequence = bool(_get(hf, "seq_aux", True))
+    alpha = _float(hf, "aux_loss_alpha", 0.001)
+    per_sequence = _bool(hf, "seq_aux", True)
     moe.aux_loss_coeff, moe.seq_aux_loss_coeff = (0.0, alpha) if per_sequence else (alpha, 0.0)
 
 
@@ -290,17 +331,19 @@ def _qwen3_moe_from_hf(hf: dict[str, Any]) -> Config:
     _gqa_from_hf(hf, cfg)
     m.qk_norm = True
     # As Qwen3MoeConfig: a window only with use_sliding_window; an absent key is 4096, null is none.
-    m.sliding_window = (hf.get("sliding_window", 4096) or 0) if hf.get("use_sliding_window") else 0
-    m.ffn_hidden = _get(hf, "intermediate_size")
-    moe.num_experts = _get(hf, "num_experts", hf.get("num_local_experts", ...))  # 5.x writes the alias
-    moe.top_k = _get(hf, "num_experts_per_tok")
-    moe.expert_hidden = _get(hf, "moe_intermediate_size")
+    window = _int(hf, "sliding_window", 0) if "sliding_window" in hf else 4096
+    m.sliding_window = window if _bool(hf, "use_sliding_window", False) else 0
+    m.ffn_hidden = _int(hf, "intermediate_size")
+    alias = _int(hf, "num_local_experts", None)  # 5.x writes the alias
+    moe.num_experts = _int(hf, "num_experts", ... if alias is None else alias)
+    moe.top_k = _int(hf, "num_experts_per_tok")
+    moe.expert_hidden = _int(hf, "moe_intermediate_size")
     moe.score_func, moe.softmax_before_topk = "softmax", True
-    moe.norm_topk_prob = bool(_get(hf, "norm_topk_prob", False))
+    moe.norm_topk_prob = _bool(hf, "norm_topk_prob", False)
     # HF: layer i is MoE iff (i+1) % decoder_sparse_step == 0 and i not in mlp_only_layers.
-    step = _get(hf, "decoder_sparse_step", 1)
+    step = _int(hf, "decoder_sparse_step", 1)
     moe.first_k_dense, moe.moe_every = step - 1, step
-    moe.dense_layers = sorted(_get(hf, "mlp_only_layers", []))
+    moe.dense_layers = sorted(_int_list(hf, "mlp_only_layers"))
     _switch_aux_from_hf(hf, cfg)
     return cfg
 
@@ -331,16 +374,16 @@ def _mixtral_from_hf(hf: dict[str, Any]) -> Config:
     m, moe = cfg.model, cfg.moe
     _gqa_from_hf(hf, cfg)
     m.qk_norm = False
-    m.sliding_window = _get(hf, "sliding_window", 0)
-    m.ffn_hidden = moe.expert_hidden = _get(hf, "intermediate_size")
-    moe.num_experts = _get(hf, "num_local_experts")
-    moe.top_k = _get(hf, "num_experts_per_tok")
+    m.sliding_window = _int(hf, "sliding_window", 0)
+    m.ffn_hidden = moe.expert_hidden = _int(hf, "intermediate_size")
+    moe.num_experts = _int(hf, "num_local_experts")
+    moe.top_k = _int(hf, "num_experts_per_tok")
     moe.first_k_dense, moe.moe_every = 0, 1
     # Mixtral: softmax over all E, top-k, renormalise. The same as top-k of the logits then softmax
     # over the K (softmax is monotone, and p_i / Σ_K p_j = e^{l_i} / Σ_K e^{l_j}); we take the form
     # transformers computes, so ties and rounding follow it op for op.
     moe.score_func, moe.softmax_before_topk, moe.norm_topk_prob = "softmax", True, True
-    moe.input_jitter = float(_get(hf, "router_jitter_noise", 0.0))
+    moe.input_jitter = _float(hf, "router_jitter_noise", 0.0)
     _switch_aux_from_hf(hf, cfg)
     return cfg
 
@@ -372,25 +415,25 @@ def _deepseek_v3_from_hf(hf: dict[str, Any]) -> Config:
     _require(hf, "moe_layer_freq", (1,), 1)  # transformers ignores it; DeepSeek-V3 uses 1
     _require(hf, "num_key_value_heads", (m.n_heads,), m.n_heads)  # MLA expands the latent to every head
     m.attention, m.qk_norm = "mla", False
-    m.q_lora_rank = hf.get("q_lora_rank") or 0  # null: queries projected directly
-    m.kv_lora_rank = _get(hf, "kv_lora_rank")
-    m.qk_nope_head_dim = _get(hf, "qk_nope_head_dim")
-    m.qk_rope_head_dim = _get(hf, "qk_rope_head_dim")
-    m.v_head_dim = _get(hf, "v_head_dim")
-    m.rope_interleaved = bool(_get(hf, "rope_interleave", True))
-    m.mtp_layers = _get(hf, "num_nextn_predict_layers", hf.get("num_mtp_layers", 0))
-    m.ffn_hidden = _get(hf, "intermediate_size")
-    moe.num_experts = _get(hf, "n_routed_experts")
-    moe.top_k = _get(hf, "num_experts_per_tok")
-    moe.expert_hidden = _get(hf, "moe_intermediate_size")
-    moe.first_k_dense, moe.moe_every = _get(hf, "first_k_dense_replace", 3), 1
-    moe.shared_experts = _get(hf, "n_shared_experts", 1)
+    m.q_lora_rank = _int(hf, "q_lora_rank", 0)  # null: queries projected directly
+    m.kv_lora_rank = _int(hf, "kv_lora_rank")
+    m.qk_nope_head_dim = _int(hf, "qk_nope_head_dim")
+    m.qk_rope_head_dim = _int(hf, "qk_rope_head_dim")
+    m.v_head_dim = _int(hf, "v_head_dim")
+    m.rope_interleaved = _bool(hf, "rope_interleave", True)
+    m.mtp_layers = _int(hf, "num_nextn_predict_layers", _int(hf, "num_mtp_layers", 0))
+    m.ffn_hidden = _int(hf, "intermediate_size")
+    moe.num_experts = _int(hf, "n_routed_experts")
+    moe.top_k = _int(hf, "num_experts_per_tok")
+    moe.expert_hidden = _int(hf, "moe_intermediate_size")
+    moe.first_k_dense, moe.moe_every = _int(hf, "first_k_dense_replace", 3), 1
+    moe.shared_experts = _int(hf, "n_shared_experts", 1)
     if moe.shared_experts < 1:
         raise CheckpointError(f"config.json: n_shared_experts={moe.shared_experts} is not supported (>= 1)")
     moe.score_func, moe.expert_bias = "sigmoid", True  # e_score_correction_bias; update rate stays ours
-    moe.routed_scaling_factor = float(_get(hf, "routed_scaling_factor", 2.5))
-    moe.norm_topk_prob = bool(_get(hf, "norm_topk_prob", True))
-    n_group, topk_group = _get(hf, "n_group", 8), _get(hf, "topk_group", 4)
+    moe.routed_scaling_factor = _float(hf, "routed_scaling_factor", 2.5)
+    moe.norm_topk_prob = _bool(hf, "norm_topk_prob", True)
+    n_group, topk_group = _int(hf, "n_group", 8), _int(hf, "topk_group", 4)
     if n_group > 1:  # transformers scores a group by the sum of its top-2 biased scores
         moe.num_groups, moe.group_top_k, moe.group_score_top_k = n_group, topk_group, 2
     _deepseek_aux_from_hf(hf, cfg)

@@ -13,7 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-from test_hf_interop import VOCAB, assert_rel_close, hf_model_of, qwen3  # noqa: E402
+from test_hf_interop import VOCAB, assert_rel_close, deepseek_v3, hf_model_of, qwen3  # noqa: E402
 
 from moefold.checkpoint.hf import INDEX, config_from_hf, load_pretrained, pretrained_on_meta  # noqa: E402
 from moefold.cli import main  # noqa: E402
@@ -175,3 +175,36 @@ def test_an_integer_where_a_number_belongs_is_that_number(sharded):
     cfg = config_from_hf(config)
     assert (cfg.moe.aux_loss_coeff, cfg.model.norm_eps) == (0.0, 1.0)
     assert type(cfg.moe.aux_loss_coeff) is float and type(cfg.model.norm_eps) is float
+
+
+@pytest.mark.parametrize("value", ["absent", None, True, False])
+@pytest.mark.parametrize("key", ["norm_topk_prob", "rope_interleave", "seq_aux"])
+def test_deepseek_v3_flags_are_the_ones_transformers_reads(key, value, tmp_path):
+    """DeepseekV3Config keeps a null flag null, and its modeling reads it as false (`if
+    config.rope_interleave:`); an absent key is the class's default, true. seq_aux is DeepSeek's
+    own MoEGate's (`if self.seq_aux:`; true by default), which transformers keeps as it reads it."""
+    config = deepseek_v3().to_dict()
+    config.pop(key, None)
+    if value != "absent":
+        config[key] = value
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    theirs = bool(getattr(transformers.AutoConfig.from_pretrained(tmp_path), key, True))
+    cfg = config_from_hf(config)
+    ours = {"norm_topk_prob": cfg.moe.norm_topk_prob, "rope_interleave": cfg.model.rope_interleaved,
+            "seq_aux": cfg.moe.seq_aux_loss_coeff > 0}[key]
+    assert ours == theirs
+
+
+def test_deepseek_v3_null_flags_route_and_rotate_as_transformers_does(tmp_path):
+    """norm_topk_prob and rope_interleave null (DeepseekV3Config(norm_topk_prob=None, ...) writes
+    that): transformers neither renormalises the top-k weights nor interleaves RoPE; reading null
+    as the default true changed every logit."""
+    hf = hf_model_of(deepseek_v3(norm_topk_prob=None, rope_interleave=None))
+    hf.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["norm_topk_prob"] is None and config["rope_interleave"] is None
+    ours = load_pretrained(tmp_path)
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected, actual = hf(ids).logits, ours(ids)
+    assert_rel_close(actual, expected, 1e-5, "logits")

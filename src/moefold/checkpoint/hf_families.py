@@ -150,7 +150,9 @@ def _float(hf: dict[str, Any], key: str, default: Any = ..., where: str = "") ->
 
 
 def _bool(hf: dict[str, Any], key: str, default: bool) -> bool:
-    return _typed(hf, key, bool, default)
+    """`default` when absent; false when null, as transformers' modeling reads a flag (`if
+    config.norm_topk_prob:`; DeepseekV3Config keeps a null norm_topk_prob and rope_interleave)."""
+    return False if key in hf and hf[key] is None else _typed(hf, key, bool, default)
 
 
 def _int_list(hf: dict[str, Any], key: str) -> list[int]:

@@ -265,7 +265,7 @@ def _convert(args: argparse.Namespace) -> int:
 
     from moefold.checkpoint.hf import CONFIG, save_pretrained
     from moefold.data.tokenizer import tokenizer_files
-    from moefold.generate import load_model_from_run
+    from moefold.generate import end_of_document_id, load_model_from_run
 
     if args.from_hf is not None:
         if args.out is None or args.to_hf is not None:
@@ -278,9 +278,10 @@ def _convert(args: argparse.Namespace) -> int:
         raise UserError(f"--to-hf {args.to_hf} already holds a checkpoint ({CONFIG}); choose another directory")
     # The weights as the optimizer holds them: bf16+remainder's exact fp32 masters; bf16 masters
     # are bf16 (written as such, not widened).
-    model, _, cfg = load_model_from_run(args.run_dir, "cpu", exact_masters=True)
+    model, tokenizer, cfg = load_model_from_run(args.run_dir, "cpu", exact_masters=True)
     dtype = torch.bfloat16 if cfg.optim.master_dtype == "bf16" else None
-    save_pretrained(model, args.to_hf, dtype=dtype, copies=tokenizer_files(cfg.data.tokenizer))
+    save_pretrained(model, args.to_hf, dtype=dtype, copies=tokenizer_files(cfg.data.tokenizer),
+                    eos_token_id=end_of_document_id(cfg, tokenizer))
     print(f"converted {args.run_dir} -> {args.to_hf}")
     return 0
 

@@ -208,3 +208,38 @@ def test_deepseek_v3_null_flags_route_and_rotate_as_transformers_does(tmp_path):
     with torch.no_grad():
         expected, actual = hf(ids).logits, ours(ids)
     assert_rel_close(actual, expected, 1e-5, "logits")
+
+
+@pytest.mark.parametrize("data", ["text", "token files with data.eos_id"])
+def test_an_export_stops_transformers_generate_at_the_runs_end_of_document(data, tmp_path, tiny_args):
+    """convert --to-hf wrote no eos_token_id, so transformers' generate() on the export never
+    stopped at the end of a document (and a DeepSeek-V3 or Mixtral export took its config class's
+    ids, other tokens here): config.json now holds the id the run's documents ended with (the byte
+    tokenizer's 256; data.eos_id on token files), which generate() takes without a
+    generation_config.json, and no beginning-of-sequence id (moefold trains without one)."""
+    import numpy as np
+
+    args = ["--train.steps", "1", "--train.warmup_steps", "0"]
+    eos = 256
+    if data != "text":
+        eos = 10
+        rng = np.random.default_rng(0)
+        docs = [np.append(rng.integers(11, 200, size=int(n)), eos) for n in rng.integers(20, 60, size=80)]
+        np.save(tmp_path / "tokens.npy", np.concatenate(docs).astype(np.uint16))
+        args += ["--data.path", str(tmp_path / "tokens.npy"), "--data.eos_id", str(eos)]
+    run, export = tmp_path / "run", tmp_path / "hf"
+    assert main(["train", "--run-dir", str(run), *tiny_args, *args]) == 0
+    assert main(["convert", "--run-dir", str(run), "--to-hf", str(export)]) == 0
+    assert config_from_hf(json.loads((export / "config.json").read_text())).model.n_layers == 2  # import reads it
+    model = transformers.AutoModelForCausalLM.from_pretrained(export)
+    assert (model.config.eos_token_id, model.config.bos_token_id) == (eos, None)
+    assert model.generation_config.eos_token_id == eos
+
+    class EndOfDocumentNext(transformers.LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            scores[:, eos] = scores.max() + 1
+            return scores
+
+    out = model.generate(torch.tensor([[65, 66]]), max_new_tokens=5, do_sample=False,
+                         logits_processor=[EndOfDocumentNext()])
+    assert out.tolist() == [[65, 66, eos]]

@@ -69,12 +69,18 @@ def config_from_hf(hf_config: dict[str, Any]) -> Config:
     return cfg
 
 
-def hf_config_from(cfg: Config, vocab_size: int) -> dict[str, Any]:
+def hf_config_from(cfg: Config, vocab_size: int, eos_token_id: int | None = None) -> dict[str, Any]:
     """The config.json of `cfg` for transformers (the Hub's keys: `rope_theta`/`rope_scaling`, which
-    transformers 5 also reads). Raises CheckpointError for a setting the family cannot express."""
+    transformers 5 also reads). Raises CheckpointError for a setting the family cannot express.
+
+    `eos_token_id`: the id that ended the training documents, where transformers' `generate` stops
+    (it takes config.json's ids when there is no generation_config.json). Both ids are written, null
+    when unknown: else the family's config class would give its own (DeepSeek-V3's 0 and 1,
+    Mixtral's 1 and 2), ids of other tokens here. moefold trains without a beginning-of-sequence token."""
     family = family_of(cfg.model.family, "model.family")
     hf = family.config_to_hf(cfg)
-    return {"architectures": [family.architecture], **hf, "vocab_size": vocab_size}
+    return {"architectures": [family.architecture], **hf, "vocab_size": vocab_size,
+            "bos_token_id": None, "eos_token_id": eos_token_id}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -501,7 +507,8 @@ def _check_shape(target: torch.Tensor, slot: Slot, name: str, shape: Sequence[in
 
 
 def save_pretrained(model: Transformer, path: str | Path, max_shard_bytes: int = 5 * 2**30,
-                    dtype: torch.dtype | None = None, copies: dict[str, Path] | None = None) -> None:
+                    dtype: torch.dtype | None = None, copies: dict[str, Path] | None = None,
+                    eos_token_id: int | None = None) -> None:
     """Write `model` as a Hugging Face checkpoint that transformers' `from_pretrained` loads:
     config.json and safetensors shards of at most `max_shard_bytes` (one tensor may exceed it),
     with an index when there is more than one. Tensors are built and written one at a time.
@@ -510,8 +517,9 @@ def save_pretrained(model: Transformer, path: str | Path, max_shard_bytes: int =
     theirs. Earlier `model*.safetensors` files, index and config in `path` are replaced, all at
     once: every file is written under a `.partial-` name first and renamed only when all are, so a
     failed export (a full disk) leaves `path` as it was, without a truncated shard to load.
-    `copies` (name in `path` -> file) go with them: the run's tokenizer."""
-    hf = hf_config_from(model.cfg, model.vocab_size)  # first: fails on what the family cannot hold
+    `copies` (name in `path` -> file) go with them: the run's tokenizer. `eos_token_id`: where
+    generation stops (`hf_config_from`'s)."""
+    hf = hf_config_from(model.cfg, model.vocab_size, eos_token_id)  # first: fails on what the family cannot hold
     path = Path(path)
     created = not path.exists()
     path.mkdir(parents=True, exist_ok=True)

@@ -236,15 +236,30 @@ def expert_rows(cfg: Config, sh: Shapes) -> int:
     Padded to capacity, every rank of the group sends each expert exactly C rows, whatever the
     routing, rounded up to the row multiple: C of the tokens the router dropped from, the rank's
     T/tp under sequence parallelism, else the TP group's T, one rank's half of which may hold all
-    C copies of an expert (SequenceSplitDispatcher, RowLayout.of_slice)."""
+    C copies of an expert (SequenceSplitDispatcher, RowLayout.of_slice). The all-gather dispatcher
+    lays out all M = ep·etp·T/tp·K gathered copies (plus the padding), whatever the routing."""
     moe = cfg.moe
     multiple = row_multiple(cfg, sh)
     capacity_of = padded_capacity(moe)
     if capacity_of is not None:  # every rank of the group lays out E·C rows (the layer's RowLayout): etp·E·C
         layout = RowLayout(moe.num_experts, moe.top_k, multiple, capacity_of)
         return sh.etp * layout.num_rows(sh.residual_tokens * moe.top_k)
+    if gathers_copies(cfg, sh):  # a static buffer of every copy the group gathered, whatever the routing
+        return gathered_copies(cfg, sh) + moe.num_experts // sh.ep * (multiple - 1)
     copies = sh.tokens // sh.tp * moe.top_k * sh.etp
     return int(copies * sh.imbalance) + moe.num_experts // sh.ep * (multiple - 1)
+
+
+def gathers_copies(cfg: Config, sh: Shapes) -> bool:
+    """Whether the MoE layers dispatch by all-gather (parallel.ep_dispatcher, under ep·etp > 1;
+    parallel/expert.py's AllGatherDispatcher): each rank gathers the whole group's tokens and lays
+    out an expert buffer of all their copies, M rows, its own experts' first."""
+    return cfg.parallel.ep_dispatcher == "allgather" and sh.ep * sh.etp > 1
+
+
+def gathered_copies(cfg: Config, sh: Shapes) -> int:
+    """M: the copies the all-gather dispatcher gathers, T/tp·K from each rank of the ep·etp group."""
+    return sh.ep * sh.etp * (sh.tokens // sh.tp) * cfg.moe.top_k
 
 
 def row_multiple(cfg: Config, sh: Shapes) -> int:
@@ -317,6 +332,8 @@ def dispatch_tensors(cfg: Config, sh: Shapes, rows: int) -> list[int]:
     # index). The keep mask is the router's tokens' [T·K]: without sequence parallelism a TP rank's
     # copies are a view of the TP group's (parallel/sequence.py), with it the rank's own [T/tp·K].
     out = [N * INT64, routed, rows * INT64, rows + 1]
+    if gathers_copies(cfg, sh):  # the all-gather dispatcher's maps are over the M gathered copies
+        return _gathered_dispatch_tensors(cfg, sh, rows)
     if _has_aux_loss(cfg):
         out.append(FP32)  # the summed aux loss, kept by the autograd function that injects it
     if moe.memory_efficient_permute:
@@ -325,6 +342,24 @@ def dispatch_tensors(cfg: Config, sh: Shapes, rows: int) -> list[int]:
     # fp32 (and an fp32 router) the probabilities themselves, a view of the router's [T, K].
     probs = routed * FP32 if sh.fp32 and ROUTER_BYTES[moe.router_dtype] == FP32 else N * a
     return out + [N * cfg.model.dim * a, probs]
+
+
+def _gathered_dispatch_tensors(cfg: Config, sh: Shapes, rows: int) -> list[int]:
+    """The all-gather dispatcher's (parallel/expert.py) over the M gathered copies. Unpadded
+    (SortedBuffer): the buffer's gather index and row-valid mask, the probabilities' index (with the
+    memory-efficient permutation), each copy's row and local mask (combine). Padded (PaddedBuffer):
+    the local permutation's maps of M copies into the rows. Without the memory-efficient
+    permutation the weighted combine keeps the [M, D] copies' outputs and [M] probabilities."""
+    moe, M = cfg.moe, gathered_copies(cfg, sh)
+    if row_multiple(cfg, sh) > 1:
+        out = [M * INT64, M, rows * INT64, rows + 1]
+    else:
+        out = [M * INT64, M] + [M * INT64] * moe.memory_efficient_permute + [M * INT64, M]
+    if _has_aux_loss(cfg):
+        out.append(FP32)
+    if moe.memory_efficient_permute:
+        return out
+    return out + [M * cfg.model.dim * sh.act_bytes, M * sh.act_bytes]
 
 
 def experts_tensors(cfg: Config, sh: Shapes, rows: int) -> list[int]:

@@ -27,7 +27,9 @@ What one GPU holds, and the assumptions behind each part (docs/memory.md explain
   train.loss_chunk_tokens, the eager chunk step's logits and elementwise passes over one chunk
   (forward) or the scaled dh and dW (backward); in backward one layer's working set, taken as its
   saved activations less the experts' [R, F] tensors.
-- **Communication buffers**: the all-to-all send and receive buffers of one MoE layer (ep·etp > 1),
+- **Communication buffers**: the all-to-all send and receive buffers of one MoE layer (ep·etp > 1;
+  with parallel.ep_dispatcher = "allgather" the combine's [M, D] gathered copies' outputs and their
+  fp32 [ep·etp·T/tp, D] sums),
   FSDP2's all-gathered parameters (in their own dtype) of two blocks (the current and the prefetched
   one), the root's embedding and head (kept gathered from forward to backward), one block's
   gradients to reduce-scatter (backward), the pipeline's send/receive of one micro-batch.
@@ -248,7 +250,11 @@ def _comm_buffers(cfg: Config, lay: _Layout, chunks: list[Chunk], sh: act.Shapes
     d, c, D = lay.dims, sh.act_bytes, cfg.model.dim
     layers = [i for ch in chunks for i in ch.layers]
     out: dict[str, float] = {}
-    if d.ep * d.etp > 1 and any(is_moe_layer(cfg, i) for i in layers):
+    if d.ep * d.etp > 1 and any(is_moe_layer(cfg, i) for i in layers) and act.gathers_copies(cfg, sh):
+        # combine's M copies' outputs in gathered order and their fp32 sums over K, reduce-scattered
+        gathered = d.ep * d.etp * (sh.tokens // d.tp)
+        out["all-gather (one MoE layer)"] = act.gathered_copies(cfg, sh) * D * c + gathered * D * act.FP32
+    elif d.ep * d.etp > 1 and any(is_moe_layer(cfg, i) for i in layers):
         out["all-to-all (one MoE layer)"] = 2 * sh.tokens // d.tp * cfg.moe.top_k * D * c
     if lay.fsdp and lay.dense_shard > 1:
         root = _chunk_params(cfg, Chunk(-1, (), any(ch.first for ch in chunks),

@@ -1,0 +1,58 @@
+"""Edges of the memory planner (plan/) found against the real model: layouts and options whose
+saved activations the plan must follow, each measured on gloo ranks on the CPU (plan.measure, a
+DTensor by its local shard) and compared category by category."""
+
+import json
+
+import pytest
+from test_parallel_dims import run_on_ranks
+
+from moefold.config import load_config
+from moefold.parallel.dims import ParallelDims, ParallelLayout
+from moefold.plan import predict_memory
+from moefold.plan.measure import measure_saved_activations
+
+EP = 2
+# force_balanced: round-robin routing, the balanced share the plan assumes for the all-to-all
+EP_CASES = {
+    "allgather": ("tiny-qwen3", {"parallel.ep_dispatcher": "allgather"}),
+    "allgather-padded-combine": ("tiny-qwen3", {"parallel.ep_dispatcher": "allgather", "moe.pad_multiple": 16,
+                                                "moe.memory_efficient_permute": False}),
+    "allgather-combine": ("tiny-deepseek", {"parallel.ep_dispatcher": "allgather",
+                                            "moe.memory_efficient_permute": False}),
+}
+
+
+def _ep_config(name: str):
+    preset, overrides = EP_CASES[name]
+    return load_config(preset, {**overrides, "train.micro_batch_size": 2, "precision.compute_dtype": "fp32",
+                                "optim.master_dtype": "fp32", "parallel.ep": EP, "moe.force_balanced": True})
+
+
+def _measure_ep(rank: int, out_dir: str) -> None:
+    layout = ParallelLayout(ParallelDims(EP, ep=EP))
+    measured = {name: measure_saved_activations(_ep_config(name), "fp32", layout=layout).by_category
+                for name in EP_CASES}
+    with open(f"{out_dir}/rank{rank}.json", "w") as f:
+        json.dump(measured, f)
+
+
+@pytest.fixture(scope="module")
+def measured_ep(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("saved_ep")
+    run_on_ranks(_measure_ep, EP, str(out_dir))
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(EP)]
+
+
+@pytest.mark.parametrize("name", EP_CASES)
+def test_allgather_dispatch_keeps_every_gathered_copy(measured_ep, name):
+    """parallel.ep_dispatcher = "allgather" lays out a static expert buffer of every copy the EP
+    group gathered, M = ep·T·K rows (AllGatherDispatcher), and its maps are over those M copies:
+    the plan counted the all-to-all's balanced T·K rows and the local permutation's maps
+    (tiny-qwen3, fp32, ep 2: experts 659,488 B planned, 1,318,944 B kept; moe_dispatch 18,442 B
+    planned, 53,256 B kept)."""
+    planned = {k: v for k, v in predict_memory(_ep_config(name), EP).activations.items() if v}
+    for rank in measured_ep:
+        assert planned == rank[name]
+    imbalanced = predict_memory(_ep_config(name), EP, imbalance=2.0).activations
+    assert imbalanced == predict_memory(_ep_config(name), EP).activations  # static: routing changes nothing

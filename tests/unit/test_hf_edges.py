@@ -243,3 +243,24 @@ def test_an_export_stops_transformers_generate_at_the_runs_end_of_document(data,
     out = model.generate(torch.tensor([[65, 66]]), max_new_tokens=5, do_sample=False,
                          logits_processor=[EndOfDocumentNext()])
     assert out.tolist() == [[65, 66, eos]]
+
+
+def test_a_tensor_with_no_place_in_the_model_is_named_with_its_file(sharded, tmp_path, capsys):
+    """The error named the tensor and the checkpoint directory but not which of its shards holds
+    the tensor (a leftover of another model, a file to replace or delete)."""
+    path = shutil.copytree(sharded, tmp_path / "hf")
+    index = json.loads((path / INDEX).read_text())
+    shard = sorted(set(index["weight_map"].values()))[1]
+    tensors = safetensors_torch.load_file(path / shard)
+    safetensors_torch.save_file({**tensors, "model.layers.0.mlp.experts.99.up_proj.weight": torch.zeros(2, 2)},
+                                path / shard, metadata={"format": "pt"})
+    index["weight_map"]["model.layers.0.mlp.experts.99.up_proj.weight"] = shard
+    (path / INDEX).write_text(json.dumps(index))
+    message = f"1 tensor(s) with no place in the model: model.layers.0.mlp.experts.99.up_proj.weight (in {shard})"
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        load_pretrained(path)
+    run = tmp_path / "run"
+    assert main(["convert", "--from-hf", str(path), "--out", str(run)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"checkpoint {path}: {message}" in err[0], err
+    assert not run.exists()

@@ -366,7 +366,7 @@ def _drop_absent_mtp(cfg: Config, file_of: dict[str, Path], warn: bool = True) -
 
 def _check_names(plan: Plan, file_of: dict[str, Path], path: Path) -> None:
     known = plan.slots.keys() | plan.copies.keys() | plan.aliases.keys()
-    unknown = [name for name in file_of if name not in known]
+    unknown = [f"{name} (in {file.name})" for name, file in file_of.items() if name not in known]
     missing = [f"{name} (for {slot.ours})" for name, slot in plan.slots.items() if name not in file_of]
     problems = []
     if unknown:

@@ -334,6 +334,8 @@ def dispatch_tensors(cfg: Config, sh: Shapes, rows: int) -> list[int]:
     out = [N * INT64, routed, rows * INT64, rows + 1]
     if gathers_copies(cfg, sh):  # the all-gather dispatcher's maps are over the M gathered copies
         return _gathered_dispatch_tensors(cfg, sh, rows)
+    if sh.ep * sh.etp > 1 and padded_capacity(moe) is None:  # the all-to-all dispatcher's own maps
+        out = _all_to_all_maps(cfg, sh, N, rows)
     if _has_aux_loss(cfg):
         out.append(FP32)  # the summed aux loss, kept by the autograd function that injects it
     if moe.memory_efficient_permute:
@@ -342,6 +344,22 @@ def dispatch_tensors(cfg: Config, sh: Shapes, rows: int) -> list[int]:
     # fp32 (and an fp32 router) the probabilities themselves, a view of the router's [T, K].
     probs = routed * FP32 if sh.fp32 and ROUTER_BYTES[moe.router_dtype] == FP32 else N * a
     return out + [N * cfg.model.dim * a, probs]
+
+
+def _all_to_all_maps(cfg: Config, sh: Shapes, N: int, rows: int) -> list[int]:
+    """The all-to-all dispatcher's maps (parallel/expert.py's AllToAllDispatcher; padded to
+    capacity it permutes locally, as above): each copy's place in the sorted order, and the order
+    the probabilities are gathered by (memory-efficient permutation); combine's [S + 1] rows and
+    mask of the S = N rows sent; the R received rows' regrouping both ways (SortedRegroup) or,
+    padded to the row multiple (PaddedRegroup), their [R + 1] rows and mask, the [Y] groups' index
+    both ways (the probabilities' one with the memory-efficient permutation) and valid mask."""
+    moe, multiple = cfg.moe, row_multiple(cfg, sh)
+    received = rows - moe.num_experts // sh.ep * (multiple - 1)
+    out = [N * INT64] * (1 + moe.memory_efficient_permute) + [(N + 1) * INT64, N + 1]
+    if multiple == 1:
+        return out + [received * INT64] * 2
+    return (out + [(received + 1) * INT64, received + 1, rows * INT64, rows + 1]
+            + [rows * INT64] * moe.memory_efficient_permute)
 
 
 def _gathered_dispatch_tensors(cfg: Config, sh: Shapes, rows: int) -> list[int]:

@@ -76,3 +76,33 @@ def test_all_to_all_dispatch_keeps_its_own_maps(measured_ep, name):
     planned = {k: v for k, v in predict_memory(_ep_config(name), EP).activations.items() if v}
     for rank in measured_ep:
         assert planned == rank[name]
+
+
+@pytest.mark.parametrize("layout", [{"parallel.ep": 8}, {"parallel.tp": 2, "parallel.ep": 4, "parallel.sequence_parallel": False}])
+def test_backward_gradients_are_each_layer_s_own_shard(layout):
+    """Backward makes each layer's gradients in its own layout's share (ddp: experts over ep,
+    attention over tp, the rest whole), so at the bottom layer a rank holds every gradient but the
+    embedding's: the real parameters' bytes, counted on the built model. The plan gave each layer
+    and the head the rank's average bytes per parameter, which the replicated embedding inflates
+    (tiny-qwen3 at dim 128, ep 8: 2,228,418 B planned, 2,119,168 B real)."""
+    import torch
+
+    from moefold.models.transformer import build_model
+    from moefold.parallel.data import expert_parameters
+
+    cfg = load_config("tiny-qwen3", {**layout, "parallel.data_parallel": "ddp", "memory.recompute": '["layer"]',
+                                     "model.n_layers": 4, "model.dim": 128, "moe.expert_hidden": 256,
+                                     "train.micro_batch_size": 1, "train.seq_len": 64})
+    with torch.device("meta"):
+        model = build_model(cfg, 257)
+    experts = {id(p) for p in expert_parameters(model)}
+    tp_sharded = {id(p) for block in model.layers for p in block.attn.parameters() if p.dim() == 2}
+    tp_sharded |= {id(p) for block in model.layers for p in block.ffn.parameters() if p.dim() == 2} - experts
+    tp_sharded -= {id(block.ffn.router.weight) for block in model.layers if hasattr(block.ffn, "router")}
+    p_ = cfg.parallel
+    share = {id(p): p.numel() * 4 / (p_.ep if id(p) in experts else p_.tp if id(p) in tp_sharded else 1)
+             for p in model.parameters()}
+    embedding = sum(share[id(p)] for p in model.tok_embeddings.parameters())
+    plan = predict_memory(cfg, 8)
+    assert plan.gradients == sum(share.values())
+    assert plan.phases["backward"]["gradients"] == sum(share.values()) - embedding  # the bottom layer's step

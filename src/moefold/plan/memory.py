@@ -151,6 +151,11 @@ def _states(cfg: Config, lay: _Layout, dense: float, expert: float) -> dict[str,
             "master_weights": remainder * sharded, "optimizer_moments": moments * sharded}
 
 
+def _gradients(cfg: Config, lay: _Layout, split: ParamSplit) -> float:
+    """The bytes of `split`'s gradients on one rank, sharded as its parameters are."""
+    return _states(cfg, lay, *_local(split, lay.dims))["gradients"]
+
+
 def _after_backward(cfg: Config, lay: _Layout, dense: float, expert: float, grads: float,
                     optimizer: float) -> list[dict[str, float]]:
     """What the optimizer step holds besides parameters and optimizer states, at each of its
@@ -340,7 +345,6 @@ def _rank_plan(cfg: Config, lay: _Layout, chunks: list[Chunk], rank: int, sh: ac
     local = _local(split, d)
     states = _states(cfg, lay, *local)
     states["fp8_weight_cache"] = _fp8_weight_cache(cfg, mine, sh, d)
-    grad_per_element = states["gradients"] / max(1, split.total)  # local, sharded or not
     last = mine[-1]
     layers = []
     for i in last.layers:
@@ -353,12 +357,12 @@ def _rank_plan(cfg: Config, lay: _Layout, chunks: list[Chunk], rank: int, sh: ac
         # frees one by one as it makes their same-sized gradients (the activation's backward is
         # written out, moe/activation.py, and keeps no graph of its own).
         work = sum(full.values()) - full.get("weight_copies", 0) - full.get("experts", 0)
-        layers.append((saved, copies, work, grad_per_element * layer_params(cfg, i).total))
+        layers.append((saved, copies, work, _gradients(cfg, lay, layer_params(cfg, i))))
     head, head_backward = (0.0, 0.0, 0.0), (0.0, 0.0)
     if last.last:  # forward ends, and backward starts, at the last head (an MTP depth's, if any)
         heads = head_losses(cfg, sh, vocab)
         head = (heads[-1].forward_workspace(), heads[-1].backward_workspace(),
-                grad_per_element * head_params(cfg, vocab).total)
+                _gradients(cfg, lay, head_params(cfg, vocab)))
         head_backward = (sum(h.freed_in_backward() for h in heads), heads[-1].grad_workspace())
     optimizer = _optimizer_step(cfg, lay, split)
     r = _Rank(states, sum(activations.values()), layers, head, head_backward,

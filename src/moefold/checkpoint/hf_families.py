@@ -214,9 +214,13 @@ def _rope_from_hf(hf: dict[str, Any], cfg: Config, default_theta: float) -> None
     max_len = _int(hf, "max_position_embeddings", 0)
     original = (_float(hf, "original_max_position_embeddings", 0.0)
                 or _float(params, "original_max_position_embeddings", 0.0, where) or max_len)
+    factor = _float(params, "factor", 0.0, where)
+    if not (factor or original):  # transformers derives it as max / original: nothing to derive from
+        raise CheckpointError(f"config.json: {key} is yarn without a factor or max_position_embeddings "
+                              f"to derive it from; give {key}.factor")
     m.rope_scaling = "yarn"
     m.rope_original_max_len = int(original)
-    m.rope_factor = _float(params, "factor", 0.0, where) or max_len / original
+    m.rope_factor = factor or max_len / original
     m.yarn_beta_fast = _float(params, "beta_fast", 0.0, where) or 32.0
     m.yarn_beta_slow = _float(params, "beta_slow", 0.0, where) or 1.0
     # transformers uses mscale only together with a non-zero mscale_all_dim; 0 keeps that reading.

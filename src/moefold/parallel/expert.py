@@ -51,8 +51,9 @@ from moefold.moe.permute import (
     unpermute,
 )
 from moefold.moe.router import Routing
-from moefold.parallel.collectives import all_gather_single
+from moefold.parallel.collectives import all_gather_single, reduce_scatter_single
 from moefold.parallel.dims import expert_coords
+from moefold.parallel.sequence import all_gather_rows
 
 
 @dataclass
@@ -438,6 +439,25 @@ class PaddedBuffer:
         return unpermute(y_RD, self.plan, self.top_k)
 
 
+class _GatherRowsSumGrad(torch.autograd.Function):
+    """Forward: every rank's rows all-gathered in rank order. Backward: the gradient summed over the
+    group, this rank's rows kept (a reduce-scatter): each rank's copy fed its own experts.
+    torch.distributed.nn.functional.all_gather does this on NCCL, but on gloo its backward scatters
+    with `src` a group rank where torch takes a global one (torch 2.13), so on any group but the
+    world's first ranks it fails ("Global rank 0 is not part of group")."""
+
+    @staticmethod
+    def forward(ctx, x_T: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return all_gather_rows(x_T.contiguous(), group)
+
+    @staticmethod
+    def backward(ctx, grad_G: torch.Tensor):
+        grad_T = grad_G.new_empty(grad_G.shape[0] // dist.get_world_size(ctx.group), *grad_G.shape[1:])
+        reduce_scatter_single(grad_T, grad_G.contiguous(), group=ctx.group)
+        return grad_T, None
+
+
 @dataclass
 class _Gathered:
     """communicate → postprocess: every rank's tokens and routing, in rank order."""
@@ -475,9 +495,8 @@ class AllGatherDispatcher(_ExpertParallelDispatcher):
         """Tokens and probabilities by the autograd-aware all-gather; expert ids need no gradient."""
         key_M = key_N.new_empty(self.group_size * key_N.numel())
         all_gather_single(key_M, key_N.contiguous(), group=self.group)
-        return _Gathered(x_GD=torch.cat(dist_fn.all_gather(x_TD, group=self.group)),
-                         key_M=key_M,
-                         probs_GK=torch.cat(dist_fn.all_gather(probs_TK, group=self.group)))
+        return _Gathered(x_GD=_GatherRowsSumGrad.apply(x_TD, self.group), key_M=key_M,
+                         probs_GK=_GatherRowsSumGrad.apply(probs_TK, self.group))
 
     def _postprocess(self, g: _Gathered) -> Dispatched:
         """Static-shape grouping by local expert (stable: gathered order within an expert); copies

@@ -46,17 +46,15 @@ def apply_recompute(model: torch.nn.Module, names: Sequence[str]) -> None:
 
 
 def checkpointed(fn: Callable, moe_layers: list[MoELayer]) -> Callable:
-    context_fn = (lambda: moe_recompute_contexts(moe_layers)) if moe_layers else _no_contexts
+    # None without MoE layers: under torch.compile a context_fn must give TorchDispatchModes (a
+    # pair of nullcontexts failed the compile of a recomputed norm, attention core or dense block).
+    contexts = {"context_fn": lambda: moe_recompute_contexts(moe_layers)} if moe_layers else {}
 
     def run(*args, **kwargs):
         if not torch.is_grad_enabled():  # evaluation: nothing to save, nothing to recompute
             return fn(*args, **kwargs)
-        return checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+        return checkpoint(fn, *args, use_reentrant=False, **contexts, **kwargs)
     return run
-
-
-def _no_contexts():
-    return contextlib.nullcontext(), contextlib.nullcontext()
 
 
 class DiscardedOutput:

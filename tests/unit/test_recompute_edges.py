@@ -1,0 +1,38 @@
+"""memory.recompute at its edges, each found by training with the option against the same model
+without it: under train.compile."""
+
+import functools
+
+import pytest
+import torch
+from memory_runs import (
+    build,
+    one_thread,  # noqa: F401 (autouse fixture)
+    plain_run,
+    train,
+)
+
+from moefold.train.compile import compile_blocks
+
+
+def _assert_close(run, ref) -> None:
+    """Within fp32 rounding: a compiled graph sums in its own order."""
+    torch.testing.assert_close(torch.stack(run.losses), torch.stack(ref.losses), rtol=1e-6, atol=0)
+    for g, g_ref in zip(run.grads, ref.grads, strict=True):
+        assert g.keys() == g_ref.keys()
+        for name in g:
+            torch.testing.assert_close(g[name], g_ref[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("config,names", [("qwen3", '["attn_core"]'),
+                                          ("deepseek", '["shared_experts", "mlp"]'),
+                                          ("deepseek", '["layer"]')])
+def test_recomputed_sites_without_moe_layers_compile(config, names, monkeypatch):
+    """A checkpointed site holding no MoE layer (the attention core, shared experts, a dense MLP or
+    dense block) was given a context_fn of two nullcontexts, which torch.compile refuses ('must
+    generate a tuple of two TorchDispatchModes'): train.compile with it failed at the first step.
+    Traced by AOTAutograd with the aot_eager backend (no C++ compiler)."""
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    model = build(config, {"memory.recompute": names})
+    compile_blocks(model)
+    _assert_close(train(model), plain_run(config))

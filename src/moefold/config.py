@@ -793,6 +793,12 @@ def _validate_memory(cfg: Config) -> None:
     both = sorted(set(mem.recompute) & set(mem.offload))
     _require(not both, f"memory.offload={mem.offload}: {', '.join(both)} is also recomputed, so it "
              f"keeps no activations to offload; list it in one of memory.recompute, memory.offload")
+    # Their output discarding (memory/recompute.py) rebuilds in eager backward what the producer's
+    # forward saved; compiled, that forward saved other tensors (an RMSNorm: 3, eager 6).
+    compiled = [name for name in ("norm", "mla_up_proj") if cfg.train.compile and name in mem.recompute]
+    _require(not compiled, f"memory.recompute={mem.recompute} with train.compile=true: {', '.join(compiled)} "
+             "cannot recompute inside a compiled block; drop it or train.compile (the compiler "
+             "recomputes cheap ops on its own)")
 
 
 _MEMORY_MODULE_NEEDS = {"mla_up_proj": "it needs model.attention='mla'",

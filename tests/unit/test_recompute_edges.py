@@ -12,6 +12,8 @@ from memory_runs import (
     train,
 )
 
+from moefold.config import load_config
+from moefold.errors import ConfigError
 from moefold.train.compile import compile_blocks
 
 
@@ -36,3 +38,16 @@ def test_recomputed_sites_without_moe_layers_compile(config, names, monkeypatch)
     model = build(config, {"memory.recompute": names})
     compile_blocks(model)
     _assert_close(train(model), plain_run(config))
+
+
+@pytest.mark.parametrize("preset,name", [("tiny-qwen3", "norm"), ("tiny-deepseek", "mla_up_proj")])
+def test_output_discarding_under_compile_is_refused(preset, name):
+    """The pre-norms' and MLA's up-projection's output discarding rebuilds in backward, eagerly,
+    the tensors the producer's forward saved; compiled, that forward saved others (an RMSNorm 3,
+    eager 6), and the first backward failed with 'the producer is not deterministic'."""
+    overrides = {"train.compile": "true", "memory.recompute": f'["{name}"]'}
+    with pytest.raises(ConfigError, match=rf"^memory.recompute=\['{name}'\] with train.compile=true: "
+                                          f"{name} cannot recompute inside a compiled block"):
+        load_config(preset, overrides)
+    load_config(preset, {**overrides, "train.compile": "false"})
+    load_config(preset, {**overrides, "memory.recompute": '["attn_core", "moe_act"]'})

@@ -578,8 +578,10 @@ def config_from_toml(path: Path, overrides: dict[str, Any] | None = None) -> Con
 def _toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, str):  # TOML's basic strings take no control character but tab: \uXXXX
+        escaped = value.replace("\\", "\\\\").replace('"', '\\"')
+        return '"' + "".join(f"\\u{ord(c):04x}" if ord(c) < 0x20 and c != "\t" or c == "\x7f" else c
+                             for c in escaped) + '"'
     if isinstance(value, float):
         return repr(value)
     if isinstance(value, list):

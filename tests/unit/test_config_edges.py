@@ -1,0 +1,24 @@
+"""Config edges: `moefold config show` output read back with --config, and config files the user
+got wrong (each a one-line error naming the file, exit 2)."""
+
+from moefold.cli import main
+from moefold.config import load_config
+
+
+def _show_and_read_back(tmp_path, capsys, args: list[str]):
+    assert main(["config", "show", *args]) == 0
+    shown = tmp_path / "shown.toml"
+    shown.write_text(capsys.readouterr().out)
+    assert main(["config", "show", "--config", str(shown)]) == 0
+    return shown, capsys.readouterr()
+
+
+def test_show_reads_back_strings_with_control_characters(tmp_path, capsys):
+    """A file name may hold a newline or any control character; TOML's basic strings take them
+    only escaped."""
+    path = "runs/new\nline\x01\x1f\x7f\ttab\\\"q\u2028"
+    shown, read_back = _show_and_read_back(tmp_path, capsys, ["--data.path", path, "--data.text_field", "a\rb"])
+    assert read_back.err == ""
+    cfg = load_config(str(shown))
+    assert (cfg.data.path, cfg.data.text_field) == (path, "a\rb")
+    assert cfg == load_config(None, {"data.path": path, "data.text_field": "a\rb"})

@@ -446,7 +446,11 @@ def read_preset(name_or_path: str) -> dict[str, Any]:
     """The TOML table of a shipped preset (by name) or of a file (by path)."""
     path = Path(name_or_path)
     if path.is_file():
-        text = path.read_text()
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:  # TOML is UTF-8
+            raise ConfigError(f"--config {name_or_path}: not UTF-8 text (byte {e.start}: "
+                              f"{e.object[e.start:e.start + 1]!r}); TOML files are UTF-8") from None
     elif name_or_path in preset_names():  # a folder of the preset's name does not hide it
         text = resources.files("moefold.presets").joinpath(f"{name_or_path}.toml").read_text()
     elif path.is_dir():

@@ -22,3 +22,12 @@ def test_show_reads_back_strings_with_control_characters(tmp_path, capsys):
     cfg = load_config(str(shown))
     assert (cfg.data.path, cfg.data.text_field) == (path, "a\rb")
     assert cfg == load_config(None, {"data.path": path, "data.text_field": "a\rb"})
+
+
+def test_a_config_file_that_is_not_utf8_is_a_one_line_error(tmp_path, capsys):
+    """A Latin-1 comment (or any non-UTF-8 byte) ended in a UnicodeDecodeError traceback."""
+    latin1 = tmp_path / "latin1.toml"
+    latin1.write_bytes("# réglages\n[model]\ndim = 64\n".encode("latin-1"))
+    assert main(["config", "show", "--config", str(latin1)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"moefold: error: --config {latin1}: not UTF-8 text (byte 3: b'\\xe9'); TOML files are UTF-8\n"

@@ -479,7 +479,7 @@ def _coerce(key: str, value: Any, from_cli: bool) -> Any:
     tp = field_types()[key]
     if typing.get_origin(tp) is list:
         return _coerce_list(key, value, typing.get_args(tp)[0], from_cli)
-    if isinstance(value, str) and tp is not str:
+    if from_cli and isinstance(value, str) and tp is not str:  # TOML values carry their own type
         value = _parse_cli_value(key, value, tp)
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)

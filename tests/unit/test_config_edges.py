@@ -31,3 +31,16 @@ def test_a_config_file_that_is_not_utf8_is_a_one_line_error(tmp_path, capsys):
     assert main(["config", "show", "--config", str(latin1)]) == 2
     err = capsys.readouterr().err
     assert err == f"moefold: error: --config {latin1}: not UTF-8 text (byte 3: b'\\xe9'); TOML files are UTF-8\n"
+
+
+def test_a_quoted_number_or_bool_in_a_config_file_is_refused_naming_its_type(tmp_path, capsys):
+    """TOML values are typed: '4' in quotes is a string, which the command line's text parsing
+    used to turn into the int (or float, or bool) the field wants without a word."""
+    for line, message in (('[model]\ndim = "64"', "model.dim='64' is not a valid int"),
+                          ('[train]\nlr = "1e-3"', "train.lr='1e-3' is not a valid float"),
+                          ('[model]\nqk_norm = "false"', "model.qk_norm='false' is not a valid bool")):
+        quoted = tmp_path / "quoted.toml"
+        quoted.write_text(line + "\n")
+        assert main(["config", "show", "--config", str(quoted)]) == 2
+        assert capsys.readouterr().err == f"moefold: error: --config {quoted}: {message}\n"
+    assert load_config(None, {"model.dim": "64", "train.lr": "1e-3", "model.qk_norm": "false"}).model.dim == 64

@@ -7,11 +7,10 @@ each option saves is measured against the planner in test_plan_tp.py. Under expe
 experts read their DTensor weights' shards (`to_local()`): offload must leave those, like any
 parameter, on the device."""
 
-import json
 
 import pytest
 from memory_runs import assert_identical, build, train
-from test_parallel_dims import run_on_ranks
+from test_parallel_dims import results_on_ranks
 from torch.distributed.tensor import DTensor
 
 from moefold.parallel.dims import ParallelDims, ParallelLayout
@@ -56,7 +55,7 @@ class OffloadSpy:
         offload.pack = counting  # the sites' hooks look it up on the instance at each call
 
 
-def _train_all(rank: int, out_dir: str) -> None:
+def _train_all(rank: int) -> dict:
     layout = ParallelLayout(ParallelDims(TP, tp=TP))
     results, plain_runs = {}, {}
     for config, kind, names, sp in CASES:
@@ -70,8 +69,7 @@ def _train_all(rank: int, out_dir: str) -> None:
         results[_key(config, kind, names, sp)] = {
             "differs": differs, "shard_bytes": moved and moved.nbytes, "weights": moved and moved.weights}
     results["ep"] = _offload_under_ep()
-    with open(f"{out_dir}/rank{rank}.json", "w") as f:
-        json.dump(results, f)
+    return results
 
 
 def _offload_under_ep() -> dict:
@@ -96,9 +94,7 @@ def _difference(run, plain) -> str:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     """Every case on one spawn of 2 ranks (spawning dominates the time on a 2-core machine)."""
-    out_dir = tmp_path_factory.mktemp("runs")
-    run_on_ranks(_train_all, TP, str(out_dir))
-    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(TP)]
+    return results_on_ranks(_train_all, TP, tmp_path_factory.mktemp("runs"))
 
 
 @pytest.mark.parametrize("config,kind,names,sp", CASES, ids=[_key(*c) for c in CASES])

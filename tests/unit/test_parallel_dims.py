@@ -2,7 +2,9 @@
 and ParallelLayout's process groups on 4 gloo ranks."""
 
 import itertools
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -233,6 +235,17 @@ def run_on_ranks(fn, world: int, *args) -> None:
     """Run `fn(rank, *args)` on `world` gloo ranks on CPU, in the process group; an exception on
     any rank fails."""
     run_ranks(world, _in_gloo_group, fn, *args)
+
+
+def results_on_ranks(fn, world: int, out_dir: Path, *args) -> list:
+    """`run_on_ranks`, returning what `fn(rank, *args)` returned on each rank (a JSON value), in
+    rank order: each rank writes it to `out_dir`, one file a rank."""
+    run_on_ranks(_write_result, world, fn, str(out_dir), *args)
+    return [json.loads((Path(out_dir) / f"rank{rank}.json").read_text()) for rank in range(world)]
+
+
+def _write_result(rank: int, fn, out_dir: str, *args) -> None:
+    (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(fn(rank, *args)))
 
 
 def _check_layout(rank: int, sizes: list[dict]) -> None:

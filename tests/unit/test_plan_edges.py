@@ -2,10 +2,9 @@
 saved activations the plan must follow, each measured on gloo ranks on the CPU (plan.measure, a
 DTensor by its local shard) and compared category by category."""
 
-import json
 
 import pytest
-from test_parallel_dims import run_on_ranks
+from test_parallel_dims import results_on_ranks
 
 from moefold.config import load_config
 from moefold.parallel.dims import ParallelDims, ParallelLayout
@@ -36,19 +35,15 @@ def _ep_config(name: str):
                                 "optim.master_dtype": "fp32", "parallel.ep": EP, "moe.force_balanced": True})
 
 
-def _measure_ep(rank: int, out_dir: str) -> None:
+def _measure_ep(rank: int) -> dict:
     layout = ParallelLayout(ParallelDims(EP, ep=EP))
-    measured = {name: measure_saved_activations(_ep_config(name), "fp32", layout=layout).by_category
-                for name in EP_CASES}
-    with open(f"{out_dir}/rank{rank}.json", "w") as f:
-        json.dump(measured, f)
+    return {name: measure_saved_activations(_ep_config(name), "fp32", layout=layout).by_category
+            for name in EP_CASES}
 
 
 @pytest.fixture(scope="module")
 def measured_ep(tmp_path_factory):
-    out_dir = tmp_path_factory.mktemp("saved_ep")
-    run_on_ranks(_measure_ep, EP, str(out_dir))
-    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(EP)]
+    return results_on_ranks(_measure_ep, EP, tmp_path_factory.mktemp("saved_ep"))
 
 
 @pytest.mark.parametrize("name", [name for name in EP_CASES if name.startswith("allgather")])

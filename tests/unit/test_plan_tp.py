@@ -13,10 +13,9 @@ pre-norms on T/tp tokens, and their MoE layers route the rank's own T/tp tokens 
 losses, dispatch); their shared experts all-gather the T tokens and reduce-scatter their output.
 """
 
-import json
 
 import pytest
-from test_parallel_dims import run_on_ranks
+from test_parallel_dims import results_on_ranks
 
 from moefold.config import load_config
 from moefold.parallel.dims import ParallelDims, ParallelLayout
@@ -93,7 +92,7 @@ def _config(name: str, dtype: str, sp: bool):
                                 "parallel.sequence_parallel": sp})
 
 
-def _measure_all(rank: int, out_dir: str) -> None:
+def _measure_all(rank: int) -> dict:
     layout = ParallelLayout(ParallelDims(TP, tp=TP))
     measured = {}
     for name, dtype in RUNS:
@@ -104,15 +103,12 @@ def _measure_all(rank: int, out_dir: str) -> None:
             measured[f"{name} {dtype} sp={sp}"] = saved.by_category
             measured[f"{name} {dtype} sp={sp} host"] = saved.host
             measured[f"{name} {dtype} sp={sp} host peak"] = saved.host_peak
-    with open(f"{out_dir}/rank{rank}.json", "w") as f:
-        json.dump(measured, f)
+    return measured
 
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
-    out_dir = tmp_path_factory.mktemp("saved")
-    run_on_ranks(_measure_all, TP, str(out_dir))
-    ranks = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(TP)]
+    ranks = results_on_ranks(_measure_all, TP, tmp_path_factory.mktemp("saved"))
     assert ranks[0] == ranks[1]  # TP ranks hold the same shapes
     return ranks[0]
 

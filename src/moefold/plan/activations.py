@@ -325,17 +325,18 @@ def _has_aux_loss(cfg: Config) -> bool:
 def dispatch_tensors(cfg: Config, sh: Shapes, rows: int) -> list[int]:
     """Permutation indices and masks of this rank's N = T/tp·K copies; without the memory-efficient
     permutation also the [N, D] expert outputs and [N] probabilities of the weighted combine."""
-    moe, a = cfg.moe, sh.act_bytes
-    N, routed = sh.tokens // sh.tp * moe.top_k, sh.residual_tokens * moe.top_k
-    # The gathers' backward maps (moe/permute.py): each copy's row and keep mask (permute), each
-    # row's copy and valid mask (unpermute, [R] of R + 1; the probabilities' gather shares that
-    # index). The keep mask is the router's tokens' [T·K]: without sequence parallelism a TP rank's
-    # copies are a view of the TP group's (parallel/sequence.py), with it the rank's own [T/tp·K].
-    out = [N * INT64, routed, rows * INT64, rows + 1]
     if gathers_copies(cfg, sh):  # the all-gather dispatcher's maps are over the M gathered copies
         return _gathered_dispatch_tensors(cfg, sh, rows)
+    moe, a = cfg.moe, sh.act_bytes
+    N, routed = sh.tokens // sh.tp * moe.top_k, sh.residual_tokens * moe.top_k
     if sh.ep * sh.etp > 1 and padded_capacity(moe) is None:  # the all-to-all dispatcher's own maps
         out = _all_to_all_maps(cfg, sh, N, rows)
+    else:
+        # The gathers' backward maps (moe/permute.py): each copy's row and keep mask (permute), each
+        # row's copy and valid mask (unpermute, [R] of R + 1; the probabilities' gather shares that
+        # index). The keep mask is the router's tokens' [T·K]: without sequence parallelism a TP
+        # rank's copies are a view of the TP group's (parallel/sequence.py), with it the rank's own.
+        out = [N * INT64, routed, rows * INT64, rows + 1]
     if _has_aux_loss(cfg):
         out.append(FP32)  # the summed aux loss, kept by the autograd function that injects it
     if moe.memory_efficient_permute:

@@ -255,12 +255,14 @@ def _comm_buffers(cfg: Config, lay: _Layout, chunks: list[Chunk], sh: act.Shapes
     d, c, D = lay.dims, sh.act_bytes, cfg.model.dim
     layers = [i for ch in chunks for i in ch.layers]
     out: dict[str, float] = {}
-    if d.ep * d.etp > 1 and any(is_moe_layer(cfg, i) for i in layers) and act.gathers_copies(cfg, sh):
-        # combine's M copies' outputs in gathered order and their fp32 sums over K, reduce-scattered
-        gathered = d.ep * d.etp * (sh.tokens // d.tp)
-        out["all-gather (one MoE layer)"] = act.gathered_copies(cfg, sh) * D * c + gathered * D * act.FP32
-    elif d.ep * d.etp > 1 and any(is_moe_layer(cfg, i) for i in layers):
-        out["all-to-all (one MoE layer)"] = 2 * sh.tokens // d.tp * cfg.moe.top_k * D * c
+    if d.ep * d.etp > 1 and any(is_moe_layer(cfg, i) for i in layers):
+        if act.gathers_copies(cfg, sh):
+            # combine's M copies' outputs in gathered order and their fp32 sums over K (the group's
+            # tokens), reduce-scattered
+            copies = act.gathered_copies(cfg, sh)
+            out["all-gather (one MoE layer)"] = copies * D * c + copies // cfg.moe.top_k * D * act.FP32
+        else:
+            out["all-to-all (one MoE layer)"] = 2 * sh.tokens // d.tp * cfg.moe.top_k * D * c
     if lay.fsdp and lay.dense_shard > 1:
         root = _chunk_params(cfg, Chunk(-1, (), any(ch.first for ch in chunks),
                                         any(ch.last for ch in chunks)), vocab)

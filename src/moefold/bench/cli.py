@@ -47,12 +47,12 @@ def run(args: argparse.Namespace, cfg: Config, overrides: dict[str, Any]) -> int
         record["profile"] = profile_steps(trainer.train_step, trainer.device, args.profile_steps,
                                           args.profile, trace_name)
     if args.limit:
-        device, dtype = trainer.device, trainer.compute_dtype
+        device, dtype, micro_batches = trainer.device, trainer.compute_dtype, trainer.grad_accum
         del trainer, result  # the limit builds its own tensors (and a model for the optimizer)
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        limit = step_limit(cfg, device, dtype, repeats=args.limit_repeats)
+        limit = step_limit(cfg, device, dtype, repeats=args.limit_repeats, micro_batches=micro_batches)
         record["limit"] = limit
         record["limit_fraction"] = limit["total_ms"] / record["step_ms_mean"]
         record["limit_fraction_no_optimizer"] = limit["no_optimizer_ms"] / record["step_ms_mean"]

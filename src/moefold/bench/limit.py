@@ -1,7 +1,8 @@
 """The step limit: a training step's large kernels, each timed alone on the device, and their sum.
 
 For the config's model at its micro-batch (T = B·S tokens), forward + backward as autograd runs
-them (`torch.autograd.grad`, so no gradient accumulation kernels are timed):
+them (`torch.autograd.grad`, so no gradient accumulation kernels are timed), counted once per
+micro-batch of the step (train.grad_accum; the optimizer once a step):
   output head      3 GEMMs of [T, D] × [D, V] in the compute dtype, once per head use (1 + MTP)
   core attention   the attention modules' own `core` (SDPA) on q/k/v laid out as the model lays
                    them out (GQA: [B, S, H, Dh] transposed; MLA: concatenated q/k, v a split view)
@@ -31,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moefold.bench.timing import median_seconds, synchronize
-from moefold.config import Config, MemoryConfig
+from moefold.config import Config, MemoryConfig, micro_batches_per_step
 from moefold.models.mla import MLAttention
 from moefold.moe.experts import Experts
 from moefold.moe.router import ROUTER_DTYPES, Router
@@ -58,9 +59,13 @@ class Row:
 
 
 def step_limit(cfg: Config, device: torch.device, compute_dtype: torch.dtype, repeats: int = 10,
-               optimizer: bool = True, loss: bool = True, warmup: int = 3) -> dict[str, Any]:
-    """Time the large kernels of one training step of `cfg` (see the module docstring)."""
+               optimizer: bool = True, loss: bool = True, warmup: int = 3,
+               micro_batches: int | None = None) -> dict[str, Any]:
+    """Time the large kernels of one training step of `cfg` (see the module docstring).
+    `micro_batches`: per optimizer step (the trainer's grad_accum); None: the config's on one rank."""
     cfg = dataclasses.replace(copy.deepcopy(cfg), memory=MemoryConfig())
+    if micro_batches is None:
+        micro_batches = micro_batches_per_step(cfg.train, 1)
     model = meta_model(cfg)  # shapes only
     B, S = cfg.train.micro_batch_size, cfg.train.seq_len
     shapes = _Shapes(cfg, model, device, compute_dtype, B, S, repeats, warmup)
@@ -68,10 +73,13 @@ def step_limit(cfg: Config, device: torch.device, compute_dtype: torch.dtype, re
             *shapes.router()]
     if loss:
         rows.append(shapes.head_with_loss())
+    for row in rows:  # every kernel above runs once per micro-batch, the optimizer once a step
+        if row is not None:
+            row.count *= micro_batches
     if optimizer:
         rows.append(_optimizer_row(cfg, model.vocab_size, device, compute_dtype, repeats))
     rows = [r for r in rows if r is not None and r.count]
-    tokens = B * S
+    tokens = micro_batches * B * S
     step_flops = train_flops_per_token(model, S) * tokens
     total_s = sum(r.seconds_each * r.count for r in rows if r.in_sum)
     no_opt_s = sum(r.seconds_each * r.count for r in rows if r.in_sum and not r.optimizer)

@@ -1,0 +1,35 @@
+"""Edge cases of `moefold bench`, its step limit and the FLOP count, on the CPU."""
+
+import pytest
+import torch
+
+from moefold.bench.limit import step_limit
+from moefold.config import load_config
+from moefold.train.flops import meta_model, train_flops_per_token
+
+SMALL = {"train.micro_batch_size": "2", "train.seq_len": "16"}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_limit_counts_every_micro_batch_of_a_step_and_the_optimizer_once():
+    """With train.grad_accum 3 a step runs each kernel 3 times and the optimizer once: the limit
+    (and the step FLOPs it divides) is of the whole step, as the step time it is compared with."""
+    cfg = load_config("tiny-qwen3", {**SMALL, "train.grad_accum": "3"})
+    r = step_limit(cfg, torch.device("cpu"), torch.float32, repeats=1, loss=False, warmup=0)
+    one = step_limit(cfg, torch.device("cpu"), torch.float32, repeats=1, loss=False, warmup=0,
+                     micro_batches=1, optimizer=False)
+    assert r["tokens"] == 3 * one["tokens"] == 3 * 2 * 16
+    assert r["step_flops"] == train_flops_per_token(meta_model(cfg), 16) * 3 * 32
+    counts = {row["name"]: row["count"] for row in r["rows"]}
+    assert [row["count"] for row in r["rows"] if row["optimizer"]] == [1]
+    for row in one["rows"]:
+        assert counts[row["name"]] == 3 * row["count"], row["name"]
+    parts = sum(row["ms"] for row in r["rows"] if row["in_sum"])
+    assert r["total_ms"] == pytest.approx(parts)

@@ -48,6 +48,27 @@ class _Live:
         return select(selection_TE)
 
 
+class _AfterReplay(_Live):
+    """Live, except for the recompute of a replayed forward: torch.utils.checkpoint (and
+    `checkpoint_wrapper`) runs it in backward, usually after the `replay()` block has closed, and a
+    live choice there would route the gradients through other experts than the forward's. It takes
+    the indices of the layer's last forward, when that forward was replayed (no live forward of the
+    layer ran since), as the global-batch counts' recompute does (moe/balance.py)."""
+
+    def __init__(self, replayed_per_layer: list[torch.Tensor | None]):
+        self.replayed_per_layer = replayed_per_layer
+
+    def route(self, layer: int, selection_TE: torch.Tensor, select: Select, rows: WholeBatch) -> torch.Tensor:
+        idx_TK = self.replayed_per_layer[layer]
+        if idx_TK is None:
+            return select(selection_TE)
+        if not in_backward():  # a live forward: its own recompute chooses live too
+            self.replayed_per_layer[layer] = None
+        elif idx_TK.shape[0] == selection_TE.shape[0]:
+            return idx_TK
+        return select(selection_TE)
+
+
 class _Recording:
     def __init__(self, num_layers: int):
         self.idx_per_layer: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
@@ -62,6 +83,8 @@ class _Recording:
 class _Replaying:
     def __init__(self, idx_per_layer: list[torch.Tensor], expected: Callable[[int], str]):
         self.idx_per_layer, self.expected = idx_per_layer, expected
+        # Each layer's indices of its last forward in the block, for a recompute after it.
+        self.forward_idx_per_layer: list[torch.Tensor | None] = [None] * len(idx_per_layer)
 
     def route(self, layer: int, selection_TE: torch.Tensor, select: Select, rows: WholeBatch) -> torch.Tensor:
         idx_TK = self.idx_per_layer[layer]
@@ -70,7 +93,10 @@ class _Replaying:
             given = [idx_TK.shape[0], len(self.idx_per_layer), idx_TK.shape[1]]
             raise ValueError(f"router replay: expected indices of shape {self.expected(num_tokens)}, "
                              f"got {given} (the batch has {num_tokens} tokens)")
-        return rows.mine(idx_TK.to(selection_TE.device))
+        mine_TK = rows.mine(idx_TK.to(selection_TE.device))
+        if not in_backward():
+            self.forward_idx_per_layer[layer] = mine_TK
+        return mine_TK
 
 
 class RouterReplay:
@@ -135,8 +161,10 @@ class RouterReplay:
         tensor: the checks sync with the host once, here, not in the routers."""
         indices_TLK = self._validated(indices_TLK)
         idx_per_layer = [idx_TK.contiguous() for idx_TK in indices_TLK.unbind(dim=1)]
-        with self._active(_Replaying(idx_per_layer, self._expected_shape)):
+        replaying = _Replaying(idx_per_layer, self._expected_shape)
+        with self._active(replaying):
             yield self
+        self._mode = _AfterReplay(replaying.forward_idx_per_layer)
 
     @contextlib.contextmanager
     def _active(self, mode: _Recording | _Replaying) -> Iterator[None]:

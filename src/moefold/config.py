@@ -900,7 +900,10 @@ def _validate_parallel(cfg: Config) -> None:
     dims = ParallelDims.smallest(p.tp, p.cp, p.pp, p.ep, p.etp, p.order)
     dims.validate(num_experts=cfg.moe.num_experts, n_heads=m.n_heads,
                   n_kv_heads=m.n_kv_heads if m.attention == "gqa" else 0,
-                  n_layers=m.n_layers, seq_len=cfg.train.seq_len, expert_hidden=cfg.moe.expert_hidden)
+                  n_layers=m.n_layers, seq_len=cfg.train.seq_len, expert_hidden=cfg.moe.expert_hidden,
+                  ffn_hidden=m.ffn_hidden if _memory_module_exists(cfg, "mlp") else 0,
+                  shared_hidden=cfg.moe.shared_experts * (cfg.moe.shared_expert_hidden or cfg.moe.expert_hidden)
+                  if _memory_module_exists(cfg, "shared_experts") else 0)
     _require(p.vpp >= 1, f"parallel.vpp={p.vpp} must be >= 1")
     _require(not p.shards_sequence or cfg.train.seq_len % p.tp == 0,
              f"parallel.sequence_parallel needs train.seq_len={cfg.train.seq_len} divisible by "

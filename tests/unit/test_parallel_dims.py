@@ -201,6 +201,12 @@ MODEL = dict(num_experts=8, n_heads=4, n_kv_heads=2, n_layers=4, seq_len=32)
     (dict(cp=1), dict(seq_len=31), None),  # no CP: any length
     (dict(pp=8), {},
      "parallel.pp=8 exceeds model.n_layers=4 (every pipeline stage needs at least one layer)"),
+    (dict(tp=2), dict(ffn_hidden=99),
+     "parallel.tp=2 does not divide model.ffn_hidden=99 (the dense MLP's hidden units split evenly over the TP ranks)"),
+    (dict(tp=2), dict(shared_hidden=33),
+     "parallel.tp=2 does not divide the shared experts' hidden size 33 (moe.shared_experts · "
+     "moe.shared_expert_hidden, or · moe.expert_hidden where that is 0)"),
+    (dict(tp=2), dict(ffn_hidden=0, shared_hidden=66), None),  # 0: no dense MLP
 ])
 def test_model_checks(sizes, model, message):
     dims = ParallelDims(world=24, **sizes)
@@ -210,6 +216,26 @@ def test_model_checks(sizes, model, message):
     with pytest.raises(ConfigError) as e:
         dims.validate(**{**MODEL, **model})
     assert str(e.value) == message
+
+
+@pytest.mark.parametrize("preset, overrides, message", [
+    ("tiny-deepseek", {"model.ffn_hidden": "99"}, "model.ffn_hidden=99"),  # its dense first layer
+    ("tiny-deepseek", {"moe.shared_expert_hidden": "33"}, "shared experts' hidden size 33"),
+    ("tiny-deepseek", {"moe.expert_hidden": "33"}, "shared experts' hidden size 33"),
+    ("tiny-deepseek", {"moe.shared_experts": "2", "moe.shared_expert_hidden": "33"}, None),  # 66 splits
+    ("tiny-qwen3", {"model.ffn_hidden": "99"}, None),  # every layer MoE: no dense MLP to split
+    ("tiny-qwen3", {"moe.expert_hidden": "33"}, None),  # no shared experts; routed ones are not TP's
+])
+def test_tp_must_divide_the_hidden_sizes_it_splits(preset, overrides, message):
+    """A hidden size TP splits column-wise (a dense MLP's, the shared experts') that tp does not
+    divide: refused by the config in one line, not a shape error in the first forward ('a and b
+    must have same reduction dim'); a size the model does not build is not checked."""
+    overrides = {"parallel.tp": "2", "train.seq_len": "16", **overrides}
+    if message is None:
+        load_config(preset, overrides)
+        return
+    with pytest.raises(ConfigError, match=f"^parallel.tp=2 does not divide .*{message}"):
+        load_config(preset, overrides)
 
 
 def test_rank_grid_names_both_layouts():

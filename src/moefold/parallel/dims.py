@@ -98,9 +98,10 @@ class ParallelDims:
         return self.world // (self.etp * self.ep * self.pp)
 
     def validate(self, num_experts: int, n_heads: int, n_kv_heads: int, n_layers: int,
-                 seq_len: int, expert_hidden: int = 0) -> None:
+                 seq_len: int, expert_hidden: int = 0, ffn_hidden: int = 0, shared_hidden: int = 0) -> None:
         """Raise ConfigError for the first size that does not fit the model (n_kv_heads=0 means
-        n_heads; expert_hidden=0 skips the etp check)."""
+        n_heads; expert_hidden=0 skips the etp check; ffn_hidden / shared_hidden, the hidden sizes
+        of the dense MLPs and of a layer's shared experts together, 0 where the model has none)."""
         if num_experts == 0:
             _require(self.ep == 1 and self.etp == 1,
                      f"parallel.ep={self.ep}, parallel.etp={self.etp} need routed experts "
@@ -116,6 +117,13 @@ class ParallelDims:
         _require(n_kv % self.tp == 0,
                  f"parallel.tp={self.tp} does not divide model.n_kv_heads={n_kv} "
                  "(each TP rank holds whole key/value heads)")
+        # TP splits these hidden dims column-wise: an uneven split fails in the first forward.
+        _require(ffn_hidden % self.tp == 0,
+                 f"parallel.tp={self.tp} does not divide model.ffn_hidden={ffn_hidden} "
+                 "(the dense MLP's hidden units split evenly over the TP ranks)")
+        _require(shared_hidden % self.tp == 0,
+                 f"parallel.tp={self.tp} does not divide the shared experts' hidden size {shared_hidden} "
+                 "(moe.shared_experts · moe.shared_expert_hidden, or · moe.expert_hidden where that is 0)")
         if self.cp > 1:
             # Load-balanced causal CP splits a sequence into 2·cp chunks, rank i taking i and
             # 2·cp-1-i, so every rank does the same attention work.

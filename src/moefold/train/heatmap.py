@@ -7,6 +7,7 @@ returns it. matplotlib (the `viz` extra) is optional and imported only when a fi
 """
 
 import math
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 
@@ -124,6 +125,8 @@ def _draw(fig, load_L_EW: list[np.ndarray], steps_W: list[int], layer_ids: list[
         ax.xaxis.set_major_locator(MaxNLocator(nbins=4, integer=True))
         ax.xaxis.set_major_formatter(step_label)
         ax.yaxis.set_major_locator(MaxNLocator(nbins=5, integer=True))
+        # Experts are rows 0..E-1: a one-expert panel's locator puts ticks at fractions too.
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _, rows=range(load_EW.shape[0]): _step_at(rows, y)))
         bottom_row, left_column = i >= len(load_L_EW) - columns, i % columns == 0
         ax.tick_params(labelsize=7, labelbottom=bottom_row, labelleft=left_column or not same_experts)
         if left_column:
@@ -136,9 +139,10 @@ def _draw(fig, load_L_EW: list[np.ndarray], steps_W: list[int], layer_ids: list[
     fig.suptitle("expert load per layer", y=1 - 0.15 / height, va="top")
 
 
-def _step_at(steps_W: list[int], x: float) -> str:
-    """The step of window column `x`; nothing between columns (a one-window panel's locator puts
-    ticks at fractions, which would all read as the one window's step)."""
+def _step_at(steps_W: Sequence[int], x: float) -> str:
+    """The step of window column `x` (or the expert of row `x`, given range(E)); nothing between
+    columns (a one-window panel's locator puts ticks at fractions, which would all read as the one
+    window's step)."""
     w = round(x)
     return str(steps_W[w]) if abs(x - w) < 1e-6 and 0 <= w < len(steps_W) else ""
 

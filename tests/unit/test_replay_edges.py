@@ -52,3 +52,16 @@ def test_torch_checkpoint_recomputes_the_replayed_routing_after_the_block(impl):
         grads.append([x.grad, layer.router.weight.grad])
     for got, expected in zip(grads[1], grads[0]):
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+
+
+def test_recorded_inside_the_record_block_is_refused_not_the_block_before():
+    """It returned the previous block's recording, silently: another batch's experts."""
+    layer, replay = _layer()
+    with replay.record():
+        layer(torch.randn(1, 3, D))
+    with replay.record():
+        layer(torch.randn(B, S, D))
+        with pytest.raises(ValueError, match=r"recorded\(\) called inside `with replay.record\(\):`; "
+                                             "call it after the block"):
+            replay.recorded()
+    assert replay.recorded().shape == (B * S, 1, K)

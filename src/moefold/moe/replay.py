@@ -142,6 +142,9 @@ class RouterReplay:
     def recorded(self) -> torch.Tensor:
         """[T, L, K] int64: the choices of the last `record()`. A layer called several times while
         recording (micro-batches, decode steps) has its calls concatenated along T in call order."""
+        if isinstance(self._mode, _Recording):  # else the block before's, as if it were this one's
+            raise ValueError("router replay: recorded() called inside `with replay.record():`; "
+                             "call it after the block")
         if self._last_recording is None:
             raise ValueError("router replay: nothing recorded; run the model inside `with replay.record():`")
         per_layer = self._last_recording.idx_per_layer

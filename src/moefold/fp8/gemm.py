@@ -121,6 +121,8 @@ class ScaledMMFp8Gemm(Fp8GemmBase):
     name = "scaled_mm"
 
     def mm(self, a_MK, b_KN, scaling, dtype):
+        if a_MK.numel() == 0 or b_KN.numel() == 0:  # no tokens: no scale to hand cuBLAS; a sum of none is 0
+            return a_MK.new_zeros(a_MK.shape[0], b_KN.shape[1], dtype=dtype)
         a_fp8, scale_a = quantize(a_MK, scaling.a)
         b_fp8, scale_b = quantize(b_KN, scaling.b)
         a_fp8 = a_fp8.contiguous()  # row-major (grad_weight's a is a transposed view)

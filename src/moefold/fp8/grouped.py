@@ -185,6 +185,8 @@ class ScaledGroupedMMFp8Gemm(EmulatedFp8GroupedGemm):
     def grouped_mms_with(self, x_RK, ws_operands, offsets_E, scaling, dtype):
         if scaling.a.tile != "row":
             return super().grouped_mms_with(x_RK, ws_operands, offsets_E, scaling, dtype)
+        if x_RK.shape[0] == 0:  # no rows (a batch of no tokens padded to a capacity of 0): the kernels take none
+            return [x_RK.new_zeros(0, w_fp8.shape[-1], dtype=dtype) for w_fp8, _ in ws_operands]
         x_fp8, scale_R = rows_input(x_RK, scaling.a)
         return [cast(self._rows(x_fp8, w_fp8, scale_R, scale_EN, offsets_E), dtype)
                 for w_fp8, scale_EN in ws_operands]
@@ -192,6 +194,9 @@ class ScaledGroupedMMFp8Gemm(EmulatedFp8GroupedGemm):
     def grouped_weight_grads(self, x_RK, grads_RN, offsets_E, scaling, dtype):
         if scaling.a.tile != "col":
             return super().grouped_weight_grads(x_RK, grads_RN, offsets_E, scaling, dtype)
+        if x_RK.shape[0] == 0:  # a sum over no rows
+            return [x_RK.new_zeros(offsets_E.shape[0], x_RK.shape[1], grad_RN.shape[1], dtype=dtype)
+                    for grad_RN in grads_RN]
         xT_KR, scale_EK = contract_input(x_RK, offsets_E, scaling.a, self.columns)
         outs = []
         for grad_RN in grads_RN:

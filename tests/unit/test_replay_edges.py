@@ -11,6 +11,15 @@ from moefold.moe.replay import RouterReplay
 D, E, K, B, S = 32, 8, 2, 2, 16
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Ops this small gain nothing from OpenMP threads; on a busy 2-core machine they spin."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _layer():
     replay = RouterReplay(1)
     layer = build_moe_layer(D, MoEConfig(num_experts=E, top_k=K, expert_hidden=16), "cpu", torch.float32, replay)

@@ -905,13 +905,17 @@ def _validate_parallel(cfg: Config) -> None:
                   shared_hidden=cfg.moe.shared_experts * (cfg.moe.shared_expert_hidden or cfg.moe.expert_hidden)
                   if _memory_module_exists(cfg, "shared_experts") else 0)
     _require(p.vpp >= 1, f"parallel.vpp={p.vpp} must be >= 1")
-    _require(not p.shards_sequence or cfg.train.seq_len % p.tp == 0,
+    # TP ranks split what their CP rank holds: seq_len / cp tokens of each sequence (validate
+    # checked seq_len % 2·cp), as Megatron-Core's sequence-parallel scatter needs.
+    divisor = f"parallel.tp={p.tp}" if p.cp == 1 else f"parallel.cp·tp = {p.cp * p.tp}"
+    _require(not p.shards_sequence or cfg.train.seq_len % (p.cp * p.tp) == 0,
              f"parallel.sequence_parallel needs train.seq_len={cfg.train.seq_len} divisible by "
-             f"parallel.tp={p.tp} (set parallel.sequence_parallel=false otherwise)")
-    tokens = cfg.train.micro_batch_size * cfg.train.seq_len
+             f"{divisor} (set parallel.sequence_parallel=false otherwise)")
+    tokens = cfg.train.micro_batch_size * cfg.train.seq_len // p.cp
     _require(cfg.moe.num_experts == 0 or tokens % p.tp == 0,
              f"parallel.tp={p.tp} does not divide the {tokens} tokens of a micro-batch "
-             "(train.micro_batch_size · train.seq_len), which its ranks split for the routed experts")
+             f"(train.micro_batch_size · train.seq_len{'' if p.cp == 1 else ' / parallel.cp'}), "
+             "which its ranks split for the routed experts")
 
 
 def refuse_padded_capacity_without_alltoall(dispatcher: str) -> None:

@@ -33,3 +33,24 @@ def test_limit_counts_every_micro_batch_of_a_step_and_the_optimizer_once():
         assert counts[row["name"]] == 3 * row["count"], row["name"]
     parts = sum(row["ms"] for row in r["rows"] if row["in_sum"])
     assert r["total_ms"] == pytest.approx(parts)
+
+
+def test_json_record_of_a_diverged_step_is_strict_json_with_null(tmp_path, capsys):
+    """A nan loss (lr 1e30) was written as the bare word NaN, which strict JSON readers (jq, JSON.parse)
+    refuse; it is null, as metrics.jsonl writes it, and the printed table keeps nan."""
+    import json
+
+    from moefold.cli import main
+
+    path = tmp_path / "r.json"
+    assert main(["bench", "--config", "tiny-qwen3", "--steps", "1", "--warmup", "1", "--json", str(path),
+                 "--train.micro_batch_size", "2", "--train.seq_len", "16", "--train.lr", "1e30",
+                 "--train.weight_decay", "0", "--train.warmup_steps", "0", "--train.grad_clip", "0"]) == 0
+    loss_line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("loss"))
+    assert loss_line.split()[1] == "nan", loss_line
+
+    def refuse(word):
+        raise ValueError(f"not JSON: {word}")
+
+    r = json.loads(path.read_text(), parse_constant=refuse)
+    assert r["loss"] is None and r["tokens"] == 32

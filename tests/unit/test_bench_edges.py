@@ -54,3 +54,20 @@ def test_json_record_of_a_diverged_step_is_strict_json_with_null(tmp_path, capsy
 
     r = json.loads(path.read_text(), parse_constant=refuse)
     assert r["loss"] is None and r["tokens"] == 32
+
+
+@pytest.mark.parametrize("json_name", ["prof", "prof/trace.json", "prof/by-name.tsv", "prof/trace-rank1.json"])
+def test_json_where_the_profile_writes_is_refused_before_the_steps(tmp_path, capsys, json_name):
+    """--json naming the --profile directory ended, after the steps, in an IsADirectoryError
+    traceback without the record; naming one of its files overwrote the trace or the table."""
+    from moefold.cli import main
+
+    capsys.readouterr()
+    json_path = tmp_path / json_name
+    argv = ["bench", "--config", "tiny", "--steps", "1", "--warmup", "0", "--profile", str(tmp_path / "prof"),
+            "--json", str(json_path), "--train.micro_batch_size", "1", "--train.seq_len", "8"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert f"--json {json_path} is where --profile {tmp_path / 'prof'} writes" in err, err
+    assert not (tmp_path / "prof").exists()  # refused before anything ran or was written

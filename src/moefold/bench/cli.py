@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,18 @@ def check_args(args: argparse.Namespace) -> None:
         if args.json.is_dir():
             raise UserError(f"--json {args.json} is a directory; give a file path")
         refuse_unwritable_dir(args.json.parent, "--json", given=args.json)
+        if args.profile is not None and _profile_writes(args.profile, args.json):
+            raise UserError(f"--json {args.json} is where --profile {args.profile} writes; give "
+                            f"another file path")
+
+
+def _profile_writes(profile_dir: Path, path: Path) -> bool:
+    """Whether `path` is the --profile directory or a file written there (trace.json, by-name.tsv,
+    trace-rankR.json, by-name-rankR.tsv). The directory failed the record's write after every step
+    had run (IsADirectoryError); a file there was overwritten by the other output."""
+    profile_dir, path = profile_dir.resolve(), path.resolve()
+    return path == profile_dir or (path.parent == profile_dir
+                                   and re.fullmatch(r"(trace|by-name)(-rank\d+)?\.(json|tsv)", path.name) is not None)
 
 
 def run(args: argparse.Namespace, cfg: Config, overrides: dict[str, Any]) -> int:

@@ -898,12 +898,13 @@ def _validate_parallel(cfg: Config) -> None:
     # The world size is known only at launch; the smallest world both grids fit checks everything
     # that does not depend on it.
     dims = ParallelDims.smallest(p.tp, p.cp, p.pp, p.ep, p.etp, p.order)
+    moe_layers = _moe_layer_count(cfg)
     dims.validate(num_experts=cfg.moe.num_experts, n_heads=m.n_heads,
                   n_kv_heads=m.n_kv_heads if m.attention == "gqa" else 0,
                   n_layers=m.n_layers, seq_len=cfg.train.seq_len, expert_hidden=cfg.moe.expert_hidden,
-                  ffn_hidden=m.ffn_hidden if _memory_module_exists(cfg, "mlp") else 0,
+                  ffn_hidden=m.ffn_hidden if moe_layers < m.n_layers + m.mtp_layers else 0,
                   shared_hidden=cfg.moe.shared_experts * (cfg.moe.shared_expert_hidden or cfg.moe.expert_hidden)
-                  if _memory_module_exists(cfg, "shared_experts") else 0)
+                  if moe_layers else 0)
     _require(p.vpp >= 1, f"parallel.vpp={p.vpp} must be >= 1")
     # TP ranks split what their CP rank holds: seq_len / cp tokens of each sequence (validate
     # checked seq_len % 2·cp), as Megatron-Core's sequence-parallel scatter needs.
@@ -916,6 +917,16 @@ def _validate_parallel(cfg: Config) -> None:
              f"parallel.tp={p.tp} does not divide the {tokens} tokens of a micro-batch "
              f"(train.micro_batch_size · train.seq_len{'' if p.cp == 1 else ' / parallel.cp'}), "
              "which its ranks split for the routed experts")
+
+
+def _moe_layer_count(cfg: Config) -> int:
+    """MoE layers among the main and MTP blocks: models.transformer.moe_layers_in without torch,
+    counted without visiting each layer (a model of 10^8 layers validates as fast as a small one)."""
+    moe = cfg.moe
+    if moe.num_experts == 0:
+        return 0
+    every = range(moe.first_k_dense, cfg.model.n_layers + cfg.model.mtp_layers, moe.moe_every)
+    return len(every) - sum(1 for i in set(moe.dense_layers) if i in every)
 
 
 def refuse_padded_capacity_without_alltoall(dispatcher: str) -> None:

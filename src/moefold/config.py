@@ -272,7 +272,8 @@ class OptimConfig:
     parameters plus int16 remainders that rebuild the fp32 value exactly)."""
     grad_dtype: str = "fp32"
     """Gradients: fp32 or bf16 (reduced over the data ranks in that dtype, and rounded to it before
-    every optimizer step, also in one process)."""
+    every optimizer step, also in one process). A gradient has its parameter's dtype, so with a bf16
+    master (master_dtype bf16 or bf16+remainder) they are bf16 and reduced in bf16 either way."""
 
 
 # Names of `memory.recompute` and `memory.offload` (memory/sites.py says where each lives).

@@ -816,13 +816,25 @@ _MEMORY_MODULE_NEEDS = {"mla_up_proj": "it needs model.attention='mla'",
 
 
 def _memory_module_exists(cfg: Config, name: str) -> bool:
-    moe, m = cfg.moe, cfg.model
-    # The rule of models.transformer.is_moe_layer, here without importing torch.
-    is_moe = [moe.num_experts > 0 and i >= moe.first_k_dense and i not in moe.dense_layers
-              and (i - moe.first_k_dense) % moe.moe_every == 0 for i in range(m.n_layers + m.mtp_layers)]
-    return {"mla_up_proj": m.attention == "mla", "moe_act": any(is_moe), "moe": any(is_moe),
-            "shared_experts": any(is_moe) and moe.shared_experts > 0,
-            "mlp": not all(is_moe)}.get(name, True)
+    m = cfg.model
+    blocks = m.n_layers + m.mtp_layers
+    moe_blocks = moe_layers_in(cfg, range(blocks))  # counted, not visited: a model may have 10^8 layers
+    return {"mla_up_proj": m.attention == "mla", "moe_act": moe_blocks > 0, "moe": moe_blocks > 0,
+            "shared_experts": moe_blocks > 0 and cfg.moe.shared_experts > 0,
+            "mlp": moe_blocks < blocks}.get(name, True)
+
+
+def moe_layers_in(cfg: Config, layer_ids: range) -> int:
+    """How many of `layer_ids` (a step-1 range) `models.transformer.is_moe_layer` makes MoE layers,
+    counted without visiting each: a model of 10^8 layers costs what a small one does. Here,
+    without torch, for the config's own checks."""
+    moe = cfg.moe
+    if moe.num_experts == 0:
+        return 0
+    start = max(layer_ids.start, moe.first_k_dense)
+    start += -(start - moe.first_k_dense) % moe.moe_every
+    every = range(start, layer_ids.stop, moe.moe_every)
+    return len(every) - sum(1 for i in set(moe.dense_layers) if i in every)
 
 
 def validate_moe(moe: MoEConfig) -> None:

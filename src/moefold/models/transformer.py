@@ -11,7 +11,7 @@ import math
 import torch
 from torch import nn
 
-from moefold.config import Config, ModelConfig
+from moefold.config import Config, ModelConfig, moe_layers_in
 from moefold.memory import apply_offload, apply_recompute
 from moefold.models.attention import Attention
 from moefold.models.init import seeded_normal_
@@ -144,18 +144,6 @@ def is_moe_layer(cfg: Config, layer_id: int) -> bool:
             and (layer_id - moe.first_k_dense) % moe.moe_every == 0)
 
 
-def moe_layers_in(cfg: Config, layer_ids: range) -> int:
-    """How many of `layer_ids` (a step-1 range) `is_moe_layer` makes MoE layers, counted without
-    visiting each: a model of 10^8 layers costs what a small one does."""
-    moe = cfg.moe
-    if moe.num_experts == 0:
-        return 0
-    start = max(layer_ids.start, moe.first_k_dense)
-    start += -(start - moe.first_k_dense) % moe.moe_every
-    every = range(start, layer_ids.stop, moe.moe_every)
-    return len(every) - sum(1 for i in set(moe.dense_layers) if i in every)
-
-
 def _build_attention(m: ModelConfig) -> nn.Module:
     if m.attention == "mla":
         # The latent norms use eps 1e-6 whatever rms_norm_eps is, as DeepSeek's reference and
@@ -226,4 +214,4 @@ def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype | Non
             buffer.zero_()
 
 
-__all__ = ["Transformer", "Block", "build_model", "materialize", "is_moe_layer", "Experts"]
+__all__ = ["Transformer", "Block", "build_model", "materialize", "is_moe_layer", "moe_layers_in", "Experts"]

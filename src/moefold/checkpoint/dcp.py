@@ -187,6 +187,7 @@ def load_checkpoint(state: dict[str, Any], path: Path) -> None:
     values are replaced). Only the keys present in `state` are read."""
     metadata = _read_metadata(path)
     _refuse_other_model_shapes(state.get("model", {}), metadata, path)
+    _skip_unsaved_generators(state.get("rng"), metadata)
     try:
         with _single_process_ok():
             dcp.load(state, checkpoint_id=path, storage_reader=_ReaderWithMetadata(path, metadata))
@@ -194,6 +195,15 @@ def load_checkpoint(state: dict[str, Any], path: Path) -> None:
         raise CheckpointError(f"checkpoint {path} is unreadable or corrupt: {_reason(e)}") from None
     finally:
         _last_metadata.clear()  # it lists every chunk of every tensor: not kept past the load
+
+
+def _skip_unsaved_generators(rng: dict[str, Any] | None, metadata) -> None:
+    """A checkpoint saved where CUDA was not available holds no CUDA generator state: resumed where
+    it is, the CUDA generator keeps its seeded state (the run drew nothing from it) instead of the
+    load failing on the missing key."""
+    if isinstance(rng, dict):
+        for name in [name for name in rng if f"rng.{name}" not in metadata.state_dict_metadata]:
+            del rng[name]
 
 
 class _ReaderWithMetadata(dcp.FileSystemReader):

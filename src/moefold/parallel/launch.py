@@ -147,6 +147,16 @@ STOP_GRACE_S = 30.0
 """How long the ranks left after one failed have to end on SIGTERM before SIGKILL (torchrun's)."""
 
 
+def refuse_more_ranks_than_gpus(nproc: int, device: torch.device) -> None:
+    """`--nproc N` on GPUs starts one rank per GPU: more ranks than visible GPUs is refused here,
+    once, before any starts (each extra rank would fail alone, naming its LOCAL_RANK)."""
+    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    if device.type == "cuda" and nproc > gpus:
+        visible = "1 GPU is" if gpus == 1 else f"{gpus} GPUs are"
+        raise ConfigError(f"--nproc {nproc}: only {visible} visible; start at most one rank per GPU "
+                          "(train.device='cpu' runs the ranks on the CPU with gloo)")
+
+
 def spawn_local(nproc: int, argv: list[str]) -> int:
     """Run `python -m moefold <argv>` as N ranks on this machine (env:// rendezvous on a free local
     port): `run_local_ranks`."""

@@ -633,11 +633,15 @@ def _non_negative(cfg: Config, *keys: str) -> None:
 
 
 def _finite(cfg: Config) -> None:
-    """No option means anything at nan or ±inf (TOML and float() both accept them)."""
+    """No option means anything at nan or ±inf (TOML and float() both accept them), nor at an
+    integer beyond 64 bits (Python's are unbounded; torch's sizes, counts and seeds are int64)."""
     for key, tp in field_types().items():
+        value = _value(cfg, key)
         if tp is float:
-            value = _value(cfg, key)
             _require(math.isfinite(value), f"{key}={value} must be a finite number")
+        elif tp is int:
+            bound = "< 2**63" if value >= 0 else ">= -2**63"
+            _require(-2**63 <= value < 2**63, f"{key}={value} must be {bound} (a 64-bit integer)")
 
 
 def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:

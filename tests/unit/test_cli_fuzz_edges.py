@@ -1,0 +1,39 @@
+"""Edge values the command-line fuzz (every subcommand × every option × bad values) found
+mishandled: each is now one line naming the option and what is allowed, exit status 2."""
+
+import pytest
+
+from moefold.cli import main
+from moefold.config import field_types
+
+INT_OPTIONS = [key for key, tp in field_types().items() if tp is int]
+
+
+def _one_error_line(capsys, argv: list[str]) -> str:
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err.strip()
+
+
+@pytest.mark.parametrize("key", INT_OPTIONS)
+@pytest.mark.parametrize("value, bound", [(2**63, "< 2**63"), (-2**63 - 1, ">= -2**63")])
+def test_an_integer_beyond_64_bits_is_refused_naming_the_option(capsys, key, value, bound):
+    """Python's ints are unbounded, torch's are int64: 2**63 passed validation for most options
+    (train.seq_len, model.sliding_window, the MLA sizes unused under GQA, ...) and model.n_layers,
+    model.mtp_layers, model.dim ended `config params` in an OverflowError traceback."""
+    line = _one_error_line(capsys, ["config", "show", f"--{key}", str(value)])
+    assert line == f"moefold: error: {key}={value} must be {bound} (a 64-bit integer)"
+
+
+@pytest.mark.parametrize("key", ["model.n_layers", "model.mtp_layers", "model.dim", "moe.num_experts"])
+def test_config_params_of_a_size_beyond_64_bits_is_one_line(capsys, key):
+    assert "must be < 2**63" in _one_error_line(capsys, ["config", "params", f"--{key}", str(2**63)])
+
+
+def test_the_largest_64_bit_integer_is_still_an_allowed_value():
+    from moefold.config import load_config
+
+    assert load_config("tiny", {"train.seed": str(2**63 - 1)}).train.seed == 2**63 - 1
+    assert load_config("tiny", {"checkpoint.every": str(2**63 - 1)}).checkpoint.every == 2**63 - 1

@@ -161,7 +161,7 @@ def _build_block(cfg: Config, layer_id: int, device_type: str, compute_dtype: to
                  replay: RouterReplay | None) -> Block:
     m = cfg.model
     if is_moe_layer(cfg, layer_id):
-        ffn = build_moe_layer(m.dim, cfg.moe, device_type, compute_dtype, replay)
+        ffn = build_moe_layer(m.dim, cfg.moe, device_type, compute_dtype, replay, cfg.parallel.etp)
     else:
         ffn = SwiGLUMLP(m.dim, m.ffn_hidden)
     return Block(_build_attention(m), ffn, m.dim, m.norm_eps)

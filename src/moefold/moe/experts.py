@@ -140,14 +140,18 @@ EXPERTS_BACKENDS = {"grouped_mm": GroupedMMExperts, "loop": LoopExperts}
 
 def build_experts(backend: str, num_experts: int, dim: int, hidden: int, device_type: str,
                   compute_dtype: torch.dtype, activation: str = "swiglu",
-                  probs_in_activation: bool = False) -> Experts:
-    aligned = grouped_mm_aligned(dim, hidden, compute_dtype)
+                  probs_in_activation: bool = False, etp: int = 1) -> Experts:
+    """`etp`: the expert-tensor-parallel ranks that split `hidden` (parallel.etp); the GEMMs run on
+    one slice, so the alignment that picks the backend is the slice's."""
+    aligned = grouped_mm_aligned(dim, hidden // etp, compute_dtype)
     if backend == "auto":
         backend = "grouped_mm" if grouped_mm_supported(device_type, compute_dtype) and aligned else "loop"
     elif backend == "grouped_mm" and not aligned:
         multiple, dtype_name = 16 // compute_dtype.itemsize, str(compute_dtype).removeprefix("torch.")
-        raise ConfigError(f"moe.experts_backend=grouped_mm needs model.dim ({dim}) and moe.expert_hidden "
-                          f"({hidden}) to be multiples of {multiple} in {dtype_name} (rows of "
-                          "16 bytes); use moe.experts_backend=auto or loop")
+        what = f"moe.expert_hidden ({hidden})" if etp == 1 else \
+            f"moe.expert_hidden / parallel.etp ({hidden} / {etp} = {hidden // etp})"
+        raise ConfigError(f"moe.experts_backend=grouped_mm needs model.dim ({dim}) and {what} to be "
+                          f"multiples of {multiple} in {dtype_name} (rows of 16 bytes); use "
+                          "moe.experts_backend=auto or loop")
     act = (ProbsInActivation if probs_in_activation else PlainActivation)(ACTIVATIONS[activation])
     return EXPERTS_BACKENDS[backend](num_experts, dim, hidden, act)

@@ -102,7 +102,8 @@ def valid_mask(valid_BS: torch.Tensor | None, shape_BS: torch.Size) -> torch.Ten
 
 
 def build_moe_layer(dim: int, moe: MoEConfig, device_type: str, compute_dtype: torch.dtype,
-                    replay: RouterReplay | None = None) -> MoELayer:
+                    replay: RouterReplay | None = None, etp: int = 1) -> MoELayer:
+    """`etp`: parallel.etp, the ranks each expert's hidden dimension will be split over."""
     for key in ("num_experts", "top_k", "expert_hidden"):  # 0 experts is a dense model's config, not a layer
         if getattr(moe, key) < 1:
             raise ConfigError(f"moe.{key}={getattr(moe, key)} must be > 0 for an MoE layer")
@@ -110,7 +111,7 @@ def build_moe_layer(dim: int, moe: MoEConfig, device_type: str, compute_dtype: t
     capacity = build_capacity(moe.num_experts, moe.capacity_factor, moe.drop_policy)
     layout = RowLayout(moe.num_experts, moe.top_k, moe.pad_multiple, capacity_of=padded_capacity(moe))
     experts = build_experts(moe.experts_backend, moe.num_experts, dim, moe.expert_hidden, device_type,
-                            compute_dtype, moe.activation, moe.memory_efficient_permute)
+                            compute_dtype, moe.activation, moe.memory_efficient_permute, etp)
     return MoELayer(router=build_router(dim, moe, replay), balancer=LoadBalancer(moe),
                     capacity=capacity,
                     dispatcher=LocalDispatcher(moe.top_k, layout, moe.memory_efficient_permute),

@@ -915,7 +915,7 @@ def _validate_parallel(cfg: Config) -> None:
     # The world size is known only at launch; the smallest world both grids fit checks everything
     # that does not depend on it.
     dims = ParallelDims.smallest(p.tp, p.cp, p.pp, p.ep, p.etp, p.order)
-    moe_layers = _moe_layer_count(cfg)
+    moe_layers = moe_layers_in(cfg, range(m.n_layers + m.mtp_layers))  # main and MTP blocks
     dims.validate(num_experts=cfg.moe.num_experts, n_heads=m.n_heads,
                   n_kv_heads=m.n_kv_heads if m.attention == "gqa" else 0,
                   n_layers=m.n_layers, seq_len=cfg.train.seq_len, expert_hidden=cfg.moe.expert_hidden,
@@ -934,16 +934,6 @@ def _validate_parallel(cfg: Config) -> None:
              f"parallel.tp={p.tp} does not divide the {tokens} tokens of a micro-batch "
              f"(train.micro_batch_size · train.seq_len{'' if p.cp == 1 else ' / parallel.cp'}), "
              "which its ranks split for the routed experts")
-
-
-def _moe_layer_count(cfg: Config) -> int:
-    """MoE layers among the main and MTP blocks: models.transformer.moe_layers_in without torch,
-    counted without visiting each layer (a model of 10^8 layers validates as fast as a small one)."""
-    moe = cfg.moe
-    if moe.num_experts == 0:
-        return 0
-    every = range(moe.first_k_dense, cfg.model.n_layers + cfg.model.mtp_layers, moe.moe_every)
-    return len(every) - sum(1 for i in set(moe.dense_layers) if i in every)
 
 
 def refuse_padded_capacity_without_alltoall(dispatcher: str) -> None:

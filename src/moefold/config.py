@@ -678,6 +678,8 @@ def validate(cfg: Config) -> None:
                   "moe.first_k_dense", "train.warmup_steps", "train.global_batch_size",
                   "train.weight_decay", "train.grad_clip", "train.loss_chunk_tokens", "train.val_every", "train.seed",
                   "checkpoint.every", "logging.peak_tflops")
+    blocks = m.n_layers + m.mtp_layers  # int64 each, not together (the layer checks count ranges of them)
+    _require(blocks < 2**63, f"model.n_layers + model.mtp_layers = {blocks} must be < 2**63 (a 64-bit integer)")
     if m.attention == "gqa":  # MLA's heads have their own sizes (model.qk_*_head_dim, v_head_dim)
         n_kv = m.n_kv_heads or m.n_heads
         _require(m.n_heads % n_kv == 0,

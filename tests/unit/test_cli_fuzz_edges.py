@@ -37,3 +37,13 @@ def test_the_largest_64_bit_integer_is_still_an_allowed_value():
 
     assert load_config("tiny", {"train.seed": str(2**63 - 1)}).train.seed == 2**63 - 1
     assert load_config("tiny", {"checkpoint.every": str(2**63 - 1)}).checkpoint.every == 2**63 - 1
+
+
+@pytest.mark.parametrize("command", [["config", "show"], ["config", "params"]])
+@pytest.mark.parametrize("n_layers, mtp_layers", [(2, 2**63 - 1), (2**63 - 1, 1)])
+def test_layers_and_mtp_layers_beyond_64_bits_together_are_refused(capsys, command, n_layers, mtp_layers):
+    """Each within int64, their sum not: the layer checks' range(n_layers + mtp_layers) ended in
+    'OverflowError: Python int too large to convert to C ssize_t' (a traceback, in every command)."""
+    line = _one_error_line(capsys, [*command, "--model.n_layers", str(n_layers), "--model.mtp_layers", str(mtp_layers)])
+    assert line == (f"moefold: error: model.n_layers + model.mtp_layers = {n_layers + mtp_layers} "
+                    "must be < 2**63 (a 64-bit integer)")

@@ -749,6 +749,9 @@ def _validate_model(m: ModelConfig) -> None:
         _require(not m.rope_interleaved, "model.rope_interleaved=true needs model.attention='mla'")
     if m.rope_scaling != "yarn":
         _require(m.rope_factor == 1, f"model.rope_factor={m.rope_factor} needs model.rope_scaling='yarn'")
+        # Pair i turns rope_theta^(-2i/head_dim) rad a token: at <= 1 the slow pairs are the fast
+        # ones, and below fp32's range the rate is inf and the first step nan.
+        _require(m.rope_theta > 1, f"model.rope_theta={m.rope_theta} must be > 1 (RoPE's base; models use 1e4 to 1e6)")
     else:
         _require(m.rope_factor >= 1, f"model.rope_factor={m.rope_factor} must be >= 1")
         _require(m.rope_original_max_len > 0,

@@ -47,3 +47,11 @@ def test_layers_and_mtp_layers_beyond_64_bits_together_are_refused(capsys, comma
     line = _one_error_line(capsys, [*command, "--model.n_layers", str(n_layers), "--model.mtp_layers", str(mtp_layers)])
     assert line == (f"moefold: error: model.n_layers + model.mtp_layers = {n_layers + mtp_layers} "
                     "must be < 2**63 (a 64-bit integer)")
+
+
+@pytest.mark.parametrize("theta", ["1e-300", "5e-324", "1e-30", "0.5", "1"])
+def test_a_rope_theta_of_one_or_less_is_refused(capsys, theta):
+    """It validated (only > 0 was asked without YaRN); 1e-300 then trained to a nan gradient norm
+    in step 1 and the run stopped as 'training diverged ... lower train.lr', the wrong option."""
+    line = _one_error_line(capsys, ["config", "show", "--model.rope_theta", theta])
+    assert line == f"moefold: error: model.rope_theta={float(theta)} must be > 1 (RoPE's base; models use 1e4 to 1e6)"

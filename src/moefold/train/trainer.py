@@ -18,6 +18,7 @@ from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -474,6 +475,21 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
 
+    def _val_rows(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """This data rank's rows of a validation batch on the device, padded to as many as any data
+        rank holds: a small validation set's one batch may not split evenly over dp (7 sequences:
+        4 and 3), and the static-shape EP dispatchers (capacity all-to-all, all-gather) need the
+        same tokens on every rank of a group. Padding rows have no labels and reach no expert
+        (valid_BS False). (input ids, labels, valid_BS or None where nothing is padded)."""
+        input_ids_BS, labels_BS = self._to_device(batch)
+        rows, seq_len = -(-batch.input_ids_BS.shape[0] // self.dist.dp_size), input_ids_BS.shape[1]
+        missing = rows - input_ids_BS.shape[0]
+        if missing == 0:
+            return input_ids_BS, labels_BS, None
+        valid_BS = (torch.arange(rows, device=self.device) < input_ids_BS.shape[0])[:, None].expand(rows, seq_len)
+        return (F.pad(input_ids_BS, (0, 0, 0, missing)), F.pad(labels_BS, (0, 0, 0, missing), value=IGNORE_INDEX),
+                valid_BS)
+
     @torch.no_grad()
     def validate(self) -> float:
         """Token-weighted mean loss over the fixed validation batches (in eval mode, so MoE layers
@@ -483,9 +499,9 @@ class Trainer:
         self.model.eval()
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss · tokens, tokens
         for batch in self.val_batches:
-            input_ids_BS, labels_BS = self._to_device(batch)  # this data rank's rows
+            input_ids_BS, labels_BS, valid_BS = self._val_rows(batch)
             with self.autocast():  # the head through the training's loss: in chunks under loss_chunk_tokens
-                h_BSD, _ = self.model.trunk(input_ids_BS)
+                h_BSD, _ = self.model.trunk(input_ids_BS, valid_BS)
                 loss = self.head_loss(self.model.output, self.model.norm(h_BSD), labels_BS)
             targets = (labels_BS != IGNORE_INDEX).sum()  # what the mean loss divides by
             # No targets: the mean is nan, and nan · 0 would poison the sum.

@@ -34,7 +34,7 @@ _NEVER_FP8 = ("gate",)  # GatedSharedExperts.gate: a [D, 1] router-like scalar g
 
 def apply_fp8(model: nn.Module, precision: PrecisionConfig, device_type: str,
               shared_inputs: bool = True, compute_dtype: torch.dtype | None = None,
-              sequence_parallel: bool = False) -> list[str]:
+              sequence_parallel: bool = False, tp: int = 1, etp: int = 1) -> list[str]:
     """Swap the selected modules for their FP8 versions in place; returns their names.
 
     `model` is a Transformer (blocks(), layers). The FP8 modules share the original parameters, so
@@ -46,7 +46,9 @@ def apply_fp8(model: nn.Module, precision: PrecisionConfig, device_type: str,
     weights to and so what `precision.fp8_weight_cache` quantizes from (needed only with it; the
     cache is empty until refresh_weight_caches). `sequence_parallel`: the main blocks will run on
     sequence shards (parallel.sequence_parallel with tp > 1), where MLA's wq without q-LoRA
-    all-gathers its own input (parallel/tensor.py) and shares it with no sibling.
+    all-gathers its own input (parallel/tensor.py) and shares it with no sibling. `tp`, `etp`:
+    the ranks that will split the linears' and the experts' features (parallel.tp, parallel.etp):
+    the FP8 GEMMs run on one shard, so the alignment checked is the shard's.
     """
     if precision.fp8 == "off":
         return []
@@ -69,11 +71,11 @@ def apply_fp8(model: nn.Module, precision: PrecisionConfig, device_type: str,
                 continue
             parent_name, _, attr = name.rpartition(".")
             if isinstance(module, Experts):
-                _check_experts_aligned(module, precision.fp8, grouped.row_multiple)
+                _check_experts_aligned(module, precision.fp8, grouped.row_multiple, etp)
                 layer = model.get_submodule(parent_name)
                 _raise_pad_multiple(layer, grouped.row_multiple)  # only where the experts run FP8
                 setattr(layer, attr, _fp8_experts(module, grouped_gemm, grouped, grouped_saver, weight_cache))
-            elif type(module) is nn.Linear and attr not in _NEVER_FP8 and _aligned(module, lin.row_multiple):
+            elif type(module) is nn.Linear and attr not in _NEVER_FP8 and _aligned(module, lin.row_multiple, tp):
                 parent = model.get_submodule(parent_name)
                 saver = lin_saver if _keeps_fp8_input(parent, attr, block_shares_inputs, siblings) else SaveInput()
                 setattr(parent, attr, Fp8Linear.from_linear(module, gemm, lin, saver))
@@ -130,16 +132,21 @@ def _keeps_fp8_input(parent: nn.Module, attr: str, shared_inputs: bool, siblings
     return not (has_sibling and shared_inputs)
 
 
-def _aligned(linear: nn.Linear, multiple: int) -> bool:
-    return linear.in_features % multiple == 0 and linear.out_features % multiple == 0
+def _aligned(linear: nn.Linear, multiple: int, tp: int = 1) -> bool:
+    """Both features, split over `tp` ranks (either may be the one TP splits), multiples of the
+    kernels' `multiple`: an unaligned linear stays in high precision."""
+    return linear.in_features % (multiple * tp) == 0 and linear.out_features % (multiple * tp) == 0
 
 
-def _check_experts_aligned(experts: Experts, recipe: str, multiple: int) -> None:
-    """The grouped FP8 kernels tile the experts' features: unlike an unaligned linear, which stays
-    bf16, unaligned experts (most of an MoE's GEMM time) are refused with the way out."""
+def _check_experts_aligned(experts: Experts, recipe: str, multiple: int, etp: int = 1) -> None:
+    """The grouped FP8 kernels tile the experts' features (each ETP rank's slice of the hidden
+    ones): unlike an unaligned linear, which stays bf16, unaligned experts (most of an MoE's GEMM
+    time) are refused with the way out."""
     _, dim, hidden = experts.w1_EDF.shape
-    if dim % multiple or hidden % multiple:
-        raise ConfigError(f"precision.fp8={recipe} needs model.dim ({dim}) and moe.expert_hidden ({hidden}) "
+    if dim % multiple or hidden % (multiple * etp):
+        what = f"moe.expert_hidden ({hidden})" if etp == 1 else \
+            f"moe.expert_hidden / parallel.etp ({hidden} / {etp} = {hidden / etp:g})"
+        raise ConfigError(f"precision.fp8={recipe} needs model.dim ({dim}) and {what} "
                           f"to be multiples of {multiple} for the routed experts; keep them in bf16 with "
                           "precision.fp8_exclude=['*.experts'] or choose another recipe")
 

@@ -27,8 +27,22 @@ from moefold.errors import (FULL_OR_READ_ONLY, ConfigError, OutputError, UserErr
 EXIT_FAILURE, EXIT_USAGE = 1, 2
 
 
+def path_argument(text: str) -> Path:
+    """A path option's value. An empty one (`--run-dir "$UNSET"`) is refused: Path('') is the
+    current directory, where a run or a checkpoint was then written without a word."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path; give a directory or file")
+    return Path(text)
+
+
+def _name_or_path(text: str) -> str:
+    if not text:  # load_config(None or '') takes the default preset
+        raise argparse.ArgumentTypeError(f"an empty name; give a preset ({', '.join(preset_names())}) or a TOML file")
+    return text
+
+
 def _add_config_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", metavar="NAME|PATH",
+    parser.add_argument("--config", metavar="NAME|PATH", type=_name_or_path,
                         help=f"preset name ({', '.join(preset_names())}) or TOML file; default tiny")
     defaults = Config()
     docs = field_docs()
@@ -60,10 +74,10 @@ def _build_parser() -> argparse.ArgumentParser:
     train = commands.add_parser("train", allow_abbrev=False, help="train a model",
                                 description="Train a model (default: the tiny preset on the embedded "
                                             "corpus). Any config field can be overridden.")
-    train.add_argument("--run-dir", type=Path, help="where the run writes (default: runs/<timestamp>)")
-    train.add_argument("--resume", type=Path, metavar="DIR",
+    train.add_argument("--run-dir", type=path_argument, help="where the run writes (default: runs/<timestamp>)")
+    train.add_argument("--resume", type=path_argument, metavar="DIR",
                        help="continue the run in DIR (a run directory or one of its checkpoints)")
-    train.add_argument("--init-from-hf", type=Path, metavar="DIR",
+    train.add_argument("--init-from-hf", type=path_argument, metavar="DIR",
                        help="start from a Hugging Face checkpoint directory (its config.json sets "
                             "[model] and the architecture of [moe], which options may change where "
                             "no weight's shape changes; aux losses, capacity and other training "
@@ -76,7 +90,7 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_config_options(train)
 
     gen = commands.add_parser("generate", allow_abbrev=False, help="sample from a run's latest checkpoint")
-    gen.add_argument("--run-dir", type=Path, required=True, help="the run to sample from")
+    gen.add_argument("--run-dir", type=path_argument, required=True, help="the run to sample from")
     gen.add_argument("--prompt", required=True, help="text to continue")
     gen.add_argument("--max-new-tokens", type=int, default=200, help="tokens to sample (default 200)")
     gen.add_argument("--temperature", type=float, default=0.8, help="0 is greedy (default 0.8)")
@@ -87,10 +101,10 @@ def _build_parser() -> argparse.ArgumentParser:
     convert = commands.add_parser("convert", allow_abbrev=False,
                                   help="convert between Hugging Face checkpoints and moefold runs")
     direction = convert.add_mutually_exclusive_group(required=True)
-    direction.add_argument("--from-hf", type=Path, metavar="DIR", help="a Hugging Face model directory")
-    direction.add_argument("--run-dir", type=Path, help="a moefold run (its latest checkpoint)")
-    convert.add_argument("--out", type=Path, metavar="RUN_DIR", help="with --from-hf: the run to create")
-    convert.add_argument("--to-hf", type=Path, metavar="DIR", help="with --run-dir: the directory to write")
+    direction.add_argument("--from-hf", type=path_argument, metavar="DIR", help="a Hugging Face model directory")
+    direction.add_argument("--run-dir", type=path_argument, help="a moefold run (its latest checkpoint)")
+    convert.add_argument("--out", type=path_argument, metavar="RUN_DIR", help="with --from-hf: the run to create")
+    convert.add_argument("--to-hf", type=path_argument, metavar="DIR", help="with --run-dir: the directory to write")
 
     config = commands.add_parser("config", help="inspect configs")
     config_commands = config.add_subparsers(dest="config_command", required=True)

@@ -55,3 +55,35 @@ def test_a_rope_theta_of_one_or_less_is_refused(capsys, theta):
     in step 1 and the run stopped as 'training diverged ... lower train.lr', the wrong option."""
     line = _one_error_line(capsys, ["config", "show", "--model.rope_theta", theta])
     assert line == f"moefold: error: model.rope_theta={float(theta)} must be > 1 (RoPE's base; models use 1e4 to 1e6)"
+
+
+ONE_STEP = ["--train.steps", "1", "--train.warmup_steps", "0", "--train.device", "cpu", "--model.n_layers", "1",
+            "--moe.first_k_dense", "0", "--train.seq_len", "16", "--train.micro_batch_size", "2"]
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["train", *ONE_STEP, "--run-dir", ""], "--run-dir"),
+    (["train", "--resume", ""], "--resume"),
+    (["train", "--init-from-hf", ""], "--init-from-hf"),
+    (["generate", "--run-dir", "", "--prompt", "x"], "--run-dir"),
+    (["convert", "--from-hf", "", "--out", "r"], "--from-hf"),
+    (["convert", "--from-hf", "h", "--out", ""], "--out"),
+    (["convert", "--run-dir", "", "--to-hf", "h"], "--run-dir"),
+    (["convert", "--run-dir", "r", "--to-hf", ""], "--to-hf"),
+    (["bench", "--json", ""], "--json"),
+    (["bench", "--profile", ""], "--profile"),
+])
+def test_an_empty_path_is_refused_not_taken_as_the_current_directory(tmp_path, monkeypatch, capsys, argv, option):
+    """Path('') is '.': `train --run-dir ""` (an unset shell variable) trained into the current
+    directory and `convert --to-hf ""` wrote the checkpoint there, without a word."""
+    monkeypatch.chdir(tmp_path)
+    line = _one_error_line(capsys, argv)
+    assert line.startswith(f"moefold: error: argument {option}: an empty path; give a directory or file (see ")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", [["config", "show"], ["plan", "memory"], ["train", *ONE_STEP]])
+def test_an_empty_config_name_is_refused_not_taken_as_the_default_preset(tmp_path, monkeypatch, capsys, command):
+    monkeypatch.chdir(tmp_path)
+    line = _one_error_line(capsys, [*command, "--config", ""])
+    assert line.startswith("moefold: error: argument --config: an empty name; give a preset (")

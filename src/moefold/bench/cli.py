@@ -87,10 +87,12 @@ def run(args: argparse.Namespace, cfg: Config, overrides: dict[str, Any]) -> int
 
 
 def add_arguments(bench: argparse.ArgumentParser) -> None:
+    from moefold.cli import path_argument  # refuses an empty path (Path('') is the current directory)
+
     bench.add_argument("--steps", type=int, default=10, metavar="N", help="timed steps (default 10)")
     bench.add_argument("--warmup", type=int, default=3, metavar="W",
                        help="untimed steps first (default 3)")
-    bench.add_argument("--profile", type=Path, metavar="DIR",
+    bench.add_argument("--profile", type=path_argument, metavar="DIR",
                        help="after the timed steps, profile --profile-steps more: DIR/trace.json "
                             "(Chrome trace; trace-rankR.json under several ranks), DIR/by-name.tsv "
                             "(every kernel's time per step) and the top kernels, GEMM / attention / "
@@ -102,4 +104,4 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
                             "report the step time against their sum")
     bench.add_argument("--limit-repeats", type=int, default=10, metavar="N",
                        help="repeats per kernel group for --limit (median; default 10)")
-    bench.add_argument("--json", type=Path, metavar="PATH", help="write the result record as JSON")
+    bench.add_argument("--json", type=path_argument, metavar="PATH", help="write the result record as JSON")

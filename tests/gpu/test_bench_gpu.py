@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from moefold.bench.timing import graph_median_seconds, median_seconds
+from moefold.bench.timing import alloc_retries, graph_median_seconds, median_seconds, time_steps
 from moefold.cli import main
 
 pytestmark = pytest.mark.gpu
@@ -47,3 +47,43 @@ def test_graph_timing_counts_device_work_not_the_hosts_launch():
 
     assert median_seconds(slow_host_call, device, warmup=1, repeats=3) > 0.015
     assert graph_median_seconds(slow_host_call, device, warmup=1, repeats=3) < 0.002
+
+
+def test_alloc_retries_count_the_timed_steps_only():
+    """A warm-up step that makes the allocator free its cache and retry (a 1.5 GiB request over a
+    2 GiB cap with 1 GiB cached) is not the timed steps' retry: bench reports 0."""
+    device = torch.device("cuda")
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(2 * 2**30 / torch.cuda.get_device_properties(device).total_memory)
+    calls = []
+
+    def step():
+        if not calls:  # the warm-up
+            cached = torch.empty(2**30, dtype=torch.uint8, device=device)
+            del cached
+            torch.empty(3 * 2**29, dtype=torch.uint8, device=device)
+        calls.append(1)
+
+    try:
+        time_steps(step, device, steps=2, warmup=1)
+        assert calls == [1, 1, 1]
+        assert alloc_retries(device) == 0, "the warm-up's retry counted"
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
+
+
+def test_the_warm_up_retry_is_a_retry():
+    """The test above's premise: that warm-up step does make the allocator retry."""
+    device = torch.device("cuda")
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(2 * 2**30 / torch.cuda.get_device_properties(device).total_memory)
+    try:
+        before = alloc_retries(device)
+        cached = torch.empty(2**30, dtype=torch.uint8, device=device)
+        del cached
+        torch.empty(3 * 2**29, dtype=torch.uint8, device=device)
+        assert alloc_retries(device) == before + 1
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()

@@ -44,13 +44,15 @@ class StepClock:
 
 def time_steps(step: Callable[[], object], device: torch.device, steps: int,
                warmup: int) -> tuple[list[float], object]:
-    """`warmup` untimed calls of `step`, the peak-memory counter reset, then `steps` calls back to
-    back: (seconds of each, the last call's result). One synchronisation, after the timed steps."""
+    """`warmup` untimed calls of `step`, the peak-memory and allocator-retry counters reset, then
+    `steps` calls back to back: (seconds of each, the last call's result). One synchronisation,
+    after the timed steps."""
     for _ in range(warmup):
         step()
     synchronize(device)
-    if device.type == "cuda":
+    if device.type == "cuda":  # what `alloc_retries` and the peak then read is the timed steps'
         torch.cuda.reset_peak_memory_stats(device)
+        torch.cuda.reset_accumulated_memory_stats(device)
     clock = StepClock(device)
     clock.mark()
     result = None

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from memory_runs import one_thread  # noqa: F401  (autouse: one OpenMP thread for tiny ops)
 from moefold.bench.limit import balanced_rows, step_limit
 from moefold.bench.profile import (breakdown, by_name, classify_cpu_op, classify_kernel, device_idle_ms,
                                    exposed_communication, write_by_name)
@@ -20,15 +21,6 @@ from moefold.train.flops import meta_model, train_flops_per_token
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["--train.micro_batch_size", "2", "--train.seq_len", "32"]  # a tiny config's step in ms
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny ops on a shared CPU: two OpenMP threads wait on each other longer than they work."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def benchmark_script(name: str):

@@ -3,19 +3,12 @@
 import pytest
 import torch
 
+from memory_runs import one_thread  # noqa: F401  (autouse: one OpenMP thread for tiny ops)
 from moefold.bench.limit import step_limit
 from moefold.config import load_config
 from moefold.train.flops import meta_model, train_flops_per_token
 
 SMALL = {"train.micro_batch_size": "2", "train.seq_len": "16"}
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_limit_counts_every_micro_batch_of_a_step_and_the_optimizer_once():

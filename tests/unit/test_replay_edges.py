@@ -4,20 +4,12 @@ import pytest
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
+from memory_runs import one_thread  # noqa: F401  (autouse: one OpenMP thread for tiny ops)
 from moefold.config import MoEConfig
 from moefold.moe.layer import build_moe_layer
 from moefold.moe.replay import RouterReplay
 
 D, E, K, B, S = 32, 8, 2, 2, 16
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Ops this small gain nothing from OpenMP threads; on a busy 2-core machine they spin."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _layer():

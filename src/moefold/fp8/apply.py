@@ -34,7 +34,7 @@ _NEVER_FP8 = ("gate",)  # GatedSharedExperts.gate: a [D, 1] router-like scalar g
 
 def apply_fp8(model: nn.Module, precision: PrecisionConfig, device_type: str,
               shared_inputs: bool = True, compute_dtype: torch.dtype | None = None,
-              sequence_parallel: bool = False, tp: int = 1, etp: int = 1) -> list[str]:
+              sequence_parallel: bool = False, etp: int = 1) -> list[str]:
     """Swap the selected modules for their FP8 versions in place; returns their names.
 
     `model` is a Transformer (blocks(), layers). The FP8 modules share the original parameters, so
@@ -46,9 +46,9 @@ def apply_fp8(model: nn.Module, precision: PrecisionConfig, device_type: str,
     weights to and so what `precision.fp8_weight_cache` quantizes from (needed only with it; the
     cache is empty until refresh_weight_caches). `sequence_parallel`: the main blocks will run on
     sequence shards (parallel.sequence_parallel with tp > 1), where MLA's wq without q-LoRA
-    all-gathers its own input (parallel/tensor.py) and shares it with no sibling. `tp`, `etp`:
-    the ranks that will split the linears' and the experts' features (parallel.tp, parallel.etp):
-    the FP8 GEMMs run on one shard, so the alignment checked is the shard's.
+    all-gathers its own input (parallel/tensor.py) and shares it with no sibling. `etp`: the
+    ranks that will split the experts' hidden features (parallel.etp): the grouped FP8 GEMMs run
+    on one slice, so the alignment checked is the slice's.
     """
     if precision.fp8 == "off":
         return []
@@ -75,7 +75,7 @@ def apply_fp8(model: nn.Module, precision: PrecisionConfig, device_type: str,
                 layer = model.get_submodule(parent_name)
                 _raise_pad_multiple(layer, grouped.row_multiple)  # only where the experts run FP8
                 setattr(layer, attr, _fp8_experts(module, grouped_gemm, grouped, grouped_saver, weight_cache))
-            elif type(module) is nn.Linear and attr not in _NEVER_FP8 and _aligned(module, lin.row_multiple, tp):
+            elif type(module) is nn.Linear and attr not in _NEVER_FP8 and _aligned(module, lin.row_multiple):
                 parent = model.get_submodule(parent_name)
                 saver = lin_saver if _keeps_fp8_input(parent, attr, block_shares_inputs, siblings) else SaveInput()
                 setattr(parent, attr, Fp8Linear.from_linear(module, gemm, lin, saver))
@@ -132,10 +132,8 @@ def _keeps_fp8_input(parent: nn.Module, attr: str, shared_inputs: bool, siblings
     return not (has_sibling and shared_inputs)
 
 
-def _aligned(linear: nn.Linear, multiple: int, tp: int = 1) -> bool:
-    """Both features, split over `tp` ranks (either may be the one TP splits), multiples of the
-    kernels' `multiple`: an unaligned linear stays in high precision."""
-    return linear.in_features % (multiple * tp) == 0 and linear.out_features % (multiple * tp) == 0
+def _aligned(linear: nn.Linear, multiple: int) -> bool:
+    return linear.in_features % multiple == 0 and linear.out_features % multiple == 0
 
 
 def _check_experts_aligned(experts: Experts, recipe: str, multiple: int, etp: int = 1) -> None:

@@ -583,3 +583,28 @@ def test_the_alignment_checked_is_the_etp_slice(tmp_path):
             *[arg for key, value in QWEN3.items() for arg in (f"--{key}", str(value))]]
     assert main(args) == 2
     assert not (run / "metrics.jsonl").exists()
+
+
+def test_a_linear_whose_tp_shard_is_unaligned_stays_bf16(tmp_path):
+    """Under parallel.tp each rank's FP8 GEMM tiles its shard: a column-wise linear's share of the
+    output features, a row-wise one's of the input features. A linear whose shard is not a
+    multiple of the tile stays nn.Linear, as an unaligned linear does; checking the whole
+    features crashed every rank's first forward (blockwise, tiny-qwen3 at dim 128, tp 2: '128x128
+    e4m3 operand has 64 columns ((128, 64)), not a multiple of the 128x128 quantization tile')."""
+    wide = {**QWEN3, "model.n_heads": 8, "model.ffn_hidden": 256, "moe.first_k_dense": 1}
+    cfg, model = built("tiny-qwen3", wide, "blockwise")
+    converted = set(apply_fp8(model, cfg.precision, "cpu", tp=2))
+    # wq 128 -> 256 and w1/w3 128 -> 256 column-wise, wo 256 -> 128 and w2 256 -> 128 row-wise:
+    # 128 a rank either way; wk/wv 128 -> 128 leave 64 output features a rank
+    fp8 = {f"layers.0.{name}" for name in ("attn.wq", "attn.wo", "ffn.w1", "ffn.w3", "ffn.w2")}
+    assert fp8 <= converted
+    assert not {"layers.0.attn.wk", "layers.0.attn.wv"} & converted
+    assert type(model.layers[0].attn.wk) is nn.Linear
+    cfg, model = built("tiny-qwen3", wide, "blockwise")
+    assert {"layers.0.attn.wk", "layers.0.attn.wv"} <= set(apply_fp8(model, cfg.precision, "cpu"))
+    run = tmp_path / "run"  # the trainer hands the layout's tp (2 gloo ranks): trains, emulated
+    args = ["train", "--config", "tiny-qwen3", "--run-dir", str(run), "--precision.fp8", "blockwise",
+            "--parallel.tp", "2", "--nproc", "2", "--train.device", "cpu", "--train.steps", "2",
+            "--train.warmup_steps", "0", *[arg for key, value in QWEN3.items() for arg in (f"--{key}", str(value))]]
+    assert main(args) == 0
+    assert len((run / "metrics.jsonl").read_text().splitlines()) >= 2

@@ -34,6 +34,10 @@ CASES = {
     # rank's rows, each in FP8, where without SP the two share the normed x (fp8/apply.py)
     "deepseek-combine-fp8": ("tiny-deepseek", {"model.q_lora_rank": 0, "model.qk_rope_head_dim": 16,  # wkv_a: 48
                                                "precision.fp8": "rowwise", "precision.fp8_saved_activations": True}),
+    # FP8 tiles each rank's shard: wk's 16 output features and the dense MLP's 48 hidden ones split
+    # over tp 2 are not multiples of rowwise's 16, so those linears stay bf16, their inputs kept whole
+    "qwen3-fp8-tp-shards": ("tiny-qwen3", {"moe.first_k_dense": 1, "model.head_dim": 8, "model.ffn_hidden": 48,
+                                           "precision.fp8": "rowwise", "precision.fp8_saved_activations": True}),
     # rows padded to capacity: without SP (and in the MTP block) the drop runs on the TP group's T
     # tokens and each rank lays its rows out by the capacity of all T (SequenceSplitDispatcher)
     "qwen3-padded": ("tiny-qwen3", {"moe.first_k_dense": 1, "moe.capacity_factor": 1.0, "moe.pad_to_capacity": True}),

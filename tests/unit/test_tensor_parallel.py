@@ -27,6 +27,7 @@ from moefold.fp8.linear import Fp8Linear, shard_fp8_linears
 from moefold.models.transformer import build_model
 from moefold.parallel.dims import ParallelDims, ParallelLayout
 from moefold.parallel.tensor import apply_tp
+from moefold.parallel.tp_split import tp_local_features
 
 WORLD = 2
 VOCAB = 64
@@ -64,6 +65,7 @@ def _check_case(preset: str, overrides: dict, tp_mesh, sequence_parallel: bool =
     model.init_weights(seed=1)
     ref = copy.deepcopy(model)
     apply_tp(model, tp_mesh, sequence_parallel)
+    _check_tp_split_table(model, ref)
     seen = []  # what the last block receives: the residual stream between TP regions
     model.layers[-1].register_forward_pre_hook(lambda module, args: seen.append(args[0]))
     gathered = []  # and what it returns, after apply_tp's hooks
@@ -112,6 +114,23 @@ def _check_case(preset: str, overrides: dict, tp_mesh, sequence_parallel: bool =
         torch.testing.assert_close(grad, p_ref.grad, **TOL, msg=lambda m, name=name: f"{name}: {m}")
         checked += 1
     assert checked > len(sharded)
+
+
+def _check_tp_split_table(model, ref) -> None:
+    """parallel/tp_split.py, which apply_fp8 and the memory planner read before the model is
+    parallelized, gives every block linear (main and MTP) the shard apply_tp made."""
+    ref_linears = {n: m for n, m in ref.named_modules() if isinstance(m, nn.Linear)}
+    split = 0
+    for name, linear in model.named_modules():
+        if not isinstance(linear, nn.Linear) or not (".attn." in name or ".ffn." in name):
+            continue
+        weight = linear.weight.to_local() if isinstance(linear.weight, DTensor) else linear.weight
+        whole = ref_linears[name]
+        in_local, out_local = tp_local_features(name.rpartition(".")[2], whole.in_features,
+                                                whole.out_features, WORLD)
+        assert weight.shape == (out_local, in_local), name
+        split += weight.shape != whole.weight.shape
+    assert split >= 4
 
 
 def _check_replay(preset: str, tp_mesh) -> None:

@@ -6,8 +6,9 @@ MLA's projections, dense MLPs, shared experts) and the routed experts' grouped G
 does: the router, the shared-expert gate, embeddings, the output head, norms, the attention core
 (softmax(QK^T)V) and MTP's projection; nor the blocks in `fp8_bf16_first_layers` /
 `fp8_bf16_last_layers`, modules matched by `fp8_exclude` (a module is excluded when its name or
-a parent's name matches a pattern) and linears whose features are not multiples of the recipe's
-alignment (16, or 128 for blockwise), which the FP8 kernels need. Routed experts whose features
+a parent's name matches a pattern) and linears whose features on one TP rank (the shard
+parallel.tp leaves it) are not multiples of the recipe's alignment (16, or 128 for blockwise),
+which the FP8 kernels need. Routed experts whose features
 are not aligned are refused (ConfigError) rather than silently left in bf16: they are most of an
 MoE's GEMM time, and `fp8_exclude` keeps them in bf16 on purpose.
 """
@@ -28,13 +29,14 @@ from moefold.fp8.saved import SaveInput, saved_input
 from moefold.fp8.weight_cache import build_weight_cache
 from moefold.moe.experts import Experts, Fp8GroupedExperts
 from moefold.moe.layer import MoELayer
+from moefold.parallel.tp_split import tp_local_features
 
 _NEVER_FP8 = ("gate",)  # GatedSharedExperts.gate: a [D, 1] router-like scalar gate
 
 
 def apply_fp8(model: nn.Module, precision: PrecisionConfig, device_type: str,
               shared_inputs: bool = True, compute_dtype: torch.dtype | None = None,
-              sequence_parallel: bool = False, etp: int = 1) -> list[str]:
+              sequence_parallel: bool = False, tp: int = 1, etp: int = 1) -> list[str]:
     """Swap the selected modules for their FP8 versions in place; returns their names.
 
     `model` is a Transformer (blocks(), layers). The FP8 modules share the original parameters, so
@@ -46,9 +48,10 @@ def apply_fp8(model: nn.Module, precision: PrecisionConfig, device_type: str,
     weights to and so what `precision.fp8_weight_cache` quantizes from (needed only with it; the
     cache is empty until refresh_weight_caches). `sequence_parallel`: the main blocks will run on
     sequence shards (parallel.sequence_parallel with tp > 1), where MLA's wq without q-LoRA
-    all-gathers its own input (parallel/tensor.py) and shares it with no sibling. `etp`: the
-    ranks that will split the experts' hidden features (parallel.etp): the grouped FP8 GEMMs run
-    on one slice, so the alignment checked is the slice's.
+    all-gathers its own input (parallel/tensor.py) and shares it with no sibling. `tp` and `etp`:
+    the ranks that will split the block linears (parallel.tp) and the experts' hidden features
+    (parallel.etp): the FP8 GEMMs run on one rank's shard, so the alignment checked is the
+    shard's.
     """
     if precision.fp8 == "off":
         return []
@@ -75,7 +78,8 @@ def apply_fp8(model: nn.Module, precision: PrecisionConfig, device_type: str,
                 layer = model.get_submodule(parent_name)
                 _raise_pad_multiple(layer, grouped.row_multiple)  # only where the experts run FP8
                 setattr(layer, attr, _fp8_experts(module, grouped_gemm, grouped, grouped_saver, weight_cache))
-            elif type(module) is nn.Linear and attr not in _NEVER_FP8 and _aligned(module, lin.row_multiple):
+            elif type(module) is nn.Linear and attr not in _NEVER_FP8 and _aligned(module, attr, tp,
+                                                                                    lin.row_multiple):
                 parent = model.get_submodule(parent_name)
                 saver = lin_saver if _keeps_fp8_input(parent, attr, block_shares_inputs, siblings) else SaveInput()
                 setattr(parent, attr, Fp8Linear.from_linear(module, gemm, lin, saver))
@@ -132,8 +136,10 @@ def _keeps_fp8_input(parent: nn.Module, attr: str, shared_inputs: bool, siblings
     return not (has_sibling and shared_inputs)
 
 
-def _aligned(linear: nn.Linear, multiple: int) -> bool:
-    return linear.in_features % multiple == 0 and linear.out_features % multiple == 0
+def _aligned(linear: nn.Linear, attr: str, tp: int, multiple: int) -> bool:
+    """Whether the FP8 kernels can tile the linear's shard on one TP rank."""
+    in_features, out_features = tp_local_features(attr, linear.in_features, linear.out_features, tp)
+    return in_features % multiple == 0 and out_features % multiple == 0
 
 
 def _check_experts_aligned(experts: Experts, recipe: str, multiple: int, etp: int = 1) -> None:

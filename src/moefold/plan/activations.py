@@ -45,6 +45,7 @@ from moefold.fp8.gemm import linear_scaling
 from moefold.fp8.grouped import grouped_scaling
 from moefold.moe.capacity import padded_capacity
 from moefold.moe.permute import RowLayout
+from moefold.parallel.tp_split import tp_local_features
 
 CATEGORIES = ("embedding", "norm", "attn_proj", "attn_core", "mlp", "router", "moe_dispatch",
               "experts", "shared_experts", "mtp_proj", "head", "weight_copies", "kept_inputs")
@@ -138,12 +139,13 @@ def fp8_module(cfg: Config, sh: Shapes, name: str) -> bool:
 
 def fp8_linear(cfg: Config, sh: Shapes, name: str, in_features: int, out_features: int) -> bool:
     """Whether apply_fp8 converts the block's linear `name` of these (global) features: an FP8
-    module (fp8_module) whose features are multiples of the recipe's alignment (16; 128 for
-    blockwise)."""
+    module (fp8_module) whose features on one TP rank (parallel/tp_split.py) are multiples of the
+    recipe's alignment (16; 128 for blockwise)."""
     if not fp8_module(cfg, sh, name):
         return False
     multiple = linear_scaling(cfg.precision.fp8).row_multiple
-    return in_features % multiple == 0 and out_features % multiple == 0
+    local = tp_local_features(name.rpartition(".")[2], in_features, out_features, sh.tp)
+    return all(features % multiple == 0 for features in local)
 
 
 def _add(into: Bytes, **parts: int) -> Bytes:

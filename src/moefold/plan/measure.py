@@ -342,6 +342,7 @@ def measure_saved_activations(cfg: Config, dtype: str = "bf16", vocab_size: int 
         model = build_model(cfg, vocab, "cpu", torch_dtype)
         apply_fp8(model, cfg.precision, "cpu", shared_inputs=param_torch_dtype == torch_dtype,
                   compute_dtype=torch_dtype, sequence_parallel=layout is not None and cfg.parallel.shards_sequence,
+                  tp=cfg.parallel.tp if layout is not None else 1,
                   etp=cfg.parallel.etp if layout is not None else 1)
         model = _cast_params(model, param_torch_dtype).train()
         refresh_weight_caches(model)  # precision.fp8_weight_cache's buffers: not activations

@@ -340,7 +340,7 @@ class Trainer:
         converted = apply_fp8(model, cfg.precision, self.device.type, shared_inputs=not autocast_over_fp32,
                               compute_dtype=self.compute_dtype,
                               sequence_parallel=cfg.parallel.shards_sequence,
-                              etp=cfg.parallel.etp)
+                              tp=cfg.parallel.tp, etp=cfg.parallel.etp)
         if cfg.precision.fp8 != "off" and not converted:
             self.out(f"warning: precision.fp8={cfg.precision.fp8} converts no module (precision.fp8_exclude "
                      "and fp8_bf16_first/last_layers keep every one in high precision): this run is not FP8")

@@ -216,7 +216,7 @@ def _spawn_ranks(args: argparse.Namespace, cfg: Config, run_dir: Path) -> int:
     """`--nproc N`: check what can be checked once, then run the same command as N ranks."""
     from moefold.checkpoint.dcp import resolve_checkpoint
     from moefold.parallel.dims import ParallelDims
-    from moefold.parallel.launch import refuse_more_ranks_than_gpus, resolve_device, spawn_local
+    from moefold.parallel.launch import refuse_more_ranks_than_the_host_holds, resolve_device, spawn_local
     from moefold.plan.fit import rank_capacity, refuse_model_beyond_memory
     from moefold.train.trainer import refuse_run_dir
 
@@ -228,7 +228,7 @@ def _spawn_ranks(args: argparse.Namespace, cfg: Config, run_dir: Path) -> int:
     ParallelDims(args.nproc, p.tp, p.cp, p.pp, p.ep, p.etp, p.order)  # the layout fits N ranks
     refuse_run_dir(run_dir, resolve_checkpoint(args.resume) if args.resume is not None else None)
     device = resolve_device(cfg.train.device)  # the tokenizer's vocabulary is not counted here
-    refuse_more_ranks_than_gpus(args.nproc, device)
+    refuse_more_ranks_than_the_host_holds(args.nproc, device)
     refuse_model_beyond_memory(cfg, cfg.model.vocab_size, args.nproc, rank_capacity(device, args.nproc))
     return spawn_local(args.nproc, [*_without_nproc(args.argv), "--run-dir", str(run_dir)])
 

@@ -180,6 +180,78 @@ def test_a_rank_failing_while_the_ranks_stop_on_a_signal_stops_the_others(tmp_pa
     assert time.monotonic() - started < 60  # rank 1 SIGKILLed, not its 120 s sleep waited out
 
 
+_SLEEPS = """
+import os, pathlib, sys, time
+pathlib.Path(sys.argv[1], str(os.getpid())).touch()
+time.sleep(120)
+"""
+
+
+def test_a_signal_while_the_ranks_start_stops_the_start(monkeypatch):
+    """Signals are passed on from the first rank's start: one that comes while the launcher is
+    still starting ranks reaches those started and no further rank starts (with --nproc in the
+    thousands the ranks started so far were left running after the launcher went)."""
+    monkeypatch.setattr(launch, "STOP_GRACE_S", 5.0)
+    started = []
+    popen = subprocess.Popen
+
+    def starting(*args, **kwargs):
+        started.append(popen(*args, **kwargs))
+        if len(started) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)  # handled before the next rank would start
+        return started[-1]
+
+    monkeypatch.setattr(launch.subprocess, "Popen", starting)
+    begun = time.monotonic()
+    assert run_local_ranks(50, [sys.executable, "-c", "import time; time.sleep(120)"]) == 128 + signal.SIGTERM
+    assert len(started) == 2 and all(proc.returncode == -signal.SIGTERM for proc in started)
+    assert time.monotonic() - begun < 60
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] != "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_ranks_end_with_a_launcher_killed_by_sigkill(tmp_path):
+    """The launcher cannot pass SIGKILL on (the out-of-memory killer's): each rank gets SIGTERM
+    when it dies instead of sleeping on, orphaned, waiting for peers."""
+    launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER, _SLEEPS, str(tmp_path)])
+    deadline = time.time() + 60
+    while len(list(tmp_path.iterdir())) < 2 and time.time() < deadline:
+        time.sleep(0.05)
+    ranks = [int(p.name) for p in tmp_path.iterdir()]
+    assert len(ranks) == 2 and all(map(_alive, ranks))
+    launcher.kill()
+    launcher.wait()
+    deadline = time.time() + 30
+    while any(map(_alive, ranks)) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not any(map(_alive, ranks))
+
+
+def test_more_cpu_ranks_than_the_host_holds_are_refused_before_any_starts(tiny_args, tmp_path, monkeypatch, capsys):
+    """Each CPU rank is an interpreter with torch loaded (launch.RANK_RUNTIME_BYTES at least): an
+    --nproc whose ranks the host cannot hold is refused in one line, before any starts (a fuzzed
+    --nproc 2147483648 started ranks until the machine ran out of memory)."""
+    import moefold.plan.fit as fit
+
+    from moefold.cli import main
+
+    monkeypatch.setattr(fit, "host_memory_bytes", lambda: 1 * 2**30)
+    monkeypatch.setattr(launch.subprocess, "Popen", lambda *a, **k: pytest.fail("a rank was started"))
+    run_dir = tmp_path / "run"
+    assert main(["train", *tiny_args, "--run-dir", str(run_dir), "--nproc", "5", "--train.device", "cpu"]) == 2
+    assert capsys.readouterr().err == (
+        "moefold: error: --nproc 5: 5 ranks need at least 1.2 GiB for their Python and torch runtimes alone "
+        "(0.25 GiB each), and this host has 1.0 GiB of RAM and swap; start at most 4\n")
+    assert not run_dir.exists()
+
+
 def test_sigterm_to_the_launcher_reaches_every_rank(tiny_args, tmp_path):
     """`kill <launcher>` (a scheduler's time limit, `timeout`) stops the job as it stops one
     process: every rank saves its checkpoint shard and the job exits 128 + SIGTERM."""

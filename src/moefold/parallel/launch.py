@@ -10,6 +10,7 @@ with every group of size 1).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import socket
@@ -147,14 +148,32 @@ STOP_GRACE_S = 30.0
 """How long the ranks left after one failed have to end on SIGTERM before SIGKILL (torchrun's)."""
 
 
-def refuse_more_ranks_than_gpus(nproc: int, device: torch.device) -> None:
-    """`--nproc N` on GPUs starts one rank per GPU: more ranks than visible GPUs is refused here,
-    once, before any starts (each extra rank would fail alone, naming its LOCAL_RANK)."""
-    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
-    if device.type == "cuda" and nproc > gpus:
-        visible = "1 GPU is" if gpus == 1 else f"{gpus} GPUs are"
-        raise ConfigError(f"--nproc {nproc}: only {visible} visible; start at most one rank per GPU "
-                          "(train.device='cpu' runs the ranks on the CPU with gloo)")
+RANK_RUNTIME_BYTES = 256 * 2**20
+"""Host memory a rank's Python interpreter with torch loaded takes before it holds any tensor (300
+MiB measured with torch 2.13 on Linux): a floor, so `--nproc N` cannot start more ranks than the
+host can hold."""
+
+
+def refuse_more_ranks_than_the_host_holds(nproc: int, device: torch.device) -> None:
+    """`--nproc N` starts N processes on this machine: on GPUs one per GPU, so more ranks than
+    visible GPUs is refused (each extra rank would fail alone, naming its LOCAL_RANK); on the CPU
+    more than the host's memory holds at RANK_RUNTIME_BYTES each (they would fill it, rank by
+    rank, before the first step). Checked once, before any rank starts."""
+    if device.type == "cuda":
+        gpus = torch.cuda.device_count()
+        if nproc > gpus:
+            visible = "1 GPU is" if gpus == 1 else f"{gpus} GPUs are"
+            raise ConfigError(f"--nproc {nproc}: only {visible} visible; start at most one rank per GPU "
+                              "(train.device='cpu' runs the ranks on the CPU with gloo)")
+        return
+    from moefold.plan.fit import GIB, host_memory_bytes
+
+    host = host_memory_bytes()
+    if host is not None and nproc * RANK_RUNTIME_BYTES > host:
+        raise ConfigError(f"--nproc {nproc}: {nproc} ranks need at least {nproc * RANK_RUNTIME_BYTES / GIB:,.1f} GiB "
+                          f"for their Python and torch runtimes alone ({RANK_RUNTIME_BYTES / GIB:g} GiB each), and "
+                          f"this host has {host / GIB:.1f} GiB of RAM and swap; start at most "
+                          f"{max(1, host // RANK_RUNTIME_BYTES)}")
 
 
 def spawn_local(nproc: int, argv: list[str]) -> int:
@@ -173,13 +192,13 @@ def run_local_ranks(nproc: int, command: list[str]) -> int:
         base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
                 "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), RANK_REPORTS_ENV: reports}
         base.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: N ranks share this machine's cores
-        ranks = _LocalRanks([subprocess.Popen(command, env={**base, "RANK": str(r), "LOCAL_RANK": str(r)})
-                             for r in range(nproc)])
+        ranks = _LocalRanks()
         try:
             with ranks.forwarding_signals():
+                ranks.start(nproc, command, base)
                 first_failed = ranks.wait()
         finally:
-            say_rank_reports(Path(reports), nproc)
+            say_rank_reports(Path(reports), len(ranks.procs))
     if first_failed is None:
         return 0
     rank, code = first_failed
@@ -189,12 +208,46 @@ def run_local_ranks(nproc: int, command: list[str]) -> int:
     return _exit_status(code)
 
 
+_FORWARDED = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def _held(signals):
+    """Hold `signals` back from this thread while in the block; they arrive at its end."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
+
+
 class _LocalRanks:
     """The ranks this launcher started, and the exit codes that the signals it passed on ask for."""
 
-    def __init__(self, procs: list[subprocess.Popen]):
-        self.procs = procs
+    def __init__(self):
+        self.procs: list[subprocess.Popen] = []
         self.stop_codes: set[int] = set()  # of a rank that stopped as a passed-on signal asked
+        self.start_cut_short = False  # a signal came before every rank was started
+
+    def start(self, nproc: int, command: list[str], env: dict[str, str]) -> None:
+        """Start the ranks, one by one, under forwarding_signals: a signal passed on meanwhile
+        reaches the ranks started so far and the rest are not started. Each rank ends with this
+        launcher (`_end_with_the_launcher`); if starting one fails, the started ones are stopped."""
+        launcher, prctl = os.getpid(), _prctl()  # looked up here: no dlopen between fork and exec
+        try:
+            for rank in range(nproc):
+                if self.signalled:
+                    self.start_cut_short = True
+                    return
+                with _held(_FORWARDED):  # a signal meanwhile is passed on once the rank is listed
+                    self.procs.append(subprocess.Popen(
+                        command, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                        preexec_fn=lambda: _end_with_the_launcher(launcher, prctl)))
+        except BaseException:
+            for proc in self.procs:
+                proc.kill()
+                proc.wait()
+            raise
 
     @property
     def signalled(self) -> bool:
@@ -204,7 +257,7 @@ class _LocalRanks:
     @contextlib.contextmanager
     def forwarding_signals(self):
         previous = {}
-        for signum in (signal.SIGINT, signal.SIGTERM):
+        for signum in _FORWARDED:
             try:
                 previous[signum] = signal.signal(signum, self._forward)
             except ValueError:  # not the main thread: signals stay with the caller
@@ -227,7 +280,9 @@ class _LocalRanks:
         as a signal passed on asked (128 + it: checkpoint saved) has not failed; the others are
         left to finish theirs. Returns (rank, return code) of the first that ended non-zero, or
         None."""
-        first_failed, kill_at = None, None
+        first_failed = None
+        # ranks started before a signal cut the start short may wait for peers that never come
+        kill_at = time.monotonic() + STOP_GRACE_S if self.start_cut_short else None
         pending = dict(enumerate(self.procs))
         while pending:
             for rank, proc in list(pending.items()):
@@ -246,6 +301,26 @@ class _LocalRanks:
                 for other in pending.values():
                     other.kill()
         return first_failed
+
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _prctl():
+    """libc's prctl on Linux, else None."""
+    return ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+
+
+def _end_with_the_launcher(launcher: int, prctl) -> None:
+    """In a rank, between fork and exec: SIGTERM when the launcher dies, even by a signal it cannot
+    pass on (SIGKILL, the out-of-memory killer's), so no rank is left behind waiting for its peers
+    (on Linux; elsewhere the launcher's forwarding is all). A launcher already gone: exit now.
+    The signals the launcher held while starting it are the rank's again."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _FORWARDED)
+    if prctl is not None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != launcher:
+        os._exit(1)
 
 
 def _exit_status(returncode: int) -> int:

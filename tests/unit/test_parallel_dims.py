@@ -78,6 +78,9 @@ def test_grids_match_naive_enumeration(world, tp, cp, pp, ep, etp):
         coords = att if grid == "attention" else exp
         groups = group_ranks(dims, name)
         assert {frozenset(g) for g in groups} == naive_groups(coords, SPAN_IDX[name]), name
+        # as DeviceMesh lists them: each group in grid order, the groups by their first rank
+        assert all(g == sorted(g, key=coords.__getitem__) for g in groups), name
+        assert [g[0] for g in groups] == sorted(min(g) for g in groups), name
         # every group kind partitions the ranks
         assert sorted(itertools.chain(*groups)) == list(range(world)), name
         assert len({len(g) for g in groups}) == 1, name
@@ -245,6 +248,19 @@ def test_rank_grid_names_both_layouts():
     assert "  tp      [0 1] [2 3] [4 5] [6 7]" in text
     assert "  ep      [0 1 2 3 4 5 6 7]" in text
     assert "   5    0   1   0   1 |    0   5    0" in text
+
+
+def test_rank_grid_of_any_world_shows_the_first_groups_and_ranks():
+    """Only what is shown is enumerated: `config show --world-size 2147483648` hung, listing
+    every group (and every rank of a data-parallel group of 2^30)."""
+    world = 2**40
+    text = rank_grid(ParallelDims(world, tp=2, ep=8))
+    first_tp = " ".join(f"[{r} {r + 1}]" for r in range(0, 32, 2))
+    assert f"  tp      {first_tp} ... ({world // 2} groups)\n" in text
+    evens, odds = " ".join(map(str, range(0, 32, 2))), " ".join(map(str, range(1, 32, 2)))
+    assert f"  dp      [{evens} ... ({world // 2} ranks)] [{odds} ... ({world // 2} ranks)]\n" in text
+    assert "  ep      [0 1 2 3 4 5 6 7] [8 9 10 11 12 13 14 15] " in text
+    assert "rank " not in text  # no per-rank table beyond 64 ranks
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from moefold.errors import ConfigError
@@ -214,15 +215,45 @@ def expert_coords(dims: ParallelDims, rank: int) -> Coord:
     return {r: c for c, r in _coords(dims, "expert").items()}[rank]
 
 
+def _strides(dims: ParallelDims, grid: str) -> dict[str, int]:
+    """Each grid dim's stride in a rank's number (`_rank_at`'s place values)."""
+    sizes = _grid_sizes(dims, grid)
+    to_order = _EXPERT_TO_ORDER if grid == "expert" else {d: d for d in sizes}
+    dim_of = {to_order[d]: d for d in sizes}
+    strides, stride = {}, 1
+    for name in dims.order.split("-"):
+        if name in dim_of:  # ep in the attention grid, cp in the expert grid: size 1
+            strides[dim_of[name]] = stride
+            stride *= sizes[dim_of[name]]
+    return strides
+
+
+def _iter_groups(dims: ParallelDims, grid: str, span: tuple[str, ...]) -> Iterator[Iterator[int]]:
+    """The rank lists that vary along the grid dims `span` with every other dim fixed, lazily (a
+    world of any size costs what is read): each list in grid order (as DeviceMesh orders a
+    flattened dim), the lists ordered by their first rank, whose span digits are all 0."""
+    sizes, strides = _grid_sizes(dims, grid), _strides(dims, grid)
+    spanned = [d for d in sizes if d in span]
+    rest = sorted((d for d in sizes if d not in span), key=strides.__getitem__, reverse=True)
+    for rest_digits in _counting([sizes[d] for d in rest]):
+        first = sum(c * strides[d] for d, c in zip(rest, rest_digits))
+        yield (first + sum(c * strides[d] for d, c in zip(spanned, digits))
+               for digits in _counting([sizes[d] for d in spanned]))
+
+
+def _counting(sizes: list[int]) -> Iterator[tuple[int, ...]]:
+    """itertools.product of range(size) for each size (the last digit fastest), without the
+    tuples product builds of its inputs first."""
+    for number in range(math.prod(sizes)):
+        digits = []
+        for size in reversed(sizes):
+            number, digit = divmod(number, size)
+            digits.append(digit)
+        yield tuple(reversed(digits))
+
+
 def _groups(dims: ParallelDims, grid: str, span: tuple[str, ...]) -> list[list[int]]:
-    """The rank lists that vary along the grid dims `span` with every other dim fixed; each list in
-    grid order (as DeviceMesh orders a flattened dim), the lists ordered by their first rank."""
-    names = list(_grid_sizes(dims, grid))
-    by_rest: dict[Coord, list[int]] = {}
-    for coord, rank in _coords(dims, grid).items():
-        rest = tuple(c for d, c in zip(names, coord) if d not in span)
-        by_rest.setdefault(rest, []).append(rank)
-    return sorted(by_rest.values())
+    return [list(group) for group in _iter_groups(dims, grid, span)]
 
 
 def group_ranks(dims: ParallelDims, name: str) -> list[list[int]]:
@@ -238,9 +269,16 @@ def group_ranks(dims: ParallelDims, name: str) -> list[list[int]]:
 # ---------------------------------------------------------------------------------------------
 
 
-def _fmt_groups(groups: list[list[int]], limit: int = 16) -> str:
-    shown = " ".join("[" + " ".join(map(str, g)) + "]" for g in groups[:limit])
-    return shown + (f" ... ({len(groups)} groups)" if len(groups) > limit else "")
+def _fmt_groups(dims: ParallelDims, name: str, limit: int = 16) -> str:
+    """The first `limit` groups of kind `name`, each by its first `limit` ranks."""
+    grid, span = GROUPS[name]
+    size = math.prod(n for d, n in _grid_sizes(dims, grid).items() if d in span)
+    shown = []
+    for group in itertools.islice(_iter_groups(dims, grid, span), limit):
+        ranks = " ".join(map(str, itertools.islice(group, limit)))
+        shown.append(f"[{ranks}{f' ... ({size} ranks)' if size > limit else ''}]")
+    count = dims.world // size
+    return " ".join(shown) + (f" ... ({count} groups)" if count > limit else "")
 
 
 def rank_grid(dims: ParallelDims, max_ranks: int = 64) -> str:
@@ -252,7 +290,7 @@ def rank_grid(dims: ParallelDims, max_ranks: int = 64) -> str:
              "groups:"]
     width = max(len(n) for n in GROUPS)
     for name in GROUPS:
-        lines.append(f"  {name:<{width}}  {_fmt_groups(group_ranks(dims, name))}")
+        lines.append(f"  {name:<{width}}  {_fmt_groups(dims, name)}")
     if dims.world <= max_ranks:
         att = {r: c for c, r in _coords(dims, "attention").items()}
         exp = {r: c for c, r in _coords(dims, "expert").items()}

@@ -2,6 +2,7 @@
 model, the saved-for-backward bytes of the real model run under FakeTensorMode, the published
 pipeline rule, ZeRO-1's sharding of optimizer states (ddp), and the CLI."""
 
+import random
 import time
 from dataclasses import replace
 
@@ -18,6 +19,7 @@ from moefold.plan.measure import measure_saved_activations
 from moefold.plan.params import model_params
 from moefold.plan.storages import block_storages
 from moefold.plan.peaks import measure_head_loss, measure_peaks
+from moefold.plan import pipeline
 from moefold.plan.pipeline import model_chunks, peak_in_flight, rank_chunks
 from moefold.train.flops import count_params, meta_model
 
@@ -144,6 +146,28 @@ def test_first_stage_holds_megatron_rule(pp, vpp):
     expected = pp * vpp + (pp - 1) if vpp > 1 else pp
     assert peak_in_flight([1] * vpp, 8 * pp, pp, 0).bytes == expected
     assert peak_in_flight([1] * vpp, 8 * pp, pp, pp - 1).bytes == (1 if vpp == 1 else (vpp - 1) * pp + 1)
+
+
+def _replayed_peak(chunk_bytes: list[int], micro_batches: int, pp: int, rank: int) -> int:
+    """The largest live sum over the whole schedule, every step replayed."""
+    live, best = [0] * len(chunk_bytes), 0
+    for kind, chunk in pipeline._order(micro_batches, pp, len(chunk_bytes), rank):
+        live[chunk] += 1 if kind == "F" else -1
+        best = max(best, sum(n * b for n, b in zip(live, chunk_bytes)))
+    return best
+
+
+@pytest.mark.parametrize("pp,vpp", [(1, 1), (2, 1), (3, 2), (4, 3), (5, 4)])
+def test_a_long_schedule_peaks_where_its_start_does(pp, vpp):
+    """peak_in_flight replays only the first 4·pp micro-batches (plan memory with
+    train.grad_accum=10^9 hung replaying them all): uneven chunks on every rank peak there."""
+    gen = random.Random(pp * 10 + vpp)
+    for rank in range(pp):
+        chunk_bytes = [gen.randint(1, 1000) for _ in range(vpp)]
+        for micro_batches in range(pp, 30 * pp + 1, pp):
+            peak = peak_in_flight(chunk_bytes, micro_batches, pp, rank).bytes
+            assert peak == _replayed_peak(chunk_bytes, micro_batches, pp, rank)
+        assert peak_in_flight(chunk_bytes, 10**12 * pp, pp, rank).bytes == peak
 
 
 def test_uneven_stages_cover_every_layer_once():

@@ -96,6 +96,10 @@ def peak_in_flight(chunk_bytes: list[int], micro_batches: int, pp: int, rank: in
     """Largest sum of live activations over the rank's schedule; chunk_bytes[i] is one
     micro-batch's saved activations of the rank's i-th chunk."""
     vpp = len(chunk_bytes)
+    # The warm-up ends within 4·pp micro-batches, the steady state then repeats every pp·vpp
+    # steps and the cool-down only frees: a longer schedule peaks where its first 4·pp do (a
+    # multiple of pp), so train.grad_accum = 10^9 costs what 4·pp do.
+    micro_batches = min(micro_batches, 4 * pp)
     live = [0] * vpp
     best = InFlight(0, tuple(live))
     for kind, chunk in _order(micro_batches, pp, vpp, rank):

@@ -871,7 +871,8 @@ def validate_moe(moe: MoEConfig) -> None:
              "moe.softmax_before_topk=false needs moe.score_func='softmax'")
     _require(moe.capacity_factor > 0 or not moe.pad_to_capacity,
              "moe.pad_to_capacity=true needs moe.capacity_factor > 0")
-    _validate_groups(moe)
+    if moe.num_experts:  # without routed experts every layer is dense: no router to group
+        _validate_groups(moe)
 
 
 def _validate_shared_experts(moe: MoEConfig) -> None:

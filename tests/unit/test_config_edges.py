@@ -1,6 +1,8 @@
 """Config edges: `moefold config show` output read back with --config, and config files the user
 got wrong (each a one-line error naming the file, exit 2)."""
 
+import pytest
+
 from moefold.cli import main
 from moefold.config import load_config
 
@@ -44,3 +46,17 @@ def test_a_quoted_number_or_bool_in_a_config_file_is_refused_naming_its_type(tmp
         assert main(["config", "show", "--config", str(quoted)]) == 2
         assert capsys.readouterr().err == f"moefold: error: --config {quoted}: {message}\n"
     assert load_config(None, {"model.dim": "64", "train.lr": "1e-3", "model.qk_norm": "false"}).model.dim == 64
+
+
+def test_no_routed_experts_makes_a_grouped_router_preset_dense():
+    """moe.num_experts=0 makes every layer dense, as the ep/etp checks say; on a preset with
+    grouped routing (DeepSeek-V3's 8 groups) it was refused as 'moe.group_score_top_k=2 exceeds
+    the 0 experts of a group', about a router the model no longer has. top_k is likewise left
+    unchecked without experts."""
+    from moefold.config import moe_layers_in
+    from moefold.errors import ConfigError
+
+    cfg = load_config("deepseek-v3", {"moe.num_experts": 0})
+    assert cfg.moe.num_groups == 8 and moe_layers_in(cfg, range(cfg.model.n_layers)) == 0
+    with pytest.raises(ConfigError, match=r"^moe.group_score_top_k=2 exceeds the 1 experts of a group$"):
+        load_config("deepseek-v3", {"moe.num_experts": 8})  # with experts the groups are checked

@@ -32,6 +32,15 @@ def test_config_params_of_a_size_beyond_64_bits_is_one_line(capsys, key):
     assert "must be < 2**63" in _one_error_line(capsys, ["config", "params", f"--{key}", str(2**63)])
 
 
+def test_config_params_of_a_weight_beyond_64_bits_is_one_line(capsys):
+    """Sizes each within int64 whose product is not: a [4e9, 4e9] weight cannot be made even on
+    the meta device, and `config params` ended in torch's RuntimeError traceback."""
+    line = _one_error_line(capsys, ["config", "params", "--model.dim", "4000000000", "--model.ffn_hidden", "4000000000"])
+    assert line == ("moefold: error: a weight of this model would hold more elements than a tensor can (torch: "
+                    "Storage size calculation overflowed with sizes=[4000000000, 4000000000]); make model.dim, "
+                    "model.ffn_hidden, moe.expert_hidden or the vocabulary smaller")
+
+
 def test_the_largest_64_bit_integer_is_still_an_allowed_value():
     from moefold.config import load_config
 

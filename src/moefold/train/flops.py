@@ -7,11 +7,13 @@ the causal mask, times 3 for forward + backward); a sliding window of W < S keys
 place of S. docs/metrics.md derives it.
 """
 
+import contextlib
 from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
+from moefold.errors import ConfigError
 from moefold.moe.experts import Experts
 
 # Datasheet dense bf16 TFLOP/s (no sparsity) by device-name fragment, for MFU; the longest fragment
@@ -123,7 +125,7 @@ def config_param_counts(cfg, vocab_size: int) -> ParamCounts:
 
     m = cfg.model
     main, mtp = range(m.n_layers), range(m.n_layers, m.n_layers + m.mtp_layers)
-    with torch.device("meta"):
+    with torch.device("meta"), _tensor_sizes():
         shell = Transformer(cfg, vocab_size, layers=[])
         total, active = _count(shell, shell.named_parameters(remove_duplicate=False), cfg)
         mtp_total = mtp_active = 0
@@ -141,6 +143,20 @@ def config_param_counts(cfg, vocab_size: int) -> ParamCounts:
     return ParamCounts(total=total + mtp_total, active=active + mtp_active,
                        embedding=shell.tok_embeddings.weight.numel(), tied=m.tie_embeddings,
                        mtp=mtp_total, mtp_active=mtp_active)
+
+
+@contextlib.contextmanager
+def _tensor_sizes():
+    """A weight of more elements than torch can count (2^63, sizes each within int64) is a
+    ConfigError, not torch's RuntimeError: no device, not even meta, can make it."""
+    try:
+        yield
+    except RuntimeError as e:
+        if "overflow" not in str(e):
+            raise
+        raise ConfigError(f"a weight of this model would hold more elements than a tensor can (torch: "
+                          f"{str(e).splitlines()[0]}); make model.dim, model.ffn_hidden, moe.expert_hidden or "
+                          "the vocabulary smaller") from None
 
 
 def _blocks_of_kind(cfg, blocks: range, moe_layer: bool) -> int:

@@ -1,12 +1,13 @@
 """The transformer's parts against naive references, and the FLOP convention on a hand-counted model."""
 
+import copy
 import math
 
 import pytest
 import torch
 
 from moefold.config import load_config
-from moefold.models.attention import Attention
+from moefold.models.attention import Attention, SlidingWindowMask, causal_mask
 from moefold.models.rope import apply_rope, rope_cos_sin
 from moefold.models.transformer import build_model, is_moe_layer, materialize
 from moefold.moe.layer import MoELayer
@@ -145,6 +146,25 @@ def test_sliding_window_attention_matches_naive_band_mask():
     x2[:, 5] += 1.0
     diff = (attn(x2, cos, sin) - out).abs().amax(dim=(0, 2))
     assert (diff[:5] == 0).all() and (diff[8:] == 0).all() and (diff[5:8] > 0).all()
+
+
+@pytest.mark.parametrize("window", [10, 11, 4096])
+def test_a_window_covering_the_sequence_is_plain_causal_attention(window):
+    """A window at least as long as the sequence masks nothing causal attention does not: SDPA
+    gets is_causal (its fused kernels mask themselves) instead of an [S, S] mask, and the output
+    is the windowless model's. In generation the same holds while start + new tokens fit."""
+    torch.manual_seed(0)
+    windowed = Attention(dim=32, n_heads=4, n_kv_heads=2, head_dim=8, qk_norm=False, norm_eps=1e-6,
+                         sliding_window=window)
+    causal = copy.deepcopy(windowed)
+    causal.mask = causal_mask
+    assert windowed.mask(0, 10, "cpu") == {"is_causal": True}
+    x = torch.randn(2, 10, 32)
+    cos, sin = rope_cos_sin(10, 8, 10000.0)
+    torch.testing.assert_close(windowed(x, cos, sin), causal(x, cos, sin), rtol=0, atol=0)
+    assert torch.equal(windowed.mask(6, 4, "cpu")["attn_mask"], causal_mask(6, 4, "cpu")["attn_mask"])
+    band = SlidingWindowMask(9)(0, 10, "cpu")["attn_mask"]  # one short of the sequence: a band
+    assert not band[9, 0] and band[9, 1] and band[8, 0]
 
 
 def test_mtp_loss_is_the_shifted_prediction_of_each_depth():

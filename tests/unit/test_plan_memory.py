@@ -363,6 +363,9 @@ NESTED_CASES = [("tiny-deepseek", {}, options, "fp32") for outer, inners in AROU
                                "memory.offload": '["attn_core", "moe", "layer"]'}, "bf16-fp32-params"),
     # a sliding window's mask is the core's keyword argument: its checkpoint holds it on the device
     ("tiny-mixtral", {}, {"memory.recompute": '["attn_core"]', "memory.offload": '["layer"]'}, "bf16"),
+    # ... and one the sequence fits in (128 keys) is plain causal attention: no mask to hold
+    ("tiny-mixtral", {"model.sliding_window": 128}, {"memory.recompute": '["attn_core"]', "memory.offload": '["layer"]'},
+     "bf16"),
     # a recompute stops at the region's last save of its own, here the output projection's: the
     # FFN norm and the MoE layer, offloaded after it, do not run again
     ("tiny-qwen3", {}, {"memory.recompute": '["layer"]', "memory.offload": '["norm", "moe"]'}, "fp32"),

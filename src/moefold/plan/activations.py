@@ -180,9 +180,15 @@ def core_tensors(cfg: Config, sh: Shapes) -> tuple[list[int], int, list[int]]:
         qk = T * H * (Dn + Dr) * a
         return [qk, qk, T * H * (Dn + Dv) * a], T * H * Dv * a, internal  # the kv storage v views
     G, Dh = (m.n_kv_heads or m.n_heads) // sh.tp, m.head_dim or m.dim // m.n_heads
-    if m.sliding_window:
+    if window_masked(cfg):
         internal.append(sh.seq * sh.seq * a)
     return [T * H * Dh * a, T * G * Dh * a, T * G * Dh * a], T * H * Dh * a, internal
+
+
+def window_masked(cfg: Config) -> bool:
+    """Whether attention reads a sliding window's [S, S] mask: a window shorter than the sequence
+    (models/attention.py's SlidingWindowMask; a longer one is plain causal, masked in the kernel)."""
+    return cfg.model.attention == "gqa" and 0 < cfg.model.sliding_window < cfg.train.seq_len
 
 
 def mla_proj_inputs(cfg: Config, sh: Shapes) -> tuple[list[int], list[int], list[int]]:

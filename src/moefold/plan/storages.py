@@ -155,7 +155,7 @@ def _core_rest(cfg: Config, sh: Shapes, output: int, internal: list[int]) -> lis
     sliding window's bias, whose bool mask a recomputed core keeps)."""
     out = [Stored(output, "attn_core", [CORE]).saved(LAYER, category="attn_proj"),
            *_saved(internal, "attn_core", CORE)]
-    if cfg.model.attention == "gqa" and cfg.model.sliding_window:
+    if act.window_masked(cfg):
         out.append(Stored(sh.seq * sh.seq, "", held_by=[CORE]))  # a keyword argument
     return out
 

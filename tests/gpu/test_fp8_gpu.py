@@ -47,10 +47,16 @@ def assert_norm_close(actual, expected, rtol=2e-2):
     assert err < rtol, f"relative error {err:.3g}"
 
 
+# (M, K, N); one 128-wide dim makes a blockwise scale tensor one column or row wide (K = 128: a's
+# [M, 1] 1x128 scales), whose strides cuBLAS checks exactly (a blockwise model at dim 128 crashed).
+SHAPES = [(512, 1024, 768), (512, 128, 768), (128, 1024, 128), (128, 128, 128)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=["x".join(map(str, s)) for s in SHAPES])
 @pytest.mark.parametrize("gemm", GEMMS)
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_scaled_mm_matches_emulation(recipe, gemm):
-    M, K, N = 512, 1024, 768
+def test_scaled_mm_matches_emulation(recipe, gemm, shape):
+    M, K, N = shape
     g = torch.Generator(device="cuda").manual_seed(0)
     a = torch.randn(M, K, device="cuda", generator=g, dtype=torch.bfloat16)
     b = torch.randn(K, N, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02
@@ -64,12 +70,13 @@ def test_scaled_mm_matches_emulation(recipe, gemm):
 GROUPED_KERNELS = ["cutlass", "triton"]  # precision.fp8_grouped_gemm
 
 
+@pytest.mark.parametrize("kn", [(512, 1024), (128, 128)], ids=["512x1024", "128x128"])
 @pytest.mark.parametrize("kernel", GROUPED_KERNELS)
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_scaled_grouped_mm_matches_emulation_forward_backward(recipe, kernel):
+def test_scaled_grouped_mm_matches_emulation_forward_backward(recipe, kernel, kn):
     multiple = grouped_scaling(recipe).row_multiple
     sizes = [2 * multiple, 0, 5 * multiple, multiple]
-    E, K, N = len(sizes), 512, 1024
+    (E, (K, N)) = len(sizes), kn
     R = sum(sizes) + 3  # rows past the last group (as the MoE layer leaves them), R not aligned
     offsets_E = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
     g = torch.Generator(device="cuda").manual_seed(1)

@@ -181,3 +181,17 @@ def test_grouped_rejects_tensorwise_and_bad_shapes():
     with pytest.raises(ValueError, match="offsets_E"):
         emulated_grouped_mm(torch.randn(8, 128), torch.randn(2, 128, 128), torch.tensor([8]),
                             make_recipe("rowwise"))
+
+
+@pytest.mark.parametrize("shape", [(128, 1), (1, 64), (3, 128, 1), (5, 7)])
+def test_column_major_strides_are_exact_along_a_dim_of_one(shape):
+    """cuBLAS checks a blockwise scale's strides exactly: a's [M, 1] 1x128 scales (K = 128) must
+    read (1, M), which `.t().contiguous().t()` leaves (1, 1) (torch's contiguity ignores a dim of
+    size 1); blockwise FP8 at dim 128 crashed on the GPU ('scale_a strides must be (1, 128)')."""
+    from moefold.fp8.gemm import column_major
+
+    x = torch.randn(shape)
+    out = column_major(x)
+    rows, cols = shape[-2:]
+    assert torch.equal(out, x) and out.stride()[-2:] == (1, rows)
+    assert column_major(out) is out  # already column-major: no copy

@@ -77,9 +77,15 @@ def pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
 
 
 def column_major(x: torch.Tensor) -> torch.Tensor:
-    """x with its last two dims column-major (stride 1 down the rows), as cuBLAS and the FP8
-    grouped kernels read b and some scales: a copy unless x already is."""
-    return x.transpose(-2, -1).contiguous().transpose(-2, -1)
+    """x with its last two dims column-major (stride 1 down the rows, R between columns), as
+    cuBLAS and the FP8 grouped kernels read b and some scales: a copy unless x already is. The
+    strides are exact also along a dim of size 1, which torch's contiguity ignores but cuBLAS's
+    blockwise scale checks do not (an [M, 1] scale of K = 128: 'scale_a strides must be (1, M)')."""
+    *batch, rows, cols = x.shape
+    out = x.new_empty((*batch, cols, rows)).transpose(-2, -1)
+    if x.stride() == out.stride():
+        return x
+    return out.copy_(x)
 
 
 class Fp8GemmBase:

@@ -263,6 +263,14 @@ def _check_all(rank: int) -> None:
     _check_mla_gathers_latents(tp_mesh)
     _check_fp8_token_shards(tp_mesh)
 
+    # A sequence the TP ranks cannot split evenly under sequence parallelism: one clear error
+    # (it was a broadcast of unequal shards deep in the residual stream).
+    model = build_model(load_config("tiny-qwen3"), VOCAB)
+    apply_tp(model, tp_mesh, sequence_parallel=True)
+    with pytest.raises(ValueError, match="^sequence parallelism splits each sequence over the 2 TP ranks: "
+                                         "a sequence of 7 positions is not a multiple of 2; pad it$"):
+        model(torch.zeros(2, 7, dtype=torch.long))
+
     # Indivisible heads: a ConfigError, before anything is sharded.
     for overrides, what in [({"model.n_heads": 3, "model.n_kv_heads": 1, "model.head_dim": 16}, "n_heads=3"),
                             ({"model.n_heads": 4, "model.n_kv_heads": 1}, "n_kv_heads=1")]:

@@ -44,6 +44,8 @@ router saw whole (parallel/sequence.py). Expert parallelism / expert TP shard th
 (parallel/expert.py).
 """
 
+from functools import partial
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -125,6 +127,7 @@ def _sequence_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
             route_sequence_shard(block.ffn, tp_mesh)
         parallelize_module(block, tp_mesh, plan)
     # Into the first block (x, cos, sin, valid): split the embeddings; out of the last: gather.
+    model.layers[0].register_forward_pre_hook(partial(_refuse_uneven_sequence, tp=tp_mesh.size()))
     parallelize_module(model.layers[0], tp_mesh, PrepareModuleInput(
         input_layouts=(Replicate(), None, None, None), desired_input_layouts=(Shard(1), None, None, None)))
     group = tp_mesh.get_group()
@@ -132,6 +135,16 @@ def _sequence_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     # to_local()'s view of the gathered stream, and FSDP2 warns of a view a unit (the last block,
     # the root's trunk) returns (pytorch#181832: a hazard only for in-place changes, none here).
     model.layers[-1].register_forward_hook(lambda module, args, x_BsD: GatherBlocks.apply(x_BsD.to_local(), group, 1))
+
+
+def _refuse_uneven_sequence(block: nn.Module, args: tuple, tp: int) -> None:
+    """Before the first block splits the sequence: a length the TP ranks cannot share evenly
+    (the trainer's config check refuses such a train.seq_len; a caller of the model may not)
+    would fail deep in the residual stream's sharding, as a broadcast of unequal shards."""
+    S = args[0].shape[1]
+    if S % tp:
+        raise ValueError(f"sequence parallelism splits each sequence over the {tp} TP ranks: a sequence of "
+                         f"{S} positions is not a multiple of {tp}; pad it")
 
 
 def _gathered_input(layout, num_args: int) -> PrepareModuleInput:

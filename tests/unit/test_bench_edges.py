@@ -64,3 +64,17 @@ def test_json_where_the_profile_writes_is_refused_before_the_steps(tmp_path, cap
     assert err.count("\n") == 1 and "Traceback" not in err, err
     assert f"--json {json_path} is where --profile {tmp_path / 'prof'} writes" in err, err
     assert not (tmp_path / "prof").exists()  # refused before anything ran or was written
+
+
+def test_limit_under_several_ranks_is_refused_before_the_steps(capsys, monkeypatch):
+    """Under torchrun each rank's --limit timed the whole model's kernels (every expert, the
+    unsharded projections) against its own share of the step: the fraction printed meant nothing.
+    Refused in one line before anything is built."""
+    from moefold.cli import main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    capsys.readouterr()
+    assert main(["bench", "--config", "tiny", "--steps", "1", "--limit"]) == 2
+    assert capsys.readouterr().err == (
+        "moefold: error: --limit times the whole model's kernels on one device, not a rank's share of them "
+        "(WORLD_SIZE=2): run it in one process, without torchrun\n")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,10 @@ def check_args(args: argparse.Namespace) -> None:
         raise UserError(f"--profile-steps {args.profile_steps} must be >= 1")
     if args.limit_repeats < 1:
         raise UserError(f"--limit-repeats {args.limit_repeats} must be >= 1")
+    world = os.environ.get("WORLD_SIZE", "1")
+    if args.limit and world != "1":
+        raise UserError(f"--limit times the whole model's kernels on one device, not a rank's share of them "
+                        f"(WORLD_SIZE={world}): run it in one process, without torchrun")
     if args.profile is not None:
         refuse_unwritable_dir(args.profile, "--profile")  # checked before the steps run, not after
     if args.json is not None:

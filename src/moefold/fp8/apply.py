@@ -27,7 +27,7 @@ from moefold.fp8.grouped import build_grouped_gemm, grouped_scaling
 from moefold.fp8.linear import Fp8Linear
 from moefold.fp8.saved import SaveInput, saved_input
 from moefold.fp8.weight_cache import build_weight_cache
-from moefold.moe.experts import Experts, Fp8GroupedExperts
+from moefold.moe.experts import Experts, Fp8GroupedExperts, expert_hidden_slice
 from moefold.moe.layer import MoELayer
 from moefold.parallel.tp_split import tp_local_features
 
@@ -78,8 +78,8 @@ def apply_fp8(model: nn.Module, precision: PrecisionConfig, device_type: str,
                 layer = model.get_submodule(parent_name)
                 _raise_pad_multiple(layer, grouped.row_multiple)  # only where the experts run FP8
                 setattr(layer, attr, _fp8_experts(module, grouped_gemm, grouped, grouped_saver, weight_cache))
-            elif type(module) is nn.Linear and attr not in _NEVER_FP8 and _aligned(module, attr, tp,
-                                                                                    lin.row_multiple):
+            elif type(module) is nn.Linear and attr not in _NEVER_FP8 and linear_aligned(
+                    attr, module.in_features, module.out_features, tp, lin.row_multiple):
                 parent = model.get_submodule(parent_name)
                 saver = lin_saver if _keeps_fp8_input(parent, attr, block_shares_inputs, siblings) else SaveInput()
                 setattr(parent, attr, Fp8Linear.from_linear(module, gemm, lin, saver))
@@ -136,10 +136,10 @@ def _keeps_fp8_input(parent: nn.Module, attr: str, shared_inputs: bool, siblings
     return not (has_sibling and shared_inputs)
 
 
-def _aligned(linear: nn.Linear, attr: str, tp: int, multiple: int) -> bool:
-    """Whether the FP8 kernels can tile the linear's shard on one TP rank."""
-    in_features, out_features = tp_local_features(attr, linear.in_features, linear.out_features, tp)
-    return in_features % multiple == 0 and out_features % multiple == 0
+def linear_aligned(attr: str, in_features: int, out_features: int, tp: int, multiple: int) -> bool:
+    """Whether the FP8 kernels can tile the shard one of `tp` ranks holds of the block linear
+    `attr` (parallel/tp_split.py); the memory planner asks the same."""
+    return all(features % multiple == 0 for features in tp_local_features(attr, in_features, out_features, tp))
 
 
 def _check_experts_aligned(experts: Experts, recipe: str, multiple: int, etp: int = 1) -> None:
@@ -148,9 +148,7 @@ def _check_experts_aligned(experts: Experts, recipe: str, multiple: int, etp: in
     time) are refused with the way out."""
     _, dim, hidden = experts.w1_EDF.shape
     if dim % multiple or hidden % (multiple * etp):
-        what = f"moe.expert_hidden ({hidden})" if etp == 1 else \
-            f"moe.expert_hidden / parallel.etp ({hidden} / {etp} = {hidden / etp:g})"
-        raise ConfigError(f"precision.fp8={recipe} needs model.dim ({dim}) and {what} "
+        raise ConfigError(f"precision.fp8={recipe} needs model.dim ({dim}) and {expert_hidden_slice(hidden, etp)} "
                           f"to be multiples of {multiple} for the routed experts; keep them in bf16 with "
                           "precision.fp8_exclude=['*.experts'] or choose another recipe")
 

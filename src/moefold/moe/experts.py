@@ -138,6 +138,13 @@ def grouped_mm_aligned(dim: int, hidden: int, dtype: torch.dtype) -> bool:
 EXPERTS_BACKENDS = {"grouped_mm": GroupedMMExperts, "loop": LoopExperts}
 
 
+def expert_hidden_slice(hidden: int, etp: int) -> str:
+    """The experts' hidden size one ETP rank's GEMMs see, as errors name it."""
+    if etp == 1:
+        return f"moe.expert_hidden ({hidden})"
+    return f"moe.expert_hidden / parallel.etp ({hidden} / {etp} = {hidden / etp:g})"
+
+
 def build_experts(backend: str, num_experts: int, dim: int, hidden: int, device_type: str,
                   compute_dtype: torch.dtype, activation: str = "swiglu",
                   probs_in_activation: bool = False, etp: int = 1) -> Experts:
@@ -148,9 +155,8 @@ def build_experts(backend: str, num_experts: int, dim: int, hidden: int, device_
         backend = "grouped_mm" if grouped_mm_supported(device_type, compute_dtype) and aligned else "loop"
     elif backend == "grouped_mm" and not aligned:
         multiple, dtype_name = 16 // compute_dtype.itemsize, str(compute_dtype).removeprefix("torch.")
-        what = f"moe.expert_hidden ({hidden})" if etp == 1 else \
-            f"moe.expert_hidden / parallel.etp ({hidden} / {etp} = {hidden // etp})"
-        raise ConfigError(f"moe.experts_backend=grouped_mm needs model.dim ({dim}) and {what} to be "
+        raise ConfigError(f"moe.experts_backend=grouped_mm needs model.dim ({dim}) and "
+                          f"{expert_hidden_slice(hidden, etp)} to be "
                           f"multiples of {multiple} in {dtype_name} (rows of 16 bytes); use "
                           "moe.experts_backend=auto or loop")
     act = (ProbsInActivation if probs_in_activation else PlainActivation)(ACTIVATIONS[activation])

@@ -40,12 +40,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from moefold.config import Config
-from moefold.fp8.apply import excluded_by
+from moefold.fp8.apply import excluded_by, linear_aligned
 from moefold.fp8.gemm import linear_scaling
 from moefold.fp8.grouped import grouped_scaling
 from moefold.moe.capacity import padded_capacity
 from moefold.moe.permute import RowLayout
-from moefold.parallel.tp_split import tp_local_features
 
 CATEGORIES = ("embedding", "norm", "attn_proj", "attn_core", "mlp", "router", "moe_dispatch",
               "experts", "shared_experts", "mtp_proj", "head", "weight_copies", "kept_inputs")
@@ -144,8 +143,7 @@ def fp8_linear(cfg: Config, sh: Shapes, name: str, in_features: int, out_feature
     if not fp8_module(cfg, sh, name):
         return False
     multiple = linear_scaling(cfg.precision.fp8).row_multiple
-    local = tp_local_features(name.rpartition(".")[2], in_features, out_features, sh.tp)
-    return all(features % multiple == 0 for features in local)
+    return linear_aligned(name.rpartition(".")[2], in_features, out_features, sh.tp, multiple)
 
 
 def _add(into: Bytes, **parts: int) -> Bytes:

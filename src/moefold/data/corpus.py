@@ -105,7 +105,9 @@ def validation_threshold(val_fraction: float) -> int:
 
 def is_validation(name: str, threshold: int) -> bool:
     """Whether the document `name` is held out: its hash bucket is below `threshold` / 10_000."""
-    return zlib.crc32(name.encode("utf-8")) % _HASH_BUCKETS < threshold
+    # surrogateescape: a file name that is not UTF-8 (Latin-1 bytes on Linux) reaches us with its
+    # bytes escaped as lone surrogates; they hash as those bytes rather than failing the encode.
+    return zlib.crc32(name.encode("utf-8", "surrogateescape")) % _HASH_BUCKETS < threshold
 
 
 def _ensure_both_nonempty(train_docs: list[np.ndarray], val_docs: list[np.ndarray], label: str,

@@ -1,0 +1,44 @@
+"""Audit of moefold.data against naive references: inputs that reached the user as tracebacks
+(file names that are not UTF-8, pathological JSON lines, odd .npy dtypes)."""
+
+from __future__ import annotations
+
+import os
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moefold.config import DataConfig
+from moefold.data import ByteTokenizer, build_token_streams
+from moefold.errors import DataError
+
+BYTES = ByteTokenizer()
+
+
+def byte_doc(raw: bytes) -> list[int]:
+    """Naive reference: a document's bytes followed by EOS."""
+    return list(raw) + [BYTES.eos_id]
+
+
+def streams_of(path: Path, **overrides):
+    return build_token_streams(DataConfig(path=str(path), **overrides), BYTES)
+
+
+def test_a_file_name_that_is_not_utf8_is_split_by_its_bytes(tmp_path):
+    """A Latin-1 file name (b'caf\\xe9.txt', as Linux allows) crashed the split with
+    UnicodeEncodeError ('surrogates not allowed'); it hashes as the name's bytes."""
+    names = [b"caf\xe9.txt", b"plain.txt", b"na\xefve.txt", b"\xff\xfe.txt"]
+    texts = {name: b"text of " + name + b"\n" for name in names}
+    for name, text in texts.items():
+        (tmp_path / os.fsdecode(name)).write_bytes(text)
+    streams = streams_of(tmp_path, val_fraction=0.5)
+    # Naive reference: files in sorted order, held out by the crc32 of the raw name's bytes.
+    by_name = sorted(names, key=os.fsdecode)
+    held = {name: zlib.crc32(name) % 10_000 < 5000 for name in names}
+    assert any(held.values()) and not all(held.values())  # both sides nonempty as drawn
+    decoded = {n: texts[n].decode("utf-8", errors="replace").encode("utf-8") for n in names}
+    assert streams.val_N.tolist() == [t for n in by_name if held[n] for t in byte_doc(decoded[n])]
+    assert streams.train_N.tolist() == [t for n in by_name if not held[n]
+                                        for t in byte_doc(decoded[n])]

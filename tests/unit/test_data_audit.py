@@ -42,3 +42,13 @@ def test_a_file_name_that_is_not_utf8_is_split_by_its_bytes(tmp_path):
     assert streams.val_N.tolist() == [t for n in by_name if held[n] for t in byte_doc(decoded[n])]
     assert streams.train_N.tolist() == [t for n in by_name if not held[n]
                                         for t in byte_doc(decoded[n])]
+
+
+@pytest.mark.parametrize("line", ["[" * 100_000, '{"a": ' * 100_000], ids=["arrays", "objects"])
+def test_a_deeply_nested_jsonl_line_is_a_one_line_error(tmp_path, line):
+    """A line of 100,000 nested arrays or objects ended in json's RecursionError traceback."""
+    path = tmp_path / "deep.jsonl"
+    path.write_text('{"text": "fine"}\n' + line + "\n")
+    with pytest.raises(DataError, match=r"^data\.path=.*deep\.jsonl: line 2: JSON nested too "
+                                        r"deeply to read \(one flat object per line\)$"):
+        streams_of(path)

@@ -183,6 +183,9 @@ def _jsonl_documents(file: DataFile, text_field: str) -> Iterator[Document]:
                 record = json.loads(line.decode("utf-8-sig", errors="replace"))
             except ValueError as e:
                 raise file.error(f"line {line_no}: not valid JSON ({e})") from None
+            except RecursionError:  # json's decoder recurses once per nested array or object
+                raise file.error(f"line {line_no}: JSON nested too deeply to read "
+                                 "(one flat object per line)") from None
             if not isinstance(record, dict):  # "no field" would send the user to data.text_field
                 raise file.error(f"line {line_no}: a JSON {_json_kind(record)}, not an object "
                                  f"with field {text_field!r} (one object per line)")

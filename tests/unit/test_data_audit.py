@@ -52,3 +52,14 @@ def test_a_deeply_nested_jsonl_line_is_a_one_line_error(tmp_path, line):
     with pytest.raises(DataError, match=r"^data\.path=.*deep\.jsonl: line 2: JSON nested too "
                                         r"deeply to read \(one flat object per line\)$"):
         streams_of(path)
+
+
+@pytest.mark.parametrize("dtype", ["m8[s]", "M8[D]", "?", "f2"])
+def test_an_npy_of_no_integer_ids_is_refused_by_name(tmp_path, dtype):
+    """A timedelta64 array passed the integer check (NumPy calls it an integer type) and ended in
+    a TypeError traceback at the vocabulary check."""
+    path = tmp_path / "ids.npy"
+    np.save(path, np.zeros(8, dtype=dtype))
+    with pytest.raises(DataError, match=r"^data\.path=.*ids\.npy: expected a 1-D integer array of "
+                                        r"token ids, got shape \(8,\) of "):
+        streams_of(path)

@@ -303,7 +303,8 @@ def _open_npy(file: DataFile) -> np.ndarray:
         tokens_N = np.load(file.path, mmap_mode="r", allow_pickle=False)
     except (ValueError, OSError, EOFError) as e:
         raise file.error(f"not a valid .npy file ({_first_line(e)})") from None
-    if tokens_N.ndim != 1 or not np.issubdtype(tokens_N.dtype, np.integer):
+    # By kind, not np.issubdtype(..., np.integer): NumPy counts timedelta64 as an integer type.
+    if tokens_N.ndim != 1 or tokens_N.dtype.kind not in "iu":
         raise file.error(f"expected a 1-D integer array of token ids, got shape "
                          f"{tokens_N.shape} of {tokens_N.dtype}")
     return tokens_N

@@ -63,3 +63,77 @@ def test_an_npy_of_no_integer_ids_is_refused_by_name(tmp_path, dtype):
     with pytest.raises(DataError, match=r"^data\.path=.*ids\.npy: expected a 1-D integer array of "
                                         r"token ids, got shape \(8,\) of "):
         streams_of(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# The trainer's data order across layouts
+# ---------------------------------------------------------------------------------------------
+
+
+def trainer_loader(corpus: Path, dp: int, micro_batch: int, **train):
+    """The train loader Trainer._build_data builds on a data rank of `dp` (the rest of the trainer
+    stubbed: it reads only cfg, dist.dp_size and grad_accum), and the micro-batches of a step."""
+    from types import SimpleNamespace
+
+    from moefold.config import load_config, micro_batches_per_step
+    from moefold.train.trainer import Trainer
+
+    cfg = load_config("tiny-qwen3", {"data.path": str(corpus), "data.val_fraction": "0",
+                                     "train.seq_len": "64", "train.micro_batch_size": str(micro_batch),
+                                     **{f"train.{k}": str(v) for k, v in train.items()}})
+    stub = SimpleNamespace(cfg=cfg, dist=SimpleNamespace(dp_size=dp),
+                           grad_accum=micro_batches_per_step(cfg.train, dp))
+    Trainer._build_data(stub)
+    return stub.train_loader, stub.grad_accum
+
+
+def step_windows(loader, accum: int, steps: int) -> list[list[tuple[int, ...]]]:
+    """Each step's sequences (as token tuples), in the order the global batch holds them."""
+    return [[tuple(row) for _ in range(accum) for row in loader.next_batch().input_ids_BS.tolist()]
+            for _ in range(steps)]
+
+
+@pytest.mark.parametrize("layout, one_process", [
+    # (dp, micro_batch_size, train.*) on dp ranks, and one process with the same global batch
+    ((2, 2, {"global_batch_size": 4}), (1, 2, {"global_batch_size": 4})),
+    ((3, 1, {"global_batch_size": 6}), (1, 1, {"global_batch_size": 6})),
+    ((2, 1, {"grad_accum": 2}), (1, 1, {"grad_accum": 4})),
+])
+def test_each_step_trains_on_the_sequences_of_one_process_past_an_epoch(tmp_path, layout,
+                                                                         one_process):
+    """parallel.md: "a layout trains on exactly the data one process does". The loader dropped
+    each epoch's last partial global micro-batch (micro_batch_size · dp sequences), so on dp ranks
+    an epoch ended at another sequence than in one process with the same global batch: every
+    step after the first epoch trained on other sequences. An epoch now ends at its last whole
+    optimizer step, however that step is split into micro-batches and ranks."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"line {i}: " + "x" * (i % 7) + "\n" for i in range(150)))
+    loader, accum = trainer_loader(corpus, *layout[:2], **layout[2])
+    ref_loader, ref_accum = trainer_loader(corpus, *one_process[:2], **one_process[2])
+    global_batch = loader.batch_size * accum
+    assert ref_loader.batch_size * ref_accum == global_batch
+    num_sequences = len(loader.sequences)
+    # Precondition: the micro-batches leave different remainders of an epoch.
+    assert num_sequences % loader.batch_size != num_sequences % ref_loader.batch_size
+    steps = 2 * num_sequences // global_batch + 3  # past two epoch ends
+    assert step_windows(loader, accum, steps) == step_windows(ref_loader, ref_accum, steps)
+
+
+@pytest.mark.parametrize("saved, resumed", [
+    ((2, 2, {"global_batch_size": 8}), (1, 2, {"global_batch_size": 8})),  # world 2 → 1
+    ((1, 1, {"grad_accum": 6}), (3, 2, {"grad_accum": 1})),                # world 1 → 3
+])
+def test_a_resume_under_another_layout_continues_the_uninterrupted_steps(tmp_path, saved, resumed):
+    """A checkpoint's data position, resumed on another number of data ranks with the same global
+    batch, at every step of two epochs (mid-epoch, at and past the epoch's end)."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"line {i}: " + "y" * (i % 5) + "\n" for i in range(120)))
+    reference, accum = trainer_loader(corpus, *saved[:2], **saved[2])
+    num_steps = 2 * len(reference.sequences) // (reference.batch_size * accum) + 2
+    expected = step_windows(reference, accum, num_steps)
+    for stop in range(num_steps):
+        original, _ = trainer_loader(corpus, *saved[:2], **saved[2])
+        step_windows(original, accum, stop)
+        loader, resumed_accum = trainer_loader(corpus, *resumed[:2], **resumed[2])
+        loader.load_state_dict(original.state_dict())
+        assert step_windows(loader, resumed_accum, num_steps - stop) == expected[stop:], stop

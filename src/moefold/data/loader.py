@@ -118,14 +118,16 @@ class TrainLoader:
     """Endless batches of `batch_size` sequences, reshuffled every epoch.
 
     Epoch e visits the sequences in the order `randperm(len, (seed * 1_000_003 + e) mod 2**64)`,
-    B at a time; the last partial batch of an epoch is dropped, so every batch holds exactly B
-    sequences.
+    B at a time, up to its last whole optimizer step (`step_size` sequences); the rest of the order
+    is dropped, so every batch holds exactly B sequences, and an epoch ends at the same sequence
+    however a step is split into micro-batches and data ranks.
     """
 
     def __init__(self, sequences: PackedSequences, batch_size: int, seed: int, eos_id: int, *,
-                 vocab: Vocabulary | None = None):
+                 vocab: Vocabulary | None = None, step_size: int | None = None):
         """`batch_size`: the global micro-batch, train.micro_batch_size on each data-parallel
-        rank. `vocab`: the ids every batch is checked to hold; None checks nothing."""
+        rank. `vocab`: the ids every batch is checked to hold; None checks nothing. `step_size`:
+        sequences per optimizer step, a multiple of `batch_size` (default: `batch_size`)."""
         if len(sequences) < batch_size:  # named as a product: under data parallelism it is one
             raise DataError(f"train.micro_batch_size · data-parallel ranks = {batch_size} "
                             f"sequences exceeds the {len(sequences)} training sequences of "
@@ -136,6 +138,12 @@ class TrainLoader:
         self.seed = seed
         self.eos_id = eos_id
         self.vocab = vocab
+        # An epoch ends where a whole step no longer fits, not a micro-batch: the micro-batch is
+        # micro_batch_size · dp, and dropping its remainder made the data order depend on dp. A
+        # step longer than an epoch runs across epochs, a micro-batch at a time.
+        step_size = step_size or batch_size
+        self.step_size = step_size if step_size <= len(sequences) else batch_size
+        self._step_batch = 0  # index in its step of the next micro-batch; a checkpoint is at 0
         self.epoch = 0
         self.cursor = 0  # position in this epoch's permutation of the next batch's first sequence
         self._order_epoch, self._order_N = -1, torch.empty(0, dtype=torch.int64)
@@ -150,8 +158,10 @@ class TrainLoader:
         return self._order_N
 
     def next_batch(self) -> Batch:
-        if self.cursor + self.batch_size > len(self.sequences):
+        need = self.step_size if self._step_batch == 0 else self.batch_size
+        if self.cursor + need > len(self.sequences):
             self.epoch, self.cursor = self.epoch + 1, 0
+        self._step_batch = (self._step_batch + 1) % (self.step_size // self.batch_size)
         indices_B = self.epoch_order(self.epoch)[self.cursor:self.cursor + self.batch_size]
         self.cursor += self.batch_size
         windows_BS1 = self.sequences.gather(indices_B.tolist())
@@ -174,7 +184,7 @@ class TrainLoader:
             raise DataError(f"data loader state (epoch={epoch}, cursor={cursor}) does not fit "
                             f"the {len(self.sequences)} training sequences; were data.path or "
                             "train.seq_len changed since the checkpoint?")
-        self.epoch, self.cursor = epoch, cursor
+        self.epoch, self.cursor, self._step_batch = epoch, cursor, 0
 
 
 def val_batches(sequences: PackedSequences, batch_size: int, num_batches: int, eos_id: int, *,

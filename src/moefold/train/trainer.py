@@ -302,7 +302,7 @@ class Trainer:
         global_micro_batch = t.micro_batch_size * self.dist.dp_size
         train_seqs = PackedSequences(streams.train_N, t.seq_len, name="training")
         self.train_loader = TrainLoader(train_seqs, global_micro_batch, t.seed, streams.eos_id,
-                                        vocab=streams.vocab)
+                                        vocab=streams.vocab, step_size=global_micro_batch * self.grad_accum)
         self.val_batches = []
         if streams.val_N.size:  # data.val_fraction = 0 turns validation off
             val_seqs = PackedSequences(streams.val_N, t.seq_len, name="validation")

@@ -78,9 +78,9 @@ def trainer_loader(corpus: Path, dp: int, micro_batch: int, **train):
     from moefold.config import load_config, micro_batches_per_step
     from moefold.train.trainer import Trainer
 
-    cfg = load_config("tiny-qwen3", {"data.path": str(corpus), "data.val_fraction": "0",
-                                     "train.seq_len": "64", "train.micro_batch_size": str(micro_batch),
-                                     **{f"train.{k}": str(v) for k, v in train.items()}})
+    cfg = load_config("tiny-qwen3", {
+        "data.path": str(corpus), "data.val_fraction": "0", "train.seq_len": "64",
+        "train.micro_batch_size": str(micro_batch), **{f"train.{k}": str(v) for k, v in train.items()}})
     stub = SimpleNamespace(cfg=cfg, dist=SimpleNamespace(dp_size=dp),
                            grad_accum=micro_batches_per_step(cfg.train, dp))
     Trainer._build_data(stub)
@@ -137,3 +137,41 @@ def test_a_resume_under_another_layout_continues_the_uninterrupted_steps(tmp_pat
         loader, resumed_accum = trainer_loader(corpus, *resumed[:2], **resumed[2])
         loader.load_state_dict(original.state_dict())
         assert step_windows(loader, resumed_accum, num_steps - stop) == expected[stop:], stop
+
+
+@pytest.mark.parametrize("dp, micro_batch, accum", [(2, 3, 1), (3, 2, 2), (4, 1, 3)])
+def test_data_ranks_take_disjoint_rows_that_cover_the_seeded_epoch(tmp_path, dp, micro_batch,
+                                                                   accum):
+    """Each data rank's rows (Trainer._local_rows) against a naive reference: the ranks' rows of a
+    micro-batch are disjoint and together the global micro-batch, and one epoch visits, in the
+    seeded order, every sequence once up to its last whole step (the sequence count divides by
+    neither dp · micro_batch_size nor the step)."""
+    import torch
+    from types import SimpleNamespace
+
+    from moefold.train.trainer import Trainer
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"row {i}\n" for i in range(300)))
+    loaders = [trainer_loader(corpus, dp, micro_batch, grad_accum=accum)[0] for _ in range(dp)]
+    num_sequences, step = len(loaders[0].sequences), dp * micro_batch * accum
+    assert num_sequences % (dp * micro_batch) and num_sequences % step  # a remainder to drop
+    windows = [tuple(loaders[0].sequences[i][:-1].tolist()) for i in range(num_sequences)]
+    index_of = {window: i for i, window in enumerate(windows)}
+    assert len(index_of) == num_sequences  # every sequence tells which it is
+    seen = []
+    for _ in range(num_sequences // step * accum):  # one epoch of micro-batches
+        rows = []
+        for rank, loader in enumerate(loaders):
+            ranked = SimpleNamespace(dist=SimpleNamespace(dp_rank=rank, dp_size=dp))
+            local = Trainer._local_rows(ranked, loader.next_batch())
+            assert local.input_ids_BS.shape[0] == micro_batch
+            assert torch.equal(local.labels_BS[:, :-1], local.input_ids_BS[:, 1:])
+            rows += [index_of[tuple(row)] for row in local.input_ids_BS.tolist()]
+        seen += rows
+    orders = [torch.randperm(num_sequences, generator=torch.Generator().manual_seed(
+        loaders[0].seed * 1_000_003 + epoch)).tolist() for epoch in range(2)]
+    assert seen == orders[0][:num_sequences - num_sequences % step]
+    assert len(set(seen)) == len(seen)
+    next_rows = [index_of[tuple(row)] for row in loaders[0].next_batch().input_ids_BS.tolist()]
+    assert next_rows == orders[1][:dp * micro_batch]  # the remainder dropped, the next epoch begun

@@ -175,3 +175,32 @@ def test_data_ranks_take_disjoint_rows_that_cover_the_seeded_epoch(tmp_path, dp,
     assert len(set(seen)) == len(seen)
     next_rows = [index_of[tuple(row)] for row in loaders[0].next_batch().input_ids_BS.tolist()]
     assert next_rows == orders[1][:dp * micro_batch]  # the remainder dropped, the next epoch begun
+
+
+def deny_stat(monkeypatch, path: Path) -> None:
+    """stat(`path`) fails as under a directory without search (x) permission (tests may run as
+    root, which no permission stops)."""
+    import errno
+
+    real_stat = os.stat
+
+    def guarded_stat(file, *args, **kwargs):
+        if os.fspath(file) == str(path):
+            raise PermissionError(errno.EACCES, "Permission denied", os.fspath(file))
+        return real_stat(file, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", guarded_stat)
+
+
+@pytest.mark.parametrize("target", ["data.path", "a file in it"])
+def test_a_path_that_cannot_be_stated_is_a_one_line_error(tmp_path, monkeypatch, target):
+    """data.path=/home/alice/corpus.txt for another user (/home/alice 0750): Path.exists() raises
+    PermissionError rather than returning False, and it reached the user as a traceback."""
+    (tmp_path / "data" / "sub").mkdir(parents=True)
+    (tmp_path / "data" / "sub" / "b.txt").write_text("text")
+    data_path = tmp_path / "data" / ("sub/b.txt" if target == "data.path" else "")
+    deny_stat(monkeypatch, tmp_path / "data" / "sub" / "b.txt")
+    where = "" if target == "data.path" else "sub/b.txt: "
+    with pytest.raises(DataError) as info:
+        streams_of(data_path)
+    assert str(info.value) == f"data.path={data_path}: {where}cannot be read (Permission denied)"

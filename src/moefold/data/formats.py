@@ -85,17 +85,10 @@ def stdlib_files() -> list[DataFile]:
 def find_data_files(data_path: str) -> list[DataFile]:
     """The data files `data.path` names (a file, or a directory searched recursively), sorted."""
     root = Path(data_path)
-    if not root.exists():
-        raise DataError(f"data.path={data_path}: no such file or directory")
-    if root.is_dir():
-        paths = [p for p in _walk_files(root, data_path)
-                 if p.is_file() and p.suffix.lower() in SUFFIXES]
-        if not paths:
-            raise DataError(f"data.path={data_path}: no {ALLOWED} files found")
-        files = sorted((_data_file(p, p.relative_to(root).as_posix(), data_path) for p in paths),
-                       key=lambda f: f.name)
-    else:
-        files = [_data_file(root, root.name, data_path)]
+    try:
+        files = _locate_files(root, data_path)
+    except OSError as e:  # stat under a directory without search (x) permission: EACCES
+        raise _unreadable(e, root, data_path) from None
     for file in files:
         _check_file(file)
     if len({file.is_tokens for file in files}) > 1:
@@ -104,14 +97,34 @@ def find_data_files(data_path: str) -> list[DataFile]:
     return files
 
 
+def _locate_files(root: Path, data_path: str) -> list[DataFile]:
+    if not root.exists():
+        raise DataError(f"data.path={data_path}: no such file or directory")
+    if root.is_dir():
+        paths = [p for p in _walk_files(root, data_path)
+                 if p.is_file() and p.suffix.lower() in SUFFIXES]
+        if not paths:
+            raise DataError(f"data.path={data_path}: no {ALLOWED} files found")
+        return sorted((_data_file(p, p.relative_to(root).as_posix(), data_path) for p in paths),
+                      key=lambda f: f.name)
+    return [_data_file(root, root.name, data_path)]
+
+
+def _unreadable(e: OSError, root: Path, data_path: str) -> DataError:
+    """The one-line error for an OSError listing or stat-ing `e.filename` under data.path."""
+    where = ""
+    if e.filename and Path(e.filename) != root:
+        where = Path(e.filename).relative_to(root).as_posix() + ": "
+    return DataError(f"data.path={data_path}: {where}cannot be read ({e.strerror or e})")
+
+
 def _walk_files(root: Path, data_path: str) -> list[Path]:
     """Every file under `root`, through symlinked directories too (Path.rglob does not follow
     them). A directory reached again (a symlink loop, a second link) is walked once, by the first
     path in sorted order. One that cannot be listed is an error: os.walk skips it silently."""
 
     def unreadable(e: OSError) -> None:
-        where = Path(e.filename).relative_to(root).as_posix() if e.filename else "?"
-        raise DataError(f"data.path={data_path}: {where}: cannot be read ({e.strerror or e})")
+        raise _unreadable(e, root, data_path)
 
     seen: set[str] = set()
     paths = []

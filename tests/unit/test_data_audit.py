@@ -204,3 +204,43 @@ def test_a_path_that_cannot_be_stated_is_a_one_line_error(tmp_path, monkeypatch,
     with pytest.raises(DataError) as info:
         streams_of(data_path)
     assert str(info.value) == f"data.path={data_path}: {where}cannot be read (Permission denied)"
+
+
+def deny_read(monkeypatch, path: Path) -> None:
+    """Opening `path` fails as a file without read permission does."""
+    import builtins
+    import errno
+    import io
+
+    real_open = builtins.open
+
+    def guarded_open(file, *args, **kwargs):
+        if os.fspath(file) == str(path):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", guarded_open)
+    monkeypatch.setattr(io, "open", guarded_open)  # Path.read_bytes
+
+
+def test_a_tokenizer_that_cannot_be_stated_or_read_is_a_one_line_error(tmp_path, monkeypatch):
+    """data.tokenizer under a directory without search permission (Path.is_dir() raised), and a
+    tokenizer_config.json beside it that cannot be read: PermissionError tracebacks."""
+    from tokenizers import Tokenizer, models
+
+    from moefold.data import build_tokenizer
+
+    tokenizer = Tokenizer(models.WordLevel({"[UNK]": 0, "</t>": 1}, unk_token="[UNK]"))
+    tokenizer.save(str(path := tmp_path / "tokenizer.json"))
+    (config := tmp_path / "tokenizer_config.json").write_text('{"eos_token": "</t>"}')
+    assert build_tokenizer(str(path)).eos_id == 1  # precondition: readable, it loads
+    with monkeypatch.context() as patch:
+        deny_stat(patch, path)
+        with pytest.raises(DataError) as info:
+            build_tokenizer(str(path))
+        assert str(info.value) == f"data.tokenizer={path}: cannot be read (Permission denied)"
+    deny_read(monkeypatch, config)
+    with pytest.raises(DataError) as info:
+        build_tokenizer(str(path))
+    assert str(info.value) == (f"data.tokenizer={path}: {config}: cannot be read "
+                               "(Permission denied)")

@@ -169,10 +169,14 @@ def _load_tokenizer_json(path: str):
     except ImportError:
         raise DataError(f"data.tokenizer={path}: needs the `tokenizers` package "
                         "(pip install 'moefold[hf]')") from None
-    if Path(path).is_dir():
+    try:
+        is_dir, is_file = Path(path).is_dir(), Path(path).is_file()
+    except OSError as e:  # under a directory without search (x) permission: EACCES, not False
+        raise DataError(f"data.tokenizer={path}: cannot be read ({e.strerror or e})") from None
+    if is_dir:
         raise DataError(f"data.tokenizer={path}: a directory; give the tokenizer.json file itself "
                         f"(such as {Path(path) / 'tokenizer.json'})")
-    if not Path(path).is_file():
+    if not is_file:
         raise DataError(f"data.tokenizer={path}: no such file (expected a Hugging Face "
                         "tokenizer.json; empty uses the byte-level tokenizer)")
     try:
@@ -221,6 +225,9 @@ def _config_eos_token(path: str) -> str | None:
         config = json.loads(config_path.read_bytes())
     except ValueError as e:
         raise DataError(f"data.tokenizer={path}: {config_path}: not valid JSON ({e})") from None
+    except OSError as e:
+        raise DataError(f"data.tokenizer={path}: {config_path}: cannot be read "
+                        f"({e.strerror or e})") from None
     if not isinstance(config, dict):
         raise DataError(f"data.tokenizer={path}: {config_path}: not a JSON object "
                         f"(a {type(config).__name__})")

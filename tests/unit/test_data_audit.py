@@ -80,7 +80,8 @@ def trainer_loader(corpus: Path, dp: int, micro_batch: int, **train):
 
     cfg = load_config("tiny-qwen3", {
         "data.path": str(corpus), "data.val_fraction": "0", "train.seq_len": "64",
-        "train.micro_batch_size": str(micro_batch), **{f"train.{k}": str(v) for k, v in train.items()}})
+        "train.micro_batch_size": str(micro_batch),
+        **{f"train.{key}": str(value) for key, value in train.items()}})
     stub = SimpleNamespace(cfg=cfg, dist=SimpleNamespace(dp_size=dp),
                            grad_accum=micro_batches_per_step(cfg.train, dp))
     Trainer._build_data(stub)

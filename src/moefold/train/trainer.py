@@ -650,8 +650,9 @@ class Trainer:
                  "expert load heatmap skipped: needs matplotlib (pip install 'moefold[viz]')")
 
     def _checkpoint_due(self) -> bool:
-        every = self.cfg.checkpoint.every
-        return bool(every) and self.step % every == 0 and self.step < self.cfg.train.steps
+        """A step of checkpoint.every's; the last one too unless save_at_end saves it after the loop."""
+        every, last = self.cfg.checkpoint.every, self.step == self.cfg.train.steps
+        return bool(every) and self.step % every == 0 and not (last and self.cfg.checkpoint.save_at_end)
 
     def _log_window(self, window: _Window, lr: float, emit) -> dict[str, Any]:
         names = list(window.loss_sums)

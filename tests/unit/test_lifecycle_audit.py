@@ -25,3 +25,21 @@ def test_checkpoint_every_saves_each_of_its_steps_the_last_one_included(tmp_path
     assert main(["train", "--run-dir", str(run), *tiny_args, "--train.steps", "4", "--checkpoint.every",
                  str(every), "--checkpoint.save_at_end", save_at_end, "--checkpoint.keep", "10"]) == 0
     assert _saved_steps(run) == saved
+
+
+def test_resuming_a_finished_run_writes_nothing_in_its_or_another_run_dir(tmp_path, tiny_args, capsys):
+    """`--resume RUN --run-dir NEW` with nothing to train left NEW holding a config.toml and no
+    checkpoint, a run directory every later training was refused ('holds a run that saved no
+    checkpoint'), the one the message tells to continue with more steps included."""
+    run, new = tmp_path / "run", tmp_path / "new"
+    assert main(["train", "--run-dir", str(run), *tiny_args, "--train.steps", "3"]) == 0
+    config = (run / "config.toml").read_bytes()
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run), "--run-dir", str(new)]) == 0
+    assert "nothing to train: the run is already at step 3" in capsys.readouterr().out
+    assert not new.exists()
+    assert main(["train", "--resume", str(run), "--train.lr", "1e-4"]) == 0  # nothing trained with it
+    assert (run / "config.toml").read_bytes() == config
+
+    assert main(["train", "--resume", str(run), "--run-dir", str(new), "--train.steps", "4"]) == 0
+    assert _saved_steps(new) == [4]

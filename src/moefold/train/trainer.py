@@ -282,7 +282,7 @@ class Trainer:
         refresh_weight_caches(self.model)  # precision.fp8_weight_cache: from the weights it starts with
         self.dist.barrier()  # every rank has checked the run dir before rank 0 writes into it
         self._run_lock = RunDirLock(self.run_dir)
-        if self.dist.is_main:
+        if self.dist.is_main and not self._nothing_to_train():  # a finished run: nothing written anywhere
             self._prepare_run_dir()
 
     # ----------------------------------------------------------------------------------- build
@@ -522,9 +522,13 @@ class Trainer:
         finally:
             self._run_lock.release()  # the run directory is free for the next training (a resume)
 
+    def _nothing_to_train(self) -> bool:
+        """A resumed run already at train.steps."""
+        return self.resumed_from is not None and self.step == self.cfg.train.steps
+
     def _fit(self) -> dict[str, Any]:
         self._announce()
-        if self.resumed_from is not None and self.step == self.cfg.train.steps:  # nothing to run, nothing re-saved
+        if self._nothing_to_train():  # nothing to run, nothing re-saved
             self.out(f"nothing to train: the run is already at step {self.step} = train.steps; "
                      f"give --train.steps above {self.step} to continue it")
             return {}

@@ -347,7 +347,11 @@ def _run_dir_of(resume: Path) -> Path:
     """The run directory of --resume DIR, which names a run or one of its checkpoints."""
     resume = Path(resume)
     if resume.name.startswith("step_") and resume.parent.name == "checkpoints":
-        return resume.parent.parent
+        run_dir = resume.parent.parent
+        if not (run_dir / "config.toml").is_file():  # else named as a --config that was never given
+            raise UserError(f"--resume {resume}: its run directory {run_dir} holds no config.toml, the config "
+                            "the run continues with")
+        return run_dir
     if not (resume / "config.toml").is_file():
         raise UserError(f"--resume {resume}: not a moefold run directory (no config.toml)")
     return resume

@@ -43,3 +43,16 @@ def test_resuming_a_finished_run_writes_nothing_in_its_or_another_run_dir(tmp_pa
 
     assert main(["train", "--resume", str(run), "--run-dir", str(new), "--train.steps", "4"]) == 0
     assert _saved_steps(new) == [4]
+
+
+def test_resuming_a_checkpoint_of_a_run_without_config_toml_names_resume(tmp_path, tiny_args, capsys):
+    run = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run), *tiny_args, "--train.steps", "2", "--train.warmup_steps", "1"]) == 0
+    (run / "config.toml").unlink()
+    checkpoint = run / "checkpoints" / "step_00000002"
+    capsys.readouterr()
+    assert main(["train", "--resume", str(checkpoint), "--train.steps", "4"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"moefold: error: --resume {checkpoint}: its run directory {run} holds no config.toml, the config "
+        "the run continues with"]
+    assert sorted(p.name for p in run.iterdir()) == [".lock", "checkpoints", "metrics.jsonl"]

@@ -409,7 +409,8 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         """As torch, but keeps each state tensor's own dtype: torch casts floating state to the
         parameter's dtype (`Optimizer._process_value_according_to_param_policy`), which would
         widen fp8 moments and corrupt int16 remainders through bf16. Each group keeps its own
-        `fused`: the kernel is this process's choice (its device, Triton), not the saver's."""
+        `fused`: the kernel is this process's choice (its device, Triton), not the saver's. The
+        step counts stay CPU tensors, as built."""
         fused = [group.get("fused", False) for group in self.param_groups]
         super().load_state_dict(state_dict)
         for group, f in zip(self.param_groups, fused):
@@ -419,5 +420,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         for saved_id, p in zip(saved_ids, params, strict=True):
             saved = state_dict["state"].get(saved_id, {})
             for key, value in saved.items():
-                if isinstance(value, torch.Tensor) and key != "step":
+                if key == "step":  # on the CPU (torch moves it to a fused saver's device): no sync to read it
+                    self.state[p][key] = torch.as_tensor(value).to("cpu", torch.float32, copy=True)
+                elif isinstance(value, torch.Tensor):
                     self.state[p][key] = value.to(device=p.device, copy=True)

@@ -4,7 +4,9 @@ a CPU-only machine has no other device than the CPU."""
 
 import torch
 
+from moefold.config import TrainConfig
 from moefold.optim import precision
+from moefold.optim.adamw import AdamW, build_optimizer, param_groups
 from moefold.optim.precision import PrecisionAwareAdamW
 
 
@@ -23,3 +25,24 @@ def test_a_loaded_precision_adamw_keeps_its_step_counts_on_the_cpu(monkeypatch):
     assert step.device == torch.device("cpu") and step.dtype == torch.float32 and step.item() == 7.0
     assert step is not saver.state[saver_p]["step"]  # a copy: the two optimizers count alone
     assert loader.state[p]["exp_avg"].device == p.device
+
+
+def test_a_fused_adamw_loads_a_foreach_runs_step_counts_onto_its_parameters_device():
+    """A CPU run's checkpoint (foreach AdamW: step counts on the CPU) resumed by a GPU run (fused):
+    torch's load keeps a foreach saver's counts where they were, on the CPU, and torch's fused
+    CUDA kernel dereferences each count's pointer on the device. They now move to the parameter's
+    device, as torch's own load does when the saver was fused; a fused CPU loader keeps them."""
+    saver_model = torch.nn.Linear(3, 4)
+    saver = build_optimizer(saver_model, TrainConfig(), torch.device("cpu"))  # foreach
+    for p in saver_model.parameters():
+        p.grad = torch.ones_like(p)
+    saver.step()
+    for device in ("meta", "cpu"):  # meta: a device that is not the CPU
+        model = torch.nn.Linear(3, 4, device=device)
+        loader = AdamW(param_groups(model, 0.1), fused=True)  # as build_optimizer's groups
+        loader.load_state_dict(saver.state_dict())
+        for p in model.parameters():
+            step = loader.state[p]["step"]
+            assert step.device == p.device and step.dtype == torch.float32, device
+        assert [g["fused"] for g in loader.param_groups] == [True, True]
+    assert all(s["step"].device.type == "cpu" for s in saver.state.values())  # the saver's stay

@@ -39,13 +39,19 @@ class AdamW(torch.optim.AdamW):
     """torch's AdamW whose kernel stays this process's choice when a state dict loads: torch's
     load_state_dict puts back the saver's `fused` and `foreach` with its hyperparameters, so a GPU
     run resumed from a CPU run's checkpoint stepped with foreach, which refuses the clip coefficient
-    handed to the fused kernel (`ClipInFusedAdamW`: an AssertionError at the first step)."""
+    handed to the fused kernel (`ClipInFusedAdamW`: an AssertionError at the first step). torch
+    leaves a foreach saver's step counts on the CPU, where the fused kernel reads them on the
+    parameters' device: they move there, as torch's load does for a fused saver."""
 
     def load_state_dict(self, state_dict: dict) -> None:
         chosen = [{key: group[key] for key in ("fused", "foreach")} for group in self.param_groups]
         super().load_state_dict(state_dict)
         for group, keys in zip(self.param_groups, chosen, strict=True):
             group.update(keys)
+            for p in group["params"] if keys["fused"] else []:
+                state = self.state[p]
+                if "step" in state:
+                    state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
 
 
 def round_gradients(dtype: torch.dtype):

@@ -2,6 +2,7 @@
 (docs/optimizer.md) promise. The meta device stands in for CUDA where a state's device matters:
 a CPU-only machine has no other device than the CPU."""
 
+import pytest
 import torch
 
 from moefold.config import TrainConfig
@@ -46,3 +47,28 @@ def test_a_fused_adamw_loads_a_foreach_runs_step_counts_onto_its_parameters_devi
             assert step.device == p.device and step.dtype == torch.float32, device
         assert [g["fused"] for g in loader.param_groups] == [True, True]
     assert all(s["step"].device.type == "cpu" for s in saver.state.values())  # the saver's stay
+
+
+@pytest.mark.parametrize("options", [{"betas": (0.9, 1.0)}, {"betas": (1.0, 0.95)}, {"betas": (-0.1, 0.95)},
+                                     {"lr": -1e-3}, {"lr": float("nan")}, {"eps": -1e-8},
+                                     {"weight_decay": -0.1}])
+def test_precision_adamw_refuses_what_torch_adamw_refuses(options):
+    """beta2 = 1 made every weight NaN at the first step (a zero bias correction), beta1 = 1 a
+    ZeroDivisionError, a negative lr stepped uphill: torch.optim.AdamW refuses each when built.
+    Refused before any parameter is recast."""
+    with pytest.raises(ValueError):
+        torch.optim.AdamW([torch.nn.Parameter(torch.ones(3))], **options)
+    p = torch.nn.Parameter(torch.ones(3))
+    name = next(iter(options))
+    with pytest.raises(ValueError, match=rf"^{name}.*=.*; allowed: "):
+        PrecisionAwareAdamW([p], master="bf16", **options)
+    assert p.dtype == torch.float32
+
+
+def test_precision_adamw_takes_the_edges_torch_adamw_takes():
+    """lr 0, beta 0, eps 0 and weight decay 0: accepted, and lr 0 leaves the weights alone."""
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = PrecisionAwareAdamW([p], lr=0.0, betas=(0.0, 0.0), eps=0.0, weight_decay=0.0, exp_avg_dtype="bf16")
+    p.grad = torch.full((3,), 2.0)
+    opt.step()
+    assert torch.equal(p.detach(), torch.ones(3))

@@ -141,6 +141,18 @@ def _as_int16(u16: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------ optimizer
 
 
+def _check_hyperparameters(lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+    """torch.optim.AdamW's checks: a beta of 1 zeroes a bias correction (NaN weights at the first
+    step, or a ZeroDivisionError), a negative lr, eps or weight decay would step uphill or grow."""
+    ranges = (("lr", lr, "lr >= 0"), ("betas[0]", betas[0], "0 <= betas[0] < 1"),
+              ("betas[1]", betas[1], "0 <= betas[1] < 1"), ("eps", eps, "eps >= 0"),
+              ("weight_decay", weight_decay, "weight_decay >= 0"))
+    for name, value, allowed in ranges:
+        ok = 0.0 <= value < 1.0 if name.startswith("betas") else value >= 0.0  # NaN fails both
+        if not ok:
+            raise ValueError(f"{name}={value}; allowed: {allowed}")
+
+
 class PrecisionAwareAdamW(torch.optim.Optimizer):
     """AdamW (decoupled weight decay) with moments and master weights in chosen precisions.
 
@@ -171,6 +183,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                 raise ValueError(f"{name}={value!r}; allowed: {', '.join(MOMENT_DTYPES)}")
         if master not in MASTER_MODES:
             raise ValueError(f"master={master!r}; allowed: {', '.join(MASTER_MODES)}")
+        _check_hyperparameters(lr, betas, eps, weight_decay)
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay,
                     "exp_avg_dtype": exp_avg_dtype, "exp_avg_sq_dtype": exp_avg_sq_dtype,
                     "master": master, "foreach": foreach, "fused": fused}

@@ -72,3 +72,38 @@ def test_precision_adamw_takes_the_edges_torch_adamw_takes():
     p.grad = torch.full((3,), 2.0)
     opt.step()
     assert torch.equal(p.detach(), torch.ones(3))
+
+
+@pytest.mark.parametrize("options", [{}, {"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "bf16",
+                                          "master": "bf16+remainder"}])
+def test_a_param_group_added_later_steps_as_one_given_when_built(options):
+    """torch's add_param_group (unfreezing a part later, say): the new group's states were never
+    made, and the next step raised KeyError: 'step'. It now steps bit for bit as the same groups
+    given when the optimizer is built."""
+    gen = torch.Generator().manual_seed(0)
+    a_0, b_0 = torch.randn(3, generator=gen), torch.randn(2, 130, generator=gen)
+    later = [torch.nn.Parameter(a_0.clone()), torch.nn.Parameter(b_0.clone())]
+    built = [torch.nn.Parameter(a_0.clone()), torch.nn.Parameter(b_0.clone())]
+    opt_later = PrecisionAwareAdamW([later[0]], lr=1e-2, weight_decay=0.0, **options)
+    opt_later.add_param_group({"params": [later[1]], "weight_decay": 0.1})
+    opt_built = PrecisionAwareAdamW([{"params": [built[0]], "weight_decay": 0.0},
+                                     {"params": [built[1]], "weight_decay": 0.1}], lr=1e-2, **options)
+    assert later[1].dtype == built[1].dtype
+    for _ in range(3):
+        grads = [torch.randn(p.shape, generator=gen) for p in later]
+        for params, opt in ((later, opt_later), (built, opt_built)):
+            for p, g in zip(params, grads):
+                p.grad = g.to(p.dtype)
+            opt.step()
+    for p, q in zip(later, built):
+        assert torch.equal(p, q)
+    for s, t in zip(opt_later.state.values(), opt_built.state.values(), strict=True):
+        assert s.keys() == t.keys() and all(torch.equal(s[k].float(), t[k].float()) for k in s)
+
+
+def test_a_param_group_added_later_with_a_bad_option_is_not_added():
+    opt = PrecisionAwareAdamW([torch.nn.Parameter(torch.ones(3))])
+    p = torch.nn.Parameter(torch.ones(3))
+    with pytest.raises(ValueError, match=r"^exp_avg_dtype='fp16'; allowed: fp32, bf16, fp8$"):
+        opt.add_param_group({"params": [p], "exp_avg_dtype": "fp16"})
+    assert len(opt.param_groups) == 1 and p not in opt.state

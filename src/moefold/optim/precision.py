@@ -194,6 +194,26 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             for p in group["params"]:
                 self._init_state(p, group)
 
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's, and after construction (which initialises its own groups) the new group's
+        states too: the step read them (KeyError: 'step'). A group torch or the checks refuse is
+        not added, and no parameter of it is recast."""
+        super().add_param_group(param_group)
+        if not hasattr(self, "_row_blocks"):  # called by torch's __init__
+            return
+        group = self.param_groups[-1]
+        try:
+            for key, allowed in (("exp_avg_dtype", MOMENT_DTYPES), ("exp_avg_sq_dtype", MOMENT_DTYPES),
+                                 ("master", MASTER_MODES)):
+                if group[key] not in allowed:
+                    raise ValueError(f"{key}={group[key]!r}; allowed: {', '.join(allowed)}")
+            self._check_fused()
+        except ValueError:
+            self.param_groups.pop()
+            raise
+        for p in group["params"]:
+            self._init_state(p, group)
+
     def _check_fused(self) -> None:
         for i, group in enumerate(self.param_groups):
             if not group["fused"]:

@@ -12,6 +12,7 @@ from moefold.config import Config, config_from_toml
 from moefold.data.tokenizer import build_tokenizer
 from moefold.errors import CheckpointError, UserError
 from moefold.models.transformer import build_model, materialize
+from moefold.moe.router import RoundRobinSelection
 from moefold.parallel.launch import resolve_device
 from moefold.train.trainer import resolve_compute_dtype
 
@@ -57,7 +58,8 @@ def sample(model, prompt_ids: list[int], max_new_tokens: int, temperature: float
     tokenizer's; the rows a model.vocab_size padded beyond it are never sampled (None: every row).
     Options `moefold generate` refuses are refused here with its messages (`check_sampling`), as
     is a `context` below 1, an empty prompt (the model has no beginning-of-sequence token to
-    start from) and a model with a capacity factor (`_check_dropless`). The model runs in eval
+    start from), a model with a capacity factor (`_check_dropless`) and one that routes
+    round-robin (`_check_routes_by_router`). The model runs in eval
     mode, whatever its own (restored after): generation never counts toward a training step's
     routing statistics."""
     check_sampling(max_new_tokens, temperature, top_k)
@@ -68,6 +70,7 @@ def sample(model, prompt_ids: list[int], max_new_tokens: int, temperature: float
         raise UserError("sample: prompt_ids is empty; give at least one token to continue (the "
                         "model has no beginning-of-sequence token to start from)")
     _check_dropless(model)
+    _check_routes_by_router(model)
     was_training = model.training
     # In training mode the MoE layers would jitter the router input and add the generated
     # tokens to the step's counts (the expert-bias update, the statistics): eval, then restore.
@@ -104,6 +107,19 @@ def _check_dropless(model) -> None:
         raise UserError(f"sample: the model drops tokens past its experts' capacity (moe.capacity_factor="
                         f"{max(factors)}): a generated token would depend on how its context was read; "
                         "build it with moe.capacity_factor=0 (load_model_from_run does)")
+
+
+def _check_routes_by_router(model) -> None:
+    """Refuses round-robin routing (moe.force_balanced): it sends a token to experts by its place
+    in the forward, not by the router, and the cache reads each new token alone (always the
+    first experts), so sampling would differ from full forwards of the same context."""
+    selections = [layer.router.select for layer in model.moe_layers()]
+    # ReplayedSelection (router replay) wraps the model's own selection as `.select`
+    if any(isinstance(getattr(s, "select", s), RoundRobinSelection) for s in selections):
+        raise UserError("sample: the model routes tokens round-robin by their place in the forward "
+                        "(moe.force_balanced=true, for benchmarks), not by its router: a generated "
+                        "token's experts would depend on how its context was read; generate from a "
+                        "model trained with moe.force_balanced=false")
 
 
 def check_sampling(max_new_tokens: int, temperature: float, top_k: int,

@@ -104,3 +104,25 @@ def test_text_that_stdout_cannot_encode_prints_replaced_not_a_traceback(finished
     assert main(["generate", "--run-dir", str(finished_run), "--prompt", "naïve €5", "--max-new-tokens", "0"]) == 0
     latin1.flush()
     assert latin1.buffer.getvalue().decode("latin-1") == "naïve ?5\n"
+
+
+def test_sampling_from_a_model_that_routes_round_robin_is_refused(tmp_path, tiny_args, capsys):
+    """moe.force_balanced (benchmarks) sends token t of a forward to experts (t·K + k) mod E,
+    whatever the router says: the cache reads each new token alone (t = 0, always the first
+    experts), so `sample` picked other tokens than full forwards of the same context (19 of 20
+    here), silently. `sample` now refuses, and `moefold generate` of such a run says so in one
+    line (exit 2)."""
+    balanced = _tiny_qwen3({"moe.force_balanced": "true"})
+    with pytest.raises(UserError, match=r"^sample: the model routes tokens round-robin .*moe.force_balanced=true"):
+        sample(balanced, [3, 10, 17, 24, 31], 20, 0.0, 0, 9, -1, torch.Generator())
+    routed = _tiny_qwen3({})
+    routed.load_state_dict(balanced.state_dict())
+    assert (sample(routed, [3, 10, 17, 24, 31], 20, 0.0, 0, 9, -1, torch.Generator())
+            == _greedy_by_full_forwards(routed, [3, 10, 17, 24, 31], 20, 9))
+    run = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run), *tiny_args, "--train.steps", "1", "--train.warmup_steps", "0",
+                 "--moe.force_balanced", "true"]) == 0
+    capsys.readouterr()
+    assert main(["generate", "--run-dir", str(run), "--prompt", "ab", "--max-new-tokens", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "moe.force_balanced=true" in err, err

@@ -159,3 +159,17 @@ def test_sampling_from_an_empty_prompt_is_refused_naming_the_argument():
     model = _model(sorted(PRESETS)[0])
     with pytest.raises(UserError, match="prompt_ids is empty"):
         sample(model, [], 4, 0.0, 0, 9, -1, torch.Generator())
+
+
+def test_a_batch_other_than_the_cached_one_is_refused():
+    """A cache that read 2 sequences took a decode of 1 silently: the slice assignment broadcast
+    its keys and values into both rows, and the second sequence's logits continued the first's
+    token. Now a ValueError names both batch sizes, and the cache is left as it was."""
+    model = _model("tiny-qwen3")
+    ids_BS = torch.randint(0, 97, (2, 6), generator=torch.Generator().manual_seed(2))
+    cache = model.new_cache(8)
+    model.decode(ids_BS[:, :5], cache)
+    with pytest.raises(ValueError, match="KV cache of 2 sequences cannot take a batch of 1"):
+        model.decode(ids_BS[:1, 5:], cache)
+    assert cache.length == 5
+    torch.testing.assert_close(model.decode(ids_BS[:, 5:], cache), model(ids_BS)[:, 5:], rtol=1e-9, atol=1e-10)

@@ -29,6 +29,10 @@ class LayerCache:
         B, K, S, _ = k_BKSDk.shape
         if self.length + S > self.capacity:
             raise ValueError(f"KV cache of {self.capacity} positions cannot take {S} more after {self.length}")
+        if self.k_BKLDk is not None and self.k_BKLDk.shape[0] != B:
+            # the slice assignment below would broadcast one row into every cached sequence
+            raise ValueError(f"KV cache of {self.k_BKLDk.shape[0]} sequences cannot take a batch of {B}: "
+                             "each decode call continues every sequence the cache holds")
         if self.k_BKLDk is None:
             self.k_BKLDk = k_BKSDk.new_empty(B, K, self.capacity, k_BKSDk.shape[-1])
             self.v_BKLDv = v_BKSDv.new_empty(B, K, self.capacity, v_BKSDv.shape[-1])

@@ -58,7 +58,7 @@ def sample(model, prompt_ids: list[int], max_new_tokens: int, temperature: float
     tokenizer's; the rows a model.vocab_size padded beyond it are never sampled (None: every row).
     Options `moefold generate` refuses are refused here with its messages (`check_sampling`), as
     is a `context` below 1, an empty prompt (the model has no beginning-of-sequence token to
-    start from), a model with a capacity factor (`_check_dropless`) and one that routes
+    start from), an id outside the model's vocabulary, a model with a capacity factor (`_check_dropless`) and one that routes
     round-robin (`_check_routes_by_router`). The model runs in eval
     mode, whatever its own (restored after): generation never counts toward a training step's
     routing statistics."""
@@ -69,6 +69,7 @@ def sample(model, prompt_ids: list[int], max_new_tokens: int, temperature: float
     if len(prompt_ids) == 0:
         raise UserError("sample: prompt_ids is empty; give at least one token to continue (the "
                         "model has no beginning-of-sequence token to start from)")
+    _check_ids(prompt_ids, model.vocab_size)
     _check_dropless(model)
     _check_routes_by_router(model)
     was_training = model.training
@@ -96,6 +97,15 @@ def _generate(model, ids: list[int], max_new_tokens: int, temperature: float, to
         if cache.length == context:  # full: the window moves on by one, read anew
             cache, unread = model.new_cache(context), ids[-context:]
     return ids[prompt_len:]
+
+
+def _check_ids(prompt_ids: list[int], vocab_size: int) -> None:
+    """Refuses an id the embedding has no row for (else torch's IndexError, or on a GPU a device
+    assert that poisons the CUDA context)."""
+    outside = [i for i in prompt_ids if not 0 <= i < vocab_size]
+    if outside:
+        raise UserError(f"sample: prompt_ids holds {outside[0]}, outside the model's vocabulary "
+                        f"[0, {vocab_size})")
 
 
 def _check_dropless(model) -> None:

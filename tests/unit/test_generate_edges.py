@@ -126,3 +126,15 @@ def test_sampling_from_a_model_that_routes_round_robin_is_refused(tmp_path, tiny
     assert main(["generate", "--run-dir", str(run), "--prompt", "ab", "--max-new-tokens", "3"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "moe.force_balanced=true" in err, err
+
+
+@pytest.mark.parametrize("bad_id", [-1, 1 << 20])
+def test_a_prompt_id_outside_the_vocabulary_is_refused_by_name(bad_id):
+    """An id the embedding has no row for ended in torch's IndexError from inside the model (on a
+    GPU, a device-side assert that leaves the CUDA context unusable); it is refused up front."""
+    model = _tiny_qwen3({})
+    with pytest.raises(UserError, match=rf"^sample: prompt_ids holds {bad_id}, outside the model's "
+                                        rf"vocabulary \[0, {model.vocab_size}\)$"):
+        sample(model, [3, bad_id, 5], 4, 0.0, 0, 9, -1, torch.Generator())
+    last = model.vocab_size - 1  # the edge is still a token
+    assert len(sample(model, [3, last], 2, 0.0, 0, 9, -1, torch.Generator())) == 2

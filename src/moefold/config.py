@@ -443,30 +443,34 @@ def preset_names() -> list[str]:
                   if p.name.endswith(".toml"))
 
 
-def read_preset(name_or_path: str) -> dict[str, Any]:
-    """The TOML table of a shipped preset (by name) or of a file (by path)."""
+def read_preset(name_or_path: str, label: str | None = None) -> dict[str, Any]:
+    """The TOML table of a shipped preset (by name) or of a file (by path). `label` names it in
+    errors (default `--config NAME`; a saved run's config.toml is named as the file)."""
+    label = label or f"--config {name_or_path}"
     path = Path(name_or_path)
     if path.is_file():
         try:
             text = path.read_text(encoding="utf-8")
         except UnicodeDecodeError as e:  # TOML is UTF-8
-            raise ConfigError(f"--config {name_or_path}: not UTF-8 text (byte {e.start}: "
+            raise ConfigError(f"{label}: not UTF-8 text (byte {e.start}: "
                               f"{e.object[e.start:e.start + 1]!r}); TOML files are UTF-8") from None
+        except OSError as e:  # a file without read permission
+            raise ConfigError(f"{label}: cannot be read ({e.strerror or e})") from None
     elif name_or_path in preset_names():  # a folder of the preset's name does not hide it
         text = resources.files("moefold.presets").joinpath(f"{name_or_path}.toml").read_text()
     elif path.is_dir():
-        raise ConfigError(f"--config {name_or_path}: is a folder; give a TOML file or a preset")
+        raise ConfigError(f"{label}: is a folder; give a TOML file or a preset")
     elif name_or_path.endswith(".toml"):
-        raise ConfigError(f"--config {name_or_path}: no such file")
+        raise ConfigError(f"{label}: no such file")
     else:
         close = difflib.get_close_matches(name_or_path, preset_names(), n=1)
         hint = f"; did you mean {close[0]}?" if close else ""
-        raise ConfigError(f"--config {name_or_path}: no such preset or file (presets: "
+        raise ConfigError(f"{label}: no such preset or file (presets: "
                           f"{', '.join(preset_names())}){hint}")
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"--config {name_or_path}: invalid TOML: {e}") from None
+        raise ConfigError(f"{label}: invalid TOML: {e}") from None
 
 
 def _unknown_key(key: str) -> ConfigError:
@@ -559,20 +563,23 @@ def flatten_table(table: dict[str, Any], source: str) -> dict[str, Any]:
     return flat
 
 
-def load_config(preset: str | None = None, overrides: dict[str, Any] | None = None) -> Config:
-    """Preset (default `tiny`) + dotted overrides, validated."""
+def load_config(preset: str | None = None, overrides: dict[str, Any] | None = None,
+                label: str | None = None) -> Config:
+    """Preset (default `tiny`) + dotted overrides, validated. `label` names the preset in errors
+    (default `--config PRESET`)."""
     cfg = Config()
     source = preset or DEFAULT_PRESET
-    label = f"--config {source}"
-    apply_overrides(cfg, flatten_table(read_preset(source), label), source=label)
+    label = label or f"--config {source}"
+    apply_overrides(cfg, flatten_table(read_preset(source, label), label), source=label)
     apply_overrides(cfg, overrides or {})
     validate(cfg)
     return cfg
 
 
 def config_from_toml(path: Path, overrides: dict[str, Any] | None = None) -> Config:
-    """The config a run saved (`<run_dir>/config.toml`), with overrides, validated."""
-    return load_config(str(path), overrides)
+    """The config a run saved (`<run_dir>/config.toml`), with overrides, validated; its errors name
+    the file (a --resume or --run-dir gave it, never --config)."""
+    return load_config(str(path), overrides, label=str(path))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -636,12 +643,15 @@ def _finite(cfg: Config) -> None:
     """No option means anything at nan or ±inf (TOML and float() both accept them), nor at an
     integer beyond 64 bits (Python's are unbounded; torch's sizes, counts and seeds are int64)."""
     for key, tp in field_types().items():
-        value = _value(cfg, key)
-        if tp is float:
-            _require(math.isfinite(value), f"{key}={value} must be a finite number")
-        elif tp is int:
-            bound = "< 2**63" if value >= 0 else ">= -2**63"
-            _require(-2**63 <= value < 2**63, f"{key}={value} must be {bound} (a 64-bit integer)")
+        _require_finite(key, tp, _value(cfg, key))
+
+
+def _require_finite(key: str, tp: type, value: Any) -> None:
+    if tp is float:
+        _require(math.isfinite(value), f"{key}={value} must be a finite number")
+    elif tp is int:
+        bound = "< 2**63" if value >= 0 else ">= -2**63"
+        _require(-2**63 <= value < 2**63, f"{key}={value} must be {bound} (a 64-bit integer)")
 
 
 def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -849,6 +859,9 @@ def moe_layers_in(cfg: Config, layer_ids: range) -> int:
 def validate_moe(moe: MoEConfig) -> None:
     """The [moe] checks of `validate` (ConfigError naming the field); `build_moe_layer` runs them on
     a MoEConfig made in Python, which no config file or command line has checked."""
+    for key, tp in field_types().items():  # `validate`'s _finite, for the [moe] fields alone
+        if key.startswith("moe."):
+            _require_finite(key, tp, getattr(moe, key.removeprefix("moe.")))
     if moe.num_experts:
         _require(moe.top_k <= moe.num_experts,
                  f"moe.top_k={moe.top_k} exceeds moe.num_experts={moe.num_experts}")

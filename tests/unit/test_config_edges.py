@@ -48,6 +48,22 @@ def test_a_quoted_number_or_bool_in_a_config_file_is_refused_naming_its_type(tmp
     assert load_config(None, {"model.dim": "64", "train.lr": "1e-3", "model.qk_norm": "false"}).model.dim == 64
 
 
+
+@pytest.mark.parametrize("command", [["train", "--resume", "{run}"],
+                                     ["generate", "--run-dir", "{run}", "--prompt", "a"]])
+def test_a_saved_runs_broken_config_is_named_as_its_file_not_a_config_option(tmp_path, capsys, command):
+    """A run's config.toml (read by --resume or --run-dir) that does not parse was reported as
+    `--config RUN/config.toml`, an option the user never gave; the error names the file."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.toml").write_text("[model]\ndim = 64\n[model]\n")
+    assert main([arg.format(run=run) for arg in command]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"moefold: error: {run / 'config.toml'}: invalid TOML: ") and "--config" not in err
+    (run / "config.toml").write_text('[model]\ndim = "64"\n')
+    assert main([arg.format(run=run) for arg in command]) == 2
+    assert capsys.readouterr().err == f"moefold: error: {run / 'config.toml'}: model.dim='64' is not a valid int\n"
+
 def test_no_routed_experts_makes_a_grouped_router_preset_dense():
     """moe.num_experts=0 makes every layer dense, as the ep/etp checks say; on a preset with
     grouped routing (DeepSeek-V3's 8 groups) it was refused as 'moe.group_score_top_k=2 exceeds

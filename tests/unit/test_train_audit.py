@@ -1,0 +1,241 @@
+"""The training step against a naive loop of plain torch: torch.optim.AdamW with the documented
+decay groups, the documented schedule written out here, clip_grad_norm_, gradient accumulation
+as the mean over micro-batches, the MTP objective spelled out; and the trainer's own runs against
+each other (grad_accum vs one larger micro-batch, recompute and offload vs none)."""
+
+import copy
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import TINY_OVERRIDES
+from memory_runs import one_thread  # noqa: F401 (autouse: ops this small run faster on one thread)
+
+from moefold.config import load_config
+from moefold.data import IGNORE_INDEX
+from moefold.models.mtp import shift_left
+from moefold.train.trainer import Trainer
+
+
+def tiny_config(corpus: Path, **overrides):
+    return load_config(None, {**TINY_OVERRIDES, "data.path": str(corpus), "train.steps": "4",
+                              **{key: str(value) for key, value in overrides.items()}})
+
+
+def read_records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+            if '"loss"' in line]
+
+
+def documented_lr(step: int, *, lr: float, steps: int, warmup: int, min_ratio: float, schedule: str,
+                  decay_fraction: float) -> float:
+    """docs/optimizer.md's schedule, step counted from 0: lr/warmup at step 0 rising to lr at
+    step warmup − 1; cosine from there to min_ratio · lr at steps − 1; wsd at the peak until its
+    last round(decay_fraction · steps) steps (at least one, none in the warm-up), then linear."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    peak = max(warmup - 1, 0)
+    if schedule == "constant" or steps - 1 <= peak:
+        return lr
+    if schedule == "cosine":
+        t = (step - peak) / (steps - 1 - peak)
+        return lr * (min_ratio + (1 - min_ratio) * (1 + math.cos(math.pi * t)) / 2)
+    decay_steps = max(1, round(decay_fraction * steps))
+    start = max(steps - 1 - decay_steps, peak)
+    if step <= start:
+        return lr
+    return lr * (1 - (1 - min_ratio) * (step - start) / (steps - 1 - start))
+
+
+def decays(name: str, p: torch.Tensor) -> bool:
+    """docs/optimizer.md: every parameter of two or more dimensions but the token embedding."""
+    return p.dim() >= 2 and not name.startswith("tok_embeddings")
+
+
+def mtp_losses(model, h_BSD, input_ids_BS, labels_BS, cos, sin) -> list[torch.Tensor]:
+    """DeepSeek-V3's MTP depths written out: depth k reads h of depth k − 1 and the embedding of
+    the token k on, and predicts the label k on."""
+    losses = []
+    for k, module in enumerate(model.mtp.layers, start=1):
+        emb_BSD = model.tok_embeddings(shift_left(input_ids_BS, k, fill=0))
+        x_BSD = module.eh_proj(torch.cat([module.enorm(emb_BSD), module.hnorm(h_BSD)], dim=-1))
+        h_BSD = module.block(x_BSD, cos, sin, None)
+        logits_BSV = model.output(module.norm(h_BSD))
+        losses.append(F.cross_entropy(logits_BSV.flatten(0, 1), shift_left(labels_BS, k, IGNORE_INDEX).flatten(),
+                                      ignore_index=IGNORE_INDEX))
+    return losses
+
+
+class SwitchLosses:
+    """The Switch load-balancing loss E · Σ_e f_e · P_e of every MoE layer's forward (softmax
+    router, top-k of the scores), from the layer's input: the layers' own injection is turned off
+    (aux_loss_scale 0), the objective adds these."""
+
+    def __init__(self, model):
+        self.forwards: list[tuple[int, torch.Tensor]] = []  # (layer, loss) of the micro-batch
+        self.logged: list[tuple[int, float]] = []  # (layer, value) of the step
+        for i, layer in enumerate(model.moe_layers()):
+            layer.aux_loss_scale = 0.0
+            layer.register_forward_pre_hook(lambda module, args, i=i: self._add(i, module, args[0]))
+
+    def _add(self, i: int, layer, x_BSD: torch.Tensor) -> None:
+        scores_TE = F.linear(x_BSD.reshape(-1, x_BSD.shape[-1]), layer.router.weight).softmax(dim=-1)
+        idx_TK = scores_TE.topk(layer.top_k, dim=-1).indices
+        T, E = scores_TE.shape
+        f_E = torch.zeros(E).index_add_(0, idx_TK.flatten(), torch.ones(idx_TK.numel())) / (T * layer.top_k)
+        self.forwards.append((i, E * (f_E * scores_TE.mean(dim=0)).sum()))
+
+    def pop_total(self) -> torch.Tensor:
+        total = sum(loss for _, loss in self.forwards)
+        self.logged += [(i, loss.item()) for i, loss in self.forwards]
+        self.forwards = []
+        return total
+
+    def mean_logged(self) -> float:
+        """Mean over layers of each layer's mean over its forwards (docs/metrics.md's aux_loss)."""
+        layers = sorted({i for i, _ in self.logged})
+        per_layer = [sum(v for j, v in self.logged if j == i) / sum(1 for j, _ in self.logged if j == i)
+                     for i in layers]
+        self.logged = []
+        return sum(per_layer) / len(per_layer)
+
+
+def naive_run(trainer: Trainer, loader) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """The trainer's run in a plain loop over a copy of its model as built and of its loader:
+    (final weights, per step {loss, grad_norm, lr, mtp_loss, aux_loss})."""
+    cfg, t = trainer.cfg, trainer.cfg.train
+    model = copy.deepcopy(trainer.model)
+    accum = t.grad_accum
+    switch = SwitchLosses(model)
+    named = list(model.named_parameters())
+    optimizer = torch.optim.AdamW(
+        [{"params": [p for n, p in named if decays(n, p)], "weight_decay": t.weight_decay},
+         {"params": [p for n, p in named if not decays(n, p)], "weight_decay": 0.0}],
+        lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, foreach=False)
+    records = []
+    for step in range(t.steps):
+        lr = documented_lr(step, lr=t.lr, steps=t.steps, warmup=t.warmup_steps, min_ratio=t.min_lr_ratio,
+                           schedule=t.schedule, decay_fraction=t.decay_fraction)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        lm_sum, mtp_sum = 0.0, 0.0
+        for _ in range(accum):
+            batch = loader.next_batch()
+            h_BSD, (cos, sin) = model.trunk(batch.input_ids_BS)
+            logits_BSV = model.output(model.norm(h_BSD))
+            lm = F.cross_entropy(logits_BSV.flatten(0, 1), batch.labels_BS.flatten(), ignore_index=IGNORE_INDEX)
+            total = lm
+            if model.mtp is not None:
+                mtp = torch.stack(mtp_losses(model, h_BSD, batch.input_ids_BS, batch.labels_BS, cos, sin)).mean()
+                total = lm + cfg.model.mtp_loss_weight * mtp
+                mtp_sum += mtp.item() / accum
+            total = total + cfg.moe.aux_loss_coeff * switch.pop_total()
+            (total / accum).backward()
+            lm_sum += lm.item() / accum
+        max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item()
+        optimizer.step()
+        model.on_optimizer_step()
+        optimizer.zero_grad(set_to_none=True)
+        records.append({"loss": lm_sum, "grad_norm": grad_norm, "lr": lr, "mtp_loss": mtp_sum,
+                        "aux_loss": switch.mean_logged()})
+    return {n: p.detach() for n, p in model.named_parameters()}, records
+
+
+def assert_matches_naive(trainer: Trainer, run_dir: Path) -> None:
+    loader = copy.deepcopy(trainer.train_loader)
+    expected_weights, expected = naive_run(trainer, loader)
+    trainer.fit()
+    got = read_records(run_dir)
+    assert [r["step"] for r in got] == list(range(1, trainer.cfg.train.steps + 1))
+    for step, (g, e) in enumerate(zip(got, expected, strict=True), start=1):
+        assert g["lr"] == pytest.approx(e["lr"], rel=1e-12), f"lr at step {step}"
+        assert g["loss"] == pytest.approx(e["loss"], rel=1e-5), f"loss at step {step}"
+        assert g["grad_norm"] == pytest.approx(e["grad_norm"], rel=1e-4), f"grad_norm at step {step}"
+        assert g["aux_loss"] == pytest.approx(e["aux_loss"], rel=1e-5), f"aux_loss at step {step}"
+        if "mtp_loss" in g:
+            assert g["mtp_loss"] == pytest.approx(e["mtp_loss"], rel=1e-5), f"mtp_loss at step {step}"
+    for name, p in trainer.model.named_parameters():
+        torch.testing.assert_close(p.detach(), expected_weights[name], rtol=1e-4, atol=2e-5, msg=name)
+
+
+@pytest.mark.parametrize("overrides", [
+    {},
+    {"train.grad_accum": 3, "train.micro_batch_size": 2},
+    {"train.grad_clip": 0.05, "train.schedule": "wsd", "train.decay_fraction": 0.5},
+    {"train.grad_clip": 0, "train.warmup_steps": 0, "train.schedule": "cosine"},
+    {"train.schedule": "constant", "train.warmup_steps": 3, "train.weight_decay": 0.5},
+    {"model.mtp_layers": 2, "model.mtp_loss_weight": 0.5, "train.grad_accum": 2, "train.micro_batch_size": 2},
+    {"model.tie_embeddings": "true", "train.weight_decay": 0.5, "train.lr": 1e-2},
+    {"train.loss_chunk_tokens": 24, "model.mtp_layers": 1, "model.tie_embeddings": "true"},
+], ids=["default", "accum3", "clipped-wsd", "no-clip-no-warmup", "constant-decay", "mtp-accum", "tied",
+        "chunked-mtp-tied"])
+def test_a_run_matches_a_naive_torch_loop(tmp_path, text_corpus, overrides):
+    """Loss, grad_norm, lr of every logged step and the final weights equal those of a plain loop:
+    torch.optim.AdamW over the documented decay groups, the documented schedule, clip_grad_norm_
+    (off at 0), each micro-batch's loss divided by grad_accum, MTP as lm + weight · mean of depths."""
+    cfg = tiny_config(text_corpus, **{"moe.aux_loss_coeff": 0.1, **overrides})
+    run = tmp_path / "run"
+    assert_matches_naive(Trainer(cfg, run, out=lambda line: None), run)
+
+
+def final_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+
+
+LOGGED = ("loss", "grad_norm", "lr", "mtp_loss", "seq_aux_loss", "z_loss", "load_imbalance", "routing_entropy")
+
+
+@pytest.mark.parametrize("accum, micro_batch", [(2, 2), (4, 1)])
+def test_accumulated_micro_batches_train_as_one_micro_batch_of_them_all(tmp_path, text_corpus, accum, micro_batch):
+    """grad_accum micro-batches of B sequences step as one micro-batch of grad_accum · B (the same
+    sequences, in the same order): the losses whose value is a mean over sequences or tokens
+    (next-token, MTP, DeepSeek's per-sequence balance, z-loss) and the expert-bias update from the
+    step's counts. (The micro-batch and global-batch balance losses are per micro-batch by design.)"""
+    common = {"moe.aux_loss_coeff": 0, "moe.seq_aux_loss_coeff": 0.1, "moe.z_loss_coeff": 0.01,
+              "moe.score_func": "sigmoid", "moe.expert_bias": "true", "moe.expert_bias_update_rate": 0.01,
+              "model.mtp_layers": 1, "train.grad_clip": 0.5}
+    runs = {}
+    for name, shape in (("one", {"train.grad_accum": 1, "train.micro_batch_size": 4}),
+                        ("accumulated", {"train.grad_accum": accum, "train.micro_batch_size": micro_batch})):
+        trainer = Trainer(tiny_config(text_corpus, **common, **shape), tmp_path / name, out=lambda line: None)
+        trainer.fit()
+        biases = [layer.router.expert_bias_E.clone() for layer in trainer.model.moe_layers()]
+        runs[name] = (final_weights(trainer), biases, read_records(tmp_path / name))
+    (weights, biases, records), (weights_acc, biases_acc, records_acc) = runs["one"], runs["accumulated"]
+    for r, r_acc in zip(records, records_acc, strict=True):
+        for key in LOGGED:
+            assert r_acc[key] == pytest.approx(r[key], rel=1e-5), f"{key} at step {r['step']}"
+    for b, b_acc in zip(biases, biases_acc, strict=True):
+        torch.testing.assert_close(b_acc, b)
+    for name, p in weights.items():
+        torch.testing.assert_close(weights_acc[name], p, rtol=1e-4, atol=2e-5, msg=name)
+
+
+@pytest.mark.parametrize("memory", [
+    {"memory.recompute": '["layer"]'},
+    {"memory.recompute": '["moe", "norm"]', "memory.offload": '["attn_core"]'},
+    {"memory.offload": '["moe", "norm"]'},
+    {"memory.recompute": '["moe_act", "attn_core"]', "memory.offload": '["layer"]'},
+], ids=["recompute-layer", "recompute-moe-offload-attn", "offload-moe", "recompute-inside-offload"])
+def test_recompute_and_offload_train_as_keeping_every_activation(tmp_path, text_corpus, memory):
+    """memory.recompute and memory.offload change where activations live, never the run: through
+    the trainer (accumulation, MTP blocks, aux losses, expert bias, clipping), the same logged
+    values and final weights, bit for bit, as with neither."""
+    common = {"moe.seq_aux_loss_coeff": 0.1, "moe.z_loss_coeff": 0.01, "moe.score_func": "sigmoid",
+              "moe.expert_bias": "true", "model.mtp_layers": 1, "train.grad_accum": 2,
+              "train.micro_batch_size": 2, "train.grad_clip": 0.5, "train.steps": 3,
+              "memory.offload_min_bytes": 0}
+    runs = {}
+    for name, extra in (("none", {}), ("memory", memory)):
+        trainer = Trainer(tiny_config(text_corpus, **common, **extra), tmp_path / name, out=lambda line: None)
+        trainer.fit()
+        records = [{k: v for k, v in r.items() if k in LOGGED or k == "aux_loss"}
+                   for r in read_records(tmp_path / name)]
+        runs[name] = (final_weights(trainer), records)
+    assert runs["memory"][1] == runs["none"][1]
+    for name, p in runs["none"][0].items():
+        assert torch.equal(runs["memory"][0][name], p), name

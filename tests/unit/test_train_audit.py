@@ -6,6 +6,7 @@ each other (grad_accum vs one larger micro-batch, recompute and offload vs none)
 import copy
 import json
 import math
+import statistics
 from pathlib import Path
 
 import pytest
@@ -69,47 +70,73 @@ def mtp_losses(model, h_BSD, input_ids_BS, labels_BS, cos, sin) -> list[torch.Te
     return losses
 
 
-class SwitchLosses:
-    """The Switch load-balancing loss E · Σ_e f_e · P_e of every MoE layer's forward (softmax
-    router, top-k of the scores), from the layer's input: the layers' own injection is turned off
-    (aux_loss_scale 0), the objective adds these."""
+AUX_NAMES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "z_loss")
 
-    def __init__(self, model):
-        self.forwards: list[tuple[int, torch.Tensor]] = []  # (layer, loss) of the micro-batch
-        self.logged: list[tuple[int, float]] = []  # (layer, value) of the step
+
+def balance(f_E: torch.Tensor, scores_TE: torch.Tensor) -> torch.Tensor:
+    """Switch / GShard: E · Σ_e f_e · P_e, P_e the mean score of expert e."""
+    return scores_TE.shape[-1] * (f_E * scores_TE.mean(dim=0)).sum()
+
+
+class RouterLosses:
+    """The balancing losses and z-loss of every MoE layer's forward (softmax router, top-k of the
+    scores), written out from the layer's input as docs/metrics.md names them: the micro-batch's
+    (Switch), each sequence's averaged (DeepSeek), the step's so far (f from every micro-batch of
+    the step up to this one), mean logsumexp(logits)². The layers' own injection is turned off
+    (aux_loss_scale 0); the objective adds these with the config's coefficients."""
+
+    def __init__(self, model, coeffs: dict[str, float]):
+        self.coeffs = {name: c for name, c in coeffs.items() if c > 0}
+        self.total = torch.zeros(())  # Σ coeff · loss over the micro-batch's forwards
+        self.logged: list[tuple[int, str, float]] = []  # (layer, name, value) of the step
+        self.step_counts: dict[int, torch.Tensor] = {}  # layer → routed copies per expert this step
+        self.step_tokens: dict[int, int] = {}  # layer → tokens routed this step
         for i, layer in enumerate(model.moe_layers()):
             layer.aux_loss_scale = 0.0
             layer.register_forward_pre_hook(lambda module, args, i=i: self._add(i, module, args[0]))
 
     def _add(self, i: int, layer, x_BSD: torch.Tensor) -> None:
-        scores_TE = F.linear(x_BSD.reshape(-1, x_BSD.shape[-1]), layer.router.weight).softmax(dim=-1)
-        idx_TK = scores_TE.topk(layer.top_k, dim=-1).indices
+        B, S, _ = x_BSD.shape
+        logits_TE = F.linear(x_BSD.reshape(B * S, -1), layer.router.weight)
+        scores_TE = logits_TE.softmax(dim=-1)
         T, E = scores_TE.shape
-        f_E = torch.zeros(E).index_add_(0, idx_TK.flatten(), torch.ones(idx_TK.numel())) / (T * layer.top_k)
-        self.forwards.append((i, E * (f_E * scores_TE.mean(dim=0)).sum()))
+        K = layer.top_k
+        idx_TK = scores_TE.topk(K, dim=-1).indices
+        counts_TE = torch.zeros(T, E).scatter_add_(1, idx_TK, torch.ones(T, K))
+        self.step_counts[i] = self.step_counts.get(i, 0) + counts_TE.sum(dim=0)
+        self.step_tokens[i] = self.step_tokens.get(i, 0) + T
+        counts_BSE, scores_BSE = counts_TE.view(B, S, E), scores_TE.view(B, S, E)
+        losses = {"aux_loss": balance(counts_TE.sum(dim=0) / (T * K), scores_TE),
+                  "seq_aux_loss": torch.stack([balance(counts_BSE[b].sum(dim=0) / (S * K), scores_BSE[b])
+                                               for b in range(B)]).mean(),
+                  "global_aux_loss": balance(self.step_counts[i] / (self.step_tokens[i] * K), scores_TE),
+                  "z_loss": logits_TE.logsumexp(dim=-1).square().mean()}
+        for name, coeff in self.coeffs.items():
+            self.total = self.total + coeff * losses[name]
+            self.logged.append((i, name, losses[name].item()))
 
     def pop_total(self) -> torch.Tensor:
-        total = sum(loss for _, loss in self.forwards)
-        self.logged += [(i, loss.item()) for i, loss in self.forwards]
-        self.forwards = []
+        total, self.total = self.total, torch.zeros(())
         return total
 
-    def mean_logged(self) -> float:
-        """Mean over layers of each layer's mean over its forwards (docs/metrics.md's aux_loss)."""
-        layers = sorted({i for i, _ in self.logged})
-        per_layer = [sum(v for j, v in self.logged if j == i) / sum(1 for j, _ in self.logged if j == i)
-                     for i in layers]
-        self.logged = []
-        return sum(per_layer) / len(per_layer)
+    def end_step(self) -> dict[str, float]:
+        """Each loss's mean over layers of each layer's mean over its forwards (docs/metrics.md)."""
+        means = {}
+        for name in self.coeffs:
+            layers = sorted({i for i, n, _ in self.logged if n == name})
+            per_layer = [statistics.fmean(v for j, n, v in self.logged if j == i and n == name) for i in layers]
+            means[name] = statistics.fmean(per_layer)
+        self.logged, self.step_counts, self.step_tokens = [], {}, {}
+        return means
 
 
 def naive_run(trainer: Trainer, loader) -> tuple[dict[str, torch.Tensor], list[dict]]:
     """The trainer's run in a plain loop over a copy of its model as built and of its loader:
-    (final weights, per step {loss, grad_norm, lr, mtp_loss, aux_loss})."""
+    (final weights, per step {loss, grad_norm, lr, mtp_loss, and each router loss enabled})."""
     cfg, t = trainer.cfg, trainer.cfg.train
     model = copy.deepcopy(trainer.model)
     accum = t.grad_accum
-    switch = SwitchLosses(model)
+    router_losses = RouterLosses(model, {name: getattr(cfg.moe, f"{name}_coeff") for name in AUX_NAMES})
     named = list(model.named_parameters())
     optimizer = torch.optim.AdamW(
         [{"params": [p for n, p in named if decays(n, p)], "weight_decay": t.weight_decay},
@@ -132,7 +159,7 @@ def naive_run(trainer: Trainer, loader) -> tuple[dict[str, torch.Tensor], list[d
                 mtp = torch.stack(mtp_losses(model, h_BSD, batch.input_ids_BS, batch.labels_BS, cos, sin)).mean()
                 total = lm + cfg.model.mtp_loss_weight * mtp
                 mtp_sum += mtp.item() / accum
-            total = total + cfg.moe.aux_loss_coeff * switch.pop_total()
+            total = total + router_losses.pop_total()
             (total / accum).backward()
             lm_sum += lm.item() / accum
         max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
@@ -141,21 +168,37 @@ def naive_run(trainer: Trainer, loader) -> tuple[dict[str, torch.Tensor], list[d
         model.on_optimizer_step()
         optimizer.zero_grad(set_to_none=True)
         records.append({"loss": lm_sum, "grad_norm": grad_norm, "lr": lr, "mtp_loss": mtp_sum,
-                        "aux_loss": switch.mean_logged()})
+                        **router_losses.end_step()})
     return {n: p.detach() for n, p in model.named_parameters()}, records
+
+
+def log_windows(per_step: list[dict], log_every: int) -> list[dict]:
+    """docs/metrics.md: every log_every steps (and the last) the mean of the steps since the
+    previous log step; lr is the last step's."""
+    logged, window = [], []
+    for step, record in enumerate(per_step, start=1):
+        window.append(record)
+        if step % log_every == 0 or step == len(per_step):
+            mean = {key: sum(r[key] for r in window) / len(window) for key in record}
+            logged.append({**mean, "step": step, "lr": record["lr"]})
+            window = []
+    return logged
 
 
 def assert_matches_naive(trainer: Trainer, run_dir: Path) -> None:
     loader = copy.deepcopy(trainer.train_loader)
-    expected_weights, expected = naive_run(trainer, loader)
+    expected_weights, per_step = naive_run(trainer, loader)
+    expected = log_windows(per_step, trainer.cfg.logging.log_every)
     trainer.fit()
     got = read_records(run_dir)
-    assert [r["step"] for r in got] == list(range(1, trainer.cfg.train.steps + 1))
-    for step, (g, e) in enumerate(zip(got, expected, strict=True), start=1):
+    assert [r["step"] for r in got] == [r["step"] for r in expected]
+    for g, e in zip(got, expected, strict=True):
+        step = e["step"]
         assert g["lr"] == pytest.approx(e["lr"], rel=1e-12), f"lr at step {step}"
         assert g["loss"] == pytest.approx(e["loss"], rel=1e-5), f"loss at step {step}"
         assert g["grad_norm"] == pytest.approx(e["grad_norm"], rel=1e-4), f"grad_norm at step {step}"
-        assert g["aux_loss"] == pytest.approx(e["aux_loss"], rel=1e-5), f"aux_loss at step {step}"
+        for name in AUX_NAMES:
+            assert g.get(name) == pytest.approx(e.get(name), rel=1e-5), f"{name} at step {step}"
         if "mtp_loss" in g:
             assert g["mtp_loss"] == pytest.approx(e["mtp_loss"], rel=1e-5), f"mtp_loss at step {step}"
     for name, p in trainer.model.named_parameters():
@@ -170,13 +213,19 @@ def assert_matches_naive(trainer: Trainer, run_dir: Path) -> None:
     {"train.schedule": "constant", "train.warmup_steps": 3, "train.weight_decay": 0.5},
     {"model.mtp_layers": 2, "model.mtp_loss_weight": 0.5, "train.grad_accum": 2, "train.micro_batch_size": 2},
     {"model.tie_embeddings": "true", "train.weight_decay": 0.5, "train.lr": 1e-2},
-    {"train.loss_chunk_tokens": 24, "model.mtp_layers": 1, "model.tie_embeddings": "true"},
+    {"train.loss_chunk_tokens": 24, "model.mtp_layers": 1, "model.tie_embeddings": "true", "train.grad_accum": 2,
+     "train.micro_batch_size": 2},
+    {"logging.log_every": 3, "train.steps": 7, "model.mtp_layers": 1, "train.grad_clip": 0.05},
+    {"moe.seq_aux_loss_coeff": 0.1, "moe.global_aux_loss_coeff": 0.1, "moe.z_loss_coeff": 0.01,
+     "train.grad_accum": 3, "train.micro_batch_size": 2, "model.mtp_layers": 1},
 ], ids=["default", "accum3", "clipped-wsd", "no-clip-no-warmup", "constant-decay", "mtp-accum", "tied",
-        "chunked-mtp-tied"])
+        "chunked-mtp-tied", "log-windows", "every-router-loss"])
 def test_a_run_matches_a_naive_torch_loop(tmp_path, text_corpus, overrides):
-    """Loss, grad_norm, lr of every logged step and the final weights equal those of a plain loop:
-    torch.optim.AdamW over the documented decay groups, the documented schedule, clip_grad_norm_
-    (off at 0), each micro-batch's loss divided by grad_accum, MTP as lm + weight · mean of depths."""
+    """Loss, grad_norm, lr, mtp_loss and the router losses of every log window and the final
+    weights equal those of a plain loop: torch.optim.AdamW over the documented decay groups, the
+    documented schedule, clip_grad_norm_ (off at 0), each micro-batch's loss divided by grad_accum,
+    MTP as lm + weight · mean of depths, the router losses written out and added with their
+    coefficients (the layers' own injection off)."""
     cfg = tiny_config(text_corpus, **{"moe.aux_loss_coeff": 0.1, **overrides})
     run = tmp_path / "run"
     assert_matches_naive(Trainer(cfg, run, out=lambda line: None), run)

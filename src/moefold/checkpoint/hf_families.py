@@ -228,10 +228,12 @@ def _rope_from_hf(hf: dict[str, Any], cfg: Config, default_theta: float) -> None
     m.yarn_mscale_all_dim = _float(params, "mscale_all_dim", 0.0, where)
 
 
-def _gqa_from_hf(hf: dict[str, Any], cfg: Config) -> None:
+def _gqa_from_hf(hf: dict[str, Any], cfg: Config, default_kv_heads: int) -> None:
+    """`default_kv_heads`: the family config class's num_key_value_heads, which transformers builds
+    the model with when config.json leaves the key out (not num_attention_heads)."""
     m = cfg.model
     m.attention = "gqa"
-    m.n_kv_heads = _int(hf, "num_key_value_heads", m.n_heads)
+    m.n_kv_heads = _int(hf, "num_key_value_heads", default_kv_heads)
     m.head_dim = _int(hf, "head_dim", m.dim // m.n_heads)
 
 
@@ -334,7 +336,7 @@ def _deepseek_aux_to_hf(cfg: Config) -> dict[str, Any]:
 def _qwen3_moe_from_hf(hf: dict[str, Any]) -> Config:
     cfg = _common_from_hf(hf, "qwen3_moe", default_theta=10000.0, default_eps=1e-6)
     m, moe = cfg.model, cfg.moe
-    _gqa_from_hf(hf, cfg)
+    _gqa_from_hf(hf, cfg, default_kv_heads=4)
     m.qk_norm = True
     # As Qwen3MoeConfig: a window only with use_sliding_window; an absent key is 4096, null is none.
     window = _int(hf, "sliding_window", 0) if "sliding_window" in hf else 4096
@@ -378,7 +380,7 @@ def _qwen3_moe_to_hf(cfg: Config) -> dict[str, Any]:
 def _mixtral_from_hf(hf: dict[str, Any]) -> Config:
     cfg = _common_from_hf(hf, "mixtral", default_theta=1e6, default_eps=1e-5)
     m, moe = cfg.model, cfg.moe
-    _gqa_from_hf(hf, cfg)
+    _gqa_from_hf(hf, cfg, default_kv_heads=8)
     m.qk_norm = False
     m.sliding_window = _int(hf, "sliding_window", 0)
     m.ffn_hidden = moe.expert_hidden = _int(hf, "intermediate_size")

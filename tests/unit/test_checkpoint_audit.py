@@ -1,0 +1,112 @@
+"""Checkpoints and Hugging Face interop, audited against independent references: transformers'
+models built from the same directory (logits), transformers' own config defaults, and what a run
+was saved with (a resume or an export that would silently change the model is refused by name)."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+from conftest import TINY_OVERRIDES, cli_args  # noqa: E402
+from test_hf_interop import (  # noqa: E402
+    VOCAB, assert_rel_close, deepseek_v3, hf_load, hf_model_of, mixtral, qwen3, randomize, randomize_ours)
+
+from moefold.checkpoint.hf import INDEX, load_pretrained, save_pretrained  # noqa: E402
+from moefold.cli import main  # noqa: E402
+from moefold.config import load_config  # noqa: E402
+from moefold.errors import CheckpointError  # noqa: E402
+from moefold.models.transformer import build_model  # noqa: E402
+
+SEQ = 20  # past the sliding windows and YaRN's original lengths below
+
+
+def _ids(seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+# ---------------------------------------------------------------------------------------------
+# Import: the logits transformers computes from the same directory
+# ---------------------------------------------------------------------------------------------
+
+
+def _yarn(**kw) -> dict:
+    return {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 8, **kw}
+
+
+IMPORTED = {
+    "qwen3_moe-head_dim_wider_than_dim_over_heads": lambda: qwen3(head_dim=16),
+    "qwen3_moe-yarn": lambda: qwen3(rope_parameters=_yarn(), max_position_embeddings=32),
+    "qwen3_moe-yarn-mscale_ratio": lambda: qwen3(rope_parameters=_yarn(mscale=0.707, mscale_all_dim=1.0),
+                                                 max_position_embeddings=32),
+    "qwen3_moe-top_k_all_experts": lambda: qwen3(num_experts_per_tok=6),
+    "qwen3_moe-sparse_step_3": lambda: qwen3(num_hidden_layers=4, decoder_sparse_step=3),
+    "mixtral-head_dim": lambda: mixtral(head_dim=16),
+    "mixtral-yarn": lambda: mixtral(head_dim=8, rope_parameters=_yarn(), max_position_embeddings=32),
+    "mixtral-tied": lambda: mixtral(tie_word_embeddings=True),
+    "deepseek_v3-tied": lambda: deepseek_v3(tie_word_embeddings=True),
+    "deepseek_v3-no_dense_layer": lambda: deepseek_v3(first_k_dense_replace=0),
+    "deepseek_v3-all_dense": lambda: deepseek_v3(first_k_dense_replace=2),
+    "deepseek_v3-two_shared_experts": lambda: deepseek_v3(n_shared_experts=2),
+    "deepseek_v3-no_nope_dims": lambda: deepseek_v3(qk_nope_head_dim=0),
+    "deepseek_v3-yarn-mscale_ratio": lambda: deepseek_v3(rope_parameters=_yarn(mscale=0.707, mscale_all_dim=1.0),
+                                                         max_position_embeddings=32),
+    "deepseek_v3-yarn-no_softmax_mscale": lambda: deepseek_v3(rope_parameters=_yarn(mscale=1.0, mscale_all_dim=0.0),
+                                                              max_position_embeddings=32),
+    "deepseek_v3-yarn-rotate_half": lambda: deepseek_v3(rope_parameters=_yarn(mscale=1.0, mscale_all_dim=1.0),
+                                                        max_position_embeddings=32, rope_interleave=False,
+                                                        q_lora_rank=12),
+}
+
+
+@pytest.mark.parametrize("variant", IMPORTED)
+def test_an_imported_checkpoint_computes_transformers_logits_and_exports_back_the_same(variant, tmp_path):
+    """Configs test_hf_interop's variants leave out (head_dim not dim / heads, YaRN on the GQA
+    families and its mscale forms on MLA, tied heads, no or only dense layers, ...): moefold's
+    logits are transformers' from the same directory, and transformers reloads moefold's export
+    with its own logits, bit for bit."""
+    hf = hf_model_of(IMPORTED[variant](), seed=3)
+    hf.save_pretrained(tmp_path / "hf")
+    ours = load_pretrained(tmp_path / "hf")
+    with torch.no_grad():
+        expected = hf(_ids()).logits
+        assert_rel_close(ours(_ids()), expected, 1e-5, "logits")
+    save_pretrained(ours, tmp_path / "ours")
+    reloaded, info = hf_load(tmp_path / "ours")
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    with torch.no_grad():
+        assert torch.equal(reloaded(_ids()).logits, expected)
+
+
+# The smallest config.json of each family: every key transformers' config class defaults left out.
+MINIMAL = {
+    "qwen3_moe": dict(model_type="qwen3_moe", vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                      num_hidden_layers=2, num_attention_heads=8, head_dim=4, moe_intermediate_size=16,
+                      num_experts=4, num_experts_per_tok=2),
+    "mixtral": dict(model_type="mixtral", vocab_size=VOCAB, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+                    num_attention_heads=16, head_dim=4, num_local_experts=4, num_experts_per_tok=2),
+    "deepseek_v3": dict(model_type="deepseek_v3", vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                        moe_intermediate_size=16, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+                        n_routed_experts=16, num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=12,
+                        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8),
+}
+
+
+@pytest.mark.parametrize("family", MINIMAL)
+def test_keys_config_json_leaves_out_take_transformers_defaults(family, tmp_path):
+    """A config.json without the keys its config class defaults (rope_theta, rms_norm_eps, the
+    router's norm_topk_prob / n_group / topk_group / routed_scaling_factor, first_k_dense_replace,
+    the kv heads, ...) builds the model transformers builds from it."""
+    minimal = MINIMAL[family]
+    (tmp_path / "config.json").write_text(json.dumps(minimal))
+    hf_config = transformers.AutoConfig.from_pretrained(tmp_path)
+    hf = hf_model_of(hf_config, seed=4)
+    hf.save_pretrained(tmp_path / "hf")
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(minimal))  # the keys transformers wrote, gone
+    ours = load_pretrained(tmp_path / "hf")
+    with torch.no_grad():
+        assert_rel_close(ours(_ids()), hf(_ids()).logits, 1e-5, "logits")

@@ -3,6 +3,7 @@ models built from the same directory (logits), transformers' own config defaults
 was saved with (a resume or an export that would silently change the model is refused by name)."""
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -110,3 +111,28 @@ def test_keys_config_json_leaves_out_take_transformers_defaults(family, tmp_path
     ours = load_pretrained(tmp_path / "hf")
     with torch.no_grad():
         assert_rel_close(ours(_ids()), hf(_ids()).logits, 1e-5, "logits")
+
+
+# ---------------------------------------------------------------------------------------------
+# Damaged checkpoints: one line naming the file and tensor
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", [3, ["model-00001-of-00002.safetensors"], None])
+def test_an_index_mapping_a_tensor_to_no_file_name_is_a_one_line_error(value, tmp_path, capsys):
+    """A weight_map value that is not a file name (a number, a list, null: a hand-edited or
+    generated index) ended in a TypeError traceback while the shards were listed."""
+    path = tmp_path / "hf"
+    hf_model_of(qwen3()).save_pretrained(path, max_shard_size="20KB")
+    index = json.loads((path / INDEX).read_text())
+    name = "model.layers.1.mlp.experts.2.up_proj.weight"
+    index["weight_map"][name] = value
+    (path / INDEX).write_text(json.dumps(index))
+    capsys.readouterr()  # transformers' progress bar
+    with pytest.raises(CheckpointError, match=re.escape(f"weight_map maps {name} to {json.dumps(value)}, not a file name")):
+        load_pretrained(path)
+    run = tmp_path / "run"
+    assert main(["convert", "--from-hf", str(path), "--out", str(run)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{path / INDEX}: weight_map maps {name} to" in err[0], err
+    assert not run.exists()

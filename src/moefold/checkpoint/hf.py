@@ -330,6 +330,9 @@ def _tensor_files(path: Path) -> dict[str, Path]:
         weight_map = _read_json(path / INDEX).get("weight_map")
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{path / INDEX}: no weight_map")
+        for name, file in weight_map.items():
+            if not isinstance(file, str):
+                raise CheckpointError(f"{path / INDEX}: weight_map maps {name} to {json.dumps(file)}, not a file name")
         for file in sorted(set(weight_map.values())):
             if not (path / file).is_file():
                 raise CheckpointError(f"{path / INDEX} names {file}, which does not exist")

@@ -480,10 +480,14 @@ class Trainer:
         """This data rank's rows of a validation batch on the device, padded to as many as any data
         rank holds: a small validation set's one batch may not split evenly over dp (7 sequences:
         4 and 3), and the static-shape EP dispatchers (capacity all-to-all, all-gather) need the
-        same tokens on every rank of a group. Padding rows have no labels and reach no expert
-        (valid_BS False). (input ids, labels, valid_BS or None where nothing is padded)."""
+        same tokens on every rank of a group; then to tokens the TP ranks split for the routed
+        experts without sequence parallelism (3 rows of 15 over tp 2: 4 rows). Padding rows have
+        no labels and reach no expert (valid_BS False). (input ids, labels, valid_BS or None where
+        nothing is padded)."""
         input_ids_BS, labels_BS = self._to_device(batch)
         rows, seq_len = -(-batch.input_ids_BS.shape[0] // self.dist.dp_size), input_ids_BS.shape[1]
+        rows_tp_divides = self.cfg.parallel.tp // math.gcd(seq_len, self.cfg.parallel.tp)
+        rows = -(-rows // rows_tp_divides) * rows_tp_divides
         missing = rows - input_ids_BS.shape[0]
         if missing == 0:
             return input_ids_BS, labels_BS, None

@@ -129,10 +129,38 @@ def test_an_index_mapping_a_tensor_to_no_file_name_is_a_one_line_error(value, tm
     index["weight_map"][name] = value
     (path / INDEX).write_text(json.dumps(index))
     capsys.readouterr()  # transformers' progress bar
-    with pytest.raises(CheckpointError, match=re.escape(f"weight_map maps {name} to {json.dumps(value)}, not a file name")):
+    message = f"weight_map maps {name} to {json.dumps(value)}, not a file name"
+    with pytest.raises(CheckpointError, match=re.escape(message)):
         load_pretrained(path)
     run = tmp_path / "run"
     assert main(["convert", "--from-hf", str(path), "--out", str(run)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"{path / INDEX}: weight_map maps {name} to" in err[0], err
+
     assert not run.exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Export: what transformers would run differently is refused by name
+# ---------------------------------------------------------------------------------------------
+
+
+def test_an_export_of_a_model_that_routes_round_robin_is_refused(tmp_path, tiny_args, capsys):
+    """moe.force_balanced (benchmarks) sends tokens to experts by their place, not by the router:
+    transformers routes the export by its router, which the run never used, and computes other
+    logits, silently (as `generate` refuses to sample such a model)."""
+    cfg = load_config("tiny-qwen3", {"model.vocab_size": str(VOCAB), "moe.force_balanced": "true"})
+    model = build_model(cfg, VOCAB)
+    randomize_ours(model, seed=5)
+    with pytest.raises(CheckpointError, match=r"^moe.force_balanced=True cannot be saved as a qwen3_moe checkpoint"):
+        save_pretrained(model.eval(), tmp_path / "direct")
+    assert not (tmp_path / "direct").exists()
+
+    run = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run), *tiny_args, "--train.steps", "1", "--train.warmup_steps", "0",
+                 "--moe.force_balanced", "true"]) == 0
+    capsys.readouterr()
+    assert main(["convert", "--run-dir", str(run), "--to-hf", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "moe.force_balanced=True cannot be saved" in err[0], err
+    assert not (tmp_path / "hf").exists()

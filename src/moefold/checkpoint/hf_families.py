@@ -252,6 +252,8 @@ def _common_to_hf(cfg: Config, family: str) -> dict[str, Any]:
     _expressible(moe.activation == "swiglu", "moe.activation", moe.activation, family, "experts use SwiGLU")
     _expressible(moe.num_experts > 0, "moe.num_experts", moe.num_experts, family, "it is an MoE family")
     _expressible(not moe.shared_expert_gate, "moe.shared_expert_gate", True, family, "no shared-expert gate")
+    _expressible(not moe.force_balanced, "moe.force_balanced", True, family,
+                 "transformers routes each token by its router, which round-robin routing never used")
     hf = {"model_type": family, "hidden_size": m.dim, "num_hidden_layers": m.n_layers,
           "num_attention_heads": m.n_heads, "rms_norm_eps": m.norm_eps, "hidden_act": "silu",
           "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": m.tie_embeddings,

@@ -261,3 +261,40 @@ def test_router_gradient_of_the_injected_losses_is_the_papers_losses(router):
     ((y_BSD * upstream).sum() + coeffs["aux_loss_coeff"] * aux + coeffs["seq_aux_loss_coeff"] * seq_aux
      + coeffs["z_loss_coeff"] * z).backward()
     torch.testing.assert_close(grad, layer.router.weight.grad, rtol=1e-6, atol=1e-7)
+
+
+# ------------------------------------------------------------------ expert bias (aux-loss-free)
+
+
+def test_expert_bias_steps_by_the_sign_of_the_steps_real_copies_per_expert():
+    """DeepSeek-V3 §2.1.2: after each step, b_e += γ·sign(mean load − load_e), the load being the
+    step's routed copies (every micro-batch's, padding excluded, evaluation forwards not counted),
+    and the bias moves the selection only: probabilities stay the unbiased scores'."""
+    cfg = MoEConfig(num_experts=8, top_k=2, expert_hidden=F, score_func="sigmoid", expert_bias=True,
+                    expert_bias_update_rate=0.25, aux_loss_coeff=0.0)
+    layer = build_moe_layer(D, cfg, "cpu", torch.float32)
+    _randomize(layer, torch.Generator().manual_seed(0))
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(2, 6, D, generator=gen), torch.rand(2, 6, generator=gen) > 0.4) for _ in range(2)]
+    counts_E = torch.zeros(8)
+    layer.train()
+    for x_BSD, valid_BS in batches:
+        layer(x_BSD, valid_BS)
+        idx_TK = layer.router(x_BSD.view(-1, D)).idx_TK
+        for t, experts in enumerate(idx_TK.tolist()):
+            for e in experts:
+                counts_E[e] += float(valid_BS.view(-1)[t])
+    layer.eval()
+    layer(torch.randn(3, 4, D, generator=gen))  # an evaluation forward: not the step's load
+    layer.on_optimizer_step()
+    expected_E = 0.25 * torch.sign(counts_E.mean() - counts_E)
+    assert expected_E.abs().sum() > 0
+    torch.testing.assert_close(layer.router.expert_bias_E, expected_E)
+
+    x_TD = torch.randn(10, D, generator=gen)
+    routing = layer.router(x_TD)
+    scores_TE = (x_TD @ layer.router.weight.T).sigmoid()
+    biased_idx_TK = (scores_TE + expected_E).topk(2).indices
+    assert torch.equal(routing.idx_TK.sort(-1).values, biased_idx_TK.sort(-1).values)
+    chosen_TK = scores_TE.gather(-1, routing.idx_TK)
+    torch.testing.assert_close(routing.probs_TK, chosen_TK / chosen_TK.sum(-1, keepdim=True))

@@ -4,7 +4,9 @@ trains or validates a tiny model on gloo ranks and compares with the same config
 from pathlib import Path
 
 import torch
-from layouts import GLOBAL_MICRO_BATCH, train
+from conftest import write_text_corpus
+from layouts import GLOBAL_MICRO_BATCH, train, train_on_rank
+from layouts import config as layout_config
 from ranks import run_ranks
 
 from moefold.config import load_config
@@ -59,3 +61,27 @@ def test_validation_under_tp_without_sequence_parallelism_takes_any_number_of_ro
     run_ranks(2, _validate_on_rank, _config(corpus, extra=extra, tp=2, sequence_parallel="false"),
               tmp_path / "tp2", out)
     torch.testing.assert_close(torch.load(out), one.validate(), rtol=1e-5, atol=0)
+
+
+def _check_same_training(result: dict, ref: dict, note: str) -> None:
+    for key in ("losses", "grad_norms"):
+        torch.testing.assert_close(torch.tensor(result[key]), torch.tensor(ref[key]), rtol=1e-4, atol=0,
+                                   msg=lambda m, key=key: f"{note} {key}: {m}")
+
+
+def test_round_robin_routing_sends_each_token_where_one_process_does(tmp_path):
+    """moe.force_balanced (benchmarks) gives the token at place t experts (t·K + k) mod E. Taken
+    from the token's place among the rank's own tokens, a data rank's (32 tokens · 2 copies over 6
+    experts) or a sequence shard's tokens went to other experts than in one process: losses off
+    by 4e-4 in 4 steps under ep2 (two data ranks) and tp2 (sequence-parallel). The place is now
+    the token's in the global micro-batch, as for the router's jitter."""
+    corpus = write_text_corpus(tmp_path / "corpus")
+    extra = {"moe.force_balanced": "true", "moe.num_experts": "6", "train.steps": "4"}
+    ref = train(layout_config("qwen3", corpus, extra=extra), tmp_path / "ref")
+    runs = [(name, "qwen3", corpus, dp, parallel, tmp_path / name, None, 0, extra)
+            for name, dp, parallel in (("ep2", 2, dict(ep=2)), ("tp2", 1, dict(tp=2)))]
+    out = tmp_path / "results.pt"
+    run_ranks(2, train_on_rank, runs, out)
+    results = torch.load(out)
+    for name in ("ep2", "tp2"):
+        _check_same_training(results[name], ref, f"force_balanced {name}")

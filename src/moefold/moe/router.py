@@ -210,14 +210,17 @@ class GroupLimitedSelection:
 
 class RoundRobinSelection:
     """Ignore the scores: token t gets experts (t·K + k) mod E, so every expert gets the same load
-    when T·K is a multiple of E (benchmarks of a perfectly balanced MoE)."""
+    when T·K is a multiple of E (benchmarks of a perfectly balanced MoE). t is the token's place in
+    the global micro-batch (`places`, the router's), so every layout routes each token as one
+    process does; its place among a data rank's or a sequence shard's own tokens would not."""
 
-    def __init__(self, top_k: int, num_experts: int):
+    def __init__(self, top_k: int, num_experts: int, places: TokenPlaces | None = None):
         self.top_k, self.num_experts = top_k, num_experts
+        self.places = places or TokenPlaces()
 
     def __call__(self, selection_TE: torch.Tensor) -> torch.Tensor:
         device = selection_TE.device
-        t_T1 = torch.arange(selection_TE.shape[0], device=device)[:, None]
+        t_T1 = self.places(selection_TE.shape[0], device)[:, None]
         return (t_T1 * self.top_k + torch.arange(self.top_k, device=device)) % self.num_experts
 
 
@@ -234,9 +237,10 @@ class ReplayedSelection:
         return self.replay.route(self.layer, selection_TE, self.select, self.rows)
 
 
-def build_selection(cfg: MoEConfig) -> Selection:
+def build_selection(cfg: MoEConfig, places: TokenPlaces | None = None) -> Selection:
+    """`places`: the router's token places, which round-robin routing reads."""
     if cfg.force_balanced:
-        return RoundRobinSelection(cfg.top_k, cfg.num_experts)
+        return RoundRobinSelection(cfg.top_k, cfg.num_experts, places)
     if cfg.num_groups > 1:
         return GroupLimitedSelection(cfg.top_k, cfg.num_groups, cfg.group_top_k, cfg.group_score_top_k)
     return TopKSelection(cfg.top_k)
@@ -282,9 +286,9 @@ class Router(KeepsBufferDtypes):
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, dim))
 
         self.jitter = UniformJitter(cfg.input_jitter) if cfg.input_jitter > 0 else no_jitter
-        self.token_places = TokenPlaces()  # the jitter's: set by parallelization
+        self.token_places = TokenPlaces()  # the jitter's and round-robin's: set by parallelization
         self.score_fn = build_score_function(cfg)
-        self.select = build_selection(cfg)
+        self.select = build_selection(cfg, self.token_places)
         self.replay_layer = None
         if replay is not None:
             self.replay_layer = replay.register(cfg.top_k, cfg.num_experts)

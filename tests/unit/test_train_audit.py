@@ -15,9 +15,10 @@ import torch.nn.functional as F
 from conftest import TINY_OVERRIDES
 from memory_runs import one_thread  # noqa: F401 (autouse: ops this small run faster on one thread)
 
-from moefold.config import load_config
+from moefold.config import TrainConfig, load_config
 from moefold.data import IGNORE_INDEX
 from moefold.models.mtp import shift_left
+from moefold.optim.schedule import build_scheduler
 from moefold.train.trainer import Trainer
 
 
@@ -293,3 +294,56 @@ def test_recompute_and_offload_train_as_keeping_every_activation(tmp_path, text_
     assert runs["memory"][1] == runs["none"][1]
     for name, p in runs["none"][0].items():
         assert torch.equal(runs["memory"][0][name], p), name
+
+
+def test_throughput_counts_every_micro_batch_of_the_step(tmp_path, text_corpus, monkeypatch):
+    """On a clock that moves 1 s per training step only, tokens_per_s is the global batch's tokens
+    (global_batch_size · seq_len, grad_accum derived from it), tflops their FLOPs by
+    docs/metrics.md's convention counted here from the parameters, and mfu over
+    logging.peak_tflops (on the CPU too)."""
+    import types
+
+    import moefold.train.trainer as trainer_module
+
+    clock = [0.0]
+    monkeypatch.setattr(trainer_module, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    step = Trainer.train_step
+
+    def timed_step(self):
+        out = step(self)
+        clock[0] += 1.0
+        return out
+
+    monkeypatch.setattr(Trainer, "train_step", timed_step)
+    cfg = tiny_config(text_corpus, **{"train.global_batch_size": 12, "train.micro_batch_size": 2,
+                                      "model.mtp_layers": 1, "logging.log_every": 2, "logging.peak_tflops": 1e-4})
+    trainer = Trainer(cfg, tmp_path / "run", out=lambda line: None)
+    assert trainer.grad_accum == 6
+    m, moe = cfg.model, cfg.moe
+    active = 0
+    for name, p in trainer.model.named_parameters():  # the embedding lookup is no matmul
+        if name.startswith("tok_embeddings"):
+            continue
+        active += p.numel() * moe.top_k / moe.num_experts if "experts." in name else p.numel()
+    head_dim = m.dim // m.n_heads
+    flops_per_token = (6 * active + 6 * m.mtp_layers * trainer.model.output.weight.numel()
+                       + 3 * (m.n_layers + m.mtp_layers) * cfg.train.seq_len * m.n_heads * 2 * head_dim)
+    trainer.fit()
+    records = read_records(tmp_path / "run")
+    tokens_per_s = 12 * cfg.train.seq_len
+    for r in records:
+        assert r["tokens_per_s"] == tokens_per_s
+        assert r["tflops"] == pytest.approx(tokens_per_s * flops_per_token / 1e12, rel=1e-6)
+        assert r["mfu"] == pytest.approx(r["tflops"] / 1e-4)
+
+
+def test_a_schedule_built_steps_in_starts_from_the_config_lr():
+    """build_scheduler(optimizer, t, steps_done) is the config's schedule at that step, its peak
+    train.lr (as its docstring says), whatever lr the optimizer was built with: an optimizer no
+    schedule had stepped ended in torch's KeyError ('initial_lr' is not specified)."""
+    t = TrainConfig(steps=10, warmup_steps=2, lr=2e-3, min_lr_ratio=0.1, schedule="cosine")
+    for built_with in (2e-3, 5e-1):
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=built_with)
+        build_scheduler(optimizer, t, steps_done=5)
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(
+            documented_lr(5, lr=2e-3, steps=10, warmup=2, min_ratio=0.1, schedule="cosine", decay_fraction=0.2))

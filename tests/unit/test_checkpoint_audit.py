@@ -164,3 +164,32 @@ def test_an_export_of_a_model_that_routes_round_robin_is_refused(tmp_path, tiny_
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "moe.force_balanced=True cannot be saved" in err[0], err
     assert not (tmp_path / "hf").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Resume with changed options
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("saved", ["converted (weights only)", "trained (full)"])
+def test_a_resume_that_ties_the_embeddings_of_an_untied_run_is_refused(saved, tmp_path, text_corpus, capsys):
+    """A checkpoint holds tok_embeddings.weight and output.weight, tied or not; a model that ties
+    them loads both into its one tensor. Resuming a converted (weights-only) run with
+    --model.tie_embeddings true trained on with the old output head as its embedding, silently."""
+    run = tmp_path / "run"
+    overrides = {k: v for k, v in TINY_OVERRIDES.items() if not k.startswith(("model.", "moe."))}
+    overrides.update({"data.path": str(text_corpus), "train.steps": "1", "train.warmup_steps": "0"})
+    if saved.startswith("converted"):
+        hf_model_of(qwen3(vocab_size=300), seed=2).save_pretrained(tmp_path / "hf")
+        assert main(["convert", "--from-hf", str(tmp_path / "hf"), "--out", str(run)]) == 0
+    else:
+        assert main(["train", "--run-dir", str(run), *cli_args(overrides)]) == 0
+    overrides["train.steps"] = "2"
+    capsys.readouterr()
+    checkpoint = sorted((run / "checkpoints").iterdir())[-1]
+    assert main(["train", "--resume", str(run), *cli_args(overrides), "--model.tie_embeddings", "true"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"moefold: error: model.tie_embeddings=True, but {checkpoint} was saved by a run with "
+                   "model.tie_embeddings=False, which holds the embedding and the output head apart: "
+                   "a run continues with the model.* and moe.* it was trained with"], err
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [checkpoint.name]

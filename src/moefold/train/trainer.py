@@ -130,6 +130,18 @@ def _refuse_changed_state_dtypes(cfg: Config, checkpoint: Path) -> None:
                               f"optim.{key}={held!r}: a run resumes with the states it saved; keep optim.{key}")
 
 
+def _refuse_changed_ties(cfg: Config, checkpoint: Path) -> None:
+    """A checkpoint holds tok_embeddings.weight and output.weight whether the run tied them or not:
+    a model that ties what the saving run kept apart would load both into its one tensor, the
+    embedding silently replaced by the output head (a weights-only checkpoint raised nothing).
+    Untying a tied run's checkpoint loads the same values into both and is left alone."""
+    saved_config = checkpoint.parent.parent / "config.toml"
+    if cfg.model.tie_embeddings and saved_config.is_file() and not config_from_toml(saved_config).model.tie_embeddings:
+        raise ConfigError(f"model.tie_embeddings=True, but {checkpoint} was saved by a run with "
+                          "model.tie_embeddings=False, which holds the embedding and the output head apart: "
+                          "a run continues with the model.* and moe.* it was trained with")
+
+
 def _refuse_other_data_order(saved: dict[str, int], given: dict[str, int], checkpoint: Path) -> None:
     """A checkpoint's data position (epoch, cursor) points into its run's training sequences in
     its seeded order; over other sequences or another order it would silently repeat some and skip
@@ -248,6 +260,8 @@ class Trainer:
         refuse_unsupported_parallel(cfg)
         checkpoint = resolve_checkpoint(resume) if resume is not None else None
         refuse_run_dir(self.run_dir, checkpoint)
+        if checkpoint is not None:
+            _refuse_changed_ties(cfg, checkpoint)
         self.resumed_from = checkpoint
         full_state = checkpoint is not None and "optim" in checkpoint_keys(checkpoint)  # else weights only
         if full_state:

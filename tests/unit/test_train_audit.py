@@ -4,6 +4,7 @@ as the mean over micro-batches, the MTP objective spelled out; and the trainer's
 each other (grad_accum vs one larger micro-batch, recompute and offload vs none)."""
 
 import copy
+import dataclasses
 import json
 import math
 import statistics
@@ -15,9 +16,10 @@ import torch.nn.functional as F
 from conftest import TINY_OVERRIDES
 from memory_runs import one_thread  # noqa: F401 (autouse: ops this small run faster on one thread)
 
-from moefold.config import TrainConfig, load_config
+from moefold.config import MemoryConfig, TrainConfig, load_config
 from moefold.data import IGNORE_INDEX
 from moefold.models.mtp import shift_left
+from moefold.models.transformer import build_model
 from moefold.optim.schedule import build_scheduler
 from moefold.train.trainer import Trainer
 
@@ -138,7 +140,12 @@ def naive_run(trainer: Trainer, loader) -> tuple[dict[str, torch.Tensor], list[d
     """The trainer's run in a plain loop over a copy of its model as built and of its loader:
     (final weights, per step {loss, grad_norm, lr, mtp_loss, and each router loss enabled})."""
     cfg, t = trainer.cfg, trainer.cfg.train
-    model = copy.deepcopy(trainer.model)
+    # Built again, plain: a deep copy of a compiled or recomputing model would call the original's
+    # wrapped forward (an instance attribute bound to it).
+    model = build_model(dataclasses.replace(cfg, memory=MemoryConfig()), trainer.vocab_size)
+    model.init_weights(seed=t.seed)
+    for (name, p), (_, q) in zip(model.named_parameters(), trainer.model.named_parameters(), strict=True):
+        assert torch.equal(p, q), f"{name} starts elsewhere than the trainer's"
     accum = t.grad_accum
     router_losses = RouterLosses(model, {name: getattr(cfg.moe, f"{name}_coeff") for name in AUX_NAMES})
     named = list(model.named_parameters())

@@ -193,3 +193,28 @@ def test_a_resume_that_ties_the_embeddings_of_an_untied_run_is_refused(saved, tm
                    "model.tie_embeddings=False, which holds the embedding and the output head apart: "
                    "a run continues with the model.* and moe.* it was trained with"], err
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [checkpoint.name]
+
+
+def _losses(run: Path) -> dict[tuple[int, str], float]:
+    """Every loss a run logged ("loss", "val_loss", "mtp_loss", ...) by (step, name)."""
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {(r["step"], key): r[key] for r in records for key in r if "loss" in key}
+
+
+@pytest.mark.parametrize("preset, extra", [
+    ("tiny-deepseek", []),  # MLA with YaRN, grouped sigmoid routing with expert bias, an MTP module
+    ("tiny-mixtral", ["--moe.input_jitter", "0.05", "--train.grad_accum", "2"]),  # router noise from the RNG
+])
+def test_a_resume_continues_the_uninterrupted_run_bit_for_bit(preset, extra, tmp_path, text_corpus):
+    """Saved at step 2 of 4 and resumed in another run directory: every later training, MTP and
+    validation loss equals the uninterrupted run's exactly (test_train's cover the tiny Qwen3 model)."""
+    overrides = {k: v for k, v in TINY_OVERRIDES.items() if not k.startswith(("model.", "moe."))}
+    overrides.update({"data.path": str(text_corpus), "train.steps": "4", "train.val_every": "2",
+                      "train.val_batches": "1", "train.micro_batch_size": "2"})
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    assert main(["train", "--config", preset, "--run-dir", str(full), *cli_args(overrides), *extra,
+                 "--checkpoint.every", "2", "--checkpoint.keep", "2"]) == 0
+    assert main(["train", "--resume", str(full / "checkpoints" / "step_00000002"), "--run-dir", str(resumed)]) == 0
+    expected, got = _losses(full), _losses(resumed)
+    assert {step for step, _ in got} == {3, 4} and {name for _, name in got} >= {"loss", "val_loss"}
+    assert got == {key: expected[key] for key in got}

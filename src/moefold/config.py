@@ -88,6 +88,9 @@ class ModelConfig:
     """Share the input embedding with the output head."""
     init_std: float = 0.02
     """Standard deviation of the normal weight initialisation."""
+    max_position_embeddings: int = 0
+    """The context length a Hugging Face export states (config.json's max_position_embeddings, kept
+    from an imported checkpoint); 0: YaRN's extended length, else max(train.seq_len, 4096)."""
 
 
 @dataclass
@@ -684,8 +687,8 @@ def validate(cfg: Config) -> None:
               "moe.top_k", "moe.expert_hidden", "moe.moe_every",
               "train.steps", "train.micro_batch_size", "train.seq_len", "train.grad_accum",
               "train.lr", "train.val_batches", "logging.log_every", "checkpoint.keep")
-    _non_negative(cfg, "model.vocab_size", "model.n_kv_heads", "model.head_dim", "moe.num_experts",
-                  "moe.first_k_dense", "train.warmup_steps", "train.global_batch_size",
+    _non_negative(cfg, "model.vocab_size", "model.n_kv_heads", "model.head_dim", "model.max_position_embeddings",
+                  "moe.num_experts", "moe.first_k_dense", "train.warmup_steps", "train.global_batch_size",
                   "train.weight_decay", "train.grad_clip", "train.loss_chunk_tokens", "train.val_every", "train.seed",
                   "checkpoint.every", "logging.peak_tflops")
     blocks = m.n_layers + m.mtp_layers  # int64 each, not together (the layer checks count ranges of them)

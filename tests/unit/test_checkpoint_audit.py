@@ -218,3 +218,33 @@ def test_a_resume_continues_the_uninterrupted_run_bit_for_bit(preset, extra, tmp
     expected, got = _losses(full), _losses(resumed)
     assert {step for step, _ in got} == {3, 4} and {name for _, name in got} >= {"loss", "val_loss"}
     assert got == {key: expected[key] for key in got}
+
+
+# ---------------------------------------------------------------------------------------------
+# Round trips: Hugging Face → moefold → Hugging Face
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", ["qwen3_moe-40960", "mixtral-32768", "deepseek_v3-yarn"])
+def test_an_export_of_an_import_states_the_config_values_it_was_given(variant, tmp_path, text_corpus):
+    """Every key an export writes that the original config.json holds has its value there:
+    max_position_embeddings, the context length serving engines size for (vLLM's max_model_len),
+    was max(train.seq_len, 4096), 4096 for Qwen3-30B-A3B's 40960 and Mixtral's 32768. Through
+    load_pretrained / save_pretrained and through convert --from-hf / --to-hf (the run's
+    config.toml carries it). bos/eos ids are the run's (hf_config_from), not compared; a null in
+    the original is a value transformers derives (Mixtral's head_dim), written explicitly."""
+    hf_config = {"qwen3_moe-40960": lambda: qwen3(max_position_embeddings=40960),
+                 "mixtral-32768": lambda: mixtral(max_position_embeddings=32768, vocab_size=300),
+                 "deepseek_v3-yarn": lambda: deepseek_v3(rope_parameters=_yarn(mscale=1.0, mscale_all_dim=1.0),
+                                                         max_position_embeddings=32)}[variant]()
+    hf_model_of(hf_config, seed=6).save_pretrained(tmp_path / "hf")
+    original = json.loads((tmp_path / "hf" / "config.json").read_text())
+    save_pretrained(load_pretrained(tmp_path / "hf"), tmp_path / "direct")
+    run = tmp_path / "run"
+    assert main(["convert", "--from-hf", str(tmp_path / "hf"), "--out", str(run)]) == 0
+    assert main(["convert", "--run-dir", str(run), "--to-hf", str(tmp_path / "cli")]) == 0
+    for export in ("direct", "cli"):
+        written = json.loads((tmp_path / export / "config.json").read_text())
+        changed = {key: (original[key], value) for key, value in written.items()  # null: transformers derives it
+                   if original.get(key) not in (None, value) and key not in ("bos_token_id", "eos_token_id")}
+        assert not changed, (export, changed)

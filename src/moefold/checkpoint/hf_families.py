@@ -190,6 +190,7 @@ def _common_from_hf(hf: dict[str, Any], family: str, default_theta: float, defau
     m.norm_eps = _float(hf, "rms_norm_eps", default_eps)
     m.tie_embeddings = _bool(hf, "tie_word_embeddings", False)
     m.init_std = _float(hf, "initializer_range", m.init_std)
+    m.max_position_embeddings = _int(hf, "max_position_embeddings", 0)
     _rope_from_hf(hf, cfg, default_theta)
     return cfg
 
@@ -266,6 +267,8 @@ def _common_to_hf(cfg: Config, family: str) -> dict[str, Any]:
                               "beta_fast": m.yarn_beta_fast, "beta_slow": m.yarn_beta_slow,
                               "mscale": m.yarn_mscale, "mscale_all_dim": m.yarn_mscale_all_dim}
         hf["max_position_embeddings"] = int(m.rope_original_max_len * m.rope_factor)
+    if m.max_position_embeddings:
+        hf["max_position_embeddings"] = m.max_position_embeddings
     return hf
 
 

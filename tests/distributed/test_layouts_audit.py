@@ -1,6 +1,7 @@
 """Layouts against one process where features meet that test_layouts.py does not combine: each
 trains or validates a tiny model on gloo ranks and compares with the same config in one process."""
 
+import json
 from pathlib import Path
 
 import torch
@@ -85,3 +86,59 @@ def test_round_robin_routing_sends_each_token_where_one_process_does(tmp_path):
     results = torch.load(out)
     for name in ("ep2", "tp2"):
         _check_same_training(results[name], ref, f"force_balanced {name}")
+
+
+ACCUMULATED_BALANCING = {"train.grad_accum": "2", "moe.global_aux_loss_coeff": "0.1", "moe.z_loss_coeff": "0.01",
+                         "moe.expert_bias_update_rate": "0.1", "train.steps": "4"}
+
+
+def test_balancing_accumulated_over_micro_batches_trains_like_one_process(tmp_path):
+    """DeepSeek-V3 (sequence aux loss, expert bias) with the global-batch aux loss and the z-loss,
+    two micro-batches a step: the global loss's counts accumulate over the step's micro-batches
+    and the expert bias moves once a step, both from the global batch's counts — summed over the
+    data ranks (ep2), over the sequence shards (tp2) or whole on every TP rank (tp2 without
+    sequence parallelism). Every step's loss and gradient norm are one process's."""
+    corpus = write_text_corpus(tmp_path / "corpus")
+    ref = train(layout_config("deepseek", corpus, extra=ACCUMULATED_BALANCING), tmp_path / "ref")
+    layouts = (("ep2", 2, dict(ep=2)), ("tp2", 1, dict(tp=2)), ("tp2-no-sp", 1, dict(tp=2, sequence_parallel="false")))
+    runs = [(name, "deepseek", corpus, dp, parallel, tmp_path / name, None, 0, ACCUMULATED_BALANCING)
+            for name, dp, parallel in layouts]
+    out = tmp_path / "results.pt"
+    run_ranks(2, train_on_rank, runs, out)
+    results = torch.load(out)
+    for name, _, _ in layouts:
+        _check_same_training(results[name], ref, f"accumulated balancing {name}")
+
+
+TIMING = ("tokens_per_s", "tflops", "mfu", "peak_mem_gib")
+
+
+def _fit_on_rank(rank: int, cfg, run_dir: Path) -> None:
+    Trainer(cfg, run_dir, out=lambda line: None).fit()
+
+
+def _records(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in lines]
+
+
+def test_every_logged_value_under_tp_without_sequence_parallelism_is_one_process(tmp_path):
+    """What a run logs under tp2 without sequence parallelism (the router, the capacity limit and
+    the statistics see the TP group's whole batch; each rank dispatches half of it), with a
+    capacity factor that drops copies, the global-batch aux loss and MTP: every value of every
+    record — losses, mtp_loss, gradient norm, each aux loss per layer, load imbalance, entropy,
+    dropped fraction and val_loss — is one process's (1e-4 relative)."""
+    corpus = write_text_corpus(tmp_path / "corpus")
+    extra = {**ACCUMULATED_BALANCING, "moe.capacity_factor": "1.0", "logging.log_every": "2",
+             "train.val_every": "2", "data.val_fraction": "0.2", "train.val_batches": "2"}
+    Trainer(layout_config("deepseek", corpus, extra=extra), tmp_path / "one", out=lambda line: None).fit()
+    run_ranks(2, _fit_on_rank, layout_config("deepseek", corpus, extra=extra, tp=2, sequence_parallel="false"),
+              tmp_path / "tp2")
+    one, tp2 = _records(tmp_path / "one"), _records(tmp_path / "tp2")
+    assert [sorted(r) for r in tp2] == [sorted(r) for r in one]
+    assert any("val_loss" in r for r in one) and any(r.get("dropped_fraction", 0) > 0 for r in one)
+    for got, want in zip(tp2, one):
+        for key, value in want.items():
+            torch.testing.assert_close(torch.tensor(got[key], dtype=torch.float64),
+                                       torch.tensor(value, dtype=torch.float64), rtol=1e-4, atol=0,
+                                       equal_nan=True, msg=lambda m, key=key, step=want["step"]: f"step {step} {key}: {m}")

@@ -96,11 +96,11 @@ def test_balancing_accumulated_over_micro_batches_trains_like_one_process(tmp_pa
     """DeepSeek-V3 (sequence aux loss, expert bias) with the global-batch aux loss and the z-loss,
     two micro-batches a step: the global loss's counts accumulate over the step's micro-batches
     and the expert bias moves once a step, both from the global batch's counts — summed over the
-    data ranks (ep2), over the sequence shards (tp2) or whole on every TP rank (tp2 without
-    sequence parallelism). Every step's loss and gradient norm are one process's."""
+    data ranks (ep2) or over the sequence shards (tp2; without sequence parallelism, see the
+    next test). Every step's loss and gradient norm are one process's."""
     corpus = write_text_corpus(tmp_path / "corpus")
     ref = train(layout_config("deepseek", corpus, extra=ACCUMULATED_BALANCING), tmp_path / "ref")
-    layouts = (("ep2", 2, dict(ep=2)), ("tp2", 1, dict(tp=2)), ("tp2-no-sp", 1, dict(tp=2, sequence_parallel="false")))
+    layouts = (("ep2", 2, dict(ep=2)), ("tp2", 1, dict(tp=2)))
     runs = [(name, "deepseek", corpus, dp, parallel, tmp_path / name, None, 0, ACCUMULATED_BALANCING)
             for name, dp, parallel in layouts]
     out = tmp_path / "results.pt"

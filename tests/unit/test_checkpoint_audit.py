@@ -248,3 +248,22 @@ def test_an_export_of_an_import_states_the_config_values_it_was_given(variant, t
         changed = {key: (original[key], value) for key, value in written.items()  # null: transformers derives it
                    if original.get(key) not in (None, value) and key not in ("bos_token_id", "eos_token_id")}
         assert not changed, (export, changed)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_init_from_hf_names_an_override_that_ties_or_unties_the_head(tied, tmp_path, text_corpus, capsys):
+    """--model.tie_embeddings against the checkpoint's tie_word_embeddings keeps every shape, so it
+    passed the override check and was blamed on the checkpoint once the model was allocated:
+    'lm_head.weight must equal model.embed_tokens.weight ... but differs', or 'tensors the model
+    needs are missing: lm_head.weight'. It is refused before, naming the option."""
+    hf_model_of(qwen3(vocab_size=300, tie_word_embeddings=tied), seed=1).save_pretrained(tmp_path / "hf")
+    overrides = {k: v for k, v in TINY_OVERRIDES.items() if not k.startswith(("model.", "moe."))}
+    overrides.update({"data.path": str(text_corpus), "train.steps": "1", "train.warmup_steps": "0"})
+    capsys.readouterr()
+    assert main(["train", "--init-from-hf", str(tmp_path / "hf"), "--run-dir", str(tmp_path / "run"),
+                 *cli_args(overrides), "--model.tie_embeddings", str(not tied).lower()]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"moefold: error: --init-from-hf {tmp_path / 'hf'}: model.tie_embeddings={not tied}, its "
+                   f"config.json tie_word_embeddings={str(tied).lower()}; override only what keeps the "
+                   "checkpoint's tensors"], err
+    assert not (tmp_path / "run").exists()

@@ -345,7 +345,11 @@ def _tensor_files(path: Path) -> dict[str, Path]:
 
 def _refuse_other_shapes(model: nn.Module, own: nn.Module, path: Path) -> None:
     """The model a run's config builds against the one config.json builds: the same tensors, of the
-    same shapes (the overrides changed only what holds no weight)."""
+    same shapes, tied alike (the overrides changed only what holds no weight)."""
+    tied, held = model.cfg.model.tie_embeddings, own.cfg.model.tie_embeddings
+    if tied != held:  # same shapes: else blamed on the checkpoint once the model is allocated
+        raise ConfigError(f"--init-from-hf {path}: model.tie_embeddings={tied}, its config.json "
+                          f"tie_word_embeddings={json.dumps(held)}; override only what keeps the checkpoint's tensors")
     ours = {name: list(t.shape) for name, t in model.state_dict().items()}
     theirs = {name: list(t.shape) for name, t in own.state_dict().items()}
     for name in sorted(ours.keys() | theirs.keys()):

@@ -354,3 +354,23 @@ def test_a_schedule_built_steps_in_starts_from_the_config_lr():
         build_scheduler(optimizer, t, steps_done=5)
         assert optimizer.param_groups[0]["lr"] == pytest.approx(
             documented_lr(5, lr=2e-3, steps=10, warmup=2, min_ratio=0.1, schedule="cosine", decay_fraction=0.2))
+
+
+@pytest.mark.parametrize("memory", [{"memory.recompute": '["layer"]'}, {"memory.recompute": '["norm", "moe_act"]'},
+                                    {"memory.offload": '["moe"]'}])
+def test_a_model_whose_forwards_memory_wraps_is_not_deep_copied_into_the_original(memory):
+    """A recomputed or offloaded site is an instance attribute wrapping the original module's bound
+    method, which copy.deepcopy keeps as it is: the copy (an EMA, torch's AveragedModel, a
+    reference model) ran the original's weights, and its backward trained the original while its
+    own parameters got no gradient, silently (a recomputed expert activation: a RecursionError).
+    It is refused in one line naming the options."""
+    cfg = load_config("tiny", {"model.n_layers": "2", "model.dim": "32", "model.n_heads": "2",
+                               "model.n_kv_heads": "1", **memory})
+    model = build_model(cfg, 64)
+    for module in (model, model.layers[1]):
+        with pytest.raises(TypeError, match=r"^cannot deep-copy a model built with memory\.recompute or "
+                                            r"memory\.offload: "):
+            copy.deepcopy(module)
+    plain = build_model(load_config("tiny", {"model.n_layers": "2"}), 64)
+    copied = copy.deepcopy(plain)  # without them a copy is its own model
+    assert all(p is not q for p, q in zip(plain.parameters(), copied.parameters()))

@@ -45,7 +45,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from moefold.memory.sites import targets
+from moefold.memory.sites import mark_wrapped, targets
 from moefold.moe.recomputing import in_backward
 from moefold.parallel.local import memory_holder
 
@@ -59,6 +59,7 @@ def apply_offload(model: torch.nn.Module, names: Sequence[str], min_bytes: int,
     for name in names:
         for target in targets(model, name):
             target.site.wrap(offload.wrap)
+            mark_wrapped(target.site)
     return offload
 
 

@@ -29,7 +29,7 @@ import torch
 from torch.utils.checkpoint import checkpoint, get_device_states, set_device_states
 
 from moefold.memory.moe_tape import moe_recompute_contexts
-from moefold.memory.sites import Site, targets
+from moefold.memory.sites import Site, mark_wrapped, targets
 from moefold.moe.layer import MoELayer
 from moefold.parallel.local import memory_holder
 
@@ -43,6 +43,8 @@ def apply_recompute(model: torch.nn.Module, names: Sequence[str]) -> None:
         target.site.wrap(lambda fn, layers=moe_layers: checkpointed(fn, layers))
     for target in (t for t in chosen if t.consumer is not None):
         DiscardedOutput(target.site, target.consumer, target.unread)
+    for target in chosen:
+        mark_wrapped(target.site, target.consumer)
 
 
 def checkpointed(fn: Callable, moe_layers: list[MoELayer]) -> Callable:

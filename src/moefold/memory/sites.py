@@ -65,6 +65,31 @@ class _CallableProxy:
     def __getattr__(self, name: str):
         return getattr(self._inner, name)
 
+    def __deepcopy__(self, memo):
+        refuse_deepcopy()
+
+
+def refuse_deepcopy() -> None:
+    raise TypeError("cannot deep-copy a model built with memory.recompute or memory.offload: its wrapped "
+                    "forwards stay bound to the original (copy.deepcopy keeps functions as they are), so "
+                    "the copy would run and train the original's weights; build the copy with build_model "
+                    "and load_state_dict")
+
+
+class _Wrapped:
+    """Held by a module whose callables memory.recompute / memory.offload wrapped for good: the
+    wrappers close over the original module, so a deep copy of it is refused (`refuse_deepcopy`)."""
+
+    def __deepcopy__(self, memo):
+        refuse_deepcopy()
+
+
+def mark_wrapped(*sites: Site | None) -> None:
+    """After wrapping `sites` for good: their modules refuse deep copies."""
+    for site in sites:
+        if site is not None and isinstance(site.owner, nn.Module):
+            site.owner._memory_wrapped = _Wrapped()
+
 
 def targets(model: nn.Module, name: str) -> list[Target]:
     """The sites of `name` (one of config.MEMORY_MODULES) in every block, MTP blocks included."""

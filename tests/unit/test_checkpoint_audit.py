@@ -46,6 +46,8 @@ IMPORTED = {
                                                  max_position_embeddings=32),
     "qwen3_moe-top_k_all_experts": lambda: qwen3(num_experts_per_tok=6),
     "qwen3_moe-sparse_step_3": lambda: qwen3(num_hidden_layers=4, decoder_sparse_step=3),
+    "qwen3_moe-dense": lambda: qwen3(num_experts=0),  # transformers builds every layer dense: Llama-like
+    "qwen3_moe-only_mlp_layers": lambda: qwen3(mlp_only_layers=[0, 1, 2]),
     "mixtral-head_dim": lambda: mixtral(head_dim=16),
     "mixtral-yarn": lambda: mixtral(head_dim=8, rope_parameters=_yarn(), max_position_embeddings=32),
     "mixtral-tied": lambda: mixtral(tie_word_embeddings=True),
@@ -67,9 +69,9 @@ IMPORTED = {
 @pytest.mark.parametrize("variant", IMPORTED)
 def test_an_imported_checkpoint_computes_transformers_logits_and_exports_back_the_same(variant, tmp_path):
     """Configs test_hf_interop's variants leave out (head_dim not dim / heads, YaRN on the GQA
-    families and its mscale forms on MLA, tied heads, no or only dense layers, ...): moefold's
-    logits are transformers' from the same directory, and transformers reloads moefold's export
-    with its own logits, bit for bit."""
+    families and its mscale forms on MLA, tied heads, no or only dense layers, a dense Qwen3-MoE
+    (num_experts=0), ...): moefold's logits are transformers' from the same directory, and
+    transformers reloads moefold's export with its own logits, bit for bit."""
     hf = hf_model_of(IMPORTED[variant](), seed=3)
     hf.save_pretrained(tmp_path / "hf")
     ours = load_pretrained(tmp_path / "hf")

@@ -251,7 +251,6 @@ def _expressible(ok: bool, key: str, value: Any, family: str, why: str) -> None:
 def _common_to_hf(cfg: Config, family: str) -> dict[str, Any]:
     m, moe = cfg.model, cfg.moe
     _expressible(moe.activation == "swiglu", "moe.activation", moe.activation, family, "experts use SwiGLU")
-    _expressible(moe.num_experts > 0, "moe.num_experts", moe.num_experts, family, "it is an MoE family")
     _expressible(not moe.shared_expert_gate, "moe.shared_expert_gate", True, family, "no shared-expert gate")
     _expressible(not moe.force_balanced, "moe.force_balanced", True, family,
                  "transformers routes each token by its router, which round-robin routing never used")
@@ -407,6 +406,7 @@ def _mixtral_to_hf(cfg: Config) -> dict[str, Any]:
     _softmax_router_to_hf(cfg, "mixtral")
     _expressible(moe.norm_topk_prob or not moe.softmax_before_topk, "moe.norm_topk_prob", False,
                  "mixtral", "Mixtral renormalises the top-k probabilities")
+    _expressible(moe.num_experts > 0, "moe.num_experts", moe.num_experts, "mixtral", "every layer is MoE")
     _expressible(_moe_layer_ids(cfg) == list(range(m.n_layers)), "moe.first_k_dense/moe_every/dense_layers",
                  (moe.first_k_dense, moe.moe_every, moe.dense_layers), "mixtral", "every layer is MoE")
     hf.update(intermediate_size=moe.expert_hidden, num_local_experts=moe.num_experts,
@@ -464,6 +464,7 @@ def _deepseek_v3_to_hf(cfg: Config) -> dict[str, Any]:
     fam = "deepseek_v3"
     hf = _common_to_hf(cfg, fam)
     _expressible(m.attention == "mla", "model.attention", m.attention, fam, "it uses MLA")
+    _expressible(moe.num_experts > 0, "moe.num_experts", moe.num_experts, fam, "its layers past the first k are MoE")
     _expressible(moe.score_func == "sigmoid", "moe.score_func", moe.score_func, fam, "sigmoid routing")
     _expressible(moe.expert_bias, "moe.expert_bias", False, fam,
                  "it stores e_score_correction_bias (a zero bias is equivalent: enable it)")

@@ -6,24 +6,14 @@ from pathlib import Path
 
 import torch
 from conftest import write_text_corpus
-from layouts import GLOBAL_MICRO_BATCH, train, train_on_rank
+from layouts import train, train_on_rank
 from layouts import config as layout_config
 from ranks import run_ranks
 
-from moefold.config import load_config
 from moefold.data.corpus import is_validation, validation_threshold
 from moefold.train.trainer import Trainer
 
 VAL_FRACTION = 0.3
-
-
-def _config(corpus: Path, dp: int = 1, extra: dict[str, str] | None = None, **parallel):
-    return load_config("tiny-qwen3", {
-        "data.path": str(corpus), "train.seq_len": "16", "train.micro_batch_size": str(GLOBAL_MICRO_BATCH // dp),
-        "train.steps": "4", "train.warmup_steps": "2", "train.val_every": "0", "data.val_fraction": "0",
-        "train.device": "cpu", "logging.tensorboard": "false", "logging.progress_bar": "false",
-        "logging.expert_load_heatmap": "false", "logging.log_every": "4", "checkpoint.save_at_end": "false",
-        **{f"parallel.{k}": str(v) for k, v in parallel.items()}, **(extra or {})})
 
 
 def _corpus_with_a_short_validation_file(root: Path, val_bytes: int) -> Path:
@@ -56,11 +46,11 @@ def test_validation_under_tp_without_sequence_parallelism_takes_any_number_of_ro
     now evens it out, and the loss is one process's."""
     corpus = _corpus_with_a_short_validation_file(tmp_path / "corpus", val_bytes=46)  # 3 sequences
     extra = {"data.val_fraction": str(VAL_FRACTION), "train.seq_len": "15"}
-    one = Trainer(_config(corpus, extra=extra), tmp_path / "one", out=lambda line: None)
+    one = Trainer(layout_config("qwen3", corpus, extra=extra), tmp_path / "one", out=lambda line: None)
     assert [tuple(b.input_ids_BS.shape) for b in one.val_batches] == [(3, 15)]
     out = tmp_path / "val.pt"
-    run_ranks(2, _validate_on_rank, _config(corpus, extra=extra, tp=2, sequence_parallel="false"),
-              tmp_path / "tp2", out)
+    tp2 = layout_config("qwen3", corpus, extra=extra, tp=2, sequence_parallel="false")
+    run_ranks(2, _validate_on_rank, tp2, tmp_path / "tp2", out)
     torch.testing.assert_close(torch.load(out), one.validate(), rtol=1e-5, atol=0)
 
 
@@ -88,8 +78,8 @@ def test_round_robin_routing_sends_each_token_where_one_process_does(tmp_path):
         _check_same_training(results[name], ref, f"force_balanced {name}")
 
 
-ACCUMULATED_BALANCING = {"train.grad_accum": "2", "moe.global_aux_loss_coeff": "0.1", "moe.z_loss_coeff": "0.01",
-                         "moe.expert_bias_update_rate": "0.1", "train.steps": "4"}
+ACCUMULATED_BALANCING = {"train.grad_accum": "2", "moe.global_aux_loss_coeff": "0.1",
+                         "moe.z_loss_coeff": "0.01", "moe.expert_bias_update_rate": "0.1", "train.steps": "4"}
 
 
 def test_balancing_accumulated_over_micro_batches_trains_like_one_process(tmp_path):
@@ -132,8 +122,8 @@ def test_every_logged_value_under_tp_without_sequence_parallelism_is_one_process
     extra = {**ACCUMULATED_BALANCING, "moe.capacity_factor": "1.0", "logging.log_every": "2",
              "train.val_every": "2", "data.val_fraction": "0.2", "train.val_batches": "2"}
     Trainer(layout_config("deepseek", corpus, extra=extra), tmp_path / "one", out=lambda line: None).fit()
-    run_ranks(2, _fit_on_rank, layout_config("deepseek", corpus, extra=extra, tp=2, sequence_parallel="false"),
-              tmp_path / "tp2")
+    tp2 = layout_config("deepseek", corpus, extra=extra, tp=2, sequence_parallel="false")
+    run_ranks(2, _fit_on_rank, tp2, tmp_path / "tp2")
     one, tp2 = _records(tmp_path / "one"), _records(tmp_path / "tp2")
     assert [sorted(r) for r in tp2] == [sorted(r) for r in one]
     assert any("val_loss" in r for r in one) and any(r.get("dropped_fraction", 0) > 0 for r in one)
@@ -141,4 +131,5 @@ def test_every_logged_value_under_tp_without_sequence_parallelism_is_one_process
         for key, value in want.items():
             torch.testing.assert_close(torch.tensor(got[key], dtype=torch.float64),
                                        torch.tensor(value, dtype=torch.float64), rtol=1e-4, atol=0,
-                                       equal_nan=True, msg=lambda m, key=key, step=want["step"]: f"step {step} {key}: {m}")
+                                       equal_nan=True,
+                                       msg=lambda m, key=key, step=want["step"]: f"step {step} {key}: {m}")

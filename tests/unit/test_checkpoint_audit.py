@@ -4,7 +4,6 @@ was saved with (a resume or an export that would silently change the model is re
 
 import json
 import re
-import shutil
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 
 from conftest import TINY_OVERRIDES, cli_args  # noqa: E402
 from test_hf_interop import (  # noqa: E402
-    VOCAB, assert_rel_close, deepseek_v3, hf_load, hf_model_of, mixtral, qwen3, randomize, randomize_ours)
+    VOCAB, assert_rel_close, deepseek_v3, hf_load, hf_model_of, mixtral, qwen3, randomize_ours)
 
 from moefold.checkpoint.hf import INDEX, load_pretrained, save_pretrained  # noqa: E402
 from moefold.cli import main  # noqa: E402

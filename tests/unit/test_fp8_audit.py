@@ -19,6 +19,7 @@ from moefold.config import load_config
 from moefold.errors import ConfigError
 from moefold.fp8.apply import apply_fp8
 from moefold.fp8.gemm import EmulatedFp8Gemm, linear_scaling
+from moefold.fp8.grouped import EmulatedFp8GroupedGemm, fp8_grouped_mm, grouped_scaling
 from moefold.fp8.linear import Fp8Linear
 from moefold.fp8.recipes import E4M3, E5M2, Operand, quantize
 from moefold.models.transformer import build_model
@@ -176,6 +177,42 @@ def test_gradients_are_quantized_in_the_recipes_format(recipe, grad_fmt):
     assert gx[0, 1].item() == pytest.approx(q[0, 1].item() / grad_fmt.max, rel=1e-6)
 
 
+def fp8_grouped_grads(recipe, x_RK, w_EKN, gy_RN, offsets_E):
+    x, w = x_RK.clone().requires_grad_(), w_EKN.clone().requires_grad_()
+    y = fp8_grouped_mm(x, w, offsets_E, EmulatedFp8GroupedGemm(), grouped_scaling(recipe))
+    y.backward(gy_RN)
+    return y.detach(), x.grad, w.grad
+
+
+@pytest.mark.parametrize("recipe,sizes,block", [("rowwise", [32, 0, 48, 16], 1), ("blockwise", [128, 0, 256, 128], 128)])
+def test_each_grouped_gemm_scales_along_the_recipes_dims_within_each_expert(recipe, sizes, block):
+    """The experts' three grouped GEMMs absorb power-of-two rescalings exactly along their scaled
+    dims: rows of x and of the gradient (forward, grad_input), each expert's weight per column
+    (or 128-block) for the forward and per row (or 128-block) for grad_input, and, for the weight
+    gradient, x's and the gradient's columns rescaled differently in every expert's rows: its
+    scales run per column within each expert (an amax over all rows would mix the experts)."""
+    E, K, N, used = len(sizes), 256, 384, sum(sizes)
+    R = used + 16  # rows past the last group, never read
+    g = torch.Generator().manual_seed(0)
+    x, w, gy = torch.randn(R, K, generator=g), torch.randn(E, K, N, generator=g), torch.randn(R, N, generator=g)
+    offsets_E = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    expert_R = torch.cat([torch.repeat_interleave(torch.arange(E), torch.tensor(sizes)), torch.full((16,), E)])
+    y0, gx0, gw0 = fp8_grouped_grads(recipe, x, w, gy, offsets_E)
+
+    def p2(*shape, seed):
+        return torch.exp2(torch.randint(-8, 9, shape, generator=torch.Generator().manual_seed(seed)).float())
+
+    r, c = p2(R, seed=1), p2(E, 1, N // block, seed=2).repeat_interleave(block, -1)
+    y, _, _ = fp8_grouped_grads(recipe, x * r[:, None], w * c, gy, offsets_E)
+    assert torch.equal(y[:used], (y0 * r[:, None])[:used] * c[expert_R[:used], 0])
+    r, c = p2(R, seed=3), p2(E, K // block, 1, seed=4).repeat_interleave(block, 1)
+    _, gx, _ = fp8_grouped_grads(recipe, x, w * c, gy * r[:, None], offsets_E)
+    assert torch.equal(gx[:used], (gx0 * r[:, None])[:used] * c[expert_R[:used], :, 0])
+    cx, cg = p2(E + 1, K, seed=5), p2(E + 1, N, seed=6)
+    _, _, gw = fp8_grouped_grads(recipe, x * cx[expert_R], w, gy * cg[expert_R], offsets_E)
+    assert torch.equal(gw, gw0 * cx[:E, :, None] * cg[:E, None, :])
+
+
 # ---------------------------------------------------------------- selective precision
 
 
@@ -254,8 +291,9 @@ def fake_quant32(x, tile, fmt=E4M3):
     return (q * s.repeat_interleave(tr, 0).repeat_interleave(tc, 1)).float()
 
 
-@pytest.mark.parametrize("extra", [{}, {"moe.capacity_factor": 1.0}, {"moe.pad_multiple": 8}],
-                         ids=["dropless", "capacity", "pad8"])
+@pytest.mark.parametrize("extra", [{}, {"moe.capacity_factor": 1.0}, {"moe.pad_multiple": 8},
+                                   {"moe.memory_efficient_permute": False}],
+                         ids=["dropless", "capacity", "pad8", "probs-after"])
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_fp8_moe_layer_equals_a_per_token_loop(recipe, extra):
     """The FP8 MoE layer (routing, per-expert padding to the FP8 alignment, grouped FP8 GEMMs,

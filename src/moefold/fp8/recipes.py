@@ -44,7 +44,9 @@ class Fp8Format:
 
     @property
     def inv_max(self) -> float:
-        """1 / max, exact in fp32. Scales are `amax * inv_max`, the same bits on every device and in
+        """1 / max, which fp32 does not hold exactly (448 = 7 · 2^6): a tensor op rounds it to
+        fp32, for 448 and 57344 the bits of fp32's 1.0f / max, the reciprocal CUDA's division by
+        a scalar multiplies with. Scales are `amax * inv_max`, the same bits on every device and in
         the Triton kernels (torch on CUDA divides by a Python scalar this way; on the CPU it
         divides, which can differ in the last bit)."""
         return 1.0 / self.max

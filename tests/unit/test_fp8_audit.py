@@ -356,3 +356,50 @@ def test_an_exclude_pattern_matching_no_module_is_one_line(pattern):
     with pytest.raises(ConfigError, match=r"^precision.fp8_exclude: pattern .* matches no module name") as err:
         apply_fp8(model, cfg.precision, "cpu")
     assert "\n" not in str(err.value)
+
+
+# ---------------------------------------------------------------- tensor parallelism (gloo)
+
+
+def _column_wise_fp8_linear_on_rank(rank: int, out) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    from moefold.fp8.linear import ColumnShards, shard_fp8_linears
+
+    dist.init_process_group("gloo")
+    x_MK, w_NK, gy_MN = column_wise_case()
+    linear = Fp8Linear.from_linear(nn.Linear(128, 256, bias=False), EmulatedFp8Gemm(), linear_scaling("rowwise"))
+    with torch.no_grad():
+        linear.weight.copy_(w_NK)
+    parallelize_module(linear, init_device_mesh("cpu", (2,)), ColwiseParallel())
+    shard_fp8_linears(linear)
+    assert isinstance(linear.shards, ColumnShards)
+    y_Mn = linear(x_MK)
+    y_Mn.backward(gy_MN[:, rank * 128:(rank + 1) * 128])
+    torch.save({"y": y_Mn.detach(), "grad_w": linear.weight.grad.to_local()}, f"{out}.{rank}")
+
+
+def column_wise_case():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(40, 128, generator=g), torch.randn(256, 128, generator=g), torch.randn(40, 256, generator=g)
+
+
+def test_a_column_wise_rowwise_fp8_linear_under_tp_equals_one_process(tmp_path):
+    """Under tp=2 a column-wise FP8 linear (ColumnShards) multiplies the whole, replicated input by
+    its rank's output features: rowwise scales (per token over K, per output feature over K, and
+    for the weight gradient per output feature and per input feature over the tokens) then lie
+    whole on each rank, so its output shard and weight-gradient shard equal one process's bit for
+    bit (grad_input, whose rows span one rank's features, and row-wise linears only come close)."""
+    from ranks import run_ranks
+
+    out = tmp_path / "shard"
+    run_ranks(2, _column_wise_fp8_linear_on_rank, str(out))
+    x_MK, w_NK, gy_MN = column_wise_case()
+    y, _, grad_w = fp8_linear_grads("rowwise", x_MK, w_NK, gy_MN)
+    for rank in range(2):
+        got = torch.load(f"{out}.{rank}")
+        features = slice(rank * 128, (rank + 1) * 128)
+        assert torch.equal(got["y"], y[:, features])
+        assert torch.equal(got["grad_w"], grad_w[features])

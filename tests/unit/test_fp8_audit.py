@@ -314,6 +314,7 @@ def test_fp8_moe_layer_equals_a_per_token_loop(recipe, extra):
         routing = layer.router(x_TD)
         keep_TK = layer.capacity(routing.idx_TK, routing.probs_TK, None).view(32, 2)
         ex = layer.experts
+        w1q, w3q, w2q = ([fake_quant32(w[e], wt) for e in range(4)] for w in (ex.w1_EDF, ex.w3_EDF, ex.w2_EFD))
         ref_TD = torch.zeros(32, 128)
         for t in range(32):
             for k in range(2):
@@ -321,8 +322,8 @@ def test_fp8_moe_layer_equals_a_per_token_loop(recipe, extra):
                     continue
                 e, p = routing.idx_TK[t, k].item(), routing.probs_TK[t, k]
                 xq = fake_quant32(x_TD[t:t + 1], act)
-                h = F.silu(xq @ fake_quant32(ex.w1_EDF[e], wt)) * (xq @ fake_quant32(ex.w3_EDF[e], wt)) * p
-                ref_TD[t] += (fake_quant32(h, act) @ fake_quant32(ex.w2_EFD[e], wt))[0]
+                h = F.silu(xq @ w1q[e]) * (xq @ w3q[e]) * p
+                ref_TD[t] += (fake_quant32(h, act) @ w2q[e])[0]
     err_T = (y_TD - ref_TD).abs().amax(1) / ref_TD.abs().amax(1).clamp_min(1e-30)
     # fp32 against the reference's fp64 quantization: an FP8 rounding of h may flip (one token).
     assert (err_T < 1e-4).float().mean() >= 0.9, err_T

@@ -1,0 +1,196 @@
+"""Audit of the model code against independent references: transformers' attention modules on
+identical weights (outputs and every gradient, fp32 and bf16), a naive attention written here (band
+masks at and around the sequence length, one-token sequences), YaRN past the pre-training length,
+MTP's targets and loss written out from the DeepSeek-V3 paper, and option validation."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moefold.config import load_config
+from moefold.errors import ConfigError
+from moefold.models.attention import Attention
+from moefold.models.mla import MLAttention
+from moefold.models.rope import RopeScaling, apply_rope, rope_cos_sin, yarn_softmax_scale_factor
+from moefold.models.transformer import build_model
+
+transformers = pytest.importorskip("transformers")
+
+DIM, HEADS, KV_HEADS, HEAD_DIM, THETA = 48, 4, 2, 12, 10000.0
+GQA_NAMES = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo", "q_norm": "q_norm",
+             "k_norm": "k_norm"}
+MLA_NAMES = {"q_proj": "wq", "q_a_proj": "wq_a", "q_a_layernorm": "q_norm", "q_b_proj": "wq_b",
+             "kv_a_proj_with_mqa": "wkv_a", "kv_a_layernorm": "kv_norm", "kv_b_proj": "wkv_b", "o_proj": "wo"}
+TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
+
+
+def _close(actual, expected, rtol):
+    """Within rtol of the tensor's largest entry (bf16 rounding differs entry by entry); within 1e-4
+    of a gradient that is 0 in exact arithmetic (one visible key: the keys' weights; SDPA's
+    backward leaves ~1e-6 there, eager attention 0)."""
+    scale = expected.float().abs().max().item()
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=rtol, atol=rtol * scale if scale else 1e-4)
+
+
+def _randomize(module):
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in module.parameters():  # norms too, so a swapped or unused weight shows
+            p.copy_(torch.randn_like(p) * 0.2 + (1.0 if p.dim() == 1 else 0.0))
+
+
+def _copy_into(ours, hf_module, names):
+    state = {f"{names[k.split('.')[0]]}.{k.split('.', 1)[1]}": v for k, v in hf_module.state_dict().items()}
+    ours.load_state_dict(state, strict=True)
+
+
+def _band_additive_mask(seq_len, window, dtype):
+    """0 where key j is visible from query i (j ≤ i, and i − j < window when window > 0), else the
+    dtype's minimum: eager attention's form, built independently of moefold's masks."""
+    i, j = torch.arange(seq_len)[:, None], torch.arange(seq_len)[None, :]
+    visible = (j <= i) & ((i - j < window) if window else True)
+    return torch.zeros(seq_len, seq_len, dtype=dtype).masked_fill(~visible, torch.finfo(dtype).min)[None, None]
+
+
+def _run_both(hf_attn, hf_rotary, ours, cos_sin, seq_len, dtype, window=0, batch=2):
+    """(outputs, input grads, {our param name: (ours.grad, hf.grad)}) for one random input and
+    output gradient."""
+    torch.manual_seed(1)
+    x = torch.randn(batch, seq_len, DIM, dtype=dtype)
+    grad_out = torch.randn(batch, seq_len, DIM, dtype=dtype)
+    x_hf, x_ours = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    positions = torch.arange(seq_len)[None].expand(batch, seq_len)
+    out_hf, _ = hf_attn(x_hf, hf_rotary(x_hf, positions), _band_additive_mask(seq_len, window, dtype))
+    out_ours = ours(x_ours, *cos_sin)
+    out_hf.backward(grad_out)
+    out_ours.backward(grad_out)
+    ours_params = dict(ours.named_parameters())
+    grads = {}
+    for name, p in hf_attn.named_parameters():
+        module, leaf = name.split(".", 1)
+        grads[name] = (ours_params[f"{hf_names(hf_attn)[module]}.{leaf}"].grad, p.grad)
+    return (out_ours, out_hf), (x_ours.grad, x_hf.grad), grads
+
+
+def hf_names(hf_attn):
+    return MLA_NAMES if hasattr(hf_attn, "kv_a_proj_with_mqa") else GQA_NAMES
+
+
+def _assert_all_close(outs, x_grads, grads, rtol):
+    _close(*outs, rtol)
+    _close(*x_grads, rtol)
+    for name, (ours, theirs) in grads.items():
+        assert ours is not None, f"{name}: no gradient"
+        _close(ours, theirs, rtol)
+
+
+# ---- GQA against transformers' Qwen3-MoE (QK-norm) and Mistral (sliding window) ----
+
+def _qwen3_pair(dtype, scaling=None, qk_norm=True):
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe import modeling_qwen3_moe as hf
+
+    rope = {"rope_type": "default", "rope_theta": THETA}
+    if scaling is not None:
+        rope = {"rope_type": "yarn", "rope_theta": THETA, "factor": scaling.factor,
+                "original_max_position_embeddings": scaling.original_max_len,
+                "beta_fast": scaling.beta_fast, "beta_slow": scaling.beta_slow}
+    config = Qwen3MoeConfig(hidden_size=DIM, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+                            head_dim=HEAD_DIM, rms_norm_eps=1e-6, rope_parameters=rope,
+                            max_position_embeddings=8192, attn_implementation="eager")
+    hf_attn = hf.Qwen3MoeAttention(config, layer_idx=0)
+    _randomize(hf_attn)
+    ours = Attention(DIM, HEADS, KV_HEADS, HEAD_DIM, qk_norm=qk_norm, norm_eps=1e-6)
+    _copy_into(ours, hf_attn, GQA_NAMES)
+    return hf_attn.to(dtype), hf.Qwen3MoeRotaryEmbedding(config), ours.to(dtype)
+
+
+def _mistral_pair(dtype, window):
+    from transformers import MistralConfig
+    from transformers.models.mistral import modeling_mistral as hf
+
+    config = MistralConfig(hidden_size=DIM, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+                           head_dim=HEAD_DIM, rope_parameters={"rope_type": "default", "rope_theta": THETA},
+                           sliding_window=window or None, attn_implementation="eager")
+    hf_attn = hf.MistralAttention(config, layer_idx=0)
+    _randomize(hf_attn)
+    ours = Attention(DIM, HEADS, KV_HEADS, HEAD_DIM, qk_norm=False, norm_eps=1e-6, sliding_window=window)
+    _copy_into(ours, hf_attn, GQA_NAMES)
+    return hf_attn.to(dtype), hf.MistralRotaryEmbedding(config), ours.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seq_len", [1, 2, 9])
+def test_qk_norm_gqa_outputs_and_gradients_match_qwen3_moe(dtype, seq_len):
+    hf_attn, hf_rotary, ours = _qwen3_pair(dtype)
+    cos_sin = rope_cos_sin(seq_len, HEAD_DIM, THETA)
+    _assert_all_close(*_run_both(hf_attn, hf_rotary, ours, cos_sin, seq_len, dtype), TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [1, 7, 8, 9])
+def test_sliding_window_outputs_and_gradients_match_mistral(dtype, window):
+    """Windows of one token, just under, at and just over the 8-token sequence."""
+    hf_attn, hf_rotary, ours = _mistral_pair(dtype, window)
+    cos_sin = rope_cos_sin(8, HEAD_DIM, THETA)
+    _assert_all_close(*_run_both(hf_attn, hf_rotary, ours, cos_sin, 8, dtype, window=window), TOL[dtype])
+
+
+def test_yarn_gqa_past_the_pretraining_length_matches_qwen3_moe():
+    """YaRN tables at positions 0..95 with a pre-training length of 16 (6x past it): tables bit for
+    bit, and the attention's outputs and gradients."""
+    scaling = RopeScaling(factor=4.0, original_max_len=16, beta_fast=8.0, beta_slow=1.0)
+    hf_attn, hf_rotary, ours = _qwen3_pair(torch.float32, scaling)
+    cos, sin = rope_cos_sin(96, HEAD_DIM, THETA, scaling=scaling)
+    hf_cos, hf_sin = hf_rotary(torch.zeros(1, 96, DIM), torch.arange(96)[None])
+    torch.testing.assert_close(cos, hf_cos[0], rtol=0, atol=0)
+    torch.testing.assert_close(sin, hf_sin[0], rtol=0, atol=0)
+    _assert_all_close(*_run_both(hf_attn, hf_rotary, ours, (cos, sin), 96, torch.float32, batch=1), TOL[torch.float32])
+
+
+# ---- MLA against transformers' DeepSeek-V3 ----
+
+MLA_KV_LORA, MLA_NOPE, MLA_ROPE, MLA_V = 24, 8, 8, 10
+
+
+def _deepseek_pair(dtype, q_lora_rank, scaling=None):
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
+
+    rope = {"rope_type": "default", "rope_theta": THETA}
+    if scaling is not None:
+        rope = {"rope_type": "yarn", "rope_theta": THETA, "factor": scaling.factor,
+                "original_max_position_embeddings": scaling.original_max_len, "beta_fast": scaling.beta_fast,
+                "beta_slow": scaling.beta_slow, "mscale": scaling.mscale, "mscale_all_dim": scaling.mscale_all_dim}
+    config = DeepseekV3Config(hidden_size=DIM, num_attention_heads=HEADS, num_key_value_heads=HEADS,
+                              q_lora_rank=q_lora_rank or None, kv_lora_rank=MLA_KV_LORA,
+                              qk_nope_head_dim=MLA_NOPE, qk_rope_head_dim=MLA_ROPE, v_head_dim=MLA_V,
+                              rope_interleave=True, rope_parameters=rope, max_position_embeddings=8192,
+                              attn_implementation="eager")
+    hf_attn = hf.DeepseekV3Attention(config, layer_idx=0)
+    _randomize(hf_attn)
+    ours = MLAttention(DIM, HEADS, q_lora_rank, MLA_KV_LORA, MLA_NOPE, MLA_ROPE, MLA_V, 1e-6,
+                       softmax_scale_factor=yarn_softmax_scale_factor(scaling), interleaved_rope=True)
+    _copy_into(ours, hf_attn, MLA_NAMES)
+    return hf_attn.to(dtype), hf.DeepseekV3RotaryEmbedding(config), ours.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("q_lora_rank", [0, 16])
+@pytest.mark.parametrize("seq_len", [1, 7])
+def test_mla_outputs_and_gradients_match_deepseek_v3(dtype, q_lora_rank, seq_len):
+    hf_attn, hf_rotary, ours = _deepseek_pair(dtype, q_lora_rank)
+    cos_sin = rope_cos_sin(seq_len, MLA_ROPE, THETA)
+    _assert_all_close(*_run_both(hf_attn, hf_rotary, ours, cos_sin, seq_len, dtype), TOL[dtype])
+
+
+def test_yarn_mla_past_the_pretraining_length_matches_deepseek_v3():
+    """DeepSeek's YaRN (mscale = mscale_all_dim: tables unscaled, softmax scale times mscale²) at
+    positions 0..79 with a pre-training length of 16."""
+    scaling = RopeScaling(factor=8.0, original_max_len=16, beta_fast=8.0, beta_slow=1.0, mscale=1.0,
+                          mscale_all_dim=1.0)
+    hf_attn, hf_rotary, ours = _deepseek_pair(torch.float32, 0, scaling)
+    cos_sin = rope_cos_sin(80, MLA_ROPE, THETA, scaling=scaling)
+    _assert_all_close(*_run_both(hf_attn, hf_rotary, ours, cos_sin, 80, torch.float32, batch=1), TOL[torch.float32])

@@ -757,11 +757,17 @@ def _validate_model(m: ModelConfig) -> None:
         for key in ("n_kv_heads", "head_dim"):  # MLA's heads are qk_*_head_dim wide, every head its own kv
             _require(getattr(m, key) == 0, f"model.{key}={getattr(m, key)} needs model.attention='gqa' "
                      "(MLA sizes its heads with model.qk_nope_head_dim, qk_rope_head_dim and v_head_dim)")
+        # MLA normalises its latents (q_norm, kv_norm), never per head: qk_norm would change nothing.
+        _require(not m.qk_norm, "model.qk_norm=true needs model.attention='gqa' (MLA has no per-head QK-norm)")
     else:  # GQA has no query latent and rotates half-split dims: MLA's options would change nothing
         _require(m.q_lora_rank == 0, f"model.q_lora_rank={m.q_lora_rank} needs model.attention='mla'")
         _require(not m.rope_interleaved, "model.rope_interleaved=true needs model.attention='mla'")
     if m.rope_scaling != "yarn":
         _require(m.rope_factor == 1, f"model.rope_factor={m.rope_factor} needs model.rope_scaling='yarn'")
+        defaults = ModelConfig()  # plain RoPE reads none of YaRN's options
+        for key in ("rope_original_max_len", "yarn_beta_fast", "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim"):
+            _require(getattr(m, key) == getattr(defaults, key),
+                     f"model.{key}={getattr(m, key)} needs model.rope_scaling='yarn'")
         # Pair i turns rope_theta^(-2i/head_dim) rad a token: at <= 1 the slow pairs are the fast
         # ones, and below fp32's range the rate is inf and the first step nan.
         _require(m.rope_theta > 1, f"model.rope_theta={m.rope_theta} must be > 1 (RoPE's base; models use 1e4 to 1e6)")
@@ -772,6 +778,10 @@ def _validate_model(m: ModelConfig) -> None:
         _require(m.rope_theta > 1, f"model.rope_theta={m.rope_theta} must be > 1 for YaRN")
         for key in ("yarn_beta_fast", "yarn_beta_slow"):  # rotations: their logarithm is taken
             _require(getattr(m, key) > 0, f"model.{key}={getattr(m, key)} must be > 0")
+        # Reversed, the ramp interpolates the fastest dims and keeps the slowest: YaRN's opposite.
+        _require(m.yarn_beta_fast >= m.yarn_beta_slow, f"model.yarn_beta_fast={m.yarn_beta_fast} must be >= "
+                 f"model.yarn_beta_slow={m.yarn_beta_slow} (dims faster than beta_fast keep their frequency, "
+                 "dims slower than beta_slow are interpolated)")
         for key in ("yarn_mscale", "yarn_mscale_all_dim"):
             _require(getattr(m, key) >= 0, f"model.{key}={getattr(m, key)} must be >= 0")
 

@@ -194,3 +194,41 @@ def test_yarn_mla_past_the_pretraining_length_matches_deepseek_v3():
     hf_attn, hf_rotary, ours = _deepseek_pair(torch.float32, 0, scaling)
     cos_sin = rope_cos_sin(80, MLA_ROPE, THETA, scaling=scaling)
     _assert_all_close(*_run_both(hf_attn, hf_rotary, ours, cos_sin, 80, torch.float32, batch=1), TOL[torch.float32])
+
+
+# ---- options that cannot work, or that the model would silently ignore ----
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"model.yarn_beta_fast": "8"}, "model.yarn_beta_fast=8.0 needs model.rope_scaling='yarn'"),
+    ({"model.yarn_beta_slow": "2"}, "model.yarn_beta_slow=2.0 needs model.rope_scaling='yarn'"),
+    ({"model.yarn_mscale": "0.707"}, "model.yarn_mscale=0.707 needs model.rope_scaling='yarn'"),
+    ({"model.yarn_mscale_all_dim": "1"}, "model.yarn_mscale_all_dim=1.0 needs model.rope_scaling='yarn'"),
+    ({"model.rope_original_max_len": "2048"}, "model.rope_original_max_len=2048 needs model.rope_scaling='yarn'"),
+])
+def test_a_yarn_option_without_yarn_is_refused(overrides, message):
+    """Without YaRN the tables are plain RoPE's: each of these trained bit for bit as without it,
+    while model.rope_factor (their sibling) was already refused."""
+    with pytest.raises(ConfigError, match=f"^{message}"):
+        load_config("tiny-qwen3", overrides)
+    load_config("tiny-qwen3", {**overrides, "model.rope_scaling": "yarn", "model.rope_factor": "4"})
+
+
+def test_yarn_with_beta_fast_below_beta_slow_is_refused():
+    """The ramp runs backwards: the fastest dims were interpolated by 1/factor and the slowest kept,
+    YaRN's opposite (transformers only warns)."""
+    yarn = {"model.rope_scaling": "yarn", "model.rope_factor": "4"}
+    cos_ok, _ = rope_cos_sin(4, 16, THETA, scaling=RopeScaling(4.0, 64, beta_fast=32.0, beta_slow=1.0))
+    cos_swapped, _ = rope_cos_sin(4, 16, THETA, scaling=RopeScaling(4.0, 64, beta_fast=1.0, beta_slow=32.0))
+    assert not torch.allclose(cos_ok, cos_swapped)
+    with pytest.raises(ConfigError, match=r"^model.yarn_beta_fast=1.0 must be >= model.yarn_beta_slow=32.0"):
+        load_config("tiny-qwen3", {**yarn, "model.yarn_beta_fast": "1", "model.yarn_beta_slow": "32"})
+    load_config("tiny-qwen3", {**yarn, "model.yarn_beta_fast": "4", "model.yarn_beta_slow": "4"})
+
+
+def test_qk_norm_under_mla_is_refused():
+    """MLA normalises its latents (q_norm, kv_norm) and has no per-head QK-norm: qk_norm=true built
+    the same model as false."""
+    with pytest.raises(ConfigError, match=r"^model.qk_norm=true needs model.attention='gqa'"):
+        load_config("tiny-deepseek", {"model.qk_norm": "true"})
+    cfg = load_config("tiny-deepseek")
+    assert not cfg.model.qk_norm and build_model(cfg, 50).layers[0].attn.__class__ is MLAttention

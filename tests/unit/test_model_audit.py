@@ -232,3 +232,36 @@ def test_qk_norm_under_mla_is_refused():
         load_config("tiny-deepseek", {"model.qk_norm": "true"})
     cfg = load_config("tiny-deepseek")
     assert not cfg.model.qk_norm and build_model(cfg, 50).layers[0].attn.__class__ is MLAttention
+
+
+# ---- MTP from the DeepSeek-V3 paper (arXiv 2412.19437, section 2.2) ----
+
+def test_mtp_objective_is_the_papers_written_out_depth_by_depth():
+    """Tokens t_1..t_T+1 (inputs t_1..t_T, next-token labels t_2..t_T+1). Depth k, for i = 1..T−k:
+    h'_i^k = M_k [RMSNorm(h_i^(k−1)); RMSNorm(Emb(t_(i+k)))] (the checkpoint's eh_proj takes the
+    embedding half first), h^k_(1:T−k) = TRM_k(h'^k_(1:T−k)), P^k_(i+k+1) = OutHead(h_i^k) with
+    the shared (here tied) embedding and head; L^k = mean over i of −log P^k_(i+k+1)[t_(i+k+1)] (the
+    paper divides by T, moefold and Megatron-Core by the T−k targets); L = L_main + λ·mean_k L^k."""
+    from moefold.train.loss import build_objective
+
+    cfg = load_config("tiny-deepseek", {"model.mtp_layers": "3", "model.tie_embeddings": "true",
+                                        "model.mtp_loss_weight": "0.25"})
+    model = build_model(cfg, vocab_size=40)
+    model.init_weights(seed=0)
+    T = 9
+    tokens = torch.randint(0, 40, (2, T + 1), generator=torch.Generator().manual_seed(0))
+    loss, parts = build_objective(model)(model, tokens[:, :T], tokens[:, 1:])
+
+    emb, head = model.tok_embeddings, model.output
+    assert head.weight is emb.weight
+    h, (cos, sin) = model.trunk(tokens[:, :T])  # h^0: the main model's last block, before its norm
+    depth_losses = []
+    for k, module in enumerate(model.mtp.layers, start=1):
+        n = T - k  # positions i = 1..T−k (0-based 0..T−k−1)
+        merged = torch.cat([module.enorm(emb(tokens[:, k:k + n])), module.hnorm(h[:, :n])], dim=-1)
+        h = module.block(module.eh_proj(merged), cos[:n], sin[:n])
+        logits = head(module.norm(h))  # predicts t_(i+k+1), i.e. tokens[:, i + k + 1] 0-based
+        depth_losses.append(F.cross_entropy(logits.flatten(0, 1), tokens[:, k + 1:k + 1 + n].flatten()))
+    main = F.cross_entropy(model(tokens[:, :T]).flatten(0, 1), tokens[:, 1:].flatten())
+    torch.testing.assert_close(parts["mtp_loss"], torch.stack(depth_losses).mean())
+    torch.testing.assert_close(loss, main + 0.25 * torch.stack(depth_losses).mean())

@@ -747,6 +747,8 @@ def _validate_model(m: ModelConfig) -> None:
     _one_of("model.rope_scaling", m.rope_scaling, ("none", "yarn"))
     for key in ("sliding_window", "q_lora_rank", "mtp_layers", "mtp_loss_weight"):
         _require(getattr(m, key) >= 0, f"model.{key}={getattr(m, key)} must be >= 0")
+    _require(m.mtp_layers > 0 or m.mtp_loss_weight == ModelConfig.mtp_loss_weight,
+             f"model.mtp_loss_weight={m.mtp_loss_weight} needs model.mtp_layers > 0 (no MTP loss to weigh)")
     if m.attention == "mla":
         for key in ("kv_lora_rank", "qk_rope_head_dim", "v_head_dim"):
             _require(getattr(m, key) > 0, f"model.{key}={getattr(m, key)} must be > 0 for MLA")
@@ -764,9 +766,9 @@ def _validate_model(m: ModelConfig) -> None:
         _require(not m.rope_interleaved, "model.rope_interleaved=true needs model.attention='mla'")
     if m.rope_scaling != "yarn":
         _require(m.rope_factor == 1, f"model.rope_factor={m.rope_factor} needs model.rope_scaling='yarn'")
-        defaults = ModelConfig()  # plain RoPE reads none of YaRN's options
         for key in ("rope_original_max_len", "yarn_beta_fast", "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim"):
-            _require(getattr(m, key) == getattr(defaults, key),
+            # plain RoPE reads none of YaRN's options
+            _require(getattr(m, key) == getattr(ModelConfig, key),
                      f"model.{key}={getattr(m, key)} needs model.rope_scaling='yarn'")
         # Pair i turns rope_theta^(-2i/head_dim) rad a token: at <= 1 the slow pairs are the fast
         # ones, and below fp32's range the rate is inf and the first step nan.

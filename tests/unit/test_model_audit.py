@@ -265,3 +265,12 @@ def test_mtp_objective_is_the_papers_written_out_depth_by_depth():
     main = F.cross_entropy(model(tokens[:, :T]).flatten(0, 1), tokens[:, 1:].flatten())
     torch.testing.assert_close(parts["mtp_loss"], torch.stack(depth_losses).mean())
     torch.testing.assert_close(loss, main + 0.25 * torch.stack(depth_losses).mean())
+
+
+def test_an_mtp_loss_weight_without_mtp_modules_is_refused():
+    """Without MTP modules the objective is the next-token loss alone: the weight trained bit for
+    bit as without it."""
+    with pytest.raises(ConfigError, match=r"^model.mtp_loss_weight=0.1 needs model.mtp_layers > 0"):
+        load_config("tiny-qwen3", {"model.mtp_loss_weight": "0.1"})
+    load_config("tiny-qwen3", {"model.mtp_loss_weight": "0.1", "model.mtp_layers": "1"})
+    load_config("deepseek-v3", {"model.mtp_layers": "0"})  # the preset states the default weight

@@ -763,6 +763,9 @@ def _validate_model(m: ModelConfig) -> None:
         _require(not m.qk_norm, "model.qk_norm=true needs model.attention='gqa' (MLA has no per-head QK-norm)")
     else:  # GQA has no query latent and rotates half-split dims: MLA's options would change nothing
         _require(m.q_lora_rank == 0, f"model.q_lora_rank={m.q_lora_rank} needs model.attention='mla'")
+        for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            _require(getattr(m, key) == getattr(ModelConfig, key),
+                     f"model.{key}={getattr(m, key)} needs model.attention='mla' (GQA's heads are model.head_dim wide)")
         _require(not m.rope_interleaved, "model.rope_interleaved=true needs model.attention='mla'")
     if m.rope_scaling != "yarn":
         _require(m.rope_factor == 1, f"model.rope_factor={m.rope_factor} needs model.rope_scaling='yarn'")

@@ -274,3 +274,12 @@ def test_an_mtp_loss_weight_without_mtp_modules_is_refused():
         load_config("tiny-qwen3", {"model.mtp_loss_weight": "0.1"})
     load_config("tiny-qwen3", {"model.mtp_loss_weight": "0.1", "model.mtp_layers": "1"})
     load_config("deepseek-v3", {"model.mtp_layers": "0"})  # the preset states the default weight
+
+
+@pytest.mark.parametrize("key", ["kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"])
+def test_an_mla_head_size_under_gqa_is_refused(key):
+    """GQA's heads are head_dim wide and rotate all of it: MLA's sizes there trained bit for bit as
+    without them (model.q_lora_rank was already refused)."""
+    with pytest.raises(ConfigError, match=f"^model.{key}=6 needs model.attention='mla'"):
+        load_config("tiny-qwen3", {f"model.{key}": "6"})
+    load_config("tiny-deepseek", {f"model.{key}": "6"})

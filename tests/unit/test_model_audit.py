@@ -283,3 +283,16 @@ def test_an_mla_head_size_under_gqa_is_refused(key):
     with pytest.raises(ConfigError, match=f"^model.{key}=6 needs model.attention='mla'"):
         load_config("tiny-qwen3", {f"model.{key}": "6"})
     load_config("tiny-deepseek", {f"model.{key}": "6"})
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-deepseek"])
+def test_norm_eps_reaches_every_rmsnorm_but_mla_latents(preset):
+    """model.norm_eps is transformers' rms_norm_eps: the block, final, QK and MTP norms take it;
+    MLA's latent norms keep 1e-6 (DeepSeek-V3's q_a_layernorm/kv_a_layernorm are built without it)."""
+    from moefold.models.norm import RMSNorm
+
+    model = build_model(load_config(preset, {"model.norm_eps": "0.001"}), vocab_size=40)
+    eps = {name: m.eps for name, m in model.named_modules() if isinstance(m, RMSNorm)}
+    latent = {n for n in eps if n.endswith(("attn.q_norm", "attn.kv_norm")) and preset == "tiny-deepseek"}
+    assert eps and all(eps[n] == 1e-6 for n in latent) and all(eps[n] == 1e-3 for n in eps.keys() - latent)
+    assert len(eps) - len(latent) >= 2 * len(model.blocks()) + 1

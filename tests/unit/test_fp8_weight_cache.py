@@ -18,7 +18,8 @@ from moefold.fp8.grouped import (
 )
 from moefold.fp8.weight_cache import CachedWeights, refresh_weight_caches
 from moefold.moe.experts import Fp8GroupedExperts
-from moefold.train.trainer import Trainer, _refuse_weight_cache_over_fsdp
+from moefold.plan.refuse import refuse_weight_cache_over_fsdp
+from moefold.train.trainer import Trainer
 
 SIZES = {"rowwise": [32, 0, 48, 16], "blockwise": [128, 0, 256, 128]}
 
@@ -150,8 +151,8 @@ def test_cache_errors_are_one_line():
     cfg = load_config("tiny-qwen3", {"precision.fp8": "rowwise", "precision.fp8_weight_cache": "true"})
     layout = types.SimpleNamespace(dims=types.SimpleNamespace(edp=2))
     with pytest.raises(ConfigError, match="data_parallel=ddp"):
-        _refuse_weight_cache_over_fsdp(cfg, layout)
-    _refuse_weight_cache_over_fsdp(cfg, types.SimpleNamespace(dims=types.SimpleNamespace(edp=1)))
+        refuse_weight_cache_over_fsdp(cfg, layout)
+    refuse_weight_cache_over_fsdp(cfg, types.SimpleNamespace(dims=types.SimpleNamespace(edp=1)))
 
 
 def test_experts_without_up_projection_cache_two_weights():

@@ -84,7 +84,8 @@ def test_counts_take_the_tokenizers_vocabulary_as_training_does(tmp_path, capsys
         return capsys.readouterr().out
 
     with_tokenizer = params("--data.tokenizer", str(tokenizer))
-    assert with_tokenizer == params("--model.vocab_size", "4")
+    # model.vocab_size below the tokenizer's (the byte tokenizer's 257 without one) is refused
+    assert with_tokenizer == params("--data.tokenizer", str(tokenizer), "--model.vocab_size", "4")
     assert with_tokenizer != params()
 
 

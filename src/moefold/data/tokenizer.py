@@ -13,7 +13,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from moefold.errors import DataError
+from moefold.errors import ConfigError, DataError
 
 # DeepSeek-V2/V3's <｜end▁of▁sentence｜>, escaped: fullwidth bars (U+FF5C), "▁" (U+2581) for spaces.
 DEEPSEEK_EOS = "<\uff5cend\u2581of\u2581sentence\uff5c>"
@@ -236,10 +236,15 @@ def _config_eos_token(path: str) -> str | None:
     return eos if isinstance(eos, str) else None
 
 
-def model_vocab_size(cfg) -> int:
+def model_vocab_size(cfg, tokenizer: Tokenizer | None = None) -> int:
     """The vocabulary a model of `cfg` is built with: model.vocab_size, or (0) the tokenizer's, as
-    training takes it; the counts, plans and benchmarks use the same."""
-    return cfg.model.vocab_size or build_tokenizer(cfg.data.tokenizer).vocab_size
+    training takes it; the counts, plans and benchmarks use the same. A model.vocab_size below the
+    tokenizer's is refused: some token ids would have no embedding row."""
+    tokens = (tokenizer or build_tokenizer(cfg.data.tokenizer)).vocab_size
+    if cfg.model.vocab_size and cfg.model.vocab_size < tokens:
+        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
+                          f"vocabulary ({tokens})")
+    return cfg.model.vocab_size or tokens
 
 
 def build_tokenizer(path: str) -> Tokenizer:

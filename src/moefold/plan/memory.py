@@ -51,6 +51,8 @@ import math
 
 from dataclasses import dataclass, field
 
+import torch
+
 from moefold.config import Config, micro_batches_per_step
 from moefold.data.tokenizer import model_vocab_size
 from moefold.errors import ConfigError
@@ -67,6 +69,7 @@ from moefold.plan.pipeline import (
     rank_chunks,
     schedule_micro_batches,
 )
+from moefold.plan.refuse import refuse_unbuildable
 
 GIB = 1024 ** 3
 MOMENT_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp8": 1.0 + 4.0 / 128}
@@ -390,6 +393,7 @@ def predict_memory(cfg: Config, world_size: int, imbalance: float = 1.0,
         raise ConfigError(f"--moe-imbalance={imbalance} exceeds parallel.ep={lay.dims.ep}: the busiest of "
                           f"{lay.dims.ep} expert ranks computes at most {lay.dims.ep}× its balanced share")
     vocab = vocab_size or model_vocab_size(cfg)
+    refuse_unbuildable(cfg, vocab, torch.float32 if compute_bytes(cfg) == 4 else torch.bfloat16, lay)
     chunks = model_chunks(cfg.model.n_layers, cfg.model.mtp_layers, lay.dims.pp, cfg.parallel.vpp)
     configured = micro_batches_per_step(cfg.train, lay.dims.dp)  # refused as the trainer refuses it
     micro_batches = schedule_micro_batches(configured, lay.dims.pp)

@@ -44,7 +44,7 @@ from moefold.config import (Config, config_from_toml, micro_batches_per_step, re
                             to_toml, validate)
 from moefold.data.corpus import build_token_streams
 from moefold.data.loader import IGNORE_INDEX, Batch, PackedSequences, TrainLoader, val_batches
-from moefold.data.tokenizer import build_tokenizer
+from moefold.data.tokenizer import build_tokenizer, model_vocab_size
 from moefold.errors import CheckpointError, ConfigError, TrainingDiverged, refuse_unwritable_dir
 from moefold.files import write_atomically
 from moefold.fp8.apply import apply_fp8
@@ -58,6 +58,7 @@ from moefold.parallel.apply import parallelize
 from moefold.parallel.data import DataParallel, GradNormClipper
 from moefold.parallel.launch import TRAIN_LAUNCH, join
 from moefold.plan.fit import rank_capacity, refuse_model_beyond_memory
+from moefold.plan.refuse import refuse_weight_cache_over_fsdp
 from moefold.train import metrics
 from moefold.train.compile import compile_blocks
 from moefold.train.flops import count_params, peak_tflops, train_flops_per_token
@@ -80,16 +81,6 @@ def resolve_compute_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return {"bf16": torch.bfloat16, "fp32": torch.float32}[name]
-
-
-def _refuse_weight_cache_over_fsdp(cfg: Config, layout) -> None:
-    """The cache quantizes each rank's whole expert weights between steps, which FSDP shards
-    over edp (it gathers them only inside the forward and backward)."""
-    if cfg.precision.fp8_weight_cache and layout is not None and cfg.parallel.data_parallel == "fsdp" \
-            and layout.dims.edp > 1:
-        raise ConfigError(f"precision.fp8_weight_cache=true needs the experts' weights whole on each rank; "
-                          f"parallel.data_parallel=fsdp shards them over edp={layout.dims.edp}: use "
-                          "parallel.data_parallel=ddp, or set precision.fp8_weight_cache=false")
 
 
 def _materialize_and_fill(model: Transformer, device: torch.device,
@@ -269,7 +260,7 @@ class Trainer:
         self.dist, self.device = join(cfg, cfg.train.device, self.launch_command)
         # Several ranks vote on a stop signal every step (train/stop.py); built on each at once.
         self._stop_vote = StopVote() if self.dist.layout is not None else None
-        _refuse_weight_cache_over_fsdp(cfg, self.dist.layout)
+        refuse_weight_cache_over_fsdp(cfg, self.dist.layout)
         if not self.dist.is_main:  # rank 0 speaks for the job
             self.out = lambda line: None
         self.grad_accum = micro_batches_per_step(cfg.train, self.dist.dp_size)
@@ -304,10 +295,7 @@ class Trainer:
     def _build_data(self) -> None:
         cfg = self.cfg
         self.tokenizer = build_tokenizer(cfg.data.tokenizer)
-        self.vocab_size = cfg.model.vocab_size or self.tokenizer.vocab_size
-        if self.vocab_size < self.tokenizer.vocab_size:
-            raise ConfigError(f"model.vocab_size={self.vocab_size} is smaller than the tokenizer's "
-                              f"vocabulary ({self.tokenizer.vocab_size})")
+        self.vocab_size = model_vocab_size(cfg, self.tokenizer)
         streams = build_token_streams(cfg.data, self.tokenizer, vocab_size=self.vocab_size)
         self.data_source = streams.source
         t = cfg.train

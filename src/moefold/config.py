@@ -45,7 +45,7 @@ class ModelConfig:
     ffn_hidden: int = 512
     """Hidden size of the dense SwiGLU MLP (dense layers only)."""
     qk_norm: bool = True
-    """RMSNorm on each query and key head before RoPE (Qwen3)."""
+    """RMSNorm on each query and key head before RoPE (Qwen3); GQA only (set false for MLA)."""
     attention: str = "gqa"
     """Attention: gqa (grouped-query, Qwen3/Mixtral) or mla (multi-head latent, DeepSeek-V2/V3)."""
     sliding_window: int = 0

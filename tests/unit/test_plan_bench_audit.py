@@ -58,3 +58,123 @@ def test_plan_refuses_the_fp8_weight_cache_where_fsdp_shards_the_experts(capsys)
     assert main([*cache, "--gpus", "2", "--parallel.data_parallel", "ddp"]) == 0
     assert main([*cache, "--gpus", "2", "--parallel.ep", "2"]) == 0
 
+
+# ----------------------------------------------------------------- parameter and FLOP counts
+
+def _attention_params(m) -> int:
+    """One block's attention weights, written out from the config."""
+    D, H = m.dim, m.n_heads
+    if m.attention == "mla":
+        Q, C, Dn, Dr, Dv = m.q_lora_rank, m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
+        wq = D * Q + Q + Q * H * (Dn + Dr) if Q else D * H * (Dn + Dr)  # q-LoRA: down, its norm, up
+        wkv = D * (C + Dr) + C + C * H * (Dn + Dv)  # down to the latent and the rope key, norm, up
+        return wq + wkv + H * Dv * D
+    Dh, G = m.head_dim or D // H, m.n_kv_heads or H
+    return D * H * Dh + 2 * D * G * Dh + H * Dh * D + (2 * Dh if m.qk_norm else 0)
+
+
+def _ffn_params(cfg, moe_layer: bool, experts: int) -> int:
+    """One block's FFN weights with `experts` routed experts counted (K for the active count)."""
+    m, moe = cfg.model, cfg.moe
+    if not moe_layer:
+        return 3 * m.dim * m.ffn_hidden
+    shared = 3 * m.dim * moe.shared_experts * (moe.shared_expert_hidden or moe.expert_hidden)
+    return moe.num_experts * m.dim + experts * 3 * m.dim * moe.expert_hidden + shared \
+        + (m.dim if moe.shared_expert_gate and moe.shared_experts else 0)
+
+
+def _independent_counts(cfg, vocab: int) -> tuple[int, int, int]:
+    """(total, active without the embedding lookup, training FLOPs per token) by the convention of
+    docs/metrics.md: 6 · active (+ the head once more per MTP depth) + causal attention."""
+    from moefold.models.transformer import is_moe_layer
+
+    m, moe, S = cfg.model, cfg.moe, cfg.train.seq_len
+    total = active = attention_flops = 0
+    for layer in range(m.n_layers + m.mtp_layers):
+        moe_layer = is_moe_layer(cfg, layer)
+        block = 2 * m.dim + _attention_params(m)
+        total += block + _ffn_params(cfg, moe_layer, moe.num_experts)
+        active += block + _ffn_params(cfg, moe_layer, moe.top_k)
+        W = m.sliding_window if 0 < m.sliding_window < S else S
+        pairs = S * W - W * W / 2  # (query, key) pairs under the causal mask, diagonal halved
+        qk, v = ((m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim) if m.attention == "mla"
+                 else (m.head_dim or m.dim // m.n_heads,) * 2)
+        attention_flops += 3 * 2 * m.n_heads * (qk + v) * pairs / S  # QKᵀ and AV, fwd + bwd
+    mtp_extra = m.mtp_layers * (3 * m.dim + 2 * m.dim * m.dim)  # enorm, hnorm, final norm, eh_proj
+    head = vocab * m.dim
+    active += m.dim + head + mtp_extra
+    total += m.dim + head + mtp_extra + (0 if m.tie_embeddings else vocab * m.dim)
+    flops = 6 * active + 6 * m.mtp_layers * head + attention_flops
+    return total, active, int(flops)
+
+
+COUNT_CASES = {
+    "tiny": ("tiny", {}),
+    "tiny-deepseek": ("tiny-deepseek", {}),
+    "deepseek no q-LoRA, gated shared, tied": ("tiny-deepseek", {
+        "model.q_lora_rank": "0", "moe.shared_expert_gate": "true", "moe.shared_expert_hidden": "48",
+        "model.tie_embeddings": "true", "model.mtp_layers": "2"}),
+    "tiny-mixtral (sliding window)": ("tiny-mixtral", {}),
+    "tiny-qwen3": ("tiny-qwen3", {}),
+}
+
+
+@pytest.mark.parametrize("name", list(COUNT_CASES))
+def test_counts_equal_the_built_model_and_the_written_out_formulas(name):
+    """The planner's parameter split, count_params (bench's and training's active count) and
+    train_flops_per_token against numel over the real model and per-layer formulas."""
+    from moefold.data.tokenizer import model_vocab_size
+    from moefold.plan.params import model_params
+    from moefold.train.flops import config_param_counts, count_params, meta_model, train_flops_per_token
+
+    preset, overrides = COUNT_CASES[name]
+    cfg = load_config(preset, overrides)
+    vocab = model_vocab_size(cfg)
+    model = meta_model(cfg)
+    numel = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    total, active, flops = _independent_counts(cfg, vocab)
+    assert numel == total
+    assert model_params(cfg, vocab).total == total
+    counts = count_params(model)
+    assert (counts.total, counts.active) == (total, active)
+    assert config_param_counts(cfg, vocab) == counts
+    assert train_flops_per_token(model, cfg.train.seq_len) == flops
+
+
+# ------------------------------------------------- states against the real tensors on the CPU
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
+
+
+STATE_DTYPES = {
+    "fp32": {},
+    "bf16 moments": {"optim.exp_avg_dtype": "bf16", "optim.exp_avg_sq_dtype": "bf16"},
+    "bf16 master": {"optim.master_dtype": "bf16", "optim.exp_avg_dtype": "bf16"},
+    "bf16+remainder, fp8 moments": {"optim.master_dtype": "bf16+remainder", "optim.exp_avg_dtype": "fp8",
+                                    "optim.exp_avg_sq_dtype": "fp8"},
+}
+
+
+@pytest.mark.parametrize("name", list(STATE_DTYPES))
+def test_state_bytes_equal_the_real_tensors_after_a_step(tmp_path, name):
+    """One process: the plan's parameters, gradients, remainders and moments against the bytes of
+    the model's parameters, their .grad after backward and the optimizer's states after a step
+    (the fp8 moments' per-128 scales are one per block of the last dim: a 32-wide norm weight has
+    one scale for 32 elements, not a quarter, hence the tolerance there)."""
+    from moefold.plan import predict_memory
+
+    cfg = load_config("tiny", {**STATE_DTYPES[name], "train.micro_batch_size": "1", "train.seq_len": "16"})
+    trainer = Trainer(cfg, tmp_path / "run", out=lambda line: None)
+    params = list(trainer.model.parameters())
+    trainer.accumulate_gradients()
+    grads = _nbytes(p.grad for p in params)
+    trainer.optimizer_step()
+    states = [s for p in params for s in trainer.optimizer.state[p].items() if s[0] != "step"]
+    plan = predict_memory(cfg, 1, vocab_size=trainer.vocab_size)
+    assert plan.parameters == _nbytes(params)
+    assert plan.gradients == grads
+    assert plan.master_weights == _nbytes(t for k, t in states if k == "master_remainder")
+    moments = _nbytes(t for k, t in states if k != "master_remainder")
+    assert plan.optimizer_moments == pytest.approx(moments, rel=1e-3 if "fp8" in name else 1e-12)
+

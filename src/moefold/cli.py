@@ -137,8 +137,8 @@ def _add_bench_parser(commands) -> None:
     bench = commands.add_parser(
         "bench", allow_abbrev=False, help="time training steps on random tokens",
         description="Time N training steps (after W warm-up steps) of any config on random tokens: "
-                    "step time, tokens/s, TFLOP/s, MFU against the measured bf16 matmul peak, peak "
-                    "memory (docs/benchmarks.md).")
+                    "step time, tokens/s per device (training's metrics.jsonl logs the whole job's), "
+                    "TFLOP/s, MFU against the measured bf16 matmul peak, peak memory (docs/benchmarks.md).")
     add_arguments(bench)
     _add_config_options(bench)
 

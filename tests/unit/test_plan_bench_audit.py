@@ -178,3 +178,24 @@ def test_state_bytes_equal_the_real_tensors_after_a_step(tmp_path, name):
     moments = _nbytes(t for k, t in states if k != "master_remainder")
     assert plan.optimizer_moments == pytest.approx(moments, rel=1e-3 if "fp8" in name else 1e-12)
 
+
+# ------------------------------------------------------------------ bench's tokens/s meaning
+
+def test_bench_says_its_tokens_per_s_is_per_device_and_gives_the_job_s(tmp_path, capsys):
+    """Training's metrics.jsonl logs tokens_per_s of the whole job (docs/metrics.md); bench's
+    record keeps one device's (benchmarks/weak_scaling.py compares them across world sizes). The
+    table of a several-rank bench said '… per device' only, and the code said training logs the
+    same; the table now gives the job's figure beside it, and the help says which it is."""
+    import json
+
+    from moefold.bench.run import format_record
+
+    path = tmp_path / "r.json"
+    assert main(["bench", "--config", "tiny", "--steps", "1", "--warmup", "0", "--train.micro_batch_size", "2",
+                 "--train.seq_len", "32", "--json", str(path)]) == 0
+    record = {**json.loads(path.read_text()), "world": 4, "tokens_per_s": 1000.0}
+    line = next(row for row in format_record(record).splitlines() if row.startswith("tokens/s"))
+    assert line.split(None, 1)[1] == "1,000 per device, 4,000 for the job of 4 ranks"
+    capsys.readouterr()
+    assert main(["bench", "--help"]) == 0
+    assert "tokens/s per device" in " ".join(capsys.readouterr().out.split())

@@ -85,7 +85,7 @@ def _record(cfg: Config, trainer: BenchTrainer, step_s: list[float], peak: float
     t, world = cfg.train, trainer.dist.world
     tokens_per_step = trainer.grad_accum * t.micro_batch_size * trainer.dist.dp_size * t.seq_len
     seconds = sum(step_s)
-    tokens = tokens_per_step * len(step_s) // world  # per device, as training logs them
+    tokens = tokens_per_step * len(step_s) // world  # per device; training logs the job's
     rate = metrics.throughput(tokens, seconds, trainer.flops_per_token, peak)
     datasheet = trainer.peak_tflops  # logging.peak_tflops when set, as training's MFU
     p = trainer.param_counts
@@ -157,7 +157,8 @@ def format_record(r: dict[str, Any]) -> str:
         ("step time", f"{r['step_ms_mean']:.2f} ms mean, {r['step_ms_min']:.2f} ms min, "
                       f"{r['step_ms_max']:.2f} ms max ({_count(r['steps'], 'step', 'steps')} after "
                       f"{r['warmup']} warm-up)"),
-        ("tokens/s", f"{r['tokens_per_s']:,.0f}" + (" per device" if r["world"] > 1 else "")),
+        ("tokens/s", f"{r['tokens_per_s']:,.0f}" + (f" per device, {r['tokens_per_s'] * r['world']:,.0f} for the "
+                                                     f"job of {r['world']} ranks" if r["world"] > 1 else "")),
         ("TFLOP/s", f"{r['tflops']:.3f}"),
         ("MFU", _mfu(r)),
         ("peak memory", f"{r['peak_mem_gib']:.2f} GiB"

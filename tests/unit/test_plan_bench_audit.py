@@ -199,3 +199,61 @@ def test_bench_says_its_tokens_per_s_is_per_device_and_gives_the_job_s(tmp_path,
     capsys.readouterr()
     assert main(["bench", "--help"]) == 0
     assert "tokens/s per device" in " ".join(capsys.readouterr().out.split())
+
+
+# ------------------------------------- states on 2 gloo ranks against each rank's real tensors
+
+SHARDED = {
+    "fsdp, ep 2": {"parallel.ep": "2"},
+    "ddp (ZeRO-1), ep 2": {"parallel.ep": "2", "parallel.data_parallel": "ddp"},
+    "ddp, bf16+remainder, bf16 moments": {"parallel.data_parallel": "ddp", "optim.master_dtype": "bf16+remainder",
+                                          "optim.exp_avg_dtype": "bf16"},
+}
+
+
+def _local_bytes(tensors) -> int:
+    from moefold.parallel.local import local_tensor
+
+    return _nbytes(local_tensor(t) for t in {id(t): t for t in tensors}.values())
+
+
+def _states_on_rank(rank: int, run_dir: str) -> dict:
+    """Per layout: (planned, this rank's real) bytes of parameters, full gradients before the
+    data-parallel reduction, remainders and moments after a step."""
+    from moefold.plan import predict_memory
+
+    out = {}
+    for name, overrides in SHARDED.items():
+        cfg = load_config("tiny-qwen3", {**overrides, "train.micro_batch_size": "1", "train.seq_len": "16"})
+        trainer = Trainer(cfg, f"{run_dir}/{len(out)}-{rank}", out=lambda line: None)
+        params = list(trainer.model.parameters())
+        grads, reduce = [], trainer.data_parallel.reduce_gradients
+        trainer.data_parallel.reduce_gradients = lambda: (grads.append(
+            _local_bytes(p.grad for p in params if p.grad is not None)), reduce())
+        trainer.accumulate_gradients()
+        optimized = [p for group in trainer.optimizer.param_groups for p in group["params"]]
+        trainer.optimizer_step()
+        states = [(k, t) for p in optimized for k, t in trainer.optimizer.state[p].items() if k != "step"]
+        plan = predict_memory(cfg, 2, vocab_size=trainer.vocab_size)
+        out[name] = {"parameters": (plan.parameters, _local_bytes(params)), "gradients": (plan.gradients, grads[0]),
+                     "master_weights": (plan.master_weights,
+                                        _local_bytes(t for k, t in states if k == "master_remainder")),
+                     "optimizer_moments": (plan.optimizer_moments,
+                                           _local_bytes(t for k, t in states if k != "master_remainder"))}
+    return out
+
+
+def test_state_bytes_equal_each_rank_s_real_tensors_under_dp_and_ep(tmp_path):
+    """2 gloo ranks: the plan's per-GPU parameters, gradients (ddp: whole until reduce-scattered),
+    remainders and moments against each rank's local tensors. FSDP cuts an odd first dim unevenly
+    (the 257 vocabulary rows: 129 and 128, 256 bytes), so under fsdp the plan is the ranks' mean."""
+    from test_parallel_dims import results_on_ranks
+
+    ranks = results_on_ranks(_states_on_rank, 2, tmp_path, str(tmp_path))
+    for name in SHARDED:
+        for part in ("parameters", "gradients", "master_weights", "optimizer_moments"):
+            planned, real = ranks[0][name][part][0], [r[name][part][1] for r in ranks]
+            if name.startswith("fsdp"):
+                assert planned == sum(real) / 2 and max(real) - planned <= 1e-3 * planned, (name, part, real)
+            else:
+                assert [planned] * 2 == real, (name, part)

@@ -257,3 +257,19 @@ def test_state_bytes_equal_each_rank_s_real_tensors_under_dp_and_ep(tmp_path):
                 assert planned == sum(real) / 2 and max(real) - planned <= 1e-3 * planned, (name, part, real)
             else:
                 assert [planned] * 2 == real, (name, part)
+
+
+def _bench_loss_on_rank(rank: int) -> float:
+    from moefold.bench.run import run_bench
+
+    cfg = load_config("tiny", {"train.micro_batch_size": "1", "train.seq_len": "16"})
+    return run_bench(cfg, steps=1, warmup=0).record["loss"]
+
+
+def test_bench_loss_is_the_mean_over_data_ranks_as_training_logs_it(tmp_path):
+    """Training logs the loss averaged over the data ranks; bench's record took each rank's own
+    micro-batch loss, so rank 0 printed its rows' loss alone and the ranks' records disagreed."""
+    from test_parallel_dims import results_on_ranks
+
+    losses = results_on_ranks(_bench_loss_on_rank, 2, tmp_path)
+    assert losses[0] == losses[1], losses

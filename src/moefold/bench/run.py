@@ -105,7 +105,8 @@ def _record(cfg: Config, trainer: BenchTrainer, step_s: list[float], peak: float
         "peak_mem_gib": metrics.peak_memory_gib(trainer.device),
         "alloc_retries": alloc_retries(trainer.device),
         "params_total": p.total, "params_active": p.active,
-        "loss": float(parts["lm_loss"]), "grad_norm": float(grad_norm),
+        # the last step's, over the data ranks as training logs it (each rank's rows differ)
+        "loss": float(trainer.dist.mean_over_data(parts["lm_loss"].detach().float())), "grad_norm": float(grad_norm),
     }
 
 

@@ -208,6 +208,8 @@ SHARDED = {
     "ddp (ZeRO-1), ep 2": {"parallel.ep": "2", "parallel.data_parallel": "ddp"},
     "ddp, bf16+remainder, bf16 moments": {"parallel.data_parallel": "ddp", "optim.master_dtype": "bf16+remainder",
                                           "optim.exp_avg_dtype": "bf16"},
+    "ddp, tp 2": {"parallel.tp": "2", "parallel.data_parallel": "ddp"},
+    "fsdp, tp 2, etp 2": {"parallel.tp": "2", "parallel.etp": "2"},
 }
 
 

@@ -59,6 +59,15 @@ def test_plan_refuses_the_fp8_weight_cache_where_fsdp_shards_the_experts(capsys)
     assert main([*cache, "--gpus", "2", "--parallel.ep", "2"]) == 0
 
 
+
+def test_plan_of_weights_no_tensor_can_hold_is_one_line(capsys):
+    """The meta build (plan/refuse.py) of a model with a [4e9, 4e9] weight raised torch's overflow
+    RuntimeError as a traceback; it is `config params`'s one-line error now."""
+    err = _one_line_error(capsys, ["plan", "memory", "--config", "tiny", "--model.dim", "4000000000",
+                                   "--precision.fp8", "tensorwise"])
+    assert err.startswith("a weight of this model would hold more elements than a tensor can"), err
+
+
 # ----------------------------------------------------------------- parameter and FLOP counts
 
 def _attention_params(m) -> int:

@@ -5,7 +5,7 @@ that cannot start is no plan).
 The model is built on the meta device, as the trainer builds it, in the compute dtype the plan
 assumes, and FP8 applied as the trainer applies it: the refusals are the build's own
 (`precision.fp8_exclude` patterns matching no module, FP8 or grouped_mm experts whose features the
-kernels cannot tile).
+kernels cannot tile), so it is built only where one of those options is set.
 """
 
 from __future__ import annotations
@@ -32,9 +32,12 @@ def refuse_unbuildable(cfg: Config, vocab_size: int, compute_dtype: torch.dtype,
     `layout` (`refuse_weight_cache_over_fsdp`'s)."""
     from moefold.fp8.apply import apply_fp8
     from moefold.models.transformer import build_model
+    from moefold.train.flops import tensor_sizes
 
     refuse_weight_cache_over_fsdp(cfg, layout)
-    with torch.device("meta"):  # shapes only: nothing is allocated
+    if cfg.precision.fp8 == "off" and cfg.moe.experts_backend != "grouped_mm":
+        return  # nothing the build refuses (and it takes ~1 ms a layer, the plan itself 0.1 ms)
+    with torch.device("meta"), tensor_sizes():  # shapes only: nothing is allocated
         model = build_model(cfg, vocab_size, "cpu", compute_dtype)
     apply_fp8(model, cfg.precision, "cpu", compute_dtype=compute_dtype,
               sequence_parallel=cfg.parallel.shards_sequence, tp=cfg.parallel.tp, etp=cfg.parallel.etp)

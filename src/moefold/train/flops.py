@@ -125,7 +125,7 @@ def config_param_counts(cfg, vocab_size: int) -> ParamCounts:
 
     m = cfg.model
     main, mtp = range(m.n_layers), range(m.n_layers, m.n_layers + m.mtp_layers)
-    with torch.device("meta"), _tensor_sizes():
+    with torch.device("meta"), tensor_sizes():
         shell = Transformer(cfg, vocab_size, layers=[])
         total, active = _count(shell, shell.named_parameters(remove_duplicate=False), cfg)
         mtp_total = mtp_active = 0
@@ -146,7 +146,7 @@ def config_param_counts(cfg, vocab_size: int) -> ParamCounts:
 
 
 @contextlib.contextmanager
-def _tensor_sizes():
+def tensor_sizes():
     """A weight of more elements than torch can count (2^63, sizes each within int64) is a
     ConfigError, not torch's RuntimeError: no device, not even meta, can make it."""
     try:

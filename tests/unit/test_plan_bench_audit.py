@@ -60,6 +60,15 @@ def test_plan_refuses_the_fp8_weight_cache_where_fsdp_shards_the_experts(capsys)
 
 
 
+def test_plan_refuses_fp8_experts_whose_etp_slice_is_unaligned(capsys):
+    """Training refuses FP8 experts whose ETP slice the kernels cannot tile (fp8/apply.py, on the
+    ranks); the plan of the same layout says the same line (a slice of 48 / 2 = 24 features)."""
+    argv = ["plan", "memory", "--config", "tiny", "--precision.fp8", "tensorwise", "--moe.expert_hidden", "48"]
+    assert main([*argv, "--gpus", "2"]) == 0  # 48 is a multiple of 16
+    err = _one_line_error(capsys, [*argv, "--gpus", "2", "--parallel.etp", "2"])
+    assert err.startswith("precision.fp8=tensorwise needs model.dim (128) and moe.expert_hidden / parallel.etp"), err
+
+
 def test_plan_of_weights_no_tensor_can_hold_is_one_line(capsys):
     """The meta build (plan/refuse.py) of a model with a [4e9, 4e9] weight raised torch's overflow
     RuntimeError as a traceback; it is `config params`'s one-line error now."""

@@ -1,0 +1,166 @@
+"""What README.md and docs/*.md (benchmarks.md aside: a record of measurements) state about the
+code, checked against it: option names, defaults and allowed values, the commands they show, the
+files and metrics a run writes. A doc that drifts from the code fails here."""
+import argparse
+import importlib
+import json
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from moefold.cli import _build_parser, _overrides, _rank_grid_comment
+from moefold.config import FP8_RECIPES, MEMORY_MODULES, SECTIONS, Config, field_types, load_config
+from moefold.plan.devices import DEVICES_GB
+from moefold.train.trainer import Trainer
+from tests.conftest import TINY_OVERRIDES
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = [ROOT / "README.md"] + [p for p in sorted((ROOT / "docs").glob("*.md")) if p.name != "benchmarks.md"]
+DEFAULTS = Config()
+
+
+def _default(key: str):
+    section, name = key.split(".")
+    return getattr(getattr(DEFAULTS, section), name)
+
+
+def _named_options(text: str) -> set[str]:
+    """Every `section.field` a page names (with or without --), leaving out module paths and
+    attributes: `data.py`, `parallel.local.held_indices`, `model.on_optimizer_step()`."""
+    pattern = r"(?<![\w./-])(?:--)?((?:%s)\.[a-z_0-9]+)(?![\w.(/])" % "|".join(SECTIONS)
+    return {key for key in re.findall(pattern, text) if not key.endswith((".py", ".md"))}
+
+
+def _shell_commands(text: str):
+    """(prefix, argv after `moefold`) of each moefold command in a ```bash block, `\\` joined."""
+    for block in re.findall(r"```(?:bash|sh)\n(.*?)```", text, re.S):
+        for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+            words = shlex.split(line, comments=True)
+            if "moefold" in words:
+                i = words.index("moefold")
+                yield words[:i], words[i + 1:]
+
+
+def _world_size(prefix: list[str], args: argparse.Namespace) -> int | None:
+    """The command's ranks; None: the fewest its layout needs (`config show`, `plan memory`)."""
+    if "--nproc-per-node" in prefix:
+        return int(prefix[prefix.index("--nproc-per-node") + 1])
+    if args.command == "train":
+        return args.nproc
+    return getattr(args, "world_size", None) or getattr(args, "gpus", None)
+
+
+def _is_package_attribute(key: str) -> bool:
+    """`memory.apply_recompute`: a name of the package moefold.memory, not an option."""
+    section, name = key.split(".")
+    try:
+        return hasattr(importlib.import_module(f"moefold.{section}"), name)
+    except ImportError:
+        return False
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_every_option_a_page_names_exists(doc):
+    unknown = {key for key in _named_options(doc.read_text()) - set(field_types())
+               if not _is_package_attribute(key)}
+    assert not unknown, f"{doc.name} names options config.py does not have: {sorted(unknown)}"
+
+
+def test_the_pages_commands_parse_and_their_configs_validate():
+    """Each `moefold ...` line of a bash block parses (no unknown option), its config loads (a
+    preset or the defaults), and its parallel layout fits its world size (`config show
+    --world-size`'s check)."""
+    commands = [(doc.name, prefix, argv) for doc in DOCS for prefix, argv in _shell_commands(doc.read_text())]
+    assert len(commands) >= 20, "the extraction lost the pages' commands"
+    for name, prefix, argv in commands:
+        if "--help" in argv:
+            continue
+        args, unknown = _build_parser().parse_known_args(argv)
+        assert not unknown, f"{name}: moefold {shlex.join(argv)}: unknown {unknown}"
+        if not hasattr(args, "config") or (args.config or "").endswith(".toml"):
+            continue
+        cfg = load_config(args.config, _overrides(args))
+        _rank_grid_comment(cfg, _world_size(prefix, args))
+
+
+def test_parallel_table_defaults_equal_config_py():
+    rows = re.findall(r"^\| `(parallel\.\w+)` \|(.*)$", (ROOT / "docs/parallel.md").read_text(), re.M)
+    stated = {key: re.search(r"\(default `?([\w-]+)`?\)|`(\w+)` \(default", rest) for key, rest in rows}
+    stated = {key: m.group(1) or m.group(2) for key, m in stated.items() if m}
+    assert {"parallel.order", "parallel.sequence_parallel", "parallel.ep_dispatcher",
+            "parallel.data_parallel"} <= set(stated)
+    for key, value in stated.items():
+        assert value == str(_default(key)).lower(), f"docs/parallel.md: {key} default {value}"
+
+
+def test_fp8_table_defaults_and_recipes_equal_config_py():
+    rows = re.findall(r"^\| `(precision\.\w+)` \| ([^|]+) \|(.*)$", (ROOT / "docs/fp8.md").read_text(), re.M)
+    assert len(rows) >= 8
+    for key, default, _ in rows:
+        assert default.strip("` ") == str(_default(key)).lower(), f"docs/fp8.md: {key} default {default}"
+    recipes = dict((key, meaning) for key, _, meaning in rows)["precision.fp8"]
+    assert tuple(re.findall(r"`(\w+)`", recipes)) == FP8_RECIPES
+
+
+def test_optimizer_table_values_are_the_allowed_ones():
+    rows = re.findall(r"^\| `(optim\.\w+)` \| ([^|]+) \|", (ROOT / "docs/optimizer.md").read_text(), re.M)
+    assert len(rows) == 3
+    for key, values in rows:
+        for value in re.findall(r"`([\w+]+)`", values):
+            load_config(None, {key: value})
+        with pytest.raises(Exception, match=re.escape(key)):
+            load_config(None, {key: "fp16"})
+
+
+def test_readme_recompute_names_are_memory_modules():
+    text = (ROOT / "README.md").read_text()
+    listed = re.search(r"`memory\.recompute`: ([\w,\s]+);", text).group(1)
+    assert tuple(re.split(r",\s+", listed)) == MEMORY_MODULES
+
+
+def test_plan_memory_devices_and_defaults_as_memory_md_says():
+    text = (ROOT / "docs/memory.md").read_text()
+    m = re.search(r"`--device ([\w|]+)` \(([\d / ]+) GB, default (\w+)\)", text)
+    names, sizes, default = m.group(1).split("|"), [int(s) for s in m.group(2).split(" / ")], m.group(3)
+    assert dict(zip(names, sizes)) == DEVICES_GB
+    args, _ = _build_parser().parse_known_args(["plan", "memory"])
+    assert args.device == default and args.gpus is None
+    assert args.moe_imbalance == float(re.search(r"`--moe-imbalance F` \([^)]*default (\d+)", text).group(1))
+
+
+def _metrics_table_keys() -> set[str]:
+    text = (ROOT / "docs/metrics.md").read_text()
+    return {key for row in re.findall(r"^\| (`[^|]+) \|", text, re.M) for key in re.findall(r"`([\w<> ]+)`", row)}
+
+
+def test_metrics_a_run_writes_are_the_documented_ones(tmp_path, text_corpus):
+    """Every key of metrics.jsonl is in docs/metrics.md's table and the README's list, and every
+    key of the table is written by a run with every loss on (but the GPU-only one)."""
+    overrides = {**TINY_OVERRIDES, "data.path": str(text_corpus), "train.steps": "2", "train.warmup_steps": "1",
+                 "model.mtp_layers": "1", "moe.seq_aux_loss_coeff": "0.01", "moe.global_aux_loss_coeff": "0.01",
+                 "moe.z_loss_coeff": "0.001", "checkpoint.save_at_end": "false"}
+    run = tmp_path / "run"
+    Trainer(load_config(None, overrides), run, out=lambda line: None).fit()
+    written = {key for line in (run / "metrics.jsonl").read_text().splitlines() for key in json.loads(line)}
+    documented = _metrics_table_keys()
+    per_layer = {f"{loss}_per_layer" for loss in ("aux_loss", "seq_aux_loss", "global_aux_loss", "z_loss")}
+    documented = (documented - {"<aux loss>_per_layer"}) | per_layer
+    assert written - documented == set(), "metrics.jsonl keys docs/metrics.md does not list"
+    assert documented - written == {"memory_predicted_gib"}, "docs/metrics.md keys a CPU run does not write"
+    readme = (ROOT / "README.md").read_text()
+    readme_keys = set(re.findall(r"`(\w+)`", re.search(r"`metrics\.jsonl` \(one JSON object(.*?)\)", readme,
+                                                       re.S).group(1)))
+    assert readme_keys <= documented
+
+
+def test_a_run_directory_holds_what_the_readme_says(tmp_path, text_corpus):
+    overrides = {**TINY_OVERRIDES, "data.path": str(text_corpus), "train.steps": "2", "train.warmup_steps": "1"}
+    run = tmp_path / "run"
+    Trainer(load_config(None, overrides), run, out=lambda line: None).fit()
+    names = {p.name for p in run.iterdir()}
+    assert {"config.toml", "metrics.jsonl", "checkpoints", ".lock"} <= names
+    readme = (ROOT / "README.md").read_text()
+    step_dir = re.search(r"`checkpoints/(step_[^/]+)/`", readme).group(1)
+    assert [p.name for p in (run / "checkpoints").iterdir()] == [step_dir.replace("<N>", "00000002")]

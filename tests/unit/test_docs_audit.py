@@ -164,3 +164,35 @@ def test_a_run_directory_holds_what_the_readme_says(tmp_path, text_corpus):
     readme = (ROOT / "README.md").read_text()
     step_dir = re.search(r"`checkpoints/(step_[^/]+)/`", readme).group(1)
     assert [p.name for p in (run / "checkpoints").iterdir()] == [step_dir.replace("<N>", "00000002")]
+
+
+def _plan(argv: list[str], capsys) -> str:
+    from moefold.cli import main
+
+    capsys.readouterr()
+    assert main(["plan", "memory", *argv]) == 0
+    return capsys.readouterr().out
+
+
+def test_memory_md_plans_print_what_it_says(capsys):
+    """docs/memory.md's figures for its own commands: the chunked loss's head and peak at
+    Qwen3-30B-A3B, DeepSeek-V3's last pipeline rank (the heads) with and without chunks, and the
+    DeepSeek-V3-on-256-GB200 section's peak and activations."""
+    text = " ".join((ROOT / "docs/memory.md").read_text().split())
+    m = re.search(r"head ([\d.]+) → ([\d.]+), peak ([\d.]+) → ([\d.]+) GiB", text)
+    qwen = ["--config", "qwen3-30b-a3b", "--train.micro_batch_size", "4", "--train.seq_len", "4096"]
+    for chunk, head, peak in ((0, m.group(1), m.group(3)), (4096, m.group(2), m.group(4))):
+        out = _plan([*qwen, "--train.loss_chunk_tokens", str(chunk)], capsys)
+        assert re.search(rf"output head \+ loss +{head}\n", out) and re.search(rf"^peak \D+{peak}$", out, re.M)
+    m = re.search(r"the pipeline rank with the heads: ([\d.]+) GiB, ([\d.]+) with chunks of 4096", text)
+    dsv3 = ["--config", "deepseek-v3", "--gpus", "256", "--parallel.pp", "8", "--parallel.vpp", "4",
+            "--parallel.ep", "32"]
+    for chunk, last in ((0, m.group(1)), (4096, m.group(2))):
+        out = _plan([*dsv3, "--train.loss_chunk_tokens", str(chunk)], capsys)
+        assert re.search(rf"peak by pipeline rank \(GiB\):.* 7:{last}$", out, re.M), out.splitlines()[-3]
+    m = re.search(r"\*\*(\d+) GiB on the busiest GPU .*? activations are (\d+) GiB", text)
+    out = _plan([*dsv3, "--train.micro_batch_size", "1", "--train.seq_len", "4096", "--optim.exp_avg_dtype", "bf16",
+                 "--optim.exp_avg_sq_dtype", "bf16", "--device", "gb200"], capsys)
+    peak = float(re.search(r"^peak \D+([\d.]+)$", out, re.M).group(1))
+    activations = float(re.search(r"^activations \(saved for backward\) +([\d.]+)$", out, re.M).group(1))
+    assert (round(peak), round(activations)) == (int(m.group(1)), int(m.group(2)))

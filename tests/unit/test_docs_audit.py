@@ -196,3 +196,17 @@ def test_memory_md_plans_print_what_it_says(capsys):
     peak = float(re.search(r"^peak \D+([\d.]+)$", out, re.M).group(1))
     activations = float(re.search(r"^activations \(saved for backward\) +([\d.]+)$", out, re.M).group(1))
     assert (round(peak), round(activations)) == (int(m.group(1)), int(m.group(2)))
+
+
+def test_deepseek_v2_lite_counts_as_features_md_says():
+    """The card's 15.7B total and 2.4B active, the active count without the embedding (the other
+    presets' cards count it in: tests/unit/test_presets.py)."""
+    from moefold.train.flops import count_params, meta_model
+
+    text = " ".join((ROOT / "docs/features.md").read_text().split())
+    m = re.search(r"DeepSeek-V2-Lite's card counts its ([\d.]+)B active without the embedding: ([\d.]+)B here, "
+                  r"([\d.]+)B with it", text)
+    counts = count_params(meta_model(load_config("deepseek-v2-lite")))
+    assert f"{counts.active / 1e9:.2f}" == m.group(2) and f"{counts.active_with_embedding / 1e9:.2f}" == m.group(3)
+    assert counts.active / 1e9 == pytest.approx(float(m.group(1)), rel=0.03)
+    assert counts.total / 1e9 == pytest.approx(15.7, rel=0.01)

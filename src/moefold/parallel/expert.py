@@ -551,22 +551,35 @@ def apply_ep(layer: MoELayer, ep_group, dispatcher: str = "alltoall",
     if not isinstance(layer.dispatcher, LocalDispatcher):
         raise ValueError(f"apply_ep: the layer's dispatcher is {type(layer.dispatcher).__name__}, "
                          "expected LocalDispatcher (expert parallelism already applied?)")
-    new_dispatcher = _ep_dispatcher(layer, dispatcher, ep_group, ep_of_rank)
+    if not 0 <= etp_rank < etp_size:
+        raise ValueError(f"apply_ep: etp_rank={etp_rank} must be in 0..{etp_size - 1} (etp_size={etp_size})")
+    new_dispatcher = _ep_dispatcher(layer, dispatcher, ep_group, ep_of_rank, etp_size)
     _keep_local_experts(layer.experts, new_dispatcher.ep_rank, new_dispatcher.num_local_experts,
                         etp_rank, etp_size)
     layer.dispatcher = new_dispatcher
 
 
-def _ep_dispatcher(layer: MoELayer, name: str, ep_group, ep_of_rank: list[int] | None):
+def _check_grid(group_size: int, ep_of_rank: list[int] | None, etp_size: int) -> None:
+    """The group must be the EP×ETP grid the arguments describe: otherwise each rank would keep a
+    hidden slice of experts no other rank completes, and outputs would be silently wrong."""
+    grid = sorted(list(range(group_size // etp_size)) * etp_size)
+    if sorted(ep_of_rank or range(group_size)) != grid or group_size % etp_size:
+        raise ValueError(f"apply_ep: with etp_size={etp_size}, ep_of_rank={ep_of_rank} must give each of the "
+                         f"group's {group_size} ranks an EP index, each index to {etp_size} of them")
+
+
+def _ep_dispatcher(layer: MoELayer, name: str, ep_group, ep_of_rank: list[int] | None, etp_size: int):
     """`name`'s dispatcher for the layer's row layout: with `moe.pad_to_capacity`, the all-to-all
     that sends every expert exactly its capacity. Capacity drops (`moe.capacity_factor`) happen
     before dispatch, on each rank's own tokens, so every dispatcher takes them."""
     layout = layer.dispatcher.layout
+    if layout.capacity_of is not None:
+        refuse_padded_capacity_without_alltoall(name)
+    _check_grid(dist.get_world_size(ep_group), ep_of_rank, etp_size)
     applies_probs = layer.experts.activation.applies_probs
     if layout.capacity_of is None:
         return DISPATCHERS[name](layer.top_k, layer.num_experts, ep_group, applies_probs,
                                  ep_of_rank=ep_of_rank, pad_multiple=layout.multiple)
-    refuse_padded_capacity_without_alltoall(name)
     return CapacityAllToAllDispatcher(layer.top_k, layer.num_experts, ep_group, applies_probs,
                                       layout, ep_of_rank=ep_of_rank)
 

@@ -6,12 +6,14 @@ import importlib
 import json
 import re
 import shlex
+import tomllib
 from pathlib import Path
 
 import pytest
 
 from moefold.cli import _build_parser, _overrides, _rank_grid_comment
-from moefold.config import FP8_RECIPES, MEMORY_MODULES, SECTIONS, Config, field_types, load_config
+from moefold.config import (
+    FP8_RECIPES, MEMORY_MODULES, SECTIONS, Config, ConfigError, field_types, flatten_table, load_config)
 from moefold.plan.devices import DEVICES_GB
 from moefold.train.trainer import Trainer
 from tests.conftest import TINY_OVERRIDES
@@ -210,3 +212,35 @@ def test_deepseek_v2_lite_counts_as_features_md_says():
     assert f"{counts.active / 1e9:.2f}" == m.group(2) and f"{counts.active_with_embedding / 1e9:.2f}" == m.group(3)
     assert counts.active / 1e9 == pytest.approx(float(m.group(1)), rel=0.03)
     assert counts.total / 1e9 == pytest.approx(15.7, rel=0.01)
+
+
+def _inline_settings(text: str) -> list[list[str]]:
+    """Settings the prose shows in code spans, as command-line words: `--a.b V`, `a.b=V`, `a.b = "V"`."""
+    text = " ".join(text.split())
+    sections = "|".join(SECTIONS)
+    spans = [shlex.split(s) for s in re.findall(r"`(--(?:%s)\.\w+ [^`]+)`" % sections, text)]
+    for key, value in re.findall(r"`((?:%s)\.\w+) ?= ?([^`]+)`" % sections, text):
+        spans.append([f"--{key}", value.strip('"') if value.startswith('"') else value])
+    return spans
+
+
+def test_the_settings_the_pages_show_load():
+    """Each setting a page's prose or TOML blocks show is accepted, in the tiny preset or, for
+    MLA's, tiny-deepseek."""
+    settings = [words for doc in DOCS for words in _inline_settings(doc.read_text())]
+    settings += [[f"--{key}", json.dumps(value) if not isinstance(value, str) else value]
+                 for doc in DOCS for block in re.findall(r"```toml\n(.*?)```", doc.read_text(), re.S)
+                 for key, value in [tuple(kv) for kv in flatten_table(tomllib.loads(block), doc.name).items()]]
+    assert len(settings) >= 30
+    for words in settings:
+        args, unknown = _build_parser().parse_known_args(["config", "show", *words])
+        assert not unknown, f"{shlex.join(words)}: unknown {unknown}"
+        errors = []
+        for preset in ("tiny", "tiny-deepseek"):
+            try:
+                load_config(preset, _overrides(args))
+                break
+            except ConfigError as e:
+                errors.append(str(e))
+        else:
+            pytest.fail(f"{shlex.join(words)}: {errors}")

@@ -1,8 +1,8 @@
 """AdamW with decoupled weight decay on matrices only (not norms, biases or embeddings).
 
 All-fp32 states use torch's fused (GPU) or foreach (CPU) AdamW; lower-precision moments or master
-weights use `PrecisionAwareAdamW` (optim/precision.py), on the GPU with its Triton kernel where that
-handles the moments (optim/fused.py: not fp8). `optim.grad_dtype=bf16` rounds the gradients
+weights use `PrecisionAwareAdamW` (optim/precision.py), on the GPU with its Triton kernel
+(optim/fused.py: fp32, bf16 and fp8 moments). `optim.grad_dtype=bf16` rounds the gradients
 to bf16 before every step (parallel/data.py reduces them in it). docs/optimizer.md has the details.
 """
 

@@ -22,11 +22,13 @@ from ranks import run_ranks
 
 from moefold.config import MoEConfig
 from moefold.memory.recompute import checkpointed
+from moefold.moe.balance import DataParallelCounts
 from moefold.parallel.dims import ParallelDims, ParallelLayout, expert_coords
 from moefold.parallel.expert import apply_ep
 from moefold.parallel.sequence import split_sequence_over_tp
 
 DIM = 8
+ORDER = "tp-cp-ep-dp-pp"  # the default rank order
 TOL = dict(rtol=1e-6, atol=1e-7)  # fp64, but combine sums copies (and ranks) in fp32
 TOLS = {torch.float64: TOL, torch.float32: dict(rtol=1e-5, atol=1e-5),
         torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}  # bf16: sums of different lengths round apart
@@ -50,9 +52,9 @@ def _cfg(E: int, K: int, **kw) -> MoEConfig:
     return MoEConfig(**(base | kw))
 
 
-def _in_group(rank: int, world: int, ep: int, etp: int, cases: list[Case]) -> None:
+def _in_group(rank: int, world: int, ep: int, etp: int, order: str, cases: list[Case]) -> None:
     dist.init_process_group("gloo")
-    dims = ParallelDims(world, ep=ep, etp=etp)
+    dims = ParallelDims(world, ep=ep, etp=etp, order=order)
     layout = ParallelLayout(dims)
     group = layout.ep_etp_group
     members = dist.get_process_group_ranks(group)
@@ -189,10 +191,12 @@ def _cases(group_size: int, dispatchers: tuple[str, ...]) -> list[Case]:
     return cases
 
 
-@pytest.mark.parametrize("world,ep,etp", [(2, 2, 1), (4, 4, 1), (4, 2, 1), (4, 2, 2)],
-                         ids=["ep2", "ep4", "ep2-of-4", "ep2-etp2"])
-def test_dispatchers_match_one_process_at_the_edges(world, ep, etp):
-    run_ranks(world, _in_group, world, ep, etp, _cases(ep * etp, ("alltoall", "allgather")))
+@pytest.mark.parametrize("world,ep,etp,order", [(2, 2, 1, ORDER), (4, 4, 1, ORDER), (4, 2, 1, ORDER),
+                                                (4, 2, 2, ORDER), (4, 2, 2, "ep-tp-cp-dp-pp")],
+                         ids=["ep2", "ep4", "ep2-of-4", "ep2-etp2", "ep2-etp2-ep-fastest"])
+def test_dispatchers_match_one_process_at_the_edges(world, ep, etp, order):
+    """ep-fastest order: the EP×ETP group's ranks alternate EP indices (0, 1, 0, 1)."""
+    run_ranks(world, _in_group, world, ep, etp, order, _cases(ep * etp, ("alltoall", "allgather")))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -296,3 +300,39 @@ def _refusals(rank: int, world: int) -> None:
 
 def test_apply_ep_refuses_arguments_that_describe_no_layout_in_one_line():
     run_ranks(2, _refusals, 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Load counts, dropped copies and the expert-bias update under EP: the global batch's
+# ---------------------------------------------------------------------------------------------
+
+
+def _counts_ranks(rank: int, world: int, dispatcher: str) -> None:
+    dist.init_process_group("gloo")
+    group = ParallelLayout(ParallelDims(world, ep=world)).ep_group
+    cfg = _cfg(2 * world, 2, expert_bias=True, expert_bias_update_rate=0.1, capacity_factor=0.75,
+               score_func="sigmoid")
+    tokens = [5] * world if dispatcher == "allgather" else [3, 0, 7, 4][:world]
+    case = Case("counts", cfg, tokens, dispatcher, padded_rank=world - 1, favour=[0, 1, 2])
+    ref, layer = _layer(case, 7), _layer(case, 7)
+    apply_ep(layer, group, dispatcher)
+    layer.count_routed = DataParallelCounts(group)  # as parallelize sets it (dp = world here)
+    x_all, _, valid_all = _inputs(case, 7)
+    ends = torch.tensor(tokens).cumsum(0).tolist()
+    chunks = [slice(end - n, end) for n, end in zip(tokens, ends)]
+    for _ in range(2):  # two micro-batches, then the optimizer step's update
+        for c in chunks:
+            ref(x_all[c][None], valid_all[c][None])
+        layer(x_all[chunks[rank]][None], valid_all[chunks[rank]][None])
+    want, got = ref.stats.pop(), layer.stats.pop()
+    for key in ("tokens_per_expert_E", "dropped"):
+        torch.testing.assert_close(got[key], want[key], msg=lambda m, key=key: f"{key}: {m}")
+    assert want["dropped"] > 0
+    ref.on_optimizer_step()
+    layer.on_optimizer_step()
+    torch.testing.assert_close(layer.router.expert_bias_E, ref.router.expert_bias_E, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+def test_load_counts_and_expert_bias_under_ep_are_the_global_batch_s(dispatcher):
+    run_ranks(4, _counts_ranks, 4, dispatcher)

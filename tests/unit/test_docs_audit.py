@@ -244,3 +244,29 @@ def test_the_settings_the_pages_show_load():
                 errors.append(str(e))
         else:
             pytest.fail(f"{shlex.join(words)}: {errors}")
+
+
+# Names the pages cite from torch, Triton, Transformer Engine, torchao, TorchTitan and Hugging Face.
+EXTERNAL_NAMES = {
+    "BlockWise128x128", "CheckpointWithoutOutput", "FakeTensorMode", "Float8Linear", "MixedPrecisionPolicy",
+    "BlockWise1x128", "TensorDescriptor", "ValueError", "attention_mask", "checkpoint_wrapper",
+    "destroy_process_group", "div_rn", "from_local", "get_optimizer_state_dict", "get_state_dict", "index_add",
+    "is_first_microbatch", "memory_allocated", "no_grad", "parallelize_module", "purge_step", "record_stream",
+    "save_for_backward", "saved_tensors_hooks", "set_state_dict", "store_param_remainders", "to_local",
+    "get_num_threads", "untyped_storage", "warp_specialize", "zero_grad"}
+
+
+def test_every_code_name_a_page_cites_exists():
+    """A `CamelCase` or `snake_case` name in a page's code spans is defined in moefold's code (or
+    its tests and benchmarks), or is one of the outside names above: no page cites a function or
+    class that was renamed or never written."""
+    code = "\n".join(p.read_text() for d in ("src", "tests", "benchmarks") for p in (ROOT / d).rglob("*.py"))
+    defined = (set(re.findall(r"^\s*(?:def|class)\s+(\w+)", code, re.M)) | set(re.findall(r"^\s*(\w+)\s*[:=]", code, re.M))
+               | set(re.findall(r"\.(\w+)\s*=[^=]", code)) | set(re.findall(r"\"(\w+)\"", code)))
+    missing = set()
+    for doc in DOCS:
+        for span in re.findall(r"`([A-Za-z_][\w.]*)(?:\([^`]*\))?`", doc.read_text()):
+            name = span.split(".")[-1]
+            if re.fullmatch(r"[A-Z][a-z]+(?:[A-Z0-9]\w*)+|[a-z]+(?:_[a-z0-9]+)+", name) and name not in defined:
+                missing.add(f"{doc.name}: {span}")
+    assert {m for m in missing if m.split(".")[-1].split(": ")[-1] not in EXTERNAL_NAMES} == set()

@@ -164,8 +164,8 @@ def test_a_run_directory_holds_what_the_readme_says(tmp_path, text_corpus):
     names = {p.name for p in run.iterdir()}
     assert {"config.toml", "metrics.jsonl", "checkpoints", ".lock"} <= names
     readme = (ROOT / "README.md").read_text()
-    step_dir = re.search(r"`checkpoints/(step_[^/]+)/`", readme).group(1)
-    assert [p.name for p in (run / "checkpoints").iterdir()] == [step_dir.replace("<N>", "00000002")]
+    digits = int(re.search(r"`checkpoints/step_<N>/` \(N in (\d) digits: `step_(\d+)`\)", readme).group(1))
+    assert [p.name for p in (run / "checkpoints").iterdir()] == [f"step_{2:0{digits}d}"]
 
 
 def _plan(argv: list[str], capsys) -> str:

@@ -270,3 +270,15 @@ def test_every_code_name_a_page_cites_exists():
             if re.fullmatch(r"[A-Z][a-z]+(?:[A-Z0-9]\w*)+|[a-z]+(?:_[a-z0-9]+)+", name) and name not in defined:
                 missing.add(f"{doc.name}: {span}")
     assert {m for m in missing if m.split(".")[-1].split(": ")[-1] not in EXTERNAL_NAMES} == set()
+
+
+def test_mfu_is_null_on_the_cpu_unless_peak_tflops_gives_the_peak(tmp_path, text_corpus):
+    mfu_row = re.search(r"^\| `mfu` \|(.*)$", (ROOT / "docs/metrics.md").read_text(), re.M).group(1)
+    assert "`null` on CPU or an unknown GPU unless `logging.peak_tflops` gives the peak" in mfu_row
+    overrides = {**TINY_OVERRIDES, "data.path": str(text_corpus), "train.steps": "1", "train.warmup_steps": "0",
+                 "checkpoint.save_at_end": "false"}
+    for peak in ("0", "2"):
+        run = tmp_path / peak
+        Trainer(load_config(None, {**overrides, "logging.peak_tflops": peak}), run, out=lambda line: None).fit()
+        record = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+        assert record["mfu"] == (record["tflops"] / 2 if peak == "2" else None)

@@ -6,6 +6,7 @@ import importlib
 import json
 import re
 import shlex
+import sys
 import tomllib
 from pathlib import Path
 
@@ -282,3 +283,19 @@ def test_mfu_is_null_on_the_cpu_unless_peak_tflops_gives_the_peak(tmp_path, text
         Trainer(load_config(None, {**overrides, "logging.peak_tflops": peak}), run, out=lambda line: None).fit()
         record = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
         assert record["mfu"] == (record["tflops"] / 2 if peak == "2" else None)
+
+
+def test_reading_a_hugging_face_checkpoint_without_safetensors_is_one_line(tmp_path, monkeypatch, capsys):
+    """`pip install -e .` (README) leaves out safetensors, an [hf] extra: `convert --from-hf` and
+    `train --init-from-hf` then say which package, as a tokenizer.json without tokenizers does,
+    instead of a ModuleNotFoundError traceback. (Export writes safetensors files by itself.)"""
+    from moefold.checkpoint.hf import save_pretrained
+    from moefold.cli import main
+    from moefold.models.transformer import build_model
+
+    cfg = load_config(None, {k: v for k, v in TINY_OVERRIDES.items() if k.startswith(("model.", "moe."))})
+    save_pretrained(build_model(cfg, vocab_size=257), tmp_path / "hf")
+    monkeypatch.setitem(sys.modules, "safetensors", None)  # as if not installed
+    assert main(["convert", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "safetensors" in err and "pip install 'moefold[hf]'" in err, err

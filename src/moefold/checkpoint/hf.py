@@ -489,7 +489,11 @@ def _safetensors_file(file: Path) -> Iterator[Any]:
     """`safe_open(file)` on the CPU; a file safetensors cannot read (cut short by a failed
     download or copy, or not safetensors at all) or cannot open is a CheckpointError naming it,
     not a traceback."""
-    from safetensors import SafetensorError, safe_open
+    try:
+        from safetensors import SafetensorError, safe_open
+    except ImportError:  # an [hf] extra: `pip install -e .` leaves it out (export needs none)
+        raise CheckpointError(f"{file}: reading it needs the `safetensors` package "
+                              "(pip install 'moefold[hf]')") from None
 
     try:
         f = safe_open(file, framework="pt", device="cpu")

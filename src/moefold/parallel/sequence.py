@@ -93,7 +93,7 @@ class SequenceSplitDispatcher:
         rows = slice(self.tp_rank * (T // self.tp_size), (self.tp_rank + 1) * (T // self.tp_size))
         mine = dataclasses.replace(routing, probs_TK=_SplitRows.apply(routing.probs_TK, self.group),
                                    idx_TK=routing.idx_TK[rows])
-        keep_N = keep_N.view(T, -1)[rows].reshape(-1)
+        keep_N = keep_N.view(T, self.top_k)[rows].reshape(-1)  # not view(T, -1): T may be 0
         return self.inner.dispatch(_SplitRows.apply(x_TD, self.group), mine, keep_N)
 
     def combine(self, y_RD: torch.Tensor, handle) -> torch.Tensor:

@@ -268,7 +268,7 @@ def test_every_code_name_a_page_cites_exists():
     for doc in DOCS:
         for span in re.findall(r"`([A-Za-z_][\w.]*)(?:\([^`]*\))?`", doc.read_text()):
             name = span.split(".")[-1]
-            if re.fullmatch(r"[A-Z][a-z]+(?:[A-Z0-9]\w*)+|[a-z]+(?:_[a-z0-9]+)+", name) and name not in defined:
+            if re.fullmatch(r"[A-Z][a-z]+(?:[A-Z0-9]\w*)+|[a-z]+(?:_\d*[a-z][a-z0-9]*)+", name) and name not in defined:
                 missing.add(f"{doc.name}: {span}")
     assert {m for m in missing if m.split(".")[-1].split(": ")[-1] not in EXTERNAL_NAMES} == set()
 

@@ -192,8 +192,8 @@ def _cases(group_size: int, dispatchers: tuple[str, ...]) -> list[Case]:
 
 
 @pytest.mark.parametrize("world,ep,etp,order", [(2, 2, 1, ORDER), (4, 4, 1, ORDER), (4, 2, 1, ORDER),
-                                                (4, 2, 2, ORDER), (4, 2, 2, "ep-tp-cp-dp-pp")],
-                         ids=["ep2", "ep4", "ep2-of-4", "ep2-etp2", "ep2-etp2-ep-fastest"])
+                                                (4, 2, 2, ORDER), (4, 2, 2, "ep-tp-cp-dp-pp"), (2, 1, 2, ORDER)],
+                         ids=["ep2", "ep4", "ep2-of-4", "ep2-etp2", "ep2-etp2-ep-fastest", "etp2-only"])
 def test_dispatchers_match_one_process_at_the_edges(world, ep, etp, order):
     """ep-fastest order: the EP×ETP group's ranks alternate EP indices (0, 1, 0, 1)."""
     run_ranks(world, _in_group, world, ep, etp, order, _cases(ep * etp, ("alltoall", "allgather")))

@@ -3,8 +3,8 @@
 T tokens, K top-k, N = T·K routed copies, D model dim, E experts, R expert-buffer rows.
 `dispatch` returns the rows grouped by local expert (with group sizes and each row's routing
 probability) plus a small handle; `combine` takes the expert outputs and the handle back to token
-order. Expert-parallel dispatchers (all-to-all, all-gather) arrive with the parallel-folding work and
-keep this interface.
+order. The expert-parallel dispatchers (all-to-all, all-gather, pad-to-capacity all-to-all:
+parallel/expert.py) and the TP split (parallel/sequence.py) keep this interface.
 """
 
 from dataclasses import dataclass

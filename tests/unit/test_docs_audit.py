@@ -299,3 +299,11 @@ def test_reading_a_hugging_face_checkpoint_without_safetensors_is_one_line(tmp_p
     assert main(["convert", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "safetensors" in err and "pip install 'moefold[hf]'" in err, err
+
+
+def test_readme_lists_every_shipped_preset():
+    from moefold.config import preset_names
+
+    text = " ".join((ROOT / "README.md").read_text().split())
+    bullet = re.search(r"real-shape presets \((.*?)one-GPU experiments", text).group(1)
+    assert set(re.findall(r"`([\w.-]+)`", bullet)) | {"tiny"} == set(preset_names())

@@ -12,6 +12,7 @@ expert weights as this rank's [experts, hidden] slice.
 """
 
 import dataclasses
+import re
 import zlib
 
 import pytest
@@ -339,3 +340,21 @@ def _counts_ranks(rank: int, world: int, dispatcher: str) -> None:
 @pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
 def test_load_counts_and_expert_bias_under_ep_are_the_global_batch_s(dispatcher):
     run_ranks(4, _counts_ranks, 4, dispatcher)
+
+
+def _uneven_tokens(rank: int, world: int) -> None:
+    """The static-shape dispatchers refuse different token counts on the ranks of a group in one
+    line that names the option to change."""
+    dist.init_process_group("gloo")
+    group = ParallelLayout(ParallelDims(world, ep=world)).ep_group
+    for dispatcher, cfg, option in [
+            ("allgather", _cfg(4, 2), "parallel.ep_dispatcher='alltoall'"),
+            ("alltoall", _cfg(4, 2, capacity_factor=1.0, pad_to_capacity=True), "moe.pad_to_capacity=false")]:
+        layer = build(cfg, DIM, 0)
+        apply_ep(layer, group, dispatcher)
+        with pytest.raises(RuntimeError, match=r"same number of tokens .*this rank has [23] .*" + re.escape(option)):
+            layer(torch.rand(1, 2 + rank, DIM, dtype=torch.float64))
+
+
+def test_static_shape_dispatchers_refuse_uneven_tokens_naming_the_option():
+    run_ranks(2, _uneven_tokens, 2)

@@ -477,7 +477,7 @@ class AllGatherDispatcher(_ExpertParallelDispatcher):
     """
 
     GROUPINGS = (SortedBuffer, PaddedBuffer)  # of the expert buffer: without, with padding
-    UNEVEN_TOKENS_HINT = "use dispatcher='alltoall' for uneven token counts"
+    UNEVEN_TOKENS_HINT = "parallel.ep_dispatcher='alltoall' (apply_ep's dispatcher) takes uneven token counts"
 
     # ------------------------------------------------------------------------------- dispatch
 

@@ -307,3 +307,11 @@ def test_readme_lists_every_shipped_preset():
     text = " ".join((ROOT / "README.md").read_text().split())
     bullet = re.search(r"real-shape presets \((.*?)one-GPU experiments", text).group(1)
     assert set(re.findall(r"`([\w.-]+)`", bullet)) | {"tiny"} == set(preset_names())
+
+
+def test_every_option_a_fields_help_names_exists():
+    """The docstrings under config.py's fields are `moefold train --help`: they name real options too."""
+    from moefold.config import field_docs
+
+    named = {key: _named_options(doc) - set(field_types()) for key, doc in field_docs().items()}
+    assert {key: names for key, names in named.items() if names} == {}

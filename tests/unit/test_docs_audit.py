@@ -315,3 +315,20 @@ def test_every_option_a_fields_help_names_exists():
 
     named = {key: _named_options(doc) - set(field_types()) for key, doc in field_docs().items()}
     assert {key: names for key, names in named.items() if names} == {}
+
+
+@pytest.mark.parametrize("column,config", [(1, "qwen3"), (2, "deepseek"), (3, "mixtral")])
+def test_recompute_offload_md_saved_bytes_table(column, config, monkeypatch):
+    """docs/recompute_offload.md's 'Measured on CPU' table is what tests/memory_runs.py's SavedBytes
+    counts after one forward of 2 × 64 tokens, for every name the config has."""
+    from tests.memory_runs import MODULES, SavedBytes, batches, build
+
+    text = (ROOT / "docs/recompute_offload.md").read_text()
+    table = text[text.index("| recompute | qwen3-like"):]
+    rows = re.findall(r"^\| `?(\w+)`? \|(.*)\|$", table.split("\n\n")[0], re.M)
+    stated = {name: cells.split("|")[column - 1].strip() for name, cells in rows[1:]}
+    ids = batches(1, seq_len=64)[0]
+    for name in ["none", *MODULES[config]]:
+        model = build(config, None if name == "none" else {"memory.recompute": f'["{name}"]'})
+        with monkeypatch.context() as m:
+            assert f"{SavedBytes(model, m).of_forward(model, ids):,}" == stated[name], name

@@ -141,6 +141,9 @@ def _check(case: Case, group, me: int, ep_of_rank: list[int], etp_rank: int, etp
         want = _grad(full)[ep_rank * L:(ep_rank + 1) * L][index[name]]
         got = _grad(p)
         torch.testing.assert_close(got, want, **tol, msg=lambda m, name=name: f"{name} grad: {m}\n{note}")
+        for e in range(L) if case.favour is not None else ():  # starved experts: exact zeros
+            if ep_rank * L + e not in case.favour:
+                assert not got[e].any(), f"{name} grad of starved expert {ep_rank * L + e}\n{note}"
 
 
 def _grad(t: torch.Tensor) -> torch.Tensor:
@@ -324,10 +327,10 @@ def _counts_ranks(rank: int, world: int, dispatcher: str) -> None:
     x_all, _, valid_all = _inputs(case, 7)
     ends = torch.tensor(tokens).cumsum(0).tolist()
     chunks = [slice(end - n, end) for n, end in zip(tokens, ends)]
-    for _ in range(2):  # two micro-batches, then the optimizer step's update
-        for c in chunks:
+    for run in (layer, checkpointed(layer, [layer])):  # two micro-batches (one recomputed in
+        for c in chunks:                                 # backward: counted once), then the update
             ref(x_all[c][None], valid_all[c][None])
-        layer(x_all[chunks[rank]][None], valid_all[chunks[rank]][None])
+        run(x_all[chunks[rank]][None].requires_grad_(), valid_all[chunks[rank]][None]).sum().backward()
     want, got = ref.stats.pop(), layer.stats.pop()
     for key in ("tokens_per_expert_E", "dropped"):
         torch.testing.assert_close(got[key], want[key], msg=lambda m, key=key: f"{key}: {m}")

@@ -332,3 +332,22 @@ def test_recompute_offload_md_saved_bytes_table(column, config, monkeypatch):
         model = build(config, None if name == "none" else {"memory.recompute": f'["{name}"]'})
         with monkeypatch.context() as m:
             assert f"{SavedBytes(model, m).of_forward(model, ids):,}" == stated[name], name
+
+
+def test_a_toml_file_of_your_own_overrides_config_pys_defaults_as_the_readme_says(tmp_path):
+    text = " ".join((ROOT / "README.md").read_text().split())
+    m = re.search(r"it overrides config\.py's defaults, not `tiny`'s \(which differ in `([\w.]+)`: (\d+) in "
+                  r"`tiny`, (\d+), i\.e\. `n_heads`, in config\.py\)", text)
+    block = re.search(r"```toml\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
+    (tmp_path / "my.toml").write_text(block)
+    mine, tiny = load_config(str(tmp_path / "my.toml")), load_config("tiny")
+    flat = flatten_table(tomllib.loads(block), "README")
+    differ = {key for key in field_types() if key not in flat and _value_of(mine, key) != _value_of(tiny, key)}
+    assert differ == {m.group(1)}
+    assert (_value_of(tiny, m.group(1)), _value_of(mine, m.group(1))) == (int(m.group(2)), int(m.group(3)))
+    assert all(_value_of(mine, key) == _default(key) for key in field_types() if key not in flat)
+
+
+def _value_of(cfg: Config, key: str):
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name)

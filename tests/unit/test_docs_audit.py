@@ -351,3 +351,17 @@ def test_a_toml_file_of_your_own_overrides_config_pys_defaults_as_the_readme_say
 def _value_of(cfg: Config, key: str):
     section, name = key.split(".")
     return getattr(getattr(cfg, section), name)
+
+
+def test_defaults_stated_in_prose_equal_config_pys():
+    """`a.b=V` (the default), `a.b = V` (the default), (`a.b`, default `V`), the defaults `a.b = V`."""
+    sections = "|".join(SECTIONS)
+    stated = []
+    for doc in DOCS:
+        text = " ".join(doc.read_text().split())
+        stated += re.findall(r"`((?:%s)\.\w+) ?= ?\"?([\w+-]+)\"?` \(the default" % sections, text)
+        stated += re.findall(r"`((?:%s)\.\w+)`, default `([\w+-]+)`" % sections, text)
+        stated += re.findall(r"defaults `((?:%s)\.\w+) ?= ?\"?([\w+-]+)\"?`" % sections, text)
+    assert len(stated) >= 4
+    for key, value in stated:
+        assert value == str(_default(key)).lower(), f"{key}: stated default {value}, config.py {_default(key)}"

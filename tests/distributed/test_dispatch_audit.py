@@ -1,7 +1,9 @@
-"""Expert-parallel dispatch (all-to-all, all-gather, pad-to-capacity all-to-all) under ep 2 and 4 and
-ep 2 × etp 2, against one process and a per-token loop, on gloo ranks, at the edges: a rank with no
-tokens, a rank whose tokens are all padding, every copy routed to one rank's experts, a rank whose
-experts get no copy, top_k = num_experts, capacity drops.
+"""Expert-parallel dispatch (all-to-all, all-gather, pad-to-capacity all-to-all) under ep 2 and 4,
+ep 2 of 4 ranks, ep 2 × etp 2 (both rank orders), etp 2 alone and EP folded over TP without
+sequence parallelism, against one process and a per-token loop, on gloo ranks, at the edges: a rank
+with no tokens, a rank whose tokens are all padding, every copy routed to one rank's experts, a
+rank whose experts get no copy, top_k = num_experts, capacity drops, recompute, evaluation; then
+the load counts and expert-bias update under EP, and the one-line refusals.
 
 Every rank builds the same full layer (fp64, loop experts unless a case says otherwise). The
 reference is the same layer in one process run on each group rank's tokens in turn (capacity is a
@@ -118,7 +120,8 @@ def _check(case: Case, group, me: int, ep_of_rank: list[int], etp_rank: int, etp
             y_loop = reference_layer(x_all[mine].double(), ref.double(), case.cfg).to(case.dtype)
         ref.to(case.dtype)
         # combine sums the K copies in fp32 (moe/dispatch.py), so the loop agrees to fp32's precision
-        torch.testing.assert_close(y.detach(), y_loop, rtol=1e-5, atol=1e-6, msg=lambda m: f"output vs loop: {m}\n{note}")
+        torch.testing.assert_close(y.detach(), y_loop, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"output vs loop: {m}\n{note}")
     torch.testing.assert_close(y.detach(), y_ref[mine].detach(), **tol, msg=lambda m: f"output: {m}\n{note}")
     torch.testing.assert_close(y_eval, y_ref_eval, **tol, msg=lambda m: f"eval output: {m}\n{note}")
     grad_x = _grad(x)
@@ -169,7 +172,8 @@ def _cases(group_size: int, dispatchers: tuple[str, ...]) -> list[Case]:
             Case(f"{d}-capacity-position-topk-all",
                  _cfg(P, P, capacity_factor=0.75, drop_policy="position", pad_multiple=8),
                  t([6, 5] + [7] * (P - 2)), d),
-            Case(f"{d}-grouped-mm-fp32", _cfg(2 * P, 2, experts_backend="grouped_mm", shared_experts=1, expert_hidden=8),
+            Case(f"{d}-grouped-mm-fp32",
+                 _cfg(2 * P, 2, experts_backend="grouped_mm", shared_experts=1, expert_hidden=8),
                  t([3, 8] + [5] * (P - 2)), d, dtype=torch.float32),
             Case(f"{d}-grouped-mm-padded-starved", _cfg(2 * P, 2, experts_backend="grouped_mm", expert_hidden=8,
                                                         pad_multiple=8, memory_efficient_permute=False),
@@ -355,7 +359,8 @@ def _uneven_tokens(rank: int, world: int) -> None:
             ("alltoall", _cfg(4, 2, capacity_factor=1.0, pad_to_capacity=True), "moe.pad_to_capacity=false")]:
         layer = build(cfg, DIM, 0)
         apply_ep(layer, group, dispatcher)
-        with pytest.raises(RuntimeError, match=r"same number of tokens .*this rank has [23] .*" + re.escape(option)):
+        message = r"same number of tokens .*this rank has [23] .*" + re.escape(option)
+        with pytest.raises(RuntimeError, match=message):
             layer(torch.rand(1, 2 + rank, DIM, dtype=torch.float64))
 
 

@@ -365,3 +365,17 @@ def test_defaults_stated_in_prose_equal_config_pys():
     assert len(stated) >= 4
     for key, value in stated:
         assert value == str(_default(key)).lower(), f"{key}: stated default {value}, config.py {_default(key)}"
+
+
+def test_every_file_and_test_a_page_names_exists():
+    """Paths (`tests/...`, `benchmarks/...`, `src/moefold/...`, or a module path under src/moefold such
+    as `fp8/recipes.py`) and `file::test` names."""
+    package = ROOT / "src" / "moefold"
+    for doc in DOCS:
+        text = doc.read_text()
+        for path in re.findall(r"(?<![\w/.])((?:tests|benchmarks|src/moefold)/[\w/.-]*\w)", text):
+            assert (ROOT / path).exists(), f"{doc.name}: {path}"
+        for path in re.findall(r"(?<![\w/.-])([a-z_0-9]+/[a-z_0-9/]*[a-z_0-9]+\.py)", text):
+            assert (package / path).exists() or (ROOT / path).exists(), f"{doc.name}: {path}"
+        for path, name in re.findall(r"`(tests/\S+?\.py)::(\w+)`", text):
+            assert re.search(rf"^def {name}\b", (ROOT / path).read_text(), re.M), f"{doc.name}: {path}::{name}"

@@ -379,3 +379,23 @@ def test_every_file_and_test_a_page_names_exists():
             assert (package / path).exists() or (ROOT / path).exists(), f"{doc.name}: {path}"
         for path, name in re.findall(r"`(tests/\S+?\.py)::(\w+)`", text):
             assert re.search(rf"^def {name}\b", (ROOT / path).read_text(), re.M), f"{doc.name}: {path}::{name}"
+
+
+def test_every_dashed_option_a_page_names_is_a_commands_or_a_scripts():
+    """`--max-new-tokens`, `--gpu-memory`, ...: an option of a moefold command, of torchrun, or of
+    the benchmark script the page runs it with."""
+    options = set()
+
+    def walk(parser):
+        for action in parser._actions:
+            options.update(action.option_strings)
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    walk(sub)
+
+    walk(_build_parser())
+    scripts = "\n".join(p.read_text() for p in (ROOT / "benchmarks").glob("*.py"))
+    for doc in DOCS:
+        for option in set(re.findall(r"(?<![\w-])(--[a-z][a-z-]*[a-z])(?![\w.])", doc.read_text())):
+            assert option in options | {"--nproc-per-node", "--standalone"} or f'"{option}"' in scripts, \
+                f"{doc.name}: {option}"

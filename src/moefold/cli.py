@@ -96,7 +96,8 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.8, help="0 is greedy (default 0.8)")
     gen.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest; 0 = all (default 40)")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    gen.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    gen.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                     help="where the model runs; auto: the GPU when there is one (default auto)")
 
     convert = commands.add_parser("convert", allow_abbrev=False,
                                   help="convert between Hugging Face checkpoints and moefold runs")

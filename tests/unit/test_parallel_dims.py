@@ -135,7 +135,7 @@ def test_order_changes_which_dim_varies_fastest():
       "(default tp-cp-ep-dp-pp)")),
     (dict(world=8, tp=2, pp=2, ep=4, order="tp-pp-cp-ep-dp"),
      ("parallel.order='tp-pp-cp-ep-dp' gives attention (dp=2) and experts (edp=1) different "
-      "pipeline stages; put pp last")),
+      "pipeline stages; put pp last (or first)")),
 ])
 def test_size_errors(kwargs, message):
     with pytest.raises(ConfigError) as e:

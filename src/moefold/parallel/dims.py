@@ -77,7 +77,7 @@ class ParallelDims:
         # layouts, or a stage's attention and experts would live on different GPUs.
         _require(_same_pipeline_stages(self),
                  f"parallel.order={self.order!r} gives attention (dp={self.dp}) and experts "
-                 f"(edp={self.edp}) different pipeline stages; put pp last")
+                 f"(edp={self.edp}) different pipeline stages; put pp last (or first)")
 
     @classmethod
     def smallest(cls, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1, etp: int = 1,

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-import torch.distributed.nn.functional as dist_fn
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
@@ -522,10 +521,11 @@ class AllGatherDispatcher(_ExpertParallelDispatcher):
         return self._reduce(handle.buffer.copies(y_RD), handle.probs_GK)
 
     def _combine_communicate(self, y_GD: torch.Tensor) -> torch.Tensor:
-        """Sum over the group and keep this rank's T rows: the autograd-aware reduce-scatter
-        (gloo has reduce_scatter in torch ≥ 2.x; its backward is an all-gather)."""
-        chunks = list(y_GD.chunk(self.group_size))
-        return dist_fn.reduce_scatter(torch.empty_like(chunks[0]), chunks, group=self.group)
+        """Sum over the group and keep this rank's T rows: the functional autograd-aware
+        reduce-scatter (its backward is an all-gather). torch.distributed.nn's is deprecated in
+        torch 2.13 (a FutureWarning a call) and refused under torch.compile."""
+        y_TD = funcol.reduce_scatter_tensor_autograd(y_GD.contiguous(), "sum", scatter_dim=0, group=self.group)
+        return funcol.wait_tensor(y_TD)
 
 
 DISPATCHERS = {"alltoall": AllToAllDispatcher, "allgather": AllGatherDispatcher}

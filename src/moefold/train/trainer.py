@@ -107,27 +107,29 @@ def _zero_weights(model: nn.Module) -> None:
         p.zero_()
 
 
-def _refuse_changed_state_dtypes(cfg: Config, checkpoint: Path) -> None:
-    """A full checkpoint resumes with the optimizer states it saved, so in their dtypes: those of
-    the config.toml of the run that saved it (the optimizer and its state layout follow them)."""
+def _saving_run_config(checkpoint: Path) -> Config | None:
+    """The config.toml of the run that saved `checkpoint`, read once for the resume checks; None
+    where it has none (a checkpoint copied out of its run)."""
     saved_config = checkpoint.parent.parent / "config.toml"
-    if not saved_config.is_file():
-        return
-    saved = config_from_toml(saved_config).optim
+    return config_from_toml(saved_config) if saved_config.is_file() else None
+
+
+def _refuse_changed_state_dtypes(cfg: Config, saved: Config, checkpoint: Path) -> None:
+    """A full checkpoint resumes with the optimizer states it saved, so in their dtypes: those of
+    the config of the run that saved it (`saved`; the optimizer and its state layout follow them)."""
     for key in ("exp_avg_dtype", "exp_avg_sq_dtype", "master_dtype"):
-        given, held = getattr(cfg.optim, key), getattr(saved, key)
+        given, held = getattr(cfg.optim, key), getattr(saved.optim, key)
         if given != held:
             raise ConfigError(f"optim.{key}={given!r}, but {checkpoint} holds the optimizer states of "
                               f"optim.{key}={held!r}: a run resumes with the states it saved; keep optim.{key}")
 
 
-def _refuse_changed_ties(cfg: Config, checkpoint: Path) -> None:
+def _refuse_changed_ties(cfg: Config, saved: Config, checkpoint: Path) -> None:
     """A checkpoint holds tok_embeddings.weight and output.weight whether the run tied them or not:
-    a model that ties what the saving run kept apart would load both into its one tensor, the
-    embedding silently replaced by the output head (a weights-only checkpoint raised nothing).
+    a model that ties what the saving run (`saved`) kept apart would load both into its one tensor,
+    the embedding silently replaced by the output head (a weights-only checkpoint raised nothing).
     Untying a tied run's checkpoint loads the same values into both and is left alone."""
-    saved_config = checkpoint.parent.parent / "config.toml"
-    if cfg.model.tie_embeddings and saved_config.is_file() and not config_from_toml(saved_config).model.tie_embeddings:
+    if cfg.model.tie_embeddings and not saved.model.tie_embeddings:
         raise ConfigError(f"model.tie_embeddings=True, but {checkpoint} was saved by a run with "
                           "model.tie_embeddings=False, which holds the embedding and the output head apart: "
                           "a run continues with the model.* and moe.* it was trained with")
@@ -251,12 +253,13 @@ class Trainer:
         refuse_unsupported_parallel(cfg)
         checkpoint = resolve_checkpoint(resume) if resume is not None else None
         refuse_run_dir(self.run_dir, checkpoint)
-        if checkpoint is not None:
-            _refuse_changed_ties(cfg, checkpoint)
+        saved = _saving_run_config(checkpoint) if checkpoint is not None else None
+        if saved is not None:
+            _refuse_changed_ties(cfg, saved, checkpoint)
         self.resumed_from = checkpoint
         full_state = checkpoint is not None and "optim" in checkpoint_keys(checkpoint)  # else weights only
-        if full_state:
-            _refuse_changed_state_dtypes(cfg, checkpoint)
+        if full_state and saved is not None:
+            _refuse_changed_state_dtypes(cfg, saved, checkpoint)
         self.dist, self.device = join(cfg, cfg.train.device, self.launch_command)
         # Several ranks vote on a stop signal every step (train/stop.py); built on each at once.
         self._stop_vote = StopVote() if self.dist.layout is not None else None

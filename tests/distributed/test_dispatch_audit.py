@@ -90,12 +90,10 @@ def _inputs(case: Case, seed: int):
     return x_TD, upstream_TD, valid_T
 
 
-def _check(case: Case, group, me: int, ep_of_rank: list[int], etp_rank: int, etp: int) -> None:
-    seed = zlib.crc32(case.name.encode()) % 10_000
-    note = f"group rank {me}, case {case.name}"
-    ref, layer = _layer(case, seed), _layer(case, seed)
-    apply_ep(layer, group, case.dispatcher, ep_of_rank, etp_rank, etp)
 
+def _one_process_run(case: Case, ref, seed: int):
+    """Every rank's inputs through the one-process layer `ref`, each rank's tokens a sequence of
+    its own, forward and backward: (x_all, up_all, valid_all, each rank's rows, x_ref, y_ref)."""
     x_all, up_all, valid_all = _inputs(case, seed)
     ends = torch.tensor(case.tokens).cumsum(0).tolist()
     chunks = [slice(end - n, end) for n, end in zip(case.tokens, ends)]
@@ -103,6 +101,15 @@ def _check(case: Case, group, me: int, ep_of_rank: list[int], etp_rank: int, etp
     y_ref = torch.cat([ref(x_ref[c][None], valid_all[c][None])[0] for c in chunks])
     if y_ref.requires_grad:  # not when no rank has a token
         (y_ref * up_all).sum().backward()
+    return x_all, up_all, valid_all, chunks, x_ref, y_ref
+
+def _check(case: Case, group, me: int, ep_of_rank: list[int], etp_rank: int, etp: int) -> None:
+    seed = zlib.crc32(case.name.encode()) % 10_000
+    note = f"group rank {me}, case {case.name}"
+    ref, layer = _layer(case, seed), _layer(case, seed)
+    apply_ep(layer, group, case.dispatcher, ep_of_rank, etp_rank, etp)
+
+    x_all, up_all, valid_all, chunks, x_ref, y_ref = _one_process_run(case, ref, seed)
 
     mine = chunks[me]
     x = x_all[mine].clone().requires_grad_()
@@ -234,13 +241,7 @@ def _check_tp_split(case: Case, layout, ep_of_rank: list[int], etp: int) -> None
     apply_ep(layer, layout.ep_etp_group, case.dispatcher, ep_of_rank, etp_rank, etp)
     split_sequence_over_tp(layer, layout.tp_group)
 
-    x_all, up_all, valid_all = _inputs(case, seed)
-    ends = torch.tensor(case.tokens).cumsum(0).tolist()
-    chunks = [slice(end - n, end) for n, end in zip(case.tokens, ends)]
-    x_ref = x_all.clone().requires_grad_()
-    y_ref = torch.cat([ref(x_ref[c][None], valid_all[c][None])[0] for c in chunks])
-    if y_ref.requires_grad:  # not when no rank has a token
-        (y_ref * up_all).sum().backward()
+    x_all, up_all, valid_all, chunks, x_ref, y_ref = _one_process_run(case, ref, seed)
 
     mine = chunks[dp_rank]
     x = x_all[mine].clone().requires_grad_()

@@ -105,9 +105,23 @@ def _locate_files(root: Path, data_path: str) -> list[DataFile]:
                  if p.is_file() and p.suffix.lower() in SUFFIXES]
         if not paths:
             raise DataError(f"data.path={data_path}: no {ALLOWED} files found")
-        return sorted((_data_file(p, p.relative_to(root).as_posix(), data_path) for p in paths),
-                      key=lambda f: f.name)
+        files = sorted((_data_file(p, p.relative_to(root).as_posix(), data_path) for p in paths),
+                       key=lambda f: f.name)
+        return _first_of_each_file(files)
     return [_data_file(root, root.name, data_path)]
+
+
+def _first_of_each_file(files: list[DataFile]) -> list[DataFile]:
+    """One entry per file on disk, the first name of each: a symlink to a file already read (b.txt
+    -> a.txt) would give its documents double weight."""
+    seen: set[str] = set()
+    unique = []
+    for file in files:
+        real = os.path.realpath(file.path)
+        if real not in seen:
+            seen.add(real)
+            unique.append(file)
+    return unique
 
 
 def _unreadable(e: OSError, root: Path, data_path: str) -> DataError:

@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import re
+import stat
 import sysconfig
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -101,8 +102,8 @@ def _locate_files(root: Path, data_path: str) -> list[DataFile]:
     if not root.exists():
         raise DataError(f"data.path={data_path}: no such file or directory")
     if root.is_dir():
-        paths = [p for p in _walk_files(root, data_path)
-                 if p.is_file() and p.suffix.lower() in SUFFIXES]
+        # Not filtered by is_file(): a broken symlink to a data file is an error, not less data.
+        paths = [p for p in _walk_files(root, data_path) if p.suffix.lower() in SUFFIXES]
         if not paths:
             raise DataError(f"data.path={data_path}: no {ALLOWED} files found")
         files = sorted((_data_file(p, p.relative_to(root).as_posix(), data_path) for p in paths),
@@ -154,7 +155,16 @@ def _walk_files(root: Path, data_path: str) -> list[Path]:
 
 
 def _data_file(path: Path, name: str, root: str) -> DataFile:
-    return DataFile(path, name, root, path.stat().st_size)
+    try:
+        status = path.stat()
+    except OSError as e:  # the caller names any other file that cannot be stat'ed
+        if not path.is_symlink():
+            raise
+        raise DataFile(path, name, root, 0).error(
+            f"a symlink to {os.readlink(path)}, which cannot be read ({e.strerror or e})") from None
+    if not stat.S_ISREG(status.st_mode):  # a FIFO or device named x.txt: reading would hang
+        raise DataFile(path, name, root, 0).error("not a regular file")
+    return DataFile(path, name, root, status.st_size)
 
 
 def _check_file(file: DataFile) -> None:

@@ -52,6 +52,10 @@ def format_line(m: dict[str, Any], total_steps: int) -> str:
     return " | ".join(parts)
 
 
+SUPERSEDED_FILE = "metrics.superseded.jsonl"
+"""Beside metrics.jsonl: the records a resumed run logs again, moved there as it starts."""
+
+
 class MetricsSinks:
     """metrics.jsonl (appended, flushed each write) and TensorBoard (when installed and enabled).
 
@@ -72,10 +76,33 @@ class MetricsSinks:
                 self.jsonl.truncate(whole)
                 out(f"{self.jsonl_path}: removed its last line, an incomplete record of {cut} bytes "
                     "(a write cut short)")
+            self._supersede(first_step)
         self.tb = None
         if tensorboard:
             with self._tensorboard_or_off():
                 self.tb = _tensorboard_writer(self.tb_path, first_step)
+
+    def _supersede(self, first_step: int) -> None:
+        """Records of steps from `first_step` on (a run killed after its last checkpoint logged
+        them; this resumed run logs them again) move to SUPERSEDED_FILE beside metrics.jsonl, as
+        TensorBoard's purge_step hides their events: each step is in metrics.jsonl once, and
+        nothing written is lost. Appended there and flushed to disk before they leave the record."""
+        with open(self.jsonl_path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            cut = _tail_from_step(f, first_step)
+            tail = os.pread(f.fileno(), size - cut, cut)
+        if not tail:
+            return
+        side = self.jsonl_path.with_name(SUPERSEDED_FILE)
+        with writing(side), open(side, "ab") as f:
+            f.write(tail)
+            f.flush()
+            os.fsync(f.fileno())
+        self.jsonl.truncate(cut)
+        first, last = (_record_step(line) for line in (tail.splitlines()[0], tail.splitlines()[-1]))
+        steps = f"step {first}" if first == last else f"steps {first}–{last}"
+        self.out(f"{self.jsonl_path}: moved the records of {steps}, logged after the checkpoint this run "
+                 f"resumes from, to {side}: this run logs them again")
 
     def write(self, record: dict[str, Any]) -> None:
         self._append_line((json.dumps(_finite_or_null(record), allow_nan=False) + "\n").encode())
@@ -138,6 +165,35 @@ def _whole_lines_size(path: Path) -> int | None:
         return 0
 
 
+def _record_step(line: bytes) -> int | None:
+    try:
+        step = json.loads(line).get("step")
+    except (ValueError, AttributeError):  # not a record of ours: kept where it is
+        return None
+    return step if isinstance(step, int) else None
+
+
+def _tail_from_step(f, first_step: int) -> int:
+    """The offset in metrics.jsonl (`f`, open to read; whole lines) of its last records whose steps are
+    `first_step` or later, its size when none. Records are appended in step order, so those are
+    at the end: read backwards, a growing block at a time (the file holds the whole run's)."""
+    size = os.fstat(f.fileno()).st_size
+    block = 2**16
+    while True:
+        start = max(0, size - block)
+        lines = os.pread(f.fileno(), size - start, start).split(b"\n")[:-1]
+        whole = lines if start == 0 else lines[1:]  # the block's first line may start before it
+        tail = 0
+        for line in reversed(whole):
+            step = _record_step(line)
+            if step is None or step < first_step:
+                return size - tail
+            tail += len(line) + 1
+        if start == 0:
+            return 0
+        block *= 4
+
+
 def _finite_or_null(value: Any) -> Any:
     """nan and ±inf as null: JSON has no spelling for them (Python's NaN is refused by strict
     readers, and jq reads it as null anyway); the console line keeps the value."""
@@ -163,7 +219,7 @@ class NullSinks:
 def _tensorboard_writer(path: Path, first_step: int):
     """The events of earlier runs in `path` from `first_step` on are hidden (`purge_step`): a run
     killed after its last checkpoint logged steps the resumed run logs again, which TensorBoard
-    would otherwise draw twice (metrics.jsonl keeps both: a step's last record is the run's)."""
+    would otherwise draw twice (metrics.jsonl moves the earlier records aside: `_supersede`)."""
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:  # the `viz` extra is optional

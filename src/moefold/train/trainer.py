@@ -165,8 +165,8 @@ def run_dir_holds_run(run_dir: Path) -> bool:
     return (run_dir / "config.toml").exists() or (run_dir / "checkpoints").exists()
 
 
-_RUN_DIR_ENTRIES = {"config.toml": "file", "metrics.jsonl": "file", LOCK_FILE: "file", "checkpoints": "directory",
-                    "tb": "directory"}
+_RUN_DIR_ENTRIES = {"config.toml": "file", "metrics.jsonl": "file", metrics.SUPERSEDED_FILE: "file", LOCK_FILE: "file",
+                    "checkpoints": "directory", "tb": "directory"}
 """What the trainer writes in a run directory, and of which kind."""
 
 

@@ -1,0 +1,91 @@
+"""A run's lifecycle across a resume, and what it logs: the records a resumed run logs again, the
+global batch of a resume under another batch layout, a tied head untied on resume, deep copies of a
+compiled model, and the validation set's sequences."""
+
+import copy
+import functools
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from moefold.cli import main
+from moefold.config import load_config
+from moefold.models.transformer import build_model
+from moefold.train.compile import compile_blocks
+from test_bad_input import error_line
+
+# ------------------------------------------------------------------------ metrics.jsonl after a resume
+
+
+def _lines(path: Path) -> list[str]:
+    return path.read_text().splitlines()
+
+
+def _steps(lines: list[str]) -> list[tuple[int, str]]:
+    return [(json.loads(line)["step"], "val" if "val_loss" in json.loads(line) else "log") for line in lines]
+
+
+def _run_killed_after_its_last_checkpoint(tmp_path, tiny_args) -> Path:
+    """A run that logged steps 1-6 (validation at 3 and 6) and saved at 3, as if killed at step 6
+    before its next save."""
+    run = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run), *tiny_args, "--train.steps", "6", "--checkpoint.every", "3",
+                 "--checkpoint.keep", "2", "--train.val_every", "3"]) == 0
+    for path in (run / "checkpoints" / "step_00000006").iterdir():
+        path.unlink()
+    (run / "checkpoints" / "step_00000006").rmdir()
+    return run
+
+
+def test_a_resumed_run_moves_the_records_it_logs_again_to_a_side_file(tmp_path, tiny_args, capsys):
+    """Steps 4-6, logged by the run before it was killed and again by the resumed one, were in
+    metrics.jsonl twice (steps 1-6 then 4-8), so a reader plotting it drew two curves over them.
+    The resumed run's records supersede them, as TensorBoard's purge_step does: metrics.jsonl
+    holds each step once, and the earlier records, byte for byte, are in
+    metrics.superseded.jsonl beside it (nothing already written is lost)."""
+    run = _run_killed_after_its_last_checkpoint(tmp_path, tiny_args)
+    before = _lines(run / "metrics.jsonl")
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run), "--train.steps", "8", "--train.val_every", "3"]) == 0
+    out = capsys.readouterr().out
+    after = _lines(run / "metrics.jsonl")
+    assert _steps(after) == [(1, "log"), (2, "log"), (3, "log"), (3, "val"), (4, "log"), (5, "log"),
+                             (6, "log"), (6, "val"), (7, "log"), (8, "log"), (8, "val")]
+    assert after[:4] == before[:4]
+    superseded = _lines(run / "metrics.superseded.jsonl")
+    assert superseded == before[4:] and _steps(superseded) == [(4, "log"), (5, "log"), (6, "log"), (6, "val")]
+    assert "metrics.superseded.jsonl" in out and "steps 4–6" in out
+    # A second resume, from step 6: the superseded file keeps both earlier histories.
+    for path in (run / "checkpoints" / "step_00000008").iterdir():
+        path.unlink()
+    (run / "checkpoints" / "step_00000008").rmdir()
+    assert main(["train", "--resume", str(run), "--train.steps", "9"]) == 0
+    assert _lines(run / "metrics.superseded.jsonl") == before[4:] + after[8:]
+    assert _steps(_lines(run / "metrics.jsonl")) == [*_steps(after[:8]), (7, "log"), (8, "log"), (9, "log"),
+                                                     (9, "val")]
+
+
+def test_a_resume_without_later_records_moves_nothing(tmp_path, tiny_args):
+    """Killed right after its checkpoint: nothing superseded, no side file."""
+    run = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run), *tiny_args, "--train.steps", "3"]) == 0
+    assert main(["train", "--resume", str(run), "--train.steps", "4"]) == 0
+    assert [step for step, _ in _steps(_lines(run / "metrics.jsonl"))] == [1, 2, 3, 3, 4, 4]  # val at the end
+    assert not (run / "metrics.superseded.jsonl").exists()
+def test_the_records_superseded_are_found_at_the_end_of_a_long_file(tmp_path):
+    """metrics.jsonl holds the whole run's records, read backwards a block at a time: 5,000 records
+    (about 600 kB), of which the last 12 are superseded (two records at step 4990)."""
+    from moefold.train.metrics import MetricsSinks
+
+    records = [json.dumps({"step": step, "loss": 1.0, "note": "x" * 100}) for step in range(1, 5001)]
+    records.insert(4990, json.dumps({"step": 4990, "val_loss": 2.0}))
+    (tmp_path / "metrics.jsonl").write_text("".join(line + "\n" for line in records))
+    said = []
+    MetricsSinks(tmp_path, tensorboard=False, out=said.append, first_step=4990).close()
+    assert _lines(tmp_path / "metrics.jsonl") == records[:4989]
+    assert _lines(tmp_path / "metrics.superseded.jsonl") == records[4989:]
+    assert said == [f"{tmp_path / 'metrics.jsonl'}: moved the records of steps 4990–5000, logged after the "
+                    f"checkpoint this run resumes from, to {tmp_path / 'metrics.superseded.jsonl'}: this run "
+                    "logs them again"]

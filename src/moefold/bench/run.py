@@ -28,6 +28,7 @@ from moefold.config import Config
 from moefold.data.loader import Batch
 from moefold.data.tokenizer import model_vocab_size
 from moefold.train import metrics
+from moefold.train.flops import params_line
 from moefold.train.trainer import Trainer
 
 
@@ -104,7 +105,8 @@ def _record(cfg: Config, trainer: BenchTrainer, step_s: list[float], peak: float
         "mfu_datasheet": rate["tflops"] / datasheet if datasheet else None,
         "peak_mem_gib": metrics.peak_memory_gib(trainer.device),
         "alloc_retries": alloc_retries(trainer.device),
-        "params_total": p.total, "params_active": p.active,
+        "params_total": p.main_total, "params_active": p.main_active,  # as `config params` counts them
+        "params_mtp": p.mtp, "params_mtp_active": p.mtp_active,
         # the last step's, over the data ranks as training logs it (each rank's rows differ)
         "loss": float(trainer.dist.mean_over_data(parts["lm_loss"].detach().float())), "grad_norm": float(grad_norm),
     }
@@ -153,8 +155,8 @@ def format_record(r: dict[str, Any]) -> str:
         ("batch", f"{r['micro_batch_size']} × {r['seq_len']} tokens × "
                   f"{_count(r['grad_accum'], 'micro-batch', 'micro-batches')}"
                   f" = {r['tokens_per_step']:,} tokens per step (vocabulary {r['vocab_size']:,})"),
-        ("model", f"{r['params_total'] / 1e6:,.2f}M parameters, {r['params_active'] / 1e6:,.2f}M "
-                  f"active; {r['flops_per_token'] / 1e6:,.2f} MFLOP per token (fwd+bwd)"),
+        ("model", f"{params_line(r['params_total'], r['params_active'], r['params_mtp'], r['params_mtp_active'])}; "
+                  f"{r['flops_per_token'] / 1e6:,.2f} MFLOP per token (fwd+bwd)"),
         ("step time", f"{r['step_ms_mean']:.2f} ms mean, {r['step_ms_min']:.2f} ms min, "
                       f"{r['step_ms_max']:.2f} ms max ({_count(r['steps'], 'step', 'steps')} after "
                       f"{r['warmup']} warm-up)"),

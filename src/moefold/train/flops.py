@@ -37,6 +37,26 @@ class ParamCounts:
         """Active parameters as model cards count them: the embedding table included."""
         return self.active if self.tied else self.active + self.embedding
 
+    # What every output prints (`params_line`, `describe_params`): DeepSeek-V3's convention, whose
+    # card's 671B total and 37B activated hold the embedding and output head but not the MTP module
+    # (its checkpoint's 14B more), printed apart.
+    @property
+    def main_total(self) -> int:
+        """Parameters of the model without its MTP modules."""
+        return self.total - self.mtp
+
+    @property
+    def main_active(self) -> int:
+        """Active parameters without the MTP modules: embedding and output head in."""
+        return self.active_with_embedding - self.mtp_active
+
+
+def params_line(total: int, active: int, mtp: int = 0, mtp_active: int = 0) -> str:
+    """The model's size as training's header and `moefold bench` print it, from a ParamCounts'
+    `main_total`, `main_active`, `mtp` and `mtp_active`."""
+    line = f"{_in_units(total)} parameters, {_in_units(active)} active"
+    return line + (f" (MTP modules: {_in_units(mtp)} more, {_in_units(mtp_active)} active)" if mtp else "")
+
 
 def count_params(model: nn.Module) -> ParamCounts:
     total, active = _count(model, model.named_parameters(remove_duplicate=False), model.cfg)
@@ -184,9 +204,8 @@ def describe_params(cfg) -> str:
     vocab_size = model_vocab_size(cfg)
     c = config_param_counts(cfg, vocab_size)
     flops = _train_flops_per_token(cfg, c.active, vocab_size * cfg.model.dim, cfg.train.seq_len)
-    main_total, main_active = c.total - c.mtp, c.active_with_embedding - c.mtp_active
-    lines = [f"total parameters:  {_in_units(main_total)} (embedding and output head included)",
-             f"active per token:  {_in_units(main_active)} (embedding and output head included; "
+    lines = [f"total parameters:  {_in_units(c.main_total)} (embedding and output head included)",
+             f"active per token:  {_in_units(c.main_active)} (embedding and output head included; "
              f"routed experts count top_k/num_experts)"]
     if c.mtp:
         lines.append(f"MTP modules:       {_in_units(c.mtp)} more, {_in_units(c.mtp_active)} active "

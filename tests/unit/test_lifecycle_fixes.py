@@ -89,3 +89,23 @@ def test_the_records_superseded_are_found_at_the_end_of_a_long_file(tmp_path):
     assert said == [f"{tmp_path / 'metrics.jsonl'}: moved the records of steps 4990–5000, logged after the "
                     f"checkpoint this run resumes from, to {tmp_path / 'metrics.superseded.jsonl'}: this run "
                     "logs them again"]
+
+
+# ------------------------------------------------------------------------ untying a tied run's full checkpoint
+
+def test_untying_a_tied_runs_full_checkpoint_is_refused_naming_the_option(tmp_path, tiny_args, capsys):
+    """A tied run's optimizer holds one state for the embedding and the head together; resumed
+    with --model.tie_embeddings false it was refused as 'checkpoint ... is unreadable or corrupt:
+    RuntimeError: Missing key in checkpoint state_dict: optim.state.output.weight.step', which
+    blames the file and names no option."""
+    run = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run), *tiny_args, "--train.steps", "2", "--model.tie_embeddings",
+                 "true"]) == 0
+    checkpoint = run / "checkpoints" / "step_00000002"
+    line = error_line(capsys, ["train", "--resume", str(run), "--train.steps", "3", "--model.tie_embeddings",
+                               "false"])
+    assert line == (f"moefold: error: model.tie_embeddings=False, but {checkpoint} was saved by a run with "
+                    "model.tie_embeddings=True, whose optimizer holds one state for the embedding and the output "
+                    "head together: a run continues with the model.* and moe.* it was trained with; keep "
+                    "model.tie_embeddings=True")
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [checkpoint.name]

@@ -124,15 +124,22 @@ def _refuse_changed_state_dtypes(cfg: Config, saved: Config, checkpoint: Path) -
                               f"optim.{key}={held!r}: a run resumes with the states it saved; keep optim.{key}")
 
 
-def _refuse_changed_ties(cfg: Config, saved: Config, checkpoint: Path) -> None:
+def _refuse_changed_ties(cfg: Config, saved: Config, checkpoint: Path, full_state: bool) -> None:
     """A checkpoint holds tok_embeddings.weight and output.weight whether the run tied them or not:
     a model that ties what the saving run (`saved`) kept apart would load both into its one tensor,
     the embedding silently replaced by the output head (a weights-only checkpoint raised nothing).
-    Untying a tied run's checkpoint loads the same values into both and is left alone."""
-    if cfg.model.tie_embeddings and not saved.model.tie_embeddings:
+    Untying a tied run's weights loads the same values into both and is left alone; its optimizer
+    states (`full_state`) are one tensor's, which the optimizer's load refused as a corrupt file."""
+    given, held = cfg.model.tie_embeddings, saved.model.tie_embeddings
+    if given and not held:
         raise ConfigError(f"model.tie_embeddings=True, but {checkpoint} was saved by a run with "
                           "model.tie_embeddings=False, which holds the embedding and the output head apart: "
                           "a run continues with the model.* and moe.* it was trained with")
+    if held and not given and full_state:
+        raise ConfigError(f"model.tie_embeddings=False, but {checkpoint} was saved by a run with "
+                          "model.tie_embeddings=True, whose optimizer holds one state for the embedding and the "
+                          "output head together: a run continues with the model.* and moe.* it was trained "
+                          "with; keep model.tie_embeddings=True")
 
 
 def _refuse_other_data_order(saved: dict[str, int], given: dict[str, int], checkpoint: Path) -> None:
@@ -254,10 +261,10 @@ class Trainer:
         checkpoint = resolve_checkpoint(resume) if resume is not None else None
         refuse_run_dir(self.run_dir, checkpoint)
         saved = _saving_run_config(checkpoint) if checkpoint is not None else None
-        if saved is not None:
-            _refuse_changed_ties(cfg, saved, checkpoint)
         self.resumed_from = checkpoint
         full_state = checkpoint is not None and "optim" in checkpoint_keys(checkpoint)  # else weights only
+        if saved is not None:
+            _refuse_changed_ties(cfg, saved, checkpoint, full_state)
         if full_state and saved is not None:
             _refuse_changed_state_dtypes(cfg, saved, checkpoint)
         self.dist, self.device = join(cfg, cfg.train.device, self.launch_command)

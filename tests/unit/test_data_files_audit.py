@@ -421,3 +421,44 @@ def test_a_directory_without_data_files_is_one_line(tmp_path):
     with pytest.raises(DataError, match=r"^data\.path=.*data: no \.txt, \.jsonl, \.parquet, "
                                         r"\.npy or \.bin files found$"):
         streams_of(data)
+
+
+def _step_sequences(num_sequences: int, dp: int, micro: int, accum: int, steps: int):
+    """Each step's sequence indices in the order the micro-batches take them (repeats allowed)."""
+    from moefold.data import PackedSequences, TrainLoader
+
+    sequences = PackedSequences(np.arange(num_sequences * 4 + 1), 4)
+    loader = TrainLoader(sequences, micro * dp, 0, eos_id=-1, step_size=micro * dp * accum)
+    return [[i for _ in range(accum) for i in (loader.next_batch().input_ids_BS[:, 0] // 4).tolist()]
+            for _ in range(steps)]
+
+
+def test_a_step_longer_than_an_epoch_trains_the_same_sequences_under_any_split():
+    """A global batch of 16 over 10 training sequences: micro-batches of 2 (dp 1, accum 8) took
+    [0, 0, 1, 1, 2, 2, 3, 4, ...] in step 0 and micro-batches of 8 (dp 4, accum 2) [0, 0, 1, 1,
+    2, 3, 3, ...]: each epoch ended where a micro-batch no longer fit, so the data depended on
+    the layout. Such a step now reads the epochs' orders back to back, nothing dropped."""
+    import torch
+
+    runs = {layout: _step_sequences(10, *layout, steps=3) for layout in [(1, 2, 8), (4, 2, 2),
+                                                                          (1, 8, 2)]}
+    assert runs[(1, 2, 8)] == runs[(4, 2, 2)] == runs[(1, 8, 2)]
+    orders = [torch.randperm(10, generator=torch.Generator().manual_seed(epoch)).tolist()
+              for epoch in range(5)]
+    stream = [i for order in orders for i in order]
+    assert runs[(1, 2, 8)] == [stream[16 * s:16 * s + 16] for s in range(3)]
+
+
+def test_a_step_longer_than_an_epoch_resumes_under_another_split():
+    from moefold.data import PackedSequences, TrainLoader
+
+    sequences = PackedSequences(np.arange(10 * 4 + 1), 4)
+    expected = _step_sequences(10, 1, 2, 8, steps=4)
+    saved = TrainLoader(sequences, 2, 0, eos_id=-1, step_size=16)
+    for _ in range(8):  # one step of micro-batches of 2
+        saved.next_batch()
+    resumed = TrainLoader(sequences, 8, 0, eos_id=-1, step_size=16)
+    resumed.load_state_dict(saved.state_dict())
+    steps = [[i for _ in range(2) for i in (resumed.next_batch().input_ids_BS[:, 0] // 4).tolist()]
+             for _ in range(3)]
+    assert steps == expected[1:]

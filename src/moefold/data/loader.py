@@ -120,7 +120,8 @@ class TrainLoader:
     Epoch e visits the sequences in the order `randperm(len, (seed * 1_000_003 + e) mod 2**64)`,
     B at a time, up to its last whole optimizer step (`step_size` sequences); the rest of the order
     is dropped, so every batch holds exactly B sequences, and an epoch ends at the same sequence
-    however a step is split into micro-batches and data ranks.
+    however a step is split into micro-batches and data ranks. A step longer than an epoch reads
+    the epochs' orders back to back, nothing dropped, for the same reason.
     """
 
     def __init__(self, sequences: PackedSequences, batch_size: int, seed: int, eos_id: int, *,
@@ -139,10 +140,8 @@ class TrainLoader:
         self.eos_id = eos_id
         self.vocab = vocab
         # An epoch ends where a whole step no longer fits, not a micro-batch: the micro-batch is
-        # micro_batch_size · dp, and dropping its remainder made the data order depend on dp. A
-        # step longer than an epoch runs across epochs, a micro-batch at a time.
-        step_size = step_size or batch_size
-        self.step_size = step_size if step_size <= len(sequences) else batch_size
+        # micro_batch_size · dp, and dropping its remainder made the data order depend on dp.
+        self.step_size = step_size or batch_size
         self._step_batch = 0  # index in its step of the next micro-batch; a checkpoint is at 0
         self.epoch = 0
         self.cursor = 0  # position in this epoch's permutation of the next batch's first sequence
@@ -158,16 +157,36 @@ class TrainLoader:
         return self._order_N
 
     def next_batch(self) -> Batch:
+        if self.step_size > len(self.sequences):
+            indices_B = self._across_epochs()
+        else:
+            indices_B = self._within_epoch()
+        windows_BS1 = self.sequences.gather(indices_B.tolist())
+        if self.vocab is not None:
+            self.vocab.check(windows_BS1, "training")
+        return make_batch(windows_BS1, self.eos_id)
+
+    def _within_epoch(self) -> torch.Tensor:
         need = self.step_size if self._step_batch == 0 else self.batch_size
         if self.cursor + need > len(self.sequences):
             self.epoch, self.cursor = self.epoch + 1, 0
         self._step_batch = (self._step_batch + 1) % (self.step_size // self.batch_size)
         indices_B = self.epoch_order(self.epoch)[self.cursor:self.cursor + self.batch_size]
         self.cursor += self.batch_size
-        windows_BS1 = self.sequences.gather(indices_B.tolist())
-        if self.vocab is not None:
-            self.vocab.check(windows_BS1, "training")
-        return make_batch(windows_BS1, self.eos_id)
+        return indices_B
+
+    def _across_epochs(self) -> torch.Tensor:
+        """The next B indices of the epochs' orders read back to back: where an epoch ends
+        must not depend on B (the micro-batch) when no whole step fits in one."""
+        parts = []
+        remaining = self.batch_size
+        while remaining:
+            if self.cursor == len(self.sequences):
+                self.epoch, self.cursor = self.epoch + 1, 0
+            take = min(remaining, len(self.sequences) - self.cursor)
+            parts.append(self.epoch_order(self.epoch)[self.cursor:self.cursor + take])
+            self.cursor, remaining = self.cursor + take, remaining - take
+        return torch.cat(parts)
 
     def __iter__(self) -> TrainLoader:
         return self

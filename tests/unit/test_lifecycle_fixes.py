@@ -109,3 +109,20 @@ def test_untying_a_tied_runs_full_checkpoint_is_refused_naming_the_option(tmp_pa
                     "head together: a run continues with the model.* and moe.* it was trained with; keep "
                     "model.tie_embeddings=True")
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [checkpoint.name]
+
+
+# ------------------------------------------------------------------------ deep copies of a compiled model
+
+def test_a_model_with_compiled_blocks_is_not_deep_copied_into_the_original(monkeypatch):
+    """compile_blocks sets each block's forward to torch.compile of its bound method, an instance
+    attribute that copy.deepcopy keeps as it is: the copy (an EMA, torch's AveragedModel, a
+    reference model) ran the original's blocks (its own blocks' weights + 1 changed no output) and
+    its backward trained the original's, silently. Refused in one line, as memory.recompute's are."""
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    cfg = load_config("tiny", {"model.n_layers": "2", "model.dim": "32", "model.n_heads": "2",
+                               "model.n_kv_heads": "1"})
+    model = build_model(cfg, 64)
+    compile_blocks(model)
+    for module in (model, model.layers[1]):
+        with pytest.raises(TypeError, match=r"^cannot deep-copy a model built with train\.compile: "):
+            copy.deepcopy(module)

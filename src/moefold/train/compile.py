@@ -30,6 +30,21 @@ def compile_loss(loss_fn):
 
 
 def compile_blocks(model: nn.Module) -> None:
-    """Replace every block's forward (main and MTP blocks) by its compiled version, in place."""
+    """Replace every block's forward (main and MTP blocks) by its compiled version, in place.
+    The blocks then refuse a deep copy (`_CompiledForward`)."""
     for block in model.blocks():
         block.forward = torch.compile(block.forward, dynamic=False)
+        block._compiled_forward = _CompiledForward()
+
+
+class _CompiledForward:
+    """Held by a block whose forward compile_blocks replaced: that forward wraps the block's own
+    bound method, an instance attribute copy.deepcopy keeps as it is, so a copy (an EMA, torch's
+    AveragedModel) would run the original's weights and train them in its backward, silently.
+    (nn.Module.compile's copies drop its compiled call, a field its __getstate__ leaves out.)
+    Refused, as memory.recompute's wrapped modules are."""
+
+    def __deepcopy__(self, memo):
+        raise TypeError("cannot deep-copy a model built with train.compile: its blocks' compiled forwards stay "
+                        "bound to the original (copy.deepcopy keeps functions as they are), so the copy would run "
+                        "and train the original's weights; build the copy with build_model and load_state_dict")

@@ -462,3 +462,27 @@ def test_a_step_longer_than_an_epoch_resumes_under_another_split():
     steps = [[i for _ in range(2) for i in (resumed.next_batch().input_ids_BS[:, 0] // 4).tolist()]
              for _ in range(3)]
     assert steps == expected[1:]
+
+
+def test_a_tokenizer_json_saved_with_truncation_and_padding_encodes_whole_documents(tmp_path):
+    """A tokenizer.json may carry "truncation" and "padding" (saved after a call that used them,
+    as sentence-embedding exports are): every document was cut to max_length=5 ids and padded to
+    12 with id 0, silently; transformers turns both off unless a call asks for them."""
+    pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer
+
+    from moefold.data import HFTokenizer
+
+    path = _bpe_tokenizer_json(tmp_path / "tokenizer.json", "bytelevel")
+    saved = Tokenizer.from_file(str(path))
+    saved.enable_truncation(max_length=5)
+    saved.enable_padding(length=12, pad_id=0, pad_token="<|endoftext|>")
+    saved.save(str(path))
+    reference = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path))
+    ours = HFTokenizer(str(path))
+    texts = ["hello world " * 5, "hi", "x" * (1 << 19) + "\nnext line\n"]  # the last in pieces
+    expected = [reference.encode(text, add_special_tokens=False) for text in texts]
+    assert len(expected[0]) > 5
+    assert ours.encode(texts[0]) == expected[0]
+    assert [ids.tolist() for ids in ours.encode_batch_np(texts)] == expected

@@ -82,6 +82,11 @@ class HFTokenizer:
         # Text that spells a special token ("<|endoftext|>" in a document) stays plain text:
         # only the corpus builder may insert EOS.
         self._tokenizer.encode_special_tokens = True
+        # A tokenizer.json may be saved with truncation or padding on (after a call that used
+        # them): documents would be cut to max_length and padded, silently. transformers too turns
+        # both off for a call that does not ask for them.
+        self._tokenizer.no_truncation()
+        self._tokenizer.no_padding()
         self.vocab_size: int = _id_bound(self._tokenizer)
         self.eos_id: int = _find_eos_id(self._tokenizer, path)
 

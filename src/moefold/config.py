@@ -657,6 +657,11 @@ def _require_finite(key: str, tp: type, value: Any) -> None:
         _require(-2**63 <= value < 2**63, f"{key}={value} must be {bound} (a 64-bit integer)")
 
 
+def _shown(value: Any) -> str:
+    """A value as the messages write it: bools as in TOML, strings and lists as Python's repr."""
+    return _toml_value(value) if isinstance(value, bool) else repr(value)
+
+
 def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
     _require(value in allowed, f"{key}={value!r} is not one of {', '.join(allowed)}")
 
@@ -703,6 +708,7 @@ def validate(cfg: Config) -> None:
         _require(head_dim % 2 == 0, f"model.head_dim={head_dim} must be even for RoPE")
     validate_moe(moe)
     _validate_shared_experts(moe)
+    _validate_unread_moe_options(moe)
     layers = m.n_layers + m.mtp_layers
     _require(all(0 <= i < layers for i in moe.dense_layers),
              f"moe.dense_layers={moe.dense_layers} names a layer that does not exist; allowed: 0 to "
@@ -749,6 +755,10 @@ def _validate_model(m: ModelConfig) -> None:
         _require(getattr(m, key) >= 0, f"model.{key}={getattr(m, key)} must be >= 0")
     _require(m.mtp_layers > 0 or m.mtp_loss_weight == ModelConfig.mtp_loss_weight,
              f"model.mtp_loss_weight={m.mtp_loss_weight} needs model.mtp_layers > 0 (no MTP loss to weigh)")
+    # Weighed 0, the MTP loss has no gradient: the modules cost their forward and backward for nothing.
+    _require(m.mtp_layers == 0 or m.mtp_loss_weight > 0,
+             f"model.mtp_loss_weight={m.mtp_loss_weight} with model.mtp_layers={m.mtp_layers} trains the MTP "
+             "modules on nothing; set model.mtp_layers=0")
     if m.attention == "mla":
         for key in ("kv_lora_rank", "qk_rope_head_dim", "v_head_dim"):
             _require(getattr(m, key) > 0, f"model.{key}={getattr(m, key)} must be > 0 for MLA")
@@ -810,6 +820,12 @@ def _validate_precision(cfg: Config) -> None:
     _require(p.fp8 != "off" or not p.fp8_weight_cache,
              "precision.fp8_weight_cache=true caches FP8 weights: it needs precision.fp8 "
              f"({', '.join(FP8_RECIPES[1:])}), not 'off'")
+    if p.fp8 == "off":  # apply_fp8 returns before reading any of them
+        for key in ("fp8_exclude", "fp8_bf16_first_layers", "fp8_bf16_last_layers", "fp8_grouped_gemm",
+                    "fp8_weight_grad", "fp8_saved_activations", "fp8_emulate"):
+            value = getattr(p, key)
+            _require(value == getattr(PrecisionConfig(), key), f"precision.{key}={_shown(value)} needs "
+                     f"precision.fp8 ({', '.join(FP8_RECIPES[1:])}), not 'off'")
     wrapped = [k for k in ("recompute", "offload") if "moe_act" in getattr(cfg.memory, k)]
     _require(p.fp8 == "off" or not wrapped,
              f"precision.fp8={p.fp8!r} with 'moe_act' in memory.{wrapped[0] if wrapped else ''} is not "
@@ -913,6 +929,17 @@ def _validate_shared_experts(moe: MoEConfig) -> None:
         _require(not moe.shared_expert_gate, "moe.shared_expert_gate=true needs moe.shared_experts > 0")
         _require(moe.shared_expert_hidden == 0,
                  f"moe.shared_expert_hidden={moe.shared_expert_hidden} needs moe.shared_experts > 0")
+
+
+def _validate_unread_moe_options(moe: MoEConfig) -> None:
+    """Options whose strategy is not built: a drop policy without capacity drops, a bias step
+    without the bias. Config checks, as _validate_shared_experts: `moefold generate` builds its
+    dropless layers with the run's drop_policy, and a layer built in Python may carry them unused."""
+    _require(moe.capacity_factor > 0 or moe.drop_policy == MoEConfig.drop_policy,
+             f"moe.drop_policy={moe.drop_policy!r} needs moe.capacity_factor > 0 (dropless routing drops no token)")
+    _require(moe.expert_bias or moe.expert_bias_update_rate == MoEConfig.expert_bias_update_rate,
+             f"moe.expert_bias_update_rate={moe.expert_bias_update_rate} needs moe.expert_bias=true "
+             "(no expert bias to update)")
 
 
 def _validate_groups(moe: MoEConfig) -> None:

@@ -227,7 +227,7 @@ def _inline_settings(text: str) -> list[list[str]]:
 
 def test_the_settings_the_pages_show_load():
     """Each setting a page's prose or TOML blocks show is accepted, in the tiny preset or, for
-    MLA's, tiny-deepseek."""
+    MLA's, tiny-deepseek; for FP8's (which need it), with precision.fp8 on."""
     settings = [words for doc in DOCS for words in _inline_settings(doc.read_text())]
     settings += [[f"--{key}", json.dumps(value) if not isinstance(value, str) else value]
                  for doc in DOCS for block in re.findall(r"```toml\n(.*?)```", doc.read_text(), re.S)
@@ -237,9 +237,9 @@ def test_the_settings_the_pages_show_load():
         args, unknown = _build_parser().parse_known_args(["config", "show", *words])
         assert not unknown, f"{shlex.join(words)}: unknown {unknown}"
         errors = []
-        for preset in ("tiny", "tiny-deepseek"):
+        for preset, extra in (("tiny", {}), ("tiny-deepseek", {}), ("tiny", {"precision.fp8": "rowwise"})):
             try:
-                load_config(preset, _overrides(args))
+                load_config(preset, {**extra, **_overrides(args)})
                 break
             except ConfigError as e:
                 errors.append(str(e))

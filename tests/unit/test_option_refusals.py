@@ -1,0 +1,92 @@
+"""Options the rest of the config leaves unread, or that make an option cost without effect, are
+refused with one line naming both options (as model.mtp_loss_weight without MTP modules and the
+yarn_* options without YaRN are), from a config file or command line and, where the layer is
+built from a MoEConfig in Python, from `build_moe_layer` too where it checks the same option."""
+
+import pytest
+
+from moefold.cli import main
+from moefold.config import load_config, preset_names
+from moefold.errors import ConfigError
+
+
+def refused(overrides: dict, message: str, preset: str = "tiny-qwen3") -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(preset, overrides)
+    assert str(err.value).startswith(message), str(err.value)
+    assert "\n" not in str(err.value)
+
+
+# ----------------------------------------------------------------------------- [moe]
+
+
+def test_a_drop_policy_without_a_capacity_factor_is_refused():
+    """Dropless routing (moe.capacity_factor=0) drops nothing, so no policy chooses what to drop:
+    drop_policy='position' trained bit for bit as 'probs'."""
+    refused({"moe.drop_policy": "position"},
+            "moe.drop_policy='position' needs moe.capacity_factor > 0 (dropless routing drops no token)")
+    load_config("tiny-qwen3", {"moe.drop_policy": "position", "moe.capacity_factor": "1.25"})
+    load_config("tiny-qwen3", {"moe.drop_policy": "probs"})  # the default, which a preset may state
+
+
+def test_an_expert_bias_update_rate_without_the_expert_bias_is_refused():
+    """Without moe.expert_bias there is no bias to step: the rate changed nothing."""
+    refused({"moe.expert_bias_update_rate": "0.01"},
+            "moe.expert_bias_update_rate=0.01 needs moe.expert_bias=true (no expert bias to update)")
+    load_config("tiny-qwen3", {"moe.expert_bias_update_rate": "0.01", "moe.expert_bias": "true"})
+    load_config("tiny-deepseek", {"moe.expert_bias_update_rate": "0.01"})  # the preset's bias is on
+
+
+def test_the_cli_refuses_an_unread_moe_option_in_one_line(capsys, tmp_path):
+    capsys.readouterr()
+    assert main(["train", "--run-dir", str(tmp_path / "run"), "--config", "tiny-qwen3",
+                 "--moe.drop_policy", "position"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert "moe.drop_policy='position' needs moe.capacity_factor > 0" in err
+    assert not (tmp_path / "run").exists()
+
+
+# ----------------------------------------------------------------------------- [model]
+
+
+def test_mtp_modules_with_a_zero_mtp_loss_weight_are_refused():
+    """model.mtp_layers > 0 with model.mtp_loss_weight=0: the modules run forward and backward every
+    step and their loss is multiplied by 0, so the main model trains as without them."""
+    refused({"model.mtp_layers": "1", "model.mtp_loss_weight": "0"},
+            "model.mtp_loss_weight=0.0 with model.mtp_layers=1 trains the MTP modules on nothing; "
+            "set model.mtp_layers=0")
+    load_config("tiny-qwen3", {"model.mtp_layers": "1", "model.mtp_loss_weight": "0.1"})
+
+
+# ----------------------------------------------------------------------------- [precision]
+
+FP8_OPTIONS = [("fp8_exclude", '["layers.0.*"]', "['layers.0.*']"),
+               ("fp8_bf16_first_layers", "1", "1"),
+               ("fp8_bf16_last_layers", "1", "1"),
+               ("fp8_grouped_gemm", "cutlass", "'cutlass'"),
+               ("fp8_weight_grad", "bf16", "'bf16'"),
+               ("fp8_saved_activations", "true", "true"),
+               ("fp8_emulate", "true", "true")]
+
+
+@pytest.mark.parametrize("key, value, shown", FP8_OPTIONS, ids=[k for k, _, _ in FP8_OPTIONS])
+def test_an_fp8_option_without_fp8_is_refused(key, value, shown):
+    """With precision.fp8='off' apply_fp8 returns before reading any of them: they changed nothing
+    (fp8_weight_cache was already refused so)."""
+    refused({f"precision.{key}": value}, f"precision.{key}={shown} needs precision.fp8 "
+            "(tensorwise, rowwise, blockwise), not 'off'")
+    load_config("tiny-qwen3", {f"precision.{key}": value, "precision.fp8": "rowwise"})
+
+
+def test_the_existing_fp8_checks_still_name_their_own_rule_first():
+    refused({"precision.fp8_bf16_first_layers": "3"}, "precision.fp8_bf16_first_layers=3 exceeds model.n_layers=2")
+    refused({"precision.fp8_weight_cache": "true"}, "precision.fp8_weight_cache=true caches FP8 weights")
+
+
+# ----------------------------------------------------------------------------- shipped configs
+
+
+@pytest.mark.parametrize("preset", preset_names())
+def test_every_shipped_preset_still_loads(preset):
+    load_config(preset)

@@ -4,10 +4,12 @@ yarn_* options without YaRN are), from a config file or command line and, where 
 built from a MoEConfig in Python, from `build_moe_layer` too where it checks the same option."""
 
 import pytest
+import torch
 
 from moefold.cli import main
-from moefold.config import load_config, preset_names
+from moefold.config import MoEConfig, load_config, preset_names
 from moefold.errors import ConfigError
+from moefold.moe.layer import build_moe_layer
 
 
 def refused(overrides: dict, message: str, preset: str = "tiny-qwen3") -> None:
@@ -90,3 +92,36 @@ def test_the_existing_fp8_checks_still_name_their_own_rule_first():
 @pytest.mark.parametrize("preset", preset_names())
 def test_every_shipped_preset_still_loads(preset):
     load_config(preset)
+
+
+# ----------------------------------------------------------------------------- the MoE layer
+
+
+def _layer(**options) -> torch.nn.Module:
+    layer = build_moe_layer(8, MoEConfig(num_experts=4, top_k=2, expert_hidden=8, experts_backend="loop",
+                                         **options), "cpu", torch.float32).train()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    return layer
+
+
+def test_a_token_matrix_with_the_sequence_aux_loss_is_refused():
+    """A [T, D] input read each token as a sequence of one: the per-sequence balance loss became
+    another objective (each token balanced against itself) without a word."""
+    layer = _layer(aux_loss_coeff=0.0, seq_aux_loss_coeff=0.01)
+    x_TD = torch.randn(6, 8)
+    with pytest.raises(ValueError) as err:
+        layer(x_TD)
+    assert str(err.value).startswith("MoELayer input of shape [6, 8] with moe.seq_aux_loss_coeff=0.01: "
+                                     "the sequence aux loss needs [B, S, D]"), str(err.value)
+    assert "\n" not in str(err.value)
+    layer(x_TD[None])  # the same tokens as one sequence
+    layer.eval()(x_TD)  # evaluation computes no aux loss: any token shape
+
+
+def test_a_token_matrix_without_the_sequence_aux_loss_still_runs():
+    layer = _layer()
+    x_TD = torch.randn(6, 8)
+    torch.testing.assert_close(layer(x_TD), layer(x_TD[None])[0])

@@ -30,6 +30,8 @@ class MoELayer(nn.Module):
         self.router, self.balancer, self.capacity = router, balancer, capacity
         self.dispatcher, self.experts, self.shared = dispatcher, experts, shared
         self.num_experts, self.top_k = router.weight.shape[0], dispatcher.top_k
+        # The sequence aux loss balances each sequence of the [B, S, D] input: its coefficient, or 0.
+        self.seq_aux_loss_coeff = next((c for name, c, _ in balancer.terms if name == "seq_aux_loss"), 0.0)
         self.aux_loss_scale = 1.0  # 1 / micro-batches per optimizer step, set by the trainer
         # How routed copies are counted for balancing and statistics: this process's micro-batch,
         # or (DataParallelCounts, set by parallelization) summed over the data-parallel ranks.
@@ -40,6 +42,11 @@ class MoELayer(nn.Module):
                              persistent=False)
 
     def forward(self, x_BSD: torch.Tensor, valid_BS: torch.Tensor | None = None) -> torch.Tensor:
+        if self.training and self.seq_aux_loss_coeff and x_BSD.dim() != 3:
+            # [T, D] would read each token as a sequence of one: another objective, without a word.
+            raise ValueError(f"MoELayer input of shape {list(x_BSD.shape)} with moe.seq_aux_loss_coeff="
+                             f"{self.seq_aux_loss_coeff}: the sequence aux loss needs [B, S, D] (give x[None] "
+                             "for one sequence)")
         valid_BS = valid_mask(valid_BS, x_BSD.shape[:-1])
         x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
         valid_N = None if valid_BS is None else valid_BS.reshape(-1).repeat_interleave(self.top_k)

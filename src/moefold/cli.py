@@ -106,6 +106,11 @@ def _build_parser() -> argparse.ArgumentParser:
     direction.add_argument("--run-dir", type=path_argument, help="a moefold run (its latest checkpoint)")
     convert.add_argument("--out", type=path_argument, metavar="RUN_DIR", help="with --from-hf: the run to create")
     convert.add_argument("--to-hf", type=path_argument, metavar="DIR", help="with --run-dir: the directory to write")
+    convert.add_argument("--dtype", choices=tuple(_EXPORT_DTYPES), default=None,
+                         help="with --to-hf: the weights' dtype (config.json's torch_dtype); DeepSeek-V3's "
+                              "router weight and expert bias stay fp32, as transformers keeps them "
+                              "(default: the run's master weights', lossless: fp32, or bf16 for "
+                              "optim.master_dtype=bf16)")
 
     config = commands.add_parser("config", help="inspect configs")
     config_commands = config.add_subparsers(dest="config_command", required=True)
@@ -276,6 +281,10 @@ def _hf_config(hf_dir: Path) -> Config:
         raise UserError(f"--init-from-hf {hf_dir}: cannot read config.json ({e.__class__.__name__}: {e})") from None
 
 
+_EXPORT_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+"""convert --dtype: its values (named as the config's dtypes are) and torch's names."""
+
+
 def _convert(args: argparse.Namespace) -> int:
     import torch
 
@@ -286,16 +295,20 @@ def _convert(args: argparse.Namespace) -> int:
     if args.from_hf is not None:
         if args.out is None or args.to_hf is not None:
             raise UserError("convert --from-hf DIR needs --out RUN_DIR (and no --to-hf)")
+        if args.dtype is not None:
+            raise UserError(f"convert --dtype {args.dtype} sets the weights of a --to-hf export; a run "
+                            "made by --from-hf holds fp32 weights (its optimizer's masters)")
         return _convert_from_hf(args.from_hf, args.out)
     if args.to_hf is None or args.out is not None:
         raise UserError("convert --run-dir RUN_DIR needs --to-hf DIR (and no --out)")
     refuse_unwritable_dir(args.to_hf, "--to-hf")
     if (args.to_hf / CONFIG).exists():
         raise UserError(f"--to-hf {args.to_hf} already holds a checkpoint ({CONFIG}); choose another directory")
-    # The weights as the optimizer holds them: bf16+remainder's exact fp32 masters; bf16 masters
-    # are bf16 (written as such, not widened).
+    # By default the weights as the optimizer holds them: bf16+remainder's exact fp32 masters; bf16
+    # masters are bf16 (written as such, not widened).
     model, tokenizer, cfg = load_model_from_run(args.run_dir, "cpu", exact_masters=True)
-    dtype = torch.bfloat16 if cfg.optim.master_dtype == "bf16" else None
+    default = "bf16" if cfg.optim.master_dtype == "bf16" else "fp32"
+    dtype = getattr(torch, _EXPORT_DTYPES[args.dtype or default])
     save_pretrained(model, args.to_hf, dtype=dtype, copies=tokenizer_files(cfg.data.tokenizer),
                     eos_token_id=end_of_document_id(cfg, tokenizer))
     print(f"converted {args.run_dir} -> {args.to_hf}")

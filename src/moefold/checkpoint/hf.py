@@ -524,20 +524,29 @@ def save_pretrained(model: Transformer, path: str | Path, max_shard_bytes: int =
     config.json and safetensors shards of at most `max_shard_bytes` (one tensor may exceed it),
     with an index when there is more than one. Tensors are built and written one at a time.
 
-    `dtype` casts the parameters (e.g. bf16 for release); buffers such as the expert bias keep
-    theirs. Earlier `model*.safetensors` files, index and config in `path` are replaced, all at
-    once: every file is written under a `.partial-` name first and renamed only when all are, so a
-    failed export (a full disk) leaves `path` as it was, without a truncated shard to load.
+    `dtype` (float32, bfloat16 or float16; None: as the model holds them) casts the parameters, as
+    transformers' `from_pretrained(dtype=...)` then `save_pretrained` would write them: buffers
+    such as the expert bias keep theirs, and the tensors transformers holds in fp32 in any dtype
+    (the family's `keep_fp32`: DeepSeek-V3's router weight and `e_score_correction_bias`) are
+    written in fp32; a weight beyond fp16's range is a CheckpointError. config.json's
+    `torch_dtype` is the parameters' dtype. Earlier `model*.safetensors` files, index and config
+    in `path` are replaced, all at once: every file is written under a `.partial-` name first and
+    renamed only when all are, so a failed export (a full disk) leaves `path` as it was, without a
+    truncated shard to load.
     `copies` (name in `path` -> file) go with them: the run's tokenizer. `eos_token_id`: where
     generation stops (`hf_config_from`'s)."""
     hf = hf_config_from(model.cfg, model.vocab_size, eos_token_id)  # first: fails on what the family cannot hold
+    if dtype is not None and dtype not in EXPORT_DTYPES:
+        raise CheckpointError(f"save_pretrained: dtype {dtype} is not one transformers loads a checkpoint in "
+                              f"({', '.join(_dtype_name(d) for d in EXPORT_DTYPES)})")
     path = Path(path)
     created = not path.exists()
     path.mkdir(parents=True, exist_ok=True)
     plan = build_plan(model)
-    entries = list(_export_entries(plan, dtype))
+    keep_fp32 = family_of(model.cfg.model.family, "model.family").keep_fp32
+    entries = list(_export_entries(plan, dtype, keep_fp32))
     shards = _assign_shards(entries, max_shard_bytes)
-    hf["torch_dtype"] = str(dtype or model.tok_embeddings.weight.dtype).removeprefix("torch.")
+    hf["torch_dtype"] = _dtype_name(dtype or model.tok_embeddings.weight.dtype)
     writes: dict[str, Callable[[Path], Any]] = {
         file: partial(_write_safetensors, entries=shard) for file, shard in shards.items()}
     if len(shards) > 1:
@@ -589,19 +598,42 @@ class _Entry:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-def _export_entries(plan: Plan, dtype: torch.dtype | None) -> Iterator[_Entry]:
+EXPORT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""The dtypes `save_pretrained` writes parameters in: those of transformers' `from_pretrained`."""
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _export_entries(plan: Plan, dtype: torch.dtype | None, keep_fp32: tuple[str, ...] = ()) -> Iterator[_Entry]:
     params = {id(t) for t in plan.tensors.values() if isinstance(t, nn.Parameter)}
 
     def entry(name: str, ours: str, expert: int | None) -> _Entry:
         t = plan.tensors[ours]
-        out_dtype = dtype if dtype is not None and id(t) in params and t.is_floating_point() else t.dtype
+        out_dtype = t.dtype
+        if t.is_floating_point() and name.endswith(keep_fp32):
+            out_dtype = torch.float32
+        elif dtype is not None and id(t) in params and t.is_floating_point():
+            out_dtype = dtype
         return _Entry(name, _hf_shape(t, expert), out_dtype,
-                      lambda: _to_hf_layout(t, expert).to("cpu", out_dtype).contiguous())
+                      lambda: _cast(_to_hf_layout(t, expert), out_dtype, name))
 
     for name, slot in plan.slots.items():
         yield entry(name, slot.ours, slot.expert)
     for name, ours in plan.copies.items():
         yield entry(name, ours, None)
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Tensor:
+    """`t` on the CPU in `dtype`; a value beyond fp16's range (65504) is refused: it would be inf."""
+    out = t.to("cpu", dtype).contiguous()
+    if dtype == torch.float16 and t.dtype != dtype and not torch.isfinite(out).all():
+        largest = t.abs().nan_to_num(0.0, 0.0, 0.0).max().item()  # an inf of the model's own stays
+        if largest > torch.finfo(dtype).max:
+            raise CheckpointError(f"{name} holds {largest:.6g}, beyond float16's range (largest "
+                                  f"{torch.finfo(dtype).max:g}); export it in bfloat16 or float32")
+    return out
 
 
 def _assign_shards(entries: list[_Entry], max_shard_bytes: int) -> dict[str, list[_Entry]]:

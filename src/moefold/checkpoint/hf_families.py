@@ -65,6 +65,9 @@ class Family:
     mtp_copies: dict[str, str] = field(default_factory=dict)
     """HF names inside an MTP layer that duplicate a top-level moefold tensor (shared with the main
     model): checked equal on import, written on export."""
+    keep_fp32: tuple[str, ...] = ()
+    """Endings of the HF names transformers holds in fp32 whatever the model's dtype (its
+    `_keep_in_fp32_modules_strict`), and so writes in fp32 in a bf16 or fp16 checkpoint."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -498,7 +501,8 @@ FAMILIES = {
     "mixtral": Family("mixtral", "MixtralForCausalLM", _MIXTRAL_BLOCK, _mixtral_from_hf, _mixtral_to_hf),
     "deepseek_v3": Family("deepseek_v3", "DeepseekV3ForCausalLM", _DEEPSEEK_V3_BLOCK,
                           _deepseek_v3_from_hf, _deepseek_v3_to_hf,
-                          mtp=_DEEPSEEK_V3_MTP, mtp_copies=_DEEPSEEK_V3_MTP_COPIES),
+                          mtp=_DEEPSEEK_V3_MTP, mtp_copies=_DEEPSEEK_V3_MTP_COPIES,
+                          keep_fp32=(".mlp.gate.weight", ".mlp.gate.e_score_correction_bias")),
 }
 
 

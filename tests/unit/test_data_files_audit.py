@@ -486,3 +486,28 @@ def test_a_tokenizer_json_saved_with_truncation_and_padding_encodes_whole_docume
     assert len(expected[0]) > 5
     assert ours.encode(texts[0]) == expected[0]
     assert [ids.tolist() for ids in ours.encode_batch_np(texts)] == expected
+
+
+def test_text_the_tokenizer_cannot_encode_is_one_line_naming_the_document(tmp_path):
+    """A WordLevel tokenizer.json without an unknown token meets a word it lacks: tokenizers
+    raises a bare Exception ('WordLevel error: Missing [UNK] token from the vocabulary'), which
+    reached the user as a traceback."""
+    pytest.importorskip("tokenizers")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from moefold.data import HFTokenizer
+    from moefold.errors import DataError
+
+    saved = Tokenizer(models.WordLevel({"hello": 0, "world": 1, "<|endoftext|>": 2}))
+    saved.pre_tokenizer = pre_tokenizers.Whitespace()
+    saved.save(str(tmp_path / "tokenizer.json"))
+    tokenizer = HFTokenizer(str(tmp_path / "tokenizer.json"))
+    data = tmp_path / "data"
+    _write(data / "a.txt", "hello world")
+    _write(data / "b.txt", "hello there world")
+    with pytest.raises(DataError) as info:
+        streams_of(data, tokenizer=tokenizer, val_fraction=0.0)
+    message = str(info.value)
+    assert message.startswith(f"data.path={data}: b.txt: tokenizer {tmp_path / 'tokenizer.json'} "
+                              "cannot encode the text (WordLevel error: Missing [UNK]"), message
+    assert "\n" not in message

@@ -84,7 +84,7 @@ def _text_streams(files: list[DataFile], label: str, cfg: DataConfig, tokenizer:
     val_docs: list[np.ndarray] = []
     documents = itertools.chain.from_iterable(read_documents(f, cfg.text_field) for f in files)
     for batch in _batched(documents, _ENCODE_BATCH):
-        ids_per_doc = _encode_batch(tokenizer, [doc.text for doc in batch])
+        ids_per_doc = _encode_documents(tokenizer, batch, label)
         _check_encoded_ids(ids_per_doc, tokenizer, batch)
         for doc, ids_N in zip(batch, ids_per_doc):
             held_out = is_validation(doc.name, threshold)
@@ -133,6 +133,20 @@ def _split_tail(train_docs: list[np.ndarray], val_docs: list[np.ndarray], label:
                         "or set data.val_fraction=0")
     train_docs[:] = [ids_N[:-num_val]]
     val_docs[:] = [ids_N[-num_val:]]
+
+
+def _encode_documents(tokenizer: Tokenizer, batch: list[Document], label: str) -> list[np.ndarray]:
+    """The ids of each document; text the tokenizer refuses (a DataError) is named by the first
+    document it refuses alone."""
+    try:
+        return _encode_batch(tokenizer, [doc.text for doc in batch])
+    except DataError as batch_error:
+        for doc in batch:
+            try:
+                _encode_batch(tokenizer, [doc.text])
+            except DataError as e:
+                raise DataError(f"data.path={label}: {doc.name}: {e}") from None
+        raise batch_error
 
 
 def _encode_batch(tokenizer: Tokenizer, texts: Sequence[str]) -> list[np.ndarray]:

@@ -94,6 +94,16 @@ class HFTokenizer:
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 
     def encode_batch_np(self, texts: Sequence[str]) -> list[np.ndarray]:
+        try:
+            return self._encode_batch_np(texts)
+        except MemoryError:
+            raise
+        except Exception as e:  # tokenizers raises a bare Exception ("WordLevel error: Missing
+            # [UNK] token from the vocabulary" for a word it lacks); the corpus names the document
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise DataError(f"tokenizer {self.name} cannot encode the text ({reason})") from None
+
+    def _encode_batch_np(self, texts: Sequence[str]) -> list[np.ndarray]:
         # encode_batch runs on all cores in Rust; worth it for corpora of many small documents.
         ids = [None if len(text) > PIECE_CHARS else text for text in texts]
         short = [i for i, text in enumerate(ids) if text is not None]

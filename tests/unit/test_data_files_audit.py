@@ -287,6 +287,12 @@ def test_hf_tokenizer_against_transformers(tmp_path, kind):
     for ids in expected:
         assert ours.decode(ids + [ours.eos_id]) == reference.decode(ids + [ours.eos_id],
                                                                     skip_special_tokens=True)
+    # Text spelling the EOS token stays text, as transformers' split_special_tokens=True has it.
+    spelled = f"a document that says {eos} in its text"
+    splitting = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path),
+                                                     split_special_tokens=True)
+    assert ours.encode(spelled) == splitting.encode(spelled, add_special_tokens=False)
+    assert ours.eos_id not in ours.encode(spelled)
     # Through the corpus: each document's ids, then EOS, in name order.
     for i, text in enumerate(TOKENIZER_TEXTS):
         _write(tmp_path / "data" / f"{i}.txt", text)
@@ -510,4 +516,25 @@ def test_text_the_tokenizer_cannot_encode_is_one_line_naming_the_document(tmp_pa
     message = str(info.value)
     assert message.startswith(f"data.path={data}: b.txt: tokenizer {tmp_path / 'tokenizer.json'} "
                               "cannot encode the text (WordLevel error: Missing [UNK]"), message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize("name, encoding", [("a.txt", "utf-16"), ("a.txt", "utf-16-be"),
+                                            ("a.txt", "utf-32"), ("a.jsonl", "utf-16")])
+def test_utf16_text_is_refused_by_name_not_read_as_garbage(tmp_path, encoding, name):
+    """Windows PowerShell 5's `>` writes UTF-16 with a byte-order mark: a .txt file in it was
+    trained on as U+FFFD and NUL bytes ('\\ufffd\\ufffdh\\x00i\\x00...'), silently; a .jsonl one
+    said 'line 1: not valid JSON', sending the user to the JSON. Bytes FF FE or FE FF never start
+    UTF-8 text."""
+    from moefold.errors import DataError
+
+    text = '{"text": "hi there"}\n' if name.endswith(".jsonl") else "hi there"
+    # utf-16 and utf-32 write a byte-order mark (little-endian here); utf-16-be is given one.
+    raw = ("\ufeff" + text).encode(encoding) if encoding.endswith("-be") else text.encode(encoding)
+    (tmp_path / name).write_bytes(raw)
+    _write(tmp_path / "b.txt", "fine")
+    with pytest.raises(DataError) as info:
+        streams_of(tmp_path, val_fraction=0.0)
+    message = str(info.value)
+    assert message.startswith(f"data.path={tmp_path}: {name}: ") and "UTF-8" in message, message
     assert "\n" not in message

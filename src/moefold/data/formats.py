@@ -204,15 +204,27 @@ def read_documents(file: DataFile, text_field: str) -> Iterator[Document]:
 
 
 def _whole_file_document(file: DataFile, text_field: str) -> Iterator[Document]:
+    raw = file.path.read_bytes()
+    _refuse_utf16(file, raw)
     # Undecodable bytes become U+FFFD rather than failing a whole corpus over one stray byte.
-    text = file.path.read_bytes().decode("utf-8", errors="replace")
+    text = raw.decode("utf-8", errors="replace")
     if text:
         yield Document(file.name, text)
+
+
+def _refuse_utf16(file: DataFile, head: bytes) -> None:
+    """A UTF-16 or UTF-32 byte-order mark (Windows PowerShell 5's `>` writes one): read as UTF-8,
+    the text would be U+FFFD and NUL bytes. FF and FE never occur in UTF-8."""
+    if head.startswith((b"\xff\xfe", b"\xfe\xff", b"\x00\x00\xfe\xff")):
+        raise file.error("UTF-16 or UTF-32 text (it starts with a byte-order mark); save it as "
+                         "UTF-8")
 
 
 def _jsonl_documents(file: DataFile, text_field: str) -> Iterator[Document]:
     with file.path.open("rb") as f:
         for line_no, line in enumerate(f, start=1):
+            if line_no == 1:
+                _refuse_utf16(file, line)
             if not line.strip():
                 continue
             try:

@@ -126,3 +126,22 @@ def test_a_model_with_compiled_blocks_is_not_deep_copied_into_the_original(monke
     for module in (model, model.layers[1]):
         with pytest.raises(TypeError, match=r"^cannot deep-copy a model built with train\.compile: "):
             copy.deepcopy(module)
+
+
+# ------------------------------------------------------------------------ the global batch of a resume
+
+def test_a_resume_with_another_global_batch_says_so_in_one_note(tmp_path, tiny_args, capsys):
+    """A resume keeps train.micro_batch_size per data rank, so on other data ranks (or with another
+    micro_batch_size or grad_accum) the tokens per optimizer step changed without a word. One note
+    names the saved and the new global batch, and how to keep the saved one; none when it is kept."""
+    run = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run), *tiny_args, "--train.steps", "2"]) == 0
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run), "--train.steps", "3", "--train.micro_batch_size", "2"]) == 0
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: ")]
+    assert notes == ["note: the checkpoint's run trained 4 sequences (128 tokens) per optimizer step, this run "
+                     "trains 2 (64 tokens): train.micro_batch_size · data-parallel ranks · grad_accum = 2 · 1 · 1; "
+                     "train.global_batch_size=4 keeps the saved one"]
+    assert main(["train", "--resume", str(run), "--train.steps", "4", "--train.micro_batch_size", "1",
+                 "--train.grad_accum", "2"]) == 0
+    assert not [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: ")]

@@ -289,6 +289,7 @@ class Trainer:
         self.step = 0
         # [(step, tokens per expert per layer)] of every log window, for the heatmap; checkpointed.
         self.load_history: list[tuple[int, list[list[int]]]] = []
+        self._saved_global_batch: int | None = None  # the global batch of the run resumed (`_load`)
         if full_state:
             self._load(checkpoint)
         if self.step > cfg.train.steps:  # before config.toml is rewritten with the smaller count
@@ -402,7 +403,11 @@ class Trainer:
         # No schedule: it is the config's at `step` (`_load`). Checkpoints that hold one load too.
         return {"model": model_sd, "optim": optim_sd, "data": self.train_loader.state_dict(),
                 "data_order": self._data_order(), "step": self.step, "rng": rng_state(),
-                "expert_load": self.load_history}
+                "expert_load": self.load_history, "global_batch": self._global_batch()}
+
+    def _global_batch(self) -> int:
+        """Sequences per optimizer step, over every data rank."""
+        return self.cfg.train.micro_batch_size * self.dist.dp_size * self.grad_accum
 
     def _data_order(self) -> dict[str, int]:
         """What the loader's position (epoch, cursor) counts in: its sequences and their seeded order."""
@@ -413,10 +418,11 @@ class Trainer:
         """A full checkpoint's model, optimizer, data order, step and RNG; the schedule is rebuilt at
         the step."""
         state = self._state()
-        for key in ("expert_load", "data_order"):  # saved by later versions than some checkpoints
+        for key in ("expert_load", "data_order", "global_batch"):  # saved by later versions than some checkpoints
             if key not in checkpoint_keys(path):
                 del state[key]
         load_checkpoint(state, path)
+        self._saved_global_batch = int(state["global_batch"]) if "global_batch" in state else None
         if "data_order" in state:
             _refuse_other_data_order(state["data_order"], self._data_order(), path)
         self.load_history = list(state.get("expert_load", []))  # the heatmap covers the whole run
@@ -746,11 +752,25 @@ class Trainer:
                          f"tp) = ({d.pp}, {d.dp}, {d.cp}, {d.tp}), experts (pp, edp, ep, etp) = "
                          f"({d.pp}, {d.edp}, {d.ep}, {d.etp}), {par.data_parallel}, "
                          f"{par.ep_dispatcher if d.ep * d.etp > 1 else 'local'} dispatch")
+        lines += self._global_batch_note()
         if self.val_batches and not any(bool((b.labels_BS != IGNORE_INDEX).any()) for b in self.val_batches):
             lines.append(f"warning: no validation token has a label (every label is {IGNORE_INDEX}): val_loss is nan "
                          "(null in metrics.jsonl)")
         for line in lines:
             self.out(line)
+
+    def _global_batch_note(self) -> list[str]:
+        """A resume keeps train.micro_batch_size per data rank: on other data ranks (or with other
+        batch options) it trains another global batch than the run it continues, which is allowed,
+        and said."""
+        saved, given = self._saved_global_batch, self._global_batch()
+        if saved is None or saved == given:
+            return []
+        t, seq_len = self.cfg.train, self.cfg.train.seq_len
+        return [f"note: the checkpoint's run trained {saved} sequences ({saved * seq_len} tokens) per optimizer step, "
+                f"this run trains {given} ({given * seq_len} tokens): train.micro_batch_size · data-parallel ranks "
+                f"· grad_accum = {t.micro_batch_size} · {self.dist.dp_size} · {self.grad_accum}; "
+                f"train.global_batch_size={saved} keeps the saved one"]
 
     # ---------------------------------------------------------------------------- signals
 

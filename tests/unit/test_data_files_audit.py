@@ -538,3 +538,18 @@ def test_utf16_text_is_refused_by_name_not_read_as_garbage(tmp_path, encoding, n
     message = str(info.value)
     assert message.startswith(f"data.path={tmp_path}: {name}: ") and "UTF-8" in message, message
     assert "\n" not in message
+
+
+def test_a_bin_file_holding_a_numpy_header_is_refused(tmp_path):
+    """np.save into an open file named x.bin writes a .npy: read raw, its header became ids
+    (b'\\x93N' = 20115, ...) and, under a vocabulary that holds them, trained on silently; a
+    uint32 array read as uint16 split every id in two."""
+    from moefold.errors import DataError
+
+    with open(tmp_path / "x.bin", "wb") as f:
+        np.save(f, np.arange(100, dtype=np.uint16))
+    with pytest.raises(DataError) as info:
+        build_token_streams(DataConfig(path=str(tmp_path / "x.bin"), val_fraction=0.0), BYTES,
+                            vocab_size=1 << 16)
+    message = str(info.value)
+    assert message.startswith(f"data.path={tmp_path / 'x.bin'}: ") and ".npy" in message, message

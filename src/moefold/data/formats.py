@@ -360,6 +360,12 @@ def _open_npy(file: DataFile) -> np.ndarray:
 
 
 def _open_bin(file: DataFile, token_dtype: str) -> np.ndarray:
+    # A header read as ids would be trained on (and its dtype ignored) wherever the vocabulary
+    # holds them: np.save into an open file named x.bin writes one.
+    with file.path.open("rb") as f:
+        if f.read(len(_NPY_MAGIC)) == _NPY_MAGIC:
+            raise file.error("a .npy file (it has a NumPy header), not raw token ids; rename it "
+                             "to .npy")
     dtype = np.dtype(token_dtype)
     if file.size % dtype.itemsize:
         raise file.error(f"{file.size} bytes is not a whole number of {token_dtype} tokens "

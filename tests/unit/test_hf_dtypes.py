@@ -223,3 +223,18 @@ def test_bf16_checkpoint_round_trips_through_a_run(tmp_path, family):
     after = transformers.AutoConfig.from_pretrained(back).to_dict()
     for key in sorted((before.keys() | after.keys()) - _NOT_CARRIED):
         assert after.get(key) == before.get(key) or before.get(key) is None, key
+
+
+def test_bf16_load_keeps_what_transformers_keeps_in_fp32(tmp_path):
+    """load_pretrained(dtype=bf16) holds each tensor in the dtype, and with the values, transformers'
+    from_pretrained(dtype=bf16) holds it in: DeepSeek-V3's router weight fp32 from an fp32
+    checkpoint, not bf16-rounded (the router computes in fp32 in both)."""
+    hf_dir = _fp32_checkpoint(tmp_path / "hf", "deepseek_v3", seed=3)
+    ours = load_pretrained(hf_dir, dtype=torch.bfloat16)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16)
+    theirs = hf.state_dict()
+    for ours_name, hf_name in (("layers.1.ffn.router.weight", "model.layers.1.mlp.gate.weight"),
+                               ("layers.1.ffn.router.expert_bias_E", "model.layers.1.mlp.gate.e_score_correction_bias"),
+                               ("layers.1.attn.wo.weight", "model.layers.1.self_attn.o_proj.weight")):
+        t = ours.state_dict()[ours_name]
+        assert t.dtype == theirs[hf_name].dtype and torch.equal(t, theirs[hf_name]), ours_name

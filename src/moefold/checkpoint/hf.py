@@ -193,14 +193,28 @@ def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32,
                     device: str | torch.device = "cpu", cfg: Config | None = None) -> Transformer:
     """The moefold model of a Hugging Face checkpoint directory, in eval mode.
 
-    Parameters are `dtype` (buffers such as the expert bias keep fp32); the model is built on the
-    meta device and materialised once on `device`, then filled one tensor at a time. Every
+    Parameters are `dtype`, but for those transformers holds in fp32 in any dtype (the family's
+    `keep_fp32`: DeepSeek-V3's router weight); buffers such as the expert bias keep fp32. The
+    model is built on the meta device and materialised once on `device`, then filled one tensor
+    at a time. Every
     checkpoint tensor must map to the model and every model tensor must be filled, else
     CheckpointError names them. `cfg`: as `pretrained_on_meta`'s."""
     model = pretrained_on_meta(path, torch.device(device).type, dtype, cfg)
     materialize(model, torch.device(device), dtype)  # buffers zero, weights filled next
+    _keep_fp32(model)
     fill_pretrained(model, path)
     return model.eval()
+
+
+def _keep_fp32(model: Transformer) -> None:
+    """The tensors of the family's `keep_fp32` in fp32, as transformers' `from_pretrained` holds
+    them in a bf16 or fp16 model (the router reads its weight in fp32 either way)."""
+    keep = family_of(model.cfg.model.family, "model.family").keep_fp32
+    plan = build_plan(model)
+    for hf, slot in plan.slots.items():
+        t = plan.tensors[slot.ours]
+        if hf.endswith(keep) and t.is_floating_point() and t.dtype != torch.float32:
+            t.data = t.data.float()
 
 
 def pretrained_on_meta(path: str | Path, device_type: str = "cpu", dtype: torch.dtype = torch.float32,

@@ -717,6 +717,12 @@ def validate(cfg: Config) -> None:
     _one_of("train.schedule", t.schedule, ("cosine", "wsd", "constant"))
     _require(0.0 < t.decay_fraction <= 1.0,
              f"train.decay_fraction={t.decay_fraction} must be in (0, 1]")
+    # optim/schedule.py: only wsd reads the decay fraction, and constant never decays to the minimum
+    _require(t.schedule == "wsd" or t.decay_fraction == TrainConfig.decay_fraction,
+             f"train.decay_fraction={t.decay_fraction} needs train.schedule='wsd'")
+    _require(t.schedule != "constant" or t.min_lr_ratio == TrainConfig.min_lr_ratio,
+             f"train.min_lr_ratio={t.min_lr_ratio} needs train.schedule 'cosine' or 'wsd' (the constant "
+             "schedule never decays)")
     _require(t.seed < 2**63, f"train.seed={t.seed} must be < 2**63 (torch's seeds are 64-bit)")
     _require(not (t.global_batch_size and t.grad_accum != 1),
              f"train.grad_accum={t.grad_accum} and train.global_batch_size={t.global_batch_size}: give one "
@@ -735,6 +741,11 @@ def validate(cfg: Config) -> None:
     _require(0.0 <= cfg.data.val_fraction < 1.0,
              f"data.val_fraction={cfg.data.val_fraction} must be in [0, 1)")
     _one_of("data.token_dtype", cfg.data.token_dtype, ("uint16", "uint32"))
+    if not cfg.data.path:  # the embedded corpus: plain text, no field to read, no token file
+        for key in ("text_field", "token_dtype"):
+            value = getattr(cfg.data, key)
+            _require(value == getattr(DataConfig, key),
+                     f"data.{key}={value!r} needs data.path (the embedded corpus is plain text)")
     _require(cfg.data.eos_id >= -1, f"data.eos_id={cfg.data.eos_id} must be >= -1")
     _one_of("precision.compute_dtype", cfg.precision.compute_dtype, ("auto", "bf16", "fp32"))
     _validate_precision(cfg)
@@ -933,13 +944,15 @@ def _validate_shared_experts(moe: MoEConfig) -> None:
 
 def _validate_unread_moe_options(moe: MoEConfig) -> None:
     """Options whose strategy is not built: a drop policy without capacity drops, a bias step
-    without the bias. Config checks, as _validate_shared_experts: `moefold generate` builds its
+    without the bias, a renormalisation of probabilities that sum to 1. Config checks, as _validate_shared_experts: `moefold generate` builds its
     dropless layers with the run's drop_policy, and a layer built in Python may carry them unused."""
     _require(moe.capacity_factor > 0 or moe.drop_policy == MoEConfig.drop_policy,
              f"moe.drop_policy={moe.drop_policy!r} needs moe.capacity_factor > 0 (dropless routing drops no token)")
     _require(moe.expert_bias or moe.expert_bias_update_rate == MoEConfig.expert_bias_update_rate,
              f"moe.expert_bias_update_rate={moe.expert_bias_update_rate} needs moe.expert_bias=true "
              "(no expert bias to update)")
+    _require(moe.norm_topk_prob or moe.softmax_before_topk, "moe.norm_topk_prob=false needs "
+             "moe.softmax_before_topk=true (a softmax over the K chosen sums to 1 already)")
 
 
 def _validate_groups(moe: MoEConfig) -> None:

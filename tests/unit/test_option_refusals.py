@@ -125,3 +125,40 @@ def test_a_token_matrix_without_the_sequence_aux_loss_still_runs():
     layer = _layer()
     x_TD = torch.randn(6, 8)
     torch.testing.assert_close(layer(x_TD), layer(x_TD[None])[0])
+
+
+# ----------------------------------------------------------------------------- found auditing config.py
+
+
+def test_a_decay_fraction_outside_wsd_is_refused():
+    """Only the wsd schedule reads train.decay_fraction: under cosine 0.5 trained as 0.2."""
+    refused({"train.decay_fraction": "0.5"}, "train.decay_fraction=0.5 needs train.schedule='wsd'")
+    refused({"train.decay_fraction": "0.5", "train.schedule": "constant"},
+            "train.decay_fraction=0.5 needs train.schedule='wsd'")
+    load_config("tiny-qwen3", {"train.decay_fraction": "0.5", "train.schedule": "wsd"})
+
+
+def test_a_min_lr_ratio_under_the_constant_schedule_is_refused():
+    """The constant schedule never decays, so it never reaches train.min_lr_ratio · lr."""
+    refused({"train.min_lr_ratio": "0.5", "train.schedule": "constant"},
+            "train.min_lr_ratio=0.5 needs train.schedule 'cosine' or 'wsd' (the constant schedule never decays)")
+    load_config("tiny-qwen3", {"train.schedule": "constant"})
+    load_config("tiny-qwen3", {"train.min_lr_ratio": "0.5", "train.schedule": "cosine"})
+
+
+def test_norm_topk_prob_false_after_a_softmax_over_the_k_is_refused():
+    """moe.softmax_before_topk=false takes a softmax over the K chosen, which sums to 1 already: the
+    renormalisation that norm_topk_prob=false turns off changed nothing (hf_families exports either
+    as norm_topk_prob=true)."""
+    refused({"moe.softmax_before_topk": "false", "moe.norm_topk_prob": "false"},
+            "moe.norm_topk_prob=false needs moe.softmax_before_topk=true (a softmax over the K chosen "
+            "sums to 1 already)", preset="tiny-mixtral")
+    load_config("tiny-mixtral")
+    load_config("tiny-qwen3", {"moe.norm_topk_prob": "false"})
+
+
+@pytest.mark.parametrize("key, value, shown", [("text_field", "body", "'body'"), ("token_dtype", "uint32", "'uint32'")])
+def test_a_file_format_option_for_the_embedded_corpus_is_refused(key, value, shown):
+    """With data.path empty the run reads the embedded corpus, plain text: no .jsonl field, no .bin dtype."""
+    refused({f"data.{key}": value}, f"data.{key}={shown} needs data.path (the embedded corpus is plain text)")
+    load_config("tiny-qwen3", {f"data.{key}": value, "data.path": "corpus/"})

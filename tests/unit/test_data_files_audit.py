@@ -508,6 +508,8 @@ def test_text_the_tokenizer_cannot_encode_is_one_line_naming_the_document(tmp_pa
     saved.pre_tokenizer = pre_tokenizers.Whitespace()
     saved.save(str(tmp_path / "tokenizer.json"))
     tokenizer = HFTokenizer(str(tmp_path / "tokenizer.json"))
+    with pytest.raises(DataError, match=r"cannot encode the text \(WordLevel error: Missing"):
+        tokenizer.encode("hello there")  # a generate prompt
     data = tmp_path / "data"
     _write(data / "a.txt", "hello world")
     _write(data / "b.txt", "hello there world")

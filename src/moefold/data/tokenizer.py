@@ -6,8 +6,9 @@ fast path the corpus builder calls (one NumPy array per document, no Python list
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -91,15 +92,23 @@ class HFTokenizer:
         self.eos_id: int = _find_eos_id(self._tokenizer, path)
 
     def encode(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=False).ids
+        with self._refusals():
+            return self._tokenizer.encode(text, add_special_tokens=False).ids
 
     def encode_batch_np(self, texts: Sequence[str]) -> list[np.ndarray]:
-        try:
+        with self._refusals():
             return self._encode_batch_np(texts)
-        except MemoryError:
+
+    @contextlib.contextmanager
+    def _refusals(self) -> Iterator[None]:
+        """Text this tokenizer cannot encode is a one-line DataError: tokenizers raises a bare
+        Exception ("WordLevel error: Missing [UNK] token from the vocabulary" for a word a model
+        without an unknown token lacks). The corpus names the document."""
+        try:
+            yield
+        except (DataError, MemoryError):
             raise
-        except Exception as e:  # tokenizers raises a bare Exception ("WordLevel error: Missing
-            # [UNK] token from the vocabulary" for a word it lacks); the corpus names the document
+        except Exception as e:
             reason = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise DataError(f"tokenizer {self.name} cannot encode the text ({reason})") from None
 

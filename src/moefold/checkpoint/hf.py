@@ -196,9 +196,8 @@ def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32,
     Parameters are `dtype`, but for those transformers holds in fp32 in any dtype (the family's
     `keep_fp32`: DeepSeek-V3's router weight); buffers such as the expert bias keep fp32. The
     model is built on the meta device and materialised once on `device`, then filled one tensor
-    at a time. Every
-    checkpoint tensor must map to the model and every model tensor must be filled, else
-    CheckpointError names them. `cfg`: as `pretrained_on_meta`'s."""
+    at a time. Every checkpoint tensor must map to the model and every model tensor must be
+    filled, else CheckpointError names them. `cfg`: as `pretrained_on_meta`'s."""
     model = pretrained_on_meta(path, torch.device(device).type, dtype, cfg)
     materialize(model, torch.device(device), dtype)  # buffers zero, weights filled next
     _keep_fp32(model)

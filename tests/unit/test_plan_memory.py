@@ -192,8 +192,9 @@ def test_ddp_zero1_shards_optimizer_states():
     assert plan.optimizer_moments == pytest.approx(n * 8 / 4)
     lean = load_config("tiny-qwen3", {"parallel.data_parallel": "ddp", "optim.exp_avg_dtype": "bf16",
                                       "optim.exp_avg_sq_dtype": "fp8", "optim.master_dtype": "bf16+remainder"})
-    # bf16 parameters and gradients; int16 remainders, bf16 and fp8 (+ a scale per 128) moments
-    assert _state_bytes(predict_memory(lean, 4)) == pytest.approx(n * (2 + 2 + (2 + 2 + 1 + 4 / 128) / 4))
+    # bf16 parameters and gradients; int16 remainders, bf16 and fp8 (+ a scale per block of up to 128:
+    # test_counts_audit.py counts them exactly against the real tensors) moments
+    assert _state_bytes(predict_memory(lean, 4)) == pytest.approx(n * (2 + 2 + (2 + 2 + 1 + 4 / 128) / 4), rel=0.01)
 
 
 def test_ddp_zero1_step_holds_the_full_gradients_and_a_bucket_at_the_reduce_scatter():
@@ -212,8 +213,9 @@ def test_fsdp_shards_everything_and_low_precision_moments_shrink_states():
     assert _state_bytes(predict_memory(cfg, 4)) == pytest.approx(n * 16 / 4)  # fp32 master, grad, m, v
     lean = load_config("tiny-qwen3", {"optim.exp_avg_dtype": "fp8", "optim.exp_avg_sq_dtype": "bf16",
                                       "optim.master_dtype": "bf16+remainder"})
-    # bf16 parameter + int16 remainder, bf16 gradient, fp8 (+ a scale per 128) and bf16 moments
-    assert _state_bytes(predict_memory(lean, 1)) == pytest.approx(n * (2 + 2 + 2 + 1 + 4 / 128 + 2))
+    # bf16 parameter + int16 remainder, bf16 gradient, fp8 (+ a scale per block of up to 128:
+    # test_counts_audit.py counts them exactly against the real tensors) and bf16 moments
+    assert _state_bytes(predict_memory(lean, 1)) == pytest.approx(n * (2 + 2 + 2 + 1 + 4 / 128 + 2), rel=0.01)
 
 
 def test_fp8_moments_take_a_foreach_workspace_only_where_pieces_cut_their_blocks():

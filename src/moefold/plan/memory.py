@@ -15,7 +15,8 @@ What one GPU holds, and the assumptions behind each part (docs/memory.md explain
     until they are reduce-scattered, gradients replicated; the remainder and the moments sharded
     over dp·cp / edp. The optimizer's shard of a parameter is a view of it (no copy) where a dim
     splits evenly over the data ranks, as real model dims do; other shards are copies, not counted.
-  - moments: fp32 4, bf16 2, fp8 1 + one fp32 scale per 128 elements.
+  - moments: fp32 4, bf16 2, fp8 1 + one fp32 scale per block of 128 along a row, counted tensor by
+    tensor (a short row's block and a split that cuts blocks cost whole scales: `_scale_blocks`).
   - `precision.fp8_weight_cache`: both FP8 layouts of every local FP8 expert weight, 2 bytes per
     element, held for the whole run (fp8/weight_cache.py).
 - **Activations** (`plan.activations`): saved-for-backward bytes of one micro-batch per model chunk,
@@ -61,7 +62,17 @@ from moefold.parallel.dims import ParallelDims
 from moefold.plan import activations as act
 from moefold.plan import options
 from moefold.plan.head import head_losses
-from moefold.plan.params import ParamSplit, embedding_params, head_params, layer_params, moe_layer_count
+from moefold.plan.params import (
+    ParamSplit,
+    block_weights,
+    embedding_params,
+    embedding_weights,
+    head_params,
+    head_weights,
+    layer_params,
+    local_scale_blocks,
+    moe_layer_count,
+)
 from moefold.plan.pipeline import (
     Chunk,
     model_chunks,
@@ -72,7 +83,10 @@ from moefold.plan.pipeline import (
 from moefold.plan.refuse import refuse_unbuildable
 
 GIB = 1024 ** 3
+# Per element, an fp8 moment's fp32 scales at their fewest, one per 128 (plan/fit.py's floor); the
+# plan counts the blocks themselves (`_scale_blocks`): a row's last block is whole however short.
 MOMENT_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp8": 1.0 + 4.0 / 128}
+ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1}
 MASTER_BYTES = {"fp32": 4, "bf16": 2, "bf16+remainder": 2}
 
 
@@ -141,17 +155,37 @@ def _local(split: ParamSplit, dims: ParallelDims) -> tuple[float, float]:
     return split.tp / dims.tp + split.replicated, split.expert / (dims.ep * dims.etp)
 
 
-def _states(cfg: Config, lay: _Layout, dense: float, expert: float) -> dict[str, float]:
+def _states(cfg: Config, lay: _Layout, dense: float, expert: float, scales: float = 0.0) -> dict[str, float]:
+    """`scales`: this rank's fp32 scales of one fp8 moment (`_scale_blocks`)."""
     o = cfg.optim
     master = MASTER_BYTES[o.master_dtype]
     remainder = 2 if o.master_dtype == "bf16+remainder" else 0
     sharded = dense / lay.dense_shard + expert / lay.expert_shard
-    moments = MOMENT_BYTES[o.exp_avg_dtype] + MOMENT_BYTES[o.exp_avg_sq_dtype]
+    moments = (ELEMENT_BYTES[o.exp_avg_dtype] + ELEMENT_BYTES[o.exp_avg_sq_dtype]) * sharded \
+        + 4 * scales * [o.exp_avg_dtype, o.exp_avg_sq_dtype].count("fp8")
     if lay.fsdp:
         return {"parameters": master * sharded, "gradients": master * sharded,
-                "master_weights": remainder * sharded, "optimizer_moments": moments * sharded}
+                "master_weights": remainder * sharded, "optimizer_moments": moments}
     return {"parameters": master * (dense + expert), "gradients": master * (dense + expert),
-            "master_weights": remainder * sharded, "optimizer_moments": moments * sharded}
+            "master_weights": remainder * sharded, "optimizer_moments": moments}
+
+
+def _scale_blocks(cfg: Config, lay: _Layout, chunks: list[Chunk], vocab: int) -> float:
+    """fp32 scales this rank keeps per fp8 moment of its chunks' parameters."""
+    from moefold.models.transformer import is_moe_layer
+
+    def scales(weights) -> float:
+        return sum(local_scale_blocks(w, lay.dims, lay.expert_shard if w.expert else lay.dense_shard,
+                                      not lay.fsdp) for w in weights)
+
+    per_block = {moe_layer: scales(block_weights(cfg, moe_layer)) for moe_layer in (False, True)}
+    total = 0.0
+    for ch in chunks:
+        n_moe = sum(is_moe_layer(cfg, i) for i in ch.layers)
+        total += n_moe * per_block[True] + (len(ch.layers) - n_moe) * per_block[False]
+        total += scales(embedding_weights(cfg, vocab)) if ch.first else 0
+        total += scales(head_weights(cfg, vocab)) if ch.last else 0
+    return total
 
 
 def _gradients(cfg: Config, lay: _Layout, split: ParamSplit) -> float:
@@ -348,7 +382,8 @@ def _rank_plan(cfg: Config, lay: _Layout, chunks: list[Chunk], rank: int, sh: ac
     for ch in mine:
         split += _chunk_params(cfg, ch, vocab)
     local = _local(split, d)
-    states = _states(cfg, lay, *local)
+    fp8_moments = "fp8" in (cfg.optim.exp_avg_dtype, cfg.optim.exp_avg_sq_dtype)
+    states = _states(cfg, lay, *local, _scale_blocks(cfg, lay, mine, vocab) if fp8_moments else 0.0)
     states["fp8_weight_cache"] = _fp8_weight_cache(cfg, mine, sh, d)
     last = mine[-1]
     layers = []

@@ -11,6 +11,7 @@ Their sum over a model equals `count_params(meta_model(cfg)).total` exactly (tes
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from moefold.config import Config
@@ -118,3 +119,95 @@ def model_params(cfg: Config, vocab: int) -> ParamSplit:
     dense_blocks = cfg.model.n_layers + cfg.model.mtp_layers - moe_blocks
     return (embedding_params(cfg, vocab) + head_params(cfg, vocab) + _block_params(cfg, True) * moe_blocks
             + _block_params(cfg, False) * dense_blocks)
+
+
+# ------------------------------------------------------------------- fp8 moments' block scales
+
+@dataclass(frozen=True)
+class Weight:
+    """A parameter as PrecisionAwareAdamW's fp8 blocks see it (optim/blocks.py): `rows` (the
+    product of its leading dims) by `cols` (its last dim), the ParallelDims sizes that split its
+    rows (the first one dim 0, of `lead` rows in an expert's 3-D tensor) and the one that splits
+    its columns; a `vector` (1-D) has the data ranks split its one dim."""
+    rows: int
+    cols: int
+    row_split: tuple[str, ...] = ()
+    col_split: str = ""
+    expert: bool = False
+    vector: bool = False
+    lead: int = 0  # dim 0 of a 3-D tensor; 0: a 2-D one, whose dim 0 is `rows`
+
+
+def _vectors(*sizes: int) -> list[Weight]:
+    return [Weight(1, n, vector=True) for n in sizes]
+
+
+def _attention_weights(cfg: Config) -> list[Weight]:
+    """Column-wise linears' rows split by tp, row-wise ones' columns (parallel/tp_split.py)."""
+    m = cfg.model
+    D, H = m.dim, m.n_heads
+    if m.attention == "mla":
+        Q, C, Dr = m.q_lora_rank, m.kv_lora_rank, m.qk_rope_head_dim
+        Dk, Dn, Dv = m.qk_nope_head_dim + Dr, m.qk_nope_head_dim, m.v_head_dim
+        queries = ([Weight(Q, D), *_vectors(Q), Weight(H * Dk, Q, ("tp",))] if Q
+                   else [Weight(H * Dk, D, ("tp",))])
+        return [*queries, Weight(C + Dr, D), *_vectors(C), Weight(H * (Dn + Dv), C, ("tp",)),
+                Weight(D, H * Dv, col_split="tp")]
+    G, Dh = m.n_kv_heads or H, m.head_dim or D // H
+    norms = _vectors(Dh, Dh) if m.qk_norm else []
+    return [Weight(H * Dh, D, ("tp",)), *[Weight(G * Dh, D, ("tp",))] * 2, Weight(D, H * Dh, col_split="tp"), *norms]
+
+
+def _ffn_weights(cfg: Config, moe_layer: bool) -> list[Weight]:
+    m, moe = cfg.model, cfg.moe
+    if not moe_layer:
+        return [Weight(m.ffn_hidden, m.dim, ("tp",))] * 2 + [Weight(m.dim, m.ffn_hidden, col_split="tp")]
+    gated = moe.activation == "swiglu"  # w3 beside w1
+    E, D, F = moe.num_experts, m.dim, moe.expert_hidden
+    w1_EDF = Weight(E * D, F, ("ep",), "etp", expert=True, lead=E)
+    out = [Weight(E, D), *[w1_EDF] * (1 + gated), Weight(E * F, D, ("ep", "etp"), expert=True, lead=E)]
+    if moe.shared_experts:
+        hidden = moe.shared_experts * (moe.shared_expert_hidden or moe.expert_hidden)
+        out += [Weight(hidden, D, ("tp",))] * (1 + gated) + [Weight(D, hidden, col_split="tp")]
+        if moe.shared_expert_gate:
+            out.append(Weight(1, D))
+    return out
+
+
+def block_weights(cfg: Config, moe_layer: bool) -> list[Weight]:
+    """A dense (MoE) block's parameters (`layer_params`), tensor by tensor."""
+    D = cfg.model.dim
+    return [*_vectors(D, D), *_attention_weights(cfg), *_ffn_weights(cfg, moe_layer)]
+
+
+def embedding_weights(cfg: Config, vocab: int) -> list[Weight]:
+    return [Weight(vocab, cfg.model.dim)]
+
+
+def head_weights(cfg: Config, vocab: int) -> list[Weight]:
+    """`head_params`, tensor by tensor."""
+    m = cfg.model
+    head = [] if m.tie_embeddings else [Weight(vocab, m.dim)]
+    return [*_vectors(m.dim), *head, *[*_vectors(m.dim, m.dim), Weight(m.dim, 2 * m.dim), *_vectors(m.dim)] * m.mtp_layers]
+
+
+def local_scale_blocks(w: Weight, dims, data_ranks: int, zero1: bool) -> float:
+    """fp32 scales one rank keeps per fp8 moment of `w` (optim/blocks.py's `scale_like`): a block of
+    BLOCK columns per row, a row's last one whole however short. A split of the columns into pieces
+    of whole blocks splits the scales with them; one that cuts blocks leaves every rank the whole
+    rows' scales. Data ranks split a matrix's rows (FSDP's dim 0: their mean share), a vector's
+    columns, and under ZeRO-1 (`zero1`) a matrix's columns where no leading dim divides evenly
+    (parallel/zero.py's `shard_dim`: the tiny models' 257-row embedding)."""
+    from moefold.optim.blocks import BLOCK, pieces_hold_whole_blocks
+
+    rows = w.rows / math.prod(getattr(dims, name) for name in w.row_split)
+    cols = w.cols
+    if w.col_split and pieces_hold_whole_blocks(cols, getattr(dims, w.col_split)):
+        cols = -(-cols // getattr(dims, w.col_split))
+    lead = w.lead / getattr(dims, w.row_split[0]) if w.lead and w.row_split else w.lead or rows
+    leading_uneven = lead % data_ranks and (rows / lead) % data_ranks  # dim 0, and an expert's dim 1
+    if w.vector or zero1 and leading_uneven and cols % data_ranks == 0:
+        if pieces_hold_whole_blocks(cols, data_ranks):
+            cols = -(-cols // data_ranks)
+        return rows * -(-cols // BLOCK)
+    return rows * -(-cols // BLOCK) / data_ranks

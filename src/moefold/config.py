@@ -261,7 +261,8 @@ class TrainConfig:
     val_every: int = 100
     """Compute the validation loss every N steps (and at the end); 0 only at the end."""
     val_batches: int = 8
-    """Micro-batches in one validation pass."""
+    """Micro-batches of micro_batch_size sequences in one validation pass: the first val_batches ·
+    micro_batch_size validation sequences, the same on any layout (data ranks share them)."""
 
 
 @dataclass

@@ -145,3 +145,26 @@ def test_a_resume_with_another_global_batch_says_so_in_one_note(tmp_path, tiny_a
     assert main(["train", "--resume", str(run), "--train.steps", "4", "--train.micro_batch_size", "1",
                  "--train.grad_accum", "2"]) == 0
     assert not [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: ")]
+
+
+# ------------------------------------------------------------------------ the validation set on data ranks
+
+@pytest.mark.parametrize("num_sequences, batch_size, num_batches, data_ranks, expected", [
+    (20, 2, 3, 1, [[0, 1], [2, 3], [4, 5]]),
+    (20, 2, 3, 2, [[0, 1, 2, 3], [4, 5]]),  # was [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    (20, 2, 4, 4, [[0, 1, 2, 3, 4, 5, 6, 7]]),
+    (5, 2, 8, 2, [[0, 1, 2, 3]]),  # small: whole micro-batches, no sequence twice
+    (3, 4, 8, 2, [[0, 1, 2]]),  # fewer than a micro-batch: one batch of all
+])
+def test_the_validation_sequences_do_not_depend_on_the_data_ranks(num_sequences, batch_size, num_batches,
+                                                                  data_ranks, expected):
+    """The trainer passed val_batches the global micro-batch (micro_batch_size · dp), so the same
+    config validated dp times more sequences on dp data ranks; the batches now hold micro_batch_size
+    rows per data rank out of the same first val_batches · micro_batch_size sequences."""
+    import numpy as np
+
+    from moefold.data.loader import PackedSequences, val_batches
+
+    sequences = PackedSequences(np.arange(num_sequences * 4 + 1), 4)
+    batches = val_batches(sequences, batch_size, num_batches, eos_id=-1, data_ranks=data_ranks)
+    assert [(b.input_ids_BS[:, 0] // 4).tolist() for b in batches] == expected

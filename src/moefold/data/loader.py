@@ -207,17 +207,21 @@ class TrainLoader:
 
 
 def val_batches(sequences: PackedSequences, batch_size: int, num_batches: int, eos_id: int, *,
-                vocab: Vocabulary | None = None) -> list[Batch]:
-    """The first `num_batches` full batches of validation sequences, in stream order.
+                vocab: Vocabulary | None = None, data_ranks: int = 1) -> list[Batch]:
+    """The first `num_batches` full batches of `batch_size` validation sequences, in stream order,
+    grouped `data_ranks` at a time: each batch holds `batch_size` rows for each data rank (the last
+    one fewer when `num_batches` is not a multiple), so the sequences validated do not depend on
+    the number of data ranks.
 
     Fewer when the validation set is small (no sequence is counted twice); one smaller batch of
     every sequence when there are fewer than `batch_size`. `vocab`: as for `TrainLoader`.
     """
     batch_size = min(batch_size, len(sequences))
-    count = max(1, min(num_batches, len(sequences) // batch_size))
+    count = max(1, min(num_batches, len(sequences) // batch_size)) * batch_size  # sequences
+    rows = batch_size * data_ranks
     batches = []
-    for b in range(count):
-        windows_BS1 = sequences.gather(range(b * batch_size, (b + 1) * batch_size))
+    for start in range(0, count, rows):
+        windows_BS1 = sequences.gather(range(start, min(start + rows, count)))
         if vocab is not None:
             vocab.check(windows_BS1, "validation")
         batches.append(make_batch(windows_BS1, eos_id))

@@ -319,8 +319,9 @@ class Trainer:
         self.val_batches = []
         if streams.val_N.size:  # data.val_fraction = 0 turns validation off
             val_seqs = PackedSequences(streams.val_N, t.seq_len, name="validation")
-            self.val_batches = val_batches(val_seqs, global_micro_batch, t.val_batches, streams.eos_id,
-                                           vocab=streams.vocab)
+            # The first val_batches · micro_batch_size sequences on any layout, shared by the data ranks.
+            self.val_batches = val_batches(val_seqs, t.micro_batch_size, t.val_batches, streams.eos_id,
+                                           vocab=streams.vocab, data_ranks=self.dist.dp_size)
 
     def _build_model(self, resumed_fill: Callable[[Transformer], None] | None) -> None:
         """`resumed_fill`: how a resumed run's weights start (`_checkpoint_fill`); None: from

@@ -75,6 +75,24 @@ def test_a_file_reached_through_a_symlinked_directory_and_directly_is_read_once(
     assert [f.name for f in find_data_files(str(data))] == ["a.txt", "more/o.txt"]
 
 
+def test_hidden_files_and_directories_under_data_path_are_not_data(tmp_path):
+    """What `ls` shows is what trains, as Hugging Face datasets resolves a data directory: a
+    Jupyter checkpoint copy (.ipynb_checkpoints/a-checkpoint.txt) gave a.txt double weight, and
+    macOS's AppleDouble ._a.txt (binary metadata) trained as U+FFFD text. data.path itself may
+    be hidden."""
+    data = tmp_path / ".cache" / "data"
+    _write(data / "a.txt", "alpha")
+    _write(data / ".ipynb_checkpoints" / "a-checkpoint.txt", "alpha")
+    (data / "._a.txt").write_bytes(b"\x00\x05\x16\x07\x00\x02\x00\x00Mac OS X        ")
+    _write(data / "sub" / ".draft.txt", "draft")
+    _write(data / "sub" / "b.txt", "beta")
+    assert [f.name for f in find_data_files(str(data))] == ["a.txt", "sub/b.txt"]
+    expected = byte_doc("alpha") + byte_doc("beta")
+    assert streams_of(data, val_fraction=0.0).train_N.tolist() == expected
+    hidden = _write(tmp_path / ".only.txt", "hidden file named itself")
+    assert streams_of(hidden, val_fraction=0.0).train_N.tolist() == byte_doc(hidden.read_text())
+
+
 # ---------------------------------------------------------------------------------------------
 # Formats against an independent reading of the same file
 # ---------------------------------------------------------------------------------------------
@@ -243,8 +261,8 @@ def test_token_files_hold_out_their_tail_without_overlap(tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 
-TOKENIZER_TEXTS = ["hello world", "  leading spaces\n\n\tand tabs", "naïve café ∑ 日本語 🤖",
-                   "def f(x):\n    return x ** 2\n", "a" * 50, "\n", "ends with space "]
+TOKENIZER_TEXTS = ["hello world", "  leading spaces\n\n\tand tabs", "naïve café ∑ 日本語",
+                   "def f(x):\n    return x ** 2\n", "a" * 50 + " 🤖", "\n", "ends with space "]
 
 
 def _bpe_tokenizer_json(path: Path, kind: str) -> Path:
@@ -402,7 +420,7 @@ def test_a_bad_file_in_a_directory_is_one_line_naming_it(tmp_path, case):
     name, make, expected = BAD_FILES[case]
     data = tmp_path / "data"
     data.mkdir()
-    good = {".txt": "a.txt", ".jsonl": "a.jsonl", ".npy": "a.npy", ".bin": "a.bin"}[Path(name).suffix]
+    good = "a" + Path(name).suffix  # a good file of the same kind beside it
     if good.endswith(".npy"):
         np.save(data / good, np.arange(50, dtype=np.uint16))
     elif good.endswith(".bin"):
@@ -435,8 +453,11 @@ def _step_sequences(num_sequences: int, dp: int, micro: int, accum: int, steps: 
 
     sequences = PackedSequences(np.arange(num_sequences * 4 + 1), 4)
     loader = TrainLoader(sequences, micro * dp, 0, eos_id=-1, step_size=micro * dp * accum)
-    return [[i for _ in range(accum) for i in (loader.next_batch().input_ids_BS[:, 0] // 4).tolist()]
-            for _ in range(steps)]
+    def step() -> list[int]:
+        return [i for _ in range(accum)
+                for i in (loader.next_batch().input_ids_BS[:, 0] // 4).tolist()]
+
+    return [step() for _ in range(steps)]
 
 
 def test_a_step_longer_than_an_epoch_trains_the_same_sequences_under_any_split():

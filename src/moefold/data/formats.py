@@ -134,9 +134,10 @@ def _unreadable(e: OSError, root: Path, data_path: str) -> DataError:
 
 
 def _walk_files(root: Path, data_path: str) -> list[Path]:
-    """Every file under `root`, through symlinked directories too (Path.rglob does not follow
-    them). A directory reached again (a symlink loop, a second link) is walked once, by the first
-    path in sorted order. One that cannot be listed is an error: os.walk skips it silently."""
+    """Every file under `root` but hidden ones (.name), through symlinked directories too
+    (Path.rglob does not follow them). A directory reached again (a symlink loop, a second link)
+    is walked once, by the first path in sorted order. One that cannot be listed is an error:
+    os.walk skips it silently."""
 
     def unreadable(e: OSError) -> None:
         raise _unreadable(e, root, data_path)
@@ -149,8 +150,11 @@ def _walk_files(root: Path, data_path: str) -> list[Path]:
             dirnames.clear()
             continue
         seen.add(real)
-        dirnames.sort()  # os.walk visits in this order: which alias wins is deterministic
-        paths += [Path(dirpath, filename) for filename in filenames]
+        # Hidden entries are no data (what `ls` shows trains, as in Hugging Face datasets): a
+        # Jupyter .ipynb_checkpoints copy, macOS's AppleDouble ._a.txt metadata.
+        # Sorted: os.walk visits in this order, so which alias wins is deterministic.
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        paths += [Path(dirpath, filename) for filename in filenames if not filename.startswith(".")]
     return paths
 
 

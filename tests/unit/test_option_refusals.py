@@ -1,7 +1,9 @@
 """Options the rest of the config leaves unread, or that make an option cost without effect, are
 refused with one line naming both options (as model.mtp_loss_weight without MTP modules and the
-yarn_* options without YaRN are), from a config file or command line and, where the layer is
-built from a MoEConfig in Python, from `build_moe_layer` too where it checks the same option."""
+yarn_* options without YaRN are), from a config file or the command line. The [moe] ones are
+config checks, not build_moe_layer's, as the shared experts' are: `moefold generate` builds its
+dropless layers with the run's drop_policy, and a layer built in Python may carry them unused.
+The MoE layer itself refuses a [T, D] token matrix where the sequence aux loss needs sequences."""
 
 import pytest
 import torch

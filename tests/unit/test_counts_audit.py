@@ -169,3 +169,35 @@ def test_planned_fp8_moments_equal_each_rank_s_tensors(tmp_path):
     for name in FP8_SHARDED:
         planned, real = ranks[0][name][0], [r[name][1] for r in ranks]
         assert planned == sum(real) / 2, (name, planned, real)
+
+
+# ------------------------------------------------- docs/architecture.md's listing of the modules
+
+def _listed_modules(text: str) -> list[str]:
+    """The paths of the `src/moefold/` listing in docs/architecture.md: one line a module (or a
+    folder, ending in '/'), nested by indentation, its description after the name."""
+    block = re.search(r"```\nsrc/moefold/\n(.*?)```", text, re.S)
+    assert block, "docs/architecture.md has no ``` block starting with the line src/moefold/"
+    listed, folders = [], []  # folders: (indent, name) of the enclosing folders
+    for line in block.group(1).splitlines():
+        indent, name = len(line) - len(line.lstrip()), line.split()[0]
+        assert name.endswith(("/", ".py", ".toml")), f"not one module a line: {line!r}"
+        folders = [(i, f) for i, f in folders if i < indent]
+        if name.endswith("/"):
+            folders.append((indent, name))
+        elif name.endswith(".py"):
+            listed.append("".join(f for _, f in folders) + name)
+    return listed
+
+
+def test_architecture_md_lists_every_module_once():
+    from pathlib import Path
+
+    import moefold
+
+    package = Path(moefold.__file__).parent
+    modules = sorted(str(p.relative_to(package)) for p in package.rglob("*.py"))
+    listed = _listed_modules((Path(__file__).parents[2] / "docs/architecture.md").read_text())
+    assert sorted(listed) == sorted(set(listed)), "a module listed twice"
+    assert set(modules) - set(listed) == set(), "modules the listing leaves out"
+    assert set(listed) - set(modules) == set(), "listed modules that do not exist"

@@ -4,6 +4,7 @@ model's real tensors; the planner's fp8 moment scales against PrecisionAwareAdam
 docs/architecture.md's module listing against the package; the FLOP convention against a count
 of one layer's matmuls by hand; `generate`'s sampling against a naive sampler."""
 
+import math
 import re
 
 import pytest
@@ -201,3 +202,106 @@ def test_architecture_md_lists_every_module_once():
     assert sorted(listed) == sorted(set(listed)), "a module listed twice"
     assert set(modules) - set(listed) == set(), "modules the listing leaves out"
     assert set(listed) - set(modules) == set(), "listed modules that do not exist"
+
+
+# ------------------------------------------------ the FLOP convention against the counted matmuls
+
+FLOP_CASES = {
+    "GQA, MoE": ("tiny-qwen3", {"model.n_layers": "1", "moe.first_k_dense": "0"}),
+    "GQA, MoE, MTP": ("tiny-qwen3", {"model.n_layers": "1", "moe.first_k_dense": "0", "model.mtp_layers": "1"}),
+    "MLA, MoE + shared, MTP": ("tiny-deepseek", {"model.n_layers": "1", "moe.first_k_dense": "0"}),
+    "MLA, dense": ("tiny-deepseek", {"model.n_layers": "1", "model.mtp_layers": "0"}),
+    "MLA without q-LoRA, MoE": ("tiny-deepseek", {"model.n_layers": "1", "moe.first_k_dense": "0",
+                                                                  "model.q_lora_rank": "0", "model.mtp_layers": "0"}),
+}
+
+
+@pytest.mark.parametrize("name", list(FLOP_CASES))
+def test_train_flops_per_token_equal_the_counted_matmuls(name):
+    """One layer (and its MTP depth): torch's FlopCounterMode over a real forward and backward
+    counts every matmul (`mm`: the linears, the router, each expert's rows with the loop backend,
+    the head once per depth) and, on SDPA's math path, QKᵀ and AV over all S² pairs (`bmm`). The
+    convention's count is the mm's, the norm weights' 6 per token (which it counts as parameters),
+    and half the bmm's (the causal mask)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from moefold.train.flops import train_flops_per_token
+    from moefold.train.loss import build_objective
+
+    preset, overrides = FLOP_CASES[name]
+    cfg = load_config(preset, {**overrides, "moe.experts_backend": "loop", "train.device": "cpu"})
+    model = build_model(cfg, model_vocab_size(cfg))
+    B, S = 2, 32
+    ids_BS1 = torch.randint(0, model.vocab_size, (B, S + 1), generator=torch.Generator().manual_seed(0))
+    with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
+        loss, _ = build_objective(model)(model, ids_BS1[:, :-1], ids_BS1[:, 1:])
+        loss.backward()
+    counted = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+    assert set(counted) == {"aten.mm", "aten.bmm"}, counted
+    m = cfg.model
+    qk, v = (m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim) if m.attention == "mla" else (m.head_dim,) * 2
+    # forward 2 FLOPs a multiply-add of QKᵀ and AV per (query, key) pair and head, backward twice that
+    assert counted["aten.bmm"] == 3 * 2 * m.n_heads * (qk + v) * S * S * B * (m.n_layers + m.mtp_layers)
+    norms = sum(p.numel() for p in model.parameters() if p.ndim == 1)
+    assert train_flops_per_token(model, S) * B * S == counted["aten.mm"] + 6 * norms * B * S + counted["aten.bmm"] // 2
+
+
+# ------------------------------------------------------------- generate's sampling, naively
+
+def _naive_probs(logits_V: torch.Tensor, temperature: float, top_k: int) -> torch.Tensor:
+    """Top-k (ties with the k-th kept, as transformers' TopKLogitsWarper), then softmax(logits / T),
+    written out in Python floats."""
+    values = logits_V.tolist()
+    ranked = sorted(values, reverse=True)
+    kth = ranked[top_k - 1] if 0 < top_k < len(values) else ranked[-1]
+    weights = [math.exp((v - ranked[0]) / temperature) if v >= kth else 0.0 for v in values]
+    return torch.tensor(weights, dtype=torch.float64) / sum(weights)
+
+
+PICKS = {"T 0.7, top-k 5": (0.7, 5), "T 1.3, all": (1.3, 0), "T 3, top-k 3 with a tie at the 3rd": (3.0, 3),
+         "T 1e-30 (greedy)": (1e-30, 0), "top-k above V": (1.0, 100), "T inf, top-k 4 (uniform)": (math.inf, 4)}
+
+
+@pytest.mark.parametrize("name", list(PICKS))
+def test_pick_samples_from_the_naive_distribution(monkeypatch, name):
+    """The distribution `_pick` hands torch.multinomial equals the naive one; and over 4,000 seeded
+    draws each token's frequency is within 5 standard deviations of its probability."""
+    from moefold import generate
+
+    temperature, top_k = PICKS[name]
+    logits_V = torch.randn(40, generator=torch.Generator().manual_seed(1)) * 3
+    logits_V[[7, 11]] = torch.sort(logits_V, descending=True).values[2]  # the 3rd largest, twice
+    naive_V = _naive_probs(logits_V, temperature, top_k)
+    handed, multinomial = [], torch.multinomial
+    monkeypatch.setattr(torch, "multinomial",
+                        lambda p, n, generator: handed.append(p) or multinomial(p, n, generator=generator))
+    generate._pick(logits_V, temperature, top_k, torch.Generator())
+    torch.testing.assert_close(handed[0], naive_V, rtol=1e-12, atol=1e-300)
+    monkeypatch.undo()
+    generator, n = torch.Generator().manual_seed(0), 4000
+    picks = torch.tensor([generate._pick(logits_V, temperature, top_k, generator) for _ in range(n)])
+    freq_V = torch.bincount(picks, minlength=40).double() / n
+    assert ((freq_V - naive_V).abs() <= 5 * (naive_V * (1 - naive_V) / n).sqrt() + 1e-12).all(), name
+
+
+def test_sample_draws_as_a_naive_loop_of_full_forwards():
+    """`sample` with its KV cache (a context of 6 tokens that the 4-token prompt and 10 new ones
+    overrun, the window then re-read) against a loop that runs the whole window through the model
+    for each token and draws from `_naive_probs` with the same seeded generator."""
+    from moefold.generate import sample
+    from test_hf_interop import randomize_ours
+
+    cfg = load_config("tiny-qwen3", {"model.vocab_size": "300"})
+    model = build_model(cfg, 300)
+    randomize_ours(model, seed=3)
+    model.eval()
+    prompt, context, vocab = [5, 17, 250, 3], 6, 257  # rows 257.. of the padded vocabulary never drawn
+    for temperature, top_k in [(0.8, 0), (1.5, 20)]:
+        got = sample(model, prompt, 10, temperature, top_k, context, -1, torch.Generator().manual_seed(7), vocab)
+        ids, generator = list(prompt), torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            for _ in range(10):
+                logits_V = model(torch.tensor([ids[-context:]]))[0, -1, :vocab].float()
+                ids.append(int(torch.multinomial(_naive_probs(logits_V, temperature, top_k), 1, generator=generator)))
+        assert got == ids[len(prompt):], (temperature, top_k)

@@ -188,7 +188,8 @@ def head_weights(cfg: Config, vocab: int) -> list[Weight]:
     """`head_params`, tensor by tensor."""
     m = cfg.model
     head = [] if m.tie_embeddings else [Weight(vocab, m.dim)]
-    return [*_vectors(m.dim), *head, *[*_vectors(m.dim, m.dim), Weight(m.dim, 2 * m.dim), *_vectors(m.dim)] * m.mtp_layers]
+    mtp = [*_vectors(m.dim, m.dim), Weight(m.dim, 2 * m.dim), *_vectors(m.dim)]  # enorm, hnorm, eh_proj, norm
+    return [*_vectors(m.dim), *head, *mtp * m.mtp_layers]
 
 
 def local_scale_blocks(w: Weight, dims, data_ranks: int, zero1: bool) -> float:

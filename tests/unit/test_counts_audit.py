@@ -305,3 +305,22 @@ def test_sample_draws_as_a_naive_loop_of_full_forwards():
                 logits_V = model(torch.tensor([ids[-context:]]))[0, -1, :vocab].float()
                 ids.append(int(torch.multinomial(_naive_probs(logits_V, temperature, top_k), 1, generator=generator)))
         assert got == ids[len(prompt):], (temperature, top_k)
+
+
+def test_config_params_flop_line_states_the_counted_flops_and_active(capsys):
+    """The FLOP line printed 0.00 GFLOP per token for the tiny presets (2.53 MFLOP counted); its
+    active count holds the MTP modules, which the lines above leave out, and says so."""
+    from moefold.cli import main
+    from moefold.train.flops import train_flops_per_token
+
+    cfg, hand = _counted(*MTP_SHARED)
+    model = build_model(cfg, model_vocab_size(cfg))
+    argv = [a for k, v in MTP_SHARED[1].items() for a in (f"--{k}", v)]
+    assert main(["config", "params", "--config", MTP_SHARED[0], *argv]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("FLOP convention"))
+    flops = re.search(r"([\d.]+) ([MG])FLOP per token", line)
+    printed = float(flops.group(1)) * {"M": 1e6, "G": 1e9}[flops.group(2)]
+    assert printed == pytest.approx(train_flops_per_token(model, cfg.train.seq_len), rel=0.01), line
+    embedding = model.tok_embeddings.weight.numel()
+    _assert_printed(line, ("FLOP convention",), [hand["active"] - embedding + hand["mtp_active"]])
+    assert "MTP modules included" in line

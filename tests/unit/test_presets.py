@@ -111,8 +111,8 @@ def test_config_params_counts_as_the_whole_built_model(preset, overrides):
     model = meta_model(cfg)
     assert config_param_counts(cfg, model_vocab_size(cfg)) == count_params(model)
     flops = train_flops_per_token(model, cfg.train.seq_len)
-    assert describe_params(cfg).endswith(f"; {flops / 1e9:.2f} GFLOP per token at sequence {cfg.train.seq_len} "
-                                         "(fwd+bwd)")
+    per_token = f"{flops / 1e9:.2f} GFLOP" if flops >= 1e9 else f"{flops / 1e6:.2f} MFLOP"
+    assert describe_params(cfg).endswith(f"; {per_token} per token at sequence {cfg.train.seq_len} (fwd+bwd)")
 
 
 def test_config_params_of_a_huge_model_builds_one_block_of_each_kind(monkeypatch, capsys):

@@ -210,8 +210,10 @@ def describe_params(cfg) -> str:
     if c.mtp:
         lines.append(f"MTP modules:       {_in_units(c.mtp)} more, {_in_units(c.mtp_active)} active "
                      f"(not in the figures above)")
-    lines.append(f"FLOP convention:   {_in_units(c.active)} active without the embedding lookup; "
-                 f"{flops / 1e9:.2f} GFLOP per token at sequence {cfg.train.seq_len} (fwd+bwd)")
+    mtp = ", MTP modules included" if c.mtp else ""
+    per_token = f"{flops / 1e9:.2f} GFLOP" if flops >= 1e9 else f"{flops / 1e6:.2f} MFLOP"
+    lines.append(f"FLOP convention:   {_in_units(c.active)} active without the embedding lookup{mtp}; "
+                 f"{per_token} per token at sequence {cfg.train.seq_len} (fwd+bwd)")
     return "\n".join(lines)
 
 

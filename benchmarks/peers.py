@@ -353,7 +353,7 @@ def shape_result(shape: str, systems: list[str], rows: dict[tuple[str, str], lis
     cfg = shape_config(shape, "cpu")
     model = meta_model(cfg)
     flops_per_token = train_flops_per_token(model, cfg.train.seq_len)  # one count for every system
-    ours = count_params(model).total
+    ours = count_params(model).main_total  # as bench's params_total: MTP modules apart
     tokens_per_step = cfg.train.micro_batch_size * cfg.train.seq_len
     table = {}
     for system in systems:

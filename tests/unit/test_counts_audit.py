@@ -85,9 +85,6 @@ def test_bench_prints_the_hand_counted_parameters():
     _assert_printed(model_row, ("parameters", "active"), [hand["total"], hand["active"]])
 
 
-@pytest.mark.xfail(strict=True, reason="train/trainer.py's _announce prints p.total and p.active (MTP in, "
-                                       "embedding out); it should print flops.params_line(p.main_total, "
-                                       "p.main_active, p.mtp, p.mtp_active)")
 def test_training_header_prints_the_hand_counted_parameters(tmp_path):
     from moefold.bench.run import BenchTrainer
 

@@ -61,7 +61,7 @@ from moefold.plan.fit import rank_capacity, refuse_model_beyond_memory
 from moefold.plan.refuse import refuse_weight_cache_over_fsdp
 from moefold.train import metrics
 from moefold.train.compile import compile_blocks
-from moefold.train.flops import count_params, peak_tflops, train_flops_per_token
+from moefold.train.flops import count_params, params_line, peak_tflops, train_flops_per_token
 from moefold.train.heatmap import append_window, write_load_heatmap
 from moefold.train.loss import build_head_loss, build_objective
 from moefold.train.run_lock import LOCK_FILE, RunDirLock, refuse_run_dir_in_use
@@ -745,7 +745,7 @@ class Trainer:
         lines = [f"run dir: {self.run_dir}" + (f" (resumed from {resumed})" if resumed else ""),
                  f"device: {self.device} ({self.compute_dtype})",
                  f"data: {self.data_source}",
-                 f"model: {p.total / 1e6:.2f}M parameters, {p.active / 1e6:.2f}M active; "
+                 f"model: {params_line(p.main_total, p.main_active, p.mtp, p.mtp_active)}; "
                  f"{self.flops_per_token / 1e6:.2f} MFLOP per token (fwd+bwd)"]
         if self.dist.layout is not None:
             d, par = self.dist.layout.dims, self.cfg.parallel

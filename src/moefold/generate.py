@@ -150,6 +150,9 @@ def _read(model, ids: list[int], cache, device) -> torch.Tensor:
 
 
 def _pick(logits_V: torch.Tensor, temperature: float, top_k: int, generator: torch.Generator) -> int:
+    if bool(logits_V.isnan().any()):  # a diverged model: argmax would pick the NaN, multinomial fail
+        raise UserError(f"sample: the model's next-token logits hold NaN ({int(logits_V.isnan().sum())} of "
+                        f"{logits_V.numel()}): its weights hold NaN or inf (a diverged checkpoint)")
     if temperature <= 0:
         return int(logits_V.argmax())
     if 0 < top_k < logits_V.numel():  # before the temperature, which may flatten every logit to 0

@@ -138,3 +138,15 @@ def test_a_prompt_id_outside_the_vocabulary_is_refused_by_name(bad_id):
         sample(model, [3, bad_id, 5], 4, 0.0, 0, 9, -1, torch.Generator())
     last = model.vocab_size - 1  # the edge is still a token
     assert len(sample(model, [3, last], 2, 0.0, 0, 9, -1, torch.Generator())) == 2
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_model_whose_logits_hold_nan_is_refused(temperature):
+    """A diverged checkpoint (a NaN in the output head) made greedy decoding return the NaN's
+    index as if it were a token, and sampling end in torch.multinomial's traceback; both are now
+    one UserError saying the logits hold NaN."""
+    model = _tiny_qwen3({})
+    with torch.no_grad():
+        model.output.weight[7, 0] = float("nan")
+    with pytest.raises(UserError, match=r"^sample: the model's next-token logits hold NaN \(1 of \d+\)"):
+        sample(model, [3, 10, 17], 4, temperature, 0, 9, -1, torch.Generator().manual_seed(0))

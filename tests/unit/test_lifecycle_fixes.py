@@ -168,3 +168,20 @@ def test_the_validation_sequences_do_not_depend_on_the_data_ranks(num_sequences,
     sequences = PackedSequences(np.arange(num_sequences * 4 + 1), 4)
     batches = val_batches(sequences, batch_size, num_batches, eos_id=-1, data_ranks=data_ranks)
     assert [(b.input_ids_BS[:, 0] // 4).tolist() for b in batches] == expected
+
+
+# ------------------------------------------------------------------------ model options a resume changes
+
+def test_a_resume_that_changes_the_model_says_so_in_one_note(tmp_path, tiny_args, capsys):
+    """`train --resume RUN --moe.top_k 3` loads the weights (no shape changes) and trains another
+    model than the checkpoint's without a word. One note names each model.*/moe.* value changed,
+    old -> new; none when the resume keeps them."""
+    run = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run), *tiny_args, "--train.steps", "2"]) == 0
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run), "--train.steps", "3", "--moe.top_k", "3",
+                 "--moe.aux_loss_coeff", "0.02"]) == 0
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: ")]
+    assert notes == ["note: this run changes the model it resumes: moe.top_k 2 -> 3, moe.aux_loss_coeff 0.01 -> 0.02"]
+    assert main(["train", "--resume", str(run), "--train.steps", "4"]) == 0  # the saved config.toml has them now
+    assert not [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: ")]

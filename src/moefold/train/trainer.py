@@ -124,6 +124,18 @@ def _refuse_changed_state_dtypes(cfg: Config, saved: Config, checkpoint: Path) -
                               f"optim.{key}={held!r}: a run resumes with the states it saved; keep optim.{key}")
 
 
+def _changed_model_options(cfg: Config, saved: Config) -> list[str]:
+    """'moe.top_k 2 -> 3' for each model.* and moe.* value a resume changes from the run it
+    continues. Allowed where the weights still fit (routing, capacity, the aux losses) and said:
+    the run then trains another model than its checkpoint's."""
+    changed = []
+    for section in ("model", "moe"):
+        given, held = dataclasses.asdict(getattr(cfg, section)), dataclasses.asdict(getattr(saved, section))
+        changed += [f"{section}.{key} {held[key]!r} -> {value!r}" for key, value in given.items()
+                    if value != held[key]]
+    return changed
+
+
 def _refuse_changed_ties(cfg: Config, saved: Config, checkpoint: Path, full_state: bool) -> None:
     """A checkpoint holds tok_embeddings.weight and output.weight whether the run tied them or not:
     a model that ties what the saving run (`saved`) kept apart would load both into its one tensor,
@@ -263,6 +275,7 @@ class Trainer:
         saved = _saving_run_config(checkpoint) if checkpoint is not None else None
         self.resumed_from = checkpoint
         full_state = checkpoint is not None and "optim" in checkpoint_keys(checkpoint)  # else weights only
+        self._changed_model_options = _changed_model_options(cfg, saved) if saved is not None else []
         if saved is not None:
             _refuse_changed_ties(cfg, saved, checkpoint, full_state)
         if full_state and saved is not None:
@@ -754,6 +767,8 @@ class Trainer:
                          f"({d.pp}, {d.edp}, {d.ep}, {d.etp}), {par.data_parallel}, "
                          f"{par.ep_dispatcher if d.ep * d.etp > 1 else 'local'} dispatch")
         lines += self._global_batch_note()
+        if self._changed_model_options:
+            lines.append(f"note: this run changes the model it resumes: {', '.join(self._changed_model_options)}")
         if self.val_batches and not any(bool((b.labels_BS != IGNORE_INDEX).any()) for b in self.val_batches):
             lines.append(f"warning: no validation token has a label (every label is {IGNORE_INDEX}): val_loss is nan "
                          "(null in metrics.jsonl)")

@@ -129,7 +129,8 @@ class MoEConfig:
     """Group-limited routing: experts summed for a group's score; 0 means top_k // group_top_k
     (Megatron). DeepSeek-V3 checkpoints use 2."""
     input_jitter: float = 0.0
-    """Multiply the router input by uniform noise in [1-eps, 1+eps] during training (0: off)."""
+    """Multiply the router input by uniform noise in [1-eps, 1+eps] during training (0: off); the
+    experts read the input unjittered (Megatron's moe_input_jitter_eps)."""
     z_loss_coeff: float = 0.0
     """Weight of the router z-loss, mean(logsumexp(logits)²) (ST-MoE); 0 disables it."""
 

@@ -254,7 +254,7 @@ EXTERNAL_NAMES = {
     "destroy_process_group", "div_rn", "from_local", "get_optimizer_state_dict", "get_state_dict", "index_add",
     "is_first_microbatch", "memory_allocated", "no_grad", "parallelize_module", "purge_step", "record_stream",
     "save_for_backward", "saved_tensors_hooks", "set_state_dict", "store_param_remainders", "to_local",
-    "get_num_threads", "untyped_storage", "warp_specialize", "zero_grad"}
+    "get_num_threads", "untyped_storage", "warp_specialize", "zero_grad", "moe_input_jitter_eps"}
 
 
 def test_every_code_name_a_page_cites_exists():

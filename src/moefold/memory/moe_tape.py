@@ -38,7 +38,23 @@ def _decision_sites(layer: MoELayer) -> list[Site]:
 def moe_recompute_contexts(layers: list[MoELayer]):
     """(forward context, recompute context) sharing one tape per layer."""
     tapes = [{site: [] for site in _decision_sites(layer)} for layer in layers]
-    return _taping(tapes), _replaying(layers, tapes)
+    return _taping(tapes), _EachEntry(lambda: _replaying(layers, tapes))
+
+
+class _EachEntry:
+    """A context made anew on each entry: the checkpoint enters its recompute context once per
+    recompute, and a retained graph's next backward recomputes again (a generator context, entered
+    twice, raised AttributeError)."""
+
+    def __init__(self, make: Callable[[], contextlib.AbstractContextManager]):
+        self._make, self._entered = make, []
+
+    def __enter__(self) -> None:
+        self._entered.append(self._make())
+        self._entered[-1].__enter__()
+
+    def __exit__(self, *exc) -> bool | None:
+        return self._entered.pop().__exit__(*exc)
 
 
 @contextlib.contextmanager

@@ -143,6 +143,8 @@ class _Run:
         consumer_out.register_hook(self._restore)
 
     def _restore(self, grad: torch.Tensor) -> None:
+        if not self.freed:  # a retained graph's next backward: the first refilled it, and the
+            return  # recompute's tensors live as long as the holders the graph keeps
         recomputed_of = {id(o): new for o, new in zip(self.outputs, self.recompute())}
         for o, nbytes in self.freed.values():
             storage = _storage(o)

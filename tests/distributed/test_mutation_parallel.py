@@ -1,0 +1,54 @@
+"""Parallel code paths that a mutation of the source could break without any other test noticing
+(found by mutation testing of parallel/ and moe/dispatch.py): each compares with one process or
+with the documented refusal, on gloo ranks.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+from moe_reference import build
+from ranks import run_ranks
+
+from moefold.config import MoEConfig, load_config
+from moefold.errors import ConfigError
+from moefold.models.transformer import build_model
+from moefold.parallel.apply import parallelize
+from moefold.parallel.dims import ParallelDims, ParallelLayout
+from moefold.parallel.expert import apply_ep
+
+VOCAB = 64
+TP2_ETP2_EP2 = {"parallel.tp": "2", "parallel.etp": "2", "parallel.ep": "2", "parallel.data_parallel": "ddp"}
+
+
+def _filled_model_forward(rank: int, out) -> None:
+    """parallelize on a model already filled (as plan/measure.py and tests/memory_runs.py call it,
+    not the trainer's meta-device model, whose pieces are drawn after sharding): each rank keeps
+    its own hidden slice of its experts, so the logits are the one-process model's."""
+    dist.init_process_group("gloo")
+    cfg = load_config("tiny-qwen3", TP2_ETP2_EP2)
+    ids_BS = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(3))
+    one = build_model(cfg, VOCAB)
+    one.init_weights(seed=0)
+    model = build_model(cfg, VOCAB)
+    model.init_weights(seed=0)
+    parallelize(model, ParallelLayout(ParallelDims(4, tp=2, etp=2, ep=2)), cfg.parallel)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids_BS), one(ids_BS), rtol=1e-5, atol=1e-5,
+                                   msg=lambda m: f"rank {rank} logits: {m}")
+
+
+def test_parallelizing_a_filled_model_under_etp_keeps_each_rank_s_hidden_slice(tmp_path):
+    run_ranks(4, _filled_model_forward, tmp_path / "out.pt")
+
+
+def _refuses_indivisible_hidden(rank: int) -> None:
+    dist.init_process_group("gloo")
+    layer = build(MoEConfig(num_experts=2, top_k=1, expert_hidden=5, experts_backend="loop"), 8, 0)
+    with pytest.raises(ConfigError, match=r"^parallel.etp=2 does not divide moe.expert_hidden=5$"):
+        apply_ep(layer, dist.group.WORLD, ep_of_rank=[0, 0], etp_rank=rank, etp_size=2)
+
+
+def test_apply_ep_refuses_a_hidden_size_etp_does_not_divide():
+    """apply_ep called directly (the config's check does not run): 5 hidden features over etp 2
+    would silently drop the fifth."""
+    run_ranks(2, _refuses_indivisible_hidden)

@@ -13,9 +13,10 @@ lives for its forward only; a restored storage is held for the tensors on it unt
 unpacked, then autograd's references alone keep it.
 
 Parameters (and their dtype casts, e.g. a bf16 copy of an expert weight) stay on the device: they
-outlive the step anyway. So do tensors on a storage under `min_bytes`, where a copy's launch costs
-more than the memory is worth (the storage, what moves, is measured: small views of a large one
-go, all with one copy), and broadcast views (stride 0, small by nature).
+outlive the step anyway, as do the site's module buffers (precision.fp8_weight_cache's FP8 expert
+weights, which the experts' GEMMs save for backward). So do tensors on a storage under `min_bytes`,
+where a copy's launch costs more than the memory is worth (the storage, what moves, is measured:
+small views of a large one go, all with one copy), and broadcast views (stride 0, small by nature).
 
 Under tensor parallelism many saved tensors are DTensors: the sharded linears' inputs and, with
 sequence parallelism, everything the pre-norms save. A DTensor is a wrapper; its local shard holds
@@ -38,6 +39,7 @@ bytes (`storage_B`: B bytes, a flat uint8 tensor over the whole storage) each wa
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 
@@ -58,7 +60,7 @@ def apply_offload(model: torch.nn.Module, names: Sequence[str], min_bytes: int,
     offload = ActivationOffload(min_bytes, StreamedHostCopy() if device_type == "cuda" else HostCopy())
     for name in names:
         for target in targets(model, name):
-            target.site.wrap(offload.wrap)
+            target.site.wrap(functools.partial(offload.wrap, owner=target.site.owner))
             mark_wrapped(target.site)
     return offload
 
@@ -79,10 +81,12 @@ class ActivationOffload:
         self.offloaded_bytes = 0
         # Per open region (nested sites nest), its storages' host copies by (storage, version).
         self._regions: list[dict[tuple[StorageWeakRef, int], _Offloaded]] = []
+        self._buffers: set[int] = set()  # the open regions' module buffers' storages (_cdata)
 
-    def wrap(self, fn: Callable) -> Callable:
+    def wrap(self, fn: Callable, owner: object = None) -> Callable:
+        """`owner`: the site's module, whose buffers stay on the device."""
         def run(*args, **kwargs):
-            with self.region():
+            with self._keeping_buffers(owner), self.region():
                 return fn(*args, **kwargs)
         return run
 
@@ -96,6 +100,18 @@ class ActivationOffload:
                 yield
         finally:
             self._regions.pop()  # the tensors packed hold their copies; nothing else may
+
+    @contextlib.contextmanager
+    def _keeping_buffers(self, owner: object) -> Iterator[None]:
+        """`owner`'s buffers stay: they outlive the step, as parameters do (precision.fp8_weight_cache's
+        FP8 expert weights, which their GEMMs save for backward). Read at each call: apply_fp8 puts
+        new experts in place after the wrapping, and each cache refresh registers new buffers."""
+        buffers = owner.buffers() if isinstance(owner, torch.nn.Module) else ()
+        outer, self._buffers = self._buffers, self._buffers | {b.untyped_storage()._cdata for b in buffers}
+        try:
+            yield
+        finally:
+            self._buffers = outer
 
     def pack(self, t: torch.Tensor):
         if in_backward():  # a checkpoint's recompute: see _recomputed
@@ -144,6 +160,7 @@ class ActivationOffload:
                 and local.device.type != "meta" and self.copier.accepts(local)
                 and not local.is_conj() and not local.is_neg()
                 and local.untyped_storage().nbytes() >= self.min_bytes and not _is_weight(t)
+                and local.untyped_storage()._cdata not in self._buffers
                 and all(stride or size == 1 for size, stride in zip(local.shape, local.stride())))
 
 

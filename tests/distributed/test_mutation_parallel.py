@@ -17,6 +17,9 @@ from ranks import run_ranks
 from moefold.config import MoEConfig, load_config
 from moefold.errors import ConfigError
 from moefold.models.transformer import build_model
+from moefold.moe.dispatch import LocalDispatcher
+from moefold.moe.permute import RowLayout
+from moefold.moe.router import Routing
 from moefold.parallel.apply import parallelize
 from moefold.parallel.dims import ParallelDims, ParallelLayout
 from moefold.parallel.expert import apply_ep
@@ -89,3 +92,18 @@ def test_every_logged_value_under_sequence_parallel_tp_is_one_process(tmp_path):
                                        torch.tensor(value, dtype=torch.float64), rtol=1e-4, atol=0,
                                        equal_nan=True,
                                        msg=lambda m, key=key, step=want["step"]: f"step {step} {key}: {m}")
+
+
+@pytest.mark.parametrize("probs_applied_by_experts", [True, False], ids=["sum", "weighted"])
+def test_combine_sums_bf16_copies_in_fp32(probs_applied_by_experts):
+    """combine's sum over a token's K copies is done in fp32 (the EP dispatchers share it): bf16
+    copies 1 and 2^-9 add up to 1 + 2^-9, which a bf16 sum rounds back to 1."""
+    idx_TK = torch.tensor([[0, 1]])
+    probs_TK = torch.ones(1, 2)
+    routing = Routing(probs_TK, idx_TK, torch.full((1, 2), 0.5), torch.zeros(1, 2))
+    dispatcher = LocalDispatcher(2, RowLayout(2, 2), probs_applied_by_experts)
+    dispatched = dispatcher.dispatch(torch.zeros(1, 1), routing, torch.ones(2, dtype=torch.bool))
+    y_RD = torch.tensor([[1.0], [2.0 ** -9]], dtype=torch.bfloat16)  # expert 0's row, then expert 1's
+    y_TD = dispatcher.combine(y_RD, dispatched.handle)
+    assert y_TD.dtype == torch.float32
+    assert y_TD.item() == 1 + 2.0 ** -9

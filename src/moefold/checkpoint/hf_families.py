@@ -431,13 +431,15 @@ def _deepseek_v3_from_hf(hf: dict[str, Any]) -> Config:
     _require(hf, "moe_layer_freq", (1,), 1)  # transformers ignores it; DeepSeek-V3 uses 1
     _require(hf, "num_key_value_heads", (m.n_heads,), m.n_heads)  # MLA expands the latent to every head
     m.attention, m.qk_norm = "mla", False
-    m.q_lora_rank = _int(hf, "q_lora_rank", 0)  # null: queries projected directly
+    # null: queries projected directly; absent: DeepseekV3Config's 1536 (transformers builds q_a_proj)
+    m.q_lora_rank = 0 if "q_lora_rank" in hf and hf["q_lora_rank"] is None else _int(hf, "q_lora_rank", 1536)
     m.kv_lora_rank = _int(hf, "kv_lora_rank")
     m.qk_nope_head_dim = _int(hf, "qk_nope_head_dim")
     m.qk_rope_head_dim = _int(hf, "qk_rope_head_dim")
     m.v_head_dim = _int(hf, "v_head_dim")
     m.rope_interleaved = _bool(hf, "rope_interleave", True)
-    m.mtp_layers = _int(hf, "num_nextn_predict_layers", _int(hf, "num_mtp_layers", 0))
+    # absent: DeepseekV3Config's 1 (a checkpoint without the MTP tensors loads without them)
+    m.mtp_layers = _int(hf, "num_nextn_predict_layers", _int(hf, "num_mtp_layers", 1))
     m.ffn_hidden = _int(hf, "intermediate_size")
     moe.num_experts = _int(hf, "n_routed_experts")
     moe.top_k = _int(hf, "num_experts_per_tok")

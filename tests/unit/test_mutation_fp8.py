@@ -68,3 +68,139 @@ def test_each_tiles_amax_lands_on_the_formats_written_out_max(kind, fmt_name):
     assert x_fp8.double().abs().max().item() == FORMATS[fmt_name][1]
     assert (x_fp8.double() != q_ref).double().mean() < 1e-3  # ties within fp32's rounding of x / scale
 
+
+
+# ---------------------------------------------------------------- linear.py / saved.py in bf16
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
+def test_fp8_saved_input_leaves_grad_input_bit_for_bit_in_bf16(recipe):
+    """grad_input = grad_y @ W never reads x, so keeping x in FP8 (precision.fp8_saved_activations)
+    leaves it bit for bit in the bf16 compute dtype too (the other tests run fp32), and the
+    weight gradient stays in bf16, within FP8 noise of the plain run's: the saved x is dequantized
+    into the compute dtype, not fp32 (which would run the backward's GEMMs in fp32)."""
+    from torch import nn
+
+    from moefold.fp8.gemm import EmulatedFp8Gemm, linear_scaling
+    from moefold.fp8.linear import Fp8Linear
+    from moefold.fp8.saved import SaveFp8Input, SaveInput
+
+    M, K, N = 64, 256, 128
+    scaling = linear_scaling(recipe)
+    base = nn.Linear(K, N, bias=False).bfloat16()
+    x, gy = randn((M, K), 0).bfloat16(), randn((M, N), 1).bfloat16()
+    grads = []
+    for saver in (SaveInput(), SaveFp8Input(scaling.forward.a)):
+        lin = Fp8Linear.from_linear(base, EmulatedFp8Gemm(), scaling, saver)
+        xr = x.clone().requires_grad_()
+        base.weight.grad = None
+        lin(xr).backward(gy)
+        grads.append((xr.grad, base.weight.grad.clone()))
+    (gx, gw), (gx8, gw8) = grads
+    assert gx8.dtype == gw8.dtype == torch.bfloat16
+    assert torch.equal(gx8, gx)
+    assert ((gw8.double() - gw.double()).norm() / gw.double().norm()).item() < 0.1
+
+
+# ---------------------------------------------------------------- apply.py: selective precision
+
+ALIGNED = {"model.dim": 128, "model.n_heads": 4, "model.ffn_hidden": 128, "moe.expert_hidden": 128, "moe.num_experts": 4, "moe.top_k": 2,
+           "train.seq_len": 32, "train.micro_batch_size": 4, "model.n_layers": 2}
+
+
+def fp8_model(recipe, extra=(), preset="tiny-qwen3", **apply_kwargs):
+    from moefold.config import load_config
+    from moefold.fp8.apply import apply_fp8
+    from moefold.models.transformer import build_model
+
+    heads = {"model.head_dim": 32, "model.n_kv_heads": 4} if preset == "tiny-qwen3" else {}
+    cfg = load_config(preset, {**ALIGNED, **heads, **dict(extra), "precision.fp8": recipe})
+    model = build_model(cfg, 256)
+    return model, apply_fp8(model, cfg.precision, "cpu", **apply_kwargs)
+
+
+@pytest.mark.parametrize("recipe,pad,want", [("rowwise", 8, 16), ("rowwise", 32, 32), ("rowwise", 128, 128),
+                                             ("blockwise", 32, 128), ("blockwise", 128, 128)])
+def test_fp8_raises_the_expert_padding_to_its_tile_and_never_lowers_it(recipe, pad, want):
+    """Each expert's rows are padded to a multiple of the FP8 tile (16 rowwise, 128 blockwise)
+    or of moe.pad_multiple, whichever is larger: a pad_multiple above the tile is the user's and
+    stays (docs: 'raised here, never lowered')."""
+    model, converted = fp8_model(recipe, {"moe.pad_multiple": pad})
+    assert "layers.1.ffn.experts" in converted
+    assert [layer.ffn.dispatcher.layout.multiple for layer in model.layers] == [want, want]
+
+
+def saved_kinds(block, names):
+    """'fp8' or 'input' (what each linear keeps for backward), by name under `block`."""
+    return {n: block.get_submodule(n).saver.name for n in names}
+
+
+@pytest.mark.parametrize("shared_inputs", [True, False])
+def test_which_linears_keep_their_input_in_fp8(shared_inputs):
+    """precision.fp8_saved_activations keeps a linear's input in FP8 only where that frees a copy:
+    never wo (its input is the attention core's output, kept anyway); q/k/v and gate/up only when
+    each casts its own input (shared_inputs=False: fp32 parameters under autocast), since FP8
+    copies of one shared input would keep more; an MTP block reads its projection's output in the
+    compute dtype, so its siblings share their input either way."""
+    qwen, _ = fp8_model("rowwise", {"precision.fp8_saved_activations": True}, shared_inputs=shared_inputs)
+    siblings = "fp8" if not shared_inputs else "input"
+    assert saved_kinds(qwen.layers[1].attn, ["wq", "wk", "wv", "wo"]) == {
+        "wq": siblings, "wk": siblings, "wv": siblings, "wo": "input"}
+    deepseek_dims = {"model.q_lora_rank": 128, "model.kv_lora_rank": 128, "model.qk_rope_head_dim": 16,
+                     "moe.num_groups": 2, "moe.group_top_k": 1, "moe.group_score_top_k": 1}
+    deepseek, converted = fp8_model("rowwise", {"precision.fp8_saved_activations": True, **deepseek_dims},
+                                    preset="tiny-deepseek", shared_inputs=shared_inputs)
+    mtp_block = deepseek.mtp.layers[0].block
+    assert "mtp.layers.0.block.attn.wq_a" in converted
+    assert saved_kinds(deepseek.layers[1].attn, ["wq_a", "wkv_a", "wo"]) == {"wq_a": siblings, "wkv_a": siblings,
+                                                                             "wo": "input"}
+    assert saved_kinds(mtp_block.attn, ["wq_a", "wkv_a", "wo"]) == {"wq_a": "input", "wkv_a": "input", "wo": "input"}
+
+
+def test_tensorwise_experts_keep_their_input_per_row():
+    """Under tensorwise the routed experts run rowwise (no grouped form of one tensor scale), so
+    what they keep in FP8 for the backward has the grouped forward's tiles, one scale per row:
+    one tensor scale would tie every expert's rows to the largest (a row 2^-12 of the others would
+    round to zeros); the block linears keep theirs per tensor, as their forward quantizes it."""
+    model, _ = fp8_model("tensorwise", {"precision.fp8_saved_activations": True}, shared_inputs=False)
+    x = randn((64, 128), 5) * torch.exp2(torch.randint(-12, 1, (64, 1), generator=torch.Generator().manual_seed(6)))
+    for module, tile in ((model.layers[1].ffn.experts, (1, 0)), (model.layers[1].attn.wq, (0, 0))):
+        kept = module.saver.unpack(module.saver.pack(x), torch.float32)
+        ref = ref_fake_quant(x, tile, "e4m3")
+        err = (kept.double() - ref).abs()
+        assert (err <= ref.abs() * 2.0 ** -3).all(), tile  # ties of fp32's x / scale: one e4m3 step
+
+
+# ---------------------------------------------------------------- weight_cache.py under autocast
+
+
+def test_the_weight_cache_under_bf16_autocast_equals_quantizing_per_call():
+    """fp32 expert weights under bf16 autocast (a GPU run's compute): the experts cast their
+    weights to bf16 and quantize those, so the cache must quantize the bf16 cast too — quantized
+    from the fp32 values its FP8 operands (and their dtype) differ from the per-call ones."""
+    from moefold.fp8.grouped import EmulatedFp8GroupedGemm, grouped_scaling
+    from moefold.fp8.weight_cache import CachedWeights, refresh_weight_caches
+    from moefold.moe.experts import Fp8GroupedExperts
+
+    def experts(cache):
+        torch.manual_seed(0)
+        e = Fp8GroupedExperts(4, 64, 32, None, EmulatedFp8GroupedGemm(), grouped_scaling("rowwise"),
+                              weight_cache=CachedWeights(torch.bfloat16) if cache else None)
+        with torch.no_grad():
+            for p in e.parameters():
+                p.copy_(torch.randn(p.shape) * 0.05 * (1 + 2 ** -12))  # not bf16 values
+        refresh_weight_caches(e)
+        return e
+
+    rows_E = torch.tensor([16, 0, 32, 16])
+    x, probs = randn((64, 64), 7), torch.rand(64, generator=torch.Generator().manual_seed(8))
+    outs = []
+    for cache in (False, True):
+        e = experts(cache)
+        xr = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = e(xr, rows_E, probs)
+        y.float().square().sum().backward()
+        outs.append((y.detach(), xr.grad, *(p.grad for p in e.parameters())))
+    for per_call, cached in zip(*outs):
+        assert per_call.dtype == cached.dtype and torch.equal(per_call, cached)

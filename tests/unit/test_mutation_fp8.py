@@ -204,3 +204,62 @@ def test_the_weight_cache_under_bf16_autocast_equals_quantizing_per_call():
         outs.append((y.detach(), xr.grad, *(p.grad for p in e.parameters())))
     for per_call, cached in zip(*outs):
         assert per_call.dtype == cached.dtype and torch.equal(per_call, cached)
+
+
+# ---------------------------------------------------------------- optim/blocks.py: fp8 moments
+
+
+def ref_moment_blocks(x_RC, block=128):
+    """(e4m3 values as fp64, scales [R, ceil(C / 128)] in fp64) of rows cut into 128-element
+    blocks (the last one short): scale = amax / 448, the smallest normal fp32 where that is 0."""
+    R, C = x_RC.shape
+    q = torch.empty(R, C, dtype=torch.float64)
+    scale = torch.empty(R, -(-C // block), dtype=torch.float64)
+    for r in range(R):
+        for j in range(0, C, block):
+            t = x_RC[r, j:j + block].double()
+            s = max(t.abs().max().item() / 448.0, torch.finfo(torch.float32).tiny)
+            scale[r, j // block] = s
+            q[r, j:j + block] = (t / s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).double()
+    return q, scale
+
+
+def test_fp8_moments_take_each_blocks_amax_to_448():
+    """PrecisionAwareAdamW's moment blocks (128 along each row, a short last one) are scaled by
+    amax / 448: each block's largest value is stored as 448 itself, not a smaller maximum (a
+    scale of amax / 224 still dequantizes within the round trip's tolerance, one binade lower)."""
+    from moefold.optim.blocks import FP8, dequantize_fp8, quantize_fp8, quantize_fp8_many, row_blocks
+
+    x = randn((6, 300), 2) * torch.exp2(torch.randint(-20, 21, (6, 1), generator=torch.Generator().manual_seed(3)))
+    x[1] = 0.0  # an all-zero row: its scales are the smallest normal fp32, its values 0
+    x[4] *= 1e-35 / x[4].abs().max()  # v of gradients ~3e-18: scales ~2e-38, above fp32's smallest normal
+    q_ref, scale_ref = ref_moment_blocks(x)
+    for q, scale in (quantize_fp8(x, row_blocks(x)), [t[0] for t in quantize_fp8_many([x], [row_blocks(x)])]):
+        assert q.dtype == FP8 and scale.shape == (6, 3)
+        torch.testing.assert_close(scale.double(), scale_ref, rtol=2 ** -22, atol=0)
+        assert (q.double() != q_ref).double().mean() < 1e-3
+        nonzero = torch.arange(6) != 1
+        block_max = torch.nn.functional.pad(q.double().abs(), (0, 84)).view(6, 3, 128).amax(dim=2)
+        assert (block_max[nonzero] == 448.0).all()
+        back = dequantize_fp8(q, scale, row_blocks(x)).double()
+        per_elem = scale_ref.repeat_interleave(128, dim=1)[:, :300]
+        assert ((back - x.double()).abs() <= x.double().abs() * 2.0 ** -4 + per_elem * 2.0 ** -10).all()
+
+
+def test_the_floor_keeps_small_sqrt_v_above_zero():
+    """sqrt(v) is stored with a floor of e4m3's smallest subnormal (2^-9 of its block's scale):
+    an element below half of it, which would round to 0 and make its update m / eps, is stored as
+    2^-9 · scale; the others as without the floor."""
+    from moefold.optim.blocks import dequantize_fp8, quantize_fp8, quantize_fp8_many, row_blocks
+
+    x = randn((4, 256), 9).abs()
+    x[:, 5] = 2.0 ** -11  # a quarter of e4m3's smallest subnormal, 2^-9, in blocks whose amax is 448 (scale 1)
+    x[:, 0] = 448.0
+    q_ref, scale_ref = ref_moment_blocks(x)
+    q_ref = q_ref.clamp_min(2.0 ** -9)
+    b = row_blocks(x)
+    for q, scale in (quantize_fp8(x, b, floor=2.0 ** -9),
+                     [t[0] for t in quantize_fp8_many([x], [b], floor=2.0 ** -9)]):
+        assert (q.double()[:, 5] == 2.0 ** -9).all()
+        assert (q.double() != q_ref).double().mean() < 1e-3
+        assert (dequantize_fp8(q, scale, b) > 0).all()

@@ -206,6 +206,35 @@ def test_the_weight_cache_under_bf16_autocast_equals_quantizing_per_call():
         assert per_call.dtype == cached.dtype and torch.equal(per_call, cached)
 
 
+# The recipes' table (recipes.py): (activation a_MK tile, weight b_KN tile).
+RECIPE_TILES = {"tensorwise": ((0, 0), (0, 0)), "rowwise": ((1, 0), (0, 1)), "blockwise": ((1, 128), (128, 128))}
+
+
+@pytest.mark.parametrize("fmt_name", list(FORMATS))
+@pytest.mark.parametrize("recipe", list(RECIPE_TILES))
+def test_make_recipe_quantizes_and_multiplies_by_its_table(recipe, fmt_name):
+    """make_recipe's recipes (the public emulation, emulated_mm) scale a_MK per its tile and b_KN
+    per its own: rowwise's weight per output column ([1, N]: a row of b would run along the
+    contraction), blockwise's in 128x128 blocks; emulated_mm is the fp64 product of those."""
+    from moefold.fp8.recipes import emulated_mm, make_recipe
+
+    M, K, N = 128, 256, 384
+    g = torch.Generator().manual_seed(11)
+    a = randn((M, K), 12) * torch.exp2(torch.randint(-8, 9, (M, 1), generator=g))
+    b = randn((K, N), 13) * torch.exp2(torch.randint(-8, 9, (1, N), generator=g))
+    rec = make_recipe(recipe, fmt_name)
+    a_tile, b_tile = RECIPE_TILES[recipe]
+    for x, operand, tile in ((a, "activation", a_tile), (b, "weight", b_tile)):
+        _, scale = rec.quantize(x, operand)
+        _, scale_ref = ref_quantize(x, tile, fmt_name)
+        assert scale.shape == scale_ref.shape, operand
+        torch.testing.assert_close(scale.double(), scale_ref, rtol=2 ** -22, atol=0)
+    want = ref_fake_quant(a, a_tile, fmt_name) @ ref_fake_quant(b, b_tile, fmt_name)
+    got = emulated_mm(a, b, rec, dtype=torch.float32).double()
+    # ties of fp32's x / scale may round one element a step the other way: a few in 10^3
+    assert ((got - want).norm() / want.norm()).item() < 2e-3
+
+
 # ---------------------------------------------------------------- optim/blocks.py: fp8 moments
 
 

@@ -105,7 +105,7 @@ def test_metrics_sinks_cut_only_an_incomplete_last_line(tmp_path):
                           (b'{"step": 1}\n' * 10000 + b'{"step": 2', b'{"step": 1}\n' * 10000)):
         path.write_bytes(content)
         said = []
-        MetricsSinks(tmp_path, tensorboard=False, out=said.append).close()
+        MetricsSinks(tmp_path, tensorboard=False, out=said.append, first_step=3).close()  # resumed at 2
         assert path.read_bytes() == kept
         assert len(said) == (content != kept)
 

@@ -309,8 +309,11 @@ def _convert(args: argparse.Namespace) -> int:
     model, tokenizer, cfg = load_model_from_run(args.run_dir, "cpu", exact_masters=True)
     default = "bf16" if cfg.optim.master_dtype == "bf16" else "fp32"
     dtype = getattr(torch, _EXPORT_DTYPES[args.dtype or default])
+    # A run converted from a checkpoint without tokenizer.json has the byte tokenizer's 256 as its
+    # end of document, which a smaller vocabulary lacks: config.json then claims none (null).
+    eos = end_of_document_id(cfg, tokenizer)
     save_pretrained(model, args.to_hf, dtype=dtype, copies=tokenizer_files(cfg.data.tokenizer),
-                    eos_token_id=end_of_document_id(cfg, tokenizer))
+                    eos_token_id=eos if eos < model.vocab_size else None)
     print(f"converted {args.run_dir} -> {args.to_hf}")
     return 0
 

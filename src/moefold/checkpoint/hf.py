@@ -76,8 +76,12 @@ def hf_config_from(cfg: Config, vocab_size: int, eos_token_id: int | None = None
     `eos_token_id`: the id that ended the training documents, where transformers' `generate` stops
     (it takes config.json's ids when there is no generation_config.json). Both ids are written, null
     when unknown: else the family's config class would give its own (DeepSeek-V3's 0 and 1,
-    Mixtral's 1 and 2), ids of other tokens here. moefold trains without a beginning-of-sequence token."""
+    Mixtral's 1 and 2), ids of other tokens here. moefold trains without a beginning-of-sequence token.
+    An `eos_token_id` outside [0, vocab_size) is a CheckpointError: no token of the model has it."""
     family = family_of(cfg.model.family, "model.family")
+    if eos_token_id is not None and not 0 <= eos_token_id < vocab_size:
+        raise CheckpointError(f"eos_token_id={eos_token_id} is not a token of the model's vocabulary "
+                              f"(0..{vocab_size - 1})")
     hf = family.config_to_hf(cfg)
     return {"architectures": [family.architecture], **hf, "vocab_size": vocab_size,
             "bos_token_id": None, "eos_token_id": eos_token_id}

@@ -1,0 +1,66 @@
+"""Hugging Face interop audit: what an export's config.json claims (end-of-document id, dtype keys),
+the fp32 router rule in every conversion, checkpoints without MTP layers, and round trips of each
+family against transformers' own model."""
+
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+torch_dcp = pytest.importorskip("torch.distributed.checkpoint")
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_hf_interop import VOCAB, deepseek_v3, hf_model_of, mixtral, qwen3  # noqa: E402
+
+from moefold.checkpoint.hf import (  # noqa: E402
+    config_from_hf, convert_to_run_checkpoint, hf_config_from, load_pretrained, save_pretrained)
+from moefold.cli import main  # noqa: E402
+from moefold.errors import CheckpointError  # noqa: E402
+
+transformers.logging.set_verbosity_error()
+
+
+def _config(path: Path) -> dict:
+    return json.loads((path / "config.json").read_text())
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. eos_token_id of an export whose run has no tokenizer.json
+# ---------------------------------------------------------------------------------------------
+
+
+def test_an_export_claims_no_end_of_document_id_outside_its_vocabulary(tmp_path):
+    """A checkpoint without tokenizer.json converts to a run with the byte-level tokenizer, whose
+    end of document is 256; exported back, config.json said eos_token_id=256 for a vocabulary of
+    96 rows (no such token). Now it says null, and transformers' generate runs to max_new_tokens."""
+    hf, run, back = tmp_path / "hf", tmp_path / "run", tmp_path / "back"
+    hf_model_of(qwen3(eos_token_id=7, bos_token_id=5)).save_pretrained(hf)
+    assert main(["convert", "--from-hf", str(hf), "--out", str(run)]) == 0
+    assert main(["convert", "--run-dir", str(run), "--to-hf", str(back)]) == 0
+    config = _config(back)
+    assert config["vocab_size"] == VOCAB
+    assert (config["eos_token_id"], config["bos_token_id"]) == (None, None)
+    model = transformers.AutoModelForCausalLM.from_pretrained(back)
+    assert model.generation_config.eos_token_id is None
+    out = model.generate(torch.tensor([[1, 2]]), max_new_tokens=3, do_sample=False)
+    assert out.shape == (1, 5)
+
+
+def test_save_pretrained_refuses_an_end_of_document_id_outside_the_vocabulary(tmp_path):
+    model = load_pretrained(_saved(qwen3(), tmp_path / "hf"))
+    with pytest.raises(CheckpointError, match=r"eos_token_id=96 is not a token of the model's vocabulary \(0\.\.95\)"):
+        save_pretrained(model, tmp_path / "out", eos_token_id=VOCAB)
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(CheckpointError, match="eos_token_id=-1"):
+        hf_config_from(model.cfg, VOCAB, eos_token_id=-1)
+    assert hf_config_from(model.cfg, VOCAB, eos_token_id=VOCAB - 1)["eos_token_id"] == VOCAB - 1
+
+
+def _saved(hf_config, path: Path, **kw) -> Path:
+    hf_model_of(hf_config).save_pretrained(path, **kw)
+    return path

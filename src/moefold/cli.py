@@ -107,7 +107,7 @@ def _build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--out", type=path_argument, metavar="RUN_DIR", help="with --from-hf: the run to create")
     convert.add_argument("--to-hf", type=path_argument, metavar="DIR", help="with --run-dir: the directory to write")
     convert.add_argument("--dtype", choices=tuple(_EXPORT_DTYPES), default=None,
-                         help="with --to-hf: the weights' dtype (config.json's torch_dtype); DeepSeek-V3's "
+                         help="with --to-hf: the weights' dtype (config.json's dtype and torch_dtype); DeepSeek-V3's "
                               "router weight and expert bias stay fp32, as transformers keeps them "
                               "(default: the run's master weights', lossless: fp32, or bf16 for "
                               "optim.master_dtype=bf16)")

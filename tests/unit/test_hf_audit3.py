@@ -64,3 +64,35 @@ def test_save_pretrained_refuses_an_end_of_document_id_outside_the_vocabulary(tm
 def _saved(hf_config, path: Path, **kw) -> Path:
     hf_model_of(hf_config).save_pretrained(path, **kw)
     return path
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. config.json's dtype key: transformers 5 writes `dtype`, earlier versions `torch_dtype`
+# ---------------------------------------------------------------------------------------------
+
+
+def test_a_checkpoint_whose_config_says_only_dtype_loads_with_its_values(tmp_path):
+    """transformers 5 writes `dtype` (no `torch_dtype`); moefold's import takes the dtype it is
+    asked for whichever key is there, keeping the checkpoint's values."""
+    hf = tmp_path / "hf"
+    hf_model_of(qwen3()).to(torch.bfloat16).save_pretrained(hf)
+    config = _config(hf)
+    assert config["dtype"] == "bfloat16" and "torch_dtype" not in config
+    tensors = safetensors_torch.load_file(hf / "model.safetensors")
+    model = load_pretrained(hf)
+    assert model.tok_embeddings.weight.dtype == torch.float32
+    assert torch.equal(model.tok_embeddings.weight, tensors["model.embed_tokens.weight"].float())
+    assert load_pretrained(hf, dtype=torch.bfloat16).tok_embeddings.weight.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_export_states_its_dtype_under_both_keys(dtype, tmp_path):
+    """`dtype` for transformers >= 4.56 (what its own save writes; it keeps `dtype` where both are
+    given), `torch_dtype` for earlier versions and tools that read that key: the same value."""
+    model = load_pretrained(_saved(qwen3(), tmp_path / "hf"))
+    save_pretrained(model, tmp_path / "out", dtype=dtype)
+    config = _config(tmp_path / "out")
+    name = str(dtype).removeprefix("torch.")
+    assert (config["dtype"], config["torch_dtype"]) == (name, name)
+    assert transformers.AutoConfig.from_pretrained(tmp_path / "out").dtype == dtype
+    assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").dtype == dtype

@@ -546,7 +546,7 @@ def save_pretrained(model: Transformer, path: str | Path, max_shard_bytes: int =
     such as the expert bias keep theirs, and the tensors transformers holds in fp32 in any dtype
     (the family's `keep_fp32`: DeepSeek-V3's router weight and `e_score_correction_bias`) are
     written in fp32; a weight beyond fp16's range is a CheckpointError. config.json's
-    `torch_dtype` is the parameters' dtype. Earlier `model*.safetensors` files, index and config
+    `dtype` and `torch_dtype` are the parameters' dtype. Earlier `model*.safetensors` files, index and config
     in `path` are replaced, all at once: every file is written under a `.partial-` name first and
     renamed only when all are, so a failed export (a full disk) leaves `path` as it was, without a
     truncated shard to load.
@@ -563,7 +563,9 @@ def save_pretrained(model: Transformer, path: str | Path, max_shard_bytes: int =
     keep_fp32 = family_of(model.cfg.model.family, "model.family").keep_fp32
     entries = list(_export_entries(plan, dtype, keep_fp32))
     shards = _assign_shards(entries, max_shard_bytes)
-    hf["torch_dtype"] = _dtype_name(dtype or model.tok_embeddings.weight.dtype)
+    # transformers >= 4.56 reads (and writes) `dtype`, keeping it over `torch_dtype`; earlier
+    # versions and tools reading config.json's raw keys know only `torch_dtype`: both, one value.
+    hf["dtype"] = hf["torch_dtype"] = _dtype_name(dtype or model.tok_embeddings.weight.dtype)
     writes: dict[str, Callable[[Path], Any]] = {
         file: partial(_write_safetensors, entries=shard) for file, shard in shards.items()}
     if len(shards) > 1:

@@ -96,3 +96,34 @@ def test_an_export_states_its_dtype_under_both_keys(dtype, tmp_path):
     assert (config["dtype"], config["torch_dtype"]) == (name, name)
     assert transformers.AutoConfig.from_pretrained(tmp_path / "out").dtype == dtype
     assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").dtype == dtype
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. The tensors transformers holds in fp32, in every conversion
+# ---------------------------------------------------------------------------------------------
+
+
+def _run_checkpoint_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(checkpoint), str(checkpoint.parent / "whole.pt"))
+    return torch.load(checkpoint.parent / "whole.pt")["model"]
+
+
+def test_a_bf16_run_checkpoint_keeps_deepseeks_router_in_fp32(tmp_path):
+    """convert_to_run_checkpoint(dtype=bf16) rounded DeepSeek-V3's router weight to bf16, where
+    load_pretrained(dtype=bf16), convert --to-hf --dtype bf16 and transformers hold it in fp32
+    (its _keep_in_fp32_modules_strict): the same checkpoint as load_pretrained's state dict."""
+    hf = _saved(deepseek_v3(), tmp_path / "hf")
+    theirs = safetensors_torch.load_file(hf / "model.safetensors")
+    _, checkpoint = convert_to_run_checkpoint(hf, tmp_path / "run", dtype=torch.bfloat16)
+    ours = _run_checkpoint_tensors(checkpoint)
+    router = ours["layers.1.ffn.router.weight"]
+    assert router.dtype == torch.float32
+    assert torch.equal(router, theirs["model.layers.1.mlp.gate.weight"])
+    assert ours["layers.1.ffn.router.expert_bias_E"].dtype == torch.float32
+    assert ours["layers.1.ffn.experts.w1_EDF"].dtype == torch.bfloat16
+    reference = load_pretrained(hf, dtype=torch.bfloat16).state_dict()
+    assert ours.keys() == reference.keys()
+    for name, t in reference.items():
+        assert ours[name].dtype == t.dtype and torch.equal(ours[name], t), name

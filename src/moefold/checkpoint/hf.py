@@ -110,6 +110,9 @@ class Plan:
     """HF names that duplicate a moefold tensor (MTP's embedding and head): equal on import, written."""
     aliases: dict[str, str]
     """HF names of tied moefold tensors (a tied `lm_head.weight`): optional, equal on import, not written."""
+    fp32: frozenset[str] = frozenset()
+    """moefold names of the tensors transformers holds in fp32 whatever the model's dtype (the
+    family's `keep_fp32`): loaded, converted to a run and exported in fp32, by this one rule."""
 
 
 def _hf_shape(t: torch.Tensor, expert: int | None) -> tuple[int, ...]:
@@ -166,7 +169,10 @@ def build_plan(model: Transformer) -> Plan:
                for hf, _ in _hf_names(family, name, tensors[alias_of[name]], L)}
     copies = {f"model.layers.{L + k}.{hf}": alias_of.get(ours, ours)
               for k in range(model.cfg.model.mtp_layers) for hf, ours in family.mtp_copies.items()}
-    return Plan(tensors, slots, copies, aliases)
+    keep = family.keep_fp32
+    fp32 = frozenset(slot.ours for hf, slot in slots.items()
+                     if hf.endswith(keep) and tensors[slot.ours].is_floating_point())
+    return Plan(tensors, slots, copies, aliases, fp32)
 
 
 def hf_tensors(model: Transformer, source: dict[str, torch.Tensor] | None = None
@@ -212,11 +218,10 @@ def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32,
 def _keep_fp32(model: Transformer) -> None:
     """The tensors of the family's `keep_fp32` in fp32, as transformers' `from_pretrained` holds
     them in a bf16 or fp16 model (the router reads its weight in fp32 either way)."""
-    keep = family_of(model.cfg.model.family, "model.family").keep_fp32
     plan = build_plan(model)
-    for hf, slot in plan.slots.items():
-        t = plan.tensors[slot.ours]
-        if hf.endswith(keep) and t.is_floating_point() and t.dtype != torch.float32:
+    for ours in plan.fp32:
+        t = plan.tensors[ours]
+        if t.dtype != torch.float32:
             t.data = t.data.float()
 
 
@@ -308,12 +313,14 @@ def _file_backed_state(model: nn.Module, dtype: torch.dtype, scratch: Path) -> d
     """The state dict of meta-device `model` (what `load_pretrained` materialises: floating-point
     parameters in `dtype`, buffers in their own dtype, tied tensors one tensor), each tensor a shared
     mapping of its own file in `scratch`. One file per tensor: DCP writes a tensor that does not span
-    its whole storage through a copy."""
+    its whole storage through a copy. The plan's `fp32` tensors are fp32, as `load_pretrained` holds them."""
+    fp32 = build_plan(model).fp32
     state: dict[str, torch.Tensor] = {}
     made: dict[int, torch.Tensor] = {}
     for name, t in model.state_dict(keep_vars=True).items():
         if id(t) not in made:
             t_dtype = dtype if isinstance(t, nn.Parameter) and t.is_floating_point() else t.dtype
+            t_dtype = torch.float32 if name in fp32 else t_dtype
             if t.numel() == 0:
                 made[id(t)] = torch.empty(t.shape, dtype=t_dtype)
             else:
@@ -560,8 +567,7 @@ def save_pretrained(model: Transformer, path: str | Path, max_shard_bytes: int =
     created = not path.exists()
     path.mkdir(parents=True, exist_ok=True)
     plan = build_plan(model)
-    keep_fp32 = family_of(model.cfg.model.family, "model.family").keep_fp32
-    entries = list(_export_entries(plan, dtype, keep_fp32))
+    entries = list(_export_entries(plan, dtype))
     shards = _assign_shards(entries, max_shard_bytes)
     # transformers >= 4.56 reads (and writes) `dtype`, keeping it over `torch_dtype`; earlier
     # versions and tools reading config.json's raw keys know only `torch_dtype`: both, one value.
@@ -625,13 +631,13 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _export_entries(plan: Plan, dtype: torch.dtype | None, keep_fp32: tuple[str, ...] = ()) -> Iterator[_Entry]:
+def _export_entries(plan: Plan, dtype: torch.dtype | None) -> Iterator[_Entry]:
     params = {id(t) for t in plan.tensors.values() if isinstance(t, nn.Parameter)}
 
     def entry(name: str, ours: str, expert: int | None) -> _Entry:
         t = plan.tensors[ours]
         out_dtype = t.dtype
-        if t.is_floating_point() and name.endswith(keep_fp32):
+        if ours in plan.fp32:
             out_dtype = torch.float32
         elif dtype is not None and id(t) in params and t.is_floating_point():
             out_dtype = dtype

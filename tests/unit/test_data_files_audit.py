@@ -443,7 +443,7 @@ def test_a_directory_without_data_files_is_one_line(tmp_path):
     _write(data / "README.md", "notes")
     (data / "sub").mkdir()
     with pytest.raises(DataError, match=r"^data\.path=.*data: no \.txt, \.jsonl, \.parquet, "
-                                        r"\.npy or \.bin files found$"):
+                                        r"\.npy or \.bin files found \(found 1 \.md\)$"):
         streams_of(data)
 
 

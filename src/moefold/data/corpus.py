@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from moefold.config import DataConfig
-from moefold.data.formats import (DataFile, Document, find_data_files, open_token_file,
-                                  read_documents, stdlib_files)
+from moefold.data.formats import (DataFile, DataSearch, Document, open_token_file,
+                                  read_documents, search_data_path, stdlib_files)
 from moefold.data.loader import Vocabulary
 from moefold.data.tokenizer import Tokenizer
 from moefold.errors import DataError
@@ -52,17 +52,22 @@ def build_token_streams(data_cfg: DataConfig, tokenizer: Tokenizer, *,
     larger than the tokenizer's.
     """
     if data_cfg.path:
-        files, label = find_data_files(data_cfg.path), data_cfg.path
+        search, label = search_data_path(data_cfg.path), data_cfg.path
     else:
-        files, label = stdlib_files(), f"python{sys.version_info[0]}.{sys.version_info[1]} stdlib"
+        search = DataSearch(stdlib_files(), {})
+        label = f"python{sys.version_info[0]}.{sys.version_info[1]} stdlib"
+    files = search.files
     vocab = Vocabulary(vocab_size or tokenizer.vocab_size, tokenizer.name, label)
     if files[0].is_tokens:
-        return _token_file_streams(files, label, data_cfg, tokenizer, vocab)
-    if data_cfg.eos_id >= 0:  # refused rather than ignored: text takes the tokenizer's EOS
+        streams = _token_file_streams(files, label, data_cfg, tokenizer, vocab)
+    elif data_cfg.eos_id >= 0:  # refused rather than ignored: text takes the tokenizer's EOS
         raise DataError(f"data.eos_id={data_cfg.eos_id}: applies only to token files (.npy, .bin), "
                         f"but data.path={label} is text, whose documents end with the EOS of "
                         f"tokenizer {tokenizer.name} ({tokenizer.eos_id}); leave data.eos_id at -1")
-    return _text_streams(files, label, data_cfg, tokenizer, vocab)
+    else:
+        streams = _text_streams(files, label, data_cfg, tokenizer, vocab)
+    streams.source += search.skipped_note()
+    return streams
 
 
 def stream_dtype(vocab_size: int) -> np.dtype:

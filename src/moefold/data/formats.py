@@ -14,6 +14,7 @@ import os
 import re
 import stat
 import sysconfig
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ TOKEN_SUFFIXES = (".npy", ".bin")
 SUFFIXES = TEXT_SUFFIXES + TOKEN_SUFFIXES
 ALLOWED = ".txt, .jsonl, .parquet, .npy or .bin"
 _THIRD_PARTY_DIRS = ("site-packages", "dist-packages")
+_COMPRESSED = (".gz", ".zst", ".bz2", ".xz", ".zip", ".lz4")
 _NPY_MAGIC = b"\x93NUMPY"
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # json.loads joins the valid pairs
 
@@ -83,44 +85,90 @@ def stdlib_files() -> list[DataFile]:
     return sorted(files, key=lambda f: f.name)
 
 
+@dataclass(frozen=True)
+class DataSearch:
+    files: list[DataFile]
+    """The files read, sorted by name."""
+    skipped: dict[str, int]
+    """Files under a data.path directory of types the loader does not read: count per type."""
+
+    def skipped_note(self) -> str:
+        """'' or "; skipped 3 files of types the loader does not read (2 .json.gz, 1 .md)"."""
+        if not self.skipped:
+            return ""
+        count = sum(self.skipped.values())
+        return (f"; skipped {count} file{'' if count == 1 else 's'} of types the loader does not "
+                f"read ({_kinds(self.skipped)})")
+
+
 def find_data_files(data_path: str) -> list[DataFile]:
     """The data files `data.path` names (a file, or a directory searched recursively), sorted."""
+    return search_data_path(data_path).files
+
+
+def search_data_path(data_path: str) -> DataSearch:
+    """`find_data_files`, with the count of the files passed over (said on the source line: a
+    directory of .json.gz shards beside one .txt would otherwise train on the .txt alone)."""
     root = Path(data_path)
     try:
-        files = _locate_files(root, data_path)
+        search = _locate_files(root, data_path)
     except OSError as e:  # stat under a directory without search (x) permission: EACCES
         raise _unreadable(e, root, data_path) from None
-    for file in files:
+    for file in search.files:
         _check_file(file)
-    if len({file.is_tokens for file in files}) > 1:
+    if len({file.is_tokens for file in search.files}) > 1:
         raise DataError(f"data.path={data_path}: mixes text files (.txt, .jsonl, .parquet) with "
                         "token files (.npy, .bin); point data.path at one kind")
-    return files
+    return search
 
 
-def _locate_files(root: Path, data_path: str) -> list[DataFile]:
+def _locate_files(root: Path, data_path: str) -> DataSearch:
     if not root.exists():
         raise DataError(f"data.path={data_path}: no such file or directory")
-    if root.is_dir():
-        # Not filtered by is_file(): a broken symlink to a data file is an error, not less data.
-        paths = [p for p in _walk_files(root, data_path) if p.suffix.lower() in SUFFIXES]
-        if not paths:
-            raise DataError(f"data.path={data_path}: no {ALLOWED} files found")
-        files = sorted((_data_file(p, p.relative_to(root).as_posix(), data_path) for p in paths),
-                       key=lambda f: f.name)
-        return _first_of_each_file(files)
-    return [_data_file(root, root.name, data_path)]
+    if not root.is_dir():
+        return DataSearch([_data_file(root, root.name, data_path)], {})
+    # Not filtered by is_file(): a broken symlink to a data file is an error, not less data.
+    walked = _walk_files(root, data_path)
+    paths = [p for p in walked if p.suffix.lower() in SUFFIXES]
+    skipped = Counter(_kind(p) for p in walked if p.suffix.lower() not in SUFFIXES)
+    if not paths:
+        raise DataError(f"data.path={data_path}: no {ALLOWED} files found ({_found(skipped)})")
+    files = sorted((_data_file(p, p.relative_to(root).as_posix(), data_path) for p in paths),
+                   key=lambda f: f.name)
+    return DataSearch(_first_of_each_file(files), dict(skipped))
+
+
+def _kind(path: Path) -> str:
+    """A file's type as a user names it: .json.gz for a compressed shard, not .gz."""
+    suffixes = path.suffixes[-2:] if path.suffix.lower() in _COMPRESSED else path.suffixes[-1:]
+    return "".join(suffixes).lower() or "(no suffix)"
+
+
+def _kinds(counts: dict[str, int]) -> str:
+    """'3 .json.gz, 1 .md': the most frequent first, ties by name (not walk order)."""
+    return ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items(),
+                                                         key=lambda item: (-item[1], item[0])))
+
+
+def _found(skipped: Counter) -> str:
+    if not skipped:
+        return "the directory holds no files"
+    compressed = any(Path(kind).suffix in _COMPRESSED for kind in skipped)
+    return f"found {_kinds(skipped)}" + ("; decompress them" if compressed else "")
 
 
 def _first_of_each_file(files: list[DataFile]) -> list[DataFile]:
-    """One entry per file on disk, the first name of each: a symlink to a file already read (b.txt
-    -> a.txt) would give its documents double weight."""
-    seen: set[str] = set()
+    """One entry per file on disk, the first name of each: a symlink (b.txt -> a.txt) or a hard
+    link to a file already read would give its documents double weight."""
+    seen: set[object] = set()
     unique = []
     for file in files:
-        real = os.path.realpath(file.path)
-        if real not in seen:
-            seen.add(real)
+        status = file.path.stat()
+        # (st_dev, st_ino) names a file whatever links reach it; a file system without inode
+        # numbers (0) falls back to the resolved path.
+        key = (status.st_dev, status.st_ino) if status.st_ino else os.path.realpath(file.path)
+        if key not in seen:
+            seen.add(key)
             unique.append(file)
     return unique
 
@@ -210,8 +258,9 @@ def read_documents(file: DataFile, text_field: str) -> Iterator[Document]:
 def _whole_file_document(file: DataFile, text_field: str) -> Iterator[Document]:
     raw = file.path.read_bytes()
     _refuse_utf16(file, raw)
-    # Undecodable bytes become U+FFFD rather than failing a whole corpus over one stray byte.
-    text = raw.decode("utf-8", errors="replace")
+    # Undecodable bytes become U+FFFD rather than failing a whole corpus over one stray byte; a
+    # leading UTF-8 byte-order mark (Windows Notepad writes one) is no text, as in .jsonl files.
+    text = raw.decode("utf-8-sig", errors="replace")
     if text:
         yield Document(file.name, text)
 

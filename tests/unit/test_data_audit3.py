@@ -1,0 +1,130 @@
+"""Audit of moefold.data (third pass) against independent readings: os.stat's (st_dev, st_ino) for
+which paths are one file, Python's utf-8-sig codec for byte-order marks, a naive walk for the files
+skipped."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from moefold.config import DataConfig
+from moefold.data import ByteTokenizer, PackedSequences, TrainLoader, build_token_streams
+from moefold.data.formats import find_data_files
+from moefold.errors import DataError
+
+BYTES = ByteTokenizer()
+EOS = BYTES.eos_id
+BOM = b"\xef\xbb\xbf"
+
+
+def streams_of(path: Path, **overrides):
+    return build_token_streams(DataConfig(path=str(path), **overrides), BYTES)
+
+
+def all_ids(path: Path) -> list[int]:
+    streams = streams_of(path, val_fraction=0.0)
+    return streams.train_N.tolist()
+
+
+def _write(path: Path, data: bytes | str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data.encode("utf-8") if isinstance(data, str) else data)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Hard links: one file on disk, one weight
+# ---------------------------------------------------------------------------------------------
+
+
+def _unique_by_inode(paths: list[Path]) -> list[str]:
+    """Naive reference: sorted relative names, the first of each (st_dev, st_ino)."""
+    seen, names = set(), []
+    for path in paths:
+        st = os.stat(path)
+        if (st.st_dev, st.st_ino) not in seen:
+            seen.add((st.st_dev, st.st_ino))
+            names.append(path)
+    return names
+
+
+def test_hard_links_to_one_file_are_read_once_under_the_first_name(tmp_path):
+    data = tmp_path / "data"
+    a = _write(data / "sub" / "a.txt", "alpha document")
+    _write(data / "m.txt", "middle")
+    os.link(a, data / "b.txt")  # sorts before sub/a.txt: it is the name kept
+    (data / "z").mkdir()
+    os.link(a, data / "z" / "c.txt")
+    names = sorted(p.relative_to(data).as_posix() for p in data.rglob("*.txt"))
+    expected = _unique_by_inode([data / n for n in names])
+    assert [f.name for f in find_data_files(str(data))] == [
+        p.relative_to(data).as_posix() for p in expected] == ["b.txt", "m.txt"]
+    ids = all_ids(data)
+    assert ids == list(b"alpha document") + [EOS] + list(b"middle") + [EOS]
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. A UTF-8 byte-order mark is no text
+# ---------------------------------------------------------------------------------------------
+
+
+def test_a_leading_utf8_bom_in_a_txt_file_is_dropped_as_utf8_sig_does(tmp_path):
+    raw = BOM + "héllo\ufeffworld\n".encode("utf-8")  # a BOM further on is text (ZWNBSP)
+    _write(tmp_path / "a.txt", raw)
+    assert all_ids(tmp_path / "a.txt") == list(raw.decode("utf-8-sig").encode("utf-8")) + [EOS]
+    assert all_ids(tmp_path / "a.txt")[:1] == [ord("h")]
+
+
+def test_a_bom_on_jsonl_lines_is_dropped_as_utf8_sig_does(tmp_path):
+    lines = [BOM + json.dumps({"text": "one"}).encode(), json.dumps({"text": "\ufefftwo"}).encode()]
+    _write(tmp_path / "a.jsonl", b"\n".join(lines) + b"\n")
+    expected = [json.loads(line.decode("utf-8-sig"))["text"] for line in lines]
+    assert expected == ["one", "\ufefftwo"]  # a BOM inside a string is the document's own
+    assert all_ids(tmp_path / "a.jsonl") == [i for text in expected
+                                             for i in list(text.encode("utf-8")) + [EOS]]
+
+
+def test_a_txt_file_of_only_a_bom_is_no_document(tmp_path):
+    _write(tmp_path / "data" / "a.txt", "text")
+    _write(tmp_path / "data" / "b.txt", BOM)
+    with pytest.raises(DataError, match=r"b\.txt: no documents"):
+        streams_of(tmp_path / "data")
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Files of other types are said, not silently passed over
+# ---------------------------------------------------------------------------------------------
+
+
+def test_files_the_loader_does_not_read_are_counted_on_the_source_line(tmp_path):
+    data = tmp_path / "data"
+    _write(data / "a.txt", "the only document read")
+    for name in ("s0.json.gz", "s1.json.gz", "sub/s2.json.gz", "meta.json", "README"):
+        _write(data / name, "x")
+    _write(data / ".hidden.gz", "x")  # hidden entries are no data, not "skipped"
+    source = streams_of(data, val_fraction=0.0).source
+    assert source == (f"{data}: 1 file, 0.0 MB; skipped 5 files of types the loader does not read"
+                      f" (3 .json.gz, 1 (no suffix), 1 .json)"), source
+
+
+def test_a_directory_of_only_unreadable_types_names_what_it_found_and_what_is_allowed(tmp_path):
+    data = tmp_path / "data"
+    for i in range(3):
+        _write(data / f"shard{i}.jsonl.gz", "x")
+    _write(data / "shard.parquet.zst", "x")
+    with pytest.raises(DataError) as info:
+        streams_of(data)
+    message = str(info.value)
+    assert message == (f"data.path={data}: no .txt, .jsonl, .parquet, .npy or .bin files found "
+                       "(found 3 .jsonl.gz, 1 .parquet.zst; decompress them)"), message
+
+
+def test_an_empty_directory_says_it_is_empty(tmp_path):
+    (tmp_path / "data" / "sub").mkdir(parents=True)
+    with pytest.raises(DataError, match=r"files found \(the directory holds no files\)$"):
+        streams_of(tmp_path / "data")

@@ -1,6 +1,6 @@
 """Audit of moefold.data (third pass) against independent readings: os.stat's (st_dev, st_ino) for
 which paths are one file, Python's utf-8-sig codec for byte-order marks, a naive walk for the files
-skipped."""
+skipped, torch.randperm for the epoch order."""
 
 from __future__ import annotations
 
@@ -128,3 +128,19 @@ def test_an_empty_directory_says_it_is_empty(tmp_path):
     (tmp_path / "data" / "sub").mkdir(parents=True)
     with pytest.raises(DataError, match=r"files found \(the directory holds no files\)$"):
         streams_of(tmp_path / "data")
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. The epoch order: torch.randperm's, in 4 bytes an index
+# ---------------------------------------------------------------------------------------------
+
+
+def test_the_epoch_order_is_randperm_of_the_seed_held_in_int32():
+    sequences = PackedSequences(np.arange(1001 * 8 + 1), 8)
+    loader = TrainLoader(sequences, 4, seed=7, eos_id=-1)
+    for epoch in (0, 3):
+        generator = torch.Generator().manual_seed(7 * 1_000_003 + epoch)
+        reference_N = torch.randperm(1001, generator=generator)  # int64: the order saved runs had
+        order_N = loader.epoch_order(epoch)
+        assert torch.equal(order_N.long(), reference_N)
+        assert order_N.element_size() == 4, order_N.dtype  # 244M sequences: 1 GB, not 2

@@ -145,14 +145,17 @@ class TrainLoader:
         self._step_batch = 0  # index in its step of the next micro-batch; a checkpoint is at 0
         self.epoch = 0
         self.cursor = 0  # position in this epoch's permutation of the next batch's first sequence
-        self._order_epoch, self._order_N = -1, torch.empty(0, dtype=torch.int64)
+        self._order_epoch, self._order_N = -1, torch.empty(0, dtype=torch.int32)
 
     def epoch_order(self, epoch: int) -> torch.Tensor:
         """The permutation of sequence indices that epoch `epoch` visits."""
         if epoch != self._order_epoch:
             # Wrapped to 64 bits: manual_seed refuses more, and train.seed may be up to 2**63 - 1.
             generator = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) % 2**64)
-            self._order_N = torch.randperm(len(self.sequences), generator=generator)
+            # int32 where it holds every index: the same permutation as int64 (randperm draws
+            # alike in every dtype) in half the memory, ~1 GB less per rank at 10^12 tokens.
+            dtype = torch.int32 if len(self.sequences) <= 2**31 else torch.int64
+            self._order_N = torch.randperm(len(self.sequences), generator=generator, dtype=dtype)
             self._order_epoch = epoch
         return self._order_N
 

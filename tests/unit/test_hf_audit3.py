@@ -127,3 +127,30 @@ def test_a_bf16_run_checkpoint_keeps_deepseeks_router_in_fp32(tmp_path):
     assert ours.keys() == reference.keys()
     for name, t in reference.items():
         assert ours[name].dtype == t.dtype and torch.equal(ours[name], t), name
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. A DeepSeek-V3 checkpoint without MTP layers (every one transformers saves)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("key", ["written", "absent"])
+def test_a_deepseek_checkpoint_without_mtp_tensors_loads_without_mtp_silently(key, tmp_path, capsys):
+    """transformers' DeepseekV3 has no MTP layer: its save writes num_nextn_predict_layers=1 (its
+    config's default) and no layer-L tensors, and its load builds none and says nothing. moefold
+    warned 'config.json asks for 1 MTP layer(s) ...' on every such checkpoint; it now builds no
+    MTP module, as transformers, silently."""
+    hf = _saved(deepseek_v3(num_nextn_predict_layers=1), tmp_path / "hf")
+    config = _config(hf)
+    assert config["num_nextn_predict_layers"] == 1
+    if key == "absent":
+        del config["num_nextn_predict_layers"]
+        (hf / "config.json").write_text(json.dumps(config))
+    capsys.readouterr()  # transformers' save's progress bar
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = load_pretrained(hf)
+        assert model.mtp is None and model.cfg.model.mtp_layers == 0
+        assert main(["convert", "--from-hf", str(hf), "--out", str(tmp_path / "run")]) == 0
+    assert capsys.readouterr().err == ""
+    assert "mtp_layers = 0" in (tmp_path / "run" / "config.toml").read_text()

@@ -411,11 +411,11 @@ def test_mtp_module_matches_transformers_mtp_layer(checkpoints):
 
 
 def test_checkpoint_without_mtp_layers_loads_without_mtp(checkpoints, tmp_path):
-    """transformers writes num_nextn_predict_layers=1 but never the MTP layer itself."""
+    """transformers writes num_nextn_predict_layers=1 but never the MTP layer itself (silent:
+    test_hf_audit3's test_a_deepseek_checkpoint_without_mtp_tensors_loads_without_mtp_silently)."""
     hf = hf_model_of(deepseek_v3(num_nextn_predict_layers=1))
     hf.save_pretrained(tmp_path)
-    with pytest.warns(UserWarning, match="no model.layers.2"):
-        ours = load_pretrained(tmp_path)
+    ours = load_pretrained(tmp_path)
     assert ours.mtp is None and ours.cfg.model.mtp_layers == 0
 
 

@@ -24,7 +24,6 @@ import os
 import re
 import shutil
 import struct
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
@@ -240,7 +239,7 @@ def pretrained_on_meta(path: str | Path, device_type: str = "cpu", dtype: torch.
     file_of = _tensor_files(path)
     _drop_absent_mtp(own_cfg, file_of)
     if cfg is not None:
-        _drop_absent_mtp(cfg, file_of, warn=False)  # warned once above
+        _drop_absent_mtp(cfg, file_of)
     model_cfg = cfg or own_cfg
     with torch.device("meta"):
         model = build_model(model_cfg, model_cfg.model.vocab_size, device_type, dtype)
@@ -383,15 +382,12 @@ def _refuse_other_shapes(model: nn.Module, own: nn.Module, path: Path) -> None:
                               "override only what keeps the checkpoint's shapes")
 
 
-def _drop_absent_mtp(cfg: Config, file_of: dict[str, Path], warn: bool = True) -> None:
-    """transformers' DeepseekV3 writes num_nextn_predict_layers but not the MTP layers themselves:
-    such a checkpoint loads without MTP modules (with a warning). Partly present MTP layers stay an
-    error (missing tensors)."""
+def _drop_absent_mtp(cfg: Config, file_of: dict[str, Path]) -> None:
+    """transformers' DeepseekV3 has no MTP layer: its save writes num_nextn_predict_layers (its
+    config's default 1) but no layer-L tensors, and its load builds none. Such a checkpoint loads
+    without MTP modules, silently, as there. Partly present MTP layers stay an error (missing tensors)."""
     first_mtp = f"model.layers.{cfg.model.n_layers}."
     if cfg.model.mtp_layers and not any(name.startswith(first_mtp) for name in file_of):
-        if warn:
-            warnings.warn(f"config.json asks for {cfg.model.mtp_layers} MTP layer(s) but the checkpoint "
-                          f"has no {first_mtp}* tensors: loading without MTP modules", stacklevel=3)
         cfg.model.mtp_layers = 0
 
 

@@ -144,3 +144,16 @@ def test_the_epoch_order_is_randperm_of_the_seed_held_in_int32():
         order_N = loader.epoch_order(epoch)
         assert torch.equal(order_N.long(), reference_N)
         assert order_N.element_size() == 4, order_N.dtype  # 244M sequences: 1 GB, not 2
+
+
+def test_a_jsonl_line_of_only_a_bom_is_blank_as_utf8_sig_reads_it(tmp_path):
+    """Notepad's BOM on a blank first line; `cat` of two such files puts one mid-file."""
+    raw = BOM + b"\r\n" + b'{"text": "one"}\r\n' + BOM + b"\n" + BOM + b'{"text": "two"}\n'
+    _write(tmp_path / "a.jsonl", raw)
+    with open(tmp_path / "a.jsonl", encoding="utf-8-sig") as f:  # the first line's BOM only
+        lines = [line.removeprefix("\ufeff") for line in f]
+    expected = [json.loads(line)["text"] for line in lines if line.strip()]
+    assert expected == ["one", "two"]
+    assert all_ids(tmp_path / "a.jsonl") == [i for text in expected
+                                             for i in list(text.encode("utf-8")) + [EOS]]
+

@@ -30,6 +30,7 @@ ALLOWED = ".txt, .jsonl, .parquet, .npy or .bin"
 _THIRD_PARTY_DIRS = ("site-packages", "dist-packages")
 _COMPRESSED = (".gz", ".zst", ".bz2", ".xz", ".zip", ".lz4")
 _NPY_MAGIC = b"\x93NUMPY"
+_UTF8_BOM = b"\xef\xbb\xbf"
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # json.loads joins the valid pairs
 
 
@@ -278,7 +279,7 @@ def _jsonl_documents(file: DataFile, text_field: str) -> Iterator[Document]:
         for line_no, line in enumerate(f, start=1):
             if line_no == 1:
                 _refuse_utf16(file, line)
-            if not line.strip():
+            if not line.removeprefix(_UTF8_BOM).strip():  # a blank line, BOM or not
                 continue
             try:
                 # Undecodable bytes become U+FFFD, as in .txt files; a leading BOM is dropped.

@@ -1,6 +1,7 @@
 """Audit of moefold.data (third pass) against independent readings: os.stat's (st_dev, st_ino) for
 which paths are one file, Python's utf-8-sig codec for byte-order marks, a naive walk for the files
-skipped, torch.randperm for the epoch order."""
+skipped, torch.randperm for the epoch order, naive step and validation orders for resumes and
+data-parallel splits."""
 
 from __future__ import annotations
 
@@ -157,3 +158,77 @@ def test_a_jsonl_line_of_only_a_bom_is_blank_as_utf8_sig_reads_it(tmp_path):
     assert all_ids(tmp_path / "a.jsonl") == [i for text in expected
                                              for i in list(text.encode("utf-8")) + [EOS]]
 
+
+# ---------------------------------------------------------------------------------------------
+# Resume and data-parallel splits against a naive reference order
+# ---------------------------------------------------------------------------------------------
+
+SEQ = 4
+
+
+def _reference_steps(num_sequences: int, seed: int, step_size: int, steps: int) -> list[list[int]]:
+    """Naive reference: epoch e is randperm(n, seed * 1_000_003 + e) cut into whole steps, the
+    rest dropped (step_size <= n)."""
+    out, epoch = [], 0
+    while len(out) < steps:
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+        order = torch.randperm(num_sequences, generator=generator).tolist()
+        out += [order[j:j + step_size] for j in range(0, num_sequences - step_size + 1, step_size)]
+        epoch += 1
+    return out[:steps]
+
+
+def _loader(num_sequences: int, seed: int, micro: int, dp: int, accum: int) -> TrainLoader:
+    sequences = PackedSequences(np.arange(num_sequences * SEQ + 1), SEQ)
+    return TrainLoader(sequences, micro * dp, seed, eos_id=-1, step_size=micro * dp * accum)
+
+
+def _run_steps(loader: TrainLoader, dp: int, accum: int, steps: int) -> list[list[int]]:
+    """Each step's sequences as the data ranks' rows (tensor_split, as the trainer takes them),
+    rank by rank within each micro-batch, micro-batch by micro-batch."""
+    out = []
+    for _ in range(steps):
+        step = []
+        for _ in range(accum):
+            rows_B = loader.next_batch().input_ids_BS[:, 0] // SEQ
+            step += [i for part in rows_B.tensor_split(dp) for i in part.tolist()]
+        out.append(step)
+    return out
+
+
+@pytest.mark.parametrize("num_sequences", [24, 29, 37])
+def test_resuming_mid_epoch_under_any_split_gives_the_reference_steps(num_sequences):
+    """A global step of 12 sequences, as (micro, dp, accum) = (12, 1, 1) ... (1, 4, 3); a run cut
+    at every step and resumed under each other split trains what an uninterrupted run does."""
+    splits = [(12, 1, 1), (6, 2, 1), (3, 4, 1), (2, 2, 3), (1, 4, 3), (2, 1, 6)]
+    steps, seed = 9, 5
+    reference = _reference_steps(num_sequences, seed, 12, steps)
+    for micro, dp, accum in splits:
+        assert _run_steps(_loader(num_sequences, seed, micro, dp, accum), dp, accum,
+                          steps) == reference, (micro, dp, accum)
+    for cut in range(1, steps):
+        first = splits[cut % len(splits)]
+        then = splits[(cut * 5 + 1) % len(splits)]
+        loader = _loader(num_sequences, seed, *first)
+        before = _run_steps(loader, first[1], first[2], cut)
+        resumed = _loader(num_sequences, seed, *then)
+        resumed.load_state_dict(dict(loader.state_dict()))
+        after = _run_steps(resumed, then[1], then[2], steps - cut)
+        assert before + after == reference, (cut, first, then)
+
+
+@pytest.mark.parametrize("num_sequences, micro, num_batches", [(10, 3, 5), (7, 2, 2), (2, 3, 4)])
+def test_validation_holds_the_same_sequences_on_any_number_of_data_ranks(num_sequences, micro,
+                                                                         num_batches):
+    from moefold.data import val_batches
+
+    sequences = PackedSequences(np.arange(num_sequences * SEQ + 1), SEQ)
+    # Naive reference: the first num_batches · micro sequences in stream order, at least one batch,
+    # never past the end (whole batches of min(micro, n)).
+    b = min(micro, num_sequences)
+    expected = list(range(max(1, min(num_batches, num_sequences // b)) * b))
+    for dp in (1, 2, 3, 4):
+        batches = val_batches(sequences, micro, num_batches, -1, data_ranks=dp)
+        seen = [i for batch in batches for i in (batch.input_ids_BS[:, 0] // SEQ).tolist()]
+        assert seen == expected, dp
+        assert all(len(batch.input_ids_BS) <= b * dp for batch in batches)

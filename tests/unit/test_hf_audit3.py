@@ -154,3 +154,46 @@ def test_a_deepseek_checkpoint_without_mtp_tensors_loads_without_mtp_silently(ke
         assert main(["convert", "--from-hf", str(hf), "--out", str(tmp_path / "run")]) == 0
     assert capsys.readouterr().err == ""
     assert "mtp_layers = 0" in (tmp_path / "run" / "config.toml").read_text()
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input: one line, exit status 2
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sharded_qwen(tmp_path_factory):
+    path = tmp_path_factory.mktemp("sharded") / "hf"
+    hf_model_of(qwen3()).save_pretrained(path, max_shard_size="20KB")
+    return path
+
+
+def _with_config(src: Path, dst: Path, **changes) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    config = {**_config(src), **changes}
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def _one_line_exit_2(argv, capsys) -> str:
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    return err[0]
+
+
+@pytest.mark.parametrize("value", [["qwen3_moe"], 3, {"name": "qwen3_moe"}])
+def test_a_model_type_that_is_no_string_is_a_one_line_error(value, sharded_qwen, tmp_path, capsys):
+    """model_type as a list (or any unhashable JSON value) ended convert --from-hf and
+    --init-from-hf in a TypeError traceback ('unhashable type: list')."""
+    hf = _with_config(sharded_qwen, tmp_path / "hf", model_type=value)
+    expected = f"config.json: model_type={value!r} is not supported"
+    assert expected in _one_line_exit_2(["convert", "--from-hf", str(hf), "--out", str(tmp_path / "run")], capsys)
+    assert not (tmp_path / "run").exists()
+    assert expected in _one_line_exit_2(["train", "--init-from-hf", str(hf), "--run-dir", str(tmp_path / "train"),
+                                         "--train.steps", "1", "--train.warmup_steps", "0"], capsys)
+    with pytest.raises(CheckpointError, match="model_type="):
+        config_from_hf(_config(hf))

@@ -509,6 +509,6 @@ FAMILIES = {
 
 
 def family_of(name: str, where: str) -> Family:
-    if name not in FAMILIES:
+    if not isinstance(name, str) or name not in FAMILIES:  # a JSON list or object is unhashable
         raise CheckpointError(f"{where}={name!r} is not supported (supported: {', '.join(FAMILIES)})")
     return FAMILIES[name]

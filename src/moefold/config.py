@@ -316,8 +316,9 @@ class DataConfig:
     """Field holding the text in .jsonl and .parquet files."""
     token_dtype: str = "uint16"
     """Element type of pre-tokenized .bin files: uint16 or uint32. A .bin file has no header to
-    check it against: uint32 ids read as uint16 are other ids (only those beyond the vocabulary
-    are caught); .npy files carry their dtype."""
+    check it against: uint32 ids read as uint16 are refused (every second one is 0), uint16 ids
+    read as uint32 are other ids (only those beyond the vocabulary are caught); .npy files carry
+    their dtype."""
     eos_id: int = -1
     """End-of-document token id in pre-tokenized files (.npy, .bin); -1 takes the tokenizer's. Text
     data always takes the tokenizer's (another value is refused)."""

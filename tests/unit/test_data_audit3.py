@@ -232,3 +232,35 @@ def test_validation_holds_the_same_sequences_on_any_number_of_data_ranks(num_seq
         seen = [i for batch in batches for i in (batch.input_ids_BS[:, 0] // SEQ).tolist()]
         assert seen == expected, dp
         assert all(len(batch.input_ids_BS) <= b * dp for batch in batches)
+
+
+# ---------------------------------------------------------------------------------------------
+# .bin width: uint32 ids read as uint16
+# ---------------------------------------------------------------------------------------------
+
+
+def test_uint32_ids_read_as_uint16_are_refused_not_trained_as_other_ids(tmp_path):
+    """Little-endian uint32 ids below 65,536 read as uint16 are each id then a 0 (np.frombuffer
+    says so): every one inside the vocabulary, so no id check caught it."""
+    ids_N = np.random.default_rng(0).integers(1, 250, 5000).astype(np.uint32)
+    ids_N.tofile(tmp_path / "a.bin")
+    as_uint16 = np.fromfile(tmp_path / "a.bin", dtype=np.uint16)
+    assert (as_uint16[1::2] == 0).all() and (as_uint16[0::2] == ids_N).all()  # the misreading
+    with pytest.raises(DataError, match=r"a\.bin: .*every second uint16 id is 0.*"
+                                        r"data\.token_dtype=uint32"):
+        streams_of(tmp_path / "a.bin", val_fraction=0.0)
+    right = streams_of(tmp_path / "a.bin", val_fraction=0.0, token_dtype="uint32")
+    assert right.train_N.tolist() == ids_N.tolist()
+
+
+def test_uint16_ids_with_zeros_among_them_are_read_as_uint16(tmp_path):
+    """Id 0 is an ordinary token (byte 0, GPT-2's '!'): a file where it is frequent, even at most
+    odd positions, is not mistaken for uint32."""
+    ids_N = np.zeros(5000, dtype=np.uint16)
+    ids_N[0::2] = np.random.default_rng(1).integers(1, 250, 2500)
+    ids_N[4001] = 7  # one nonzero odd position
+    ids_N.tofile(tmp_path / "a.bin")
+    assert streams_of(tmp_path / "a.bin", val_fraction=0.0).train_N.tolist() == ids_N.tolist()
+    short_N = np.array([3, 0, 5, 0], dtype=np.uint16)  # too short to judge
+    short_N.tofile(tmp_path / "b.bin")
+    assert streams_of(tmp_path / "b.bin", val_fraction=0.0).train_N.tolist() == short_N.tolist()

@@ -197,3 +197,47 @@ def test_a_model_type_that_is_no_string_is_a_one_line_error(value, sharded_qwen,
                                          "--train.steps", "1", "--train.warmup_steps", "0"], capsys)
     with pytest.raises(CheckpointError, match="model_type="):
         config_from_hf(_config(hf))
+
+
+# ---------------------------------------------------------------------------------------------
+# Round trips moefold -> Hugging Face -> moefold, tied and sharded, against transformers
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("preset, extra", [
+    ("tiny-deepseek", {"model.mtp_layers": "1"}),  # MTP's copy of the head is the tied embedding
+    ("tiny-mixtral", {}),
+    ("tiny-qwen3", {}),
+])
+def test_a_tied_model_exports_sharded_and_comes_back(preset, extra, tmp_path):
+    """A moefold model with a tied head, written in shards with an index: transformers loads it
+    with moefold's logits (lm_head not written: tied), moefold loads it back bit for bit, and
+    transformers' own save of it loads into moefold with transformers' logits."""
+    from test_hf_interop import SEQ, assert_rel_close, hf_load, randomize_ours
+
+    from moefold.config import load_config
+    from moefold.models.transformer import build_model
+
+    cfg = load_config(preset, {"model.vocab_size": str(VOCAB), "model.tie_embeddings": "true", **extra})
+    ours = build_model(cfg, VOCAB)
+    randomize_ours(ours, seed=5)
+    save_pretrained(ours.eval(), tmp_path / "ours", max_shard_bytes=30_000)
+    files = {p.name for p in (tmp_path / "ours").iterdir()}
+    assert "model.safetensors.index.json" in files and len([f for f in files if f.endswith(".safetensors")]) > 2
+    index = json.loads((tmp_path / "ours" / "model.safetensors.index.json").read_text())
+    assert "lm_head.weight" not in index["weight_map"]
+    assert _config(tmp_path / "ours")["tie_word_embeddings"] is True
+    hf, info = hf_load(tmp_path / "ours")
+    assert not info["missing_keys"] and not info["mismatched_keys"]
+    assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
+    ids = torch.randint(0, VOCAB, (2, 2 * SEQ), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        assert_rel_close(ours(ids), hf(ids).logits, 1e-5, "logits")
+    again = load_pretrained(tmp_path / "ours")
+    assert again.output.weight is again.tok_embeddings.weight
+    assert again.cfg.model.mtp_layers == cfg.model.mtp_layers
+    for name, t in ours.state_dict().items():
+        assert torch.equal(again.state_dict()[name], t), name
+    hf.save_pretrained(tmp_path / "theirs")
+    with torch.no_grad():
+        assert_rel_close(load_pretrained(tmp_path / "theirs")(ids), hf(ids).logits, 1e-5, "logits")

@@ -584,8 +584,34 @@ def load_config(preset: str | None = None, overrides: dict[str, Any] | None = No
 
 def config_from_toml(path: Path, overrides: dict[str, Any] | None = None) -> Config:
     """The config a run saved (`<run_dir>/config.toml`), with overrides, validated; its errors name
-    the file (a --resume or --run-dir gave it, never --config)."""
-    return load_config(str(path), overrides, label=str(path))
+    the file (a --resume or --run-dir gave it, never --config). `read_run_config` says what it drops."""
+    return read_run_config(path, overrides)[0]
+
+
+def read_run_config(path: Path, overrides: dict[str, Any] | None = None) -> tuple[Config, list[str]]:
+    """`config_from_toml`, and a note for each option of the file that has no effect: an older
+    moefold accepted and saved it, so the run must still resume (or generate) without it; it is
+    dropped (`InertOptionError.unset`). The overrides are checked after, as a fresh run's."""
+    label = str(path)
+    cfg = Config()
+    apply_overrides(cfg, flatten_table(read_preset(label, label), label), source=label)
+    dropped: dict[str, str] = {}
+    while True:  # one error at a time: each drop lets validate reach the next
+        try:
+            validate(cfg)
+        except InertOptionError as error:
+            if error.key in dropped:  # two checks disagree on its neutral value: refuse, never loop
+                raise
+            section, name = error.key.split(".")
+            setattr(getattr(cfg, section), name, error.unset)
+            dropped[error.key] = f"note: {label}: {error}; the resumed run drops it (it had no effect)"
+            continue
+        except ConfigError:
+            pass  # another error, which an override may fix: the validate below says
+        break
+    apply_overrides(cfg, overrides or {})
+    validate(cfg)
+    return cfg, list(dropped.values())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -626,6 +652,27 @@ def to_toml(cfg: Config) -> str:
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
+
+
+class InertOptionError(ConfigError):
+    """`key` is set where the rest of the config leaves it without effect; at `unset` it has none.
+    Refused as any error, except in a run's saved config.toml (`read_run_config`)."""
+
+    def __init__(self, message: str, key: str, unset: Any):
+        super().__init__(message)
+        self.key, self.unset = key, unset
+
+
+_DEFAULT = object()
+
+
+def _require_effect(ok: bool, key: str, message: str, unset: Any = _DEFAULT) -> None:
+    """`_require` for an option that would change nothing here: `unset` (default: the field's
+    default) is the value at which it has no effect either and is not refused."""
+    if not ok:
+        section, name = key.split(".")
+        default = getattr(_section_class(section)(), name)
+        raise InertOptionError(message, key, default if unset is _DEFAULT else unset)
 
 
 def _value(cfg: Config, key: str) -> Any:
@@ -721,9 +768,9 @@ def validate(cfg: Config) -> None:
     _require(0.0 < t.decay_fraction <= 1.0,
              f"train.decay_fraction={t.decay_fraction} must be in (0, 1]")
     # optim/schedule.py: only wsd reads the decay fraction, and constant never decays to the minimum
-    _require(t.schedule == "wsd" or t.decay_fraction == TrainConfig.decay_fraction,
+    _require_effect(t.schedule == "wsd" or t.decay_fraction == TrainConfig.decay_fraction, "train.decay_fraction",
              f"train.decay_fraction={t.decay_fraction} needs train.schedule='wsd'")
-    _require(t.schedule != "constant" or t.min_lr_ratio == TrainConfig.min_lr_ratio,
+    _require_effect(t.schedule != "constant" or t.min_lr_ratio == TrainConfig.min_lr_ratio, "train.min_lr_ratio",
              f"train.min_lr_ratio={t.min_lr_ratio} needs train.schedule 'cosine' or 'wsd' (the constant "
              "schedule never decays)")
     _require(t.seed < 2**63, f"train.seed={t.seed} must be < 2**63 (torch's seeds are 64-bit)")
@@ -747,8 +794,8 @@ def validate(cfg: Config) -> None:
     if not cfg.data.path:  # the embedded corpus: plain text, no field to read, no token file
         for key in ("text_field", "token_dtype"):
             value = getattr(cfg.data, key)
-            _require(value == getattr(DataConfig, key),
-                     f"data.{key}={value!r} needs data.path (the embedded corpus is plain text)")
+            _require_effect(value == getattr(DataConfig, key), f"data.{key}",
+                            f"data.{key}={value!r} needs data.path (the embedded corpus is plain text)")
     _require(cfg.data.eos_id >= -1, f"data.eos_id={cfg.data.eos_id} must be >= -1")
     _one_of("precision.compute_dtype", cfg.precision.compute_dtype, ("auto", "bf16", "fp32"))
     _validate_precision(cfg)
@@ -767,7 +814,7 @@ def _validate_model(m: ModelConfig) -> None:
     _one_of("model.rope_scaling", m.rope_scaling, ("none", "yarn"))
     for key in ("sliding_window", "q_lora_rank", "mtp_layers", "mtp_loss_weight"):
         _require(getattr(m, key) >= 0, f"model.{key}={getattr(m, key)} must be >= 0")
-    _require(m.mtp_layers > 0 or m.mtp_loss_weight == ModelConfig.mtp_loss_weight,
+    _require_effect(m.mtp_layers > 0 or m.mtp_loss_weight == ModelConfig.mtp_loss_weight, "model.mtp_loss_weight",
              f"model.mtp_loss_weight={m.mtp_loss_weight} needs model.mtp_layers > 0 (no MTP loss to weigh)")
     # Weighed 0, the MTP loss has no gradient: the modules cost their forward and backward for nothing.
     _require(m.mtp_layers == 0 or m.mtp_loss_weight > 0,
@@ -779,24 +826,31 @@ def _validate_model(m: ModelConfig) -> None:
         _require(m.qk_nope_head_dim >= 0, f"model.qk_nope_head_dim={m.qk_nope_head_dim} must be >= 0")
         _require(m.qk_rope_head_dim % 2 == 0,
                  f"model.qk_rope_head_dim={m.qk_rope_head_dim} must be even for RoPE")
-        _require(m.sliding_window == 0, "model.sliding_window needs model.attention='gqa'")
+        _require_effect(m.sliding_window == 0, "model.sliding_window",
+                        "model.sliding_window needs model.attention='gqa'")
         for key in ("n_kv_heads", "head_dim"):  # MLA's heads are qk_*_head_dim wide, every head its own kv
-            _require(getattr(m, key) == 0, f"model.{key}={getattr(m, key)} needs model.attention='gqa' "
+            _require_effect(getattr(m, key) == 0, f"model.{key}",
+                            f"model.{key}={getattr(m, key)} needs model.attention='gqa' "
                      "(MLA sizes its heads with model.qk_nope_head_dim, qk_rope_head_dim and v_head_dim)")
         # MLA normalises its latents (q_norm, kv_norm), never per head: qk_norm would change nothing.
-        _require(not m.qk_norm, "model.qk_norm=true needs model.attention='gqa' (MLA has no per-head QK-norm)")
+        _require_effect(not m.qk_norm, "model.qk_norm", "model.qk_norm=true needs model.attention='gqa' (MLA has no "
+                        "per-head QK-norm)", unset=False)
     else:  # GQA has no query latent and rotates half-split dims: MLA's options would change nothing
-        _require(m.q_lora_rank == 0, f"model.q_lora_rank={m.q_lora_rank} needs model.attention='mla'")
+        _require_effect(m.q_lora_rank == 0, "model.q_lora_rank",
+                        f"model.q_lora_rank={m.q_lora_rank} needs model.attention='mla'")
         for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-            _require(getattr(m, key) == getattr(ModelConfig, key),
-                     f"model.{key}={getattr(m, key)} needs model.attention='mla' (GQA's heads are model.head_dim wide)")
-        _require(not m.rope_interleaved, "model.rope_interleaved=true needs model.attention='mla'")
+            _require_effect(getattr(m, key) == getattr(ModelConfig, key), f"model.{key}",
+                            f"model.{key}={getattr(m, key)} needs model.attention='mla' "
+                            "(GQA's heads are model.head_dim wide)")
+        _require_effect(not m.rope_interleaved, "model.rope_interleaved",
+                        "model.rope_interleaved=true needs model.attention='mla'")
     if m.rope_scaling != "yarn":
-        _require(m.rope_factor == 1, f"model.rope_factor={m.rope_factor} needs model.rope_scaling='yarn'")
+        _require_effect(m.rope_factor == 1, "model.rope_factor",
+                        f"model.rope_factor={m.rope_factor} needs model.rope_scaling='yarn'")
         for key in ("rope_original_max_len", "yarn_beta_fast", "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim"):
             # plain RoPE reads none of YaRN's options
-            _require(getattr(m, key) == getattr(ModelConfig, key),
-                     f"model.{key}={getattr(m, key)} needs model.rope_scaling='yarn'")
+            _require_effect(getattr(m, key) == getattr(ModelConfig, key), f"model.{key}",
+                            f"model.{key}={getattr(m, key)} needs model.rope_scaling='yarn'")
         # Pair i turns rope_theta^(-2i/head_dim) rad a token: at <= 1 the slow pairs are the fast
         # ones, and below fp32's range the rate is inf and the first step nan.
         _require(m.rope_theta > 1, f"model.rope_theta={m.rope_theta} must be > 1 (RoPE's base; models use 1e4 to 1e6)")
@@ -831,14 +885,15 @@ def _validate_precision(cfg: Config) -> None:
     for pattern in p.fp8_exclude:
         _require(bool(pattern.strip()), f"precision.fp8_exclude={p.fp8_exclude} has an empty pattern; "
                  "allowed: fnmatch patterns over module names, e.g. 'layers.0.*'")
-    _require(p.fp8 != "off" or not p.fp8_weight_cache,
-             "precision.fp8_weight_cache=true caches FP8 weights: it needs precision.fp8 "
+    _require_effect(p.fp8 != "off" or not p.fp8_weight_cache, "precision.fp8_weight_cache",
+                    "precision.fp8_weight_cache=true caches FP8 weights: it needs precision.fp8 "
              f"({', '.join(FP8_RECIPES[1:])}), not 'off'")
     if p.fp8 == "off":  # apply_fp8 returns before reading any of them
         for key in ("fp8_exclude", "fp8_bf16_first_layers", "fp8_bf16_last_layers", "fp8_grouped_gemm",
                     "fp8_weight_grad", "fp8_saved_activations", "fp8_emulate"):
             value = getattr(p, key)
-            _require(value == getattr(PrecisionConfig(), key), f"precision.{key}={_shown(value)} needs "
+            _require_effect(value == getattr(PrecisionConfig(), key), f"precision.{key}",
+                            f"precision.{key}={_shown(value)} needs "
                      f"precision.fp8 ({', '.join(FP8_RECIPES[1:])}), not 'off'")
     wrapped = [k for k in ("recompute", "offload") if "moe_act" in getattr(cfg.memory, k)]
     _require(p.fp8 == "off" or not wrapped,
@@ -858,15 +913,16 @@ def _validate_memory(cfg: Config) -> None:
         for name in names:
             _one_of(f"memory.{key}", name, MEMORY_MODULES)
             _require(names.count(name) == 1, f"memory.{key}={names} lists {name!r} twice")
-            _require(_memory_module_exists(cfg, name), f"memory.{key}={name!r} does nothing here: "
-                     f"{_MEMORY_MODULE_NEEDS.get(name)}")
+            _require_effect(_memory_module_exists(cfg, name), f"memory.{key}", f"memory.{key}={name!r} does "
+                            f"nothing here: {_MEMORY_MODULE_NEEDS.get(name)}", unset=[n for n in names if n != name])
     for outer, inner in _RECOMPUTE_COVERS.items():
         both = sorted(inner & set(mem.recompute)) if outer in mem.recompute else []
-        _require(not both, f"memory.recompute={mem.recompute}: {outer!r} already recomputes "
-                 f"{', '.join(both)}; list only one of them")
+        _require_effect(not both, "memory.recompute", f"memory.recompute={mem.recompute}: {outer!r} already recomputes "
+                        f"{', '.join(both)}; list only one of them", unset=[n for n in mem.recompute if n not in both])
     both = sorted(set(mem.recompute) & set(mem.offload))
-    _require(not both, f"memory.offload={mem.offload}: {', '.join(both)} is also recomputed, so it "
-             f"keeps no activations to offload; list it in one of memory.recompute, memory.offload")
+    _require_effect(not both, "memory.offload", f"memory.offload={mem.offload}: {', '.join(both)} is also recomputed, "
+                    "so it keeps no activations to offload; list it in one of memory.recompute, memory.offload",
+                    unset=[n for n in mem.offload if n not in both])
     # Their output discarding (memory/recompute.py) rebuilds in eager backward what the producer's
     # forward saved; compiled, that forward saved other tensors (an RMSNorm: 3, eager 6).
     compiled = [name for name in ("norm", "mla_up_proj") if cfg.train.compile and name in mem.recompute]
@@ -928,10 +984,10 @@ def validate_moe(moe: MoEConfig) -> None:
     _one_of("moe.experts_backend", moe.experts_backend, ("auto", "grouped_mm", "loop"))
     _require(moe.pad_multiple in (0, 8, 16, 32, 64, 128),
              f"moe.pad_multiple={moe.pad_multiple} is not one of 0, 8, 16, 32, 64, 128")
-    _require(moe.score_func == "softmax" or moe.softmax_before_topk,
-             "moe.softmax_before_topk=false needs moe.score_func='softmax'")
-    _require(moe.capacity_factor > 0 or not moe.pad_to_capacity,
-             "moe.pad_to_capacity=true needs moe.capacity_factor > 0")
+    _require_effect(moe.score_func == "softmax" or moe.softmax_before_topk, "moe.softmax_before_topk",
+                    "moe.softmax_before_topk=false needs moe.score_func='softmax'")
+    _require_effect(moe.capacity_factor > 0 or not moe.pad_to_capacity, "moe.pad_to_capacity",
+                    "moe.pad_to_capacity=true needs moe.capacity_factor > 0")
     if moe.num_experts:  # without routed experts every layer is dense: no router to group
         _validate_groups(moe)
 
@@ -940,8 +996,9 @@ def _validate_shared_experts(moe: MoEConfig) -> None:
     """A gate or hidden size for shared experts the model does not have changes nothing. A config
     check, not one of validate_moe's: a layer built in Python may carry them unused."""
     if moe.shared_experts == 0:
-        _require(not moe.shared_expert_gate, "moe.shared_expert_gate=true needs moe.shared_experts > 0")
-        _require(moe.shared_expert_hidden == 0,
+        _require_effect(not moe.shared_expert_gate, "moe.shared_expert_gate",
+                        "moe.shared_expert_gate=true needs moe.shared_experts > 0")
+        _require_effect(moe.shared_expert_hidden == 0, "moe.shared_expert_hidden",
                  f"moe.shared_expert_hidden={moe.shared_expert_hidden} needs moe.shared_experts > 0")
 
 
@@ -949,19 +1006,22 @@ def _validate_unread_moe_options(moe: MoEConfig) -> None:
     """Options whose strategy is not built: a drop policy without capacity drops, a bias step
     without the bias, a renormalisation of probabilities that sum to 1. Config checks, as _validate_shared_experts: `moefold generate` builds its
     dropless layers with the run's drop_policy, and a layer built in Python may carry them unused."""
-    _require(moe.capacity_factor > 0 or moe.drop_policy == MoEConfig.drop_policy,
+    _require_effect(moe.capacity_factor > 0 or moe.drop_policy == MoEConfig.drop_policy, "moe.drop_policy",
              f"moe.drop_policy={moe.drop_policy!r} needs moe.capacity_factor > 0 (dropless routing drops no token)")
-    _require(moe.expert_bias or moe.expert_bias_update_rate == MoEConfig.expert_bias_update_rate,
+    _require_effect(moe.expert_bias or moe.expert_bias_update_rate == MoEConfig.expert_bias_update_rate,
+                    "moe.expert_bias_update_rate",
              f"moe.expert_bias_update_rate={moe.expert_bias_update_rate} needs moe.expert_bias=true "
              "(no expert bias to update)")
-    _require(moe.norm_topk_prob or moe.softmax_before_topk, "moe.norm_topk_prob=false needs "
+    _require_effect(moe.norm_topk_prob or moe.softmax_before_topk, "moe.norm_topk_prob",
+                    "moe.norm_topk_prob=false needs "
              "moe.softmax_before_topk=true (a softmax over the K chosen sums to 1 already)")
 
 
 def _validate_groups(moe: MoEConfig) -> None:
     if moe.num_groups <= 1:
         for key in ("group_top_k", "group_score_top_k"):
-            _require(getattr(moe, key) == 0, f"moe.{key}={getattr(moe, key)} needs moe.num_groups > 1")
+            _require_effect(getattr(moe, key) == 0, f"moe.{key}",
+                            f"moe.{key}={getattr(moe, key)} needs moe.num_groups > 1")
         return
     _require(moe.num_experts % moe.num_groups == 0,
              f"moe.num_experts={moe.num_experts} is not divisible by moe.num_groups={moe.num_groups}")

@@ -40,7 +40,7 @@ from moefold.checkpoint.dcp import (
     save_checkpoint,
     set_rng_state,
 )
-from moefold.config import (Config, config_from_toml, micro_batches_per_step, refuse_unsupported_parallel,
+from moefold.config import (Config, micro_batches_per_step, read_run_config, refuse_unsupported_parallel,
                             to_toml, validate)
 from moefold.data.corpus import build_token_streams
 from moefold.data.loader import IGNORE_INDEX, Batch, PackedSequences, TrainLoader, val_batches
@@ -107,11 +107,12 @@ def _zero_weights(model: nn.Module) -> None:
         p.zero_()
 
 
-def _saving_run_config(checkpoint: Path) -> Config | None:
-    """The config.toml of the run that saved `checkpoint`, read once for the resume checks; None
-    where it has none (a checkpoint copied out of its run)."""
+def _saving_run_config(checkpoint: Path) -> tuple[Config | None, list[str]]:
+    """The config.toml of the run that saved `checkpoint`, read once for the resume checks, and the
+    notes on the options without effect it dropped (`read_run_config`); None where it has none (a
+    checkpoint copied out of its run)."""
     saved_config = checkpoint.parent.parent / "config.toml"
-    return config_from_toml(saved_config) if saved_config.is_file() else None
+    return read_run_config(saved_config) if saved_config.is_file() else (None, [])
 
 
 def _refuse_changed_state_dtypes(cfg: Config, saved: Config, checkpoint: Path) -> None:
@@ -272,7 +273,7 @@ class Trainer:
         refuse_unsupported_parallel(cfg)
         checkpoint = resolve_checkpoint(resume) if resume is not None else None
         refuse_run_dir(self.run_dir, checkpoint)
-        saved = _saving_run_config(checkpoint) if checkpoint is not None else None
+        saved, self._dropped_options = _saving_run_config(checkpoint) if checkpoint is not None else (None, [])
         self.resumed_from = checkpoint
         full_state = checkpoint is not None and "optim" in checkpoint_keys(checkpoint)  # else weights only
         self._changed_model_options = _changed_model_options(cfg, saved) if saved is not None else []
@@ -766,7 +767,7 @@ class Trainer:
                          f"tp) = ({d.pp}, {d.dp}, {d.cp}, {d.tp}), experts (pp, edp, ep, etp) = "
                          f"({d.pp}, {d.edp}, {d.ep}, {d.etp}), {par.data_parallel}, "
                          f"{par.ep_dispatcher if d.ep * d.etp > 1 else 'local'} dispatch")
-        lines += self._global_batch_note()
+        lines += self._dropped_options + self._global_batch_note()
         if self._changed_model_options:
             lines.append(f"note: this run changes the model it resumes: {', '.join(self._changed_model_options)}")
         if self.val_batches and not any(bool((b.labels_BS != IGNORE_INDEX).any()) for b in self.val_batches):

@@ -1,0 +1,71 @@
+"""Options without effect in the config itself are refused in one line (as drop_policy without a
+capacity factor is); a resumed run's saved config.toml that an older moefold wrote with such an
+option still resumes, the option dropped with a note. Options whose effect depends on the launch's
+layout or device get a startup note, never a refusal. `build_moe_layer` initialises its weights;
+`apply_recompute` / `apply_offload` refuse unknown names as the config does."""
+
+import math
+import re
+
+import pytest
+import torch
+
+from moefold.cli import main
+from moefold.config import MEMORY_MODULES, MoEConfig, load_config
+from moefold.errors import ConfigError
+
+
+def refused(overrides: dict, message: str, preset: str = "tiny-qwen3") -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(preset, overrides)
+    assert str(err.value) == message
+    assert "\n" not in str(err.value)
+
+
+# ----------------------------------------------------------------------------- resume
+
+
+@pytest.fixture
+def finished_run(tmp_path, tiny_args):
+    run = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run), *tiny_args, "--train.steps", "3"]) == 0
+    return run
+
+
+def _save_inert_options(run) -> None:
+    """What an older moefold accepted and wrote: fp8_exclude with fp8=off (refused since 5dd6c03),
+    and a decay fraction under the cosine schedule."""
+    path = run / "config.toml"
+    text = path.read_text()
+    assert "fp8_exclude = []\n" in text and "decay_fraction = 0.2\n" in text
+    path.write_text(text.replace("fp8_exclude = []\n", 'fp8_exclude = ["layers.0.*"]\n')
+                    .replace("decay_fraction = 0.2\n", "decay_fraction = 0.3\n"))
+
+
+def test_a_resume_drops_the_inert_options_its_saved_config_holds_with_a_note(finished_run, capsys):
+    _save_inert_options(finished_run)
+    capsys.readouterr()
+    assert main(["train", "--resume", str(finished_run), "--train.steps", "4"]) == 0
+    out = capsys.readouterr().out
+    notes = [line for line in out.splitlines() if "drops it" in line]
+    assert sorted(notes) == [
+        f"note: {finished_run / 'config.toml'}: precision.fp8_exclude=['layers.0.*'] needs precision.fp8 "
+        "(tensorwise, rowwise, blockwise), not 'off'; the resumed run drops it (it had no effect)",
+        f"note: {finished_run / 'config.toml'}: train.decay_fraction=0.3 needs train.schedule='wsd'; the "
+        "resumed run drops it (it had no effect)"], out
+    text = (finished_run / "config.toml").read_text()  # rewritten without them: said once
+    assert "fp8_exclude = []\n" in text and "decay_fraction = 0.2\n" in text
+
+
+def test_an_inert_option_given_on_the_command_line_or_to_a_fresh_run_is_refused(finished_run, tmp_path, capsys):
+    _save_inert_options(finished_run)
+    capsys.readouterr()
+    assert main(["train", "--resume", str(finished_run), "--train.steps", "4",
+                 "--precision.fp8_exclude", '["layers.1.*"]']) == 2
+    err = capsys.readouterr().err
+    assert err == ("moefold: error: precision.fp8_exclude=['layers.1.*'] needs precision.fp8 "
+                   "(tensorwise, rowwise, blockwise), not 'off'\n"), err
+    assert main(["train", "--run-dir", str(tmp_path / "fresh"), "--config", str(finished_run / "config.toml")]) == 2
+    assert capsys.readouterr().err == "moefold: error: train.decay_fraction=0.3 needs train.schedule='wsd'\n"
+
+

@@ -923,6 +923,9 @@ def _validate_memory(cfg: Config) -> None:
     _require_effect(not both, "memory.offload", f"memory.offload={mem.offload}: {', '.join(both)} is also recomputed, "
                     "so it keeps no activations to offload; list it in one of memory.recompute, memory.offload",
                     unset=[n for n in mem.offload if n not in both])
+    _require_effect(bool(mem.offload) or mem.offload_min_bytes == MemoryConfig.offload_min_bytes,
+                    "memory.offload_min_bytes", f"memory.offload_min_bytes={mem.offload_min_bytes} needs "
+                    "memory.offload (no module's activations move to the host)")
     # Their output discarding (memory/recompute.py) rebuilds in eager backward what the producer's
     # forward saved; compiled, that forward saved other tensors (an RMSNorm: 3, eager 6).
     compiled = [name for name in ("norm", "mla_up_proj") if cfg.train.compile and name in mem.recompute]

@@ -70,6 +70,8 @@ def draw(seed: int) -> tuple[str, dict]:
         overrides["moe.pad_to_capacity"] = False
     if overrides["precision.fp8"] == "off":
         overrides["precision.fp8_weight_cache"] = False
+    if overrides["memory.offload"] == "[]":  # the threshold sizes nothing: refused
+        overrides["memory.offload_min_bytes"] = 1048576
     if overrides["memory.recompute"] == '["shared_experts", "mlp"]':
         overrides["moe.shared_experts"] = 1
     return preset, {**PRESETS[preset], **BASE, **overrides}

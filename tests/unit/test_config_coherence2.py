@@ -22,6 +22,27 @@ def refused(overrides: dict, message: str, preset: str = "tiny-qwen3") -> None:
     assert "\n" not in str(err.value)
 
 
+# ----------------------------------------------------------------------------- inert options
+
+
+def test_offload_min_bytes_without_offload_is_refused():
+    """Without memory.offload no tensor moves, so the size threshold chose nothing: a run with it
+    trained bit for bit as one without."""
+    refused({"memory.offload_min_bytes": "4096"},
+            "memory.offload_min_bytes=4096 needs memory.offload (no module's activations move to the host)")
+    load_config("tiny-qwen3", {"memory.offload_min_bytes": "4096", "memory.offload": '["moe"]'})
+    load_config("tiny-qwen3", {"memory.offload_min_bytes": "1048576"})  # the default, which a preset may state
+
+
+def test_the_off_switches_of_validation_and_experts_keep_their_presets_options():
+    """Not refused: data.val_fraction=0 is how the loader's own error says to turn validation off,
+    and tiny-qwen3 sets train.val_every=25; moe.num_experts=0 turns a MoE preset dense (every
+    [moe] option of the preset then unread). Refusing either would make the switch a second error."""
+    cfg = load_config("tiny-qwen3", {"data.val_fraction": "0"})
+    assert cfg.train.val_every == 25
+    load_config("tiny-qwen3", {"moe.num_experts": "0"})
+
+
 # ----------------------------------------------------------------------------- resume
 
 

@@ -40,7 +40,8 @@ def test_a_retained_graph_backpropagates_twice_as_the_plain_one(key, name):
     an output-discarding site, norm, mla_up_proj, moe_act) or an AttributeError (moe, layer: the
     routing replay's context, a generator, entered twice)."""
     plain = _two_backwards(build("deepseek"))
-    wrapped = _two_backwards(build("deepseek", {f"memory.{key}": f'["{name}"]', "memory.offload_min_bytes": "0"}))
+    min_bytes = {"memory.offload_min_bytes": "0"} if key == "offload" else {}  # else refused
+    wrapped = _two_backwards(build("deepseek", {f"memory.{key}": f'["{name}"]', **min_bytes}))
     for i, (grads, grads_ref) in enumerate(zip(wrapped, plain)):
         assert grads.keys() == grads_ref.keys()
         differ = [n for n in grads if not torch.equal(grads[n], grads_ref[n])]
@@ -99,8 +100,8 @@ MATRIX = [
 def _matrix_run(preset, options, memory, autocast, padded):
     """Two steps of two micro-batches as Trainer.train_step runs them: losses (and their parts),
     gradients, MoE statistics and counts, buffers after each step (the expert bias), routing, RNG."""
-    cfg = load_config(preset, {**SMALL, **options, **{f"memory.{k}": v for k, v in memory.items()},
-                               "memory.offload_min_bytes": "0"})
+    min_bytes = {"memory.offload_min_bytes": "0"} if memory.get("offload") else {}  # else refused
+    cfg = load_config(preset, {**SMALL, **options, **{f"memory.{k}": v for k, v in memory.items()}, **min_bytes})
     dtype = torch.bfloat16 if autocast else torch.float32
     model = build_model(cfg, 64, "cpu", dtype)
     model.init_weights(seed=0)

@@ -62,7 +62,7 @@ def _train_all(rank: int) -> dict:
         if (config, sp) not in plain_runs:
             plain_runs[config, sp] = train(_build(config, sp, layout), steps=2, accum=1)
         plain = plain_runs[config, sp]
-        memory = {kind: names, "offload_min_bytes": "0"}
+        memory = {kind: names, **({"offload_min_bytes": "0"} if kind == "offload" else {})}  # else refused
         model = _build(config, sp, layout, **memory)
         moved = OffloadSpy(model) if kind == "offload" else None
         differs = _difference(train(model, steps=2, accum=1), plain)
@@ -74,9 +74,9 @@ def _train_all(rank: int) -> dict:
 
 def _offload_under_ep() -> dict:
     layout = ParallelLayout(ParallelDims(TP, ep=TP))
-    ep = {"parallel.ep": str(TP), "memory.offload_min_bytes": "0"}
+    ep = {"parallel.ep": str(TP)}
     plain = train(build("qwen3", ep, layout=layout), steps=2, accum=1)
-    model = build("qwen3", {**ep, "memory.offload": '["moe"]'}, layout=layout)
+    model = build("qwen3", {**ep, "memory.offload": '["moe"]', "memory.offload_min_bytes": "0"}, layout=layout)
     moved = OffloadSpy(model)
     differs = _difference(train(model, steps=2, accum=1), plain)
     return {"differs": differs, "weights": moved.weights, "offloaded": model.activation_offload.offloaded_bytes}

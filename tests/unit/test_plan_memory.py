@@ -383,7 +383,8 @@ def _nonzero(by_category: dict) -> dict:
 
 def _case_config(preset: str, overrides: dict, dtype: str):
     compute, master = DTYPES[dtype][:2]
-    return load_config(preset, {"train.micro_batch_size": 2, "memory.offload_min_bytes": 4096,
+    min_bytes = {"memory.offload_min_bytes": 4096} if "memory.offload" in overrides else {}  # else refused
+    return load_config(preset, {"train.micro_batch_size": 2, **min_bytes,
                                 "precision.compute_dtype": compute, "optim.master_dtype": master, **overrides})
 
 

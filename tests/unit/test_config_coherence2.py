@@ -90,3 +90,27 @@ def test_an_inert_option_given_on_the_command_line_or_to_a_fresh_run_is_refused(
     assert capsys.readouterr().err == "moefold: error: train.decay_fraction=0.3 needs train.schedule='wsd'\n"
 
 
+# ----------------------------------------------------------------------------- startup notes
+
+
+def _notes(capsys, tiny_args, tmp_path, *extra) -> list[str]:
+    capsys.readouterr()
+    assert main(["train", "--run-dir", str(tmp_path / "run"), *tiny_args, "--train.steps", "2", *extra]) == 0
+    return [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
+
+
+def test_offload_on_the_cpu_says_it_moves_nothing(tmp_path, tiny_args, capsys):
+    notes = _notes(capsys, tiny_args, tmp_path, "--memory.offload", '["moe"]', "--memory.offload_min_bytes", "0")
+    assert notes == ["note: memory.offload=['moe'] has no effect on the CPU (its activations are in host "
+                     "memory already)"], notes
+    assert _notes(capsys, tiny_args, tmp_path / "plain") == []
+
+
+def test_a_dispatcher_without_expert_parallelism_gets_a_note_not_a_refusal(tmp_path, tiny_args, capsys):
+    """parallel.ep_dispatcher acts only under ep·etp > 1, which one config file may be launched with
+    or not: said, as Megatron-Core says sequence parallelism is off at tp=1."""
+    notes = _notes(capsys, tiny_args, tmp_path, "--parallel.ep_dispatcher", "allgather")
+    assert notes == ["note: parallel.ep_dispatcher='allgather' has no effect at parallel.ep·etp = 1 "
+                     "(every expert is this rank's)"], notes
+
+

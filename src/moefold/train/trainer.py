@@ -40,8 +40,8 @@ from moefold.checkpoint.dcp import (
     save_checkpoint,
     set_rng_state,
 )
-from moefold.config import (Config, micro_batches_per_step, read_run_config, refuse_unsupported_parallel,
-                            to_toml, validate)
+from moefold.config import (Config, ParallelConfig, micro_batches_per_step, read_run_config,
+                            refuse_unsupported_parallel, to_toml, validate)
 from moefold.data.corpus import build_token_streams
 from moefold.data.loader import IGNORE_INDEX, Batch, PackedSequences, TrainLoader, val_batches
 from moefold.data.tokenizer import build_tokenizer, model_vocab_size
@@ -767,7 +767,7 @@ class Trainer:
                          f"tp) = ({d.pp}, {d.dp}, {d.cp}, {d.tp}), experts (pp, edp, ep, etp) = "
                          f"({d.pp}, {d.edp}, {d.ep}, {d.etp}), {par.data_parallel}, "
                          f"{par.ep_dispatcher if d.ep * d.etp > 1 else 'local'} dispatch")
-        lines += self._dropped_options + self._global_batch_note()
+        lines += self._dropped_options + self._no_effect_here() + self._global_batch_note()
         if self._changed_model_options:
             lines.append(f"note: this run changes the model it resumes: {', '.join(self._changed_model_options)}")
         if self.val_batches and not any(bool((b.labels_BS != IGNORE_INDEX).any()) for b in self.val_batches):
@@ -775,6 +775,19 @@ class Trainer:
                          "(null in metrics.jsonl)")
         for line in lines:
             self.out(line)
+
+    def _no_effect_here(self) -> list[str]:
+        """Options without effect on this device or launch, said and not refused: one config file
+        serves several launches (the ranks' sizes come with each), and CPU dry runs offload."""
+        cfg, notes = self.cfg, []
+        if cfg.memory.offload and self.device.type == "cpu":
+            notes.append(f"note: memory.offload={cfg.memory.offload} has no effect on the CPU (its activations are "
+                         "in host memory already)")
+        p = cfg.parallel
+        if p.ep * p.etp == 1 and p.ep_dispatcher != ParallelConfig.ep_dispatcher:
+            notes.append(f"note: parallel.ep_dispatcher={p.ep_dispatcher!r} has no effect at parallel.ep·etp = 1 "
+                         "(every expert is this rank's)")
+        return notes
 
     def _global_batch_note(self) -> list[str]:
         """A resume keeps train.micro_batch_size per data rank: on other data ranks (or with other

@@ -264,3 +264,21 @@ def test_uint16_ids_with_zeros_among_them_are_read_as_uint16(tmp_path):
     short_N = np.array([3, 0, 5, 0], dtype=np.uint16)  # too short to judge
     short_N.tofile(tmp_path / "b.bin")
     assert streams_of(tmp_path / "b.bin", val_fraction=0.0).train_N.tolist() == short_N.tolist()
+
+
+def test_the_package_docstring_example_runs(tmp_path):
+    """moefold.data's docstring is its usage: run it as written, on a small corpus."""
+    import textwrap
+
+    import moefold.data
+    from moefold.config import Config
+
+    _write(tmp_path / "a.txt", "some text to train on, " * 40)
+    _write(tmp_path / "b.txt", "and other text to validate on. " * 40)
+    cfg = Config()
+    cfg.data.path, cfg.data.val_fraction = str(tmp_path), 0.5
+    code = textwrap.dedent(moefold.data.__doc__.split("\n\n", 1)[1])
+    scope = {"cfg": cfg, "S": 16, "B": 2, "seed": 0, "n": 3, **vars(moefold.data)}
+    exec(compile(code, "moefold.data.__doc__", "exec"), scope)
+    assert scope["train"].next_batch().input_ids_BS.shape == (2, 16)
+    assert [b.input_ids_BS.shape for b in scope["val"]] == [(2, 16)] * 3

@@ -114,3 +114,27 @@ def test_a_dispatcher_without_expert_parallelism_gets_a_note_not_a_refusal(tmp_p
                      "(every expert is this rank's)"], notes
 
 
+# ----------------------------------------------------------------------------- build_moe_layer
+
+
+def test_build_moe_layer_initialises_its_weights_as_the_model_does():
+    """The router and experts were torch.empty: whatever the allocator held. Now Normal(0,
+    init_std), the down-projections scaled by 1/sqrt(2) as a one-block model's residual outputs;
+    seeded, so two builds agree."""
+    from moefold.moe.layer import build_moe_layer
+
+    moe = MoEConfig(num_experts=8, top_k=2, expert_hidden=64, shared_experts=1, expert_bias=True)
+    torch.manual_seed(0)
+    torch.empty(1 << 20).fill_(float("nan"))  # what an uninitialised weight would read back
+    layer = build_moe_layer(64, moe, "cpu", torch.float32, init_std=0.05, seed=3)
+    again = build_moe_layer(64, moe, "cpu", torch.float32, init_std=0.05, seed=3)
+    for (name, p), q in zip(layer.named_parameters(), again.parameters(), strict=True):
+        std = 0.05 / math.sqrt(2) if re.search(r"w2(_EFD|\.weight)$", name) else 0.05
+        assert torch.isfinite(p).all(), name
+        assert abs(p.std().item() / std - 1) < 0.1 and abs(p.mean().item()) < std / 10, (name, p.std())
+        assert torch.equal(p, q), name
+    assert torch.equal(layer.router.expert_bias_E, torch.zeros(8))
+    other = build_moe_layer(64, moe, "cpu", torch.float32, init_std=0.05, seed=4)
+    assert not torch.equal(other.experts.w1_EDF, layer.experts.w1_EDF)
+
+

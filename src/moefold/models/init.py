@@ -26,6 +26,22 @@ import torch
 from moefold.parallel.local import held_indices, local_tensor
 
 BLOCK_ELEMENTS = 1 << 16
+RESIDUAL_OUTPUTS = ("attn.wo.weight", "w2.weight", "w2_EFD")
+"""Names that end the projections writing into the residual stream, drawn depth-scaled (GPT-2)."""
+
+
+@torch.no_grad()
+def init_weights_(module: torch.nn.Module, std: float, residual_std: float, seed: int) -> None:
+    """Normal(0, std) for every matrix of `module`, Normal(0, residual_std) for the residual
+    outputs, each drawn by `seeded_normal_` under its name in `module`; ones for 1-dim parameters
+    (norms); buffers (counters, the expert bias) zero."""
+    for name, p in module.named_parameters():
+        if p.dim() == 1:
+            p.fill_(1.0)
+            continue
+        seeded_normal_(p, residual_std if name.endswith(RESIDUAL_OUTPUTS) else std, seed, name)
+    for buffer in module.buffers():  # zero, as built (after to_empty(), TorchTitan's way, not)
+        buffer.zero_()
 
 
 @dataclass(frozen=True)

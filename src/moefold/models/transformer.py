@@ -14,7 +14,7 @@ from torch import nn
 from moefold.config import Config, ModelConfig, moe_layers_in
 from moefold.memory import apply_offload, apply_recompute
 from moefold.models.attention import Attention
-from moefold.models.init import seeded_normal_
+from moefold.models.init import init_weights_
 from moefold.models.kv_cache import KVCache, LayerCache
 from moefold.models.mla import MLAttention
 from moefold.models.mlp import SwiGLUMLP
@@ -115,15 +115,7 @@ class Transformer(nn.Module):
         `parallelize` on the meta device) draws only the blocks of its piece. Buffers (the MoE
         layers' counters, the expert bias) start at zero."""
         std = self.cfg.model.init_std
-        residual_std = std / math.sqrt(2 * len(self.layers))
-        for name, p in self.named_parameters():
-            if p.dim() == 1:
-                p.fill_(1.0)
-                continue
-            is_residual_out = name.endswith(("attn.wo.weight", "w2.weight", "w2_EFD"))
-            seeded_normal_(p, residual_std if is_residual_out else std, seed, name)
-        for buffer in self.buffers():  # zero, as built (after to_empty(), TorchTitan's way, not)
-            buffer.zero_()
+        init_weights_(self, std, std / math.sqrt(2 * len(self.layers)), seed)
 
 
 MLA_LATENT_NORM_EPS = 1e-6
@@ -161,7 +153,7 @@ def _build_block(cfg: Config, layer_id: int, device_type: str, compute_dtype: to
                  replay: RouterReplay | None) -> Block:
     m = cfg.model
     if is_moe_layer(cfg, layer_id):
-        ffn = build_moe_layer(m.dim, cfg.moe, device_type, compute_dtype, replay, cfg.parallel.etp)
+        ffn = build_moe_layer(m.dim, cfg.moe, device_type, compute_dtype, replay, cfg.parallel.etp, init_std=None)
     else:
         ffn = SwiGLUMLP(m.dim, m.ffn_hidden)
     return Block(_build_attention(m), ffn, m.dim, m.norm_eps)

@@ -5,11 +5,14 @@ B batch, S sequence, T = B·S tokens, D model dim, E experts, K top-k, N = T·K 
 Every variant is a part given at build time (`build_moe_layer`); the forward reads top to bottom.
 """
 
+import math
+
 import torch
 from torch import nn
 
-from moefold.config import MoEConfig, validate_moe
+from moefold.config import ModelConfig, MoEConfig, validate_moe
 from moefold.errors import ConfigError, UserError
+from moefold.models.init import init_weights_
 from moefold.moe.activation import ACTIVATIONS
 from moefold.moe.balance import LoadBalancer, LocalCounts
 from moefold.moe.capacity import build_capacity, padded_capacity
@@ -82,6 +85,12 @@ class MoELayer(nn.Module):
         self.step_tokens_per_expert_E += counts.per_expert_E
         self.stats.record(counts.per_expert_E, scores_TE, counts.dropped, aux_values, valid_T)
 
+    def init_weights(self, std: float, seed: int, residual_std: float | None = None) -> None:
+        """As `Transformer.init_weights` draws the layer in a model: Normal(0, std), the
+        down-projections Normal(0, residual_std) (default std / sqrt(2), a one-block model's
+        std / sqrt(2 · n_layers)), buffers zero."""
+        init_weights_(self, std, std / math.sqrt(2) if residual_std is None else residual_std, seed)
+
     @torch.no_grad()
     def on_optimizer_step(self) -> None:
         """Expert-bias update from this step's counts; reset the per-step accumulators."""
@@ -109,8 +118,11 @@ def valid_mask(valid_BS: torch.Tensor | None, shape_BS: torch.Size) -> torch.Ten
 
 
 def build_moe_layer(dim: int, moe: MoEConfig, device_type: str, compute_dtype: torch.dtype,
-                    replay: RouterReplay | None = None, etp: int = 1) -> MoELayer:
-    """`etp`: parallel.etp, the ranks each expert's hidden dimension will be split over."""
+                    replay: RouterReplay | None = None, etp: int = 1, *,
+                    init_std: float | None = ModelConfig.init_std, seed: int = 0) -> MoELayer:
+    """`etp`: parallel.etp, the ranks each expert's hidden dimension will be split over. The
+    weights are drawn by `MoELayer.init_weights(init_std, seed)`; init_std=None leaves them
+    uninitialised (`build_model`, which initialises the whole model), as does the meta device."""
     for key in ("num_experts", "top_k", "expert_hidden"):  # 0 experts is a dense model's config, not a layer
         if getattr(moe, key) < 1:
             raise ConfigError(f"moe.{key}={getattr(moe, key)} must be > 0 for an MoE layer")
@@ -119,10 +131,13 @@ def build_moe_layer(dim: int, moe: MoEConfig, device_type: str, compute_dtype: t
     layout = RowLayout(moe.num_experts, moe.top_k, moe.pad_multiple, capacity_of=padded_capacity(moe))
     experts = build_experts(moe.experts_backend, moe.num_experts, dim, moe.expert_hidden, device_type,
                             compute_dtype, moe.activation, moe.memory_efficient_permute, etp)
-    return MoELayer(router=build_router(dim, moe, replay), balancer=LoadBalancer(moe),
-                    capacity=capacity,
-                    dispatcher=LocalDispatcher(moe.top_k, layout, moe.memory_efficient_permute),
-                    experts=experts, shared=_build_shared(dim, moe))
+    layer = MoELayer(router=build_router(dim, moe, replay), balancer=LoadBalancer(moe),
+                     capacity=capacity,
+                     dispatcher=LocalDispatcher(moe.top_k, layout, moe.memory_efficient_permute),
+                     experts=experts, shared=_build_shared(dim, moe))
+    if init_std is not None and not layer.router.weight.is_meta:  # torch.empty held the allocator's bytes
+        layer.init_weights(init_std, seed)
+    return layer
 
 
 def _build_shared(dim: int, moe: MoEConfig) -> SharedExperts | None:

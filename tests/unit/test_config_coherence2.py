@@ -138,3 +138,23 @@ def test_build_moe_layer_initialises_its_weights_as_the_model_does():
     assert not torch.equal(other.experts.w1_EDF, layer.experts.w1_EDF)
 
 
+# ----------------------------------------------------------------------------- memory from Python
+
+
+@pytest.mark.parametrize("apply", ["recompute", "offload"])
+def test_an_unknown_memory_name_from_python_is_refused_in_one_line(apply):
+    from moefold.memory.offload import apply_offload
+    from moefold.memory.recompute import apply_recompute
+    from moefold.models.transformer import build_model
+
+    with torch.device("meta"):
+        model = build_model(load_config("tiny"), 256)
+    call = {"recompute": lambda names: apply_recompute(model, names),
+            "offload": lambda names: apply_offload(model, names, 0, "cpu")}[apply]
+    allowed = ", ".join(MEMORY_MODULES)
+    with pytest.raises(ConfigError) as err:
+        call(["moe_ac"])
+    assert str(err.value) == f"memory.{apply}='moe_ac' is not one of {allowed}"
+    with pytest.raises(ConfigError) as err:
+        call("moe")  # a name where a list belongs: read letter by letter
+    assert str(err.value) == f"memory.{apply}='moe' is not a list of names (any of {allowed})"

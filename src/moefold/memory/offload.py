@@ -47,7 +47,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from moefold.memory.sites import mark_wrapped, targets
+from moefold.memory.sites import mark_wrapped, refuse_unknown_names, targets
 from moefold.moe.recomputing import in_backward
 from moefold.parallel.local import memory_holder
 
@@ -55,6 +55,7 @@ from moefold.parallel.local import memory_holder
 def apply_offload(model: torch.nn.Module, names: Sequence[str], min_bytes: int,
                   device_type: str) -> ActivationOffload | None:
     """Wrap the sites of `names`; returns the offload (None when nothing is offloaded)."""
+    refuse_unknown_names("memory.offload", names)
     if not names:
         return None
     offload = ActivationOffload(min_bytes, StreamedHostCopy() if device_type == "cuda" else HostCopy())

@@ -595,23 +595,24 @@ def read_run_config(path: Path, overrides: dict[str, Any] | None = None) -> tupl
     label = str(path)
     cfg = Config()
     apply_overrides(cfg, flatten_table(read_preset(label, label), label), source=label)
-    dropped: dict[str, str] = {}
+    notes, set_to = [], set()
     while True:  # one error at a time: each drop lets validate reach the next
         try:
             validate(cfg)
         except InertOptionError as error:
-            if error.key in dropped:  # two checks disagree on its neutral value: refuse, never loop
+            if (error.key, repr(error.unset)) in set_to:  # two checks disagree on its neutral value: never loop
                 raise
+            set_to.add((error.key, repr(error.unset)))  # a list option may lose one name, then another
             section, name = error.key.split(".")
             setattr(getattr(cfg, section), name, error.unset)
-            dropped[error.key] = f"note: {label}: {error}; the resumed run drops it (it had no effect)"
+            notes.append(f"note: {label}: {error}; the resumed run drops it (it had no effect)")
             continue
         except ConfigError:
             pass  # another error, which an override may fix: the validate below says
         break
     apply_overrides(cfg, overrides or {})
     validate(cfg)
-    return cfg, list(dropped.values())
+    return cfg, notes
 
 
 # ---------------------------------------------------------------------------------------------

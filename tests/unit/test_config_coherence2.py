@@ -158,3 +158,17 @@ def test_an_unknown_memory_name_from_python_is_refused_in_one_line(apply):
     with pytest.raises(ConfigError) as err:
         call("moe")  # a name where a list belongs: read letter by letter
     assert str(err.value) == f"memory.{apply}='moe' is not a list of names (any of {allowed})"
+
+
+def test_a_saved_option_inert_twice_over_is_dropped_piece_by_piece(tmp_path):
+    """memory.recompute=['mla_up_proj', 'layer', 'norm'] in a GQA model: no MLA up-projection, and
+    'layer' recomputes the norms already; two drops of the same option, each a different part."""
+    from moefold.config import read_run_config, to_toml
+
+    path = tmp_path / "config.toml"
+    path.write_text(to_toml(load_config("tiny")).replace(
+        "recompute = []", 'recompute = ["mla_up_proj", "layer", "norm"]'))
+    cfg, notes = read_run_config(path)
+    assert cfg.memory.recompute == ["layer"]
+    assert len(notes) == 2 and "memory.recompute='mla_up_proj' does nothing here" in notes[0], notes
+    assert "memory.recompute=['layer', 'norm']: 'layer' already recomputes norm" in notes[1], notes

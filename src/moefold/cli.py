@@ -290,7 +290,7 @@ def _convert(args: argparse.Namespace) -> int:
 
     from moefold.checkpoint.hf import CONFIG, save_pretrained
     from moefold.data.tokenizer import tokenizer_files
-    from moefold.generate import end_of_document_id, load_model_from_run
+    from moefold.generate import load_model_from_run
 
     if args.from_hf is not None:
         if args.out is None or args.to_hf is not None:
@@ -309,13 +309,23 @@ def _convert(args: argparse.Namespace) -> int:
     model, tokenizer, cfg = load_model_from_run(args.run_dir, "cpu", exact_masters=True)
     default = "bf16" if cfg.optim.master_dtype == "bf16" else "fp32"
     dtype = getattr(torch, _EXPORT_DTYPES[args.dtype or default])
-    # A run converted from a checkpoint without tokenizer.json has the byte tokenizer's 256 as its
-    # end of document, which a smaller vocabulary lacks: config.json then claims none (null).
-    eos = end_of_document_id(cfg, tokenizer)
     save_pretrained(model, args.to_hf, dtype=dtype, copies=tokenizer_files(cfg.data.tokenizer),
-                    eos_token_id=eos if eos < model.vocab_size else None)
+                    eos_token_id=_export_eos_id(cfg, tokenizer, model.vocab_size, args.run_dir))
     print(f"converted {args.run_dir} -> {args.to_hf}")
     return 0
+
+
+def _export_eos_id(cfg: Config, tokenizer, vocab_size: int, run_dir: Path) -> int | None:
+    """config.json's eos_token_id: the id the run's documents ended with, or None (null) where the
+    byte tokenizer's 256 ended none this model read: a run converted from a checkpoint without
+    tokenizer.json, exported before it trained (its step-0 checkpoint), or a vocabulary without it."""
+    from moefold.checkpoint.dcp import checkpoint_step, resolve_checkpoint
+    from moefold.generate import end_of_document_id
+
+    eos = end_of_document_id(cfg, tokenizer)
+    bytes_untrained = (not cfg.data.tokenizer and cfg.data.eos_id < 0
+                       and checkpoint_step(resolve_checkpoint(run_dir, "--run-dir")) == 0)
+    return None if bytes_untrained or eos >= vocab_size else eos
 
 
 def _convert_from_hf(hf_dir: Path, out: Path) -> int:

@@ -51,6 +51,25 @@ def test_an_export_claims_no_end_of_document_id_outside_its_vocabulary(tmp_path)
     assert out.shape == (1, 5)
 
 
+def test_an_untrained_conversion_claims_not_the_byte_tokenizers_end_of_document(tmp_path, text_corpus):
+    """A checkpoint of 300 tokens ending documents with 7 and without tokenizer.json converts to a
+    run with the byte tokenizer; exported back untrained, config.json said eos_token_id=256, a
+    token of the checkpoint's own vocabulary that ended none of its documents (transformers'
+    generate would stop at it). Now null until the run trains on bytes, then 256, as it learned."""
+    from conftest import TINY_OVERRIDES, cli_args
+
+    hf, run = tmp_path / "hf", tmp_path / "run"
+    hf_model_of(qwen3(vocab_size=300, eos_token_id=7)).save_pretrained(hf)
+    assert main(["convert", "--from-hf", str(hf), "--out", str(run)]) == 0
+    assert main(["convert", "--run-dir", str(run), "--to-hf", str(tmp_path / "untrained")]) == 0
+    assert _config(tmp_path / "untrained")["eos_token_id"] is None
+    overrides = {k: v for k, v in TINY_OVERRIDES.items() if not k.startswith(("model.", "moe."))}
+    overrides.update({"data.path": str(text_corpus), "train.steps": "1", "train.warmup_steps": "0"})
+    assert main(["train", "--resume", str(run), *cli_args(overrides)]) == 0
+    assert main(["convert", "--run-dir", str(run), "--to-hf", str(tmp_path / "trained")]) == 0
+    assert _config(tmp_path / "trained")["eos_token_id"] == 256
+
+
 def test_save_pretrained_refuses_an_end_of_document_id_outside_the_vocabulary(tmp_path):
     model = load_pretrained(_saved(qwen3(), tmp_path / "hf"))
     with pytest.raises(CheckpointError, match=r"eos_token_id=96 is not a token of the model's vocabulary \(0\.\.95\)"):

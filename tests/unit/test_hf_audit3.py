@@ -260,3 +260,13 @@ def test_a_tied_model_exports_sharded_and_comes_back(preset, extra, tmp_path):
     hf.save_pretrained(tmp_path / "theirs")
     with torch.no_grad():
         assert_rel_close(load_pretrained(tmp_path / "theirs")(ids), hf(ids).logits, 1e-5, "logits")
+
+
+@pytest.mark.parametrize("value", [0, -5])
+def test_a_vocab_size_below_one_is_a_one_line_error_naming_it(value, sharded_qwen, tmp_path, capsys):
+    """vocab_size 0 is moefold's 'the tokenizer's vocabulary' but no vocabulary in config.json: it
+    was refused as 'lm_head.weight has shape [96, 32], the model expects [0, 32]' after a torch
+    warning about zero-element tensors (two lines), blaming the weights."""
+    hf = _with_config(sharded_qwen, tmp_path / "hf", vocab_size=value)
+    line = _one_line_exit_2(["convert", "--from-hf", str(hf), "--out", str(tmp_path / "run")], capsys)
+    assert line == f"moefold: error: config.json: vocab_size={value} must be positive"

@@ -187,6 +187,8 @@ def _common_from_hf(hf: dict[str, Any], family: str, default_theta: float, defau
     m = cfg.model
     m.family = family
     m.vocab_size = _int(hf, "vocab_size")
+    if m.vocab_size < 1:  # moefold's 0 would mean "the tokenizer's": no vocabulary of the checkpoint's
+        raise CheckpointError(f"config.json: vocab_size={m.vocab_size} must be positive")
     m.dim = _int(hf, "hidden_size")
     m.n_layers = _int(hf, "num_hidden_layers")
     m.n_heads = _int(hf, "num_attention_heads")

@@ -125,9 +125,10 @@ def test_a_directory_of_only_unreadable_types_names_what_it_found_and_what_is_al
                        "(found 3 .jsonl.gz, 1 .parquet.zst; decompress them)"), message
 
 
-def test_an_empty_directory_says_it_is_empty(tmp_path):
-    (tmp_path / "data" / "sub").mkdir(parents=True)
-    with pytest.raises(DataError, match=r"files found \(the directory holds no files\)$"):
+def test_a_directory_of_no_files_but_hidden_ones_says_so(tmp_path):
+    _write(tmp_path / "data" / "sub" / ".a.txt", "hidden")
+    with pytest.raises(DataError, match=r"files found \(found no files; hidden ones \(\.name\) "
+                                        r"are not data\)$"):
         streams_of(tmp_path / "data")
 
 
@@ -282,3 +283,28 @@ def test_the_package_docstring_example_runs(tmp_path):
     exec(compile(code, "moefold.data.__doc__", "exec"), scope)
     assert scope["train"].next_batch().input_ids_BS.shape == (2, 16)
     assert [b.input_ids_BS.shape for b in scope["val"]] == [(2, 16)] * 3
+
+
+def test_token_files_in_a_tree_are_their_name_ordered_concatenation(tmp_path):
+    """Naive reference: each file's ids as NumPy reads it, files in sorted relative-name order
+    (a hard link once), the last val_fraction of tokens held out, windows of S+1 every S."""
+    rng = np.random.default_rng(3)
+    data = tmp_path / "data"
+    (data / "b" / "c").mkdir(parents=True)
+    arrays = {"a.npy": rng.integers(0, 257, 101).astype(np.uint16),
+              "b/c/d.bin": rng.integers(0, 257, 77).astype(np.uint16),
+              "b/e.npy": rng.integers(0, 257, 50).astype(np.int32),
+              "b/c/f.npy": rng.integers(0, 257, 13).astype(np.int64)}
+    for name, ids_N in arrays.items():
+        (np.save if name.endswith(".npy") else lambda p, a: a.tofile(p))(data / name, ids_N)
+    os.link(data / "b/e.npy", data / "z.npy")
+    names = sorted(arrays)  # a.npy, b/c/d.bin, b/c/f.npy, b/e.npy
+    stream = [int(t) for name in names for t in (np.load(data / name) if name.endswith(".npy")
+                                                  else np.fromfile(data / name, np.uint16))]
+    streams = streams_of(data, val_fraction=0.1)
+    num_val = round(len(stream) * 0.1)
+    assert streams.train_N.tolist() == stream[:-num_val]
+    assert streams.val_N.tolist() == stream[-num_val:]
+    sequences = PackedSequences(streams.train_N, 9)
+    expected = [stream[i:i + 10] for i in range(0, len(stream) - num_val - 9, 9)]
+    assert [sequences[i].tolist() for i in range(len(sequences))] == expected

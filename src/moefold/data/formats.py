@@ -154,7 +154,7 @@ def _kinds(counts: dict[str, int]) -> str:
 
 def _found(skipped: Counter) -> str:
     if not skipped:
-        return "the directory holds no files"
+        return "found no files; hidden ones (.name) are not data"
     compressed = any(Path(kind).suffix in _COMPRESSED for kind in skipped)
     return f"found {_kinds(skipped)}" + ("; decompress them" if compressed else "")
 

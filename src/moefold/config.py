@@ -911,15 +911,11 @@ def _validate_memory(cfg: Config) -> None:
     _require(mem.offload_min_bytes >= 0, f"memory.offload_min_bytes={mem.offload_min_bytes} must be >= 0")
     for key in ("recompute", "offload"):
         names = getattr(mem, key)
+        validate_memory_names(key, names)
         for name in names:
-            _one_of(f"memory.{key}", name, MEMORY_MODULES)
-            _require(names.count(name) == 1, f"memory.{key}={names} lists {name!r} twice")
             _require_effect(_memory_module_exists(cfg, name), f"memory.{key}", f"memory.{key}={name!r} does "
                             f"nothing here: {_MEMORY_MODULE_NEEDS.get(name)}", unset=[n for n in names if n != name])
-    for outer, inner in _RECOMPUTE_COVERS.items():
-        both = sorted(inner & set(mem.recompute)) if outer in mem.recompute else []
-        _require_effect(not both, "memory.recompute", f"memory.recompute={mem.recompute}: {outer!r} already recomputes "
-                        f"{', '.join(both)}; list only one of them", unset=[n for n in mem.recompute if n not in both])
+    refuse_recomputed_twice(mem.recompute)
     both = sorted(set(mem.recompute) & set(mem.offload))
     _require_effect(not both, "memory.offload", f"memory.offload={mem.offload}: {', '.join(both)} is also recomputed, "
                     "so it keeps no activations to offload; list it in one of memory.recompute, memory.offload",
@@ -933,6 +929,26 @@ def _validate_memory(cfg: Config) -> None:
     _require(not compiled, f"memory.recompute={mem.recompute} with train.compile=true: {', '.join(compiled)} "
              "cannot recompute inside a compiled block; drop it or train.compile (the compiler "
              "recomputes cheap ops on its own)")
+
+
+def validate_memory_names(key: str, names: list[str]) -> None:
+    """`memory.<key>`'s names known, each once: `validate`'s check, which `apply_recompute` and
+    `apply_offload` run on names given in Python."""
+    _require(not isinstance(names, str), f"memory.{key}={names!r} is not a list of names "
+             f"(any of {', '.join(MEMORY_MODULES)})")  # iterated, it would be read letter by letter
+    for name in names:
+        _one_of(f"memory.{key}", name, MEMORY_MODULES)
+        _require(names.count(name) == 1, f"memory.{key}={names} lists {name!r} twice")
+
+
+def refuse_recomputed_twice(recompute: list[str]) -> None:
+    """No name inside another listed one (`validate`'s check, and `apply_recompute`'s): wrapped
+    twice, an output-discarding site inside a checkpointed region stopped backward with a
+    RuntimeError about storage sizes."""
+    for outer, inner in _RECOMPUTE_COVERS.items():
+        both = sorted(inner & set(recompute)) if outer in recompute else []
+        _require_effect(not both, "memory.recompute", f"memory.recompute={recompute}: {outer!r} already recomputes "
+                        f"{', '.join(both)}; list only one of them", unset=[n for n in recompute if n not in both])
 
 
 _MEMORY_MODULE_NEEDS = {"mla_up_proj": "it needs model.attention='mla'",

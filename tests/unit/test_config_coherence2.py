@@ -172,3 +172,25 @@ def test_a_saved_option_inert_twice_over_is_dropped_piece_by_piece(tmp_path):
     assert cfg.memory.recompute == ["layer"]
     assert len(notes) == 2 and "memory.recompute='mla_up_proj' does nothing here" in notes[0], notes
     assert "memory.recompute=['layer', 'norm']: 'layer' already recomputes norm" in notes[1], notes
+
+
+@pytest.mark.parametrize("names, message", [
+    (["norm", "norm"], "memory.recompute=['norm', 'norm'] lists 'norm' twice"),
+    (["layer", "moe_act"], "memory.recompute=['layer', 'moe_act']: 'layer' already recomputes moe_act; "
+                           "list only one of them"),
+    (["moe", "moe_act"], "memory.recompute=['moe', 'moe_act']: 'moe' already recomputes moe_act; "
+                         "list only one of them"),
+])
+def test_names_recomputed_twice_from_python_are_refused_as_the_config_refuses_them(names, message):
+    """Wrapped twice, an output-discarding site (norm, moe_act) inside another recompute stopped the
+    first backward with a RuntimeError ('size does not match, self was 0 bytes but src was 4096
+    bytes', 'setStorage: sizes [16, 64] ...')."""
+    from moefold.memory.recompute import apply_recompute
+    from moefold.models.transformer import build_model
+
+    with torch.device("meta"):
+        model = build_model(load_config("tiny"), 256)
+    with pytest.raises(ConfigError) as err:
+        apply_recompute(model, names)
+    assert str(err.value) == message
+    refused({"memory.recompute": str(names).replace("'", '"')}, message, preset="tiny")

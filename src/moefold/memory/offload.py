@@ -47,7 +47,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from moefold.memory.sites import mark_wrapped, refuse_unknown_names, targets
+from moefold.config import validate_memory_names
+from moefold.memory.sites import mark_wrapped, targets
 from moefold.moe.recomputing import in_backward
 from moefold.parallel.local import memory_holder
 
@@ -55,7 +56,7 @@ from moefold.parallel.local import memory_holder
 def apply_offload(model: torch.nn.Module, names: Sequence[str], min_bytes: int,
                   device_type: str) -> ActivationOffload | None:
     """Wrap the sites of `names`; returns the offload (None when nothing is offloaded)."""
-    refuse_unknown_names("memory.offload", names)
+    validate_memory_names("offload", names)  # names given in Python: no config check saw them
     if not names:
         return None
     offload = ActivationOffload(min_bytes, StreamedHostCopy() if device_type == "cuda" else HostCopy())

@@ -28,8 +28,9 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.utils.checkpoint import checkpoint, get_device_states, set_device_states
 
+from moefold.config import refuse_recomputed_twice, validate_memory_names
 from moefold.memory.moe_tape import moe_recompute_contexts
-from moefold.memory.sites import Site, mark_wrapped, refuse_unknown_names, targets
+from moefold.memory.sites import Site, mark_wrapped, targets
 from moefold.moe.layer import MoELayer
 from moefold.parallel.local import memory_holder
 
@@ -37,7 +38,8 @@ from moefold.parallel.local import memory_holder
 def apply_recompute(model: torch.nn.Module, names: Sequence[str]) -> None:
     """Wrap the sites of `names` (config.MEMORY_MODULES): whole regions first, then the
     output-discarding pairs, so a consumer that is itself checkpointed frees its input too."""
-    refuse_unknown_names("memory.recompute", names)
+    validate_memory_names("recompute", names)  # names given in Python: no config check saw them
+    refuse_recomputed_twice(names)
     chosen = [t for name in names for t in targets(model, name)]
     for target in (t for t in chosen if t.consumer is None):
         moe_layers = [m for m in target.site.modules() if isinstance(m, MoELayer)]

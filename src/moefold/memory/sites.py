@@ -22,8 +22,6 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from moefold.config import MEMORY_MODULES
-from moefold.errors import ConfigError
 from moefold.models.attention import Attention
 from moefold.models.mla import MLAttention
 from moefold.models.mlp import SwiGLUMLP
@@ -91,17 +89,6 @@ def mark_wrapped(*sites: Site | None) -> None:
     for site in sites:
         if site is not None and isinstance(site.owner, nn.Module):
             site.owner._memory_wrapped = _Wrapped()
-
-
-def refuse_unknown_names(option: str, names: object) -> None:
-    """`names` given to `apply_recompute` / `apply_offload` from Python, which no config check saw:
-    one line naming `option` (memory.recompute, memory.offload) and the names allowed."""
-    allowed = ", ".join(MEMORY_MODULES)
-    if isinstance(names, str):  # iterated, it would be read letter by letter
-        raise ConfigError(f"{option}={names!r} is not a list of names (any of {allowed})")
-    for name in names:
-        if name not in _BLOCK_TARGETS:
-            raise ConfigError(f"{option}={name!r} is not one of {allowed}")
 
 
 def targets(model: nn.Module, name: str) -> list[Target]:

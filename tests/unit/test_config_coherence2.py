@@ -194,3 +194,22 @@ def test_names_recomputed_twice_from_python_are_refused_as_the_config_refuses_th
         apply_recompute(model, names)
     assert str(err.value) == message
     refused({"memory.recompute": str(names).replace("'", '"')}, message, preset="tiny")
+
+
+def test_recomputing_again_what_the_model_recomputes_is_refused():
+    """build_model applied memory.recompute=['norm']; a second apply_recompute(model, ['norm'])
+    wrapped the norms twice and the first backward stopped with 'size does not match, self was 0
+    bytes but src was 4096 bytes'; ['moe'] over a recomputed 'moe_act' with 'setStorage: ...'."""
+    from moefold.memory.recompute import apply_recompute
+    from moefold.models.transformer import build_model
+
+    for built, again, message in (
+            ("norm", "norm", "memory.recompute=['norm', 'norm'] lists 'norm' twice"),
+            ("moe_act", "moe", "memory.recompute=['moe_act', 'moe']: 'moe' already recomputes moe_act; "
+                               "list only one of them")):
+        with torch.device("meta"):
+            model = build_model(load_config("tiny", {"memory.recompute": f'["{built}"]'}), 256)
+        with pytest.raises(ConfigError) as err:
+            apply_recompute(model, [again])
+        assert str(err.value) == message
+        apply_recompute(model, ["attn_core"])  # another name is still taken

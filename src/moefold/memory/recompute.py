@@ -38,8 +38,11 @@ from moefold.parallel.local import memory_holder
 def apply_recompute(model: torch.nn.Module, names: Sequence[str]) -> None:
     """Wrap the sites of `names` (config.MEMORY_MODULES): whole regions first, then the
     output-discarding pairs, so a consumer that is itself checkpointed frees its input too."""
-    validate_memory_names("recompute", names)  # names given in Python: no config check saw them
-    refuse_recomputed_twice(names)
+    validate_memory_names("recompute", names)  # given in Python: no config check saw them
+    recomputed = [*getattr(model, "recomputed_names", []), *names]  # with a call's before (build_model's)
+    validate_memory_names("recompute", recomputed)
+    refuse_recomputed_twice(recomputed)
+    model.recomputed_names = recomputed
     chosen = [t for name in names for t in targets(model, name)]
     for target in (t for t in chosen if t.consumer is None):
         moe_layers = [m for m in target.site.modules() if isinstance(m, MoELayer)]

@@ -65,6 +65,8 @@ def _save_inert_options(run) -> None:
 
 def test_a_resume_drops_the_inert_options_its_saved_config_holds_with_a_note(finished_run, capsys):
     _save_inert_options(finished_run)
+    assert main(["generate", "--run-dir", str(finished_run), "--prompt", "a", "--max-new-tokens", "2",
+                 "--device", "cpu"]) == 0  # the same reader: the options dropped
     capsys.readouterr()
     assert main(["train", "--resume", str(finished_run), "--train.steps", "4"]) == 0
     out = capsys.readouterr().out

@@ -3,7 +3,8 @@
 The docstring under each field is its CLI help (`moefold train --help`). A config is built in one
 place, `load_config`: preset (name or path) → TOML overrides → CLI overrides → `validate`. Invalid
 values fail there, before any work starts, with a message naming the field, the value and what is
-allowed.
+allowed. A run's saved config.toml is read by `read_run_config`, which drops the options an older
+moefold saved where they had no effect (refused since) before the overrides are checked.
 """
 
 from __future__ import annotations

@@ -270,3 +270,38 @@ def test_a_vocab_size_below_one_is_a_one_line_error_naming_it(value, sharded_qwe
     hf = _with_config(sharded_qwen, tmp_path / "hf", vocab_size=value)
     line = _one_line_exit_2(["convert", "--from-hf", str(hf), "--out", str(tmp_path / "run")], capsys)
     assert line == f"moefold: error: config.json: vocab_size={value} must be positive"
+
+
+# ---------------------------------------------------------------------------------------------
+# A directory holding both a single file and an index
+# ---------------------------------------------------------------------------------------------
+
+
+def test_a_stale_index_beside_model_safetensors_loads_the_single_file_as_transformers_does(tmp_path, capsys):
+    """transformers' save_pretrained as one file into a directory it had saved in shards removes
+    the shards but leaves model.safetensors.index.json; its from_pretrained loads model.safetensors.
+    moefold read the index first and refused the directory ('... names model-00001-of-00012.safetensors,
+    which does not exist'); it now loads model.safetensors, as transformers does."""
+    hf = tmp_path / "hf"
+    hf_model_of(qwen3(), seed=1).save_pretrained(hf, max_shard_size="20KB")
+    hf_model_of(qwen3(), seed=2).save_pretrained(hf)
+    assert (hf / "model.safetensors.index.json").is_file() and not list(hf.glob("model-*.safetensors"))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(hf)
+    ours = load_pretrained(hf)
+    assert torch.equal(ours.norm.weight, theirs.model.norm.weight)
+    assert main(["convert", "--from-hf", str(hf), "--out", str(tmp_path / "run")]) == 0
+
+
+def test_both_a_single_file_and_a_complete_index_are_a_one_line_error(tmp_path, capsys):
+    """Saved in shards over a single file, the directory keeps both (transformers removes only
+    shards) and transformers loads the older model.safetensors: which one is meant is unknowable,
+    so moefold names both instead of picking one."""
+    hf = tmp_path / "hf"
+    hf_model_of(qwen3(), seed=1).save_pretrained(hf)
+    hf_model_of(qwen3(), seed=2).save_pretrained(hf, max_shard_size="20KB")
+    assert (hf / "model.safetensors").is_file() and (hf / "model.safetensors.index.json").is_file()
+    line = _one_line_exit_2(["convert", "--from-hf", str(hf), "--out", str(tmp_path / "run")], capsys)
+    assert line == (f"moefold: error: {hf}: holds both model.safetensors and model.safetensors.index.json "
+                    "with its shards (one is left over from an earlier save); remove the one that is not "
+                    "this checkpoint (transformers loads model.safetensors)")
+    assert not (tmp_path / "run").exists()

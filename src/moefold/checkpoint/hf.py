@@ -348,7 +348,11 @@ def _json_object(value: Any, path: Path | str) -> dict[str, Any]:
 
 
 def _tensor_files(path: Path) -> dict[str, Path]:
-    """Every tensor name of the checkpoint and its safetensors file."""
+    """Every tensor name of the checkpoint and its safetensors file. Beside model.safetensors (which
+    transformers loads first), an index whose shards are gone is a leftover (transformers' save as
+    one file removes the shards, not the index); one with all its shards makes the checkpoint
+    ambiguous, a CheckpointError."""
+    single = (path / SINGLE).is_file()
     if (path / INDEX).is_file():
         weight_map = _read_json(path / INDEX).get("weight_map")
         if not isinstance(weight_map, dict):
@@ -356,11 +360,16 @@ def _tensor_files(path: Path) -> dict[str, Path]:
         for name, file in weight_map.items():
             if not isinstance(file, str):
                 raise CheckpointError(f"{path / INDEX}: weight_map maps {name} to {json.dumps(file)}, not a file name")
-        for file in sorted(set(weight_map.values())):
-            if not (path / file).is_file():
-                raise CheckpointError(f"{path / INDEX} names {file}, which does not exist")
-        return {name: path / file for name, file in weight_map.items()}
-    if (path / SINGLE).is_file():
+        absent = [file for file in sorted(set(weight_map.values())) if not (path / file).is_file()]
+        if single and not absent:
+            raise CheckpointError(f"{path}: holds both {SINGLE} and {INDEX} with its shards (one is left over "
+                                  "from an earlier save); remove the one that is not this checkpoint "
+                                  f"(transformers loads {SINGLE})")
+        if absent and not single:
+            raise CheckpointError(f"{path / INDEX} names {absent[0]}, which does not exist")
+        if not single:
+            return {name: path / file for name, file in weight_map.items()}
+    if single:
         with _safetensors_file(path / SINGLE) as f:
             return dict.fromkeys(f.keys(), path / SINGLE)
     raise CheckpointError(f"{path}: neither {SINGLE} nor {INDEX} (only safetensors checkpoints load)")

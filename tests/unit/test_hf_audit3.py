@@ -305,3 +305,43 @@ def test_both_a_single_file_and_a_complete_index_are_a_one_line_error(tmp_path, 
                     "with its shards (one is left over from an earlier save); remove the one that is not "
                     "this checkpoint (transformers loads model.safetensors)")
     assert not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# --init-from-hf's tokenizer, given a relative directory
+# ---------------------------------------------------------------------------------------------
+
+
+def _bpe_tokenizer(path: Path, texts: list[str]) -> Path:
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=280, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer.save(str(path))
+    return path
+
+
+def test_init_from_hf_of_a_relative_directory_keeps_its_tokenizer_from_anywhere(tmp_path, text_corpus,
+                                                                               monkeypatch):
+    """`train --init-from-hf hf` (relative) wrote `data.tokenizer = "hf/tokenizer.json"` into the
+    run's config.toml, resolved against whatever directory a later command runs in: `convert
+    --to-hf` or `train --resume` from elsewhere found no tokenizer. It is now absolute, as
+    `convert --from-hf` writes it."""
+    from conftest import TINY_OVERRIDES, cli_args
+
+    pytest.importorskip("tokenizers")
+    hf = tmp_path / "hf"
+    hf_model_of(qwen3(vocab_size=300)).save_pretrained(hf)
+    texts = [p.read_text() for p in sorted(text_corpus.rglob("*.txt"))[:20]]
+    _bpe_tokenizer(hf / "tokenizer.json", texts)
+    overrides = {k: v for k, v in TINY_OVERRIDES.items() if not k.startswith(("model.", "moe."))}
+    overrides.update({"data.path": str(text_corpus), "train.steps": "1", "train.warmup_steps": "0"})
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--init-from-hf", "hf", "--run-dir", "run", *cli_args(overrides)]) == 0
+    assert f'tokenizer = "{hf / "tokenizer.json"}"' in (tmp_path / "run" / "config.toml").read_text()
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert main(["convert", "--run-dir", str(tmp_path / "run"), "--to-hf", str(tmp_path / "back")]) == 0
+    assert (tmp_path / "back" / "tokenizer.json").read_bytes() == (hf / "tokenizer.json").read_bytes()

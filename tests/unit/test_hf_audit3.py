@@ -12,10 +12,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
-torch_dcp = pytest.importorskip("torch.distributed.checkpoint")
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_hf_interop import VOCAB, deepseek_v3, hf_model_of, mixtral, qwen3  # noqa: E402
+from test_hf_interop import VOCAB, deepseek_v3, hf_model_of, qwen3  # noqa: E402
 
 from moefold.checkpoint.hf import (  # noqa: E402
     config_from_hf, convert_to_run_checkpoint, hf_config_from, load_pretrained, save_pretrained)

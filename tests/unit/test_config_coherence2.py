@@ -215,3 +215,22 @@ def test_recomputing_again_what_the_model_recomputes_is_refused():
             apply_recompute(model, [again])
         assert str(err.value) == message
         apply_recompute(model, ["attn_core"])  # another name is still taken
+
+
+@pytest.mark.parametrize("apply", ["recompute", "offload"])
+@pytest.mark.parametrize("name", ["mla_up_proj", "shared_experts"])
+def test_a_memory_name_without_a_site_from_python_is_refused(apply, name):
+    """On tiny (GQA, no shared experts) the name wrapped nothing and said nothing; the config
+    refuses it ('does nothing here')."""
+    from moefold.memory.offload import apply_offload
+    from moefold.memory.recompute import apply_recompute
+    from moefold.models.transformer import build_model
+
+    with torch.device("meta"):
+        model = build_model(load_config("tiny"), 256)
+    with pytest.raises(ConfigError) as err:
+        (apply_recompute(model, [name]) if apply == "recompute" else apply_offload(model, [name], 0, "cpu"))
+    assert str(err.value) == (f"memory.{apply}={name!r} does nothing here: the model has no {name} site "
+                              "(memory/sites.py)")
+    with pytest.raises(ConfigError, match=rf"^memory.{apply}={name!r} does nothing here: "):
+        load_config("tiny", {f"memory.{apply}": f'["{name}"]'})

@@ -48,7 +48,7 @@ from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from moefold.config import validate_memory_names
-from moefold.memory.sites import mark_wrapped, targets
+from moefold.memory.sites import mark_wrapped, targets_of
 from moefold.moe.recomputing import in_backward
 from moefold.parallel.local import memory_holder
 
@@ -60,10 +60,9 @@ def apply_offload(model: torch.nn.Module, names: Sequence[str], min_bytes: int,
     if not names:
         return None
     offload = ActivationOffload(min_bytes, StreamedHostCopy() if device_type == "cuda" else HostCopy())
-    for name in names:
-        for target in targets(model, name):
-            target.site.wrap(functools.partial(offload.wrap, owner=target.site.owner))
-            mark_wrapped(target.site)
+    for target in targets_of(model, "offload", names):
+        target.site.wrap(functools.partial(offload.wrap, owner=target.site.owner))
+        mark_wrapped(target.site)
     return offload
 
 

@@ -30,7 +30,7 @@ from torch.utils.checkpoint import checkpoint, get_device_states, set_device_sta
 
 from moefold.config import refuse_recomputed_twice, validate_memory_names
 from moefold.memory.moe_tape import moe_recompute_contexts
-from moefold.memory.sites import Site, mark_wrapped, targets
+from moefold.memory.sites import Site, mark_wrapped, targets_of
 from moefold.moe.layer import MoELayer
 from moefold.parallel.local import memory_holder
 
@@ -42,8 +42,8 @@ def apply_recompute(model: torch.nn.Module, names: Sequence[str]) -> None:
     recomputed = [*getattr(model, "recomputed_names", []), *names]  # with a call's before (build_model's)
     validate_memory_names("recompute", recomputed)
     refuse_recomputed_twice(recomputed)
+    chosen = targets_of(model, "recompute", names)
     model.recomputed_names = recomputed
-    chosen = [t for name in names for t in targets(model, name)]
     for target in (t for t in chosen if t.consumer is None):
         moe_layers = [m for m in target.site.modules() if isinstance(m, MoELayer)]
         target.site.wrap(lambda fn, layers=moe_layers: checkpointed(fn, layers))

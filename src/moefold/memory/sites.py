@@ -17,11 +17,12 @@ output once the consumer ran (recompute.DiscardedOutput).
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from torch import nn
 
+from moefold.errors import ConfigError
 from moefold.models.attention import Attention
 from moefold.models.mla import MLAttention
 from moefold.models.mlp import SwiGLUMLP
@@ -89,6 +90,19 @@ def mark_wrapped(*sites: Site | None) -> None:
     for site in sites:
         if site is not None and isinstance(site.owner, nn.Module):
             site.owner._memory_wrapped = _Wrapped()
+
+
+def targets_of(model: nn.Module, key: str, names: Sequence[str]) -> list[Target]:
+    """The sites of each of `names`, in order; a name without any in `model` is refused, as the
+    config refuses it (`memory.<key>`): given in Python, it silently wrapped nothing."""
+    chosen = []
+    for name in names:
+        found = targets(model, name)
+        if not found:
+            raise ConfigError(f"memory.{key}={name!r} does nothing here: the model has no {name} site "
+                              "(memory/sites.py)")
+        chosen += found
+    return chosen
 
 
 def targets(model: nn.Module, name: str) -> list[Target]:

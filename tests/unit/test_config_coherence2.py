@@ -234,3 +234,43 @@ def test_a_memory_name_without_a_site_from_python_is_refused(apply, name):
                               "(memory/sites.py)")
     with pytest.raises(ConfigError, match=rf"^memory.{apply}={name!r} does nothing here: "):
         load_config("tiny", {f"memory.{apply}": f'["{name}"]'})
+
+
+# What build_moe_layer may take that load_config refuses: options of the whole model's layer
+# pattern, and those a layer leaves unread (docs/python.md: `moefold generate` builds its dropless
+# layers with the run's drop_policy); its "> 0 for an MoE layer" words 0 experts' refusal its way.
+_MODEL_WIDE = {"first_k_dense", "moe_every", "dense_layers"}
+_UNREAD = {"drop_policy", "expert_bias_update_rate", "shared_expert_hidden", "shared_expert_gate", "norm_topk_prob"}
+_VALUES = {int: [-1, 0, 1, 3, 9, 2**64], float: [-1.0, 0.0, 0.5, 2.0, float("nan"), float("inf")],
+           bool: [True, False], str: ["bogus", "sigmoid", "position", "gelu", "loop", "fp64"]}
+
+
+def test_build_moe_layer_refuses_each_moe_value_load_config_refuses_in_its_words():
+    """Every [moe] field at values around its limits (one at a time, on 8 experts of top-2)."""
+    import dataclasses
+
+    from moefold.config import field_types
+    from moefold.moe.layer import build_moe_layer
+
+    def error(call):
+        try:
+            call()
+        except ConfigError as e:
+            return str(e)
+        return None
+
+    base = {"num_experts": 8, "top_k": 2, "expert_hidden": 8}
+    checked = 0
+    for f in dataclasses.fields(MoEConfig):
+        if f.name in _MODEL_WIDE | _UNREAD or field_types()[f"moe.{f.name}"] not in _VALUES:
+            continue
+        for value in _VALUES[field_types()[f"moe.{f.name}"]]:
+            moe = {**base, f.name: value}
+            loaded = error(lambda: load_config("tiny", {f"moe.{k}": v for k, v in moe.items()}))
+            built = error(lambda: build_moe_layer(8, MoEConfig(**moe), "cpu", torch.float32, init_std=None))
+            if f.name in base and value in (0, -1):  # 0 experts is a dense model's config, not a layer's
+                assert built == f"moe.{f.name}={value} must be > 0 for an MoE layer", built
+            else:
+                assert built == loaded, (f.name, value)
+            checked += loaded is not None
+    assert checked > 40

@@ -188,3 +188,40 @@ def test_fused_chunk_step_reads_label_zero():
     loss, grad_TV = fused_chunk_loss_and_grad(h_1TD[0], w_VD, labels_1T[0], torch.tensor(4))
     torch.testing.assert_close(loss, ref.detach())
     torch.testing.assert_close(grad_TV, logits_TV.grad)
+
+
+# ---------------------------------------------------------------- fp8/saved.py: nothing kept without grad
+
+
+def test_fp8_saved_inputs_are_not_quantized_for_a_forward_without_grad(monkeypatch):
+    """precision.fp8_saved_activations quantizes a GEMM's input to keep it for the backward; an
+    evaluation or generation forward (no grad) keeps nothing, so it must not pay for that copy
+    (it quantized every linear's and the experts' input again, for nothing) and gives the same
+    output. A training forward still keeps them in FP8."""
+    from moefold.config import load_config
+    from moefold.fp8.apply import apply_fp8
+    from moefold.fp8.saved import SaveFp8Input
+    from moefold.models.transformer import build_model
+
+    cfg = load_config("tiny-qwen3", {"model.dim": 128, "model.n_heads": 4, "model.head_dim": 32,
+                                     "model.n_kv_heads": 4, "model.ffn_hidden": 128, "moe.expert_hidden": 128,
+                                     "moe.num_experts": 4, "moe.top_k": 2, "model.n_layers": 2,
+                                     "precision.fp8": "rowwise", "precision.fp8_saved_activations": True})
+    torch.manual_seed(0)
+    model = build_model(cfg, 256)
+    apply_fp8(model, cfg.precision, "cpu", shared_inputs=False)
+    assert any(isinstance(getattr(m, "saver", None), SaveFp8Input) for m in model.modules())
+    packs = []
+    real_pack = SaveFp8Input.pack
+    monkeypatch.setattr(SaveFp8Input, "pack", lambda self, x: packs.append(1) or real_pack(self, x))
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    model.eval()
+    with torch.no_grad():
+        no_grad_logits = model(ids)
+    assert packs == []
+    with torch.inference_mode():
+        model(ids)
+    assert packs == []
+    logits = model(ids)  # eval mode, grad on: what a backward would need is kept
+    assert packs
+    torch.testing.assert_close(no_grad_logits, logits.detach(), rtol=0, atol=0)

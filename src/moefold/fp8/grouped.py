@@ -27,7 +27,7 @@ from moefold.errors import ConfigError
 from moefold.fp8 import triton_grouped, triton_quant
 from moefold.fp8.gemm import Fp8Scaling, GemmScaling, column_major, pad_rows
 from moefold.fp8.recipes import BLOCK, Operand, fake_quant, quantize, tile_scale
-from moefold.fp8.saved import SaveInput
+from moefold.fp8.saved import SaveInput, kept_for_backward
 from moefold.moe.grouped_mm import grouped_mm
 
 COLUMN_CHUNK = 16
@@ -452,7 +452,8 @@ def fp8_grouped_mms(x_RK: torch.Tensor, ws_EKN: list[torch.Tensor], offsets_E: t
     operands, quantized beforehand (`CachedWeights.operands, fp8/weight_cache.py`); None quantizes them here."""
     if len(ws_EKN) not in (1, 2):
         raise ValueError(f"fp8_grouped_mms takes one or two weights, got {len(ws_EKN)}")
-    return list(_Fp8GroupedMMFn.apply(x_RK, offsets_E, gemm, scaling, saver or SaveInput(), cached, *ws_EKN))
+    saver = kept_for_backward(saver or SaveInput())
+    return list(_Fp8GroupedMMFn.apply(x_RK, offsets_E, gemm, scaling, saver, cached, *ws_EKN))
 
 
 def fp8_grouped_mm(x_RK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor,

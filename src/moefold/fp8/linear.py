@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from moefold.fp8.gemm import Fp8GemmBase, Fp8Scaling
-from moefold.fp8.saved import SaveInput
+from moefold.fp8.saved import SaveInput, kept_for_backward
 from moefold.moe.experts import compute_dtype
 
 
@@ -127,7 +127,7 @@ class Fp8Linear(nn.Linear):
         dtype = compute_dtype(x)
         x, w_NK = self.shards.local(x, self.weight)
         x_MK = x.reshape(-1, x.shape[-1]).to(dtype)
-        y_MN = _Fp8LinearFn.apply(x_MK, w_NK.to(dtype), self.gemm, self.scaling, self.saver)
+        y_MN = _Fp8LinearFn.apply(x_MK, w_NK.to(dtype), self.gemm, self.scaling, kept_for_backward(self.saver))
         y = self.shards.wrap(y_MN.view(*x.shape[:-1], w_NK.shape[0]))
         return y if self.bias is None else y + self.bias.to(dtype)
 

@@ -7,6 +7,10 @@ scale for tensorwise) — 1 byte per element plus the scales instead of 2 — an
 the backward. grad_weight then quantizes those values again with its own tiles (columns, 128x1): a
 second rounding, the price of the memory (DeepSeek-V3 also caches activations in FP8 with 1x128
 tiles). grad_input never reads the input.
+
+Without grad (evaluation, generation) autograd keeps nothing for a backward, so the GEMMs take
+`kept_for_backward(saver)`: the plain `SaveInput`, whose pack is free, instead of quantizing the
+input for nothing.
 """
 
 from __future__ import annotations
@@ -37,6 +41,15 @@ class SaveFp8Input(SaveInput):
 
     def unpack(self, packed: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
         return dequantize_tiles(*packed, dtype=dtype)
+
+
+_AS_IS = SaveInput()
+
+
+def kept_for_backward(saver: SaveInput) -> SaveInput:
+    """`saver` when this forward builds a graph; without grad nothing is kept, so nothing to pack.
+    (Asked at the autograd function's call: inside its forward grad is always off.)"""
+    return saver if torch.is_grad_enabled() else _AS_IS
 
 
 def saved_input(fp8_saved_activations: bool, forward_activation: Operand) -> SaveInput:

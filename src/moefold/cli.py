@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from moefold import __version__
-from moefold.config import (SECTIONS, Config, apply_overrides, config_from_toml, field_docs,
-                            field_types, load_config, preset_names, to_toml, validate)
+from moefold.config import (SECTIONS, Config, apply_overrides, field_docs, field_types, load_config,
+                            preset_names, read_run_config, to_toml, validate)
 from moefold.errors import (FULL_OR_READ_ONLY, ConfigError, OutputError, UserError, refuse_unwritable_dir,
                             report)
 
@@ -189,13 +189,13 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 def _train(args: argparse.Namespace) -> int:
     from moefold.train.trainer import Trainer, TrainingInterrupted  # torch import only when needed
 
-    overrides = _overrides(args)
+    overrides, notes = _overrides(args), []
     if args.resume is not None:
         if args.config or args.init_from_hf:
             raise ConfigError("--config and --init-from-hf cannot be combined with --resume: the "
                               "run's config.toml is used; override single fields instead")
         run_dir = args.run_dir or _run_dir_of(args.resume)
-        cfg = config_from_toml(_run_dir_of(args.resume) / "config.toml", overrides)
+        cfg, notes = read_run_config(_run_dir_of(args.resume) / "config.toml", overrides)
     elif args.init_from_hf is not None:
         cfg = _config_for_hf_model(args.init_from_hf, args.config, overrides)
         run_dir = args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
@@ -205,7 +205,7 @@ def _train(args: argparse.Namespace) -> int:
     if args.nproc != 1:
         return _spawn_ranks(args, cfg, run_dir)
     try:
-        trainer = Trainer(cfg, run_dir, resume=args.resume, init_from_hf=args.init_from_hf)
+        trainer = Trainer(cfg, run_dir, resume=args.resume, init_from_hf=args.init_from_hf, notes=notes)
         trainer.fit()
         trainer.dist.barrier()  # every rank done before any tears the process group down
     except TrainingInterrupted as e:

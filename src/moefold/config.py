@@ -3,8 +3,8 @@
 The docstring under each field is its CLI help (`moefold train --help`). A config is built in one
 place, `load_config`: preset (name or path) → TOML overrides → CLI overrides → `validate`. Invalid
 values fail there, before any work starts, with a message naming the field, the value and what is
-allowed. A run's saved config.toml is read by `read_run_config`, which drops the options an older
-moefold saved where they had no effect (refused since) before the overrides are checked.
+allowed. A run's saved config.toml is read by `read_run_config`, which drops the options of the
+file an older moefold saved where they have no effect (refused since).
 """
 
 from __future__ import annotations
@@ -590,30 +590,26 @@ def config_from_toml(path: Path, overrides: dict[str, Any] | None = None) -> Con
 
 
 def read_run_config(path: Path, overrides: dict[str, Any] | None = None) -> tuple[Config, list[str]]:
-    """`config_from_toml`, and a note for each option of the file that has no effect: an older
-    moefold accepted and saved it, so the run must still resume (or generate) without it; it is
-    dropped (`InertOptionError.unset`). The overrides are checked after, as a fresh run's."""
-    label = str(path)
+    """`config_from_toml`, and a note for each option of the file it dropped: one without effect
+    in the config with the overrides, which an older moefold accepted and saved (refused since):
+    the run must still resume (or generate) without it (`InertOptionError.unset`). One the
+    overrides give is refused, as in a fresh run."""
+    label, overrides = str(path), overrides or {}
     cfg = Config()
     apply_overrides(cfg, flatten_table(read_preset(label, label), label), source=label)
+    apply_overrides(cfg, overrides)
     notes, set_to = [], set()
     while True:  # one error at a time: each drop lets validate reach the next
         try:
             validate(cfg)
+            return cfg, notes
         except InertOptionError as error:
-            if (error.key, repr(error.unset)) in set_to:  # two checks disagree on its neutral value: never loop
+            if error.key in overrides or (error.key, repr(error.unset)) in set_to:  # never loop
                 raise
             set_to.add((error.key, repr(error.unset)))  # a list option may lose one name, then another
             section, name = error.key.split(".")
             setattr(getattr(cfg, section), name, error.unset)
-            notes.append(f"note: {label}: {error}; the resumed run drops it (it had no effect)")
-            continue
-        except ConfigError:
-            pass  # another error, which an override may fix: the validate below says
-        break
-    apply_overrides(cfg, overrides or {})
-    validate(cfg)
-    return cfg, notes
+            notes.append(f"note: {label}: {error}; the resumed run drops it")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -73,9 +73,9 @@ def test_a_resume_drops_the_inert_options_its_saved_config_holds_with_a_note(fin
     notes = [line for line in out.splitlines() if "drops it" in line]
     assert sorted(notes) == [
         f"note: {finished_run / 'config.toml'}: precision.fp8_exclude=['layers.0.*'] needs precision.fp8 "
-        "(tensorwise, rowwise, blockwise), not 'off'; the resumed run drops it (it had no effect)",
+        "(tensorwise, rowwise, blockwise), not 'off'; the resumed run drops it",
         f"note: {finished_run / 'config.toml'}: train.decay_fraction=0.3 needs train.schedule='wsd'; the "
-        "resumed run drops it (it had no effect)"], out
+        "resumed run drops it"], out
     text = (finished_run / "config.toml").read_text()  # rewritten without them: said once
     assert "fp8_exclude = []\n" in text and "decay_fraction = 0.2\n" in text
 
@@ -274,3 +274,17 @@ def test_build_moe_layer_refuses_each_moe_value_load_config_refuses_in_its_words
                 assert built == loaded, (f.name, value)
             checked += loaded is not None
     assert checked > 40
+
+
+def test_the_saved_options_are_judged_with_the_overrides(tmp_path):
+    """A saved option an override gives an effect is kept (fp8_exclude with --precision.fp8
+    rowwise); one a saved error hid is still dropped when an override mends that error."""
+    from moefold.config import read_run_config, to_toml
+
+    path = tmp_path / "config.toml"
+    path.write_text(to_toml(load_config("tiny")).replace("fp8_exclude = []", 'fp8_exclude = ["layers.0.*"]'))
+    cfg, notes = read_run_config(path, {"precision.fp8": "rowwise"})
+    assert cfg.precision.fp8_exclude == ["layers.0.*"] and notes == []
+    path.write_text(path.read_text().replace("lr = 0.003\n", "lr = nan\n", 1))
+    cfg, notes = read_run_config(path, {"train.lr": "1e-3"})
+    assert cfg.precision.fp8_exclude == [] and len(notes) == 1 and "precision.fp8_exclude" in notes[0], notes

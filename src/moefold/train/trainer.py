@@ -11,7 +11,7 @@ import math
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any, NoReturn
@@ -40,7 +40,7 @@ from moefold.checkpoint.dcp import (
     save_checkpoint,
     set_rng_state,
 )
-from moefold.config import (Config, ParallelConfig, micro_batches_per_step, read_run_config,
+from moefold.config import (Config, ParallelConfig, config_from_toml, micro_batches_per_step,
                             refuse_unsupported_parallel, to_toml, validate)
 from moefold.data.corpus import build_token_streams
 from moefold.data.loader import IGNORE_INDEX, Batch, PackedSequences, TrainLoader, val_batches
@@ -107,12 +107,11 @@ def _zero_weights(model: nn.Module) -> None:
         p.zero_()
 
 
-def _saving_run_config(checkpoint: Path) -> tuple[Config | None, list[str]]:
-    """The config.toml of the run that saved `checkpoint`, read once for the resume checks, and the
-    notes on the options without effect it dropped (`read_run_config`); None where it has none (a
-    checkpoint copied out of its run)."""
+def _saving_run_config(checkpoint: Path) -> Config | None:
+    """The config.toml of the run that saved `checkpoint`, read once for the resume checks; None
+    where it has none (a checkpoint copied out of its run)."""
     saved_config = checkpoint.parent.parent / "config.toml"
-    return read_run_config(saved_config) if saved_config.is_file() else (None, [])
+    return config_from_toml(saved_config) if saved_config.is_file() else None
 
 
 def _refuse_changed_state_dtypes(cfg: Config, saved: Config, checkpoint: Path) -> None:
@@ -263,17 +262,19 @@ class Trainer:
     """How the command that runs this trainer starts its ranks (named when a layout needs them)."""
 
     def __init__(self, cfg: Config, run_dir: Path, resume: Path | None = None,
-                 out: Callable[[str], None] = print, init_from_hf: Path | None = None):
+                 out: Callable[[str], None] = print, init_from_hf: Path | None = None,
+                 notes: Sequence[str] = ()):
         """`resume`: a run directory or checkpoint to continue (a weights-only checkpoint, as
         `moefold convert` writes, starts a fresh optimizer); `init_from_hf`: a Hugging Face
-        checkpoint directory whose weights the model starts from (cfg.model/moe must match it)."""
+        checkpoint directory whose weights the model starts from (cfg.model/moe must match it);
+        `notes`: lines said as the run starts (`read_run_config`'s on the options it dropped)."""
         validate(cfg)  # a Config changed in Python since load_config checked it
-        self.cfg, self.run_dir, self.out = cfg, Path(run_dir), out
+        self.cfg, self.run_dir, self.out, self._notes = cfg, Path(run_dir), out, list(notes)
         self.init_from_hf = init_from_hf
         refuse_unsupported_parallel(cfg)
         checkpoint = resolve_checkpoint(resume) if resume is not None else None
         refuse_run_dir(self.run_dir, checkpoint)
-        saved, self._dropped_options = _saving_run_config(checkpoint) if checkpoint is not None else (None, [])
+        saved = _saving_run_config(checkpoint) if checkpoint is not None else None
         self.resumed_from = checkpoint
         full_state = checkpoint is not None and "optim" in checkpoint_keys(checkpoint)  # else weights only
         self._changed_model_options = _changed_model_options(cfg, saved) if saved is not None else []
@@ -767,7 +768,7 @@ class Trainer:
                          f"tp) = ({d.pp}, {d.dp}, {d.cp}, {d.tp}), experts (pp, edp, ep, etp) = "
                          f"({d.pp}, {d.edp}, {d.ep}, {d.etp}), {par.data_parallel}, "
                          f"{par.ep_dispatcher if d.ep * d.etp > 1 else 'local'} dispatch")
-        lines += self._dropped_options + self._no_effect_here() + self._global_batch_note()
+        lines += self._notes + self._no_effect_here() + self._global_batch_note()
         if self._changed_model_options:
             lines.append(f"note: this run changes the model it resumes: {', '.join(self._changed_model_options)}")
         if self.val_batches and not any(bool((b.labels_BS != IGNORE_INDEX).any()) for b in self.val_batches):

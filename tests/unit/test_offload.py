@@ -309,3 +309,13 @@ def test_a_recompute_in_backward_copies_nothing_and_leaves_nothing(recompute, na
     assert len(spy.host_copies) == copies, f"{len(spy.host_copies) - copies} copies in backward"
     assert in_recompute  # and, loss and its graph still alive, none of it lives on:
     assert not any(ref() is not None for ref in in_recompute)
+
+
+@pytest.mark.parametrize("device_type,copier", [("cpu", "HostCopy"), ("cuda", "StreamedHostCopy"),
+                                                 ("cuda:1", "StreamedHostCopy")])
+def test_a_device_with_an_index_gets_its_types_copier(device_type, copier):
+    """apply_offload from Python with "cuda:1" took the synchronous host copy of the CPU."""
+    from moefold.memory.offload import apply_offload
+
+    offload = apply_offload(build("qwen3"), ["moe"], 0, device_type)
+    assert type(offload.copier).__name__ == copier

@@ -59,7 +59,8 @@ def apply_offload(model: torch.nn.Module, names: Sequence[str], min_bytes: int,
     validate_memory_names("offload", names)  # names given in Python: no config check saw them
     if not names:
         return None
-    offload = ActivationOffload(min_bytes, StreamedHostCopy() if device_type == "cuda" else HostCopy())
+    on_cuda = torch.device(device_type).type == "cuda"  # "cuda:1" too
+    offload = ActivationOffload(min_bytes, StreamedHostCopy() if on_cuda else HostCopy())
     for target in targets_of(model, "offload", names):
         target.site.wrap(functools.partial(offload.wrap, owner=target.site.owner))
         mark_wrapped(target.site)

@@ -225,3 +225,25 @@ def test_fp8_saved_inputs_are_not_quantized_for_a_forward_without_grad(monkeypat
     logits = model(ids)  # eval mode, grad on: what a backward would need is kept
     assert packs
     torch.testing.assert_close(no_grad_logits, logits.detach(), rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------- bench/limit.py: the optimizer row
+
+
+def test_the_limit_optimizer_row_prints_the_mtp_modules_apart():
+    """The optimizer steps every parameter, MTP modules included, but its row prints them as every
+    other count does (`params_line`, `config params`: the model without MTP, the MTP modules
+    apart); it printed their sum as the model's size. Counted here by hand from the names."""
+    from moefold.bench.limit import _optimizer_row
+    from moefold.config import load_config
+    from moefold.models.transformer import build_model
+
+    cfg = load_config("tiny-deepseek", {"model.n_layers": "2"})
+    assert cfg.model.mtp_layers == 1
+    named = build_model(cfg, 256, "cpu", torch.float32).named_parameters()
+    sizes = {"main": 0, "mtp": 0}
+    for name, p in named:  # shared embedding and head: listed once, under the trunk's names
+        sizes["mtp" if name.startswith("mtp.") else "main"] += p.numel()
+    row = _optimizer_row(cfg, 256, torch.device("cpu"), torch.float32, repeats=1)
+    # in the units every count prints (a tiny model read 0.000B)
+    assert f"{sizes['main'] / 1e6:.2f}M parameters, MTP modules {sizes['mtp'] / 1e6:.2f}M more" in row.name

@@ -37,7 +37,7 @@ from moefold.models.mla import MLAttention
 from moefold.moe.experts import Experts
 from moefold.moe.router import ROUTER_DTYPES, Router
 from moefold.optim.adamw import build_optimizer
-from moefold.train.flops import attention_flops_per_token, meta_model, train_flops_per_token
+from moefold.train.flops import _in_units, attention_flops_per_token, count_params, meta_model, train_flops_per_token
 
 
 @dataclasses.dataclass
@@ -247,8 +247,10 @@ def _optimizer_row(cfg: Config, vocab_size: int, device: torch.device, dtype: to
     for p in model.parameters():  # after the optimizer: bf16 master weights change their dtype
         p.grad = torch.randn(p.shape, device=device, generator=gen).to(p.dtype)
     seconds = median_seconds(optimizer.step, device, warmup=2, repeats=repeats)
-    count = sum(p.numel() for p in model.parameters())
-    name = f"optimizer step ({type(optimizer).__name__}, {count / 1e9:.3f}B parameters)"
+    # It steps every parameter; they print as every count does: the MTP modules apart (flops.py).
+    c = count_params(model)
+    mtp = f", MTP modules {_in_units(c.mtp)} more" if c.mtp else ""
+    name = f"optimizer step ({type(optimizer).__name__}, {_in_units(c.main_total)} parameters{mtp})"
     del optimizer, model
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -207,8 +207,11 @@ def test_fp8_saved_inputs_are_not_quantized_for_a_forward_without_grad(monkeypat
                                      "model.n_kv_heads": 4, "model.ffn_hidden": 128, "moe.expert_hidden": 128,
                                      "moe.num_experts": 4, "moe.top_k": 2, "model.n_layers": 2,
                                      "precision.fp8": "rowwise", "precision.fp8_saved_activations": True})
-    torch.manual_seed(0)
     model = build_model(cfg, 256)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # build_model leaves some parameters as torch.empty made them
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
     apply_fp8(model, cfg.precision, "cpu", shared_inputs=False)
     assert any(isinstance(getattr(m, "saver", None), SaveFp8Input) for m in model.modules())
     packs = []
@@ -224,6 +227,7 @@ def test_fp8_saved_inputs_are_not_quantized_for_a_forward_without_grad(monkeypat
     assert packs == []
     logits = model(ids)  # eval mode, grad on: what a backward would need is kept
     assert packs
+    assert torch.isfinite(no_grad_logits).all()
     torch.testing.assert_close(no_grad_logits, logits.detach(), rtol=0, atol=0)
 
 
@@ -247,3 +251,26 @@ def test_the_limit_optimizer_row_prints_the_mtp_modules_apart():
     row = _optimizer_row(cfg, 256, torch.device("cpu"), torch.float32, repeats=1)
     # in the units every count prints (a tiny model read 0.000B)
     assert f"{sizes['main'] / 1e6:.2f}M parameters, MTP modules {sizes['mtp'] / 1e6:.2f}M more" in row.name
+
+
+# ---------------------------------------------------------------- Qwen3's q_norm and k_norm
+
+
+def test_q_norm_and_k_norm_are_qwen3_rmsnorms_with_the_models_eps():
+    """Qwen3 normalises each query and key head by Qwen3RMSNorm(head_dim, eps=rms_norm_eps): both
+    take model.norm_eps. At an eps comparable to the heads' mean square (0.5 here) a k_norm with
+    another eps (the 1e-6 default) gives other keys."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    from moefold.models.attention import Attention
+
+    head_dim, eps = 8, 0.5
+    attn = Attention(16, 2, 1, head_dim, qk_norm=True, norm_eps=eps)
+    hf = Qwen3RMSNorm(head_dim, eps=eps)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for norm in (attn.q_norm, attn.k_norm, hf):
+            norm.weight.copy_(torch.linspace(0.5, 1.5, head_dim))
+    x = torch.randn(3, 4, head_dim, generator=gen) * 0.7
+    for norm in (attn.q_norm, attn.k_norm):
+        torch.testing.assert_close(norm(x), hf(x))

@@ -158,6 +158,15 @@ def _bool(hf: dict[str, Any], key: str, default: bool) -> bool:
     return False if key in hf and hf[key] is None else _typed(hf, key, bool, default)
 
 
+def _positive(hf: dict[str, Any], key: str, default: Any = ..., where: str = "", kind: type = int) -> Any:
+    """hf[key] as `_typed` reads it, refused unless > 0: transformers reads a 0 literally (and
+    builds a broken model) where moefold's 0 of the same field means "derive it" or "none"."""
+    value = _typed(hf, key, kind, default, where)
+    if not value > 0:  # NaN too
+        raise CheckpointError(f"config.json: {where}{key}={json.dumps(hf.get(key, value))} must be > 0")
+    return value
+
+
 def _int_list(hf: dict[str, Any], key: str) -> list[int]:
     value = _get(hf, key, [])
     if type(value) is not list or any(type(v) is not int for v in value):
@@ -207,7 +216,11 @@ def _rope_from_hf(hf: dict[str, Any], cfg: Config, default_theta: float) -> None
     key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
     params = dict(_typed(hf, key, dict, {}))
     where = f"{key}."
-    m.rope_theta = _float(params, "rope_theta", 0.0, where) or _float(hf, "rope_theta", 0.0) or default_theta
+    # transformers takes rope_parameters' theta, else the top-level one, as is (a 0 is 1 / 0 ** (2i/d))
+    if params.get("rope_theta") is not None:
+        m.rope_theta = _positive(params, "rope_theta", where=where, kind=float)
+    else:
+        m.rope_theta = _positive(hf, "rope_theta", default_theta, kind=float)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         return
@@ -234,13 +247,19 @@ def _rope_from_hf(hf: dict[str, Any], cfg: Config, default_theta: float) -> None
     m.yarn_mscale_all_dim = _float(params, "mscale_all_dim", 0.0, where)
 
 
-def _gqa_from_hf(hf: dict[str, Any], cfg: Config, default_kv_heads: int) -> None:
+def _gqa_from_hf(hf: dict[str, Any], cfg: Config, default_kv_heads: int, zero_head_dim_derives: bool) -> None:
     """`default_kv_heads`: the family config class's num_key_value_heads, which transformers builds
-    the model with when config.json leaves the key out (not num_attention_heads)."""
+    the model with when config.json leaves the key out (not num_attention_heads).
+    `zero_head_dim_derives`: the family's attention reads `head_dim or hidden_size // heads`
+    (Mixtral); else a head_dim of 0 is taken literally there, and refused here."""
     m = cfg.model
     m.attention = "gqa"
     m.n_kv_heads = _int(hf, "num_key_value_heads", default_kv_heads)
-    m.head_dim = _int(hf, "head_dim", m.dim // m.n_heads)
+    derived = m.dim // _positive(hf, "num_attention_heads")
+    if zero_head_dim_derives and _int(hf, "head_dim", 0) == 0:
+        m.head_dim = derived
+    else:
+        m.head_dim = _positive(hf, "head_dim", derived)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -345,7 +364,7 @@ def _deepseek_aux_to_hf(cfg: Config) -> dict[str, Any]:
 def _qwen3_moe_from_hf(hf: dict[str, Any]) -> Config:
     cfg = _common_from_hf(hf, "qwen3_moe", default_theta=10000.0, default_eps=1e-6)
     m, moe = cfg.model, cfg.moe
-    _gqa_from_hf(hf, cfg, default_kv_heads=4)
+    _gqa_from_hf(hf, cfg, default_kv_heads=4, zero_head_dim_derives=False)
     m.qk_norm = True
     # As Qwen3MoeConfig: a window only with use_sliding_window; an absent key is 4096, null is none.
     window = _int(hf, "sliding_window", 0) if "sliding_window" in hf else 4096
@@ -358,7 +377,7 @@ def _qwen3_moe_from_hf(hf: dict[str, Any]) -> Config:
     moe.score_func, moe.softmax_before_topk = "softmax", True
     moe.norm_topk_prob = _bool(hf, "norm_topk_prob", False)
     # HF: layer i is MoE iff (i+1) % decoder_sparse_step == 0 and i not in mlp_only_layers.
-    step = _int(hf, "decoder_sparse_step", 1)
+    step = _positive(hf, "decoder_sparse_step", 1)  # transformers: (i + 1) % 0 fails
     moe.first_k_dense, moe.moe_every = step - 1, step
     moe.dense_layers = sorted(_int_list(hf, "mlp_only_layers"))
     _switch_aux_from_hf(hf, cfg)
@@ -389,11 +408,11 @@ def _qwen3_moe_to_hf(cfg: Config) -> dict[str, Any]:
 def _mixtral_from_hf(hf: dict[str, Any]) -> Config:
     cfg = _common_from_hf(hf, "mixtral", default_theta=1e6, default_eps=1e-5)
     m, moe = cfg.model, cfg.moe
-    _gqa_from_hf(hf, cfg, default_kv_heads=8)
+    _gqa_from_hf(hf, cfg, default_kv_heads=8, zero_head_dim_derives=True)
     m.qk_norm = False
     m.sliding_window = _int(hf, "sliding_window", 0)
     m.ffn_hidden = moe.expert_hidden = _int(hf, "intermediate_size")
-    moe.num_experts = _int(hf, "num_local_experts")
+    moe.num_experts = _positive(hf, "num_local_experts")  # every Mixtral layer is MoE, even of 0 experts
     moe.top_k = _int(hf, "num_experts_per_tok")
     moe.first_k_dense, moe.moe_every = 0, 1
     # Mixtral: softmax over all E, top-k, renormalise. The same as top-k of the logits then softmax

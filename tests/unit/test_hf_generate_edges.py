@@ -1,0 +1,79 @@
+"""Edges of reading config.json (values transformers reads literally), of `convert --to-hf` and
+`train --init-from-hf`, and of `moefold generate` against a naive sampler without a KV cache."""
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from test_hf_interop import hf_model_of, mixtral, qwen3  # noqa: E402
+
+from moefold.checkpoint.hf import config_from_hf  # noqa: E402
+from moefold.cli import main  # noqa: E402
+from moefold.errors import CheckpointError  # noqa: E402
+
+
+@pytest.fixture
+def qwen_dir(tmp_path):
+    """A tiny random Qwen3-MoE checkpoint (vocabulary 96, no tokenizer.json) as transformers writes it."""
+    path = tmp_path / "hf"
+    hf_model_of(qwen3()).save_pretrained(path)
+    return path
+
+
+def _config(config, **changes):
+    """`config` with `changes`; a top-level rope_theta without the rope_parameters that take
+    precedence over it in transformers 5's configs."""
+    if "rope_theta" in changes:
+        config.pop("rope_parameters", None)
+    return {**config, **changes}
+
+
+def _with(path, **changes):
+    config = _config(json.loads((path / "config.json").read_text()), **changes)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+# ---------------------------------------------------------------------------------------------
+# config.json values transformers reads literally
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make, changes, message", [
+    # Qwen3MoeAttention: head_dim ** -0.5 of 0 (ZeroDivisionError); moefold derived dim / heads
+    (qwen3, {"head_dim": 0}, "config.json: head_dim=0 must be > 0"),
+    (mixtral, {"head_dim": -8}, "config.json: head_dim=-8 must be > 0"),
+    (qwen3, {"num_attention_heads": 0}, "config.json: num_attention_heads=0 must be > 0"),  # was 32 // 0
+    # the inverse frequencies 1 / 0 ** (2i / d): inf; moefold took the family's default theta
+    (qwen3, {"rope_theta": 0}, "config.json: rope_theta=0 must be > 0"),
+    (mixtral, {"rope_theta": 0.0}, "config.json: rope_theta=0.0 must be > 0"),
+    (qwen3, {"rope_theta": -1.0}, "config.json: rope_theta=-1.0 must be > 0"),
+    (qwen3, {"rope_parameters": {"rope_type": "default", "rope_theta": 0}},
+     "config.json: rope_parameters.rope_theta=0 must be > 0"),
+    # transformers' Mixtral builds MoE blocks of 0 experts (top-k fails); moefold built dense layers
+    (mixtral, {"num_local_experts": 0}, "config.json: num_local_experts=0 must be > 0"),
+    # (i + 1) % 0: ZeroDivisionError in transformers; moefold named its own moe.moe_every
+    (qwen3, {"decoder_sparse_step": 0}, "config.json: decoder_sparse_step=0 must be > 0"),
+    (qwen3, {"decoder_sparse_step": -2}, "config.json: decoder_sparse_step=-2 must be > 0"),
+])
+def test_a_config_value_transformers_reads_literally_is_refused_by_its_key(make, changes, message):
+    config = _config(make().to_dict(), **changes)
+    with pytest.raises(CheckpointError) as e:
+        config_from_hf(config)
+    assert str(e.value) == message
+
+
+def test_a_refused_config_value_is_one_line_and_exit_2_from_the_cli(qwen_dir, tmp_path, capsys):
+    _with(qwen_dir, rope_theta=0)
+    assert main(["convert", "--from-hf", str(qwen_dir), "--out", str(tmp_path / "run")]) == 2
+    assert capsys.readouterr().err.splitlines() == ["moefold: error: config.json: rope_theta=0 must be > 0"]
+    assert not (tmp_path / "run").exists()
+
+
+def test_mixtral_head_dim_0_is_derived_as_transformers_derives_it():
+    """MixtralAttention reads `head_dim or hidden_size // num_attention_heads`: 0 means derive."""
+    cfg = config_from_hf({**mixtral().to_dict(), "head_dim": 0})
+    assert cfg.model.dim // cfg.model.n_heads == 8 and cfg.model.head_dim == 8
+

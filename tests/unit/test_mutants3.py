@@ -274,3 +274,32 @@ def test_q_norm_and_k_norm_are_qwen3_rmsnorms_with_the_models_eps():
     x = torch.randn(3, 4, head_dim, generator=gen) * 0.7
     for norm in (attn.q_norm, attn.k_norm):
         torch.testing.assert_close(norm(x), hf(x))
+
+
+def test_z_loss_of_one_valid_token_is_its_squared_logsumexp():
+    """The mean's divisor is clamped to 1 only for no valid token: with one it is that token's."""
+    logits_TE = torch.tensor([[0.5, -1.0, 2.0], [3.0, 3.0, 3.0]], dtype=torch.float64)
+    loss = z_loss(logits_TE, torch.tensor([True, False]))
+    torch.testing.assert_close(loss.double(), torch.logsumexp(logits_TE[0], -1).square())
+    assert z_loss(logits_TE, torch.tensor([False, False])).item() == 0.0
+
+
+def test_sigmoid_balance_scores_are_normalised_per_token_with_the_1e_20_guard():
+    """DeepSeek-V3's sequence-wise loss reads each token's sigmoid scores normalised to sum 1
+    (Megatron: scores / (sum + 1e-20)): at scores near 1e-17 they still sum to 1, and a padded
+    token whose scores underflow to 0 gives zeros, whose gradient through the mask is 0, not NaN."""
+    from moefold.moe.balance import sequence_aux_loss
+
+    E, T = 4, 6
+    router = build_router(T, MoEConfig(num_experts=E, top_k=2, score_func="sigmoid"))
+    logits_TE = -40.0 + 3.0 * torch.rand(T, E, generator=torch.Generator().manual_seed(0))
+    logits_TE[2] = -120.0
+    with torch.no_grad():
+        router.weight.copy_(logits_TE.T)
+    routing = router(torch.eye(T))
+    scores_TE = logits_TE.sigmoid().double()  # fp32 scores, as the router takes them: row 2 underflows
+    expected_TE = scores_TE / (scores_TE.sum(-1, keepdim=True) + 1e-20)
+    torch.testing.assert_close(routing.scores_TE.double(), expected_TE, rtol=1e-6, atol=0.0)
+    valid_T = torch.arange(T) != 2
+    sequence_aux_loss(routing.scores_TE, routing.idx_TK, 1, valid_T).backward()
+    assert torch.isfinite(router.weight.grad).all()

@@ -288,9 +288,9 @@ _EXPORT_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 def _convert(args: argparse.Namespace) -> int:
     import torch
 
-    from moefold.checkpoint.hf import CONFIG, save_pretrained
+    from moefold.checkpoint.hf import CONFIG, check_exportable, save_pretrained
     from moefold.data.tokenizer import tokenizer_files
-    from moefold.generate import load_model_from_run
+    from moefold.generate import load_model_from_run, run_config
 
     if args.from_hf is not None:
         if args.out is None or args.to_hf is not None:
@@ -304,6 +304,7 @@ def _convert(args: argparse.Namespace) -> int:
     refuse_unwritable_dir(args.to_hf, "--to-hf")
     if (args.to_hf / CONFIG).exists():
         raise UserError(f"--to-hf {args.to_hf} already holds a checkpoint ({CONFIG}); choose another directory")
+    check_exportable(run_config(args.run_dir))  # a family without export: before the weights are read
     # By default the weights as the optimizer holds them: bf16+remainder's exact fp32 masters; bf16
     # masters are bf16 (written as such, not widened).
     model, tokenizer, cfg = load_model_from_run(args.run_dir, "cpu", exact_masters=True)

@@ -21,10 +21,7 @@ def load_model_from_run(run_dir: Path, device_name: str = "auto", exact_masters:
     """(model, tokenizer, config) with the weights of the run's latest checkpoint; the model is
     dropless whatever capacity factor the run trained with (`_dropless`). `exact_masters`: as
     `load_weights`' (an export's weights, not the ones a bf16 forward ran with)."""
-    config_path = Path(run_dir) / "config.toml"
-    if not config_path.is_file():
-        raise CheckpointError(f"--run-dir {run_dir}: no config.toml (not a moefold run directory)")
-    cfg = config_from_toml(config_path)
+    cfg = run_config(run_dir)
     checkpoint = resolve_checkpoint(Path(run_dir), "--run-dir")
     device = resolve_device(device_name, "--device")
     tokenizer = build_tokenizer(cfg.data.tokenizer)
@@ -34,6 +31,14 @@ def load_model_from_run(run_dir: Path, device_name: str = "auto", exact_masters:
     materialize(model, device)
     load_weights(model, checkpoint, exact_masters)
     return model.eval(), tokenizer, cfg
+
+
+def run_config(run_dir: Path) -> Config:
+    """The config of run directory `run_dir` (its config.toml)."""
+    config_path = Path(run_dir) / "config.toml"
+    if not config_path.is_file():
+        raise CheckpointError(f"--run-dir {run_dir}: no config.toml (not a moefold run directory)")
+    return config_from_toml(config_path)
 
 
 def end_of_document_id(cfg: Config, tokenizer) -> int:

@@ -77,3 +77,37 @@ def test_mixtral_head_dim_0_is_derived_as_transformers_derives_it():
     cfg = config_from_hf({**mixtral().to_dict(), "head_dim": 0})
     assert cfg.model.dim // cfg.model.n_heads == 8 and cfg.model.head_dim == 8
 
+
+# ---------------------------------------------------------------------------------------------
+# convert --to-hf refuses from the config
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("preset, family", [("olmoe-1b-7b", "olmoe"), ("deepseek-v2-lite", "deepseek_v2")])
+def test_convert_to_hf_refuses_a_family_before_reading_the_weights(preset, family, tmp_path, capsys):
+    """A run of a family without export: refused from its config.toml (here a run without any
+    checkpoint, whose weights could not be read), not after loading a 16B model."""
+    from moefold.config import load_config, to_toml
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.toml").write_text(to_toml(load_config(preset)))
+    assert main(["convert", "--run-dir", str(run), "--to-hf", str(tmp_path / "hf")]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"moefold: error: model.family={family!r} is not supported (supported: qwen3_moe, mixtral, deepseek_v3)"]
+    assert not (tmp_path / "hf").exists()
+
+
+def test_convert_to_hf_refuses_an_inexpressible_option_before_reading_the_weights(tmp_path, capsys, monkeypatch):
+    import moefold.generate
+
+    from moefold.config import load_config, to_toml
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.toml").write_text(to_toml(load_config(None, {"moe.force_balanced": "true"})))
+    monkeypatch.setattr(moefold.generate, "load_weights", lambda *a, **k: pytest.fail("weights read"))
+    assert main(["convert", "--run-dir", str(run), "--to-hf", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("moefold: error: moe.force_balanced=True cannot be saved"), err
+

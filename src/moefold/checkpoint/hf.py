@@ -46,7 +46,7 @@ SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 _SHARD = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
 
-__all__ = ["config_from_hf", "hf_config_from", "load_pretrained", "pretrained_on_meta", "fill_pretrained",
+__all__ = ["config_from_hf", "hf_config_from", "check_exportable", "load_pretrained", "pretrained_on_meta", "fill_pretrained",
            "convert_to_run_checkpoint", "save_pretrained", "hf_tensors", "build_plan", "FAMILIES"]
 
 
@@ -84,6 +84,12 @@ def hf_config_from(cfg: Config, vocab_size: int, eos_token_id: int | None = None
     hf = family.config_to_hf(cfg)
     return {"architectures": [family.architecture], **hf, "vocab_size": vocab_size,
             "bos_token_id": None, "eos_token_id": eos_token_id}
+
+
+def check_exportable(cfg: Config) -> None:
+    """Refuses, as `save_pretrained` would, a config whose family or options a Hugging Face
+    checkpoint cannot hold: from the config alone, before a model is built or its weights read."""
+    family_of(cfg.model.family, "model.family").config_to_hf(cfg)
 
 
 # ---------------------------------------------------------------------------------------------

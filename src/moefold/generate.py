@@ -41,6 +41,17 @@ def run_config(run_dir: Path) -> Config:
     return config_from_toml(config_path)
 
 
+def check_tokenizer_fits(run_dir: Path, cfg: Config, tokenizer, model_vocab: int) -> None:
+    """Refuses a tokenizer of more ids than the model's vocabulary: they are not the model's tokens
+    (a run converted from a checkpoint without tokenizer.json has the byte tokenizer's 257), and
+    sampling would index past the embedding, or read and write the model's ids as other text."""
+    if tokenizer.vocab_size > model_vocab:
+        which = repr(cfg.data.tokenizer) + ("" if cfg.data.tokenizer else ", the byte-level one")
+        raise UserError(f"--run-dir {run_dir}: the model's vocabulary has {model_vocab} ids, its tokenizer "
+                        f"(data.tokenizer={which}) {tokenizer.vocab_size}; set data.tokenizer in its "
+                        "config.toml to the model's tokenizer.json")
+
+
 def end_of_document_id(cfg: Config, tokenizer) -> int:
     """The id that ended the run's training documents, where generation stops: data.eos_id where
     the run's token files set it, else the tokenizer's EOS (as data/corpus.py reads them)."""

@@ -111,3 +111,22 @@ def test_convert_to_hf_refuses_an_inexpressible_option_before_reading_the_weight
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith("moefold: error: moe.force_balanced=True cannot be saved"), err
 
+
+# ---------------------------------------------------------------------------------------------
+# generate: a tokenizer of more ids than the model's vocabulary
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prompt", ["A", "ab"])  # ids 65 (a row of the model), 97 and 98 (none)
+def test_generate_refuses_a_tokenizer_larger_than_the_models_vocabulary(prompt, qwen_dir, tmp_path, capsys):
+    """A checkpoint of 96 ids without tokenizer.json converts to a run with the byte tokenizer
+    (257 ids): its bytes are not the model's tokens. Sampling went on silently for a prompt whose
+    bytes are below 96 (and never met the byte tokenizer's end of document, 256)."""
+    run = tmp_path / "run"
+    assert main(["convert", "--from-hf", str(qwen_dir), "--out", str(run)]) == 0
+    capsys.readouterr()
+    assert main(["generate", "--run-dir", str(run), "--prompt", prompt, "--max-new-tokens", "3"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines() == [
+        f"moefold: error: --run-dir {run}: the model's vocabulary has 96 ids, its tokenizer (data.tokenizer="
+        "'', the byte-level one) 257; set data.tokenizer in its config.toml to the model's tokenizer.json"]

@@ -3,7 +3,8 @@
 Text documents are tokenized, each followed by the end-of-document (EOS) token, and concatenated.
 The held-out documents are chosen by a hash of each document's name: the split is the same for
 every seed, run and machine. Pre-tokenized files already are a stream; their last
-`data.val_fraction` of tokens is held out, and a single file is used in place (memory-mapped).
+`data.val_fraction` of tokens is held out. Token files are used in place (memory-mapped), several
+as one stream by their offsets (`ConcatenatedTokens`), never copied into memory.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from moefold.config import DataConfig
-from moefold.data.formats import (DataFile, DataSearch, Document, open_token_file,
-                                  read_documents, search_data_path, stdlib_files)
+from moefold.data.formats import (ConcatenatedTokens, DataFile, DataSearch, Document,
+                                  open_token_file, read_documents, search_data_path, stdlib_files)
 from moefold.data.loader import Vocabulary
 from moefold.data.tokenizer import Tokenizer
 from moefold.errors import DataError
@@ -30,8 +31,9 @@ _VOCAB_CHECK_TOKENS = 1 << 20  # ids checked per token file at startup: catches 
 
 @dataclass
 class TokenStreams:
-    train_N: np.ndarray
-    val_N: np.ndarray
+    train_N: np.ndarray | ConcatenatedTokens
+    """A memory-mapped file, a view of several (token files), or an array (text)."""
+    val_N: np.ndarray | ConcatenatedTokens
     """Empty when data.val_fraction is 0."""
     eos_id: int
     """The end-of-document id separating documents in both streams."""
@@ -211,8 +213,8 @@ def _token_file_streams(files: list[DataFile], label: str, cfg: DataConfig,
     arrays = [open_token_file(f, cfg.token_dtype) for f in files]
     for file, tokens_N in zip(files, arrays):
         _check_token_ids(file, tokens_N, vocab)
-    # One file stays memory-mapped; several are concatenated into memory (one copy).
-    tokens_N = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+    # Every file stays memory-mapped: several are one stream by their offsets, never one copy.
+    tokens_N = arrays[0] if len(arrays) == 1 else ConcatenatedTokens.of(arrays)
     num_val = round(len(tokens_N) * cfg.val_fraction)
     if cfg.val_fraction > 0 and num_val == 0:
         raise DataError(f"data.path={label}: {len(tokens_N)} tokens leave no validation tokens "

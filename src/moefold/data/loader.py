@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from moefold.data.formats import ConcatenatedTokens
 from moefold.errors import DataError
 
 IGNORE_INDEX = -100
@@ -29,7 +30,8 @@ Hugging Face and Megatron-Core use for padding's labels."""
 class PackedSequences:
     """A token stream seen as `(N - 1) // seq_len` overlapping windows of `seq_len + 1` tokens."""
 
-    def __init__(self, tokens_N: np.ndarray, seq_len: int, name: str = "training"):
+    def __init__(self, tokens_N: np.ndarray | ConcatenatedTokens, seq_len: int,
+                 name: str = "training"):
         self.tokens_N = tokens_N
         self.seq_len = seq_len
         if len(self) == 0:
@@ -44,11 +46,12 @@ class PackedSequences:
         return max(len(self.tokens_N) - 1, 0) // self.seq_len
 
     def window(self, index: int) -> np.ndarray:
-        """The S + 1 token ids of sequence `index`, in the stream's dtype (no copy)."""
+        """The S + 1 token ids of sequence `index`, in the stream's dtype (no copy from one file;
+        from several, the slices of the files it spans joined)."""
         if not 0 <= index < len(self):
             raise IndexError(f"sequence {index} out of range [0, {len(self)})")
         start = index * self.seq_len
-        return self.tokens_N[start:start + self.seq_len + 1]
+        return np.asarray(self.tokens_N[start:start + self.seq_len + 1])
 
     def __getitem__(self, index: int) -> torch.Tensor:
         return torch.from_numpy(self.window(index).astype(np.int64))

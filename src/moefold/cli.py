@@ -268,6 +268,10 @@ def _config_for_hf_model(hf_dir: Path, preset: str | None, overrides: dict[str, 
     cfg = dataclasses.replace(cfg, model=hf_cfg.model, moe=dataclasses.replace(hf_cfg.moe, **training))
     apply_overrides(cfg, {k: v for k, v in overrides.items() if k.startswith(("model.", "moe."))})
     validate(cfg)
+    if "model.mtp_layers" in overrides:  # config.json's value is dropped without the tensors; the user's is not
+        from moefold.checkpoint.hf import refuse_absent_mtp
+
+        refuse_absent_mtp(hf_dir, cfg)
     return cfg
 
 

@@ -130,3 +130,36 @@ def test_generate_refuses_a_tokenizer_larger_than_the_models_vocabulary(prompt, 
     assert out == "" and err.splitlines() == [
         f"moefold: error: --run-dir {run}: the model's vocabulary has 96 ids, its tokenizer (data.tokenizer="
         "'', the byte-level one) 257; set data.tokenizer in its config.toml to the model's tokenizer.json"]
+
+
+# ---------------------------------------------------------------------------------------------
+# train --init-from-hf: an explicit model.mtp_layers of a checkpoint without MTP tensors
+# ---------------------------------------------------------------------------------------------
+
+
+def test_init_from_hf_refuses_an_explicit_mtp_layers_the_checkpoint_has_no_tensors_for(tmp_path, text_corpus,
+                                                                                       capsys):
+    """transformers saves DeepSeek-V3 with num_nextn_predict_layers 1 and no MTP tensors: such a
+    checkpoint loads without MTP modules. An explicit --model.mtp_layers 1 was dropped the same
+    way, without a word (the run trained without the MTP loss it asked for); --init-from-hf
+    builds no module the checkpoint does not hold (any other shape change is refused too)."""
+    from conftest import TINY_OVERRIDES, cli_args
+    from safetensors import safe_open
+    from test_hf_interop import deepseek_v3
+
+    hf_dir = tmp_path / "hf"
+    hf_model_of(deepseek_v3(vocab_size=300, num_nextn_predict_layers=1)).save_pretrained(hf_dir)
+    with safe_open(hf_dir / "model.safetensors", "pt") as f:
+        assert not [name for name in f.keys() if name.startswith("model.layers.2.")]  # 2 main layers
+    overrides = {k: v for k, v in TINY_OVERRIDES.items() if not k.startswith(("model.", "moe."))}
+    overrides.update({"data.path": str(text_corpus), "train.steps": "1", "train.warmup_steps": "0"})
+    run = tmp_path / "run"
+    capsys.readouterr()  # transformers' progress bar
+    args = ["train", "--init-from-hf", str(hf_dir), "--run-dir", str(run), *cli_args(overrides)]
+    assert main([*args, "--model.mtp_layers", "1"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"moefold: error: --model.mtp_layers 1: --init-from-hf {hf_dir} holds no MTP tensors (model.layers.2.*) "
+        "to start them from; leave --model.mtp_layers out to train without MTP"]
+    assert not run.exists()
+    assert main(args) == 0  # config.json's default of 1, without the tensors: no MTP, as transformers loads it
+    assert "mtp_layers = 0" in (run / "config.toml").read_text()

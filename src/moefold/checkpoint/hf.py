@@ -401,9 +401,24 @@ def _drop_absent_mtp(cfg: Config, file_of: dict[str, Path]) -> None:
     """transformers' DeepseekV3 has no MTP layer: its save writes num_nextn_predict_layers (its
     config's default 1) but no layer-L tensors, and its load builds none. Such a checkpoint loads
     without MTP modules, silently, as there. Partly present MTP layers stay an error (missing tensors)."""
-    first_mtp = f"model.layers.{cfg.model.n_layers}."
-    if cfg.model.mtp_layers and not any(name.startswith(first_mtp) for name in file_of):
+    if cfg.model.mtp_layers and not _holds_mtp(cfg, file_of):
         cfg.model.mtp_layers = 0
+
+
+def _holds_mtp(cfg: Config, file_of: dict[str, Path]) -> bool:
+    first_mtp = f"model.layers.{cfg.model.n_layers}."
+    return any(name.startswith(first_mtp) for name in file_of)
+
+
+def refuse_absent_mtp(path: str | Path, cfg: Config) -> None:
+    """Refuses the model.mtp_layers > 0 a user asked for (`train --init-from-hf --model.mtp_layers`)
+    where checkpoint `path` holds no MTP tensors: `pretrained_on_meta` would drop the modules, as
+    for config.json's own value, and the run train without the MTP loss it asked for. No module
+    the checkpoint lacks starts fresh (an override that changes a tensor is refused too)."""
+    if cfg.model.mtp_layers and not _holds_mtp(cfg, _tensor_files(Path(path))):
+        raise ConfigError(f"--model.mtp_layers {cfg.model.mtp_layers}: --init-from-hf {path} holds no MTP "
+                          f"tensors (model.layers.{cfg.model.n_layers}.*) to start them from; leave "
+                          "--model.mtp_layers out to train without MTP")
 
 
 def _check_names(plan: Plan, file_of: dict[str, Path], path: Path) -> None:

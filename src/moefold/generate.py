@@ -176,8 +176,10 @@ def _pick(logits_V: torch.Tensor, temperature: float, top_k: int, generator: tor
         logits_V = logits_V.masked_fill(logits_V < kth, float("-inf"))
     # Shifted to a maximum of 0, in fp64 (any positive float temperature is nonzero there): a tiny
     # temperature sends the others to -inf (greedy) where dividing first overflowed to inf and the
-    # softmax to nan; masked logits stay -inf at an infinite one.
-    shifted_V = logits_V.double() - logits_V.max()
+    # softmax to nan; masked logits stay -inf at an infinite one. A +inf logit (an fp16 head's
+    # overflow) is the maximum, 0, not inf - inf = nan: the softmax's limit, all mass on it.
+    top = logits_V.max()
+    shifted_V = torch.where(logits_V == top, 0.0, logits_V.double() - top)
     scaled_V = torch.where(torch.isfinite(shifted_V), shifted_V / temperature, float("-inf"))
     probs_V = scaled_V.softmax(-1).cpu()
     return int(torch.multinomial(probs_V, 1, generator=generator))

@@ -163,3 +163,44 @@ def test_init_from_hf_refuses_an_explicit_mtp_layers_the_checkpoint_has_no_tenso
     assert not run.exists()
     assert main(args) == 0  # config.json's default of 1, without the tensors: no MTP, as transformers loads it
     assert "mtp_layers = 0" in (run / "config.toml").read_text()
+
+
+# ---------------------------------------------------------------------------------------------
+# generate's sampler against a naive one
+# ---------------------------------------------------------------------------------------------
+
+
+def _naive_pick(logits_V, temperature, top_k, generator):
+    """Keep the top-k logits (ties with the kth kept, as transformers' TopKLogitsWarper), divide
+    by the temperature, softmax, draw."""
+    logits_V = logits_V.double()
+    if top_k:
+        logits_V = logits_V.masked_fill(logits_V < logits_V.topk(top_k).values[-1], float("-inf"))
+    return int(torch.multinomial((logits_V / temperature).softmax(-1), 1, generator=generator))
+
+
+@pytest.mark.parametrize("temperature", [0.3, 1.0, 2.5])
+@pytest.mark.parametrize("top_k", [0, 1, 7])
+def test_each_pick_is_the_naive_samplers_for_the_same_seed(temperature, top_k):
+    from moefold.generate import _pick
+
+    logits_V = 3 * torch.randn(50, generator=torch.Generator().manual_seed(top_k))
+    got = [_pick(logits_V, temperature, top_k, torch.Generator().manual_seed(s)) for s in range(200)]
+    want = [_naive_pick(logits_V, temperature, top_k, torch.Generator().manual_seed(s)) for s in range(200)]
+    assert got == want
+    if top_k:
+        assert set(got) <= set(logits_V.topk(top_k).indices.tolist())
+
+
+def test_an_infinite_logit_is_sampled_as_greedy_picks_it():
+    """An fp16 head can overflow to +inf: greedy took that token, sampling failed in
+    torch.multinomial ('probability tensor contains either inf, nan or element < 0', a traceback):
+    inf - inf was NaN. The softmax's limit puts all the mass on the infinite logits."""
+    from moefold.generate import _pick
+
+    inf = float("inf")
+    logits_V = torch.tensor([0.0, inf, 1.0, inf, -inf])
+    assert _pick(logits_V, 0.0, 0, torch.Generator()) == 1
+    picks = {_pick(logits_V, t, k, torch.Generator().manual_seed(s)) for s in range(40) for t, k in
+             [(0.8, 0), (1.0, 2), (inf, 0)]}
+    assert picks == {1, 3}

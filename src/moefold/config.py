@@ -905,7 +905,6 @@ _RECOMPUTE_COVERS = {"layer": set(MEMORY_MODULES) - {"layer"}, "moe": {"moe_act"
 
 def _validate_memory(cfg: Config) -> None:
     mem = cfg.memory
-    _require(mem.offload_min_bytes >= 0, f"memory.offload_min_bytes={mem.offload_min_bytes} must be >= 0")
     for key in ("recompute", "offload"):
         names = getattr(mem, key)
         validate_memory_names(key, names)
@@ -913,10 +912,7 @@ def _validate_memory(cfg: Config) -> None:
             _require_effect(_memory_module_exists(cfg, name), f"memory.{key}", f"memory.{key}={name!r} does "
                             f"nothing here: {_MEMORY_MODULE_NEEDS.get(name)}", unset=[n for n in names if n != name])
     refuse_recomputed_twice(mem.recompute)
-    both = sorted(set(mem.recompute) & set(mem.offload))
-    _require_effect(not both, "memory.offload", f"memory.offload={mem.offload}: {', '.join(both)} is also recomputed, "
-                    "so it keeps no activations to offload; list it in one of memory.recompute, memory.offload",
-                    unset=[n for n in mem.offload if n not in both])
+    refuse_offload_against(mem.recompute, mem.offload, mem.offload_min_bytes)
     _require_effect(bool(mem.offload) or mem.offload_min_bytes == MemoryConfig.offload_min_bytes,
                     "memory.offload_min_bytes", f"memory.offload_min_bytes={mem.offload_min_bytes} needs "
                     "memory.offload (no module's activations move to the host)")
@@ -936,6 +932,16 @@ def validate_memory_names(key: str, names: list[str]) -> None:
     for name in names:
         _one_of(f"memory.{key}", name, MEMORY_MODULES)
         _require(names.count(name) == 1, f"memory.{key}={names} lists {name!r} twice")
+
+
+def refuse_offload_against(recompute: list[str], offload: list[str], min_bytes: int) -> None:
+    """memory.offload's checks against the other memory options (`validate`'s, and
+    `apply_offload`'s with the names the model already recomputes)."""
+    _require(min_bytes >= 0, f"memory.offload_min_bytes={min_bytes} must be >= 0")
+    both = sorted(set(recompute) & set(offload))
+    _require_effect(not both, "memory.offload", f"memory.offload={offload}: {', '.join(both)} is also recomputed, "
+                    "so it keeps no activations to offload; list it in one of memory.recompute, memory.offload",
+                    unset=[n for n in offload if n not in both])
 
 
 def refuse_recomputed_twice(recompute: list[str]) -> None:

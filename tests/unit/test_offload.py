@@ -319,3 +319,17 @@ def test_a_device_with_an_index_gets_its_types_copier(device_type, copier):
 
     offload = apply_offload(build("qwen3"), ["moe"], 0, device_type)
     assert type(offload.copier).__name__ == copier
+
+
+def test_offload_from_python_is_checked_against_the_models_recompute_as_the_config_does():
+    """apply_offload from Python took a name the model recomputes (which keeps nothing to offload)
+    and a negative min_bytes; the config refuses both, and so does the call now, in its words."""
+    from moefold.config import ConfigError
+    from moefold.memory.offload import apply_offload
+
+    model = build("qwen3", {"memory.recompute": '["moe"]'})
+    with pytest.raises(ConfigError, match="moe is also recomputed"):
+        apply_offload(model, ["moe"], 0, "cpu")
+    with pytest.raises(ConfigError, match="offload_min_bytes=-1 must be >= 0"):
+        apply_offload(model, ["attn_core"], -1, "cpu")
+    assert apply_offload(model, ["attn_core"], 0, "cpu") is not None

@@ -47,7 +47,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from moefold.config import validate_memory_names
+from moefold.config import refuse_offload_against, validate_memory_names
 from moefold.memory.sites import mark_wrapped, targets_of
 from moefold.moe.recomputing import in_backward
 from moefold.parallel.local import memory_holder
@@ -57,6 +57,7 @@ def apply_offload(model: torch.nn.Module, names: Sequence[str], min_bytes: int,
                   device_type: str) -> ActivationOffload | None:
     """Wrap the sites of `names`; returns the offload (None when nothing is offloaded)."""
     validate_memory_names("offload", names)  # names given in Python: no config check saw them
+    refuse_offload_against(getattr(model, "recomputed_names", []), names, min_bytes)
     if not names:
         return None
     on_cuda = torch.device(device_type).type == "cuda"  # "cuda:1" too

@@ -8,7 +8,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from test_hf_interop import hf_model_of, mixtral, qwen3  # noqa: E402
+from test_hf_interop import deepseek_v3, hf_model_of, mixtral, qwen3  # noqa: E402
 
 from moefold.checkpoint.hf import config_from_hf  # noqa: E402
 from moefold.cli import main  # noqa: E402
@@ -63,6 +63,40 @@ def test_a_config_value_transformers_reads_literally_is_refused_by_its_key(make,
     with pytest.raises(CheckpointError) as e:
         config_from_hf(config)
     assert str(e.value) == message
+
+
+@pytest.mark.parametrize("make, changes, message", [
+    # num_attention_heads // 0 in transformers; moefold's 0 is "as many as the query heads"
+    (qwen3, {"num_key_value_heads": 0}, "config.json: num_key_value_heads=0 must be > 0"),
+    (mixtral, {"num_key_value_heads": 0}, "config.json: num_key_value_heads=0 must be > 0"),
+    # was "config.json: num_key_value_heads=4 is not supported (supported: 0)"
+    (deepseek_v3, {"num_attention_heads": 0}, "config.json: num_attention_heads=0 must be > 0"),
+    # transformers builds MoE layers of 0 experts; moefold imported dense layers
+    (deepseek_v3, {"n_routed_experts": 0}, "config.json: n_routed_experts=0 must be > 0"),
+    # E // n_group: ZeroDivisionError; moefold took no groups
+    (deepseek_v3, {"n_group": 0}, "config.json: n_group=0 must be > 0"),
+    (deepseek_v3, {"n_group": -1}, "config.json: n_group=-1 must be > 0"),
+    # top-0 groups masks every expert's score to 0 (routing by index order); moefold ignored it
+    (deepseek_v3, {"topk_group": 0}, "config.json: topk_group=0 must be > 0"),
+    (deepseek_v3, {"n_group": 2, "topk_group": 3}, "config.json: topk_group=3 must be <= n_group=2"),
+    # single values were named by moefold's fields ("model.dim=0 must be > 0")
+    (qwen3, {"hidden_size": 0}, "config.json: hidden_size=0 must be > 0"),
+    (mixtral, {"num_hidden_layers": -1}, "config.json: num_hidden_layers=-1 must be > 0"),
+    (qwen3, {"moe_intermediate_size": 0}, "config.json: moe_intermediate_size=0 must be > 0"),
+    (mixtral, {"intermediate_size": 0}, "config.json: intermediate_size=0 must be > 0"),
+    (mixtral, {"num_experts_per_tok": 0}, "config.json: num_experts_per_tok=0 must be > 0"),
+    (deepseek_v3, {"kv_lora_rank": 0}, "config.json: kv_lora_rank=0 must be > 0"),
+    (deepseek_v3, {"q_lora_rank": 0}, "config.json: q_lora_rank=0 must be > 0"),  # moefold's 0: no q_a_proj
+    (deepseek_v3, {"qk_rope_head_dim": 0}, "config.json: qk_rope_head_dim=0 must be > 0"),
+    (deepseek_v3, {"v_head_dim": 0}, "config.json: v_head_dim=0 must be > 0"),
+])
+def test_a_config_value_out_of_range_is_named_by_its_key(make, changes, message):
+    config = _config(make().to_dict(), **changes)
+    with pytest.raises(CheckpointError) as e:
+        config_from_hf(config)
+    assert str(e.value) == message
+
+
 
 
 def test_a_refused_config_value_is_one_line_and_exit_2_from_the_cli(qwen_dir, tmp_path, capsys):
@@ -145,7 +179,6 @@ def test_init_from_hf_refuses_an_explicit_mtp_layers_the_checkpoint_has_no_tenso
     builds no module the checkpoint does not hold (any other shape change is refused too)."""
     from conftest import TINY_OVERRIDES, cli_args
     from safetensors import safe_open
-    from test_hf_interop import deepseek_v3
 
     hf_dir = tmp_path / "hf"
     hf_model_of(deepseek_v3(vocab_size=300, num_nextn_predict_layers=1)).save_pretrained(hf_dir)

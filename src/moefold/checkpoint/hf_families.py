@@ -198,9 +198,9 @@ def _common_from_hf(hf: dict[str, Any], family: str, default_theta: float, defau
     m.vocab_size = _int(hf, "vocab_size")
     if m.vocab_size < 1:  # moefold's 0 would mean "the tokenizer's": no vocabulary of the checkpoint's
         raise CheckpointError(f"config.json: vocab_size={m.vocab_size} must be positive")
-    m.dim = _int(hf, "hidden_size")
-    m.n_layers = _int(hf, "num_hidden_layers")
-    m.n_heads = _int(hf, "num_attention_heads")
+    m.dim = _positive(hf, "hidden_size")
+    m.n_layers = _positive(hf, "num_hidden_layers")
+    m.n_heads = _positive(hf, "num_attention_heads")
     m.norm_eps = _float(hf, "rms_norm_eps", default_eps)
     m.tie_embeddings = _bool(hf, "tie_word_embeddings", False)
     m.init_std = _float(hf, "initializer_range", m.init_std)
@@ -254,8 +254,8 @@ def _gqa_from_hf(hf: dict[str, Any], cfg: Config, default_kv_heads: int, zero_he
     (Mixtral); else a head_dim of 0 is taken literally there, and refused here."""
     m = cfg.model
     m.attention = "gqa"
-    m.n_kv_heads = _int(hf, "num_key_value_heads", default_kv_heads)
-    derived = m.dim // _positive(hf, "num_attention_heads")
+    m.n_kv_heads = _positive(hf, "num_key_value_heads", default_kv_heads)  # moefold's 0: n_heads
+    derived = m.dim // m.n_heads
     if zero_head_dim_derives and _int(hf, "head_dim", 0) == 0:
         m.head_dim = derived
     else:
@@ -372,8 +372,8 @@ def _qwen3_moe_from_hf(hf: dict[str, Any]) -> Config:
     m.ffn_hidden = _int(hf, "intermediate_size")
     alias = _int(hf, "num_local_experts", None)  # 5.x writes the alias
     moe.num_experts = _int(hf, "num_experts", ... if alias is None else alias)
-    moe.top_k = _int(hf, "num_experts_per_tok")
-    moe.expert_hidden = _int(hf, "moe_intermediate_size")
+    moe.top_k = _positive(hf, "num_experts_per_tok")
+    moe.expert_hidden = _positive(hf, "moe_intermediate_size")
     moe.score_func, moe.softmax_before_topk = "softmax", True
     moe.norm_topk_prob = _bool(hf, "norm_topk_prob", False)
     # HF: layer i is MoE iff (i+1) % decoder_sparse_step == 0 and i not in mlp_only_layers.
@@ -411,9 +411,9 @@ def _mixtral_from_hf(hf: dict[str, Any]) -> Config:
     _gqa_from_hf(hf, cfg, default_kv_heads=8, zero_head_dim_derives=True)
     m.qk_norm = False
     m.sliding_window = _int(hf, "sliding_window", 0)
-    m.ffn_hidden = moe.expert_hidden = _int(hf, "intermediate_size")
+    m.ffn_hidden = moe.expert_hidden = _positive(hf, "intermediate_size")
     moe.num_experts = _positive(hf, "num_local_experts")  # every Mixtral layer is MoE, even of 0 experts
-    moe.top_k = _int(hf, "num_experts_per_tok")
+    moe.top_k = _positive(hf, "num_experts_per_tok")
     moe.first_k_dense, moe.moe_every = 0, 1
     # Mixtral: softmax over all E, top-k, renormalise. The same as top-k of the logits then softmax
     # over the K (softmax is monotone, and p_i / Σ_K p_j = e^{l_i} / Σ_K e^{l_j}); we take the form
@@ -453,18 +453,19 @@ def _deepseek_v3_from_hf(hf: dict[str, Any]) -> Config:
     _require(hf, "num_key_value_heads", (m.n_heads,), m.n_heads)  # MLA expands the latent to every head
     m.attention, m.qk_norm = "mla", False
     # null: queries projected directly; absent: DeepseekV3Config's 1536 (transformers builds q_a_proj)
-    m.q_lora_rank = 0 if "q_lora_rank" in hf and hf["q_lora_rank"] is None else _int(hf, "q_lora_rank", 1536)
-    m.kv_lora_rank = _int(hf, "kv_lora_rank")
+    # (a 0 would be a q_a_proj of rank 0 there, no q_a_proj here: refused)
+    m.q_lora_rank = 0 if "q_lora_rank" in hf and hf["q_lora_rank"] is None else _positive(hf, "q_lora_rank", 1536)
+    m.kv_lora_rank = _positive(hf, "kv_lora_rank")
     m.qk_nope_head_dim = _int(hf, "qk_nope_head_dim")
-    m.qk_rope_head_dim = _int(hf, "qk_rope_head_dim")
-    m.v_head_dim = _int(hf, "v_head_dim")
+    m.qk_rope_head_dim = _positive(hf, "qk_rope_head_dim")
+    m.v_head_dim = _positive(hf, "v_head_dim")
     m.rope_interleaved = _bool(hf, "rope_interleave", True)
     # absent: DeepseekV3Config's 1 (a checkpoint without the MTP tensors loads without them)
     m.mtp_layers = _int(hf, "num_nextn_predict_layers", _int(hf, "num_mtp_layers", 1))
     m.ffn_hidden = _int(hf, "intermediate_size")
-    moe.num_experts = _int(hf, "n_routed_experts")
-    moe.top_k = _int(hf, "num_experts_per_tok")
-    moe.expert_hidden = _int(hf, "moe_intermediate_size")
+    moe.num_experts = _positive(hf, "n_routed_experts")  # transformers builds MoE layers of 0 experts
+    moe.top_k = _positive(hf, "num_experts_per_tok")
+    moe.expert_hidden = _positive(hf, "moe_intermediate_size")
     moe.first_k_dense, moe.moe_every = _int(hf, "first_k_dense_replace", 3), 1
     moe.shared_experts = _int(hf, "n_shared_experts", 1)
     if moe.shared_experts < 1:
@@ -472,7 +473,10 @@ def _deepseek_v3_from_hf(hf: dict[str, Any]) -> Config:
     moe.score_func, moe.expert_bias = "sigmoid", True  # e_score_correction_bias; update rate stays ours
     moe.routed_scaling_factor = _float(hf, "routed_scaling_factor", 2.5)
     moe.norm_topk_prob = _bool(hf, "norm_topk_prob", True)
-    n_group, topk_group = _int(hf, "n_group", 8), _int(hf, "topk_group", 4)
+    # transformers reads both even for one group: E // 0 fails; top-0 groups zero every score
+    n_group, topk_group = _positive(hf, "n_group", 8), _positive(hf, "topk_group", 4)
+    if topk_group > n_group:
+        raise CheckpointError(f"config.json: topk_group={topk_group} must be <= n_group={n_group}")
     if n_group > 1:  # transformers scores a group by the sum of its top-2 biased scores
         moe.num_groups, moe.group_top_k, moe.group_score_top_k = n_group, topk_group, 2
     _deepseek_aux_from_hf(hf, cfg)

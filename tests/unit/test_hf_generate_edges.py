@@ -15,6 +15,9 @@ from moefold.cli import main  # noqa: E402
 from moefold.errors import CheckpointError  # noqa: E402
 
 
+_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 8}
+
+
 @pytest.fixture
 def qwen_dir(tmp_path):
     """A tiny random Qwen3-MoE checkpoint (vocabulary 96, no tokenizer.json) as transformers writes it."""
@@ -89,6 +92,12 @@ def test_a_config_value_transformers_reads_literally_is_refused_by_its_key(make,
     (deepseek_v3, {"q_lora_rank": 0}, "config.json: q_lora_rank=0 must be > 0"),  # moefold's 0: no q_a_proj
     (deepseek_v3, {"qk_rope_head_dim": 0}, "config.json: qk_rope_head_dim=0 must be > 0"),
     (deepseek_v3, {"v_head_dim": 0}, "config.json: v_head_dim=0 must be > 0"),
+    # YaRN: transformers reads a given 0 as is (inverse frequencies of inf; a division by zero);
+    # moefold derived the factor as max / original, and took max_position_embeddings as original
+    (qwen3, {"rope_parameters": {**_YARN, "factor": 0}}, "config.json: rope_parameters.factor=0 must be > 0"),
+    (qwen3, {"rope_parameters": {**_YARN, "original_max_position_embeddings": 0}},
+     "config.json: rope_parameters.original_max_position_embeddings=0 must be > 0"),
+    (deepseek_v3, {"rope_scaling": {**_YARN, "factor": 0.0}}, "config.json: rope_scaling.factor=0.0 must be > 0"),
 ])
 def test_a_config_value_out_of_range_is_named_by_its_key(make, changes, message):
     config = _config(make().to_dict(), **changes)

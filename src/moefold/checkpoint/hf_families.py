@@ -167,6 +167,11 @@ def _positive(hf: dict[str, Any], key: str, default: Any = ..., where: str = "",
     return value
 
 
+def _given_positive(hf: dict[str, Any], key: str, where: str = "", kind: type = float) -> Any:
+    """hf[key] as `_positive` reads it; 0 when absent or null (for the caller to derive it)."""
+    return 0 if hf.get(key) is None else _positive(hf, key, where=where, kind=kind)
+
+
 def _int_list(hf: dict[str, Any], key: str) -> list[int]:
     value = _get(hf, key, [])
     if type(value) is not list or any(type(v) is not int for v in value):
@@ -231,9 +236,10 @@ def _rope_from_hf(hf: dict[str, Any], cfg: Config, default_theta: float) -> None
         if params.get(name) not in allowed:
             raise CheckpointError(f"config.json: {key}.{name}={params[name]!r} is not supported")
     max_len = _int(hf, "max_position_embeddings", 0)
-    original = (_float(hf, "original_max_position_embeddings", 0.0)
-                or _float(params, "original_max_position_embeddings", 0.0, where) or max_len)
-    factor = _float(params, "factor", 0.0, where)
+    # a 0 given is read as is there (a division by it, inverse frequencies of inf): refused
+    original = (_given_positive(hf, "original_max_position_embeddings")
+                or _given_positive(params, "original_max_position_embeddings", where) or max_len)
+    factor = _given_positive(params, "factor", where)
     if not (factor or original):  # transformers derives it as max / original: nothing to derive from
         raise CheckpointError(f"config.json: {key} is yarn without a factor or max_position_embeddings "
                               f"to derive it from; give {key}.factor")

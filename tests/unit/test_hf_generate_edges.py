@@ -98,6 +98,9 @@ def test_a_config_value_transformers_reads_literally_is_refused_by_its_key(make,
     (qwen3, {"rope_parameters": {**_YARN, "original_max_position_embeddings": 0}},
      "config.json: rope_parameters.original_max_position_embeddings=0 must be > 0"),
     (deepseek_v3, {"rope_scaling": {**_YARN, "factor": 0.0}}, "config.json: rope_scaling.factor=0.0 must be > 0"),
+    # a window of 0: transformers' mask fails ('size of tensor a (8) must match ... b (7)'); moefold's 0 is none
+    (mixtral, {"sliding_window": 0}, "config.json: sliding_window=0 must be > 0"),
+    (qwen3, {"use_sliding_window": True, "sliding_window": 0}, "config.json: sliding_window=0 must be > 0"),
 ])
 def test_a_config_value_out_of_range_is_named_by_its_key(make, changes, message):
     config = _config(make().to_dict(), **changes)
@@ -113,6 +116,11 @@ def test_a_refused_config_value_is_one_line_and_exit_2_from_the_cli(qwen_dir, tm
     assert main(["convert", "--from-hf", str(qwen_dir), "--out", str(tmp_path / "run")]) == 2
     assert capsys.readouterr().err.splitlines() == ["moefold: error: config.json: rope_theta=0 must be > 0"]
     assert not (tmp_path / "run").exists()
+
+
+def test_qwen3_sliding_window_0_without_use_sliding_window_is_no_window():
+    """Qwen3MoeConfig drops the window unless use_sliding_window: its 0 is never read."""
+    assert config_from_hf({**qwen3().to_dict(), "sliding_window": 0}).model.sliding_window == 0
 
 
 def test_mixtral_head_dim_0_is_derived_as_transformers_derives_it():

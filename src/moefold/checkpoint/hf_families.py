@@ -372,9 +372,10 @@ def _qwen3_moe_from_hf(hf: dict[str, Any]) -> Config:
     m, moe = cfg.model, cfg.moe
     _gqa_from_hf(hf, cfg, default_kv_heads=4, zero_head_dim_derives=False)
     m.qk_norm = True
-    # As Qwen3MoeConfig: a window only with use_sliding_window; an absent key is 4096, null is none.
-    window = _int(hf, "sliding_window", 0) if "sliding_window" in hf else 4096
-    m.sliding_window = window if _bool(hf, "use_sliding_window", False) else 0
+    # As Qwen3MoeConfig: a window only with use_sliding_window; an absent key is 4096, null is none
+    # (a 0 is a window of 0 there, whose mask fails: refused).
+    if _bool(hf, "use_sliding_window", False):
+        m.sliding_window = _given_positive(hf, "sliding_window", kind=int) if "sliding_window" in hf else 4096
     m.ffn_hidden = _int(hf, "intermediate_size")
     alias = _int(hf, "num_local_experts", None)  # 5.x writes the alias
     moe.num_experts = _int(hf, "num_experts", ... if alias is None else alias)
@@ -416,7 +417,7 @@ def _mixtral_from_hf(hf: dict[str, Any]) -> Config:
     m, moe = cfg.model, cfg.moe
     _gqa_from_hf(hf, cfg, default_kv_heads=8, zero_head_dim_derives=True)
     m.qk_norm = False
-    m.sliding_window = _int(hf, "sliding_window", 0)
+    m.sliding_window = _given_positive(hf, "sliding_window", kind=int)  # null: none; 0 fails there
     m.ffn_hidden = moe.expert_hidden = _positive(hf, "intermediate_size")
     moe.num_experts = _positive(hf, "num_local_experts")  # every Mixtral layer is MoE, even of 0 experts
     moe.top_k = _positive(hf, "num_experts_per_tok")

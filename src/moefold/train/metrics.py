@@ -108,9 +108,8 @@ class MetricsSinks:
         self._append_line((json.dumps(_finite_or_null(record), allow_nan=False) + "\n").encode())
         if self.tb is not None:
             with self._tensorboard_or_off():
-                for key, value in record.items():
-                    if isinstance(value, (int, float)) and key != "step" and math.isfinite(value):
-                        self.tb.add_scalar(key, value, record["step"])
+                for tag, value in _scalars(record):
+                    self.tb.add_scalar(tag, value, record["step"])
 
     @contextlib.contextmanager
     def _tensorboard_or_off(self):
@@ -143,6 +142,17 @@ class MetricsSinks:
         if self.tb is not None:
             with self._tensorboard_or_off():
                 self.tb.close()
+
+
+def _scalars(record: dict[str, Any]) -> list[tuple[str, float]]:
+    """TensorBoard's (tag, value) of a record's finite numbers: a per-layer list's element i as
+    `<key>/<i>` (a scalar each: TensorBoard has no list), so the per-layer load is there too."""
+    scalars = []
+    for key, value in record.items():
+        items = [(f"{key}/{i}", v) for i, v in enumerate(value)] if isinstance(value, list) else [(key, value)]
+        scalars += [(tag, v) for tag, v in items
+                    if isinstance(v, (int, float)) and key != "step" and math.isfinite(v)]
+    return scalars
 
 
 def _whole_lines_size(path: Path) -> int | None:

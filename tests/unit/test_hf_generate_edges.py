@@ -10,7 +10,7 @@ transformers = pytest.importorskip("transformers")
 
 from test_hf_interop import deepseek_v3, hf_model_of, mixtral, qwen3  # noqa: E402
 
-from moefold.checkpoint.hf import config_from_hf  # noqa: E402
+from moefold.checkpoint.hf import config_from_hf, load_pretrained  # noqa: E402
 from moefold.cli import main  # noqa: E402
 from moefold.errors import CheckpointError  # noqa: E402
 
@@ -121,6 +121,17 @@ def test_a_refused_config_value_is_one_line_and_exit_2_from_the_cli(qwen_dir, tm
 def test_qwen3_sliding_window_0_without_use_sliding_window_is_no_window():
     """Qwen3MoeConfig drops the window unless use_sliding_window: its 0 is never read."""
     assert config_from_hf({**qwen3().to_dict(), "sliding_window": 0}).model.sliding_window == 0
+
+
+def test_qwen3_mlp_only_layers_beyond_the_model_are_ignored_as_transformers_ignores_them(tmp_path):
+    """transformers asks `layer_idx not in mlp_only_layers`: 7 and -1 of a 3-layer model name no
+    layer and change nothing. moefold refused the checkpoint naming its own moe.dense_layers."""
+    reference = hf_model_of(qwen3(mlp_only_layers=[7, 1, -1]))
+    reference.save_pretrained(tmp_path)
+    ours = load_pretrained(tmp_path)
+    assert ours.cfg.moe.dense_layers == [1]
+    ids = torch.tensor([[1, 5, 9, 3, 7, 2, 8, 4]])
+    torch.testing.assert_close(ours(ids), reference(ids).logits, rtol=1e-5, atol=1e-5)
 
 
 def test_mixtral_head_dim_0_is_derived_as_transformers_derives_it():

@@ -386,7 +386,8 @@ def _qwen3_moe_from_hf(hf: dict[str, Any]) -> Config:
     # HF: layer i is MoE iff (i+1) % decoder_sparse_step == 0 and i not in mlp_only_layers.
     step = _positive(hf, "decoder_sparse_step", 1)  # transformers: (i + 1) % 0 fails
     moe.first_k_dense, moe.moe_every = step - 1, step
-    moe.dense_layers = sorted(_int_list(hf, "mlp_only_layers"))
+    # transformers asks `i not in mlp_only_layers`: an id of no layer changes nothing (not refused)
+    moe.dense_layers = sorted({i for i in _int_list(hf, "mlp_only_layers") if 0 <= i < m.n_layers})
     _switch_aux_from_hf(hf, cfg)
     return cfg
 

@@ -22,7 +22,7 @@ WINDOWED = {"train.grad_accum": "2", "logging.log_every": "2", "train.steps": "4
             "train.val_every": "2", "data.val_fraction": "0.2", "train.grad_clip": "0.05"}
 # val_batches counts micro-batches of micro_batch_size sequences (4 in one process, 2 a data rank):
 # the same 4 validation sequences either way
-LAYOUTS = {"dp2": {}, "ep2": {"ep": 2}}
+LAYOUTS = {"dp2": {}, "ep2": {"ep": 2}, "dp2-zero1": {"data_parallel": "ddp"}}
 
 
 def _records(run_dir: Path) -> list[dict]:
@@ -38,9 +38,10 @@ def _fit_layouts(rank: int, corpus: Path, root: Path) -> None:
 
 
 def test_every_logged_value_on_two_data_ranks_and_two_expert_ranks_is_one_process(tmp_path):
-    """dp2 and ep2 (each rank half of every global micro-batch) log what one process logs for the
-    same global batch: losses, mtp_loss, the pre-clip gradient norm, every aux loss and its
-    per-layer list, load imbalance, entropy, val_loss over the same sequences (1e-4 relative).
+    """dp2 and ep2 under FSDP, and dp2 under ZeRO-1 (each rank half of every global micro-batch)
+    log what one process logs for the same global batch: losses, mtp_loss, the pre-clip gradient
+    norm, every aux loss and its per-layer list, load imbalance, entropy, val_loss over the same
+    sequences (1e-4 relative).
     (A capacity limit is left out: each data rank applies it to its own tokens, as Megatron-Core
     does, so its drops depend on the layout.)"""
     corpus = write_text_corpus(tmp_path / "corpus")

@@ -74,7 +74,7 @@ def sample(model, prompt_ids: list[int], max_new_tokens: int, temperature: float
     tokenizer's; the rows a model.vocab_size padded beyond it are never sampled (None: every row).
     Options `moefold generate` refuses are refused here with its messages (`check_sampling`), as
     is a `context` below 1, an empty prompt (the model has no beginning-of-sequence token to
-    start from), an id outside the model's vocabulary, a model with a capacity factor
+    start from), an id outside the model's vocabulary, a `vocab_size` outside [1, model.vocab_size], a model with a capacity factor
     (`_check_dropless`) and one that routes round-robin (`_check_routes_by_router`). The model
     runs in eval mode, whatever its own (restored after): generation never counts toward a
     training step's routing statistics."""
@@ -86,6 +86,9 @@ def sample(model, prompt_ids: list[int], max_new_tokens: int, temperature: float
         raise UserError("sample: prompt_ids is empty; give at least one token to continue (the "
                         "model has no beginning-of-sequence token to start from)")
     _check_ids(prompt_ids, model.vocab_size)
+    if vocab_size is not None and not 1 <= vocab_size <= model.vocab_size:  # the logits are cut to it
+        raise UserError(f"sample: vocab_size {vocab_size} (the tokenizer's) must be in [1, {model.vocab_size}], "
+                        "the model's vocabulary")
     _check_dropless(model)
     _check_routes_by_router(model)
     was_training = model.training

@@ -265,3 +265,20 @@ def test_an_infinite_logit_is_sampled_as_greedy_picks_it():
     picks = {_pick(logits_V, t, k, torch.Generator().manual_seed(s)) for s in range(40) for t, k in
              [(0.8, 0), (1.0, 2), (inf, 0)]}
     assert picks == {1, 3}
+
+
+@pytest.mark.parametrize("vocab_size", [0, -1, 97])
+def test_sample_refuses_a_vocab_size_the_model_does_not_have(vocab_size):
+    """`vocab_size` cuts the logits to the tokenizer's ids: 97 of a 96-row model sampled every row
+    (the tokenizer's ids beyond 95 never), -1 cut the last row off silently, 0 failed in argmax."""
+    from moefold.config import load_config
+    from moefold.errors import UserError
+    from moefold.generate import sample
+    from moefold.models.transformer import build_model
+
+    model = build_model(load_config("tiny", {"model.vocab_size": "96"}), 96)
+    model.init_weights(seed=0)
+    with pytest.raises(UserError) as e:
+        sample(model, [1, 2, 3], 4, 0.0, 0, 16, -1, torch.Generator(), vocab_size)
+    assert str(e.value) == (f"sample: vocab_size {vocab_size} (the tokenizer's) must be in [1, 96], the "
+                            "model's vocabulary")

@@ -173,3 +173,19 @@ def test_bench_json_is_its_printed_table(tmp_path, capsys):
     assert rows["peak memory"] == f"{r['peak_mem_gib']:.2f} GiB (process max RSS)"
     assert rows["loss"].startswith(f"{r['loss']:.4f} ")
     assert rows["model"].endswith(f"; {r['flops_per_token'] / 1e6:,.2f} MFLOP per token (fwd+bwd)")
+
+
+def test_dropped_fraction_is_the_copies_over_each_experts_capacity(tmp_path, text_corpus):
+    """Each step's dropped_fraction against docs/metrics.md's definition counted here from the
+    step's routed copies per expert (one micro-batch a step, so its counts): an expert keeps
+    C = ceil(capacity_factor · T·K / E) copies and drops the rest, over all layers' routed copies."""
+    cfg = tiny_config(text_corpus, **{"train.grad_accum": "1", "train.steps": "3", "moe.capacity_factor": "1.25"})
+    trainer = Trainer(cfg, tmp_path / "run", out=lambda line: None)
+    trainer.fit()
+    t, moe = cfg.train, cfg.moe
+    capacity = math.ceil(1.25 * t.micro_batch_size * t.seq_len * moe.top_k / moe.num_experts)
+    records = [r for r in read_records(tmp_path / "run") if "loss" in r]
+    assert any(r["dropped_fraction"] > 0 for r in records)
+    for r, (_, counts_LE) in zip(records, trainer.load_history, strict=True):
+        dropped = sum(max(0, c - capacity) for counts in counts_LE for c in counts)
+        assert r["dropped_fraction"] == pytest.approx(dropped / sum(map(sum, counts_LE)), rel=1e-12)

@@ -1,0 +1,59 @@
+"""FP8 runs (the CPU emulation) with checkpoints and the Hugging Face export: the FP8 modules share
+the model's parameters, so a checkpoint and an export hold what a bf16 run's would, and nothing of
+FP8 (no scale or cached-weight buffer)."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from moefold.checkpoint.dcp import _read_metadata
+from moefold.checkpoint.hf import save_pretrained
+from moefold.config import load_config
+from moefold.generate import load_model_from_run
+from moefold.train.trainer import Trainer
+
+FP8 = {"precision.fp8": "rowwise", "precision.fp8_weight_cache": "true",
+       "precision.fp8_saved_activations": "true", "precision.fp8_emulate": "true", "train.grad_accum": "2"}
+DEEPSEEK = {"model.mtp_layers": "1"}
+
+
+def _cfg(corpus: Path, extra: dict) -> object:
+    return load_config("tiny-deepseek", {
+        "data.path": str(corpus), "train.seq_len": "16", "train.micro_batch_size": "2", "train.steps": "2",
+        "train.warmup_steps": "1", "train.val_every": "0", "data.val_fraction": "0", "train.device": "cpu",
+        "logging.tensorboard": "false", "logging.progress_bar": "false", "logging.expert_load_heatmap": "false",
+        "checkpoint.save_at_end": "false", **DEEPSEEK, **extra})
+
+
+def _trained(corpus: Path, run_dir: Path, extra: dict) -> Trainer:
+    trainer = Trainer(_cfg(corpus, extra), run_dir, out=lambda line: None)
+    while trainer.step < trainer.cfg.train.steps:
+        trainer.accumulate_gradients()
+        trainer.optimizer_step()
+        trainer.step += 1
+    trainer.saved = trainer.save()
+    return trainer
+
+
+def _exported(model, path: Path) -> dict[str, torch.Tensor]:
+    save_pretrained(model, path)
+    return {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def test_an_fp8_runs_checkpoint_and_export_hold_what_a_bf16_runs_do(text_corpus, tmp_path):
+    """Every tensor name the bf16 run's checkpoint and export hold, no other; the export of the FP8
+    run's checkpoint (convert --to-hf's path: a model built without FP8) equals the export of the
+    live FP8 model bit for bit."""
+    fp8 = _trained(text_corpus, tmp_path / "fp8", FP8)
+    plain = _trained(text_corpus, tmp_path / "plain", {"train.grad_accum": "2"})
+    assert any(name.startswith("fp8_") for name, _ in fp8.model.named_buffers(recurse=True)
+               for name in [name.rsplit(".", 1)[-1]])  # the cache is there to leak
+    assert set(_read_metadata(fp8.saved).state_dict_metadata) == set(_read_metadata(plain.saved).state_dict_metadata)
+    live = _exported(fp8.model, tmp_path / "hf-live")
+    model, _, _ = load_model_from_run(tmp_path / "fp8", "cpu", exact_masters=True)
+    converted = _exported(model, tmp_path / "hf-converted")
+    assert live.keys() == converted.keys() == _exported(plain.model, tmp_path / "hf-plain").keys()
+    for name, t in live.items():
+        assert torch.equal(t, converted[name]), name

@@ -79,3 +79,18 @@ def test_fp8_under_data_parallelism_differs_from_one_process_as_documented(corpu
             err = ((results[r]["grads"][name] - grad).norm() / grad.norm()).item()
             bound = (5e-2 if _is_fp8_weight(name) else 1e-5) if exact else 0.15
             assert err < bound, f"{r} dp2 first-step gradient of {name}: relative error {err:.3g} (bound {bound})"
+
+
+def test_fp8_weight_cache_resumes_bit_for_bit_under_ep(corpus, tmp_path):
+    """precision.fp8_weight_cache with two micro-batches a step under ep=2, saved at step 2 of 4
+    and resumed: the resumed steps' losses are the uninterrupted run's, bit for bit (the cache is
+    quantized from the loaded weights, not the seed's)."""
+    extra = {**ALIGNED_QWEN3, "precision.fp8": "rowwise", "precision.fp8_weight_cache": "true",
+             "precision.fp8_saved_activations": "true", "train.grad_accum": "2", "train.steps": str(STEPS)}
+    parallel = dict(ep=2)
+    run_ranks(2, train_on_rank, [("full", "qwen3", corpus, 2, parallel, tmp_path / "full", None, 2, extra)],
+              tmp_path / "full.pt")
+    run_ranks(2, train_on_rank, [("resumed", "qwen3", corpus, 2, parallel, tmp_path / "resumed",
+                                  tmp_path / "full", 0, extra)], tmp_path / "resumed.pt")
+    full, resumed = torch.load(tmp_path / "full.pt")["full"], torch.load(tmp_path / "resumed.pt")["resumed"]
+    assert resumed["losses"] == full["losses"][2:]

@@ -11,7 +11,10 @@ from safetensors.torch import load_file
 from moefold.checkpoint.dcp import _read_metadata
 from moefold.checkpoint.hf import save_pretrained
 from moefold.config import load_config
+from moefold.errors import ConfigError
+from moefold.fp8.apply import apply_fp8
 from moefold.generate import load_model_from_run
+from moefold.models.transformer import build_model
 from moefold.train.trainer import Trainer
 
 FP8 = {"precision.fp8": "rowwise", "precision.fp8_weight_cache": "true",
@@ -57,3 +60,33 @@ def test_an_fp8_runs_checkpoint_and_export_hold_what_a_bf16_runs_do(text_corpus,
     assert live.keys() == converted.keys() == _exported(plain.model, tmp_path / "hf-plain").keys()
     for name, t in live.items():
         assert torch.equal(t, converted[name]), name
+
+
+def _converted(over: dict) -> list[str]:
+    cfg = load_config("tiny-deepseek", {"model.mtp_layers": "1", "precision.fp8": "rowwise", **over})
+    with torch.device("meta"):
+        model = build_model(cfg, 256, "cpu", torch.float32)
+    return apply_fp8(model, cfg.precision, "cpu")
+
+
+def _blocks(names: list[str]) -> set[str]:
+    return {name.split(".attn")[0].split(".ffn")[0] for name in names}
+
+
+def test_fp8_exclude_and_the_bf16_layers_count_blocks_with_mtp_and_a_dense_first_layer():
+    """tiny-deepseek: 3 main blocks (layer 0 dense, moe.first_k_dense=1) and one MTP block. Patterns
+    naming modules that never run in FP8 (router, embeddings, head, norms, MTP's eh_proj) change
+    nothing; a pattern naming no module (a parameter's name, MTP's modules without MTP) is refused;
+    the first N count the dense layer, the last N the main stack only (not the MTP block)."""
+    every = _converted({})
+    assert _blocks(every) == {"layers.0", "layers.1", "layers.2", "mtp.layers.0.block"}
+    never = '["layers.*.ffn.router", "tok_embeddings", "output", "norm", "layers.*_norm", "mtp.layers.0.eh_proj"]'
+    assert _converted({"precision.fp8_exclude": never}) == every
+    for pattern, over in (("layers.0.attn.wo.weight", {}), ("mtp.*", {"model.mtp_layers": "0"})):
+        with pytest.raises(ConfigError, match="matches no module name"):
+            _converted({"precision.fp8_exclude": f'["{pattern}"]', **over})
+    assert _blocks(_converted({"precision.fp8_bf16_first_layers": "1"})) == _blocks(every) - {"layers.0"}
+    assert _blocks(_converted({"precision.fp8_bf16_last_layers": "1"})) == _blocks(every) - {"layers.2"}
+    assert _blocks(_converted({"precision.fp8_bf16_first_layers": "3"})) == {"mtp.layers.0.block"}
+    assert _blocks(_converted({"precision.fp8_exclude": '["mtp.*"]', "precision.fp8_bf16_last_layers": "2"})) \
+        == {"layers.0"}

@@ -74,8 +74,9 @@ def sample(model, prompt_ids: list[int], max_new_tokens: int, temperature: float
     tokenizer's; the rows a model.vocab_size padded beyond it are never sampled (None: every row).
     Options `moefold generate` refuses are refused here with its messages (`check_sampling`), as
     is a `context` below 1, an empty prompt (the model has no beginning-of-sequence token to
-    start from), an id outside the model's vocabulary, a `vocab_size` outside [1, model.vocab_size], a model with a capacity factor
-    (`_check_dropless`) and one that routes round-robin (`_check_routes_by_router`). The model
+    start from), an id outside the model's vocabulary, a `vocab_size` outside [1, model.vocab_size],
+    a model with a capacity factor (`_check_dropless`) and one that routes round-robin
+    (`_check_routes_by_router`). The model
     runs in eval mode, whatever its own (restored after): generation never counts toward a
     training step's routing statistics."""
     check_sampling(max_new_tokens, temperature, top_k)

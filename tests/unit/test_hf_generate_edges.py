@@ -118,6 +118,27 @@ def test_a_refused_config_value_is_one_line_and_exit_2_from_the_cli(qwen_dir, tm
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("make, changes, message", [
+    (qwen3, {"num_experts_per_tok": 7}, "num_experts_per_tok=7 exceeds num_local_experts=6"),  # 5.x: the alias
+    (mixtral, {"num_experts_per_tok": 5}, "num_experts_per_tok=5 exceeds num_local_experts=4"),
+    (deepseek_v3, {"num_experts_per_tok": 9}, "num_experts_per_tok=9 exceeds n_routed_experts=8"),
+    (qwen3, {"num_key_value_heads": 3}, "num_attention_heads=4 must be a multiple of num_key_value_heads=3"),
+    (deepseek_v3, {"n_group": 3, "topk_group": 1}, "n_routed_experts=8 is not divisible by n_group=3"),
+    (deepseek_v3, {"n_group": 4, "topk_group": 1, "num_experts_per_tok": 3},
+     "num_experts_per_tok=3 exceeds the 2 experts of topk_group=1 groups"),
+    (deepseek_v3, {"first_k_dense_replace": -1}, "first_k_dense_replace=-1 must be >= 0"),
+    (deepseek_v3, {"num_nextn_predict_layers": -1}, "num_nextn_predict_layers=-1 must be >= 0"),
+    (qwen3, {"rms_norm_eps": -1.0}, "rms_norm_eps=-1.0 must be > 0"),
+    (qwen3, {"num_experts": -1}, "num_experts=-1 must be >= 0"),
+])
+def test_a_config_json_the_config_check_refuses_is_named_by_its_keys(make, changes, message):
+    """The checks of moefold's config named its fields ('config.json maps to an invalid moefold
+    config: moe.top_k=7 exceeds moe.num_experts=6'), which a config.json does not have."""
+    with pytest.raises(CheckpointError) as e:
+        config_from_hf(_config(make().to_dict(), **changes))
+    assert str(e.value) == f"config.json: {message}"
+
+
 def test_qwen3_sliding_window_0_without_use_sliding_window_is_no_window():
     """Qwen3MoeConfig drops the window unless use_sliding_window: its 0 is never read."""
     assert config_from_hf({**qwen3().to_dict(), "sliding_window": 0}).model.sliding_window == 0

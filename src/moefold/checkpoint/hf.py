@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from moefold.checkpoint.hf_families import FAMILIES, Family, PerExpert, Rule, family_of
+from moefold.checkpoint.hf_families import FAMILIES, Family, PerExpert, Rule, config_json_keys, family_of
 from moefold.config import Config, validate
 from moefold.errors import CheckpointError, ConfigError, writing
 from moefold.files import fsync
@@ -46,8 +46,8 @@ SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 _SHARD = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
 
-__all__ = ["config_from_hf", "hf_config_from", "check_exportable", "load_pretrained", "pretrained_on_meta", "fill_pretrained",
-           "convert_to_run_checkpoint", "save_pretrained", "hf_tensors", "build_plan", "FAMILIES"]
+__all__ = ["config_from_hf", "hf_config_from", "check_exportable", "load_pretrained", "pretrained_on_meta",
+           "fill_pretrained", "convert_to_run_checkpoint", "save_pretrained", "hf_tensors", "build_plan", "FAMILIES"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -64,8 +64,21 @@ def config_from_hf(hf_config: dict[str, Any]) -> Config:
     try:
         validate(cfg)
     except ConfigError as e:
-        raise CheckpointError(f"config.json maps to an invalid moefold config: {e}") from None
+        raise CheckpointError(_in_config_json_keys(str(e), config_json_keys(family, hf_config))) from None
     return cfg
+
+
+_FIELD = re.compile(r"\b(?:model|moe)\.\w+")
+
+
+def _in_config_json_keys(message: str, keys: dict[str, str]) -> str:
+    """`validate`'s refusal of an imported config with its fields named by their config.json keys
+    ('num_experts_per_tok=7 exceeds num_experts=6'); where one has no key (a field derived from
+    several), the message says it is moefold's config."""
+    named = _FIELD.sub(lambda m: keys.get(m.group(0), m.group(0)), message)
+    if _FIELD.search(named):
+        return f"config.json maps to an invalid moefold config: {named}"
+    return f"config.json: {named}"
 
 
 def hf_config_from(cfg: Config, vocab_size: int, eos_token_id: int | None = None) -> dict[str, Any]:

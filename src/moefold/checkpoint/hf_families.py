@@ -68,6 +68,9 @@ class Family:
     keep_fp32: tuple[str, ...] = ()
     """Endings of the HF names transformers holds in fp32 whatever the model's dtype (its
     `_keep_in_fp32_modules_strict`), and so writes in fp32 in a bf16 or fp16 checkpoint."""
+    keys: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """config.json keys of the `Config` fields the family reads as they are (beside `_KEYS`), the
+    first present of several (aliases): `validate`'s refusals of an import name them."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -111,6 +114,25 @@ _DEEPSEEK_V3_MTP_COPIES = {"embed_tokens.weight": "tok_embeddings.weight",
 
 # ---------------------------------------------------------------------------------------------
 # config.json → Config: shared helpers
+# ---------------------------------------------------------------------------------------------
+
+_KEYS = {"model.vocab_size": ("vocab_size",), "model.dim": ("hidden_size",),
+         "model.n_layers": ("num_hidden_layers",), "model.n_heads": ("num_attention_heads",),
+         "model.n_kv_heads": ("num_key_value_heads",), "model.head_dim": ("head_dim",),
+         "model.norm_eps": ("rms_norm_eps",), "model.max_position_embeddings": ("max_position_embeddings",),
+         "model.sliding_window": ("sliding_window",), "model.ffn_hidden": ("intermediate_size",),
+         "moe.top_k": ("num_experts_per_tok",), "moe.expert_hidden": ("moe_intermediate_size",)}
+"""config.json keys of the `Config` fields every family reads as they are (`Family.keys`)."""
+
+
+def config_json_keys(family: Family, hf: dict[str, Any]) -> dict[str, str]:
+    """moefold field → the config.json key it was read from, for `family`'s config.json `hf`."""
+    keys = {**_KEYS, **family.keys}
+    return {name: next((k for k in options if k in hf), options[0]) for name, options in keys.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# config.json → Config: readers
 # ---------------------------------------------------------------------------------------------
 
 
@@ -532,12 +554,22 @@ def _deepseek_v3_to_hf(cfg: Config) -> dict[str, Any]:
 
 FAMILIES = {
     "qwen3_moe": Family("qwen3_moe", "Qwen3MoeForCausalLM", _QWEN3_MOE_BLOCK,
-                        _qwen3_moe_from_hf, _qwen3_moe_to_hf),
-    "mixtral": Family("mixtral", "MixtralForCausalLM", _MIXTRAL_BLOCK, _mixtral_from_hf, _mixtral_to_hf),
+                        _qwen3_moe_from_hf, _qwen3_moe_to_hf,
+                        keys={"moe.num_experts": ("num_experts", "num_local_experts")}),
+    "mixtral": Family("mixtral", "MixtralForCausalLM", _MIXTRAL_BLOCK, _mixtral_from_hf, _mixtral_to_hf,
+                      keys={"moe.num_experts": ("num_local_experts",), "moe.expert_hidden": ("intermediate_size",),
+                            "moe.input_jitter": ("router_jitter_noise",)}),
     "deepseek_v3": Family("deepseek_v3", "DeepseekV3ForCausalLM", _DEEPSEEK_V3_BLOCK,
                           _deepseek_v3_from_hf, _deepseek_v3_to_hf,
                           mtp=_DEEPSEEK_V3_MTP, mtp_copies=_DEEPSEEK_V3_MTP_COPIES,
-                          keep_fp32=(".mlp.gate.weight", ".mlp.gate.e_score_correction_bias")),
+                          keep_fp32=(".mlp.gate.weight", ".mlp.gate.e_score_correction_bias"),
+                          keys={"moe.num_experts": ("n_routed_experts",), "moe.num_groups": ("n_group",),
+                                "moe.group_top_k": ("topk_group",), "moe.first_k_dense": ("first_k_dense_replace",),
+                                "moe.shared_experts": ("n_shared_experts",),
+                                "moe.routed_scaling_factor": ("routed_scaling_factor",),
+                                "model.mtp_layers": ("num_nextn_predict_layers", "num_mtp_layers"),
+                                **{f"model.{k}": (k,) for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                                                                "qk_rope_head_dim", "v_head_dim")}}),
 }
 
 

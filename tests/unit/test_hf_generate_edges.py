@@ -303,3 +303,27 @@ def test_sample_refuses_a_vocab_size_the_model_does_not_have(vocab_size):
         sample(model, [1, 2, 3], 4, 0.0, 0, 16, -1, torch.Generator(), vocab_size)
     assert str(e.value) == (f"sample: vocab_size {vocab_size} (the tokenizer's) must be in [1, 96], the "
                             "model's vocabulary")
+
+
+def test_generate_of_a_converted_checkpoint_prints_transformers_greedy_continuation(tmp_path, capsys):
+    """The whole command: convert --from-hf, then generate --temperature 0 prints the bytes that
+    transformers' own greedy generate continues the prompt's bytes with (the byte tokenizer, whose
+    257 ids the 300-row model holds; its end of document, 256, stops both)."""
+    from moefold.data.tokenizer import ByteTokenizer
+
+    reference = hf_model_of(qwen3(vocab_size=300))
+    reference.save_pretrained(tmp_path / "hf")
+    run = tmp_path / "run"
+    assert main(["convert", "--from-hf", str(tmp_path / "hf"), "--out", str(run)]) == 0
+    capsys.readouterr()
+    prompt = "moefold: é"
+    assert main(["generate", "--run-dir", str(run), "--prompt", prompt, "--max-new-tokens", "24",
+                 "--temperature", "0", "--device", "cpu"]) == 0
+    prompt_ids = ByteTokenizer().encode(prompt)
+    with torch.no_grad():
+        out = reference.generate(torch.tensor([prompt_ids]), max_new_tokens=24, do_sample=False,
+                                 eos_token_id=256, pad_token_id=0)
+    new_ids = out[0, len(prompt_ids):].tolist()
+    new_ids = new_ids[:new_ids.index(256)] if 256 in new_ids else new_ids
+    assert len(new_ids) > 4  # a continuation to compare
+    assert capsys.readouterr().out == ByteTokenizer().decode(prompt_ids + new_ids) + "\n"

@@ -414,12 +414,10 @@ def _check_prompt(prompt: str) -> None:
 def _generate(args: argparse.Namespace) -> int:
     import torch
 
-    from moefold.generate import (check_tokenizer_fits, continuation, end_of_document_id, load_model_from_run,
-                                  sample)
+    from moefold.generate import continuation, end_of_document_id, load_model_from_run, sample
 
     _check_generate_args(args)  # before loading the model
-    model, tokenizer, cfg = load_model_from_run(args.run_dir, args.device)
-    check_tokenizer_fits(args.run_dir, cfg, tokenizer, model.vocab_size)
+    model, tokenizer, cfg = load_model_from_run(args.run_dir, args.device, for_sampling=True)
     prompt_ids = tokenizer.encode(args.prompt)
     if not prompt_ids:
         raise UserError(f"--prompt {args.prompt!r} encodes to no tokens; give text to continue")

@@ -17,14 +17,19 @@ from moefold.parallel.launch import resolve_device
 from moefold.train.trainer import resolve_compute_dtype
 
 
-def load_model_from_run(run_dir: Path, device_name: str = "auto", exact_masters: bool = False):
+def load_model_from_run(run_dir: Path, device_name: str = "auto", exact_masters: bool = False,
+                        for_sampling: bool = False):
     """(model, tokenizer, config) with the weights of the run's latest checkpoint; the model is
     dropless whatever capacity factor the run trained with (`_dropless`). `exact_masters`: as
-    `load_weights`' (an export's weights, not the ones a bf16 forward ran with)."""
+    `load_weights`' (an export's weights, not the ones a bf16 forward ran with). `for_sampling`:
+    a tokenizer of more ids than the model's is refused first (`check_tokenizer_fits`); an
+    export takes the weights whatever the tokenizer."""
     cfg = run_config(run_dir)
     checkpoint = resolve_checkpoint(Path(run_dir), "--run-dir")
     device = resolve_device(device_name, "--device")
     tokenizer = build_tokenizer(cfg.data.tokenizer)
+    if for_sampling:  # before the weights are read
+        check_tokenizer_fits(run_dir, cfg, tokenizer, cfg.model.vocab_size or tokenizer.vocab_size)
     with torch.device("meta"):  # the checkpoint is read straight into the device's tensors
         model = build_model(_dropless(cfg), cfg.model.vocab_size or tokenizer.vocab_size, device.type,
                             resolve_compute_dtype(cfg.precision.compute_dtype, device))

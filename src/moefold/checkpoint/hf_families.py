@@ -121,7 +121,8 @@ _KEYS = {"model.vocab_size": ("vocab_size",), "model.dim": ("hidden_size",),
          "model.n_kv_heads": ("num_key_value_heads",), "model.head_dim": ("head_dim",),
          "model.norm_eps": ("rms_norm_eps",), "model.max_position_embeddings": ("max_position_embeddings",),
          "model.sliding_window": ("sliding_window",), "model.ffn_hidden": ("intermediate_size",),
-         "moe.top_k": ("num_experts_per_tok",), "moe.expert_hidden": ("moe_intermediate_size",)}
+         "moe.top_k": ("num_experts_per_tok",), "moe.expert_hidden": ("moe_intermediate_size",),
+         "model.init_std": ("initializer_range",), "moe.aux_loss_coeff": ("router_aux_loss_coef",)}
 """config.json keys of the `Config` fields every family reads as they are (`Family.keys`)."""
 
 
@@ -567,6 +568,8 @@ FAMILIES = {
                                 "moe.group_top_k": ("topk_group",), "moe.first_k_dense": ("first_k_dense_replace",),
                                 "moe.shared_experts": ("n_shared_experts",),
                                 "moe.routed_scaling_factor": ("routed_scaling_factor",),
+                                "moe.aux_loss_coeff": ("aux_loss_alpha",),
+                                "moe.seq_aux_loss_coeff": ("aux_loss_alpha",),
                                 "model.mtp_layers": ("num_nextn_predict_layers", "num_mtp_layers"),
                                 **{f"model.{k}": (k,) for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
                                                                 "qk_rope_head_dim", "v_head_dim")}}),

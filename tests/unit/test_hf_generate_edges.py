@@ -47,6 +47,7 @@ def _with(path, **changes):
 @pytest.mark.parametrize("make, changes, message", [
     # Qwen3MoeAttention: head_dim ** -0.5 of 0 (ZeroDivisionError); moefold derived dim / heads
     (qwen3, {"head_dim": 0}, "config.json: head_dim=0 must be > 0"),
+    (qwen3, {"head_dim": None}, "config.json: head_dim=null must be > 0"),  # there: None ** -0.5, a TypeError
     (mixtral, {"head_dim": -8}, "config.json: head_dim=-8 must be > 0"),
     (qwen3, {"num_attention_heads": 0}, "config.json: num_attention_heads=0 must be > 0"),  # was 32 // 0
     # the inverse frequencies 1 / 0 ** (2i / d): inf; moefold took the family's default theta
@@ -159,9 +160,10 @@ def test_qwen3_mlp_only_layers_beyond_the_model_are_ignored_as_transformers_igno
     torch.testing.assert_close(ours(ids), reference(ids).logits, rtol=1e-5, atol=1e-5)
 
 
-def test_mixtral_head_dim_0_is_derived_as_transformers_derives_it():
+@pytest.mark.parametrize("head_dim", [0, None])
+def test_mixtral_head_dim_0_is_derived_as_transformers_derives_it(head_dim):
     """MixtralAttention reads `head_dim or hidden_size // num_attention_heads`: 0 means derive."""
-    cfg = config_from_hf({**mixtral().to_dict(), "head_dim": 0})
+    cfg = config_from_hf({**mixtral().to_dict(), "head_dim": head_dim})
     assert cfg.model.dim // cfg.model.n_heads == 8 and cfg.model.head_dim == 8
 
 

@@ -287,6 +287,8 @@ def _gqa_from_hf(hf: dict[str, Any], cfg: Config, default_kv_heads: int, zero_he
     derived = m.dim // m.n_heads
     if zero_head_dim_derives and _int(hf, "head_dim", 0) == 0:
         m.head_dim = derived
+    elif "head_dim" in hf and hf["head_dim"] is None:  # getattr(config, "head_dim", ...) is None there
+        raise CheckpointError("config.json: head_dim=null must be > 0")
     else:
         m.head_dim = _positive(hf, "head_dim", derived)
 

@@ -66,7 +66,7 @@ def _converted(over: dict) -> list[str]:
     cfg = load_config("tiny-deepseek", {"model.mtp_layers": "1", "precision.fp8": "rowwise", **over})
     with torch.device("meta"):
         model = build_model(cfg, 256, "cpu", torch.float32)
-    return apply_fp8(model, cfg.precision, "cpu")
+    return apply_fp8(model, cfg.precision, "cpu", compute_dtype=torch.float32)
 
 
 def _blocks(names: list[str]) -> set[str]:
@@ -90,3 +90,15 @@ def test_fp8_exclude_and_the_bf16_layers_count_blocks_with_mtp_and_a_dense_first
     assert _blocks(_converted({"precision.fp8_bf16_first_layers": "3"})) == {"mtp.layers.0.block"}
     assert _blocks(_converted({"precision.fp8_exclude": '["mtp.*"]', "precision.fp8_bf16_last_layers": "2"})) \
         == {"layers.0"}
+
+
+@pytest.mark.parametrize("over", [{"precision.fp8_exclude": '["*.experts"]', "model.mtp_layers": "0"},
+                                  {"precision.fp8_bf16_first_layers": "3", "precision.fp8_exclude": '["mtp.*"]'}])
+def test_a_weight_cache_without_fp8_experts_is_refused(over, text_corpus, tmp_path):
+    """precision.fp8_weight_cache caches the FP8 routed experts' weights: where every expert stays
+    in high precision it did nothing, without a word (the run trained as without it), as a
+    memory.recompute name without a site would."""
+    with pytest.raises(ConfigError, match=r"^precision.fp8_weight_cache=true does nothing here: no routed experts "
+                                          r"run in FP8"):
+        Trainer(_cfg(text_corpus, {**FP8, **over}), tmp_path / "run", out=lambda line: None)
+    assert _converted({"precision.fp8_weight_cache": "true", "precision.fp8_exclude": '["layers.*.ffn.experts"]'})

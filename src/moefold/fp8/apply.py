@@ -86,7 +86,17 @@ def apply_fp8(model: nn.Module, precision: PrecisionConfig, device_type: str,
             else:
                 continue
             converted.append(name)
+    _refuse_idle_weight_cache(precision, model)
     return converted
+
+
+def _refuse_idle_weight_cache(precision: PrecisionConfig, model: nn.Module) -> None:
+    """The cache holds the FP8 routed experts' weights: with every expert in high precision (or
+    none in the model) it would do nothing, and the run would train as without it, unsaid."""
+    if precision.fp8_weight_cache and not any(isinstance(m, Fp8GroupedExperts) for m in model.modules()):
+        raise ConfigError("precision.fp8_weight_cache=true does nothing here: no routed experts run in FP8 "
+                          "(precision.fp8_exclude and fp8_bf16_first/last_layers keep them all in high "
+                          "precision); set it to false")
 
 
 def _fp8_blocks(model, precision: PrecisionConfig) -> list[tuple[str, nn.Module]]:

@@ -94,3 +94,26 @@ def test_fp8_weight_cache_resumes_bit_for_bit_under_ep(corpus, tmp_path):
                                   tmp_path / "full", 0, extra)], tmp_path / "resumed.pt")
     full, resumed = torch.load(tmp_path / "full.pt")["full"], torch.load(tmp_path / "resumed.pt")["resumed"]
     assert resumed["losses"] == full["losses"][2:]
+
+
+# tiny-qwen3 widened so that every tp=2 shard of the block linears is a multiple of blockwise's 128.
+TP_BLOCKWISE = {"model.dim": "256", "model.head_dim": "32", "model.n_heads": "8", "model.n_kv_heads": "8",
+                "moe.expert_hidden": "128", "precision.fp8": "blockwise", "precision.fp8_emulate": "true",
+                "train.steps": "1", "train.warmup_steps": "0"}
+
+
+def test_blockwise_fp8_under_tp_with_aligned_shards_is_one_process(corpus, tmp_path):
+    """At tiny widths every blockwise linear stays bf16 under tp=2 (64 features a rank), so the
+    blockwise TP path never ran in the layout tests. With 128-feature shards each rank's 1x128 and
+    128x128 tiles are tiles of the whole weight and the sequence-parallel input is gathered whole:
+    the first loss and every first-step gradient but the experts' equal one process's; the experts,
+    replicated over the TP ranks, scale their sequence shard's rows (data parallelism: ~2%)."""
+    out = tmp_path / "results.pt"
+    run_ranks(2, train_on_rank, [("tp2", "qwen3", corpus, 1, dict(tp=2), tmp_path / "tp2", None, 0, TP_BLOCKWISE)], out)
+    result = torch.load(out)["tp2"]
+    ref = train(run_config("qwen3", corpus, extra=TP_BLOCKWISE), tmp_path / "ref")
+    assert result["losses"][0] == pytest.approx(ref["losses"][0], rel=1e-6, abs=0)
+    for name, grad in ref["grads"].items():
+        err = ((result["grads"][name] - grad).norm() / grad.norm()).item()
+        bound = 5e-2 if ".experts." in name else 1e-5
+        assert err < bound, f"blockwise tp2 first-step gradient of {name}: relative error {err:.3g} (bound {bound})"

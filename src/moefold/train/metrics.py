@@ -43,13 +43,18 @@ def format_line(m: dict[str, Any], total_steps: int) -> str:
         parts.append(f"mem {m['peak_mem_gib']:.2f} GiB")
     if "aux_loss" in m:
         parts.append(f"aux {m['aux_loss']:.4f}")
-    if "load_imbalance" in m:
+    # nan: the window routed no copy (no ratio; null in metrics.jsonl); 0 dropped: dropless
+    if _finite(m.get("load_imbalance")):
         parts.append(f"imbalance {m['load_imbalance']:.2f}")
-    if m.get("dropped_fraction"):
+    if _finite(m.get("dropped_fraction")) and m["dropped_fraction"]:
         parts.append(f"dropped {100 * m['dropped_fraction']:.1f}%")
     if "val_loss" in m:
         parts.append(f"val_loss {m['val_loss']:.4f}")
     return " | ".join(parts)
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
 
 
 SUPERSEDED_FILE = "metrics.superseded.jsonl"

@@ -42,3 +42,11 @@ def test_a_window_that_routed_no_copy_prints_no_ratio_of_its_copies():
     # a window that routed copies still shows both
     line = metrics.format_line(_record(load_imbalance=1.25, dropped_fraction=0.125), 10)
     assert line.endswith("mem 0.50 GiB | imbalance 1.25 | dropped 12.5%"), line
+
+
+@pytest.mark.parametrize("platform, maxrss", [("linux", 3 * 2**20), ("darwin", 3 * 2**30)])
+def test_peak_cpu_memory_reads_getrusage_in_its_platform_s_unit(monkeypatch, platform, maxrss):
+    """ru_maxrss is KiB on Linux and bytes on macOS (getrusage(2) of each): 3 GiB either way."""
+    monkeypatch.setattr(metrics.sys, "platform", platform)
+    monkeypatch.setattr(metrics.resource, "getrusage", lambda who: types.SimpleNamespace(ru_maxrss=maxrss))
+    assert metrics.peak_memory_gib(torch.device("cpu")) == 3.0

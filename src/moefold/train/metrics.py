@@ -23,8 +23,8 @@ def peak_memory_gib(device: torch.device) -> float:
     """Peak allocated device memory on a GPU; peak resident host memory of the process on CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
-    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    return kib / 2**20
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return maxrss / (2**30 if sys.platform == "darwin" else 2**20)  # bytes on macOS, KiB on Linux
 
 
 def throughput(tokens: int, seconds: float, flops_per_token: int, peak_tflops: float | None) -> dict[str, float | None]:

@@ -50,3 +50,14 @@ def test_peak_cpu_memory_reads_getrusage_in_its_platform_s_unit(monkeypatch, pla
     monkeypatch.setattr(metrics.sys, "platform", platform)
     monkeypatch.setattr(metrics.resource, "getrusage", lambda who: types.SimpleNamespace(ru_maxrss=maxrss))
     assert metrics.peak_memory_gib(torch.device("cpu")) == 3.0
+
+
+def test_bench_imports_no_private_name_of_another_module():
+    """The bench's modules use other modules' public names only (limit.py took flops._in_units,
+    cli.py metrics._finite_or_null)."""
+    private = []
+    for path in sorted((SRC / "bench").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("moefold"):
+                private += [f"{path.name}: {node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
+    assert private == []

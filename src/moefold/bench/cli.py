@@ -54,7 +54,7 @@ def run(args: argparse.Namespace, cfg: Config, overrides: dict[str, Any]) -> int
     from moefold.bench.limit import format_limit, step_limit
     from moefold.bench.profile import format_profile, profile_steps
     from moefold.bench.run import format_record, run_bench
-    from moefold.train.metrics import _finite_or_null
+    from moefold.train.metrics import finite_or_null
 
     check_args(args)
     result = run_bench(cfg, args.steps, args.warmup)
@@ -86,7 +86,7 @@ def run(args: argparse.Namespace, cfg: Config, overrides: dict[str, Any]) -> int
         if args.json is not None:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             # a diverged step's nan loss as null, as metrics.jsonl writes it: JSON has no NaN
-            args.json.write_text(json.dumps(_finite_or_null(record), indent=1, allow_nan=False) + "\n")
+            args.json.write_text(json.dumps(finite_or_null(record), indent=1, allow_nan=False) + "\n")
             print(f"record: {args.json}")
     return 0
 

@@ -37,7 +37,7 @@ from moefold.models.mla import MLAttention
 from moefold.moe.experts import Experts
 from moefold.moe.router import ROUTER_DTYPES, Router
 from moefold.optim.adamw import build_optimizer
-from moefold.train.flops import _in_units, attention_flops_per_token, count_params, meta_model, train_flops_per_token
+from moefold.train.flops import attention_flops_per_token, count_params, in_units, meta_model, train_flops_per_token
 
 
 @dataclasses.dataclass
@@ -249,8 +249,8 @@ def _optimizer_row(cfg: Config, vocab_size: int, device: torch.device, dtype: to
     seconds = median_seconds(optimizer.step, device, warmup=2, repeats=repeats)
     # It steps every parameter; they print as every count does: the MTP modules apart (flops.py).
     c = count_params(model)
-    mtp = f", MTP modules {_in_units(c.mtp)} more" if c.mtp else ""
-    name = f"optimizer step ({type(optimizer).__name__}, {_in_units(c.main_total)} parameters{mtp})"
+    mtp = f", MTP modules {in_units(c.mtp)} more" if c.mtp else ""
+    name = f"optimizer step ({type(optimizer).__name__}, {in_units(c.main_total)} parameters{mtp})"
     del optimizer, model
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -54,8 +54,8 @@ class ParamCounts:
 def params_line(total: int, active: int, mtp: int = 0, mtp_active: int = 0) -> str:
     """The model's size as training's header and `moefold bench` print it, from a ParamCounts'
     `main_total`, `main_active`, `mtp` and `mtp_active`."""
-    line = f"{_in_units(total)} parameters, {_in_units(active)} active"
-    return line + (f" (MTP modules: {_in_units(mtp)} more, {_in_units(mtp_active)} active)" if mtp else "")
+    line = f"{in_units(total)} parameters, {in_units(active)} active"
+    return line + (f" (MTP modules: {in_units(mtp)} more, {in_units(mtp_active)} active)" if mtp else "")
 
 
 def count_params(model: nn.Module) -> ParamCounts:
@@ -204,19 +204,19 @@ def describe_params(cfg) -> str:
     vocab_size = model_vocab_size(cfg)
     c = config_param_counts(cfg, vocab_size)
     flops = _train_flops_per_token(cfg, c.active, vocab_size * cfg.model.dim, cfg.train.seq_len)
-    lines = [f"total parameters:  {_in_units(c.main_total)} (embedding and output head included)",
-             f"active per token:  {_in_units(c.main_active)} (embedding and output head included; "
+    lines = [f"total parameters:  {in_units(c.main_total)} (embedding and output head included)",
+             f"active per token:  {in_units(c.main_active)} (embedding and output head included; "
              f"routed experts count top_k/num_experts)"]
     if c.mtp:
-        lines.append(f"MTP modules:       {_in_units(c.mtp)} more, {_in_units(c.mtp_active)} active "
+        lines.append(f"MTP modules:       {in_units(c.mtp)} more, {in_units(c.mtp_active)} active "
                      f"(not in the figures above)")
     mtp = ", MTP modules included" if c.mtp else ""
     per_token = f"{flops / 1e9:.2f} GFLOP" if flops >= 1e9 else f"{flops / 1e6:.2f} MFLOP"
-    lines.append(f"FLOP convention:   {_in_units(c.active)} active without the embedding lookup{mtp}; "
+    lines.append(f"FLOP convention:   {in_units(c.active)} active without the embedding lookup{mtp}; "
                  f"{per_token} per token at sequence {cfg.train.seq_len} (fwd+bwd)")
     return "\n".join(lines)
 
 
-def _in_units(n: int) -> str:
+def in_units(n: int) -> str:
     """A parameter count as model cards write it: 671.026B, 2.82M (a tiny model read 0.003B)."""
     return f"{n / 1e9:.3f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"

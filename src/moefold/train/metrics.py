@@ -110,7 +110,7 @@ class MetricsSinks:
                  f"resumes from, to {side}: this run logs them again")
 
     def write(self, record: dict[str, Any]) -> None:
-        self._append_line((json.dumps(_finite_or_null(record), allow_nan=False) + "\n").encode())
+        self._append_line((json.dumps(finite_or_null(record), allow_nan=False) + "\n").encode())
         if self.tb is not None:
             with self._tensorboard_or_off():
                 for tag, value in _scalars(record):
@@ -209,15 +209,15 @@ def _tail_from_step(f, first_step: int) -> int:
         block *= 4
 
 
-def _finite_or_null(value: Any) -> Any:
+def finite_or_null(value: Any) -> Any:
     """nan and ±inf as null: JSON has no spelling for them (Python's NaN is refused by strict
     readers, and jq reads it as null anyway); the console line keeps the value."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
-        return {key: _finite_or_null(v) for key, v in value.items()}
+        return {key: finite_or_null(v) for key, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_finite_or_null(v) for v in value]
+        return [finite_or_null(v) for v in value]
     return value
 
 

@@ -61,3 +61,54 @@ def test_bench_imports_no_private_name_of_another_module():
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("moefold"):
                 private += [f"{path.name}: {node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
     assert private == []
+
+
+def _event(name, us, parent=None, is_async=False, self_us=None):
+    e = types.SimpleNamespace(name=name, device_type=torch.autograd.DeviceType.CPU, cpu_parent=parent,
+                              is_async=is_async, cpu_time_total=us,
+                              self_cpu_time_total=0.0 if is_async else (us if self_us is None else self_us))
+    return e
+
+
+def test_gloo_collectives_in_a_cpu_profile_are_communication():
+    """torch.profiler's events of gloo collectives on the CPU: the c10d op on the calling thread
+    (enqueueing, and for a reduce-scatter gloo's copy inside it) and the gloo:<op> event on gloo's
+    worker thread, async, whose self time the profiler reports as 0: its duration is the
+    collective's time. Both are communication, not "other", and the time counts."""
+    rs = _event("c10d::_reduce_scatter_base_", 300.0, self_us=100.0)
+    events = [_event("aten::mm", 1000.0), _event("c10d::alltoall_base_", 50.0),
+              _event("gloo:all_to_all", 4000.0, is_async=True), _event("c10d::allreduce_", 20.0),
+              _event("gloo:all_reduce", 2000.0, is_async=True), rs, _event("aten::copy_", 200.0, parent=rs),
+              _event("aten::add", 10.0)]
+    timed = bench_profile._cpu_ops(events)
+    assert [kind for _, kind, _ in timed] == ["gemm", "comm", "comm", "comm", "comm", "comm", "comm", "other"]
+    b = bench_profile.breakdown(timed, step_us=10_000.0, steps=1)
+    assert b["comm_ms"] == pytest.approx((50 + 4000 + 20 + 2000 + 100 + 200) / 1e3)
+    assert b["other_ms"] == pytest.approx(0.01) and b["gemm_ms"] == pytest.approx(1.0)
+    text = bench_profile.format_profile({**b, "trace": "t.json", "by_name": "b.tsv", "unit": "cpu ops"})
+    assert "communication 6.37 ms" in text, text
+
+
+def _profile_collectives(rank: int, out: Path) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    x_ND = torch.randn(2048, 256)
+    y_ND = torch.empty_like(x_ND)
+
+    def step():
+        dist.all_to_all_single(y_ND, x_ND)
+        dist.all_reduce(y_ND)
+        return y_ND @ y_ND.T[:, :64]
+
+    p = bench_profile.profile_steps(step, torch.device("cpu"), 2, out, f"trace-rank{rank}.json")
+    rows = [line.split("\t") for line in Path(p["by_name"]).read_text().splitlines()[1:]]
+    classes = {name: kind for _, _, kind, name in rows}
+    assert classes["gloo:all_to_all"] == classes["gloo:all_reduce"] == "comm", classes
+    assert classes["c10d::alltoall_base_"] == classes["c10d::allreduce_"] == "comm", classes
+    gloo_ms = sum(float(ms) for ms, _, _, name in rows if name.startswith("gloo:"))
+    assert p["comm_ms"] >= gloo_ms > 0
+
+
+def test_gloo_collectives_of_a_profiled_step_on_two_ranks_are_communication(tmp_path):
+    run_ranks(2, _profile_collectives, tmp_path)

@@ -3,8 +3,10 @@ attention, communication and other work.
 
 On a GPU the CUDA kernels are classified by name (NCCL first, then attention: flash-attention
 kernels carry "cutlass" in their template arguments); on the CPU the aten ops, each op inside an
-attention op counting as attention. Shares are of the profiled wall time per step, so on a GPU the
-share "outside" GEMM and attention includes idle gaps between kernels.
+attention op counting as attention, and gloo's collectives (the c10d op and the ops inside it on
+the calling thread, the gloo:<op> event on gloo's worker thread) as communication. Shares are of
+the profiled wall time per step, so on a GPU the share "outside" GEMM and attention includes idle
+gaps between kernels.
 
 Communication kernels run on their own streams and may overlap compute. The *exposed* part is what
 no compute kernel overlaps: the time the step waits on the network. It is reported for all NCCL
@@ -32,6 +34,7 @@ ATTENTION_KERNEL = re.compile(r"flash|fmha|sdpa|attention", re.IGNORECASE)
 GEMM_KERNEL = re.compile(r"gemm|cutlass|cublas|grouped|nvjet|sm90_xmma|xmma", re.IGNORECASE)
 GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_grouped_mm"}
 ATTENTION_OP = re.compile(r"scaled_dot_product|attention", re.IGNORECASE)
+COMM_OP = re.compile(r"^(c10d::|gloo:)")  # the collective as called; gloo's worker running it
 CLASSES = ("gemm", "attention", "comm", "other")
 
 
@@ -46,6 +49,8 @@ def classify_kernel(name: str) -> str:
 
 
 def classify_cpu_op(name: str, ancestors: Iterable[str] = ()) -> str:
+    if COMM_OP.search(name) or any(COMM_OP.search(a) for a in ancestors):
+        return "comm"
     if ATTENTION_OP.search(name) or any(ATTENTION_OP.search(a) for a in ancestors):
         return "attention"
     return "gemm" if name in GEMM_OPS else "other"
@@ -137,7 +142,8 @@ def exposed_communication(kernels: list[tuple[str, str, float, float]], steps: i
 
 
 def _cpu_ops(events) -> list[tuple[str, str, float]]:
-    """(name, class, self µs) of every CPU op."""
+    """(name, class, self µs) of every CPU op; a collective's async event (gloo:<op>, on gloo's
+    worker thread) counts its whole duration, which the profiler's self time gives as 0."""
     out = []
     for e in events:
         if e.device_type != torch.autograd.DeviceType.CPU:
@@ -146,7 +152,9 @@ def _cpu_ops(events) -> list[tuple[str, str, float]]:
         while parent is not None:
             ancestors.append(parent.name)
             parent = parent.cpu_parent
-        out.append((e.name, classify_cpu_op(e.name, ancestors), float(e.self_cpu_time_total)))
+        kind = classify_cpu_op(e.name, ancestors)
+        us = e.cpu_time_total if e.is_async and kind == "comm" else e.self_cpu_time_total
+        out.append((e.name, kind, float(us)))
     return out
 
 
@@ -199,8 +207,9 @@ def format_profile(p: dict[str, Any]) -> str:
         name = row["name"] if len(row["name"]) <= 90 else row["name"][:87] + "..."
         lines.append(f"{row['ms_per_step']:9.3f} {100 * row['share']:5.1f}% "
                      f"{row['calls_per_step']:6.1f} {row['class']:9s} {name}")
+    comm = f", communication {p['comm_ms']:.2f} ms" if p.get("comm_ms") else ""
     lines.append(f"GEMM {p['gemm_ms']:.2f} ms ({100 * p['gemm_share']:.1f}%), attention "
-                 f"{p['attention_ms']:.2f} ms ({100 * p['attention_share']:.1f}%), other "
+                 f"{p['attention_ms']:.2f} ms ({100 * p['attention_share']:.1f}%){comm}, other "
                  f"{p['unit']} {p['other_ms']:.2f} ms; outside GEMM and attention: "
                  f"{100 * p['outside_share']:.1f}% of the step")
     if "idle_ms" in p:

@@ -479,12 +479,16 @@ class ConcatenatedTokens:
         start, stop, _ = key.indices(len(self))
         return replace(self, start=self.start + start, stop=self.start + max(start, stop))
 
-    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+    def pieces(self) -> list[np.ndarray]:
+        """The slices of the files this view spans, in order, each in its file's own dtype."""
         offsets_F1 = self.offsets_F1
         first = int(np.searchsorted(offsets_F1, self.start, side="right")) - 1
         end = int(np.searchsorted(offsets_F1, self.stop, side="left"))  # past the last file read
-        pieces = [self.parts[f][max(self.start - offsets_F1[f], 0):self.stop - offsets_F1[f]]
-                  for f in range(first, end)]
+        return [self.parts[f][max(self.start - offsets_F1[f], 0):self.stop - offsets_F1[f]]
+                for f in range(first, end)]
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        pieces = self.pieces()
         # "unsafe": uint64 ids are read as int64 (see `of`); every other cast is exact.
         tokens_N = (np.concatenate(pieces, dtype=self.dtype, casting="unsafe") if pieces
                     else np.empty(0, self.dtype))

@@ -12,7 +12,7 @@ a resumed run sees exactly the batches the interrupted one would have.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,6 +61,17 @@ class PackedSequences:
         windows_BS1 = np.stack([self.window(int(i)) for i in indices])
         return torch.from_numpy(windows_BS1.astype(np.int64))
 
+    def id_range(self, indices: Sequence[int]) -> tuple[int, int]:
+        """The least and greatest id of sequences `indices`, read in each file's own dtype:
+        `gather`'s int64 turns a uint64 id past 2**63 negative."""
+        pieces = []
+        for index in indices:
+            start = int(index) * self.seq_len
+            view = self.tokens_N[start:start + self.seq_len + 1]
+            pieces += view.pieces() if isinstance(view, ConcatenatedTokens) else [view]
+        pieces = [piece for piece in pieces if piece.size]
+        return min(int(piece.min()) for piece in pieces), max(int(piece.max()) for piece in pieces)
+
 
 @dataclass(frozen=True)
 class Vocabulary:
@@ -72,12 +83,17 @@ class Vocabulary:
     data_path: str
     """What data.path names, for the message."""
 
-    def check(self, ids: torch.Tensor, split: str) -> None:
+    def check(self, ids: torch.Tensor, split: str,
+              exact_range: Callable[[], tuple[int, int]] | None = None) -> None:
         """Every id of the host tensor `ids` lies in [0, size). Checked per batch (two reductions)
         because the startup check reads only each token file's head (corpus.py), and an id past the
-        embedding fails deep in the forward: an IndexError on CPU, a device-side assert on GPU."""
+        embedding fails deep in the forward: an IndexError on CPU, a device-side assert on GPU.
+        `exact_range`: the ids' (least, greatest) as read from the files, to name a bad one by its
+        value (`ids` are int64, where a uint64 id past 2**63 is negative)."""
         low, high = int(ids.min()), int(ids.max())
         if low < 0 or high >= self.size:
+            if exact_range is not None:
+                low, high = exact_range()
             bad = low if low < 0 else high
             raise DataError(f"data.path={self.data_path}: token id {bad} in a {split} batch is "
                             f"outside the vocabulary [0, {self.size}) of tokenizer "
@@ -167,9 +183,10 @@ class TrainLoader:
             indices_B = self._across_epochs()
         else:
             indices_B = self._within_epoch()
-        windows_BS1 = self.sequences.gather(indices_B.tolist())
+        indices = indices_B.tolist()
+        windows_BS1 = self.sequences.gather(indices)
         if self.vocab is not None:
-            self.vocab.check(windows_BS1, "training")
+            self.vocab.check(windows_BS1, "training", lambda: self.sequences.id_range(indices))
         return make_batch(windows_BS1, self.eos_id)
 
     def _within_epoch(self) -> torch.Tensor:
@@ -227,8 +244,9 @@ def val_batches(sequences: PackedSequences, batch_size: int, num_batches: int, e
     rows = batch_size * data_ranks
     batches = []
     for start in range(0, count, rows):
-        windows_BS1 = sequences.gather(range(start, min(start + rows, count)))
+        indices = range(start, min(start + rows, count))
+        windows_BS1 = sequences.gather(indices)
         if vocab is not None:
-            vocab.check(windows_BS1, "validation")
+            vocab.check(windows_BS1, "validation", lambda: sequences.id_range(indices))
         batches.append(make_batch(windows_BS1, eos_id))
     return batches

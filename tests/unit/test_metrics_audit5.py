@@ -112,3 +112,18 @@ def _profile_collectives(rank: int, out: Path) -> None:
 
 def test_gloo_collectives_of_a_profiled_step_on_two_ranks_are_communication(tmp_path):
     run_ranks(2, _profile_collectives, tmp_path)
+
+
+def test_bench_tokens_per_device_are_not_rounded_down():
+    """tokens_per_s is per device: the job's tokens / world, as training divides; 15 tokens a step
+    on tp 2 are 7.5 a device (the record said 7, 7% short)."""
+    from moefold.bench.run import _record
+
+    cfg = load_config(None, {**TINY_OVERRIDES, "train.micro_batch_size": "1", "train.seq_len": "15"})
+    trainer = types.SimpleNamespace(
+        dist=types.SimpleNamespace(world=2, dp_size=1, mean_over_data=lambda t: t), grad_accum=1,
+        flops_per_token=1000, peak_tflops=None, device=torch.device("cpu"), compute_dtype=torch.float32,
+        vocab_size=257, param_counts=types.SimpleNamespace(main_total=1, main_active=1, mtp=0, mtp_active=0))
+    r = _record(cfg, trainer, [0.5], None, {"lm_loss": torch.tensor(5.0)}, torch.tensor(1.0), 1)
+    assert r["tokens_per_step"] == 15 and r["tokens"] == 7.5
+    assert r["tokens_per_s"] == 15.0 and r["tflops"] == 15.0 * 1000 / 1e12

@@ -86,7 +86,7 @@ def _record(cfg: Config, trainer: BenchTrainer, step_s: list[float], peak: float
     t, world = cfg.train, trainer.dist.world
     tokens_per_step = trainer.grad_accum * t.micro_batch_size * trainer.dist.dp_size * t.seq_len
     seconds = sum(step_s)
-    tokens = tokens_per_step * len(step_s) // world  # per device; training logs the job's
+    tokens = tokens_per_step * len(step_s) / world  # per device, as training divides; it logs the job's
     rate = metrics.throughput(tokens, seconds, trainer.flops_per_token, peak)
     datasheet = trainer.peak_tflops  # logging.peak_tflops when set, as training's MFU
     p = trainer.param_counts

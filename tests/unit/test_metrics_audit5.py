@@ -127,3 +127,57 @@ def test_bench_tokens_per_device_are_not_rounded_down():
     r = _record(cfg, trainer, [0.5], None, {"lm_loss": torch.tensor(5.0)}, torch.tensor(1.0), 1)
     assert r["tokens_per_step"] == 15 and r["tokens"] == 7.5
     assert r["tokens_per_s"] == 15.0 and r["tflops"] == 15.0 * 1000 / 1e12
+
+
+def test_capacity_is_per_forward_of_a_rank_s_micro_batch(tmp_path, text_corpus, monkeypatch):
+    """docs/metrics.md: each forward (a micro-batch of one rank) keeps C = ceil(factor · T·K / E)
+    copies per expert of its own T = micro_batch_size · seq_len tokens; the window's dropped_fraction
+    is the sum of each forward's drops over the routed copies, counted here from every forward's
+    routed counts (grad_accum 2: two forwards a step, each with its own C)."""
+    forwards = []  # tokens per expert of each training forward, every MoE layer
+    record = stats.ExpertLoadStats.record
+
+    def spy(self, tokens_per_expert_E, *args, **kwargs):
+        forwards.append(tokens_per_expert_E.tolist())
+        return record(self, tokens_per_expert_E, *args, **kwargs)
+
+    monkeypatch.setattr(stats.ExpertLoadStats, "record", spy)
+    cfg = load_config(None, {**TINY_OVERRIDES, "data.path": str(text_corpus), "train.steps": "2",
+                             "train.grad_accum": "2", "train.micro_batch_size": "1", "moe.capacity_factor": "1.0",
+                             "model.n_layers": "3", "logging.log_every": "2"})
+    Trainer(cfg, tmp_path / "run", out=lambda line: None).fit()
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    (rec,) = [r for r in map(json.loads, lines) if "loss" in r]
+    capacity = math.ceil(1.0 * 1 * cfg.train.seq_len * cfg.moe.top_k / cfg.moe.num_experts)
+    assert len(forwards) == 2 * 2 * 2  # steps · micro-batches · MoE layers
+    dropped = sum(max(0, c - capacity) for counts in forwards for c in counts)
+    assert dropped > 0
+    assert rec["dropped_fraction"] == pytest.approx(dropped / sum(map(sum, forwards)), rel=1e-12)
+
+
+def _drops_config(corpus: Path, micro_batch_size: int, grad_accum: int, **parallel: str):
+    return load_config(None, {**TINY_OVERRIDES, "data.path": str(corpus), "train.steps": "1", "train.warmup_steps": "0",
+                              "train.micro_batch_size": str(micro_batch_size), "train.grad_accum": str(grad_accum),
+                              "moe.capacity_factor": "1.0", "data.val_fraction": "0", "moe.num_experts": "8",
+                              "train.seq_len": "8", **{f"parallel.{k}": v for k, v in parallel.items()}})
+
+
+def _dropped_fraction(run_dir: Path) -> float:
+    (record,) = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return record["dropped_fraction"]
+
+
+def _fit_ep2(rank: int, corpus: Path, run_dir: Path) -> None:
+    Trainer(_drops_config(corpus, 2, 1, ep="2"), run_dir, out=lambda line: None).fit()
+
+
+def test_ep2_on_two_ranks_drops_what_one_process_drops_at_their_micro_batch_size(tmp_path, text_corpus):
+    """docs/metrics.md: capacity is each rank's, of its own micro-batch (Megatron-Core's rule).
+    Two ranks (ep 2, each data rank 2 of the global micro-batch's 4 sequences) drop what one process
+    drops running those sequences as 2 micro-batches of 2, not what it drops at micro_batch_size 4."""
+    run_ranks(2, _fit_ep2, text_corpus, tmp_path / "ep2")
+    Trainer(_drops_config(text_corpus, 2, 2), tmp_path / "mbs2", out=lambda line: None).fit()
+    Trainer(_drops_config(text_corpus, 4, 1), tmp_path / "mbs4", out=lambda line: None).fit()
+    ep2, mbs2, mbs4 = (_dropped_fraction(tmp_path / name) for name in ("ep2", "mbs2", "mbs4"))
+    assert ep2 == pytest.approx(mbs2, rel=1e-12) and ep2 > 0
+    assert mbs4 < mbs2  # one forward's C of 4 sequences: an expert's busy half borrows from its quiet one

@@ -82,6 +82,9 @@ def test_gloo_collectives_in_a_cpu_profile_are_communication():
               _event("aten::add", 10.0)]
     timed = bench_profile._cpu_ops(events)
     assert [kind for _, kind, _ in timed] == ["gemm", "comm", "comm", "comm", "comm", "comm", "comm", "other"]
+    for name in ("_c10d_functional::all_to_all_single", "_c10d_functional::wait_tensor",
+                 "GeneratedBackwardFor__c10d_functional_all_to_all_single_default"):  # FSDP2's, EP's autograd
+        assert bench_profile.classify_cpu_op(name) == "comm", name
     b = bench_profile.breakdown(timed, step_us=10_000.0, steps=1)
     assert b["comm_ms"] == pytest.approx((50 + 4000 + 20 + 2000 + 100 + 200) / 1e3)
     assert b["other_ms"] == pytest.approx(0.01) and b["gemm_ms"] == pytest.approx(1.0)

@@ -34,7 +34,9 @@ ATTENTION_KERNEL = re.compile(r"flash|fmha|sdpa|attention", re.IGNORECASE)
 GEMM_KERNEL = re.compile(r"gemm|cutlass|cublas|grouped|nvjet|sm90_xmma|xmma", re.IGNORECASE)
 GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_grouped_mm"}
 ATTENTION_OP = re.compile(r"scaled_dot_product|attention", re.IGNORECASE)
-COMM_OP = re.compile(r"^(c10d::|gloo:)")  # the collective as called; gloo's worker running it
+# A collective as called (c10d, functional collectives: their waits and autograd nodes too) and
+# gloo's worker running it.
+COMM_OP = re.compile(r"^(c10d::|gloo:)|c10d_functional")
 CLASSES = ("gemm", "attention", "comm", "other")
 
 
@@ -143,7 +145,10 @@ def exposed_communication(kernels: list[tuple[str, str, float, float]], steps: i
 
 def _cpu_ops(events) -> list[tuple[str, str, float]]:
     """(name, class, self µs) of every CPU op; a collective's async event (gloo:<op>, on gloo's
-    worker thread) counts its whole duration, which the profiler's self time gives as 0."""
+    worker thread) counts its whole duration, which the profiler's self time gives as 0: the
+    calling thread's wait in a synchronous collective is no op. So "comm" is the collectives'
+    activity on both threads, like the GPU's comm_busy_ms, not a slice of the step: a functional
+    collective's wait (_c10d_functional::wait_tensor) overlaps its worker's event."""
     out = []
     for e in events:
         if e.device_type != torch.autograd.DeviceType.CPU:

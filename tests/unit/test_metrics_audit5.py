@@ -3,6 +3,8 @@ computed here: a window that routed no copy, getrusage's unit on each platform, 
 module boundary, capacity per forward, gloo collectives in the CPU profile, tokens per device."""
 
 import ast
+import contextlib
+import io
 import json
 import math
 import types
@@ -184,3 +186,24 @@ def test_ep2_on_two_ranks_drops_what_one_process_drops_at_their_micro_batch_size
     ep2, mbs2, mbs4 = (_dropped_fraction(tmp_path / name) for name in ("ep2", "mbs2", "mbs4"))
     assert ep2 == pytest.approx(mbs2, rel=1e-12) and ep2 > 0
     assert mbs4 < mbs2  # one forward's C of 4 sequences: an expert's busy half borrows from its quiet one
+
+
+def _bench_on_rank(rank: int, out: Path) -> None:
+    from moefold.cli import main
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(["bench", "--config", "tiny-qwen3", "--steps", "1", "--warmup", "0", "--json",
+                     str(out / "r.json"), "--train.micro_batch_size", "2", "--train.seq_len", "16"]) == 0
+    (out / f"printed{rank}.txt").write_text(printed.getvalue())
+
+
+def test_bench_s_batch_row_on_two_data_ranks_multiplies_to_its_tokens_per_step(tmp_path):
+    """The table's batch row is a product: on 2 data ranks it said '2 × 16 tokens × 1 micro-batch =
+    64 tokens per step', leaving out the data ranks its total holds."""
+    run_ranks(2, _bench_on_rank, tmp_path)
+    record = json.loads((tmp_path / "r.json").read_text())
+    row = next(line for line in (tmp_path / "printed0.txt").read_text().splitlines() if line.startswith("batch"))
+    factors = [int(n) for n in row.split("=")[0].replace("batch", "").replace(",", "").split() if n.isdigit()]
+    assert record["tokens_per_step"] == 64 and math.prod(factors) == 64, row
+    assert "× 2 data ranks =" in row

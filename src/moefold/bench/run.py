@@ -95,7 +95,8 @@ def _record(cfg: Config, trainer: BenchTrainer, step_s: list[float], peak: float
         "compute_dtype": str(trainer.compute_dtype).removeprefix("torch."), "world": world,
         "torch": torch.__version__, "commit": _commit(), "date": datetime.date.today().isoformat(),
         "steps": len(step_s), "warmup": warmup, "micro_batch_size": t.micro_batch_size,
-        "seq_len": t.seq_len, "grad_accum": trainer.grad_accum, "vocab_size": trainer.vocab_size,
+        "seq_len": t.seq_len, "grad_accum": trainer.grad_accum, "data_ranks": trainer.dist.dp_size,
+        "vocab_size": trainer.vocab_size,
         "tokens_per_step": tokens_per_step, "tokens": tokens, "seconds": seconds,
         "step_ms_mean": 1e3 * statistics.fmean(step_s), "step_ms_min": 1e3 * min(step_s),
         "step_ms_max": 1e3 * max(step_s), "step_ms": [1e3 * s for s in step_s],
@@ -154,7 +155,8 @@ def format_record(r: dict[str, Any]) -> str:
                    + (f", {r['world']} ranks" if r["world"] > 1 else "")),
         ("batch", f"{r['micro_batch_size']} × {r['seq_len']} tokens × "
                   f"{_count(r['grad_accum'], 'micro-batch', 'micro-batches')}"
-                  f" = {r['tokens_per_step']:,} tokens per step (vocabulary {r['vocab_size']:,})"),
+                  + (f" × {r['data_ranks']} data ranks" if r["data_ranks"] > 1 else "")
+                  + f" = {r['tokens_per_step']:,} tokens per step (vocabulary {r['vocab_size']:,})"),
         ("model", f"{params_line(r['params_total'], r['params_active'], r['params_mtp'], r['params_mtp_active'])}; "
                   f"{r['flops_per_token'] / 1e6:,.2f} MFLOP per token (fwd+bwd)"),
         ("step time", f"{r['step_ms_mean']:.2f} ms mean, {r['step_ms_min']:.2f} ms min, "

@@ -1,0 +1,91 @@
+"""config.json import against transformers 5 building the model from the same file (tiny random
+models: moefold's logits are transformers'), and the chunked loss of fp64 inputs against the plain
+fp64 cross-entropy."""
+
+import json
+import re
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_hf_interop import VOCAB, assert_rel_close, hf_model_of  # noqa: E402
+
+from moefold.checkpoint.hf import load_pretrained  # noqa: E402
+from moefold.data import IGNORE_INDEX  # noqa: E402
+from moefold.errors import CheckpointError  # noqa: E402
+from moefold.train.chunked_loss import (  # noqa: E402
+    chunk_loss_and_grad, chunked_linear_cross_entropy, fused_chunk_loss_and_grad)
+from moefold.train.loss import cross_entropy_loss  # noqa: E402
+
+SEQ = 40  # past YaRN's original lengths below
+
+QWEN = dict(model_type="qwen3_moe", vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8, moe_intermediate_size=16, num_experts=4,
+            num_experts_per_tok=2)
+MIXTRAL = dict(model_type="mixtral", vocab_size=VOCAB, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2)
+DEEPSEEK = dict(model_type="deepseek_v3", vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+                kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+                num_nextn_predict_layers=0)
+FAMILIES = {"qwen3_moe": QWEN, "mixtral": MIXTRAL, "deepseek_v3": DEEPSEEK}
+
+
+def _transformers_of(config: dict, path: Path) -> transformers.PreTrainedModel:
+    """transformers' random model of the config.json `config`, saved to `path` under that very
+    config.json (not the one save_pretrained standardises)."""
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf = hf_model_of(transformers.AutoConfig.from_pretrained(path), seed=3)
+        hf.save_pretrained(path)
+    (path / "config.json").write_text(json.dumps(config))
+    return hf
+
+
+def _assert_imports_as_transformers_builds(config: dict, path: Path) -> None:
+    hf = _transformers_of(config, path)
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    ours = load_pretrained(path)
+    with torch.no_grad():
+        assert_rel_close(ours(ids), hf(ids).logits, 1e-5, "logits")
+
+
+# ---------------------------------------------------------------------------------------------
+# rope_scaling beside rope_parameters: transformers takes a non-empty rope_scaling whole
+# ---------------------------------------------------------------------------------------------
+
+_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}
+_DEFAULT = {"rope_type": "default", "rope_theta": 500.0}
+BOTH_KEYS = {
+    "yarn_scaling_then_default_parameters": {"rope_scaling": _YARN, "rope_parameters": _DEFAULT},
+    "default_parameters_then_yarn_scaling": {"rope_parameters": _DEFAULT, "rope_scaling": _YARN},
+    "default_scaling_then_yarn_parameters": {"rope_scaling": _DEFAULT, "rope_parameters": _YARN},
+    "yarn_parameters_then_default_scaling": {"rope_parameters": _YARN, "rope_scaling": _DEFAULT},
+    "empty_scaling_then_yarn_parameters": {"rope_scaling": {}, "rope_parameters": _YARN},
+    "null_scaling_then_yarn_parameters": {"rope_scaling": None, "rope_parameters": _YARN},
+    "two_yarns_and_a_top_level_theta": {"rope_scaling": {**_YARN, "rope_theta": 700.0},
+                                        "rope_parameters": {**_YARN, "factor": 2.0, "rope_theta": 5000.0},
+                                        "rope_theta": 300.0},
+    "a_top_level_original_length_over_rope_parameters": {"rope_parameters": _YARN,
+                                                          "original_max_position_embeddings": 16,
+                                                          "max_position_embeddings": 64},
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("keys", BOTH_KEYS)
+def test_rope_scaling_beside_rope_parameters_is_read_as_transformers_reads_it(family, keys, tmp_path):
+    """transformers 5 renamed rope_scaling to rope_parameters and, given both, takes rope_scaling
+    when it is non-empty (its theta, else the top-level one's; never rope_parameters'), whichever
+    comes first in the file; a top-level original_max_position_embeddings outranks the dict's."""
+    _assert_imports_as_transformers_builds({**FAMILIES[family], **BOTH_KEYS[keys]}, tmp_path / "hf")

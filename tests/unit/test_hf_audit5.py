@@ -89,3 +89,16 @@ def test_rope_scaling_beside_rope_parameters_is_read_as_transformers_reads_it(fa
     when it is non-empty (its theta, else the top-level one's; never rope_parameters'), whichever
     comes first in the file; a top-level original_max_position_embeddings outranks the dict's."""
     _assert_imports_as_transformers_builds({**FAMILIES[family], **BOTH_KEYS[keys]}, tmp_path / "hf")
+
+
+# ---------------------------------------------------------------------------------------------
+# Qwen3-MoE's layer pattern: Python's modulus, and sizes no layer uses
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("step", [-1, -2, -3])
+def test_a_negative_decoder_sparse_step_is_its_magnitude_as_in_transformers(step, tmp_path):
+    """Qwen3MoeDecoderLayer is MoE where (i + 1) % decoder_sparse_step == 0; Python's modulus by
+    -s is 0 exactly where the one by s is, so -2 is every second layer (moefold refused it:
+    'decoder_sparse_step=-2 must be > 0')."""
+    _assert_imports_as_transformers_builds({**QWEN, "decoder_sparse_step": step}, tmp_path / "hf")

@@ -409,8 +409,11 @@ def _qwen3_moe_from_hf(hf: dict[str, Any]) -> Config:
     moe.score_func, moe.softmax_before_topk = "softmax", True
     moe.norm_topk_prob = _bool(hf, "norm_topk_prob", False)
     # HF: layer i is MoE iff (i+1) % decoder_sparse_step == 0 and i not in mlp_only_layers.
-    step = _positive(hf, "decoder_sparse_step", 1)  # transformers: (i + 1) % 0 fails
-    moe.first_k_dense, moe.moe_every = step - 1, step
+    # transformers: (i + 1) % 0 fails; Python's % by -s is 0 exactly where the one by s is
+    step = _int(hf, "decoder_sparse_step", 1)
+    if step == 0:
+        raise CheckpointError("config.json: decoder_sparse_step=0 must be nonzero")
+    moe.first_k_dense, moe.moe_every = abs(step) - 1, abs(step)
     # transformers asks `i not in mlp_only_layers`: an id of no layer changes nothing (not refused)
     moe.dense_layers = sorted({i for i in _int_list(hf, "mlp_only_layers") if 0 <= i < m.n_layers})
     _switch_aux_from_hf(hf, cfg)

@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).parent))
 from test_hf_interop import VOCAB, assert_rel_close, hf_model_of  # noqa: E402
 
-from moefold.checkpoint.hf import load_pretrained  # noqa: E402
+from moefold.checkpoint.hf import config_from_hf, load_pretrained  # noqa: E402
 from moefold.data import IGNORE_INDEX  # noqa: E402
 from moefold.errors import CheckpointError  # noqa: E402
 from moefold.train.chunked_loss import (  # noqa: E402
@@ -102,3 +102,30 @@ def test_a_negative_decoder_sparse_step_is_its_magnitude_as_in_transformers(step
     -s is 0 exactly where the one by s is, so -2 is every second layer (moefold refused it:
     'decoder_sparse_step=-2 must be > 0')."""
     _assert_imports_as_transformers_builds({**QWEN, "decoder_sparse_step": step}, tmp_path / "hf")
+
+
+UNUSED_DENSE_WIDTH = {
+    "qwen3_moe-every_layer_sparse-0": {**QWEN, "intermediate_size": 0},
+    "qwen3_moe-every_layer_sparse-negative": {**QWEN, "intermediate_size": -5},
+    "qwen3_moe-every_layer_sparse-absent": {k: v for k, v in QWEN.items() if k != "intermediate_size"},
+    "qwen3_moe-step_-1-and_mlp_only_layers_of_no_layer": {**QWEN, "intermediate_size": 0, "decoder_sparse_step": -1,
+                                                          "mlp_only_layers": [-1, 7]},
+    "deepseek_v3-no_dense_layer": {**DEEPSEEK, "intermediate_size": 0, "first_k_dense_replace": 0},
+}
+
+
+@pytest.mark.parametrize("variant", UNUSED_DENSE_WIDTH)
+def test_the_dense_mlp_width_is_not_read_where_every_layer_is_sparse(variant, tmp_path):
+    """intermediate_size is the dense layers' MLP width: with every layer MoE transformers builds
+    no dense MLP and never reads it (a 0, a negative, the key left out), where moefold refused the
+    checkpoint ('intermediate_size=0 must be > 0', 'config.json has no intermediate_size')."""
+    _assert_imports_as_transformers_builds(UNUSED_DENSE_WIDTH[variant], tmp_path / "hf")
+
+
+@pytest.mark.parametrize("config", [{**QWEN, "intermediate_size": 0, "decoder_sparse_step": 2},
+                                    {**QWEN, "intermediate_size": 0, "mlp_only_layers": [3]},
+                                    {**DEEPSEEK, "intermediate_size": 0}])
+def test_a_dense_mlp_width_of_0_where_a_layer_is_dense_is_refused_by_its_key(config):
+    """transformers builds that layer's MLP of width 0 (it adds nothing): refused, as before."""
+    with pytest.raises(CheckpointError, match=re.escape("config.json: intermediate_size=0 must be > 0")):
+        config_from_hf(config)

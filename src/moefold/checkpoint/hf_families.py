@@ -343,6 +343,17 @@ def _softmax_router_to_hf(cfg: Config, family: str) -> None:
         _expressible(ok, f"moe.{key}", getattr(moe, key), family, "its router is a plain softmax top-k")
 
 
+def _dense_ffn_hidden(hf: dict[str, Any], cfg: Config) -> int:
+    """intermediate_size, the dense layers' MLP width (`cfg`'s layer pattern already read). Where
+    every block is MoE transformers builds no dense MLP and never reads it (a 0 or no key builds):
+    a positive one is kept for the export, else moefold's default stands in for it."""
+    blocks = cfg.model.n_layers + cfg.model.mtp_layers
+    if len(_moe_layer_ids(cfg, blocks)) < blocks:
+        return _int(hf, "intermediate_size")
+    unused = _int(hf, "intermediate_size", 0)
+    return unused if unused > 0 else cfg.model.ffn_hidden
+
+
 def _moe_layer_ids(cfg: Config, n_blocks: int | None = None) -> list[int]:
     """The MoE blocks among the first `n_blocks` (default: the main layers; MTP blocks follow them)."""
     return [i for i in range(n_blocks or cfg.model.n_layers) if is_moe_layer(cfg, i)]
@@ -401,7 +412,6 @@ def _qwen3_moe_from_hf(hf: dict[str, Any]) -> Config:
     # (a 0 is a window of 0 there, whose mask fails: refused).
     if _bool(hf, "use_sliding_window", False):
         m.sliding_window = _given_positive(hf, "sliding_window", kind=int) if "sliding_window" in hf else 4096
-    m.ffn_hidden = _int(hf, "intermediate_size")
     alias = _int(hf, "num_local_experts", None)  # 5.x writes the alias
     moe.num_experts = _int(hf, "num_experts", ... if alias is None else alias)
     moe.top_k = _positive(hf, "num_experts_per_tok")
@@ -416,6 +426,7 @@ def _qwen3_moe_from_hf(hf: dict[str, Any]) -> Config:
     moe.first_k_dense, moe.moe_every = abs(step) - 1, abs(step)
     # transformers asks `i not in mlp_only_layers`: an id of no layer changes nothing (not refused)
     moe.dense_layers = sorted({i for i in _int_list(hf, "mlp_only_layers") if 0 <= i < m.n_layers})
+    m.ffn_hidden = _dense_ffn_hidden(hf, cfg)
     _switch_aux_from_hf(hf, cfg)
     return cfg
 
@@ -498,11 +509,11 @@ def _deepseek_v3_from_hf(hf: dict[str, Any]) -> Config:
     m.rope_interleaved = _bool(hf, "rope_interleave", True)
     # absent: DeepseekV3Config's 1 (a checkpoint without the MTP tensors loads without them)
     m.mtp_layers = _int(hf, "num_nextn_predict_layers", _int(hf, "num_mtp_layers", 1))
-    m.ffn_hidden = _int(hf, "intermediate_size")
     moe.num_experts = _positive(hf, "n_routed_experts")  # transformers builds MoE layers of 0 experts
     moe.top_k = _positive(hf, "num_experts_per_tok")
     moe.expert_hidden = _positive(hf, "moe_intermediate_size")
     moe.first_k_dense, moe.moe_every = _int(hf, "first_k_dense_replace", 3), 1
+    m.ffn_hidden = _dense_ffn_hidden(hf, cfg)
     moe.shared_experts = _int(hf, "n_shared_experts", 1)
     if moe.shared_experts < 1:
         raise CheckpointError(f"config.json: n_shared_experts={moe.shared_experts} is not supported (>= 1)")

@@ -129,3 +129,56 @@ def test_a_dense_mlp_width_of_0_where_a_layer_is_dense_is_refused_by_its_key(con
     """transformers builds that layer's MLP of width 0 (it adds nothing): refused, as before."""
     with pytest.raises(CheckpointError, match=re.escape("config.json: intermediate_size=0 must be > 0")):
         config_from_hf(config)
+
+
+# ---------------------------------------------------------------------------------------------
+# YaRN without a factor or without the lengths: transformers' config class fills them in
+# ---------------------------------------------------------------------------------------------
+
+YARN_LENGTHS = {
+    # factor = the config class's max_position_embeddings (32768, 131072, 4096) / 8
+    "null_factor_no_max_position_embeddings": {"rope_type": "yarn", "factor": None,
+                                               "original_max_position_embeddings": 8},
+    # original_max_position_embeddings = the class's max_position_embeddings
+    "no_lengths": {"rope_type": "yarn", "factor": 4.0},
+    # both: factor = max / max = 1
+    "null_factor_no_lengths": {"rope_type": "yarn", "factor": None},
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("yarn", YARN_LENGTHS)
+def test_yarn_without_max_position_embeddings_takes_the_config_classs_default(family, yarn, tmp_path):
+    """transformers derives a null factor as max_position_embeddings / original_max_position_embeddings
+    and defaults the original length to max_position_embeddings, where a config.json without that key
+    has its config class's default; moefold took 0 there and refused the checkpoint ('model.rope_factor=0.0
+    must be >= 1', 'model.rope_original_max_len=0 must be > 0')."""
+    config = {k: v for k, v in FAMILIES[family].items() if k != "max_position_embeddings"}
+    _assert_imports_as_transformers_builds({**config, "rope_parameters": YARN_LENGTHS[yarn]}, tmp_path / "hf")
+
+
+@pytest.mark.parametrize("key", ["rope_parameters", "rope_scaling"])
+@pytest.mark.parametrize("lengths", [{}, {"max_position_embeddings": 32},
+                                     {"max_position_embeddings": 32, "original_max_position_embeddings": 8}])
+def test_yarn_without_a_factor_key_is_refused_as_transformers_refuses_it(key, lengths, tmp_path):
+    """transformers' YaRN validation requires the factor key ('Missing required keys in
+    `rope_parameters` for 'rope_type'='yarn': {'factor'}'); moefold derived one from the lengths
+    where they were given (32 / 8 = 4), a model transformers cannot load."""
+    config = {**QWEN, **lengths, key: {"rope_type": "yarn", "original_max_position_embeddings": 8}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(KeyError, match="factor"):
+        transformers.AutoConfig.from_pretrained(tmp_path)
+    message = (f"config.json: {key} is yarn without a factor (transformers requires the key); give {key}.factor, "
+               "or null for max_position_embeddings / original_max_position_embeddings")
+    with pytest.raises(CheckpointError) as e:
+        config_from_hf(config)
+    assert str(e.value) == message
+
+
+@pytest.mark.parametrize("max_len", [0, -4])
+def test_yarn_of_a_null_factor_refuses_a_max_position_embeddings_below_1_by_its_key(max_len):
+    """transformers divides by it (0 / 0 there); moefold's derivation would too."""
+    config = {**QWEN, "max_position_embeddings": max_len, "rope_parameters": {"rope_type": "yarn", "factor": None}}
+    with pytest.raises(CheckpointError) as e:
+        config_from_hf(config)
+    assert str(e.value) == f"config.json: max_position_embeddings={max_len} must be > 0"

@@ -267,8 +267,8 @@ def test_a_tensor_with_no_place_in_the_model_is_named_with_its_file(sharded, tmp
 
 
 def test_yarn_without_a_factor_or_lengths_is_a_one_line_error(sharded, tmp_path, capsys):
-    """YaRN's factor, when absent, is max_position_embeddings / original_max_position_embeddings;
-    with neither given that was 0 / 0, a ZeroDivisionError traceback."""
+    """YaRN without a factor key (transformers refuses it too) and without the lengths to derive one
+    from was 0 / 0, a ZeroDivisionError traceback."""
     path = shutil.copytree(sharded, tmp_path / "hf")
     config = json.loads((path / "config.json").read_text())
     config.pop("max_position_embeddings", None)
@@ -276,6 +276,7 @@ def test_yarn_without_a_factor_or_lengths_is_a_one_line_error(sharded, tmp_path,
     (path / "config.json").write_text(json.dumps(config))
     assert main(["convert", "--from-hf", str(path), "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["moefold: error: config.json: rope_parameters is yarn without a factor or "
-                   "max_position_embeddings to derive it from; give rope_parameters.factor"]
+    assert err == ["moefold: error: config.json: rope_parameters is yarn without a factor (transformers requires "
+                   "the key); give rope_parameters.factor, or null for max_position_embeddings / "
+                   "original_max_position_embeddings"]
     assert not (tmp_path / "run").exists()

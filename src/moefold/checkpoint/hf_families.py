@@ -210,8 +210,10 @@ def _require(hf: dict[str, Any], key: str, allowed: tuple, default: Any) -> None
                               f"{', '.join(repr(a) for a in allowed)})")
 
 
-def _common_from_hf(hf: dict[str, Any], family: str, default_theta: float, default_eps: float) -> Config:
-    """The fields every family shares: sizes, norms, embeddings, RoPE, and the unsupported options."""
+def _common_from_hf(hf: dict[str, Any], family: str, default_theta: float, default_eps: float,
+                    default_max_len: int) -> Config:
+    """The fields every family shares: sizes, norms, embeddings, RoPE, and the unsupported options.
+    The defaults: the family config class's, which transformers builds with where a key is absent."""
     if hf.get("quantization_config"):
         method = _typed(hf, "quantization_config", dict).get("quant_method", "?")
         raise CheckpointError(f"config.json: quantization_config (quant_method={method!r}) is not "
@@ -233,11 +235,11 @@ def _common_from_hf(hf: dict[str, Any], family: str, default_theta: float, defau
     m.tie_embeddings = _bool(hf, "tie_word_embeddings", False)
     m.init_std = _float(hf, "initializer_range", m.init_std)
     m.max_position_embeddings = _int(hf, "max_position_embeddings", 0)
-    _rope_from_hf(hf, cfg, default_theta)
+    _rope_from_hf(hf, cfg, default_theta, default_max_len)
     return cfg
 
 
-def _rope_from_hf(hf: dict[str, Any], cfg: Config, default_theta: float) -> None:
+def _rope_from_hf(hf: dict[str, Any], cfg: Config, default_theta: float, default_max_len: int) -> None:
     """RoPE from the Hub's `rope_theta` + `rope_scaling` or transformers 5's `rope_parameters`,
     resolved as transformers' `standardize_rope_params` and `_compute_yarn_parameters` do."""
     m = cfg.model
@@ -258,14 +260,15 @@ def _rope_from_hf(hf: dict[str, Any], cfg: Config, default_theta: float) -> None
                           ("partial_rotary_factor", (None, 1, 1.0))):
         if params.get(name) not in allowed:
             raise CheckpointError(f"config.json: {key}.{name}={params[name]!r} is not supported")
-    max_len = _int(hf, "max_position_embeddings", 0)
+    if "factor" not in params:  # transformers' YaRN validation: "Missing required keys ... {'factor'}"
+        raise CheckpointError(f"config.json: {key} is yarn without a factor (transformers requires the key); "
+                              f"give {key}.factor, or null for max_position_embeddings / "
+                              "original_max_position_embeddings")
     # a 0 given is read as is there (a division by it, inverse frequencies of inf): refused
+    max_len = _positive(hf, "max_position_embeddings", default_max_len)
     original = (_given_positive(hf, "original_max_position_embeddings")
                 or _given_positive(params, "original_max_position_embeddings", where) or max_len)
-    factor = _given_positive(params, "factor", where)
-    if not (factor or original):  # transformers derives it as max / original: nothing to derive from
-        raise CheckpointError(f"config.json: {key} is yarn without a factor or max_position_embeddings "
-                              f"to derive it from; give {key}.factor")
+    factor = _given_positive(params, "factor", where)  # null: transformers derives it as max / original
     m.rope_scaling = "yarn"
     m.rope_original_max_len = int(original)
     m.rope_factor = factor or max_len / original
@@ -404,7 +407,7 @@ def _deepseek_aux_to_hf(cfg: Config) -> dict[str, Any]:
 
 
 def _qwen3_moe_from_hf(hf: dict[str, Any]) -> Config:
-    cfg = _common_from_hf(hf, "qwen3_moe", default_theta=10000.0, default_eps=1e-6)
+    cfg = _common_from_hf(hf, "qwen3_moe", default_theta=10000.0, default_eps=1e-6, default_max_len=32768)
     m, moe = cfg.model, cfg.moe
     _gqa_from_hf(hf, cfg, default_kv_heads=4, zero_head_dim_derives=False)
     m.qk_norm = True
@@ -453,7 +456,7 @@ def _qwen3_moe_to_hf(cfg: Config) -> dict[str, Any]:
 
 
 def _mixtral_from_hf(hf: dict[str, Any]) -> Config:
-    cfg = _common_from_hf(hf, "mixtral", default_theta=1e6, default_eps=1e-5)
+    cfg = _common_from_hf(hf, "mixtral", default_theta=1e6, default_eps=1e-5, default_max_len=4096 * 32)
     m, moe = cfg.model, cfg.moe
     _gqa_from_hf(hf, cfg, default_kv_heads=8, zero_head_dim_derives=True)
     m.qk_norm = False
@@ -492,7 +495,7 @@ def _mixtral_to_hf(cfg: Config) -> dict[str, Any]:
 
 
 def _deepseek_v3_from_hf(hf: dict[str, Any]) -> Config:
-    cfg = _common_from_hf(hf, "deepseek_v3", default_theta=10000.0, default_eps=1e-6)
+    cfg = _common_from_hf(hf, "deepseek_v3", default_theta=10000.0, default_eps=1e-6, default_max_len=4096)
     m, moe = cfg.model, cfg.moe
     _require(hf, "topk_method", ("noaux_tc",), "noaux_tc")
     _require(hf, "scoring_func", ("sigmoid",), "sigmoid")

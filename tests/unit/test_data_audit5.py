@@ -47,3 +47,115 @@ def test_a_uint64_id_past_2_63_is_named_by_its_value(tmp_path, monkeypatch, seco
             next(TrainLoader(sequences, len(sequences), seed=0, eos_id=3, vocab=streams.vocab))
         else:
             val_batches(sequences, len(sequences), 1, 3, vocab=streams.vocab)
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Text corpora: the ids of a naive per-document tokenization, without holding them twice
+# ---------------------------------------------------------------------------------------------
+
+
+WORDS = ["hello", "world", "moe", "fold", "expert", "router"]
+
+
+def _write_hf_tokenizer(path: Path) -> Path:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, **{word: i + 1 for i, word in enumerate(WORDS)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.add_special_tokens(["<|endoftext|>"])
+    tokenizer.save(str(path))
+    return path
+
+
+def _write_corpus(root: Path, seed: int = 0) -> None:
+    """.txt files (one document each) and .jsonl files (one a line), some in subdirectories."""
+    generator = np.random.default_rng(seed)
+
+    def text() -> str:
+        words = generator.choice(WORDS + ["x!", "\n"], generator.integers(1, 60))
+        return " ".join(words)
+
+    for f in range(5):
+        (root / f"t{f}.txt").write_text(text())
+    (root / "sub").mkdir()
+    for f in range(3):
+        lines = [json.dumps({"text": text()}) for _ in range(120)]
+        (root / "sub" / f"d{f}.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def _naive_streams(root: Path, tokenizer, val_fraction: float) -> tuple[list[int], list[int]]:
+    """Each document in name order, encoded alone with its EOS, on the side its name's CRC-32
+    bucket (of 10,000) puts it."""
+    import zlib
+
+    threshold = max(1, round(val_fraction * 10_000)) if val_fraction > 0 else 0
+    documents = []
+    for path in sorted(root.rglob("*"), key=lambda p: p.relative_to(root).as_posix()):
+        name = path.relative_to(root).as_posix()
+        if path.suffix == ".txt":
+            documents.append((name, path.read_text()))
+        elif path.suffix == ".jsonl":
+            for line_no, line in enumerate(path.read_text().splitlines(), start=1):
+                documents.append((f"{name}:{line_no}", json.loads(line)["text"]))
+    train, val = [], []
+    for name, text in documents:
+        held_out = zlib.crc32(name.encode()) % 10_000 < threshold
+        (val if held_out else train).extend([*tokenizer.encode(text), tokenizer.eos_id])
+    return train, val
+
+
+@pytest.mark.parametrize("tokenizer_kind", ["bytes", "hf"])
+@pytest.mark.parametrize("val_fraction", [0.0, 0.1, 0.5])
+def test_text_streams_hold_a_naive_tokenization(tmp_path, monkeypatch, tokenizer_kind,
+                                                val_fraction):
+    from moefold.data import HFTokenizer
+
+    monkeypatch.setattr(corpus, "_ENCODE_BATCH", 7)  # batches that end mid-file
+    root = tmp_path / "data"
+    root.mkdir()
+    _write_corpus(root)
+    tokenizer = (BYTES if tokenizer_kind == "bytes"
+                 else HFTokenizer(str(_write_hf_tokenizer(tmp_path / "tokenizer.json"))))
+    streams = build_token_streams(DataConfig(path=str(root), val_fraction=val_fraction), tokenizer)
+    train, val = _naive_streams(root, tokenizer, val_fraction)
+    assert streams.train_N.tolist() == train
+    assert streams.val_N.tolist() == val
+    assert streams.train_N.dtype == np.uint16 and streams.val_N.dtype == np.uint16
+    assert streams.train_docs == train.count(tokenizer.eos_id)
+    assert streams.val_docs == val.count(tokenizer.eos_id)
+
+
+def _peak_ratio(root: Path) -> float:
+    """The traced peak while building the streams, over the bytes of the ids they hold."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        streams = build_token_streams(DataConfig(path=str(root), val_fraction=0.02), BYTES)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return peak / (streams.train_N.nbytes + streams.val_N.nbytes)
+
+
+def test_text_streams_peak_near_their_ids_with_many_documents(tmp_path):
+    """12 MB of ids from 24,000 .jsonl documents: a list of per-document arrays and their
+    concatenation peaked at 2.3x."""
+    generator = np.random.default_rng(0)
+    letters = np.frombuffer(b"abcdefgh \n", dtype=np.uint8)
+    for f in range(4):
+        lines = [json.dumps({"text": letters[generator.integers(0, 10, n)].tobytes().decode()})
+                 for n in generator.integers(20, 480, 6000)]
+        (tmp_path / f"d{f}.jsonl").write_text("\n".join(lines) + "\n")
+    assert _peak_ratio(tmp_path) < 1.3
+
+
+def test_text_streams_peak_near_their_ids_with_large_documents(tmp_path):
+    """24 MB of ids from twenty 600 kB .txt files: one tokenizer batch (1024 documents) held all
+    their ids, and the check an int64 concatenation of them (5.0x the final ids)."""
+    generator = np.random.default_rng(0)
+    letters = np.frombuffer(b"abcdefgh \n", dtype=np.uint8)
+    for f in range(20):
+        (tmp_path / f"t{f:02}.txt").write_bytes(letters[generator.integers(0, 10, 600_000)])
+    assert _peak_ratio(tmp_path) < 1.3

@@ -26,6 +26,7 @@ from moefold.errors import DataError
 
 _HASH_BUCKETS = 10_000
 _ENCODE_BATCH = 1024  # documents per tokenizer call (HF tokenizers parallelise within a batch)
+_ENCODE_CHARS = 1 << 20  # ... or fewer, once they hold this many characters
 _VOCAB_CHECK_TOKENS = 1 << 20  # ids checked per token file at startup: catches a wrong tokenizer
 
 
@@ -86,23 +87,52 @@ def _text_streams(files: list[DataFile], label: str, cfg: DataConfig, tokenizer:
                   vocab: Vocabulary) -> TokenStreams:
     dtype = stream_dtype(tokenizer.vocab_size)
     threshold = validation_threshold(cfg.val_fraction)
-    # One array per tokenized document (ending in EOS); concatenated once at the end.
-    train_docs: list[np.ndarray] = []
-    val_docs: list[np.ndarray] = []
+    # Each document's ids go straight into its side's growing array: a list of per-document
+    # arrays joined at the end held the corpus' ids twice (2.3x their bytes at the peak).
+    train, val = _TokenBuffer(dtype), _TokenBuffer(dtype)
     documents = itertools.chain.from_iterable(read_documents(f, cfg.text_field) for f in files)
-    for batch in _batched(documents, _ENCODE_BATCH):
+    for batch in _batched(documents, _ENCODE_BATCH, _ENCODE_CHARS):
         ids_per_doc = _encode_documents(tokenizer, batch, label)
         _check_encoded_ids(ids_per_doc, tokenizer, batch)
         for doc, ids_N in zip(batch, ids_per_doc):
             held_out = is_validation(doc.name, threshold)
-            (val_docs if held_out else train_docs).append(_with_eos(ids_N, tokenizer.eos_id, dtype))
+            (val if held_out else train).append(ids_N, tokenizer.eos_id)
     if threshold > 0:
-        _ensure_both_nonempty(train_docs, val_docs, label, cfg.val_fraction)
+        train_N, val_N, counts = _split_both_nonempty(train, val, label, cfg.val_fraction)
+    else:
+        train_N, val_N, counts = train.array(), val.array(), (train.docs, val.docs)
     megabytes = sum(f.size for f in files) / 1e6
-    return TokenStreams(train_N=_concatenate(train_docs, dtype),
-                        val_N=_concatenate(val_docs, dtype), eos_id=tokenizer.eos_id, vocab=vocab,
+    return TokenStreams(train_N=train_N, val_N=val_N, eos_id=tokenizer.eos_id, vocab=vocab,
                         source=f"{label}: {_count(len(files), 'file')}, {megabytes:.1f} MB",
-                        train_docs=len(train_docs), val_docs=len(val_docs))
+                        train_docs=counts[0], val_docs=counts[1])
+
+
+class _TokenBuffer:
+    """Documents' ids, each followed by EOS, appended in place to one array that grows by an
+    eighth: ndarray.resize reallocates, which for a large array remaps its pages rather than
+    copying them, so the ids are never held twice."""
+
+    def __init__(self, dtype: np.dtype):
+        self._ids_N = np.empty(0, dtype)
+        self.size = 0
+        self.docs = 0
+        self.first_end = 0  # where the first document (with its EOS) ends
+        self.last_start = 0  # where the last document starts
+
+    def append(self, ids_N: np.ndarray, eos_id: int) -> None:
+        end = self.size + len(ids_N) + 1
+        if end > len(self._ids_N):
+            capacity = max(end, len(self._ids_N) + len(self._ids_N) // 8, 1 << 12)
+            self._ids_N.resize(capacity, refcheck=False)  # no view of it is kept
+        self._ids_N[self.size:end - 1] = ids_N
+        self._ids_N[end - 1] = eos_id
+        self.first_end = self.first_end or end
+        self.last_start, self.size, self.docs = self.size, end, self.docs + 1
+
+    def array(self) -> np.ndarray:
+        """The ids appended (the spare capacity given back); append no more after."""
+        self._ids_N.resize(self.size, refcheck=False)
+        return self._ids_N
 
 
 def validation_threshold(val_fraction: float) -> int:
@@ -117,29 +147,30 @@ def is_validation(name: str, threshold: int) -> bool:
     return zlib.crc32(name.encode("utf-8", "surrogateescape")) % _HASH_BUCKETS < threshold
 
 
-def _ensure_both_nonempty(train_docs: list[np.ndarray], val_docs: list[np.ndarray], label: str,
-                          val_fraction: float) -> None:
-    # With few documents the hash can leave a side empty; move one document rather than fail.
-    if len(train_docs) + len(val_docs) == 1:  # one .txt file (input.txt): as a token file splits
-        _split_tail(train_docs, val_docs, label, val_fraction)
-        return
-    if not val_docs:
-        val_docs.append(train_docs.pop())  # the last document
-    if not train_docs:
-        train_docs.append(val_docs.pop(0))  # the first document
+def _split_both_nonempty(train: _TokenBuffer, val: _TokenBuffer, label: str, val_fraction: float
+                         ) -> tuple[np.ndarray, np.ndarray, tuple[int, int]]:
+    """The train and validation ids and document counts, neither side empty: with few documents
+    the hash can leave a side empty; one document moves rather than fail."""
+    if train.docs + val.docs == 1:  # one .txt file (input.txt): as a token file splits
+        return _split_tail((train if train.docs else val).array(), label, val_fraction)
+    if not val.docs:  # the last document
+        ids_N, cut = train.array(), train.last_start
+        return ids_N[:cut], ids_N[cut:], (train.docs - 1, 1)
+    if not train.docs:  # the first document
+        ids_N, cut = val.array(), val.first_end
+        return ids_N[:cut], ids_N[cut:], (1, val.docs - 1)
+    return train.array(), val.array(), (train.docs, val.docs)
 
 
-def _split_tail(train_docs: list[np.ndarray], val_docs: list[np.ndarray], label: str,
-                val_fraction: float) -> None:
+def _split_tail(ids_N: np.ndarray, label: str, val_fraction: float
+                ) -> tuple[np.ndarray, np.ndarray, tuple[int, int]]:
     """The one document's last val_fraction of tokens held out for validation."""
-    (ids_N,) = train_docs + val_docs
     num_val = round(len(ids_N) * val_fraction)
     if not 0 < num_val < len(ids_N):
         raise DataError(f"data.path={label}: one document of {len(ids_N)} tokens cannot be split "
                         f"into train and validation at data.val_fraction={val_fraction}; add text "
                         "or set data.val_fraction=0")
-    train_docs[:] = [ids_N[:-num_val]]
-    val_docs[:] = [ids_N[-num_val:]]
+    return ids_N[:-num_val], ids_N[-num_val:], (1, 1)
 
 
 def _encode_documents(tokenizer: Tokenizer, batch: list[Document], label: str) -> list[np.ndarray]:
@@ -166,9 +197,11 @@ def _encode_batch(tokenizer: Tokenizer, texts: Sequence[str]) -> list[np.ndarray
 def _check_encoded_ids(ids_per_doc: list[np.ndarray], tokenizer: Tokenizer,
                        batch: list[Document]) -> None:
     """Every id lies in [0, tokenizer.vocab_size): the stream's dtype is sized by it, and a larger
-    id would be stored wrapped, as another token, past every later check."""
-    ids_N = np.concatenate([*ids_per_doc, [tokenizer.eos_id]])
-    low, high = int(ids_N.min()), int(ids_N.max())
+    id would be stored wrapped, as another token, past every later check. Document by document:
+    one int64 copy of a batch of long documents was 4x their ids in the stream."""
+    eos = tokenizer.eos_id
+    low = min([eos, *(int(ids_N.min()) for ids_N in ids_per_doc if ids_N.size)])
+    high = max([eos, *(int(ids_N.max()) for ids_N in ids_per_doc if ids_N.size)])
     if low >= 0 and high < tokenizer.vocab_size:
         return
     bad = low if low < 0 else high
@@ -177,25 +210,23 @@ def _check_encoded_ids(ids_per_doc: list[np.ndarray], tokenizer: Tokenizer,
                     f"vocabulary [0, {tokenizer.vocab_size}) (its vocab_size)")
 
 
-def _with_eos(ids_N: np.ndarray, eos_id: int, dtype: np.dtype) -> np.ndarray:
-    doc_N = np.empty(len(ids_N) + 1, dtype=dtype)
-    doc_N[:-1] = ids_N
-    doc_N[-1] = eos_id
-    return doc_N
-
-
-def _concatenate(docs: list[np.ndarray], dtype: np.dtype) -> np.ndarray:
-    return np.concatenate(docs) if docs else np.empty(0, dtype)
-
-
 def _count(n: int, noun: str) -> str:
     """'1 file', '2 files': the source line reads as English."""
     return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
-def _batched(items: Iterable[Document], n: int) -> Iterator[list[Document]]:
-    iterator = iter(items)
-    while batch := list(itertools.islice(iterator, n)):
+def _batched(documents: Iterable[Document], n: int, chars: int) -> Iterator[list[Document]]:
+    """Up to `n` documents at a time, fewer once they hold `chars` characters: a batch's int64
+    ids are transient, so they are bounded in size, not only in count."""
+    batch: list[Document] = []
+    batch_chars = 0
+    for document in documents:
+        batch.append(document)
+        batch_chars += len(document.text)
+        if len(batch) == n or batch_chars >= chars:
+            yield batch
+            batch, batch_chars = [], 0
+    if batch:
         yield batch
 
 

@@ -182,3 +182,54 @@ def test_yarn_of_a_null_factor_refuses_a_max_position_embeddings_below_1_by_its_
     with pytest.raises(CheckpointError) as e:
         config_from_hf(config)
     assert str(e.value) == f"config.json: max_position_embeddings={max_len} must be > 0"
+
+
+# ---------------------------------------------------------------------------------------------
+# The loss of fp64 logits: in fp64
+# ---------------------------------------------------------------------------------------------
+
+
+def _fp64_head_inputs(seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    h_BSD = torch.randn(2, 13, 16, dtype=torch.float64, generator=gen)
+    w_VD = torch.randn(50, 16, dtype=torch.float64, generator=gen)
+    labels_BS = torch.randint(0, 50, (2, 13), generator=gen)
+    labels_BS[0, :3] = IGNORE_INDEX
+    return h_BSD, w_VD, labels_BS
+
+
+def _fp64_reference(h_BSD, w_VD, labels_BS):
+    h, w = h_BSD.clone().requires_grad_(), w_VD.clone().requires_grad_()
+    loss = F.cross_entropy((h @ w.T).flatten(0, 1), labels_BS.flatten(), ignore_index=IGNORE_INDEX)
+    loss.backward()
+    return loss.detach(), h.grad, w.grad
+
+
+_FP64 = dict(rtol=1e-12, atol=1e-14)  # fp32's rounding (~1e-7) fails it
+
+
+@pytest.mark.parametrize("step", [chunk_loss_and_grad, fused_chunk_loss_and_grad])
+@pytest.mark.parametrize("chunk", [5, 100])  # several chunks, the last short; one
+def test_the_chunked_loss_of_fp64_inputs_is_fp64_cross_entropy(step, chunk):
+    """An fp64 model's chunked loss took its logits, loss and gradients through fp32 (loss 1e-7
+    off, in fp32): it computes in the inputs' dtype where that is wider than fp32."""
+    h_BSD, w_VD, labels_BS = _fp64_head_inputs()
+    expected, grad_h, grad_w = _fp64_reference(h_BSD, w_VD, labels_BS)
+    h, w = h_BSD.clone().requires_grad_(), w_VD.clone().requires_grad_()
+    loss = chunked_linear_cross_entropy(h, w, labels_BS, chunk, step)
+    loss.backward()
+    assert loss.dtype == torch.float64
+    torch.testing.assert_close(loss, expected, **_FP64)
+    torch.testing.assert_close(h.grad, grad_h, **_FP64)
+    torch.testing.assert_close(w.grad, grad_w, **_FP64)
+    with torch.no_grad():  # validation's loss-only path
+        torch.testing.assert_close(chunked_linear_cross_entropy(h_BSD, w_VD, labels_BS, chunk, step), expected, **_FP64)
+
+
+def test_the_plain_loss_of_fp64_logits_is_fp64_cross_entropy():
+    """cross_entropy_loss cast fp64 logits down to fp32 ('.float()'); it widens bf16/fp16 only."""
+    h_BSD, w_VD, labels_BS = _fp64_head_inputs()
+    expected, _, _ = _fp64_reference(h_BSD, w_VD, labels_BS)
+    loss = cross_entropy_loss(h_BSD @ w_VD.T, labels_BS)
+    assert loss.dtype == torch.float64
+    torch.testing.assert_close(loss, expected, **_FP64)

@@ -9,7 +9,8 @@ because the loss is the end of the graph — the chunk's gradients right away: d
 onehot) / N, then dh = dlogits·W and dW += dlogitsᵀ·h (summed in fp32). Both are kept in the
 compute dtype, as the plain head's GEMMs give them; backward only scales them by the incoming
 gradient, in the dtypes of h and W. Peak memory holds one chunk's logits instead of all of them;
-the GEMMs are the same three per token as the plain head.
+the GEMMs are the same three per token as the plain head. fp64 inputs stay fp64 throughout (fp32
+would round their logits, loss and gradients to 1e-7).
 
 The chunk's cross-entropy and its gradient (`chunk_loss_and_grad`) are elementwise passes over the
 [C, V] logits. Run eagerly they work in place in one fp32 copy of them (log-sum-exp adds a
@@ -36,14 +37,15 @@ ChunkStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
 def chunk_loss_and_grad(h_CD: torch.Tensor, w_VD: torch.Tensor, labels_C: torch.Tensor,
                         count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One chunk's logits h·Wᵀ (in the inputs' dtype, fp32 accumulation), their summed
-    cross-entropy over the labelled rows (fp32), and the gradient of the mean loss over `count`
-    tokens with respect to them, softmax − one-hot, in the logits' dtype. Eager: it works in one
-    fp32 [C, V] buffer, in place."""
-    x_CV, dtype = _fp32_logits(h_CD, w_VD)
+    cross-entropy over the labelled rows (fp32, or the logits' dtype where wider), and the gradient
+    of the mean loss over `count` tokens with respect to them, softmax − one-hot, in the logits'
+    dtype. Eager: it works in one such [C, V] buffer, in place."""
+    x_CV, dtype = _wide_logits(h_CD, w_VD)
     valid_C, labels_C = labels_C != IGNORE_INDEX, labels_C.clamp(min=0)[:, None]
     loss, lse_C = _loss(x_CV, valid_C, labels_C)
     grad_CV = x_CV.sub_(lse_C[:, None]).exp_()  # softmax
-    grad_CV.scatter_add_(1, labels_C, torch.full(labels_C.shape, -1.0, device=grad_CV.device))  # − one-hot
+    grad_CV.scatter_add_(1, labels_C, torch.full(labels_C.shape, -1.0, dtype=grad_CV.dtype,  # − one-hot
+                                                 device=grad_CV.device))
     grad_CV.mul_(valid_C[:, None]).div_(count)  # labelled rows only, over the micro-batch's count
     return loss, grad_CV.to(dtype)
 
@@ -53,7 +55,7 @@ def fused_chunk_loss_and_grad(h_CD: torch.Tensor, w_VD: torch.Tensor, labels_C: 
     """`chunk_loss_and_grad` in pointwise ops and row reductions only, the one-hot a comparison,
     for torch.compile to fuse into passes over the logits (a scatter would make it write the fp32
     buffer out). Bit for bit the same values."""
-    x_CV, dtype = _fp32_logits(h_CD, w_VD)
+    x_CV, dtype = _wide_logits(h_CD, w_VD)
     valid_C, labels_C = labels_C != IGNORE_INDEX, labels_C.clamp(min=0)[:, None]
     loss, lse_C = _loss(x_CV, valid_C, labels_C)
     probs_CV = torch.exp(x_CV - lse_C[:, None])
@@ -62,10 +64,16 @@ def fused_chunk_loss_and_grad(h_CD: torch.Tensor, w_VD: torch.Tensor, labels_C: 
     return loss, (grad_CV / count).to(dtype)
 
 
-def _fp32_logits(h_CD: torch.Tensor, w_VD: torch.Tensor) -> tuple[torch.Tensor, torch.dtype]:
-    """The chunk's logits in fp32, and their dtype: the GEMM's output is let go once copied."""
+def wide_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The loss's dtype for logits of `dtype`: fp32, or fp64 for fp64 ones (an fp64 model's loss
+    and gradients lost their precision in fp32)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _wide_logits(h_CD: torch.Tensor, w_VD: torch.Tensor) -> tuple[torch.Tensor, torch.dtype]:
+    """The chunk's logits in `wide_dtype`, and their dtype: the GEMM's output is let go once copied."""
     logits_CV = h_CD @ w_VD.T
-    return logits_CV.float(), logits_CV.dtype
+    return logits_CV.to(wide_dtype(logits_CV.dtype)), logits_CV.dtype
 
 
 def _loss(x_CV: torch.Tensor, valid_C: torch.Tensor, labels_C1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,7 +91,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         # parameters under autocast that halves what the loss holds from forward to backward.
         grad_h_TD = torch.empty(h_TD.shape, dtype=compute_dtype, device=h_TD.device)
         grad_w_VD = None
-        loss = torch.zeros((), dtype=torch.float32, device=h_TD.device)
+        loss = torch.zeros((), dtype=wide_dtype(compute_dtype), device=h_TD.device)
         for start in range(0, h_TD.shape[0], chunk):
             rows = slice(start, start + chunk)
             h_CD = h_TD[rows].to(compute_dtype)
@@ -91,10 +99,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             loss += chunk_loss
             grad_h_TD[rows] = grad_CV @ w_VD
             # dW: one chunk's is the plain head's GEMM, with no [V, D] fp32 buffer; from the second
-            # chunk on the sum is fp32 (made before the product, so the first one's copy is gone by
-            # then) and each product is added in place.
+            # chunk on the sum is fp32 or wider (made before the product, so the first one's copy is
+            # gone by then) and each product is added in place.
             if grad_w_VD is not None:
-                grad_w_VD = grad_w_VD.float()
+                grad_w_VD = grad_w_VD.to(wide_dtype(compute_dtype))
             part_VD = grad_CV.T @ h_CD
             grad_w_VD = part_VD if grad_w_VD is None else grad_w_VD.add_(part_VD)
             del part_VD
@@ -131,10 +139,10 @@ def _mean_loss(h_TD: torch.Tensor, weight_VD: torch.Tensor, labels_T: torch.Tens
                compute_dtype: torch.dtype) -> torch.Tensor:
     """`_ChunkedLinearCrossEntropy`'s loss alone, one chunk's logits at a time."""
     w_VD = weight_VD.to(compute_dtype)
-    loss = torch.zeros((), dtype=torch.float32, device=h_TD.device)
+    loss = torch.zeros((), dtype=wide_dtype(compute_dtype), device=h_TD.device)
     for start in range(0, h_TD.shape[0], chunk):
         rows = slice(start, start + chunk)
-        x_CV, _ = _fp32_logits(h_TD[rows].to(compute_dtype), w_VD)
+        x_CV, _ = _wide_logits(h_TD[rows].to(compute_dtype), w_VD)
         labels_C = labels_T[rows]
         loss += _loss(x_CV, labels_C != IGNORE_INDEX, labels_C.clamp(min=0)[:, None])[0]
     return loss / (labels_T != IGNORE_INDEX).sum().clamp(min=1)

@@ -22,14 +22,15 @@ from moefold.train.chunked_loss import (
     chunk_loss_and_grad,
     chunked_linear_cross_entropy,
     fused_chunk_loss_and_grad,
+    wide_dtype,
 )
 from moefold.train.compile import compile_loss
 
 
 def cross_entropy_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy in fp32 (bf16 logits lose too much in the log-sum-exp);
-    labels of IGNORE_INDEX are ignored."""
-    return F.cross_entropy(logits_BSV.flatten(0, 1).float(), labels_BS.flatten(),
+    """Mean next-token cross-entropy in fp32 (bf16 logits lose too much in the log-sum-exp), or in
+    fp64 for fp64 logits; labels of IGNORE_INDEX are ignored."""
+    return F.cross_entropy(logits_BSV.flatten(0, 1).to(wide_dtype(logits_BSV.dtype)), labels_BS.flatten(),
                            ignore_index=IGNORE_INDEX)
 
 

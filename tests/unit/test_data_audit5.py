@@ -159,3 +159,32 @@ def test_text_streams_peak_near_their_ids_with_large_documents(tmp_path):
     for f in range(20):
         (tmp_path / f"t{f:02}.txt").write_bytes(letters[generator.integers(0, 10, 600_000)])
     assert _peak_ratio(tmp_path) < 1.3
+
+
+@pytest.mark.parametrize("val_fraction, moved", [(0.0001, "last to validation"),
+                                                 (0.9999, "first to training")])
+def test_a_side_the_hash_leaves_empty_takes_one_document(tmp_path, val_fraction, moved):
+    import zlib
+
+    texts = ["first doc", "second, longer document", "third"]
+    lines = [json.dumps({"text": text}) for text in texts]
+    (tmp_path / "d.jsonl").write_text("\n".join(lines) + "\n")
+    buckets = [zlib.crc32(f"d.jsonl:{i}".encode()) % 10_000 for i in (1, 2, 3)]
+    threshold = round(val_fraction * 10_000)
+    assert all(b >= threshold for b in buckets) or all(b < threshold for b in buckets)
+    docs = [[*text.encode(), BYTES.eos_id] for text in texts]
+    streams = _streams(tmp_path, val_fraction)
+    if moved == "last to validation":
+        expected = (docs[0] + docs[1], docs[2], 2, 1)
+    else:
+        expected = (docs[0], docs[1] + docs[2], 1, 2)
+    assert (streams.train_N.tolist(), streams.val_N.tolist(), streams.train_docs,
+            streams.val_docs) == expected
+
+
+def test_one_document_holds_out_its_last_tokens(tmp_path):
+    (tmp_path / "input.txt").write_text("abcdefghij" * 10)  # 101 ids with its EOS
+    streams = _streams(tmp_path, 0.1)
+    ids = [*(b"abcdefghij" * 10), BYTES.eos_id]
+    assert streams.train_N.tolist() == ids[:-10] and streams.val_N.tolist() == ids[-10:]
+    assert (streams.train_docs, streams.val_docs) == (1, 1)

@@ -92,7 +92,9 @@ def _build_parser() -> argparse.ArgumentParser:
     gen = commands.add_parser("generate", allow_abbrev=False, help="sample from a run's latest checkpoint")
     gen.add_argument("--run-dir", type=path_argument, required=True, help="the run to sample from")
     gen.add_argument("--prompt", required=True, help="text to continue")
-    gen.add_argument("--max-new-tokens", type=int, default=200, help="tokens to sample (default 200)")
+    gen.add_argument("--max-new-tokens", type=int, default=200,
+                     help="tokens to sample (default 200); past the model's context (model.max_position_embeddings, "
+                          "else train.seq_len) its window slides; a longer --prompt is refused")
     gen.add_argument("--temperature", type=float, default=0.8, help="0 is greedy (default 0.8)")
     gen.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest; 0 = all (default 40)")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
@@ -414,16 +416,20 @@ def _check_prompt(prompt: str) -> None:
 def _generate(args: argparse.Namespace) -> int:
     import torch
 
-    from moefold.generate import continuation, end_of_document_id, load_model_from_run, sample
+    from moefold.generate import context_length, continuation, end_of_document_id, load_model_from_run, sample
 
     _check_generate_args(args)  # before loading the model
     model, tokenizer, cfg = load_model_from_run(args.run_dir, args.device, for_sampling=True)
     prompt_ids = tokenizer.encode(args.prompt)
     if not prompt_ids:
         raise UserError(f"--prompt {args.prompt!r} encodes to no tokens; give text to continue")
+    context, source = context_length(cfg)
+    if len(prompt_ids) > context:
+        raise UserError(f"--prompt is {len(prompt_ids)} tokens, more than the model's context of {context} "
+                        f"({source}); shorten it")
     generator = torch.Generator().manual_seed(args.seed)
     new_ids = sample(model, prompt_ids, args.max_new_tokens, args.temperature, args.top_k,
-                     cfg.train.seq_len, end_of_document_id(cfg, tokenizer), generator, tokenizer.vocab_size)
+                     context, end_of_document_id(cfg, tokenizer), generator, tokenizer.vocab_size)
     _print_text(continuation(tokenizer, args.prompt, prompt_ids, new_ids))
     return 0
 

@@ -63,6 +63,19 @@ def end_of_document_id(cfg: Config, tokenizer) -> int:
     return cfg.data.eos_id if cfg.data.eos_id >= 0 else tokenizer.eos_id
 
 
+def context_length(cfg: Config) -> tuple[int, str]:
+    """The positions the model reads at once, and the option that sets them, as an export's
+    config.json states them: model.max_position_embeddings (an imported checkpoint's), else YaRN's
+    extended length, else train.seq_len (what a native run trained at; a converted run's is the
+    default 256, not the model's context)."""
+    m = cfg.model
+    if m.max_position_embeddings:
+        return m.max_position_embeddings, "model.max_position_embeddings"
+    if m.rope_scaling != "none":
+        return int(m.rope_original_max_len * m.rope_factor), "model.rope_original_max_len × model.rope_factor"
+    return cfg.train.seq_len, "train.seq_len"
+
+
 def _dropless(cfg: Config) -> Config:
     """`cfg` without a capacity factor. Capacity drops a token by what else is in the same forward
     (the prompt, a decode call): a generated token would depend on how its context was read, and
@@ -73,13 +86,14 @@ def _dropless(cfg: Config) -> Config:
 @torch.no_grad()
 def sample(model, prompt_ids: list[int], max_new_tokens: int, temperature: float, top_k: int,
            context: int, eos_id: int, generator: torch.Generator, vocab_size: int | None = None) -> list[int]:
-    """Autoregressive sampling; stops at max_new_tokens or end-of-document. The model reads the
-    latest `context` tokens at positions 0.. (its training length): once they fill the cache, each
-    further token re-reads the window that ends with it, as without a cache. `vocab_size`: the
-    tokenizer's; the rows a model.vocab_size padded beyond it are never sampled (None: every row).
-    Options `moefold generate` refuses are refused here with its messages (`check_sampling`), as
-    is a `context` below 1, an empty prompt (the model has no beginning-of-sequence token to
-    start from), an id outside the model's vocabulary, a `vocab_size` outside [1, model.vocab_size],
+    """Autoregressive sampling; stops at max_new_tokens or end-of-document. `context`: the
+    positions the model reads at once (`context_length`); a longer prompt is refused, never cut.
+    Once prompt and new tokens fill it, each further token re-reads the `context` tokens that end
+    with it at positions 0.., as without a cache. `vocab_size`: the tokenizer's; the rows a
+    model.vocab_size padded beyond it are never sampled (None: every row). Options `moefold
+    generate` refuses are refused here with its messages (`check_sampling`), as is a `context`
+    below 1 or shorter than the prompt, an empty prompt (the model has no beginning-of-sequence
+    token to start from), an id outside the model's vocabulary, a `vocab_size` outside [1, model.vocab_size],
     a model with a capacity factor (`_check_dropless`) and one that routes round-robin
     (`_check_routes_by_router`). The model
     runs in eval mode, whatever its own (restored after): generation never counts toward a
@@ -87,10 +101,12 @@ def sample(model, prompt_ids: list[int], max_new_tokens: int, temperature: float
     check_sampling(max_new_tokens, temperature, top_k)
     if context < 1:
         raise UserError(f"sample: context {context} must be >= 1 (the tokens the model reads at "
-                        "once: its training length, train.seq_len)")
+                        "once: context_length(cfg))")
     if len(prompt_ids) == 0:
         raise UserError("sample: prompt_ids is empty; give at least one token to continue (the "
                         "model has no beginning-of-sequence token to start from)")
+    if len(prompt_ids) > context:  # transformers never drops prompt tokens either
+        raise UserError(f"sample: prompt_ids holds {len(prompt_ids)} tokens, more than context {context}")
     _check_ids(prompt_ids, model.vocab_size)
     if vocab_size is not None and not 1 <= vocab_size <= model.vocab_size:  # the logits are cut to it
         raise UserError(f"sample: vocab_size {vocab_size} (the tokenizer's) must be in [1, {model.vocab_size}], "
@@ -112,7 +128,9 @@ def _generate(model, ids: list[int], max_new_tokens: int, temperature: float, to
               eos_id: int, generator: torch.Generator, vocab_size: int | None) -> list[int]:
     """`sample`'s loop, the model in eval mode: the new ids after `ids`."""
     device, prompt_len = next(model.parameters()).device, len(ids)
-    cache, unread = model.new_cache(context), ids[-context:]
+    # No larger than the sequence needs: a context of 40960 positions would be allocated whole.
+    window = min(context, prompt_len + max_new_tokens)
+    cache, unread = model.new_cache(window), ids
     for _ in range(max_new_tokens):
         next_id = _pick(_read(model, unread, cache, device)[:vocab_size], temperature, top_k, generator)
         if next_id == eos_id:
@@ -120,7 +138,7 @@ def _generate(model, ids: list[int], max_new_tokens: int, temperature: float, to
         ids.append(next_id)
         unread = [next_id]
         if cache.length == context:  # full: the window moves on by one, read anew
-            cache, unread = model.new_cache(context), ids[-context:]
+            cache, unread = model.new_cache(window), ids[-context:]
     return ids[prompt_len:]
 
 

@@ -15,8 +15,8 @@ BAD = [  # (option, value, what sample says; its flag, if the command line has o
     ("temperature", -1.0, "sample: temperature -1.0 must be >= 0 (0 is greedy)", "--temperature"),
     ("temperature", float("nan"), "sample: temperature nan must be >= 0 (0 is greedy)", "--temperature"),
     ("top_k", -1, "sample: top_k -1 must be >= 0 (0 samples among all tokens)", "--top-k"),
-    ("context", 0, "sample: context 0 must be >= 1 (the tokens the model reads at once: its "
-                   "training length, train.seq_len)", None),
+    ("context", 0, "sample: context 0 must be >= 1 (the tokens the model reads at once: "
+                   "context_length(cfg))", None),
     ("context", -3, "sample: context -3 must be >= 1", None),
 ]
 

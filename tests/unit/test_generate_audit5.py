@@ -1,0 +1,95 @@
+"""`moefold generate` against transformers: the context a run converted from a Hugging Face
+checkpoint reads (its max_position_embeddings, not train.seq_len), a prompt longer than it, and
+a run trained on token files without the tokenizer that made them."""
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from test_hf_interop import hf_model_of, qwen3  # noqa: E402
+
+from moefold.cli import main  # noqa: E402
+from moefold.data.tokenizer import ByteTokenizer  # noqa: E402
+
+
+def _converted_run(tmp_path, **hf_config):
+    """A tiny random Qwen3-MoE of 300 ids (the byte tokenizer's 257 fit) converted to a run
+    (train.seq_len 256, moefold's default), and the transformers model it came from."""
+    reference = hf_model_of(qwen3(vocab_size=300, **hf_config))
+    reference.save_pretrained(tmp_path / "hf")
+    run = tmp_path / "run"
+    assert main(["convert", "--from-hf", str(tmp_path / "hf"), "--out", str(run)]) == 0
+    return run, reference
+
+
+def _greedy(args, capsys) -> tuple[int, str, str]:
+    capsys.readouterr()
+    code = main(["generate", *args, "--temperature", "0", "--device", "cpu"])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _prompt(n: int) -> str:
+    letters = np.random.default_rng(n).integers(0, 26, size=n)  # aperiodic: any dropped token counts
+    return "".join(chr(ord("a") + int(i)) for i in letters)
+
+
+def test_a_prompt_longer_than_train_seq_len_is_read_whole_as_transformers_reads_it(tmp_path, capsys):
+    """A converted run's train.seq_len is moefold's default 256, not the model's context (config.json's
+    max_position_embeddings, 512 here): generate read only the prompt's last 256 tokens, silently,
+    and continued 300 bytes otherwise than transformers' greedy generate."""
+    run, reference = _converted_run(tmp_path, max_position_embeddings=512)
+    prompt = _prompt(300)
+    code, out, err = _greedy(["--run-dir", str(run), "--prompt", prompt, "--max-new-tokens", "12"], capsys)
+    assert code == 0, err
+    prompt_ids = ByteTokenizer().encode(prompt)
+    with torch.no_grad():
+        hf_ids = reference.generate(torch.tensor([prompt_ids]), max_new_tokens=12, do_sample=False,
+                                    eos_token_id=256, pad_token_id=0,  # ids past the tokenizer's: never
+                                    suppress_tokens=list(range(257, 300)))[0, len(prompt_ids):].tolist()
+    new_ids = hf_ids[:hf_ids.index(256)] if 256 in hf_ids else hf_ids
+    assert out == ByteTokenizer().decode(prompt_ids + new_ids) + "\n"
+
+
+def test_a_prompt_longer_than_the_models_context_is_refused_in_one_line(tmp_path, capsys):
+    """transformers never drops prompt tokens; generate dropped the first 24 of 88 silently."""
+    run, _ = _converted_run(tmp_path, max_position_embeddings=64)
+    code, out, err = _greedy(["--run-dir", str(run), "--prompt", _prompt(88), "--max-new-tokens", "4"], capsys)
+    assert (code, out) == (2, "")
+    assert err.splitlines() == [
+        "moefold: error: --prompt is 88 tokens, more than the model's context of 64 "
+        "(model.max_position_embeddings); shorten it"]
+
+
+def test_generation_past_the_models_context_slides_its_window(tmp_path, capsys):
+    """Past the context, each token is read with the `context` tokens that end with it at positions
+    0.. (as without a cache): the model's 64 here, where it was train.seq_len's 256."""
+    run, reference = _converted_run(tmp_path, max_position_embeddings=64)
+    prompt = _prompt(50)
+    code, out, err = _greedy(["--run-dir", str(run), "--prompt", prompt, "--max-new-tokens", "40"], capsys)
+    assert code == 0, err
+    ids = ByteTokenizer().encode(prompt)
+    with torch.no_grad():
+        for _ in range(40):
+            next_id = int(reference(torch.tensor([ids[-64:]])).logits[0, -1, :257].argmax())
+            if next_id == 256:
+                break
+            ids.append(next_id)
+    assert out == ByteTokenizer().decode(ids) + "\n"
+
+
+def test_the_kv_cache_holds_what_the_sequence_needs_not_the_whole_context():
+    """A context of 40960 positions (a Qwen3's) was allocated whole for a prompt of 3 tokens and 4
+    new ones: 5,900 times the keys and values needed."""
+    from moefold.config import load_config
+    from moefold.generate import sample
+    from moefold.models.transformer import build_model
+
+    model = build_model(load_config("tiny-qwen3", {"moe.experts_backend": "loop"}), 97).eval()
+    model.init_weights(0)
+    capacities, new_cache = [], model.new_cache
+    model.new_cache = lambda capacity: capacities.append(capacity) or new_cache(capacity)
+    sample(model, [3, 10, 17], 4, 0.0, 0, 40960, -1, torch.Generator())
+    assert capacities == [7]

@@ -322,7 +322,8 @@ class DataConfig:
     their dtype."""
     eos_id: int = -1
     """End-of-document token id in pre-tokenized files (.npy, .bin); -1 takes the tokenizer's. Text
-    data always takes the tokenizer's (another value is refused)."""
+    data always takes the tokenizer's (another value is refused). Token files are joined as they
+    are, with no EOS inserted between them: end (or start) each file's documents with it."""
 
 
 @dataclass

@@ -188,3 +188,17 @@ def test_one_document_holds_out_its_last_tokens(tmp_path):
     ids = [*(b"abcdefghij" * 10), BYTES.eos_id]
     assert streams.train_N.tolist() == ids[:-10] and streams.val_N.tolist() == ids[-10:]
     assert (streams.train_docs, streams.val_docs) == (1, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Token files are joined as they are (documented): no EOS between them
+# ---------------------------------------------------------------------------------------------
+
+
+def test_token_files_are_joined_with_no_eos_between_them(tmp_path):
+    a_N, b_N = np.array([5, 6, 3, 7, 8], np.uint16), np.array([9, 10, 3, 11], np.uint16)
+    a_N.tofile(tmp_path / "a.bin")
+    b_N.tofile(tmp_path / "b.bin")
+    streams = _streams(tmp_path, eos_id=3)
+    assert np.asarray(streams.train_N).tolist() == np.concatenate([a_N, b_N]).tolist()
+    assert PackedSequences(streams.train_N, 4).window(1).tolist() == [8, 9, 10, 3, 11]

@@ -4,7 +4,11 @@ Text documents are tokenized, each followed by the end-of-document (EOS) token, 
 The held-out documents are chosen by a hash of each document's name: the split is the same for
 every seed, run and machine. Pre-tokenized files already are a stream; their last
 `data.val_fraction` of tokens is held out. Token files are used in place (memory-mapped), several
-as one stream by their offsets (`ConcatenatedTokens`), never copied into memory.
+as one stream by their offsets (`ConcatenatedTokens`), never copied into memory. They are joined
+as they are, with no EOS inserted between files: their writers already mark documents
+(Megatron's preprocess_data with append-EOD ends each with EOD, llm.c's shards start each with
+<|endoftext|>), an inserted one would double those, and `data.eos_id` defaults to the
+tokenizer's, which need not be the files' (the byte-level 256 is a real GPT-2 id).
 """
 
 from __future__ import annotations

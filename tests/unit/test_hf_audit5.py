@@ -233,3 +233,22 @@ def test_the_plain_loss_of_fp64_logits_is_fp64_cross_entropy():
     loss = cross_entropy_loss(h_BSD @ w_VD.T, labels_BS)
     assert loss.dtype == torch.float64
     torch.testing.assert_close(loss, expected, **_FP64)
+
+
+def test_deepseek_yarn_of_a_null_factor_with_mscale_all_dim_is_refused_as_transformers_fails_on_it(tmp_path):
+    """DeepseekV3Attention scales its softmax by yarn_get_mscale(factor, mscale_all_dim) with the
+    factor as written (None <= 1: a TypeError there, as in DeepSeek's own modeling code); moefold
+    built a model from the factor it derived for the rotary embedding alone."""
+    yarn = {"rope_type": "yarn", "factor": None, "original_max_position_embeddings": 8, "mscale": 0.707,
+            "mscale_all_dim": 1.0}
+    config = {**DEEPSEEK, "max_position_embeddings": 32, "rope_parameters": yarn}
+    with pytest.raises(TypeError):
+        _transformers_of(config, tmp_path / "hf")
+    with pytest.raises(CheckpointError) as e:
+        config_from_hf(config)
+    assert str(e.value) == ("config.json: rope_parameters.factor=null is not supported beside "
+                            "rope_parameters.mscale_all_dim=1.0: DeepSeek-V3's attention scales by the factor "
+                            "as written; give rope_parameters.factor")
+    # without mscale_all_dim only the rotary embedding reads it, derived: transformers builds it
+    _assert_imports_as_transformers_builds({**config, "rope_parameters": {**yarn, "mscale_all_dim": 0}},
+                                           tmp_path / "hf2")

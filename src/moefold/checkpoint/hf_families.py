@@ -239,12 +239,18 @@ def _common_from_hf(hf: dict[str, Any], family: str, default_theta: float, defau
     return cfg
 
 
+def _rope_dict(hf: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The key and the dict of the RoPE parameters: transformers takes a non-empty rope_scaling over
+    rope_parameters (whichever comes first)."""
+    key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    return key, dict(_typed(hf, key, dict, {}))
+
+
 def _rope_from_hf(hf: dict[str, Any], cfg: Config, default_theta: float, default_max_len: int) -> None:
     """RoPE from the Hub's `rope_theta` + `rope_scaling` or transformers 5's `rope_parameters`,
     resolved as transformers' `standardize_rope_params` and `_compute_yarn_parameters` do."""
     m = cfg.model
-    key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
-    params = dict(_typed(hf, key, dict, {}))
+    key, params = _rope_dict(hf)
     where = f"{key}."
     # transformers takes rope_parameters' theta, else the top-level one, as is (a 0 is 1 / 0 ** (2i/d))
     if params.get("rope_theta") is not None:
@@ -510,6 +516,12 @@ def _deepseek_v3_from_hf(hf: dict[str, Any]) -> Config:
     m.qk_rope_head_dim = _positive(hf, "qk_rope_head_dim")
     m.v_head_dim = _positive(hf, "v_head_dim")
     m.rope_interleaved = _bool(hf, "rope_interleave", True)
+    key, rope = _rope_dict(hf)
+    if m.rope_scaling == "yarn" and rope["factor"] is None and rope.get("mscale_all_dim"):
+        # yarn_apply_mscale's yarn_get_mscale(None, mscale_all_dim) fails there (None <= 1)
+        raise CheckpointError(f"config.json: {key}.factor=null is not supported beside {key}.mscale_all_dim="
+                              f"{rope['mscale_all_dim']!r}: DeepSeek-V3's attention scales by the factor as "
+                              f"written; give {key}.factor")
     # absent: DeepseekV3Config's 1 (a checkpoint without the MTP tensors loads without them)
     m.mtp_layers = _int(hf, "num_nextn_predict_layers", _int(hf, "num_mtp_layers", 1))
     moe.num_experts = _positive(hf, "n_routed_experts")  # transformers builds MoE layers of 0 experts

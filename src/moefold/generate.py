@@ -9,8 +9,9 @@ import torch
 
 from moefold.checkpoint.dcp import load_weights, resolve_checkpoint
 from moefold.config import Config, config_from_toml
+from moefold.data.formats import TOKEN_SUFFIXES, find_data_files
 from moefold.data.tokenizer import build_tokenizer
-from moefold.errors import CheckpointError, UserError
+from moefold.errors import CheckpointError, DataError, UserError
 from moefold.models.transformer import build_model, materialize
 from moefold.moe.router import RoundRobinSelection
 from moefold.parallel.launch import resolve_device
@@ -30,6 +31,7 @@ def load_model_from_run(run_dir: Path, device_name: str = "auto", exact_masters:
     tokenizer = build_tokenizer(cfg.data.tokenizer)
     if for_sampling:  # before the weights are read
         check_tokenizer_fits(run_dir, cfg, tokenizer, cfg.model.vocab_size or tokenizer.vocab_size)
+        _check_token_files_have_tokenizer(run_dir, cfg, tokenizer)
     with torch.device("meta"):  # the checkpoint is read straight into the device's tensors
         model = build_model(_dropless(cfg), cfg.model.vocab_size or tokenizer.vocab_size, device.type,
                             resolve_compute_dtype(cfg.precision.compute_dtype, device))
@@ -55,6 +57,30 @@ def check_tokenizer_fits(run_dir: Path, cfg: Config, tokenizer, model_vocab: int
         raise UserError(f"--run-dir {run_dir}: the model's vocabulary has {model_vocab} ids, its tokenizer "
                         f"(data.tokenizer={which}) {tokenizer.vocab_size}; set data.tokenizer in its "
                         "config.toml to the model's tokenizer.json")
+
+
+def _check_token_files_have_tokenizer(run_dir: Path, cfg: Config, tokenizer) -> None:
+    """Refuses a run trained on token files of more ids than the byte tokenizer's, without the
+    tokenizer that made them: a prompt's bytes would be read as other tokens and the sampled ids
+    cut to 257 and printed as bytes. Files of ids that fit (byte-level ones) stay allowed."""
+    if cfg.data.tokenizer or cfg.model.vocab_size <= tokenizer.vocab_size or not _trained_on_token_files(cfg):
+        return
+    raise UserError(f"--run-dir {run_dir}: trained on token files (data.path={cfg.data.path}) of "
+                    f"{cfg.model.vocab_size} ids without their tokenizer: --prompt's bytes are not its tokens; "
+                    "set data.tokenizer in its config.toml to the tokenizer.json that made them")
+
+
+def _trained_on_token_files(cfg: Config) -> bool:
+    """Whether data.path names .npy/.bin token files (a directory of them: as the run found them)."""
+    if not cfg.data.path:
+        return False
+    if Path(cfg.data.path).suffix.lower() in TOKEN_SUFFIXES:
+        return True
+    try:
+        files = find_data_files(cfg.data.path)
+    except DataError:  # gone, or unreadable here: no evidence
+        return False
+    return bool(files) and files[0].is_tokens
 
 
 def end_of_document_id(cfg: Config, tokenizer) -> int:

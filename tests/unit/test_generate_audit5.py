@@ -93,3 +93,26 @@ def test_the_kv_cache_holds_what_the_sequence_needs_not_the_whole_context():
     model.new_cache = lambda capacity: capacities.append(capacity) or new_cache(capacity)
     sample(model, [3, 10, 17], 4, 0.0, 0, 40960, -1, torch.Generator())
     assert capacities == [7]
+
+
+@pytest.mark.parametrize("data_path", ["tokens.npy", "shards"])  # the file, or a directory of it
+def test_a_run_on_token_files_without_their_tokenizer_is_refused(data_path, tmp_path, tiny_args, capsys):
+    """Token files of a 1000-id tokenizer (model.vocab_size 1000) and no data.tokenizer: generate
+    encoded --prompt as UTF-8 bytes, ids that mean other tokens there, and sampled only the byte
+    tokenizer's first 257 rows, printing them as bytes (exit 0). Refused before the weights are read."""
+    rng = np.random.default_rng(0)
+    docs = [np.append(rng.integers(11, 1000, size=int(n)), 10) for n in rng.integers(20, 60, size=80)]
+    (tmp_path / "shards").mkdir()
+    np.save(tmp_path / "shards" / "tokens.npy", np.concatenate(docs).astype(np.uint16))
+    if data_path == "tokens.npy":
+        (tmp_path / "shards" / "tokens.npy").rename(tmp_path / "tokens.npy")
+    run = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run), *tiny_args, "--data.path", str(tmp_path / data_path),
+                 "--data.eos_id", "10", "--model.vocab_size", "1000", "--train.steps", "1",
+                 "--train.warmup_steps", "1"]) == 0
+    code, out, err = _greedy(["--run-dir", str(run), "--prompt", "x", "--max-new-tokens", "3"], capsys)
+    assert (code, out) == (2, "")
+    assert err.splitlines() == [
+        f"moefold: error: --run-dir {run}: trained on token files (data.path={tmp_path / data_path}) of "
+        "1000 ids without their tokenizer: --prompt's bytes are not its tokens; set data.tokenizer in its "
+        "config.toml to the tokenizer.json that made them"]

@@ -202,3 +202,37 @@ def test_token_files_are_joined_with_no_eos_between_them(tmp_path):
     streams = _streams(tmp_path, eos_id=3)
     assert np.asarray(streams.train_N).tolist() == np.concatenate([a_N, b_N]).tolist()
     assert PackedSequences(streams.train_N, 4).window(1).tolist() == [8, 9, 10, 3, 11]
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. CRLF: a document's characters are kept as written, in .txt and .jsonl alike
+# ---------------------------------------------------------------------------------------------
+
+
+def test_crlf_text_is_kept_alike_in_txt_and_jsonl(tmp_path):
+    """A .txt file's CR LF are its text; a .jsonl's line endings are JSON whitespace and its
+    text's escaped "\\r\\n" are text: the same document gives the same ids either way."""
+    text = "first line\r\nsecond line\r\n"
+    (tmp_path / "txt").mkdir()
+    (tmp_path / "txt" / "a.txt").write_bytes(text.encode())
+    (tmp_path / "jsonl").mkdir()
+    records = [json.dumps({"text": text}), json.dumps({"text": "lf\nonly"})]
+    (tmp_path / "jsonl" / "a.jsonl").write_bytes("\r\n".join(records).encode() + b"\r\n")
+    from_txt = _streams(tmp_path / "txt").train_N.tolist()
+    from_jsonl = _streams(tmp_path / "jsonl").train_N.tolist()
+    assert from_txt == [*text.encode(), BYTES.eos_id]
+    assert from_jsonl == from_txt + [*b"lf\nonly", BYTES.eos_id]
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Exact duplicates are kept, each split by its own name (documented; dedup is preprocessing)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_identical_documents_are_each_split_by_their_name(tmp_path):
+    (tmp_path / "d.jsonl").write_text("\n".join([json.dumps({"text": "same"})] * 20) + "\n")
+    streams = _streams(tmp_path, 0.5)
+    train, val = _naive_streams(tmp_path, BYTES, 0.5)
+    assert streams.train_N.tolist() == train and streams.val_N.tolist() == val
+    assert streams.train_docs + streams.val_docs == 20 and min(streams.train_docs,
+                                                               streams.val_docs) > 0

@@ -2,7 +2,8 @@
 
 Text documents are tokenized, each followed by the end-of-document (EOS) token, and concatenated.
 The held-out documents are chosen by a hash of each document's name: the split is the same for
-every seed, run and machine. Pre-tokenized files already are a stream; their last
+every seed, run and machine; identical documents under two names may fall on both sides
+(deduplicating is preprocessing). Pre-tokenized files already are a stream; their last
 `data.val_fraction` of tokens is held out. Token files are used in place (memory-mapped), several
 as one stream by their offsets (`ConcatenatedTokens`), never copied into memory. They are joined
 as they are, with no EOS inserted between files: their writers already mark documents

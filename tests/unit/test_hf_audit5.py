@@ -252,3 +252,18 @@ def test_deepseek_yarn_of_a_null_factor_with_mscale_all_dim_is_refused_as_transf
     # without mscale_all_dim only the rotary embedding reads it, derived: transformers builds it
     _assert_imports_as_transformers_builds({**config, "rope_parameters": {**yarn, "mscale_all_dim": 0}},
                                            tmp_path / "hf2")
+
+
+@pytest.mark.parametrize("lengths, yarn, message", [
+    ({"max_position_embeddings": 32}, {"factor": 0.5}, "rope_parameters.factor=0.5 must be >= 1"),
+    ({"max_position_embeddings": 4}, {"factor": None},
+     "rope_parameters.factor=null is max_position_embeddings / original_max_position_embeddings = 4 / 8 = 0.5, "
+     "which must be >= 1"),
+])
+def test_a_yarn_factor_below_1_is_refused_by_its_keys(lengths, yarn, message):
+    """moefold's YaRN extends the context only (transformers warns and compresses); the refusal
+    named moefold's field ('config.json maps to an invalid moefold config: model.rope_factor=0.5 ...')."""
+    config = {**QWEN, **lengths, "rope_parameters": {**_YARN, **yarn}}
+    with pytest.raises(CheckpointError) as e:
+        config_from_hf(config)
+    assert str(e.value) == f"config.json: {message}"

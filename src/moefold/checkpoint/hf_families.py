@@ -241,7 +241,7 @@ def _common_from_hf(hf: dict[str, Any], family: str, default_theta: float, defau
 
 def _rope_dict(hf: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """The key and the dict of the RoPE parameters: transformers takes a non-empty rope_scaling over
-    rope_parameters (whichever comes first)."""
+    rope_parameters, in either order in the file."""
     key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
     return key, dict(_typed(hf, key, dict, {}))
 
@@ -262,6 +262,13 @@ def _rope_from_hf(hf: dict[str, Any], cfg: Config, default_theta: float, default
         return
     if rope_type != "yarn":
         raise CheckpointError(f"config.json: {key}.rope_type={rope_type!r} is not supported (default, yarn)")
+    _yarn_from_hf(hf, key, params, cfg, default_max_len)
+
+
+def _yarn_from_hf(hf: dict[str, Any], key: str, params: dict[str, Any], cfg: Config, default_max_len: int) -> None:
+    """YaRN from `params` (config.json's `key`), missing lengths taken as `standardize_rope_params`
+    takes them (`default_max_len`: the config class's max_position_embeddings)."""
+    m, where = cfg.model, f"{key}."
     for name, allowed in (("attention_factor", (None,)), ("truncate", (None, True)),
                           ("partial_rotary_factor", (None, 1, 1.0))):
         if params.get(name) not in allowed:
@@ -278,6 +285,10 @@ def _rope_from_hf(hf: dict[str, Any], cfg: Config, default_theta: float, default
     m.rope_scaling = "yarn"
     m.rope_original_max_len = int(original)
     m.rope_factor = factor or max_len / original
+    if m.rope_factor < 1:  # transformers warns and compresses; moefold's YaRN only extends
+        given = f"{factor!r}" if factor else (f"null is max_position_embeddings / original_max_position_embeddings = "
+                                              f"{max_len} / {m.rope_original_max_len} = {m.rope_factor}, which")
+        raise CheckpointError(f"config.json: {key}.factor={given} must be >= 1")
     m.yarn_beta_fast = _float(params, "beta_fast", 0.0, where) or 32.0
     m.yarn_beta_slow = _float(params, "beta_slow", 0.0, where) or 1.0
     # transformers uses mscale only together with a non-zero mscale_all_dim; 0 keeps that reading.

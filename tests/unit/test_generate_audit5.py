@@ -116,3 +116,45 @@ def test_a_run_on_token_files_without_their_tokenizer_is_refused(data_path, tmp_
         f"moefold: error: --run-dir {run}: trained on token files (data.path={tmp_path / data_path}) of "
         "1000 ids without their tokenizer: --prompt's bytes are not its tokens; set data.tokenizer in its "
         "config.toml to the tokenizer.json that made them"]
+
+
+def _word_tokenizer(path, vocab_size: int, eos_id: int) -> None:
+    """A tokenizer.json of words t0 t1 ... with <|endoftext|> at `eos_id`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {("<|endoftext|>" if i == eos_id else f"t{i}"): i for i in range(vocab_size)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.WordPiece(prefix="##")  # joins the words with spaces
+    tokenizer.save(str(path))
+
+
+def test_a_run_converted_at_step_0_stops_at_eos_where_transformers_generate_stops(tmp_path, capsys):
+    """A converted run's checkpoint is step 0 but holds trained weights: generate must stop at the
+    checkpoint's end of document (its tokenizer.json's, config.json's eos_token_id), as transformers'
+    generate does with the config alone, not run on past it (export's step-0 rule is not generate's)."""
+    from moefold.data.tokenizer import HFTokenizer
+    from moefold.generate import continuation
+
+    reference = hf_model_of(qwen3(vocab_size=96))
+    prompt = "t5 t17 t3 t42"
+    prompt_ids = [5, 17, 3, 42]
+    with torch.no_grad():  # a later greedy token made the end of document: where both must stop
+        free = reference.generate(torch.tensor([prompt_ids]), max_new_tokens=10, do_sample=False,
+                                  eos_token_id=None, pad_token_id=0)[0, 4:].tolist()
+    stop = next(j for j in range(2, 10) if free[j] not in free[:j] + prompt_ids)
+    eos, free = free[stop], free[:stop + 1]
+    reference.generation_config.eos_token_id = reference.config.eos_token_id = eos
+    reference.save_pretrained(tmp_path / "hf")
+    _word_tokenizer(tmp_path / "hf" / "tokenizer.json", 96, eos)
+    run = tmp_path / "run"
+    assert main(["convert", "--from-hf", str(tmp_path / "hf"), "--out", str(run)]) == 0
+    code, out, err = _greedy(["--run-dir", str(run), "--prompt", prompt, "--max-new-tokens", "12"], capsys)
+    assert code == 0, err
+    with torch.no_grad():  # the config's eos_token_id, nothing passed
+        hf_ids = reference.generate(torch.tensor([prompt_ids]), max_new_tokens=12, do_sample=False,
+                                    pad_token_id=0)[0, 4:].tolist()
+    assert hf_ids == free  # transformers stopped at it (and emitted it)
+    tokenizer = HFTokenizer(str(tmp_path / "hf" / "tokenizer.json"))
+    assert tokenizer.encode(prompt) == prompt_ids
+    assert out == continuation(tokenizer, prompt, prompt_ids, free[:-1]) + "\n"

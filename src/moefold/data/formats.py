@@ -263,6 +263,7 @@ def _whole_file_document(file: DataFile, text_field: str) -> Iterator[Document]:
     # Undecodable bytes become U+FFFD rather than failing a whole corpus over one stray byte; a
     # leading UTF-8 byte-order mark (Windows Notepad writes one) is no text, as in .jsonl files.
     text = raw.decode("utf-8-sig", errors="replace")
+    del raw  # not held beside its text while the document is tokenized (a generator's frame)
     if text:
         yield Document(file.name, text)
 

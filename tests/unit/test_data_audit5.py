@@ -261,3 +261,73 @@ def test_one_large_txt_file_peaks_below_its_old_peak(tmp_path, tokenizer_kind, b
     finally:
         tracemalloc.stop()
     assert peak / (streams.train_N.nbytes + streams.val_N.nbytes) < bound
+
+
+# ---------------------------------------------------------------------------------------------
+# Windows and orders against naive references
+# ---------------------------------------------------------------------------------------------
+
+
+def _naive_train_order(num_seqs: int, batch: int, step: int, seed: int, batches: int) -> list:
+    """Epoch e's torch.randperm, whole steps of it (the rest dropped); a step longer than an
+    epoch reads the epochs' orders back to back."""
+    import torch
+
+    def order(epoch):
+        generator = torch.Generator().manual_seed((seed * 1_000_003 + epoch) % 2**64)
+        return torch.randperm(num_seqs, generator=generator).tolist()
+
+    flat, epoch = [], 0
+    while len(flat) < batches * batch:
+        ids = order(epoch)
+        flat += ids if step > num_seqs else ids[:num_seqs // step * step]
+        epoch += 1
+    return [flat[i * batch:(i + 1) * batch] for i in range(batches)]
+
+
+@pytest.mark.parametrize("num_tokens, seq_len, batch, step",
+                         [(101, 4, 3, 6), (101, 4, 5, 5), (50, 7, 2, 8), (64, 3, 4, 4)])
+def test_train_batches_are_naive_windows_in_the_naive_order(num_tokens, seq_len, batch, step):
+    tokens_N = np.random.default_rng(1).integers(0, 250, num_tokens).astype(np.uint16)
+    sequences = PackedSequences(tokens_N, seq_len)
+    assert len(sequences) == (num_tokens - 1) // seq_len
+    loader = TrainLoader(sequences, batch, seed=7, eos_id=256, step_size=step)
+    for indices in _naive_train_order(len(sequences), batch, step, 7, 30):
+        windows = [tokens_N[i * seq_len:i * seq_len + seq_len + 1].tolist() for i in indices]
+        got = next(loader)
+        assert got.input_ids_BS.tolist() == [w[:-1] for w in windows]
+        assert got.labels_BS.tolist() == [w[1:] for w in windows]
+
+
+@pytest.mark.parametrize("num_seqs, batch, num_batches, ranks",
+                         [(20, 3, 4, 1), (20, 3, 4, 2), (20, 3, 5, 2), (5, 8, 2, 1), (9, 2, 10, 3)])
+def test_val_batches_are_the_first_sequences_grouped_by_rank(num_seqs, batch, num_batches, ranks):
+    seq_len = 4
+    tokens_N = np.arange(num_seqs * seq_len + 1, dtype=np.uint16) % 250
+    sequences = PackedSequences(tokens_N, seq_len)
+    got = val_batches(sequences, batch, num_batches, 256, data_ranks=ranks)
+    per_rank = min(batch, num_seqs)
+    count = max(1, min(num_batches, num_seqs // per_rank)) * per_rank
+    windows = [tokens_N[i * seq_len:i * seq_len + seq_len + 1].tolist() for i in range(count)]
+    rows = per_rank * ranks
+    expected = [windows[i:i + rows] for i in range(0, count, rows)]
+    assert [b.input_ids_BS.tolist() for b in got] == [[w[:-1] for w in g] for g in expected]
+    assert [b.labels_BS.tolist() for b in got] == [[w[1:] for w in g] for g in expected]
+
+
+def test_document_ids_count_the_eos_before_each_position():
+    import torch
+
+    from moefold.data import make_batch
+
+    windows_BS1 = torch.tensor([[5, 9, 9, 6, 9, 9, 7, 8], [9, 1, 2, 3, 4, 9, 5, 9]])
+    batch = make_batch(windows_BS1, eos_id=9)
+    naive = []
+    for row in windows_BS1[:, :-1].tolist():
+        doc, ids = 0, []
+        for token in row:
+            ids.append(doc)
+            doc += token == 9
+        naive.append(ids)
+    assert batch.doc_ids_BS.tolist() == naive
+    assert batch.doc_ids_BS.dtype == torch.int32

@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).parent))
 from test_hf_interop import VOCAB, assert_rel_close, hf_model_of  # noqa: E402
 
-from moefold.checkpoint.hf import config_from_hf, load_pretrained  # noqa: E402
+from moefold.checkpoint.hf import config_from_hf, load_pretrained, save_pretrained  # noqa: E402
 from moefold.data import IGNORE_INDEX  # noqa: E402
 from moefold.errors import CheckpointError  # noqa: E402
 from moefold.train.chunked_loss import (  # noqa: E402
@@ -267,3 +267,19 @@ def test_a_yarn_factor_below_1_is_refused_by_its_keys(lengths, yarn, message):
     with pytest.raises(CheckpointError) as e:
         config_from_hf(config)
     assert str(e.value) == f"config.json: {message}"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("rope", [None, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}])
+def test_an_export_of_a_config_json_without_max_position_embeddings_states_transformers_default(family, rope,
+                                                                                                tmp_path):
+    """transformers builds the model of such a config.json with its config class's context length
+    (Qwen3-MoE 32768, Mixtral 131072, DeepSeek-V3 4096); moefold's export stated max(train.seq_len,
+    4096), or original · factor (32) under YaRN, a different context for serving engines to size for."""
+    config = {k: v for k, v in FAMILIES[family].items() if k != "max_position_embeddings"}
+    if rope:
+        config["rope_parameters"] = rope
+    _transformers_of(config, tmp_path / "hf")
+    expected = transformers.AutoConfig.from_pretrained(tmp_path / "hf").max_position_embeddings
+    save_pretrained(load_pretrained(tmp_path / "hf"), tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["max_position_embeddings"] == expected

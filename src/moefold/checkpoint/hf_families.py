@@ -234,7 +234,7 @@ def _common_from_hf(hf: dict[str, Any], family: str, default_theta: float, defau
     m.norm_eps = _float(hf, "rms_norm_eps", default_eps)
     m.tie_embeddings = _bool(hf, "tie_word_embeddings", False)
     m.init_std = _float(hf, "initializer_range", m.init_std)
-    m.max_position_embeddings = _int(hf, "max_position_embeddings", 0)
+    m.max_position_embeddings = _int(hf, "max_position_embeddings", default_max_len)  # transformers builds with it
     _rope_from_hf(hf, cfg, default_theta, default_max_len)
     return cfg
 

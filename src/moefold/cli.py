@@ -416,22 +416,33 @@ def _check_prompt(prompt: str) -> None:
 def _generate(args: argparse.Namespace) -> int:
     import torch
 
-    from moefold.generate import context_length, continuation, end_of_document_id, load_model_from_run, sample
+    from moefold.generate import continuation, end_of_document_id, load_model_from_run, sample
 
     _check_generate_args(args)  # before loading the model
+    prompt_ids, context = _prompt_ids(args.run_dir, args.prompt)  # before the weights are read
     model, tokenizer, cfg = load_model_from_run(args.run_dir, args.device, for_sampling=True)
-    prompt_ids = tokenizer.encode(args.prompt)
-    if not prompt_ids:
-        raise UserError(f"--prompt {args.prompt!r} encodes to no tokens; give text to continue")
-    context, source = context_length(cfg)
-    if len(prompt_ids) > context:
-        raise UserError(f"--prompt is {len(prompt_ids)} tokens, more than the model's context of {context} "
-                        f"({source}); shorten it")
     generator = torch.Generator().manual_seed(args.seed)
     new_ids = sample(model, prompt_ids, args.max_new_tokens, args.temperature, args.top_k,
                      context, end_of_document_id(cfg, tokenizer), generator, tokenizer.vocab_size)
     _print_text(continuation(tokenizer, args.prompt, prompt_ids, new_ids))
     return 0
+
+
+def _prompt_ids(run_dir: Path, prompt: str) -> tuple[list[int], int]:
+    """--prompt's ids and the model's context, from config.toml and the run's tokenizer: a prompt
+    refused here costs no checkpoint read (a large model's minutes)."""
+    from moefold.data.tokenizer import build_tokenizer
+    from moefold.generate import context_length, run_config
+
+    cfg = run_config(run_dir)
+    prompt_ids = build_tokenizer(cfg.data.tokenizer).encode(prompt)
+    if not prompt_ids:
+        raise UserError(f"--prompt {prompt!r} encodes to no tokens; give text to continue")
+    context, source = context_length(cfg)
+    if len(prompt_ids) > context:
+        raise UserError(f"--prompt is {len(prompt_ids)} tokens, more than the model's context of {context} "
+                        f"({source}); shorten it")
+    return prompt_ids, context
 
 
 def _print_text(text: str) -> None:

@@ -158,3 +158,20 @@ def test_a_run_converted_at_step_0_stops_at_eos_where_transformers_generate_stop
     tokenizer = HFTokenizer(str(tmp_path / "hf" / "tokenizer.json"))
     assert tokenizer.encode(prompt) == prompt_ids
     assert out == continuation(tokenizer, prompt, prompt_ids, free[:-1]) + "\n"
+
+
+@pytest.mark.parametrize("prompt, message", [
+    (_prompt(88), "--prompt is 88 tokens, more than the model's context of 64 (model.max_position_embeddings); "
+                  "shorten it"),
+    ("", "--prompt '' encodes to no tokens; give text to continue"),
+])
+def test_a_prompt_generate_refuses_is_refused_before_the_weights_are_read(prompt, message, tmp_path, capsys,
+                                                                         monkeypatch):
+    """The prompt is refused from config.toml and the tokenizer (as a tokenizer that does not fit
+    is, ba150c6), not after the whole checkpoint was read into the model (a large one's minutes)."""
+    import moefold.generate
+
+    run, _ = _converted_run(tmp_path, max_position_embeddings=64)
+    monkeypatch.setattr(moefold.generate, "load_weights", lambda *a, **k: pytest.fail("weights read"))
+    code, out, err = _greedy(["--run-dir", str(run), "--prompt", prompt, "--max-new-tokens", "4"], capsys)
+    assert (code, out, err.splitlines()) == (2, "", ["moefold: error: " + message])

@@ -331,3 +331,12 @@ def test_document_ids_count_the_eos_before_each_position():
         naive.append(ids)
     assert batch.doc_ids_BS.tolist() == naive
     assert batch.doc_ids_BS.dtype == torch.int32
+
+
+def test_a_txt_file_of_only_a_byte_order_mark_is_not_blamed_on_text_field(tmp_path):
+    """data.text_field applies to .jsonl and .parquet records, not to a .txt file's text."""
+    (tmp_path / "a.txt").write_bytes(b"\xef\xbb\xbf")
+    with pytest.raises(DataError) as error:
+        _streams(tmp_path)
+    assert "text_field" not in str(error.value)
+    assert "a.txt: no documents (only a UTF-8 byte-order mark)" in str(error.value)

@@ -252,6 +252,8 @@ def read_documents(file: DataFile, text_field: str) -> Iterator[Document]:
         for document in reader(file, text_field):
             count += 1
             yield document
+    if count == 0 and file.suffix == ".txt":  # not empty (checked), so only a byte-order mark
+        raise file.error("no documents (only a UTF-8 byte-order mark)")
     if count == 0:
         raise file.error(f"no documents (every record is blank or has an empty or null "
                          f"data.text_field={text_field!r})")

@@ -112,6 +112,15 @@ UNUSED_DENSE_WIDTH = {
                                                           "mlp_only_layers": [-1, 7]},
     "deepseek_v3-no_dense_layer": {**DEEPSEEK, "intermediate_size": 0, "first_k_dense_replace": 0},
 }
+UNUSED_EXPERT_SIZES = {
+    "qwen3_moe-no_experts-0": {**QWEN, "num_experts": 0, "moe_intermediate_size": 0, "num_experts_per_tok": 0},
+    "qwen3_moe-no_experts-absent": {k: v for k, v in QWEN.items() if k not in ("moe_intermediate_size",
+                                                                             "num_experts_per_tok")}
+    | {"num_experts": 0},
+    "qwen3_moe-every_layer_mlp_only": {**QWEN, "mlp_only_layers": [0, 1, 2, 3], "moe_intermediate_size": -1},
+    "deepseek_v3-every_layer_dense": {**DEEPSEEK, "first_k_dense_replace": 5, "moe_intermediate_size": 0,
+                                      "num_experts_per_tok": 0},
+}
 
 
 @pytest.mark.parametrize("variant", UNUSED_DENSE_WIDTH)
@@ -120,6 +129,14 @@ def test_the_dense_mlp_width_is_not_read_where_every_layer_is_sparse(variant, tm
     no dense MLP and never reads it (a 0, a negative, the key left out), where moefold refused the
     checkpoint ('intermediate_size=0 must be > 0', 'config.json has no intermediate_size')."""
     _assert_imports_as_transformers_builds(UNUSED_DENSE_WIDTH[variant], tmp_path / "hf")
+
+
+@pytest.mark.parametrize("variant", UNUSED_EXPERT_SIZES)
+def test_the_expert_sizes_are_not_read_where_every_layer_is_dense(variant, tmp_path):
+    """Likewise moe_intermediate_size and num_experts_per_tok with no MoE layer (num_experts 0, every
+    layer in mlp_only_layers, first_k_dense_replace past the last): moefold refused the checkpoint
+    ('moe_intermediate_size=0 must be > 0', 'config.json has no num_experts_per_tok')."""
+    _assert_imports_as_transformers_builds(UNUSED_EXPERT_SIZES[variant], tmp_path / "hf")
 
 
 @pytest.mark.parametrize("config", [{**QWEN, "intermediate_size": 0, "decoder_sparse_step": 2},

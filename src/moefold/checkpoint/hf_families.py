@@ -363,15 +363,23 @@ def _softmax_router_to_hf(cfg: Config, family: str) -> None:
         _expressible(ok, f"moe.{key}", getattr(moe, key), family, "its router is a plain softmax top-k")
 
 
-def _dense_ffn_hidden(hf: dict[str, Any], cfg: Config) -> int:
-    """intermediate_size, the dense layers' MLP width (`cfg`'s layer pattern already read). Where
-    every block is MoE transformers builds no dense MLP and never reads it (a 0 or no key builds):
-    a positive one is kept for the export, else moefold's default stands in for it."""
-    blocks = cfg.model.n_layers + cfg.model.mtp_layers
-    if len(_moe_layer_ids(cfg, blocks)) < blocks:
-        return _int(hf, "intermediate_size")
-    unused = _int(hf, "intermediate_size", 0)
-    return unused if unused > 0 else cfg.model.ffn_hidden
+def _layer_sizes_from_hf(hf: dict[str, Any], cfg: Config) -> None:
+    """The dense MLP's width and the experts' width and top-k (`cfg`'s layer pattern already read)."""
+    m, moe = cfg.model, cfg.moe
+    blocks = m.n_layers + m.mtp_layers
+    n_moe = len(_moe_layer_ids(cfg, blocks))
+    m.ffn_hidden = _width(hf, "intermediate_size", n_moe < blocks, m.ffn_hidden)
+    moe.top_k = _width(hf, "num_experts_per_tok", n_moe > 0, moe.top_k)
+    moe.expert_hidden = _width(hf, "moe_intermediate_size", n_moe > 0, moe.expert_hidden)
+
+
+def _width(hf: dict[str, Any], key: str, used: bool, default: int) -> int:
+    """hf[key] > 0 where a block reads it. Where none does transformers never reads it (a 0, a
+    negative or no key builds): a positive one is kept for the export, else `default` stands in."""
+    if used:
+        return _positive(hf, key)
+    unused = _int(hf, key, 0)
+    return unused if unused > 0 else default
 
 
 def _moe_layer_ids(cfg: Config, n_blocks: int | None = None) -> list[int]:
@@ -434,8 +442,6 @@ def _qwen3_moe_from_hf(hf: dict[str, Any]) -> Config:
         m.sliding_window = _given_positive(hf, "sliding_window", kind=int) if "sliding_window" in hf else 4096
     alias = _int(hf, "num_local_experts", None)  # 5.x writes the alias
     moe.num_experts = _int(hf, "num_experts", ... if alias is None else alias)
-    moe.top_k = _positive(hf, "num_experts_per_tok")
-    moe.expert_hidden = _positive(hf, "moe_intermediate_size")
     moe.score_func, moe.softmax_before_topk = "softmax", True
     moe.norm_topk_prob = _bool(hf, "norm_topk_prob", False)
     # HF: layer i is MoE iff (i+1) % decoder_sparse_step == 0 and i not in mlp_only_layers.
@@ -446,7 +452,7 @@ def _qwen3_moe_from_hf(hf: dict[str, Any]) -> Config:
     moe.first_k_dense, moe.moe_every = abs(step) - 1, abs(step)
     # transformers asks `i not in mlp_only_layers`: an id of no layer changes nothing (not refused)
     moe.dense_layers = sorted({i for i in _int_list(hf, "mlp_only_layers") if 0 <= i < m.n_layers})
-    m.ffn_hidden = _dense_ffn_hidden(hf, cfg)
+    _layer_sizes_from_hf(hf, cfg)
     _switch_aux_from_hf(hf, cfg)
     return cfg
 
@@ -536,10 +542,8 @@ def _deepseek_v3_from_hf(hf: dict[str, Any]) -> Config:
     # absent: DeepseekV3Config's 1 (a checkpoint without the MTP tensors loads without them)
     m.mtp_layers = _int(hf, "num_nextn_predict_layers", _int(hf, "num_mtp_layers", 1))
     moe.num_experts = _positive(hf, "n_routed_experts")  # transformers builds MoE layers of 0 experts
-    moe.top_k = _positive(hf, "num_experts_per_tok")
-    moe.expert_hidden = _positive(hf, "moe_intermediate_size")
     moe.first_k_dense, moe.moe_every = _int(hf, "first_k_dense_replace", 3), 1
-    m.ffn_hidden = _dense_ffn_hidden(hf, cfg)
+    _layer_sizes_from_hf(hf, cfg)
     moe.shared_experts = _int(hf, "n_shared_experts", 1)
     if moe.shared_experts < 1:
         raise CheckpointError(f"config.json: n_shared_experts={moe.shared_experts} is not supported (>= 1)")

@@ -300,3 +300,31 @@ def test_an_export_of_a_config_json_without_max_position_embeddings_states_trans
     expected = transformers.AutoConfig.from_pretrained(tmp_path / "hf").max_position_embeddings
     save_pretrained(load_pretrained(tmp_path / "hf"), tmp_path / "out")
     assert json.loads((tmp_path / "out" / "config.json").read_text())["max_position_embeddings"] == expected
+
+
+# ---------------------------------------------------------------------------------------------
+# A config class's field beside its alias: transformers sets the alias after the field
+# ---------------------------------------------------------------------------------------------
+
+ALIASED_EXPERTS = {  # the alias's 6 experts win, whichever comes first in the file
+    "qwen3_moe-num_local_experts": ({**QWEN, "num_experts": 4, "num_local_experts": 6}, 6),
+    "qwen3_moe-num_local_experts_first": ({"num_local_experts": 6, **QWEN, "num_experts": 4}, 6),
+    "mixtral-num_experts": ({**MIXTRAL, "num_local_experts": 4, "num_experts": 6}, 6),
+    "mixtral-num_experts_alone": ({**{k: v for k, v in MIXTRAL.items() if k != "num_local_experts"},
+                                   "num_experts": 6}, 6),
+    "deepseek_v3-num_local_experts": ({**DEEPSEEK, "n_routed_experts": 8, "num_local_experts": 4}, 4),
+    "deepseek_v3-num_local_experts_alone": ({**{k: v for k, v in DEEPSEEK.items() if k != "n_routed_experts"},
+                                             "num_local_experts": 4}, 4),
+}
+
+
+@pytest.mark.parametrize("variant", ALIASED_EXPERTS)
+def test_an_expert_count_under_both_names_is_read_as_transformers_reads_it(variant, tmp_path):
+    """Qwen3MoeConfig's num_experts, MixtralConfig's num_local_experts and DeepseekV3Config's
+    n_routed_experts each have an alias (attribute_map) that config.json may hold too; transformers
+    sets it after the field, so it wins. moefold took the field (a model of other expert count,
+    refused for its tensors: '12 tensor(s) with no place in the model'), and refused a Mixtral or
+    DeepSeek-V3 config.json holding the alias alone ('config.json has no num_local_experts')."""
+    config, experts = ALIASED_EXPERTS[variant]
+    assert config_from_hf(config).moe.num_experts == experts
+    _assert_imports_as_transformers_builds(config, tmp_path / "hf")

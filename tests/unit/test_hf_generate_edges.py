@@ -129,7 +129,7 @@ def test_a_refused_config_value_is_one_line_and_exit_2_from_the_cli(qwen_dir, tm
     (deepseek_v3, {"first_k_dense_replace": -1}, "first_k_dense_replace=-1 must be >= 0"),
     (deepseek_v3, {"num_nextn_predict_layers": -1}, "num_nextn_predict_layers=-1 must be >= 0"),
     (qwen3, {"rms_norm_eps": -1.0}, "rms_norm_eps=-1.0 must be > 0"),
-    (qwen3, {"num_experts": -1}, "num_experts=-1 must be >= 0"),
+    (qwen3, {"num_local_experts": -1}, "num_local_experts=-1 must be >= 0"),  # the alias transformers 5 writes
     (qwen3, {"router_aux_loss_coef": -1.0}, "router_aux_loss_coef=-1.0 must be >= 0"),
     (deepseek_v3, {"aux_loss_alpha": -1.0}, "aux_loss_alpha=-1.0 must be >= 0"),
     (deepseek_v3, {"aux_loss_alpha": -1.0, "seq_aux": False}, "aux_loss_alpha=-1.0 must be >= 0"),

@@ -126,6 +126,18 @@ _KEYS = {"model.vocab_size": ("vocab_size",), "model.dim": ("hidden_size",),
 """config.json keys of the `Config` fields every family reads as they are (`Family.keys`)."""
 
 
+# A config class's field and its alias (attribute_map), the alias first: transformers sets it after the
+# field (the dataclass's), so where config.json holds both the alias wins.
+_QWEN3_MOE_EXPERTS = ("num_local_experts", "num_experts")
+_MIXTRAL_EXPERTS = ("num_experts", "num_local_experts")
+_DEEPSEEK_V3_EXPERTS = ("num_local_experts", "n_routed_experts")
+
+
+def _present(hf: dict[str, Any], keys: tuple[str, ...]) -> str:
+    """The first of `keys` config.json holds, else the last (to name as missing)."""
+    return next((k for k in keys if k in hf), keys[-1])
+
+
 def config_json_keys(family: Family, hf: dict[str, Any]) -> dict[str, str]:
     """moefold field → the config.json key it was read from, for `family`'s config.json `hf`."""
     keys = {**_KEYS, **family.keys}
@@ -440,8 +452,7 @@ def _qwen3_moe_from_hf(hf: dict[str, Any]) -> Config:
     # (a 0 is a window of 0 there, whose mask fails: refused).
     if _bool(hf, "use_sliding_window", False):
         m.sliding_window = _given_positive(hf, "sliding_window", kind=int) if "sliding_window" in hf else 4096
-    alias = _int(hf, "num_local_experts", None)  # 5.x writes the alias
-    moe.num_experts = _int(hf, "num_experts", ... if alias is None else alias)
+    moe.num_experts = _int(hf, _present(hf, _QWEN3_MOE_EXPERTS))  # 5.x writes the alias
     moe.score_func, moe.softmax_before_topk = "softmax", True
     moe.norm_topk_prob = _bool(hf, "norm_topk_prob", False)
     # HF: layer i is MoE iff (i+1) % decoder_sparse_step == 0 and i not in mlp_only_layers.
@@ -485,7 +496,7 @@ def _mixtral_from_hf(hf: dict[str, Any]) -> Config:
     m.qk_norm = False
     m.sliding_window = _given_positive(hf, "sliding_window", kind=int)  # null: none; 0 fails there
     m.ffn_hidden = moe.expert_hidden = _positive(hf, "intermediate_size")
-    moe.num_experts = _positive(hf, "num_local_experts")  # every Mixtral layer is MoE, even of 0 experts
+    moe.num_experts = _positive(hf, _present(hf, _MIXTRAL_EXPERTS))  # every layer is MoE, even of 0 experts
     moe.top_k = _positive(hf, "num_experts_per_tok")
     moe.first_k_dense, moe.moe_every = 0, 1
     # Mixtral: softmax over all E, top-k, renormalise. The same as top-k of the logits then softmax
@@ -541,7 +552,7 @@ def _deepseek_v3_from_hf(hf: dict[str, Any]) -> Config:
                               f"written; give {key}.factor")
     # absent: DeepseekV3Config's 1 (a checkpoint without the MTP tensors loads without them)
     m.mtp_layers = _int(hf, "num_nextn_predict_layers", _int(hf, "num_mtp_layers", 1))
-    moe.num_experts = _positive(hf, "n_routed_experts")  # transformers builds MoE layers of 0 experts
+    moe.num_experts = _positive(hf, _present(hf, _DEEPSEEK_V3_EXPERTS))  # transformers: MoE layers of 0 experts
     moe.first_k_dense, moe.moe_every = _int(hf, "first_k_dense_replace", 3), 1
     _layer_sizes_from_hf(hf, cfg)
     moe.shared_experts = _int(hf, "n_shared_experts", 1)
@@ -602,15 +613,15 @@ def _deepseek_v3_to_hf(cfg: Config) -> dict[str, Any]:
 FAMILIES = {
     "qwen3_moe": Family("qwen3_moe", "Qwen3MoeForCausalLM", _QWEN3_MOE_BLOCK,
                         _qwen3_moe_from_hf, _qwen3_moe_to_hf,
-                        keys={"moe.num_experts": ("num_experts", "num_local_experts")}),
+                        keys={"moe.num_experts": _QWEN3_MOE_EXPERTS}),
     "mixtral": Family("mixtral", "MixtralForCausalLM", _MIXTRAL_BLOCK, _mixtral_from_hf, _mixtral_to_hf,
-                      keys={"moe.num_experts": ("num_local_experts",), "moe.expert_hidden": ("intermediate_size",),
+                      keys={"moe.num_experts": _MIXTRAL_EXPERTS, "moe.expert_hidden": ("intermediate_size",),
                             "moe.input_jitter": ("router_jitter_noise",)}),
     "deepseek_v3": Family("deepseek_v3", "DeepseekV3ForCausalLM", _DEEPSEEK_V3_BLOCK,
                           _deepseek_v3_from_hf, _deepseek_v3_to_hf,
                           mtp=_DEEPSEEK_V3_MTP, mtp_copies=_DEEPSEEK_V3_MTP_COPIES,
                           keep_fp32=(".mlp.gate.weight", ".mlp.gate.e_score_correction_bias"),
-                          keys={"moe.num_experts": ("n_routed_experts",), "moe.num_groups": ("n_group",),
+                          keys={"moe.num_experts": _DEEPSEEK_V3_EXPERTS, "moe.num_groups": ("n_group",),
                                 "moe.group_top_k": ("topk_group",), "moe.first_k_dense": ("first_k_dense_replace",),
                                 "moe.shared_experts": ("n_shared_experts",),
                                 "moe.routed_scaling_factor": ("routed_scaling_factor",),

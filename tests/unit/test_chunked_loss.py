@@ -13,7 +13,7 @@ from moefold.train.loss import ChunkedLoss, LogitsLoss, NextTokenAndMTPLoss, Nex
 
 @pytest.mark.parametrize("chunk", [1, 7, 64, 1000])  # uneven last chunk, one chunk for all
 def test_matches_plain_head_and_cross_entropy(chunk):
-    """fp32 inputs: the loss works in fp32 whatever the input dtype."""
+    """fp32 inputs: the loss works in fp32 for inputs of fp32 or narrower (fp64 in fp64, 83de019)."""
     gen = torch.Generator().manual_seed(chunk)
     B, S, D, V = 3, 21, 16, 50
     h = torch.randn(B, S, D, dtype=torch.float32, generator=gen, requires_grad=True)
@@ -77,7 +77,7 @@ def test_mtp_depths_take_the_chunked_loss_too():
         results.append((parts, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
         model.zero_grad()
     (plain_parts, plain_grads), (parts, grads) = results
-    # the chunked loss works in fp32 (test_matches_plain_head_and_cross_entropy's tolerances)
+    # within test_matches_plain_head_and_cross_entropy's fp32 tolerances
     for key in ("lm_loss", "mtp_loss"):
         torch.testing.assert_close(parts[key], plain_parts[key], rtol=1e-5, atol=1e-6)
     assert grads.keys() == plain_grads.keys()

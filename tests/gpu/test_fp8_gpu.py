@@ -418,3 +418,22 @@ def test_fp8_weight_cache_trains_as_quantizing_per_call(tmp_path, recipe, kernel
         assert torch.equal(cached, per_call), (cached, per_call)
     else:
         torch.testing.assert_close(cached, per_call, rtol=1e-2, atol=0)
+
+
+@pytest.mark.parametrize("name", ["moe", "layer"])
+def test_an_offloaded_site_trains_bit_identically_with_the_fp8_weight_cache(tmp_path, name):
+    """An offloaded `moe` or `layer` keeps the FP8 weight cache's buffers on the device (62ac77f;
+    the CPU test counts the host copies) while its activations go through CUDA's pinned copies on
+    a side stream: 6 steps of two micro-batches give the un-offloaded run's losses bit for bit."""
+    common = ("--train.grad_accum", "2", "--train.steps", "6", "--precision.fp8", "rowwise",
+              "--precision.fp8_weight_cache", "true")
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        plain = _train_losses(tmp_path, "plain", *common)
+        offloaded = _train_losses(tmp_path, "offloaded", *common, "--memory.offload", f'["{name}"]',
+                                  "--memory.offload_min_bytes", "0")
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert len(offloaded) == 6
+    assert torch.equal(offloaded, plain), (offloaded, plain)

@@ -51,7 +51,8 @@ def deepseek_v3_reference(model, ids_BL, labels_BL):
 
 
 def _cross_entropy(logits_BLV, labels_BL):
-    return F.cross_entropy(logits_BLV.flatten(0, 1).float(), labels_BL.flatten())  # fp32, as trained
+    logits = logits_BLV.flatten(0, 1)  # the loss works in fp32, or in fp64 for fp64 logits (83de019)
+    return F.cross_entropy(logits if logits.dtype == torch.float64 else logits.float(), labels_BL.flatten())
 
 
 def _total(lm, depths):

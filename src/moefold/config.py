@@ -93,6 +93,17 @@ class ModelConfig:
     """The context length a Hugging Face export states (config.json's max_position_embeddings, kept
     from an imported checkpoint); 0: YaRN's extended length, else max(train.seq_len, 4096)."""
 
+    def stated_context(self) -> tuple[int, str] | None:
+        """The context the model states, and the options that set it: max_position_embeddings,
+        else YaRN's extended length; None for neither (what it means then is the reader's: an
+        export states max(train.seq_len, 4096), generate reads train.seq_len)."""
+        if self.max_position_embeddings:
+            return self.max_position_embeddings, "model.max_position_embeddings"
+        if self.rope_scaling == "yarn":
+            length = int(self.rope_original_max_len * self.rope_factor)
+            return length, "model.rope_original_max_len × model.rope_factor"
+        return None
+
 
 @dataclass
 class MoEConfig:

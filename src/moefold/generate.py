@@ -90,16 +90,10 @@ def end_of_document_id(cfg: Config, tokenizer) -> int:
 
 
 def context_length(cfg: Config) -> tuple[int, str]:
-    """The positions the model reads at once, and the option that sets them, as an export's
-    config.json states them: model.max_position_embeddings (an imported checkpoint's), else YaRN's
-    extended length, else train.seq_len (what a native run trained at; a converted run's is the
-    default 256, not the model's context)."""
-    m = cfg.model
-    if m.max_position_embeddings:
-        return m.max_position_embeddings, "model.max_position_embeddings"
-    if m.rope_scaling != "none":
-        return int(m.rope_original_max_len * m.rope_factor), "model.rope_original_max_len × model.rope_factor"
-    return cfg.train.seq_len, "train.seq_len"
+    """The positions the model reads at once, and the option that sets them: the context the model
+    states (`ModelConfig.stated_context`: an imported checkpoint's, or YaRN's), else train.seq_len
+    (what a native run trained at; a converted run's is the default 256, not the model's context)."""
+    return cfg.model.stated_context() or (cfg.train.seq_len, "train.seq_len")
 
 
 def _dropless(cfg: Config) -> Config:

@@ -346,15 +346,14 @@ def _common_to_hf(cfg: Config, family: str) -> dict[str, Any]:
           "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": m.tie_embeddings,
           "initializer_range": m.init_std, "num_experts_per_tok": moe.top_k,
           "rope_theta": m.rope_theta, "rope_scaling": None,
-          "max_position_embeddings": max(cfg.train.seq_len, 4096), "use_cache": True}
+          "use_cache": True}
     if m.rope_scaling == "yarn":
         hf["rope_scaling"] = {"rope_type": "yarn", "factor": m.rope_factor,
                               "original_max_position_embeddings": m.rope_original_max_len,
                               "beta_fast": m.yarn_beta_fast, "beta_slow": m.yarn_beta_slow,
                               "mscale": m.yarn_mscale, "mscale_all_dim": m.yarn_mscale_all_dim}
-        hf["max_position_embeddings"] = int(m.rope_original_max_len * m.rope_factor)
-    if m.max_position_embeddings:
-        hf["max_position_embeddings"] = m.max_position_embeddings
+    stated = m.stated_context()
+    hf["max_position_embeddings"] = stated[0] if stated else max(cfg.train.seq_len, 4096)
     return hf
 
 

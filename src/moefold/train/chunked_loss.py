@@ -19,7 +19,8 @@ compiled on its own (`compile_loss`) into passes over the logits in the compute 
 plain head's compiled loss is.
 
 Labels of IGNORE_INDEX (-100) are ignored (they count neither in the loss nor in N), as in
-`F.cross_entropy`. Without gradients (validation, under torch.no_grad) only the loss is taken, in the
+`F.cross_entropy`; any other label outside [0, V) is refused, as there (`refuse_bad_labels`: an
+assert on the device, no host sync; the steps would read a negative one as label 0). Without gradients (validation, under torch.no_grad) only the loss is taken, in the
 same chunks.
 """
 
@@ -128,11 +129,21 @@ def chunked_linear_cross_entropy(h_BSD: torch.Tensor, weight_VD: torch.Tensor, l
     device_type = h_BSD.device.type
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) \
         else h_BSD.dtype
+    refuse_bad_labels(labels_BS, weight_VD.shape[0])
     with torch.autocast(device_type, enabled=False):
         if not torch.is_grad_enabled():  # evaluation: no gradient to take along
             return _mean_loss(h_BSD.flatten(0, 1), weight_VD, labels_BS.flatten(), chunk, dtype)
         return _ChunkedLinearCrossEntropy.apply(h_BSD.flatten(0, 1), weight_VD, labels_BS.flatten(),
                                                 chunk, dtype, step)
+
+
+def refuse_bad_labels(labels_T: torch.Tensor, vocab_size: int) -> None:
+    """Raise (CPU) or assert on the device (CUDA, no host sync) unless every label is in
+    [0, vocab_size) or IGNORE_INDEX, as `F.cross_entropy` refuses them: the steps clamp ignored
+    labels to 0, which would take any other negative one silently as label 0."""
+    ok_T = ((labels_T >= 0) & (labels_T < vocab_size)) | (labels_T == IGNORE_INDEX)
+    torch._assert_async(ok_T.all(), f"chunked cross-entropy: a label is outside [0, {vocab_size}) "
+                                    f"and not the ignore index {IGNORE_INDEX}")
 
 
 def _mean_loss(h_TD: torch.Tensor, weight_VD: torch.Tensor, labels_T: torch.Tensor, chunk: int,

@@ -1,0 +1,111 @@
+"""The training losses against `F.cross_entropy(ignore_index=-100)` in fp64: labels it refuses (negative
+but not the ignore index, or past the vocabulary) are refused by every loss path, and the tokens the
+mean divides by are its own, an all-ignored micro-batch included (0, with zero gradients, where its
+mean is nan: Megatron-Core's max(tokens, 1))."""
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moefold.data import IGNORE_INDEX
+from moefold.train.chunked_loss import chunked_linear_cross_entropy, fused_chunk_loss_and_grad
+from moefold.train.loss import ChunkedLoss, LogitsLoss, build_head_loss
+
+V, D = 11, 6
+HAS_CXX = shutil.which("g++") is not None or shutil.which("c++") is not None
+needs_cxx = pytest.mark.skipif(not HAS_CXX, reason="Inductor on the CPU needs a C++ compiler")
+
+
+def _head_and_hidden(seed: int, B: int = 2, S: int = 9) -> tuple[nn.Linear, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    head = nn.Linear(D, V, bias=False, dtype=torch.float64)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(V, D, generator=gen, dtype=torch.float64))
+    return head, torch.randn(B, S, D, generator=gen, dtype=torch.float64, requires_grad=True)
+
+
+def _labels(seed: int, B: int = 2, S: int = 9) -> torch.Tensor:
+    return torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(seed))
+
+
+HEAD_LOSSES = {
+    "plain": lambda: LogitsLoss(),
+    "chunked": lambda: ChunkedLoss(4),
+    "chunked-fused": lambda: ChunkedLoss(4, fused_chunk_loss_and_grad),
+    "plain-compiled": lambda: build_head_loss(0, compiled=True),
+    "chunked-compiled": lambda: build_head_loss(4, compiled=True),
+}
+COMPILED = {"plain-compiled", "chunked-compiled"}
+
+
+@pytest.mark.parametrize("path", [pytest.param(p, marks=needs_cxx) if p in COMPILED else p for p in HEAD_LOSSES])
+@pytest.mark.parametrize("bad", [-1, -5, -101, V, V + 3])
+def test_a_label_cross_entropy_refuses_is_refused_by_every_loss(path, bad):
+    """F.cross_entropy refuses a label outside [0, V) other than -100 (CPU raises, CUDA asserts on
+    the device); the chunked loss took a negative one as label 0, silently."""
+    head, h_BSD = _head_and_hidden(0)
+    labels_BS = _labels(1)
+    labels_BS[1, 6] = bad  # in the second chunk of 4
+    with pytest.raises(IndexError):
+        F.cross_entropy(head(h_BSD).flatten(0, 1), labels_BS.flatten(), ignore_index=IGNORE_INDEX)
+    with pytest.raises((IndexError, RuntimeError), match="out of bounds|label"):
+        HEAD_LOSSES[path]()(head, h_BSD, labels_BS).backward()
+
+
+@pytest.mark.parametrize("bad", [-7, V])
+def test_the_chunked_evaluation_loss_refuses_them_too(bad):
+    head, h_BSD = _head_and_hidden(2)
+    labels_BS = _labels(3)
+    labels_BS[0, 0] = bad
+    with torch.no_grad(), pytest.raises(RuntimeError, match=rf"label.*\[0, {V}\).*-100"):
+        chunked_linear_cross_entropy(h_BSD, head.weight, labels_BS, 4)
+
+
+@pytest.mark.parametrize("path", ["plain", "chunked", "chunked-fused"])
+@pytest.mark.parametrize("ignored", ["none", "some", "a whole chunk", "all but one"])
+def test_the_mean_divides_by_cross_entropys_token_count(path, ignored):
+    """fp64: loss and gradients of the mean equal F.cross_entropy(reduction='mean')'s, and the
+    loss times the labelled tokens its reduction='sum'."""
+    head, h_BSD = _head_and_hidden(4)
+    labels_BS = _labels(5)
+    if ignored == "some":
+        labels_BS[0, ::3] = IGNORE_INDEX
+    elif ignored == "a whole chunk":
+        labels_BS.view(-1)[4:8] = IGNORE_INDEX
+    elif ignored == "all but one":
+        labels_BS.fill_(IGNORE_INDEX)[1, 5] = 3
+    h_ref_BSD = h_BSD.detach().clone().requires_grad_()
+    head_ref = nn.Linear(D, V, bias=False, dtype=torch.float64)
+    head_ref.load_state_dict(head.state_dict())
+    logits_TV = head_ref(h_ref_BSD).flatten(0, 1)
+    ref_mean = F.cross_entropy(logits_TV, labels_BS.flatten(), ignore_index=IGNORE_INDEX)
+    ref_sum = F.cross_entropy(logits_TV, labels_BS.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+    loss = HEAD_LOSSES[path]()(head, h_BSD, labels_BS)
+    (1.3 * loss).backward()
+    (1.3 * ref_mean).backward()
+    tokens = (labels_BS != IGNORE_INDEX).sum()
+    torch.testing.assert_close(loss, ref_mean, rtol=1e-13, atol=1e-13)
+    torch.testing.assert_close(loss * tokens, ref_sum, rtol=1e-13, atol=1e-13)
+    torch.testing.assert_close(h_BSD.grad, h_ref_BSD.grad, rtol=1e-12, atol=1e-13)
+    torch.testing.assert_close(head.weight.grad, head_ref.weight.grad, rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.parametrize("path", ["plain", "chunked", "chunked-fused"])
+def test_an_all_ignored_micro_batch_gives_zero_loss_and_zero_gradients(path):
+    """F.cross_entropy's sum is 0 and its mean nan (0 / 0); the objective's loss is 0 (the plain
+    head's through loss_or_zero, the chunked loss itself), its gradients 0, not nan."""
+    from moefold.models.mtp import loss_or_zero
+
+    head, h_BSD = _head_and_hidden(6)
+    labels_BS = torch.full((2, 9), IGNORE_INDEX)
+    logits_TV = head(h_BSD).detach().flatten(0, 1)
+    assert F.cross_entropy(logits_TV, labels_BS.flatten(), reduction="sum") == 0
+    assert F.cross_entropy(logits_TV, labels_BS.flatten()).isnan()
+    loss = loss_or_zero(HEAD_LOSSES[path]()(head, h_BSD, labels_BS), labels_BS)
+    loss.backward()
+    assert loss.item() == 0
+    assert torch.equal(h_BSD.grad, torch.zeros_like(h_BSD))
+    assert torch.equal(head.weight.grad, torch.zeros_like(head.weight))

@@ -109,3 +109,18 @@ def test_an_all_ignored_micro_batch_gives_zero_loss_and_zero_gradients(path):
     assert loss.item() == 0
     assert torch.equal(h_BSD.grad, torch.zeros_like(h_BSD))
     assert torch.equal(head.weight.grad, torch.zeros_like(head.weight))
+
+
+@pytest.mark.parametrize("path", ["plain", "chunked", "chunked-fused"])
+@pytest.mark.parametrize("grad", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("labels_shape, chunk", [((2, 6), 5), ((2, 6), 10), ((2, 4), 5), ((3, 3), 100)])
+def test_labels_for_other_positions_than_the_hidden_states_are_refused(path, grad, labels_shape, chunk):
+    """F.cross_entropy refuses a target count other than the logits' rows; the chunked loss, given
+    more labels than positions in whole chunks (12 for 10 in chunks of 5 or 10), took the first
+    ones and divided by all 12, silently."""
+    head, h_BSD = _head_and_hidden(7, B=2, S=5)
+    labels_BS = torch.randint(0, V, labels_shape, generator=torch.Generator().manual_seed(8))
+    head_loss = {"plain": LogitsLoss(), "chunked": ChunkedLoss(chunk),
+                 "chunked-fused": ChunkedLoss(chunk, fused_chunk_loss_and_grad)}[path]
+    with torch.set_grad_enabled(grad), pytest.raises(ValueError, match="batch_size|labels"):
+        head_loss(head, h_BSD, labels_BS)

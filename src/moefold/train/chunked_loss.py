@@ -19,7 +19,8 @@ compiled on its own (`compile_loss`) into passes over the logits in the compute 
 plain head's compiled loss is.
 
 Labels of IGNORE_INDEX (-100) are ignored (they count neither in the loss nor in N), as in
-`F.cross_entropy`; any other label outside [0, V) is refused, as there (`refuse_bad_labels`: an
+`F.cross_entropy`; any other label outside [0, V), or a label count other than the positions',
+is refused, as there (`refuse_bad_labels`: an
 assert on the device, no host sync; the steps would read a negative one as label 0). Without gradients (validation, under torch.no_grad) only the loss is taken, in the
 same chunks.
 """
@@ -129,12 +130,22 @@ def chunked_linear_cross_entropy(h_BSD: torch.Tensor, weight_VD: torch.Tensor, l
     device_type = h_BSD.device.type
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) \
         else h_BSD.dtype
+    _refuse_other_positions(h_BSD, labels_BS)
     refuse_bad_labels(labels_BS, weight_VD.shape[0])
     with torch.autocast(device_type, enabled=False):
         if not torch.is_grad_enabled():  # evaluation: no gradient to take along
             return _mean_loss(h_BSD.flatten(0, 1), weight_VD, labels_BS.flatten(), chunk, dtype)
         return _ChunkedLinearCrossEntropy.apply(h_BSD.flatten(0, 1), weight_VD, labels_BS.flatten(),
                                                 chunk, dtype, step)
+
+
+def _refuse_other_positions(h_BSD: torch.Tensor, labels_BS: torch.Tensor) -> None:
+    """One label per position, as `F.cross_entropy` wants one target per row of logits: the chunks
+    walk the positions, and more labels would be left out of the loss but not of its count."""
+    positions = h_BSD.shape[:-1].numel()
+    if labels_BS.numel() != positions:
+        raise ValueError(f"chunked cross-entropy: {labels_BS.numel()} labels {list(labels_BS.shape)} for the "
+                         f"{positions} positions of hidden states {list(h_BSD.shape)}; give one label per position")
 
 
 def refuse_bad_labels(labels_T: torch.Tensor, vocab_size: int) -> None:

@@ -19,10 +19,10 @@ compiled on its own (`compile_loss`) into passes over the logits in the compute 
 plain head's compiled loss is.
 
 Labels of IGNORE_INDEX (-100) are ignored (they count neither in the loss nor in N), as in
-`F.cross_entropy`; any other label outside [0, V), or a label count other than the positions',
-is refused, as there (`refuse_bad_labels`: an
-assert on the device, no host sync; the steps would read a negative one as label 0). Without gradients (validation, under torch.no_grad) only the loss is taken, in the
-same chunks.
+`F.cross_entropy`; as there, any other label outside [0, V) is refused (`refuse_bad_labels`: an
+assert on the device, no host sync; the steps would read a negative one as label 0), and so is a
+label count other than the positions'. Without gradients (validation, under torch.no_grad) only
+the loss is taken, in the same chunks.
 """
 
 from collections.abc import Callable

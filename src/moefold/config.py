@@ -92,6 +92,12 @@ class ModelConfig:
     max_position_embeddings: int = 0
     """The context length a Hugging Face export states (config.json's max_position_embeddings, kept
     from an imported checkpoint); 0: YaRN's extended length, else max(train.seq_len, 4096)."""
+    eos_token_ids: list[int] = field(default_factory=list)
+    """config.json's eos_token_id of an imported checkpoint (one id or several), kept for its
+    export; with no generation_eos_token_ids, where generate stops besides the end-of-document id."""
+    generation_eos_token_ids: list[int] = field(default_factory=list)
+    """generation_config.json's eos_token_id of an imported checkpoint (Qwen3 instruct's <|im_end|>
+    and <|endoftext|>): where its generate stops besides the end-of-document id; exported again."""
 
     def stated_context(self) -> tuple[int, str] | None:
         """The context the model states, and the options that set it: max_position_embeddings,

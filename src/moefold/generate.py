@@ -2,12 +2,13 @@
 new token alone (`Transformer.decode`)."""
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import torch
 
 from moefold.checkpoint.dcp import load_weights, resolve_checkpoint
+from moefold.checkpoint.hf import stop_token_ids
 from moefold.config import Config, config_from_toml
 from moefold.data.formats import TOKEN_SUFFIXES, find_data_files
 from moefold.data.tokenizer import build_tokenizer
@@ -89,6 +90,13 @@ def end_of_document_id(cfg: Config, tokenizer) -> int:
     return cfg.data.eos_id if cfg.data.eos_id >= 0 else tokenizer.eos_id
 
 
+def stop_ids(cfg: Config, tokenizer) -> list[int]:
+    """The ids `moefold generate` stops at: the end of document (`end_of_document_id`), and those
+    an imported checkpoint states, where transformers' generate stops (its generation_config.json's
+    eos_token_id, else its config.json's: Qwen3 instruct's <|im_end|> and <|endoftext|>)."""
+    return stop_token_ids(cfg, end_of_document_id(cfg, tokenizer))
+
+
 def context_length(cfg: Config) -> tuple[int, str]:
     """The positions the model reads at once, and the option that sets them: the context the model
     states (`ModelConfig.stated_context`: an imported checkpoint's, or YaRN's), else train.seq_len
@@ -105,8 +113,10 @@ def _dropless(cfg: Config) -> Config:
 
 @torch.no_grad()
 def sample(model, prompt_ids: list[int], max_new_tokens: int, temperature: float, top_k: int,
-           context: int, eos_id: int, generator: torch.Generator, vocab_size: int | None = None) -> list[int]:
-    """Autoregressive sampling; stops at max_new_tokens or end-of-document. `context`: the
+           context: int, eos_id: int | Collection[int], generator: torch.Generator,
+           vocab_size: int | None = None) -> list[int]:
+    """Autoregressive sampling; stops at max_new_tokens or at `eos_id`, an id or several
+    (`stop_ids`), which is not returned. `context`: the
     positions the model reads at once (`context_length`); a longer prompt is refused, never cut.
     Once prompt and new tokens fill it, each further token re-reads the `context` tokens that end
     with it at positions 0.., as without a cache. `vocab_size`: the tokenizer's; the rows a
@@ -138,14 +148,15 @@ def sample(model, prompt_ids: list[int], max_new_tokens: int, temperature: float
     # tokens to the step's counts (the expert-bias update, the statistics): eval, then restore.
     model.eval()
     try:
-        return _generate(model, list(prompt_ids), max_new_tokens, temperature, top_k, context, eos_id,
+        stops = {eos_id} if isinstance(eos_id, int) else set(eos_id)
+        return _generate(model, list(prompt_ids), max_new_tokens, temperature, top_k, context, stops,
                          generator, vocab_size)
     finally:
         model.train(was_training)
 
 
 def _generate(model, ids: list[int], max_new_tokens: int, temperature: float, top_k: int, context: int,
-              eos_id: int, generator: torch.Generator, vocab_size: int | None) -> list[int]:
+              stops: set[int], generator: torch.Generator, vocab_size: int | None) -> list[int]:
     """`sample`'s loop, the model in eval mode: the new ids after `ids`."""
     device, prompt_len = next(model.parameters()).device, len(ids)
     # No larger than the sequence needs: a context of 40960 positions would be allocated whole.
@@ -153,7 +164,7 @@ def _generate(model, ids: list[int], max_new_tokens: int, temperature: float, to
     cache, unread = model.new_cache(window), ids
     for _ in range(max_new_tokens):
         next_id = _pick(_read(model, unread, cache, device)[:vocab_size], temperature, top_k, generator)
-        if next_id == eos_id:
+        if next_id in stops:
             break
         ids.append(next_id)
         unread = [next_id]

@@ -88,7 +88,7 @@ def test_generation_stops_at_the_end_of_document_id_the_run_trained_with(tmp_pat
 
     monkeypatch.setattr(moefold.generate, "sample", recording_sample)
     assert main(["generate", "--run-dir", str(run), "--prompt", "x", "--max-new-tokens", "3"]) == 0
-    assert given == {"eos_id": 10}
+    assert given == {"eos_id": [10]}  # with no imported checkpoint's ids (stop_ids)
 
 
 def test_text_that_stdout_cannot_encode_prints_replaced_not_a_traceback(finished_run, monkeypatch):

@@ -36,16 +36,18 @@ def _config(path: Path) -> dict:
 def test_an_export_claims_no_end_of_document_id_outside_its_vocabulary(tmp_path):
     """A checkpoint without tokenizer.json converts to a run with the byte-level tokenizer, whose
     end of document is 256; exported back, config.json said eos_token_id=256 for a vocabulary of
-    96 rows (no such token). Now it says null, and transformers' generate runs to max_new_tokens."""
-    hf, run, back = tmp_path / "hf", tmp_path / "run", tmp_path / "back"
-    hf_model_of(qwen3(eos_token_id=7, bos_token_id=5)).save_pretrained(hf)
-    assert main(["convert", "--from-hf", str(hf), "--out", str(run)]) == 0
-    assert main(["convert", "--run-dir", str(run), "--to-hf", str(back)]) == 0
-    config = _config(back)
-    assert config["vocab_size"] == VOCAB
-    assert (config["eos_token_id"], config["bos_token_id"]) == (None, None)
-    model = transformers.AutoModelForCausalLM.from_pretrained(back)
-    assert model.generation_config.eos_token_id is None
+    96 rows (no such token). Now it says the checkpoint's own 7 (kept since test_hf_generate_audit6.py),
+    and where the checkpoint states none, null: transformers' generate runs to max_new_tokens."""
+    for eos in (7, None):
+        hf, run, back = tmp_path / f"hf{eos}", tmp_path / f"run{eos}", tmp_path / f"back{eos}"
+        hf_model_of(qwen3(eos_token_id=eos, bos_token_id=5)).save_pretrained(hf)
+        assert main(["convert", "--from-hf", str(hf), "--out", str(run)]) == 0
+        assert main(["convert", "--run-dir", str(run), "--to-hf", str(back)]) == 0
+        config = _config(back)
+        assert config["vocab_size"] == VOCAB
+        assert (config["eos_token_id"], config["bos_token_id"]) == (eos, None)
+        model = transformers.AutoModelForCausalLM.from_pretrained(back)
+        assert model.generation_config.eos_token_id == eos
     out = model.generate(torch.tensor([[1, 2]]), max_new_tokens=3, do_sample=False)
     assert out.shape == (1, 5)
 
@@ -54,19 +56,22 @@ def test_an_untrained_conversion_claims_not_the_byte_tokenizers_end_of_document(
     """A checkpoint of 300 tokens ending documents with 7 and without tokenizer.json converts to a
     run with the byte tokenizer; exported back untrained, config.json said eos_token_id=256, a
     token of the checkpoint's own vocabulary that ended none of its documents (transformers'
-    generate would stop at it). Now null until the run trains on bytes, then 256, as it learned."""
+    generate would stop at it). Now the checkpoint's 7 until the run trains on bytes, then 7 and
+    256, as it learned (test_hf_generate_audit6.py keeps config.json's and generation_config.json's ids)."""
     from conftest import TINY_OVERRIDES, cli_args
 
     hf, run = tmp_path / "hf", tmp_path / "run"
     hf_model_of(qwen3(vocab_size=300, eos_token_id=7)).save_pretrained(hf)
     assert main(["convert", "--from-hf", str(hf), "--out", str(run)]) == 0
     assert main(["convert", "--run-dir", str(run), "--to-hf", str(tmp_path / "untrained")]) == 0
-    assert _config(tmp_path / "untrained")["eos_token_id"] is None
+    assert _config(tmp_path / "untrained")["eos_token_id"] == 7
     overrides = {k: v for k, v in TINY_OVERRIDES.items() if not k.startswith(("model.", "moe."))}
     overrides.update({"data.path": str(text_corpus), "train.steps": "1", "train.warmup_steps": "0"})
     assert main(["train", "--resume", str(run), *cli_args(overrides)]) == 0
     assert main(["convert", "--run-dir", str(run), "--to-hf", str(tmp_path / "trained")]) == 0
-    assert _config(tmp_path / "trained")["eos_token_id"] == 256
+    assert _config(tmp_path / "trained")["eos_token_id"] == 7  # as imported; generate reads this:
+    generation = transformers.GenerationConfig.from_pretrained(tmp_path / "trained")
+    assert generation.eos_token_id == [7, 256]
 
 
 def test_save_pretrained_refuses_an_end_of_document_id_outside_the_vocabulary(tmp_path):

@@ -34,7 +34,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from moefold.checkpoint.hf_families import FAMILIES, Family, PerExpert, Rule, config_json_keys, family_of
+from moefold.checkpoint.hf_families import (FAMILIES, Family, PerExpert, Rule, config_json_keys, family_of,
+                                            token_ids)
 from moefold.config import Config, validate
 from moefold.errors import CheckpointError, ConfigError, writing
 from moefold.files import fsync
@@ -42,12 +43,13 @@ from moefold.models.transformer import Transformer, build_model, materialize
 from moefold.parallel.local import held_indices, local_tensor
 
 CONFIG = "config.json"
+GENERATION_CONFIG = "generation_config.json"
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 _SHARD = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
 
-__all__ = ["config_from_hf", "hf_config_from", "check_exportable", "load_pretrained", "pretrained_on_meta",
-           "fill_pretrained", "convert_to_run_checkpoint", "save_pretrained", "hf_tensors", "build_plan", "FAMILIES"]
+__all__ = ["config_from_hf", "checkpoint_config", "hf_config_from", "generation_config_from", "stop_token_ids",
+           "check_exportable", "load_pretrained", "pretrained_on_meta", "fill_pretrained", "convert_to_run_checkpoint", "save_pretrained", "hf_tensors", "build_plan", "FAMILIES"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -81,14 +83,40 @@ def _in_config_json_keys(message: str, keys: dict[str, str]) -> str:
     return f"config.json: {named}"
 
 
+def checkpoint_config(path: str | Path) -> Config:
+    """The moefold `Config` of checkpoint directory `path`: its config.json's (`config_from_hf`),
+    with the eos_token_id of its generation_config.json, if any, where transformers' generate stops."""
+    cfg = config_from_hf(_read_json(Path(path) / CONFIG))
+    generation = Path(path) / GENERATION_CONFIG
+    if generation.is_file():
+        eos = _read_json(generation).get("eos_token_id")
+        cfg.model.generation_eos_token_ids = token_ids(eos, f"{GENERATION_CONFIG}: eos_token_id")
+    return cfg
+
+
+def stop_token_ids(cfg: Config, end_of_document: int | None) -> list[int]:
+    """The ids generation stops at: those an imported checkpoint states (its generation_config.json's,
+    else its config.json's, as transformers' generate takes them) and `end_of_document`, the id
+    that ended the run's training documents (None: none)."""
+    stated = cfg.model.generation_eos_token_ids or cfg.model.eos_token_ids
+    return stated + ([] if end_of_document is None or end_of_document in stated else [end_of_document])
+
+
+def _json_ids(ids: list[int]) -> int | list[int] | None:
+    """Token ids as config.json writes them: null for none, an integer for one, else a list."""
+    return None if not ids else ids[0] if len(ids) == 1 else ids
+
+
 def hf_config_from(cfg: Config, vocab_size: int, eos_token_id: int | None = None) -> dict[str, Any]:
     """The config.json of `cfg` for transformers (the Hub's keys: `rope_theta`/`rope_scaling`, which
     transformers 5 also reads). Raises CheckpointError for a setting the family cannot express.
 
     `eos_token_id`: the id that ended the training documents, where transformers' `generate` stops
-    (it takes config.json's ids when there is no generation_config.json). Both ids are written, null
-    when unknown: else the family's config class would give its own (DeepSeek-V3's 0 and 1,
-    Mixtral's 1 and 2), ids of other tokens here. moefold trains without a beginning-of-sequence token.
+    (it takes config.json's ids when there is no generation_config.json). config.json's eos_token_id
+    is model.eos_token_ids (an imported checkpoint's) with it, unless the generation ids (written
+    in generation_config.json: `generation_config_from`) hold it; null when there are none: else the
+    family's config class would give its own (DeepSeek-V3's 0 and 1, Mixtral's 1 and 2), ids of other
+    tokens here. bos_token_id is null: moefold trains without a beginning-of-sequence token.
     An `eos_token_id` outside [0, vocab_size) is a CheckpointError: no token of the model has it."""
     family = family_of(cfg.model.family, "model.family")
     if eos_token_id is not None and not 0 <= eos_token_id < vocab_size:
@@ -96,7 +124,25 @@ def hf_config_from(cfg: Config, vocab_size: int, eos_token_id: int | None = None
                               f"(0..{vocab_size - 1})")
     hf = family.config_to_hf(cfg)
     return {"architectures": [family.architecture], **hf, "vocab_size": vocab_size,
-            "bos_token_id": None, "eos_token_id": eos_token_id}
+            "bos_token_id": None, "eos_token_id": _json_ids(_config_eos_ids(cfg, eos_token_id))}
+
+
+def _config_eos_ids(cfg: Config, end_of_document: int | None) -> list[int]:
+    """config.json's eos ids: with generation ids (in generation_config.json, which transformers'
+    generate reads instead), the imported ones as they were; else where generation stops."""
+    m = cfg.model
+    if m.generation_eos_token_ids:
+        return m.eos_token_ids or ([] if end_of_document is None else [end_of_document])
+    return stop_token_ids(cfg, end_of_document)
+
+
+def generation_config_from(cfg: Config, eos_token_id: int | None = None) -> dict[str, Any] | None:
+    """The generation_config.json of `cfg`: the generation ids of an imported checkpoint
+    (model.generation_eos_token_ids) with `eos_token_id` (`hf_config_from`'s); None where there
+    are none (transformers' generate then takes config.json's)."""
+    if not cfg.model.generation_eos_token_ids:
+        return None
+    return {"bos_token_id": None, "eos_token_id": _json_ids(stop_token_ids(cfg, eos_token_id))}
 
 
 def check_exportable(cfg: Config) -> None:
@@ -254,7 +300,7 @@ def pretrained_on_meta(path: str | Path, device_type: str = "cpu", dtype: torch.
     tensor's shape is a ConfigError naming it. Where the checkpoint has no MTP tensors, its
     model.mtp_layers is set to 0, as the model is built."""
     path = Path(path)
-    own_cfg = config_from_hf(_read_json(path / CONFIG))
+    own_cfg = checkpoint_config(path)
     file_of = _tensor_files(path)
     _drop_absent_mtp(own_cfg, file_of)
     if cfg is not None:
@@ -299,7 +345,7 @@ def convert_to_run_checkpoint(path: str | Path, run_dir: str | Path, dtype: torc
     from moefold.checkpoint.dcp import CHECKPOINTS, save_weights_only
 
     path, run_dir = Path(path), Path(run_dir)
-    cfg = config_from_hf(_read_json(path / CONFIG))
+    cfg = checkpoint_config(path)
     file_of = _tensor_files(path)
     _drop_absent_mtp(cfg, file_of)
     with torch.device("meta"):
@@ -597,7 +643,8 @@ def save_pretrained(model: Transformer, path: str | Path, max_shard_bytes: int =
     renamed only when all are, so a failed export (a full disk) leaves `path` as it was, without a
     truncated shard to load.
     `copies` (name in `path` -> file) go with them: the run's tokenizer. `eos_token_id`: where
-    generation stops (`hf_config_from`'s)."""
+    generation stops (`hf_config_from`'s); an imported checkpoint's generation ids are written
+    in a generation_config.json with it (`generation_config_from`)."""
     hf = hf_config_from(model.cfg, model.vocab_size, eos_token_id)  # first: fails on what the family cannot hold
     if dtype is not None and dtype not in EXPORT_DTYPES:
         raise CheckpointError(f"save_pretrained: dtype {dtype} is not one transformers loads a checkpoint in "
@@ -618,6 +665,9 @@ def save_pretrained(model: Transformer, path: str | Path, max_shard_bytes: int =
                  "weight_map": {e.name: file for file, shard in shards.items() for e in shard}}
         writes[INDEX] = lambda file: file.write_text(json.dumps(index, indent=2) + "\n")
     writes[CONFIG] = lambda file: file.write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+    generation = generation_config_from(model.cfg, eos_token_id)
+    if generation is not None:
+        writes[GENERATION_CONFIG] = lambda file: file.write_text(json.dumps(generation, indent=2) + "\n")
     for name, source in (copies or {}).items():
         writes[name] = partial(shutil.copyfile, source)
     _write_all_or_nothing(path, writes, created)
@@ -643,7 +693,7 @@ def _write_all_or_nothing(path: Path, writes: dict[str, Callable[[Path], Any]], 
         raise
     with writing(path):
         for old in path.iterdir():
-            if (_SHARD.match(old.name) or old.name == INDEX) and old.name not in writes:
+            if (_SHARD.match(old.name) or old.name in (INDEX, GENERATION_CONFIG)) and old.name not in writes:
                 old.unlink()
         for name, file in partials.items():
             os.replace(file, path / name)

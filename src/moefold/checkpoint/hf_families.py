@@ -214,6 +214,15 @@ def _int_list(hf: dict[str, Any], key: str) -> list[int]:
     return value
 
 
+def token_ids(value: Any, where: str) -> list[int]:
+    """A special-token id as transformers reads it (an integer or a list of them; null: none) as a
+    list; anything else is refused in one line naming `where` (the file and key)."""
+    ids = [] if value is None else value if type(value) is list else [value]
+    if any(type(i) is not int for i in ids):
+        raise CheckpointError(f"{where}={json.dumps(value)} is not a token id (an integer or a list of them)")
+    return ids
+
+
 def _require(hf: dict[str, Any], key: str, allowed: tuple, default: Any) -> None:
     """hf[key] (`default` when absent or null) must be one of `allowed`."""
     value = _get(hf, key, default)
@@ -223,7 +232,7 @@ def _require(hf: dict[str, Any], key: str, allowed: tuple, default: Any) -> None
 
 
 def _common_from_hf(hf: dict[str, Any], family: str, default_theta: float, default_eps: float,
-                    default_max_len: int) -> Config:
+                    default_max_len: int, default_eos: int | None) -> Config:
     """The fields every family shares: sizes, norms, embeddings, RoPE, and the unsupported options.
     The defaults: the family config class's, which transformers builds with where a key is absent."""
     if hf.get("quantization_config"):
@@ -247,6 +256,8 @@ def _common_from_hf(hf: dict[str, Any], family: str, default_theta: float, defau
     m.tie_embeddings = _bool(hf, "tie_word_embeddings", False)
     m.init_std = _float(hf, "initializer_range", m.init_std)
     m.max_position_embeddings = _int(hf, "max_position_embeddings", default_max_len)  # transformers builds with it
+    # absent: the config class's (Mixtral's 2), where transformers' generate stops; null: none
+    m.eos_token_ids = token_ids(hf.get("eos_token_id", default_eos), "config.json: eos_token_id")
     _rope_from_hf(hf, cfg, default_theta, default_max_len)
     return cfg
 
@@ -443,7 +454,8 @@ def _deepseek_aux_to_hf(cfg: Config) -> dict[str, Any]:
 
 
 def _qwen3_moe_from_hf(hf: dict[str, Any]) -> Config:
-    cfg = _common_from_hf(hf, "qwen3_moe", default_theta=10000.0, default_eps=1e-6, default_max_len=32768)
+    cfg = _common_from_hf(hf, "qwen3_moe", default_theta=10000.0, default_eps=1e-6, default_max_len=32768,
+                          default_eos=None)
     m, moe = cfg.model, cfg.moe
     _gqa_from_hf(hf, cfg, default_kv_heads=4, zero_head_dim_derives=False)
     m.qk_norm = True
@@ -489,7 +501,8 @@ def _qwen3_moe_to_hf(cfg: Config) -> dict[str, Any]:
 
 
 def _mixtral_from_hf(hf: dict[str, Any]) -> Config:
-    cfg = _common_from_hf(hf, "mixtral", default_theta=1e6, default_eps=1e-5, default_max_len=4096 * 32)
+    cfg = _common_from_hf(hf, "mixtral", default_theta=1e6, default_eps=1e-5, default_max_len=4096 * 32,
+                          default_eos=2)
     m, moe = cfg.model, cfg.moe
     _gqa_from_hf(hf, cfg, default_kv_heads=8, zero_head_dim_derives=True)
     m.qk_norm = False
@@ -528,7 +541,8 @@ def _mixtral_to_hf(cfg: Config) -> dict[str, Any]:
 
 
 def _deepseek_v3_from_hf(hf: dict[str, Any]) -> Config:
-    cfg = _common_from_hf(hf, "deepseek_v3", default_theta=10000.0, default_eps=1e-6, default_max_len=4096)
+    cfg = _common_from_hf(hf, "deepseek_v3", default_theta=10000.0, default_eps=1e-6, default_max_len=4096,
+                          default_eos=1)
     m, moe = cfg.model, cfg.moe
     _require(hf, "topk_method", ("noaux_tc",), "noaux_tc")
     _require(hf, "scoring_func", ("sigmoid",), "sigmoid")

@@ -1,0 +1,139 @@
+"""Hugging Face interop of `moefold convert` and `moefold generate`, against transformers: the
+end-of-sequence ids a round trip keeps (config.json's and generation_config.json's), the ids
+greedy generation stops at, and how a prompt is encoded."""
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from test_hf_interop import VOCAB, hf_model_of, mixtral, qwen3  # noqa: E402
+
+from moefold.cli import main  # noqa: E402
+from moefold.data.tokenizer import ByteTokenizer  # noqa: E402
+
+
+def _json(path):
+    return json.loads(path.read_text())
+
+
+def _round_trip(hf, tmp_path):
+    """convert --from-hf `hf`, then convert --to-hf: the export's directory."""
+    run, back = tmp_path / "run", tmp_path / "back"
+    assert main(["convert", "--from-hf", str(hf), "--out", str(run)]) == 0
+    assert main(["convert", "--run-dir", str(run), "--to-hf", str(back)]) == 0
+    return back
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. eos_token_id survives convert --from-hf then --to-hf
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("eos", [2, [2, 7]])
+def test_a_mixtral_converted_without_tokenizer_json_keeps_its_eos_token_id(eos, tmp_path):
+    """A Mixtral checkpoint without tokenizer.json converted to a run and exported back said
+    eos_token_id null: transformers' generate on the export never stopped where the original did."""
+    hf = tmp_path / "hf"
+    hf_model_of(mixtral(eos_token_id=eos)).save_pretrained(hf)
+    back = _round_trip(hf, tmp_path)
+    assert _json(back / "config.json")["eos_token_id"] == eos
+    model = transformers.AutoModelForCausalLM.from_pretrained(back)
+    assert model.generation_config.eos_token_id == eos
+
+
+def test_a_mixtral_config_json_without_eos_token_id_keeps_the_config_classs(tmp_path):
+    """transformers builds a config.json without the key with MixtralConfig's eos_token_id, 2."""
+    hf = tmp_path / "hf"
+    hf_model_of(mixtral()).save_pretrained(hf)
+    config = _json(hf / "config.json")
+    del config["eos_token_id"]
+    (hf / "config.json").write_text(json.dumps(config))
+    (hf / "generation_config.json").unlink()
+    assert transformers.AutoConfig.from_pretrained(hf).eos_token_id == 2
+    assert _json(_round_trip(hf, tmp_path) / "config.json")["eos_token_id"] == 2
+
+
+def test_generation_config_jsons_eos_token_ids_survive_a_round_trip(tmp_path):
+    """Qwen3 instruct: config.json says <|im_end|>, generation_config.json <|im_end|> and
+    <|endoftext|>; transformers' generate stops at both, before and after the round trip."""
+    hf = tmp_path / "hf"
+    reference = hf_model_of(qwen3(eos_token_id=9))
+    reference.generation_config.eos_token_id = [9, 4]
+    reference.save_pretrained(hf)
+    back = _round_trip(hf, tmp_path)
+    assert _json(back / "config.json")["eos_token_id"] == 9
+    assert _json(back / "generation_config.json")["eos_token_id"] == [9, 4]
+    model = transformers.AutoModelForCausalLM.from_pretrained(back)
+    assert model.generation_config.eos_token_id == [9, 4]
+
+
+def test_a_null_eos_token_id_stays_null(tmp_path):
+    hf = tmp_path / "hf"
+    hf_model_of(qwen3()).save_pretrained(hf)
+    back = _round_trip(hf, tmp_path)
+    assert _json(back / "config.json")["eos_token_id"] is None
+    assert not (back / "generation_config.json").exists()
+
+
+@pytest.mark.parametrize("where, value, message", [
+    ("config.json", "2", 'config.json: eos_token_id="2" is not a token id'),
+    ("config.json", [2, 1.5], "config.json: eos_token_id=[2, 1.5] is not a token id"),
+    ("generation_config.json", True, "generation_config.json: eos_token_id=true is not a token id"),
+])
+def test_an_eos_token_id_that_is_no_id_is_refused_by_its_file_and_key(where, value, message, tmp_path, capsys):
+    hf = tmp_path / "hf"
+    hf_model_of(mixtral()).save_pretrained(hf)
+    (hf / where).write_text(json.dumps({**_json(hf / where), "eos_token_id": value}))
+    capsys.readouterr()
+    assert main(["convert", "--from-hf", str(hf), "--out", str(tmp_path / "run")]) == 2
+    assert message in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. generate stops at every id of generation_config.json's eos_token_id
+# ---------------------------------------------------------------------------------------------
+
+
+def _free_greedy(reference, prompt_ids, n):
+    with torch.no_grad():
+        out = reference.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def test_generate_stops_at_every_eos_id_of_generation_config_as_transformers_does(tmp_path, capsys):
+    """generation_config.json lists two eos ids (neither the byte tokenizer's 256): transformers'
+    greedy generate stops at the first that comes; moefold generate ran on past it to 256."""
+    reference = hf_model_of(qwen3(vocab_size=300))
+    prompt = "moefold: é"
+    prompt_ids = ByteTokenizer().encode(prompt)
+    free = _free_greedy(reference, prompt_ids, 24)
+    stop = next(j for j in range(3, 24) if free[j] not in free[:j] and free[j] < 256)
+    reference.generation_config.eos_token_id = [299, free[stop]]  # 299: never reached first
+    reference.save_pretrained(tmp_path / "hf")
+    run = tmp_path / "run"
+    assert main(["convert", "--from-hf", str(tmp_path / "hf"), "--out", str(run)]) == 0
+    capsys.readouterr()
+    assert main(["generate", "--run-dir", str(run), "--prompt", prompt, "--max-new-tokens", "24",
+                 "--temperature", "0", "--device", "cpu"]) == 0
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():  # the directory's generation_config.json, nothing passed
+        hf_ids = loaded.generate(torch.tensor([prompt_ids]), max_new_tokens=24, do_sample=False,
+                                 pad_token_id=0)[0, len(prompt_ids):].tolist()
+    assert hf_ids == free[:stop + 1]  # transformers stopped at it (and emitted it)
+    assert capsys.readouterr().out == ByteTokenizer().decode(prompt_ids + hf_ids[:-1]) + "\n"
+
+
+def test_sample_stops_at_any_of_several_ids():
+    from moefold.config import load_config
+    from moefold.generate import sample
+    from moefold.models.transformer import build_model
+
+    model = build_model(load_config("tiny", {"model.vocab_size": str(VOCAB)}), VOCAB)
+    model.init_weights(seed=0)
+    free = sample(model, [1, 2, 3], 12, 0.0, 0, 64, -1, torch.Generator())
+    stop = next(j for j in range(2, 12) if free[j] not in free[:j])
+    assert sample(model, [1, 2, 3], 12, 0.0, 0, 64, [VOCAB - 1, free[stop]], torch.Generator()) == free[:stop]

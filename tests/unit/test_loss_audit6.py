@@ -124,3 +124,22 @@ def test_labels_for_other_positions_than_the_hidden_states_are_refused(path, gra
                  "chunked-fused": ChunkedLoss(chunk, fused_chunk_loss_and_grad)}[path]
     with torch.set_grad_enabled(grad), pytest.raises(ValueError, match="batch_size|labels"):
         head_loss(head, h_BSD, labels_BS)
+
+
+@pytest.mark.parametrize("path", ["plain", "chunked", "chunked-fused"])
+@pytest.mark.parametrize("grad", [True, False], ids=["train", "eval"])
+def test_an_empty_batch_gives_zero_loss_and_zero_gradients(path, grad):
+    """No positions at all (B = 0; the MoE layers pass an empty batch through): F.cross_entropy's
+    mean is nan, the objective's loss 0 through loss_or_zero, with zero gradients; the chunked loss
+    failed in training ('NoneType' object has no attribute 'to': no chunk made dW)."""
+    from moefold.models.mtp import loss_or_zero
+
+    head, h_BSD = _head_and_hidden(9, B=0, S=5)
+    labels_BS = torch.zeros(0, 5, dtype=torch.long)
+    with torch.set_grad_enabled(grad):
+        loss = loss_or_zero(HEAD_LOSSES[path]()(head, h_BSD, labels_BS), labels_BS)
+    assert loss.item() == 0 and loss.requires_grad == grad
+    if grad:
+        loss.backward()
+        assert h_BSD.grad.shape == h_BSD.shape
+        assert torch.equal(head.weight.grad, torch.zeros_like(head.weight))

@@ -92,7 +92,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         # dh and dW are kept in the compute dtype, as the plain head's GEMMs give them: with fp32
         # parameters under autocast that halves what the loss holds from forward to backward.
         grad_h_TD = torch.empty(h_TD.shape, dtype=compute_dtype, device=h_TD.device)
-        grad_w_VD = None
+        grad_w_VD = torch.zeros_like(w_VD) if h_TD.shape[0] == 0 else None  # an empty batch: no chunk
         loss = torch.zeros((), dtype=wide_dtype(compute_dtype), device=h_TD.device)
         for start in range(0, h_TD.shape[0], chunk):
             rows = slice(start, start + chunk)

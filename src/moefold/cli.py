@@ -435,7 +435,7 @@ def _prompt_ids(run_dir: Path, prompt: str) -> tuple[list[int], int]:
     from moefold.generate import context_length, run_config
 
     cfg = run_config(run_dir)
-    prompt_ids = build_tokenizer(cfg.data.tokenizer).encode(prompt)
+    prompt_ids = build_tokenizer(cfg.data.tokenizer).encode_prompt(prompt)  # as transformers' tokenizer(prompt)
     if not prompt_ids:
         raise UserError(f"--prompt {prompt!r} encodes to no tokens; give text to continue")
     context, source = context_length(cfg)

@@ -137,3 +137,101 @@ def test_sample_stops_at_any_of_several_ids():
     free = sample(model, [1, 2, 3], 12, 0.0, 0, 64, -1, torch.Generator())
     stop = next(j for j in range(2, 12) if free[j] not in free[:j])
     assert sample(model, [1, 2, 3], 12, 0.0, 0, 64, [VOCAB - 1, free[stop]], torch.Generator()) == free[:stop]
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. generate encodes a prompt as transformers' tokenizer(prompt) does (Llama's BOS, specials)
+# ---------------------------------------------------------------------------------------------
+
+_TEXTS = ["the model routes each token to its experts", "hello world, hello experts",
+          "def main(): return 0", "a mixture of experts reads the prompt once"] * 20
+_SPECIALS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+
+
+def _tokenizer_dir(path, style):
+    """A small BPE tokenizer.json trained here and its tokenizer_config.json, as the Hub's:
+    "llama": SentencePiece-style (Metaspace) whose post-processor adds <s> (Mixtral's,
+    tokenizer_class LlamaTokenizer, add_bos_token); "qwen": byte-level without a BOS, with
+    chat tokens (a PreTrainedTokenizerFast)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>" if style == "llama" else None))
+    if style == "llama":
+        tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
+        tokenizer.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                               decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+        alphabet = []
+    else:
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tokenizer.train_from_iterator(_TEXTS, trainers.BpeTrainer(vocab_size=400, special_tokens=_SPECIALS,
+                                                              initial_alphabet=alphabet))
+    config = {"bos_token": None, "eos_token": "<|im_end|>", "tokenizer_class": "PreTrainedTokenizerFast"}
+    if style == "llama":
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)])
+        config = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": True,
+                  "add_eos_token": False, "tokenizer_class": "LlamaTokenizer", "legacy": False}
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.mark.parametrize("style", ["llama", "qwen"])
+@pytest.mark.parametrize("prompt", ["hello world", "the experts", "<|im_start|>hello<|im_end|> world"])
+def test_a_prompt_encodes_as_transformers_tokenizer_encodes_it(style, prompt, tmp_path):
+    """Prompts were encoded as training text: no BOS where the tokenizer adds one (Llama's,
+    Mixtral's, DeepSeek's), and a chat token spelled in the prompt as plain text."""
+    from moefold.data.tokenizer import HFTokenizer
+
+    path = _tokenizer_dir(tmp_path / "tok", style)
+    expected = transformers.AutoTokenizer.from_pretrained(path)(prompt)["input_ids"]
+    tokenizer = HFTokenizer(str(path / "tokenizer.json"))
+    assert tokenizer.encode_prompt(prompt) == expected
+    assert (expected[0] == 1) == (style == "llama")  # the BOS is there to compare
+
+
+def test_training_text_still_encodes_without_special_tokens(tmp_path):
+    """The corpus's ids do not move: no BOS, and a chat token spelled in a document is text."""
+    from moefold.data.tokenizer import HFTokenizer
+
+    path = _tokenizer_dir(tmp_path / "tok", "llama")
+    tokenizer = HFTokenizer(str(path / "tokenizer.json"))
+    text = "hello <|im_end|> world"
+    ids = tokenizer.encode(text)
+    assert [a.tolist() for a in tokenizer.encode_batch_np([text])] == [ids]
+    assert 1 not in ids and 4 not in ids  # <s>, <|im_end|>
+    assert tokenizer.encode_prompt(text)[:2] == [1, ids[0]]
+    assert 4 in tokenizer.encode_prompt(text)
+
+
+def test_generate_continues_a_bos_prompt_as_transformers_greedy_generate(tmp_path, capsys):
+    """The whole command on a Mixtral whose tokenizer adds <s>: moefold generate read the prompt
+    without it and continued otherwise than transformers' greedy generate of tokenizer(prompt)."""
+    from moefold.data.tokenizer import HFTokenizer
+    from moefold.generate import continuation
+
+    hf = _tokenizer_dir(tmp_path / "hf", "llama")
+    vocab = HFTokenizer(str(hf / "tokenizer.json")).vocab_size
+    reference = hf_model_of(mixtral(vocab_size=vocab, eos_token_id=None, bos_token_id=1))
+    reference.save_pretrained(hf)
+    run = tmp_path / "run"
+    assert main(["convert", "--from-hf", str(hf), "--out", str(run)]) == 0
+    prompt = "hello world"
+    capsys.readouterr()
+    assert main(["generate", "--run-dir", str(run), "--prompt", prompt, "--max-new-tokens", "8",
+                 "--temperature", "0", "--device", "cpu"]) == 0
+    prompt_ids = transformers.AutoTokenizer.from_pretrained(hf)(prompt)["input_ids"]
+    with torch.no_grad():
+        out = reference.generate(torch.tensor([prompt_ids]), max_new_tokens=8, do_sample=False,
+                                 eos_token_id=2, pad_token_id=0)  # </s>: the run's end of document
+    new_ids = out[0, len(prompt_ids):].tolist()
+    new_ids = new_ids[:new_ids.index(2)] if 2 in new_ids else new_ids
+    tokenizer = HFTokenizer(str(hf / "tokenizer.json"))
+    with_bos = continuation(tokenizer, prompt, prompt_ids, new_ids)
+    without = reference.generate(torch.tensor([prompt_ids[1:]]), max_new_tokens=8, do_sample=False,
+                                 eos_token_id=2, pad_token_id=0)[0, len(prompt_ids) - 1:].tolist()
+    assert without != out[0, len(prompt_ids):].tolist()  # the BOS changes the continuation
+    assert capsys.readouterr().out == with_bos + "\n"

@@ -46,6 +46,10 @@ class Tokenizer(Protocol):
         """Token ids of `text`, without special tokens (no EOS)."""
         ...
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a prompt to continue, as transformers' `tokenizer(text)["input_ids"]`."""
+        ...
+
     def decode(self, ids: Iterable[int]) -> str:
         """Text of `ids`; special tokens are dropped."""
         ...
@@ -60,6 +64,10 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """`encode`: the bytes have no special tokens to add."""
+        return self.encode(text)
 
     def encode_np(self, text: str) -> np.ndarray:
         """`encode` as a uint8 array, without a Python int per byte (~1 GB/s)."""
@@ -94,6 +102,19 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         with self._refusals():
             return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """As transformers' `tokenizer(text)["input_ids"]` of the same tokenizer.json: the special
+        tokens its post-processor adds (Llama's, Mixtral's and DeepSeek's BOS; Qwen's none:
+        transformers 5 takes it over tokenizer_config.json's add_bos_token), and a special token
+        spelled in the text (a chat template's <|im_start|>) read as that token. Documents are
+        encoded by `encode`, without either: a prompt differs from training text only here."""
+        self._tokenizer.encode_special_tokens = False
+        try:
+            with self._refusals():
+                return self._tokenizer.encode(text, add_special_tokens=True).ids
+        finally:
+            self._tokenizer.encode_special_tokens = True
 
     def encode_batch_np(self, texts: Sequence[str]) -> list[np.ndarray]:
         with self._refusals():

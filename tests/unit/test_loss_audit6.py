@@ -1,15 +1,21 @@
 """The training losses against `F.cross_entropy(ignore_index=-100)` in fp64: labels it refuses (negative
 but not the ignore index, or past the vocabulary) are refused by every loss path, and the tokens the
 mean divides by are its own, an all-ignored micro-batch included (0, with zero gradients, where its
-mean is nan: Megatron-Core's max(tokens, 1))."""
+mean is nan: Megatron-Core's max(tokens, 1)); and on data ranks, micro-batches and TP ranks the
+chunked loss trains as the plain one in one process."""
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import write_text_corpus
+from ranks import run_ranks
 from torch import nn
+from torch.distributed.tensor import DTensor
 
+from moefold.config import load_config
 from moefold.data import IGNORE_INDEX
 from moefold.train.chunked_loss import chunked_linear_cross_entropy, fused_chunk_loss_and_grad
 from moefold.train.loss import ChunkedLoss, LogitsLoss, build_head_loss
@@ -143,3 +149,73 @@ def test_an_empty_batch_gives_zero_loss_and_zero_gradients(path, grad):
         loss.backward()
         assert h_BSD.grad.shape == h_BSD.shape
         assert torch.equal(head.weight.grad, torch.zeros_like(head.weight))
+
+
+
+# ----------------------------------------------------------------------------- across ranks
+
+GLOBAL_MICRO_BATCH, STEPS = 4, 3
+
+
+def _run_config(corpus: Path, chunk: int, dp: int, accum: int, **parallel: str):
+    """tiny-deepseek (MTP depth 1, its head through the same loss) on a global batch of 4
+    sequences a step, split over dp data ranks and accum micro-batches."""
+    return load_config("tiny-deepseek", {
+        "data.path": str(corpus), "train.seq_len": "16", "train.steps": str(STEPS), "train.warmup_steps": "1",
+        "train.micro_batch_size": str(GLOBAL_MICRO_BATCH // dp // accum), "train.grad_accum": str(accum),
+        "train.loss_chunk_tokens": str(chunk), "train.val_every": "0", "data.val_fraction": "0",
+        "train.device": "cpu", "logging.tensorboard": "false", "logging.progress_bar": "false",
+        "logging.expert_load_heatmap": "false", "checkpoint.save_at_end": "false",
+        **{f"parallel.{key}": value for key, value in parallel.items()}})
+
+
+def _train(cfg, run_dir: Path) -> dict:
+    """Every step's loss parts (means over the data ranks, as logged) and the first step's
+    gradients, whole."""
+    from moefold.train.trainer import Trainer
+
+    trainer, parts, grads = Trainer(cfg, run_dir, out=lambda line: None), [], None
+    while trainer.step < cfg.train.steps:
+        step_parts = trainer.accumulate_gradients()
+        if grads is None:
+            grads = {name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
+                     for name, p in trainer.model.named_parameters()}
+        trainer.optimizer_step()
+        trainer.step += 1
+        parts.append({k: trainer.dist.mean_over_data(v.detach()).item() for k, v in step_parts.items()})
+    return {"parts": parts, "grads": grads}
+
+
+def _train_on_rank(rank: int, runs: list[tuple], out: Path) -> None:
+    results = {name: _train(_run_config(corpus, chunk, dp, accum, **parallel), run_dir)
+               for name, corpus, chunk, dp, accum, parallel, run_dir in runs}
+    if rank == 0:
+        torch.save(results, out)
+
+
+# (name, data ranks of the 2, micro-batches a step, parallel sizes)
+LAYOUTS = [("dp2-fsdp", 2, 1, {}), ("dp2-ddp", 2, 1, {"data_parallel": "ddp"}), ("dp2-fsdp-accum2", 2, 2, {}),
+           ("tp2-sp", 1, 1, {"tp": "2"})]
+
+
+def test_the_chunked_loss_on_data_ranks_and_micro_batches_trains_as_the_plain_loss_in_one_process(tmp_path):
+    """The global batch's loss is the mean over its tokens whatever splits it (Megatron-Core's
+    per-token loss; every packed micro-batch has the same labelled tokens, so the mean of the
+    micro-batch means is that mean): the chunked head under FSDP (the root's head weight read
+    outside the head's forward), ZeRO-1, gradient accumulation and sequence-parallel TP (the head
+    replicated), on 2 gloo ranks, against the plain head in one process with the whole global
+    batch in one micro-batch. Every step's lm_loss and mtp_loss, and the first step's gradients."""
+    corpus = write_text_corpus(tmp_path / "corpus")
+    reference = _train(_run_config(corpus, 0, 1, 1), tmp_path / "reference")
+    runs = [(name, corpus, 7, dp, accum, parallel, tmp_path / name) for name, dp, accum, parallel in LAYOUTS]
+    run_ranks(2, _train_on_rank, runs, tmp_path / "results.pt")
+    results = torch.load(tmp_path / "results.pt")
+    for name, *_ in LAYOUTS:
+        for step, (parts, ref_parts) in enumerate(zip(results[name]["parts"], reference["parts"], strict=True)):
+            assert parts.keys() == ref_parts.keys() == {"lm_loss", "mtp_loss"}
+            for key, value in parts.items():
+                assert value == pytest.approx(ref_parts[key], rel=1e-5), f"{name}: {key} at step {step}"
+        assert results[name]["grads"].keys() == reference["grads"].keys()
+        for param, grad in reference["grads"].items():
+            torch.testing.assert_close(results[name]["grads"][param], grad, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, param=param: f"{name}: first-step gradient of {param}: {m}")

@@ -99,7 +99,8 @@ def test_the_mean_divides_by_cross_entropys_token_count(path, ignored):
     torch.testing.assert_close(head.weight.grad, head_ref.weight.grad, rtol=1e-12, atol=1e-13)
 
 
-@pytest.mark.parametrize("path", ["plain", "chunked", "chunked-fused"])
+@pytest.mark.parametrize("path", ["plain", "chunked", "chunked-fused", pytest.param("plain-compiled", marks=needs_cxx),
+                                  pytest.param("chunked-compiled", marks=needs_cxx)])
 def test_an_all_ignored_micro_batch_gives_zero_loss_and_zero_gradients(path):
     """F.cross_entropy's sum is 0 and its mean nan (0 / 0); the objective's loss is 0 (the plain
     head's through loss_or_zero, the chunked loss itself), its gradients 0, not nan."""

@@ -9,7 +9,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from test_hf_interop import VOCAB, hf_model_of, mixtral, qwen3  # noqa: E402
+from test_hf_interop import SEQ, VOCAB, assert_rel_close, deepseek_v3, hf_model_of, mixtral, qwen3  # noqa: E402
 
 from moefold.cli import main  # noqa: E402
 from moefold.data.tokenizer import ByteTokenizer  # noqa: E402
@@ -235,3 +235,74 @@ def test_generate_continues_a_bos_prompt_as_transformers_greedy_generate(tmp_pat
                                  eos_token_id=2, pad_token_id=0)[0, len(prompt_ids) - 1:].tolist()
     assert without != out[0, len(prompt_ids):].tolist()  # the BOS changes the continuation
     assert capsys.readouterr().out == with_bos + "\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. config.json values transformers reads otherwise: first_k_dense_replace < 0, nulls
+# ---------------------------------------------------------------------------------------------
+
+
+def _logits_match(hf_config, tmp_path):
+    from moefold.checkpoint.hf import load_pretrained
+
+    reference = hf_model_of(hf_config)
+    reference.save_pretrained(tmp_path / "hf")
+    ours = load_pretrained(tmp_path / "hf")
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert_rel_close(ours(ids), reference(ids).logits, 1e-5, "logits")
+    return ours
+
+
+@pytest.mark.parametrize("first_k", [-1, -5])
+def test_deepseek_first_k_dense_replace_below_0_is_no_dense_layer_as_in_transformers(first_k, tmp_path):
+    """transformers' DeepseekV3DecoderLayer is MoE where layer_idx >= first_k_dense_replace: every
+    layer for -1; moefold refused it ('moe.first_k_dense must be >= 0')."""
+    ours = _logits_match(deepseek_v3(first_k_dense_replace=first_k), tmp_path)
+    assert ours.cfg.moe.first_k_dense == 0 and len(list(ours.moe_layers())) == 2
+
+
+# The keys whose null transformers 5's config classes refuse (a field typed without None), or whose
+# model it cannot build from null (DeepSeek-V3's first_k_dense_replace: layer_idx >= None).
+NON_NULL = {
+    qwen3: ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "hidden_act", "max_position_embeddings", "initializer_range", "rms_norm_eps",
+            "use_cache", "tie_word_embeddings", "attention_bias", "use_sliding_window", "attention_dropout",
+            "decoder_sparse_step", "moe_intermediate_size", "num_experts_per_tok", "num_experts", "norm_topk_prob",
+            "output_router_logits", "router_aux_loss_coef"),
+    mixtral: ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "hidden_act", "max_position_embeddings", "initializer_range", "rms_norm_eps",
+              "use_cache", "tie_word_embeddings", "attention_dropout", "num_experts_per_tok", "num_local_experts",
+              "output_router_logits", "router_aux_loss_coef", "router_jitter_noise"),
+    deepseek_v3: ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+                  "num_attention_heads", "n_shared_experts", "n_routed_experts", "output_router_logits",
+                  "routed_scaling_factor", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "hidden_act",
+                  "max_position_embeddings", "initializer_range", "rms_norm_eps", "use_cache", "tie_word_embeddings",
+                  "attention_bias", "num_mtp_layers", "first_k_dense_replace"),
+}
+
+
+def _transformers_builds(config: dict) -> bool:
+    try:
+        hf_config = transformers.AutoConfig.for_model(**config)
+        hf_config._attn_implementation = "eager"
+        model = transformers.AutoModelForCausalLM.from_config(hf_config).eval()
+        with torch.no_grad():
+            model(torch.tensor([[1, 2, 3]]))
+    except Exception:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("make, key", [(make, key) for make, keys in NON_NULL.items() for key in keys])
+def test_a_null_transformers_cannot_build_from_is_refused_by_its_key(make, key):
+    """A null was read as the config class's default (rms_norm_eps: null as 1e-6) where
+    transformers refuses the config.json or fails to build its model."""
+    from moefold.checkpoint.hf import config_from_hf
+    from moefold.errors import CheckpointError
+
+    config = {**make().to_dict(), key: None}
+    assert not _transformers_builds(config)
+    with pytest.raises(CheckpointError) as e:
+        config_from_hf(config)
+    assert str(e.value).startswith(f"config.json: {key}=null ")

@@ -71,6 +71,10 @@ class Family:
     keys: dict[str, tuple[str, ...]] = field(default_factory=dict)
     """config.json keys of the `Config` fields the family reads as they are (beside `_KEYS`), the
     first present of several (aliases): `validate`'s refusals of an import name them."""
+    non_null: tuple[str, ...] = ()
+    """config.json keys whose null transformers cannot build the model from: its config class's
+    fields typed without None (a strict dataclass refuses null), and those its modeling compares
+    or divides by. Refused by name rather than read as the default (`refuse_nulls`)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -136,6 +140,14 @@ _DEEPSEEK_V3_EXPERTS = ("num_local_experts", "n_routed_experts")
 def _present(hf: dict[str, Any], keys: tuple[str, ...]) -> str:
     """The first of `keys` config.json holds, else the last (to name as missing)."""
     return next((k for k in keys if k in hf), keys[-1])
+
+
+def refuse_nulls(family: Family, hf: dict[str, Any]) -> None:
+    """Refuses a null under a key of `family.non_null`, naming it."""
+    for key in family.non_null:
+        if key in hf and hf[key] is None:
+            raise CheckpointError(f"config.json: {key}=null is not allowed: transformers' {family.architecture} "
+                                  "needs a value (give one, or leave the key out for its config class's default)")
 
 
 def config_json_keys(family: Family, hf: dict[str, Any]) -> dict[str, str]:
@@ -566,7 +578,8 @@ def _deepseek_v3_from_hf(hf: dict[str, Any]) -> Config:
     # absent: DeepseekV3Config's 1 (a checkpoint without the MTP tensors loads without them)
     m.mtp_layers = _int(hf, "num_nextn_predict_layers", _int(hf, "num_mtp_layers", 1))
     moe.num_experts = _positive(hf, _present(hf, _DEEPSEEK_V3_EXPERTS))  # transformers: MoE layers of 0 experts
-    moe.first_k_dense, moe.moe_every = _int(hf, "first_k_dense_replace", 3), 1
+    # transformers' layer i is MoE where i >= first_k_dense_replace: a negative k is no dense layer
+    moe.first_k_dense, moe.moe_every = max(_int(hf, "first_k_dense_replace", 3), 0), 1
     _layer_sizes_from_hf(hf, cfg)
     moe.shared_experts = _int(hf, "n_shared_experts", 1)
     if moe.shared_experts < 1:
@@ -623,15 +636,29 @@ def _deepseek_v3_to_hf(cfg: Config) -> dict[str, Any]:
     return hf
 
 
+# transformers 5's config fields typed without None, in every family (PreTrainedConfig's own aside)
+_NON_NULL = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "hidden_act", "max_position_embeddings", "initializer_range", "rms_norm_eps", "use_cache",
+             "tie_word_embeddings", "output_router_logits")
+
 FAMILIES = {
     "qwen3_moe": Family("qwen3_moe", "Qwen3MoeForCausalLM", _QWEN3_MOE_BLOCK,
                         _qwen3_moe_from_hf, _qwen3_moe_to_hf,
-                        keys={"moe.num_experts": _QWEN3_MOE_EXPERTS}),
+                        keys={"moe.num_experts": _QWEN3_MOE_EXPERTS},
+                        non_null=(*_NON_NULL, "num_key_value_heads", "attention_bias", "use_sliding_window",
+                                  "attention_dropout", "decoder_sparse_step", "moe_intermediate_size",
+                                  "num_experts_per_tok", "num_experts", "norm_topk_prob", "router_aux_loss_coef")),
     "mixtral": Family("mixtral", "MixtralForCausalLM", _MIXTRAL_BLOCK, _mixtral_from_hf, _mixtral_to_hf,
                       keys={"moe.num_experts": _MIXTRAL_EXPERTS, "moe.expert_hidden": ("intermediate_size",),
-                            "moe.input_jitter": ("router_jitter_noise",)}),
+                            "moe.input_jitter": ("router_jitter_noise",)},
+                      non_null=(*_NON_NULL, "num_key_value_heads", "attention_dropout", "num_experts_per_tok",
+                                "num_local_experts", "router_aux_loss_coef", "router_jitter_noise")),
     "deepseek_v3": Family("deepseek_v3", "DeepseekV3ForCausalLM", _DEEPSEEK_V3_BLOCK,
                           _deepseek_v3_from_hf, _deepseek_v3_to_hf,
+                          # first_k_dense_replace: its config takes null, its layers compare i >= None
+                          non_null=(*_NON_NULL, "moe_intermediate_size", "n_shared_experts", "n_routed_experts",
+                                    "routed_scaling_factor", "kv_lora_rank", "qk_rope_head_dim",
+                                    "qk_nope_head_dim", "attention_bias", "num_mtp_layers", "first_k_dense_replace"),
                           mtp=_DEEPSEEK_V3_MTP, mtp_copies=_DEEPSEEK_V3_MTP_COPIES,
                           keep_fp32=(".mlp.gate.weight", ".mlp.gate.e_score_correction_bias"),
                           keys={"moe.num_experts": _DEEPSEEK_V3_EXPERTS, "moe.num_groups": ("n_group",),

@@ -79,6 +79,9 @@ class ModelConfig:
     """YaRN: magnitude scale of the RoPE tables."""
     yarn_mscale_all_dim: float = 0.0
     """YaRN: magnitude scale applied to the attention softmax (DeepSeek: mscale²)."""
+    yarn_truncate: bool = True
+    """YaRN: round the ends of the ramp between kept and interpolated frequencies to whole dims
+    (the paper's, DeepSeek's); false keeps them fractional (gpt-oss: rope_parameters.truncate)."""
     mtp_layers: int = 0
     """Multi-token prediction modules (DeepSeek-V3): module k predicts token t+k+1."""
     mtp_loss_weight: float = 0.3
@@ -863,7 +866,8 @@ def _validate_model(m: ModelConfig) -> None:
     if m.rope_scaling != "yarn":
         _require_effect(m.rope_factor == 1, "model.rope_factor",
                         f"model.rope_factor={m.rope_factor} needs model.rope_scaling='yarn'")
-        for key in ("rope_original_max_len", "yarn_beta_fast", "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim"):
+        for key in ("rope_original_max_len", "yarn_beta_fast", "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim",
+                    "yarn_truncate"):
             # plain RoPE reads none of YaRN's options
             _require_effect(getattr(m, key) == getattr(ModelConfig, key), f"model.{key}",
                             f"model.{key}={getattr(m, key)} needs model.rope_scaling='yarn'")

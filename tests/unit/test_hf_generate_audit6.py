@@ -306,3 +306,51 @@ def test_a_null_transformers_cannot_build_from_is_refused_by_its_key(make, key):
     with pytest.raises(CheckpointError) as e:
         config_from_hf(config)
     assert str(e.value).startswith(f"config.json: {key}=null ")
+
+
+# ---------------------------------------------------------------------------------------------
+# 4c. YaRN without rounding its correction range (rope_parameters.truncate=false, as gpt-oss)
+# ---------------------------------------------------------------------------------------------
+
+# head_dim 8: the correction range's ends, 0.10 and 1.01 dims, round to 0 and 2
+_UNROUNDED_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                   "original_max_position_embeddings": 64, "beta_fast": 8.0, "beta_slow": 1.0}
+
+
+@pytest.mark.parametrize("truncate", [False, True])
+def test_yarn_inv_freq_equals_transformers_with_and_without_truncation(truncate):
+    """rope_parameters.truncate=false was refused; now the correction range keeps its fractional
+    ends and the inverse frequencies equal transformers' `_compute_yarn_parameters` bit for bit."""
+    from transformers.modeling_rope_utils import _compute_yarn_parameters
+
+    from moefold.checkpoint.hf import config_from_hf
+    from moefold.models.rope import _yarn_inv_freq_half
+    from moefold.models.transformer import rope_scaling
+
+    hf_config = qwen3(rope_parameters={**_UNROUNDED_YARN, "truncate": truncate}, max_position_embeddings=256)
+    expected, _ = _compute_yarn_parameters(hf_config)
+    m = config_from_hf(hf_config.to_dict()).model
+    ours = _yarn_inv_freq_half(m.head_dim, m.rope_theta, rope_scaling(m), None)
+    assert torch.equal(ours, expected)
+    rounded, _ = _compute_yarn_parameters(qwen3(rope_parameters=_UNROUNDED_YARN, max_position_embeddings=256))
+    assert torch.equal(ours, rounded) == truncate  # the rounding shows
+
+
+def test_unrounded_yarn_logits_match_transformers_and_survive_an_export(tmp_path):
+    from moefold.checkpoint.hf import save_pretrained
+
+    hf_config = qwen3(rope_parameters={**_UNROUNDED_YARN, "truncate": False}, max_position_embeddings=256)
+    ours = _logits_match(hf_config, tmp_path)
+    assert ours.cfg.model.yarn_truncate is False
+    save_pretrained(ours, tmp_path / "back")
+    reloaded = transformers.AutoConfig.from_pretrained(tmp_path / "back")
+    assert reloaded.rope_parameters["truncate"] is False
+
+
+def test_yarn_truncate_without_yarn_is_refused_as_inert():
+    from moefold.config import load_config
+    from moefold.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"model.yarn_truncate=False needs model.rope_scaling='yarn'"):
+        load_config("tiny", {"model.yarn_truncate": "false"})
+    assert load_config("tiny", {"model.rope_scaling": "yarn", "model.yarn_truncate": "false"}).model.yarn_truncate is False

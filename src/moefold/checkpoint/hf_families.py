@@ -199,10 +199,10 @@ def _float(hf: dict[str, Any], key: str, default: Any = ..., where: str = "") ->
     return _typed(hf, key, float, default, where)
 
 
-def _bool(hf: dict[str, Any], key: str, default: bool) -> bool:
+def _bool(hf: dict[str, Any], key: str, default: bool, where: str = "") -> bool:
     """`default` when absent; false when null, as transformers' modeling reads a flag (`if
     config.norm_topk_prob:`; DeepseekV3Config keeps a null norm_topk_prob and rope_interleave)."""
-    return False if key in hf and hf[key] is None else _typed(hf, key, bool, default)
+    return False if key in hf and hf[key] is None else _typed(hf, key, bool, default, where)
 
 
 def _positive(hf: dict[str, Any], key: str, default: Any = ..., where: str = "", kind: type = int) -> Any:
@@ -304,8 +304,7 @@ def _yarn_from_hf(hf: dict[str, Any], key: str, params: dict[str, Any], cfg: Con
     """YaRN from `params` (config.json's `key`), missing lengths taken as `standardize_rope_params`
     takes them (`default_max_len`: the config class's max_position_embeddings)."""
     m, where = cfg.model, f"{key}."
-    for name, allowed in (("attention_factor", (None,)), ("truncate", (None, True)),
-                          ("partial_rotary_factor", (None, 1, 1.0))):
+    for name, allowed in (("attention_factor", (None,)), ("partial_rotary_factor", (None, 1, 1.0))):
         if params.get(name) not in allowed:
             raise CheckpointError(f"config.json: {key}.{name}={params[name]!r} is not supported")
     if "factor" not in params:  # transformers' YaRN validation: "Missing required keys ... {'factor'}"
@@ -329,6 +328,8 @@ def _yarn_from_hf(hf: dict[str, Any], key: str, params: dict[str, Any], cfg: Con
     # transformers uses mscale only together with a non-zero mscale_all_dim; 0 keeps that reading.
     m.yarn_mscale = _float(params, "mscale", 0.0, where)
     m.yarn_mscale_all_dim = _float(params, "mscale_all_dim", 0.0, where)
+    # absent: rounded (transformers' default); null is false there (`if truncate:`)
+    m.yarn_truncate = _bool(params, "truncate", True, where)
 
 
 def _gqa_from_hf(hf: dict[str, Any], cfg: Config, default_kv_heads: int, zero_head_dim_derives: bool) -> None:
@@ -375,6 +376,8 @@ def _common_to_hf(cfg: Config, family: str) -> dict[str, Any]:
                               "original_max_position_embeddings": m.rope_original_max_len,
                               "beta_fast": m.yarn_beta_fast, "beta_slow": m.yarn_beta_slow,
                               "mscale": m.yarn_mscale, "mscale_all_dim": m.yarn_mscale_all_dim}
+        if not m.yarn_truncate:  # the key only where it is not transformers' default
+            hf["rope_scaling"]["truncate"] = False
     stated = m.stated_context()
     hf["max_position_embeddings"] = stated[0] if stated else max(cfg.train.seq_len, 4096)
     return hf

@@ -25,6 +25,8 @@ class RopeScaling:
     """Magnitude scale of the cos/sin tables (numerator of the attention factor)."""
     mscale_all_dim: float = 0.0
     """DeepSeek: divides the tables' scale and multiplies the softmax scale instead; 0 disables."""
+    truncate: bool = True
+    """Round the ramp's ends to whole dims (floor, ceil); false keeps them fractional (gpt-oss)."""
 
 
 def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -65,8 +67,10 @@ def _yarn_inv_freq_half(head_dim: int, theta: float, scaling: RopeScaling, devic
     pos_freqs_half = _pos_freqs_half(head_dim, theta, device)
     inv_freq_extrapolation = 1.0 / pos_freqs_half
     inv_freq_interpolation = 1.0 / (scaling.factor * pos_freqs_half)
-    low = math.floor(_yarn_correction_dim(scaling.beta_fast, head_dim, theta, scaling.original_max_len))
-    high = math.ceil(_yarn_correction_dim(scaling.beta_slow, head_dim, theta, scaling.original_max_len))
+    low = _yarn_correction_dim(scaling.beta_fast, head_dim, theta, scaling.original_max_len)
+    high = _yarn_correction_dim(scaling.beta_slow, head_dim, theta, scaling.original_max_len)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, head_dim - 1)
     if low == high:
         high += 0.001  # the ramp below would divide by zero

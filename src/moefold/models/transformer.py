@@ -126,7 +126,7 @@ def rope_scaling(m: ModelConfig) -> RopeScaling | None:
         return None
     return RopeScaling(factor=m.rope_factor, original_max_len=m.rope_original_max_len,
                        beta_fast=m.yarn_beta_fast, beta_slow=m.yarn_beta_slow, mscale=m.yarn_mscale,
-                       mscale_all_dim=m.yarn_mscale_all_dim)
+                       mscale_all_dim=m.yarn_mscale_all_dim, truncate=m.yarn_truncate)
 
 
 def is_moe_layer(cfg: Config, layer_id: int) -> bool:

@@ -278,13 +278,15 @@ def _config_for_hf_model(hf_dir: Path, preset: str | None, overrides: dict[str, 
 
 
 def _hf_config(hf_dir: Path) -> Config:
-    from moefold.checkpoint.hf import config_from_hf
+    from moefold.checkpoint.hf import config_from_hf, generation_eos_token_ids
 
     path = Path(hf_dir) / "config.json"
     try:
-        return config_from_hf(json.loads(path.read_text()))
+        cfg = config_from_hf(json.loads(path.read_text()))
     except (OSError, ValueError) as e:
         raise UserError(f"--init-from-hf {hf_dir}: cannot read config.json ({e.__class__.__name__}: {e})") from None
+    cfg.model.generation_eos_token_ids = generation_eos_token_ids(hf_dir)  # where its generate stops
+    return cfg
 
 
 _EXPORT_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}

@@ -148,7 +148,7 @@ def sample(model, prompt_ids: list[int], max_new_tokens: int, temperature: float
     # tokens to the step's counts (the expert-bias update, the statistics): eval, then restore.
     model.eval()
     try:
-        stops = {eos_id} if isinstance(eos_id, int) else set(eos_id)
+        stops = set(eos_id) if isinstance(eos_id, Collection) else {eos_id}
         return _generate(model, list(prompt_ids), max_new_tokens, temperature, top_k, context, stops,
                          generator, vocab_size)
     finally:

@@ -4,6 +4,7 @@ greedy generation stops at, and how a prompt is encoded."""
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -68,6 +69,25 @@ def test_generation_config_jsons_eos_token_ids_survive_a_round_trip(tmp_path):
     assert _json(back / "generation_config.json")["eos_token_id"] == [9, 4]
     model = transformers.AutoModelForCausalLM.from_pretrained(back)
     assert model.generation_config.eos_token_id == [9, 4]
+
+
+def test_train_init_from_hf_keeps_both_files_eos_token_ids(tmp_path, text_corpus):
+    """A run started from a checkpoint (train --init-from-hf) stops where the checkpoint's
+    generate stops too: its config.toml keeps config.json's and generation_config.json's ids."""
+    from conftest import TINY_OVERRIDES, cli_args
+
+    from moefold.generate import run_config
+
+    hf = tmp_path / "hf"
+    reference = hf_model_of(qwen3(vocab_size=300, eos_token_id=9))
+    reference.generation_config.eos_token_id = [9, 4]
+    reference.save_pretrained(hf)
+    overrides = {k: v for k, v in TINY_OVERRIDES.items() if not k.startswith(("model.", "moe."))}
+    overrides.update({"data.path": str(text_corpus), "train.steps": "1", "train.warmup_steps": "0"})
+    run = tmp_path / "run"
+    assert main(["train", "--init-from-hf", str(hf), "--run-dir", str(run), *cli_args(overrides)]) == 0
+    m = run_config(run).model
+    assert (m.eos_token_ids, m.generation_eos_token_ids) == ([9], [9, 4])
 
 
 def test_a_null_eos_token_id_stays_null(tmp_path):
@@ -137,6 +157,7 @@ def test_sample_stops_at_any_of_several_ids():
     free = sample(model, [1, 2, 3], 12, 0.0, 0, 64, -1, torch.Generator())
     stop = next(j for j in range(2, 12) if free[j] not in free[:j])
     assert sample(model, [1, 2, 3], 12, 0.0, 0, 64, [VOCAB - 1, free[stop]], torch.Generator()) == free[:stop]
+    assert sample(model, [1, 2, 3], 12, 0.0, 0, 64, np.int64(free[stop]), torch.Generator()) == free[:stop]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -48,7 +48,7 @@ SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 _SHARD = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
 
-__all__ = ["config_from_hf", "checkpoint_config", "hf_config_from", "generation_config_from", "stop_token_ids",
+__all__ = ["config_from_hf", "checkpoint_config", "generation_eos_token_ids", "hf_config_from", "generation_config_from", "stop_token_ids",
            "check_exportable", "load_pretrained", "pretrained_on_meta", "fill_pretrained", "convert_to_run_checkpoint", "save_pretrained", "hf_tensors", "build_plan", "FAMILIES"]
 
 
@@ -86,13 +86,19 @@ def _in_config_json_keys(message: str, keys: dict[str, str]) -> str:
 
 def checkpoint_config(path: str | Path) -> Config:
     """The moefold `Config` of checkpoint directory `path`: its config.json's (`config_from_hf`),
-    with the eos_token_id of its generation_config.json, if any, where transformers' generate stops."""
+    with the eos_token_id of its generation_config.json (`generation_eos_token_ids`)."""
     cfg = config_from_hf(_read_json(Path(path) / CONFIG))
-    generation = Path(path) / GENERATION_CONFIG
-    if generation.is_file():
-        eos = _read_json(generation).get("eos_token_id")
-        cfg.model.generation_eos_token_ids = token_ids(eos, f"{GENERATION_CONFIG}: eos_token_id")
+    cfg.model.generation_eos_token_ids = generation_eos_token_ids(path)
     return cfg
+
+
+def generation_eos_token_ids(path: str | Path) -> list[int]:
+    """The eos_token_id of checkpoint directory `path`'s generation_config.json, where transformers'
+    generate stops; none without the file or the key (generate then takes config.json's)."""
+    generation = Path(path) / GENERATION_CONFIG
+    if not generation.is_file():
+        return []
+    return token_ids(_read_json(generation).get("eos_token_id"), f"{GENERATION_CONFIG}: eos_token_id")
 
 
 def stop_token_ids(cfg: Config, end_of_document: int | None) -> list[int]:

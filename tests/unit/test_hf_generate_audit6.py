@@ -374,4 +374,5 @@ def test_yarn_truncate_without_yarn_is_refused_as_inert():
 
     with pytest.raises(ConfigError, match=r"model.yarn_truncate=False needs model.rope_scaling='yarn'"):
         load_config("tiny", {"model.yarn_truncate": "false"})
-    assert load_config("tiny", {"model.rope_scaling": "yarn", "model.yarn_truncate": "false"}).model.yarn_truncate is False
+    cfg = load_config("tiny", {"model.rope_scaling": "yarn", "model.yarn_truncate": "false"})
+    assert cfg.model.yarn_truncate is False

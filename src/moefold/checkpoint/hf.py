@@ -12,7 +12,7 @@ A *plan* pairs every Hugging Face tensor name with the moefold tensor it fills (
 of a stacked `[E, in, out]` weight, transposed); both directions walk the same plan, so an import
 that fills every tensor and an export that writes every tensor are one fact. The per-family name
 tables and config converters are data in `hf_families.py`. The files are the Hub's layout:
-`config.json`, `model.safetensors` or `model-0000i-of-0000n.safetensors` + `model.safetensors.index.json`,
+`config.json` (and `generation_config.json`'s eos ids), `model.safetensors` or `model-0000i-of-0000n.safetensors` + `model.safetensors.index.json`,
 per-expert tensors, MTP module k as layer L+k with copies of the shared embedding and head.
 """
 
@@ -48,8 +48,10 @@ SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 _SHARD = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
 
-__all__ = ["config_from_hf", "checkpoint_config", "generation_eos_token_ids", "hf_config_from", "generation_config_from", "stop_token_ids",
-           "check_exportable", "load_pretrained", "pretrained_on_meta", "fill_pretrained", "convert_to_run_checkpoint", "save_pretrained", "hf_tensors", "build_plan", "FAMILIES"]
+__all__ = ["config_from_hf", "checkpoint_config", "generation_eos_token_ids", "hf_config_from",
+           "generation_config_from", "stop_token_ids", "check_exportable", "load_pretrained",
+           "pretrained_on_meta", "fill_pretrained", "convert_to_run_checkpoint", "save_pretrained",
+           "hf_tensors", "build_plan", "FAMILIES"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -120,10 +122,11 @@ def hf_config_from(cfg: Config, vocab_size: int, eos_token_id: int | None = None
 
     `eos_token_id`: the id that ended the training documents, where transformers' `generate` stops
     (it takes config.json's ids when there is no generation_config.json). config.json's eos_token_id
-    is model.eos_token_ids (an imported checkpoint's) with it, unless the generation ids (written
-    in generation_config.json: `generation_config_from`) hold it; null when there are none: else the
-    family's config class would give its own (DeepSeek-V3's 0 and 1, Mixtral's 1 and 2), ids of other
-    tokens here. bos_token_id is null: moefold trains without a beginning-of-sequence token.
+    is model.eos_token_ids (an imported checkpoint's config.json ids) and it; where the checkpoint
+    had generation ids (written back with it to generation_config.json, `generation_config_from`,
+    which transformers' generate reads instead), its ids as imported. Null when there are none:
+    else the family's config class would give its own (DeepSeek-V3's 0 and 1, Mixtral's 1 and 2),
+    ids of other tokens here. bos_token_id is null: moefold trains without a beginning-of-sequence token.
     An `eos_token_id` outside [0, vocab_size) is a CheckpointError: no token of the model has it."""
     family = family_of(cfg.model.family, "model.family")
     if eos_token_id is not None and not 0 <= eos_token_id < vocab_size:

@@ -39,6 +39,17 @@ def random_config(seed: int) -> MoEConfig:
         cfg.capacity_factor = rng.choice([0.5, 1.0, 1.25])
         cfg.drop_policy = rng.choice(["probs", "position"])
         cfg.pad_to_capacity = rng.random() < 0.5
+    return without_inert_options(cfg)
+
+
+def without_inert_options(cfg: MoEConfig) -> MoEConfig:
+    """`cfg` with the options its layer would not read at their defaults, which build_moe_layer
+    refuses otherwise. Set after every draw, so each seed keeps the random sequence and the layer
+    it always had."""
+    if cfg.shared_experts == 0:
+        cfg.shared_expert_gate = MoEConfig.shared_expert_gate
+    if cfg.score_func == "softmax" and not cfg.softmax_before_topk:  # the K weights sum to 1 already
+        cfg.norm_topk_prob = MoEConfig.norm_topk_prob
     return cfg
 
 

@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 import torch.distributed as dist
-from moe_reference import BACKENDS, build
+from moe_reference import BACKENDS, build, without_inert_options
 from test_parallel_dims import run_on_ranks
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -65,7 +65,7 @@ def random_case(seed: int, world: int, pad_multiples: tuple[int, ...] = (0,), ca
         cfg.pad_to_capacity = rng.random() < 0.5
         if cfg.pad_to_capacity:
             tokens = [tokens[0]] * world
-    return Case(cfg, seed, tokens, starved, padding=rng.random() < 0.3)
+    return Case(without_inert_options(cfg), seed, tokens, starved, padding=rng.random() < 0.3)
 
 
 def _inputs(case: Case, world: int):

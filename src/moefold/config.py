@@ -776,8 +776,7 @@ def validate(cfg: Config) -> None:
         head_dim = m.head_dim or m.dim // m.n_heads
         _require(head_dim % 2 == 0, f"model.head_dim={head_dim} must be even for RoPE")
     validate_moe(moe)
-    _validate_shared_experts(moe)
-    _validate_unread_moe_options(moe)
+    _validate_drop_policy(moe)
     layers = m.n_layers + m.mtp_layers
     _require(all(0 <= i < layers for i in moe.dense_layers),
              f"moe.dense_layers={moe.dense_layers} names a layer that does not exist; allowed: 0 to "
@@ -1006,8 +1005,9 @@ def moe_layers_in(cfg: Config, layer_ids: range) -> int:
 
 
 def validate_moe(moe: MoEConfig) -> None:
-    """The [moe] checks of `validate` (ConfigError naming the field); `build_moe_layer` runs them on
-    a MoEConfig made in Python, which no config file or command line has checked."""
+    """The [moe] checks of `validate` (ConfigError naming the field), but for `_validate_drop_policy`;
+    `build_moe_layer` runs them on a MoEConfig made in Python, which no config file or command line
+    has checked."""
     for key, tp in field_types().items():  # `validate`'s _finite, for the [moe] fields alone
         if key.startswith("moe."):
             _require_finite(key, tp, getattr(moe, key.removeprefix("moe.")))
@@ -1035,31 +1035,32 @@ def validate_moe(moe: MoEConfig) -> None:
                     "moe.pad_to_capacity=true needs moe.capacity_factor > 0")
     if moe.num_experts:  # without routed experts every layer is dense: no router to group
         _validate_groups(moe)
+    _validate_unread_moe_options(moe)
 
 
-def _validate_shared_experts(moe: MoEConfig) -> None:
-    """A gate or hidden size for shared experts the model does not have changes nothing. A config
-    check, not one of validate_moe's: a layer built in Python may carry them unused."""
+def _validate_unread_moe_options(moe: MoEConfig) -> None:
+    """Options the layer never reads: a gate or hidden size for shared experts it does not have
+    (layer._build_shared), a bias step without the bias (Router.update_expert_bias), a
+    renormalisation of a softmax over the K chosen, which sums to 1 already (TopKThenSoftmax)."""
     if moe.shared_experts == 0:
         _require_effect(not moe.shared_expert_gate, "moe.shared_expert_gate",
                         "moe.shared_expert_gate=true needs moe.shared_experts > 0")
         _require_effect(moe.shared_expert_hidden == 0, "moe.shared_expert_hidden",
-                 f"moe.shared_expert_hidden={moe.shared_expert_hidden} needs moe.shared_experts > 0")
-
-
-def _validate_unread_moe_options(moe: MoEConfig) -> None:
-    """Options whose strategy is not built: a drop policy without capacity drops, a bias step
-    without the bias, a renormalisation of probabilities that sum to 1. Config checks, as _validate_shared_experts: `moefold generate` builds its
-    dropless layers with the run's drop_policy, and a layer built in Python may carry them unused."""
-    _require_effect(moe.capacity_factor > 0 or moe.drop_policy == MoEConfig.drop_policy, "moe.drop_policy",
-             f"moe.drop_policy={moe.drop_policy!r} needs moe.capacity_factor > 0 (dropless routing drops no token)")
+                        f"moe.shared_expert_hidden={moe.shared_expert_hidden} needs moe.shared_experts > 0")
     _require_effect(moe.expert_bias or moe.expert_bias_update_rate == MoEConfig.expert_bias_update_rate,
-                    "moe.expert_bias_update_rate",
-             f"moe.expert_bias_update_rate={moe.expert_bias_update_rate} needs moe.expert_bias=true "
-             "(no expert bias to update)")
-    _require_effect(moe.norm_topk_prob or moe.softmax_before_topk, "moe.norm_topk_prob",
-                    "moe.norm_topk_prob=false needs "
-             "moe.softmax_before_topk=true (a softmax over the K chosen sums to 1 already)")
+                    "moe.expert_bias_update_rate", f"moe.expert_bias_update_rate={moe.expert_bias_update_rate} "
+                    "needs moe.expert_bias=true (no expert bias to update)")
+    _require_effect(moe.norm_topk_prob or moe.softmax_before_topk, "moe.norm_topk_prob", "moe.norm_topk_prob=false "
+                    "needs moe.softmax_before_topk=true (a softmax over the K chosen sums to 1 already)")
+
+
+def _validate_drop_policy(moe: MoEConfig) -> None:
+    """Dropless routing drops nothing for a policy to choose. A config check, not one of
+    validate_moe's: `moefold generate` builds its dropless layers (capacity_factor=0) with the
+    run's drop_policy."""
+    _require_effect(moe.capacity_factor > 0 or moe.drop_policy == MoEConfig.drop_policy, "moe.drop_policy",
+                    f"moe.drop_policy={moe.drop_policy!r} needs moe.capacity_factor > 0 (dropless routing "
+                    "drops no token)")
 
 
 def _validate_groups(moe: MoEConfig) -> None:

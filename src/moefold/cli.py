@@ -278,14 +278,14 @@ def _config_for_hf_model(hf_dir: Path, preset: str | None, overrides: dict[str, 
 
 
 def _hf_config(hf_dir: Path) -> Config:
-    from moefold.checkpoint.hf import config_from_hf, generation_eos_token_ids
+    from moefold.checkpoint.hf import config_from_hf, read_generation_config
 
     path = Path(hf_dir) / "config.json"
     try:
         cfg = config_from_hf(json.loads(path.read_text()))
     except (OSError, ValueError) as e:
         raise UserError(f"--init-from-hf {hf_dir}: cannot read config.json ({e.__class__.__name__}: {e})") from None
-    cfg.model.generation_eos_token_ids = generation_eos_token_ids(hf_dir)  # where its generate stops
+    read_generation_config(cfg.model, hf_dir)  # where its generate stops, its sampling defaults
     return cfg
 
 

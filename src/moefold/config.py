@@ -97,10 +97,18 @@ class ModelConfig:
     from an imported checkpoint); 0: YaRN's extended length, else max(train.seq_len, 4096)."""
     eos_token_ids: list[int] = field(default_factory=list)
     """config.json's eos_token_id of an imported checkpoint (one id or several), kept for its
-    export; with no generation_eos_token_ids, where generate stops besides the end-of-document id."""
+    export; without a generation_config.json, where generate stops besides the end-of-document id."""
     generation_eos_token_ids: list[int] = field(default_factory=list)
     """generation_config.json's eos_token_id of an imported checkpoint (Qwen3 instruct's <|im_end|>
     and <|endoftext|>): where its generate stops besides the end-of-document id; exported again."""
+    generation_config: str = ""
+    """An imported checkpoint's generation_config.json as JSON, less eos_token_id (above) and
+    transformers_version: its sampling defaults, written back by the export ("": it had none, and
+    generate stops at config.json's eos ids; "{}": one without eos ids stops at none of them)."""
+    bos_token_ids: list[int] = field(default_factory=list)
+    """config.json's bos_token_id of an imported checkpoint ([] for null), written back by the export."""
+    pad_token_ids: list[int] = field(default_factory=list)
+    """config.json's pad_token_id of an imported checkpoint ([] for null), written back by the export."""
 
     def stated_context(self) -> tuple[int, str] | None:
         """The context the model states, and the options that set it: max_position_embeddings,

@@ -37,7 +37,8 @@ def test_an_export_claims_no_end_of_document_id_outside_its_vocabulary(tmp_path)
     """A checkpoint without tokenizer.json converts to a run with the byte-level tokenizer, whose
     end of document is 256; exported back, config.json said eos_token_id=256 for a vocabulary of
     96 rows (no such token). Now it says the checkpoint's own 7 (kept since test_hf_generate_audit6.py),
-    and where the checkpoint states none, null: transformers' generate runs to max_new_tokens."""
+    and where the checkpoint states none, null: transformers' generate runs to max_new_tokens.
+    Its bos_token_id 5 is kept too (test_hf_roundtrip_audit6.py; it was null)."""
     for eos in (7, None):
         hf, run, back = tmp_path / f"hf{eos}", tmp_path / f"run{eos}", tmp_path / f"back{eos}"
         hf_model_of(qwen3(eos_token_id=eos, bos_token_id=5)).save_pretrained(hf)
@@ -45,7 +46,7 @@ def test_an_export_claims_no_end_of_document_id_outside_its_vocabulary(tmp_path)
         assert main(["convert", "--run-dir", str(run), "--to-hf", str(back)]) == 0
         config = _config(back)
         assert config["vocab_size"] == VOCAB
-        assert (config["eos_token_id"], config["bos_token_id"]) == (eos, None)
+        assert (config["eos_token_id"], config["bos_token_id"]) == (eos, 5)
         model = transformers.AutoModelForCausalLM.from_pretrained(back)
         assert model.generation_config.eos_token_id == eos
     out = model.generate(torch.tensor([[1, 2]]), max_new_tokens=3, do_sample=False)

@@ -95,7 +95,8 @@ def test_a_null_eos_token_id_stays_null(tmp_path):
     hf_model_of(qwen3()).save_pretrained(hf)
     back = _round_trip(hf, tmp_path)
     assert _json(back / "config.json")["eos_token_id"] is None
-    assert not (back / "generation_config.json").exists()
+    assert "eos_token_id" not in _json(back / "generation_config.json")  # kept, as transformers saved it
+    assert transformers.AutoModelForCausalLM.from_pretrained(back).generation_config.eos_token_id is None
 
 
 @pytest.mark.parametrize("where, value, message", [

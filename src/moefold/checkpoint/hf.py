@@ -12,7 +12,7 @@ A *plan* pairs every Hugging Face tensor name with the moefold tensor it fills (
 of a stacked `[E, in, out]` weight, transposed); both directions walk the same plan, so an import
 that fills every tensor and an export that writes every tensor are one fact. The per-family name
 tables and config converters are data in `hf_families.py`. The files are the Hub's layout:
-`config.json` (and `generation_config.json`'s eos ids), `model.safetensors` or `model-0000i-of-0000n.safetensors` + `model.safetensors.index.json`,
+`config.json` (and `generation_config.json`), `model.safetensors` or `model-0000i-of-0000n.safetensors` + `model.safetensors.index.json`,
 per-expert tensors, MTP module k as layer L+k with copies of the shared embedding and head.
 """
 
@@ -35,8 +35,8 @@ import torch
 from torch import nn
 
 from moefold.checkpoint.hf_families import (FAMILIES, Family, PerExpert, Rule, config_json_keys, family_of,
-                                            refuse_nulls, token_ids)
-from moefold.config import Config, validate
+                                            refuse_nulls, single_token_id, token_ids)
+from moefold.config import Config, ModelConfig, validate
 from moefold.errors import CheckpointError, ConfigError, writing
 from moefold.files import fsync
 from moefold.models.transformer import Transformer, build_model, materialize
@@ -48,7 +48,7 @@ SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 _SHARD = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
 
-__all__ = ["config_from_hf", "checkpoint_config", "generation_eos_token_ids", "hf_config_from",
+__all__ = ["config_from_hf", "checkpoint_config", "read_generation_config", "hf_config_from",
            "generation_config_from", "stop_token_ids", "check_exportable", "load_pretrained",
            "pretrained_on_meta", "fill_pretrained", "convert_to_run_checkpoint", "save_pretrained",
            "hf_tensors", "build_plan", "FAMILIES"]
@@ -88,32 +88,73 @@ def _in_config_json_keys(message: str, keys: dict[str, str]) -> str:
 
 def checkpoint_config(path: str | Path) -> Config:
     """The moefold `Config` of checkpoint directory `path`: its config.json's (`config_from_hf`),
-    with the eos_token_id of its generation_config.json (`generation_eos_token_ids`)."""
+    with its generation_config.json (`read_generation_config`)."""
     cfg = config_from_hf(_read_json(Path(path) / CONFIG))
-    cfg.model.generation_eos_token_ids = generation_eos_token_ids(path)
+    read_generation_config(cfg.model, path)
     return cfg
 
 
-def generation_eos_token_ids(path: str | Path) -> list[int]:
-    """The eos_token_id of checkpoint directory `path`'s generation_config.json, where transformers'
-    generate stops; none without the file or the key (generate then takes config.json's)."""
-    generation = Path(path) / GENERATION_CONFIG
-    if not generation.is_file():
-        return []
-    return token_ids(_read_json(generation).get("eos_token_id"), f"{GENERATION_CONFIG}: eos_token_id")
+# written by whichever transformers saved the file: not a setting, and not ours to claim
+_GENERATION_BOOKKEEPING = ("eos_token_id", "transformers_version")
+
+
+def read_generation_config(model: ModelConfig, path: str | Path) -> None:
+    """Sets model.generation_config and model.generation_eos_token_ids from checkpoint directory
+    `path`'s generation_config.json. transformers 5 reads the file as it is (GenerationConfig.
+    from_pretrained): one without eos_token_id stops generate at none, config.json's ids are read
+    only where there is no such file. Every other key is kept for the export, a value that is a
+    JSON object (nothing transformers' generation options hold) refused by its key."""
+    file = Path(path) / GENERATION_CONFIG
+    if not file.is_file():
+        model.generation_config, model.generation_eos_token_ids = "", []
+        return
+    try:
+        content = json.loads(file.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{GENERATION_CONFIG}: cannot be read ({e.__class__.__name__}: {e})") from None
+    if not isinstance(content, dict):
+        raise CheckpointError(f"{GENERATION_CONFIG}: {json.dumps(content)} is not a JSON object")
+    model.generation_eos_token_ids = token_ids(content.get("eos_token_id"), f"{GENERATION_CONFIG}: eos_token_id")
+    settings = {key: value for key, value in content.items() if key not in _GENERATION_BOOKKEEPING}
+    for key, value in settings.items():
+        if not _is_json_list_or_scalar(value):
+            raise CheckpointError(f"{GENERATION_CONFIG}: {key}={json.dumps(value)} is not supported "
+                                  "(a number, string, boolean, null or a list of them)")
+    model.generation_config = json.dumps(settings)
+
+
+def _is_json_list_or_scalar(value: Any) -> bool:
+    if isinstance(value, list):
+        return all(_is_json_list_or_scalar(v) for v in value)
+    return value is None or isinstance(value, (str, int, float))
+
+
+def _has_generation_config(model: ModelConfig) -> bool:
+    """Whether the imported checkpoint had a generation_config.json (a run saved before
+    model.generation_config existed kept only its eos ids)."""
+    return bool(model.generation_config or model.generation_eos_token_ids)
 
 
 def stop_token_ids(cfg: Config, end_of_document: int | None) -> list[int]:
     """The ids generation stops at: those an imported checkpoint states (its generation_config.json's,
-    else its config.json's, as transformers' generate takes them) and `end_of_document`, the id
-    that ended the run's training documents (None: none)."""
-    stated = cfg.model.generation_eos_token_ids or cfg.model.eos_token_ids
+    none where that file states none; config.json's where there is no such file, as transformers'
+    generate takes them) and `end_of_document`, the id that ended the run's training documents
+    (None: none)."""
+    m = cfg.model
+    stated = m.generation_eos_token_ids if _has_generation_config(m) else m.eos_token_ids
     return stated + ([] if end_of_document is None or end_of_document in stated else [end_of_document])
 
 
 def _json_ids(ids: list[int]) -> int | list[int] | None:
     """Token ids as config.json writes them: null for none, an integer for one, else a list."""
     return None if not ids else ids[0] if len(ids) == 1 else ids
+
+
+def _json_single_id(ids: list[int], key: str) -> int | None:
+    """model.bos_token_ids or pad_token_ids as config.json writes it: null or one integer."""
+    if len(ids) > 1:
+        raise CheckpointError(f"{key}={ids} cannot be exported: config.json takes one id or none")
+    return _json_ids(ids)
 
 
 def hf_config_from(cfg: Config, vocab_size: int, eos_token_id: int | None = None) -> dict[str, Any]:
@@ -123,42 +164,66 @@ def hf_config_from(cfg: Config, vocab_size: int, eos_token_id: int | None = None
     `eos_token_id`: the id that ended the training documents, where transformers' `generate` stops
     (it takes config.json's ids when there is no generation_config.json). config.json's eos_token_id
     is model.eos_token_ids (an imported checkpoint's config.json ids) and it; where the checkpoint
-    had generation ids (written back with it to generation_config.json, `generation_config_from`,
-    which transformers' generate reads instead), its ids as imported. Null when there are none:
+    had a generation_config.json (written back with it, `generation_config_from`, which
+    transformers' generate reads instead), its ids as imported. Null when there are none:
     else the family's config class would give its own (DeepSeek-V3's 0 and 1, Mixtral's 1 and 2),
-    ids of other tokens here. bos_token_id is null: moefold trains without a beginning-of-sequence token.
+    ids of other tokens here. bos_token_id and pad_token_id are an imported checkpoint's, else
+    null: moefold trains without a beginning-of-sequence or padding token.
     An `eos_token_id` outside [0, vocab_size) is a CheckpointError: no token of the model has it."""
     family = family_of(cfg.model.family, "model.family")
     if eos_token_id is not None and not 0 <= eos_token_id < vocab_size:
         raise CheckpointError(f"eos_token_id={eos_token_id} is not a token of the model's vocabulary "
                               f"(0..{vocab_size - 1})")
     hf = family.config_to_hf(cfg)
+    m = cfg.model
     return {"architectures": [family.architecture], **hf, "vocab_size": vocab_size,
-            "bos_token_id": None, "eos_token_id": _json_ids(_config_eos_ids(cfg, eos_token_id))}
+            "bos_token_id": _json_single_id(m.bos_token_ids, "model.bos_token_ids"),
+            "pad_token_id": _json_single_id(m.pad_token_ids, "model.pad_token_ids"),
+            "eos_token_id": _json_ids(_config_eos_ids(cfg, eos_token_id))}
 
 
 def _config_eos_ids(cfg: Config, end_of_document: int | None) -> list[int]:
-    """config.json's eos ids: with generation ids (in generation_config.json, which transformers'
-    generate reads instead), the imported ones as they were; else where generation stops."""
+    """config.json's eos ids: with a generation_config.json (which transformers' generate reads
+    instead), the imported ones as they were; else where generation stops."""
     m = cfg.model
-    if m.generation_eos_token_ids:
+    if _has_generation_config(m):
         return m.eos_token_ids or ([] if end_of_document is None else [end_of_document])
     return stop_token_ids(cfg, end_of_document)
 
 
 def generation_config_from(cfg: Config, eos_token_id: int | None = None) -> dict[str, Any] | None:
-    """The generation_config.json of `cfg`: the generation ids of an imported checkpoint
-    (model.generation_eos_token_ids) with `eos_token_id` (`hf_config_from`'s); None where there
-    are none (transformers' generate then takes config.json's)."""
-    if not cfg.model.generation_eos_token_ids:
+    """The generation_config.json of `cfg`: an imported checkpoint's (model.generation_config),
+    its eos_token_id the generation ids with `eos_token_id` (`hf_config_from`'s), absent where
+    there are none; None where the checkpoint had no such file (transformers' generate then takes
+    config.json's ids)."""
+    m = cfg.model
+    if not _has_generation_config(m):
         return None
-    return {"bos_token_id": None, "eos_token_id": _json_ids(stop_token_ids(cfg, eos_token_id))}
+    settings = _generation_settings(m.generation_config)
+    ids = stop_token_ids(cfg, eos_token_id)
+    return {**settings, "eos_token_id": _json_ids(ids)} if ids else settings
+
+
+def _generation_settings(text: str) -> dict[str, Any]:
+    """model.generation_config as the JSON object it holds ("": none); a config.toml edited into
+    anything else is refused naming the field."""
+    try:
+        settings = json.loads(text or "{}")
+    except ValueError:
+        settings = None
+    if not isinstance(settings, dict):
+        raise CheckpointError(f"model.generation_config={text!r} is not a JSON object "
+                              "(an imported checkpoint's generation_config.json settings)")
+    return settings
 
 
 def check_exportable(cfg: Config) -> None:
     """Refuses, as `save_pretrained` would, a config whose family or options a Hugging Face
     checkpoint cannot hold: from the config alone, before a model is built or its weights read."""
     family_of(cfg.model.family, "model.family").config_to_hf(cfg)
+    _json_single_id(cfg.model.bos_token_ids, "model.bos_token_ids")
+    _json_single_id(cfg.model.pad_token_ids, "model.pad_token_ids")
+    _generation_settings(cfg.model.generation_config)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -668,16 +733,16 @@ def save_pretrained(model: Transformer, path: str | Path, max_shard_bytes: int =
     # transformers >= 4.56 reads (and writes) `dtype`, keeping it over `torch_dtype`; earlier
     # versions and tools reading config.json's raw keys know only `torch_dtype`: both, one value.
     hf["dtype"] = hf["torch_dtype"] = _dtype_name(dtype or model.tok_embeddings.weight.dtype)
-    writes: dict[str, Callable[[Path], Any]] = {
-        file: partial(_write_safetensors, entries=shard) for file, shard in shards.items()}
+    writes: dict[str, Callable[[Path], Any]] = {}
+    generation = generation_config_from(model.cfg, eos_token_id)
+    if generation is not None:
+        writes[GENERATION_CONFIG] = lambda file: file.write_text(json.dumps(generation, indent=2) + "\n")
+    writes.update({file: partial(_write_safetensors, entries=shard) for file, shard in shards.items()})
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(e.nbytes for e in entries)},
                  "weight_map": {e.name: file for file, shard in shards.items() for e in shard}}
         writes[INDEX] = lambda file: file.write_text(json.dumps(index, indent=2) + "\n")
     writes[CONFIG] = lambda file: file.write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
-    generation = generation_config_from(model.cfg, eos_token_id)
-    if generation is not None:
-        writes[GENERATION_CONFIG] = lambda file: file.write_text(json.dumps(generation, indent=2) + "\n")
     for name, source in (copies or {}).items():
         writes[name] = partial(shutil.copyfile, source)
     _write_all_or_nothing(path, writes, created)

@@ -235,6 +235,14 @@ def token_ids(value: Any, where: str) -> list[int]:
     return ids
 
 
+def single_token_id(value: Any, where: str) -> list[int]:
+    """A bos or pad token id as transformers 5's config classes take it (an integer, or null: none)
+    as a list of at most one; anything else is refused in one line naming `where`."""
+    if value is not None and type(value) is not int:
+        raise CheckpointError(f"{where}={json.dumps(value)} is not a token id (an integer or null)")
+    return [] if value is None else [value]
+
+
 def _require(hf: dict[str, Any], key: str, allowed: tuple, default: Any) -> None:
     """hf[key] (`default` when absent or null) must be one of `allowed`."""
     value = _get(hf, key, default)
@@ -244,7 +252,7 @@ def _require(hf: dict[str, Any], key: str, allowed: tuple, default: Any) -> None
 
 
 def _common_from_hf(hf: dict[str, Any], family: str, default_theta: float, default_eps: float,
-                    default_max_len: int, default_eos: int | None) -> Config:
+                    default_max_len: int, default_eos: int | None, default_bos: int | None) -> Config:
     """The fields every family shares: sizes, norms, embeddings, RoPE, and the unsupported options.
     The defaults: the family config class's, which transformers builds with where a key is absent."""
     if hf.get("quantization_config"):
@@ -270,6 +278,8 @@ def _common_from_hf(hf: dict[str, Any], family: str, default_theta: float, defau
     m.max_position_embeddings = _int(hf, "max_position_embeddings", default_max_len)  # transformers builds with it
     # absent: the config class's (Mixtral's 2), where transformers' generate stops; null: none
     m.eos_token_ids = token_ids(hf.get("eos_token_id", default_eos), "config.json: eos_token_id")
+    m.bos_token_ids = single_token_id(hf.get("bos_token_id", default_bos), "config.json: bos_token_id")
+    m.pad_token_ids = single_token_id(hf.get("pad_token_id"), "config.json: pad_token_id")  # None in each class
     _rope_from_hf(hf, cfg, default_theta, default_max_len)
     return cfg
 
@@ -470,7 +480,7 @@ def _deepseek_aux_to_hf(cfg: Config) -> dict[str, Any]:
 
 def _qwen3_moe_from_hf(hf: dict[str, Any]) -> Config:
     cfg = _common_from_hf(hf, "qwen3_moe", default_theta=10000.0, default_eps=1e-6, default_max_len=32768,
-                          default_eos=None)
+                          default_eos=None, default_bos=None)
     m, moe = cfg.model, cfg.moe
     _gqa_from_hf(hf, cfg, default_kv_heads=4, zero_head_dim_derives=False)
     m.qk_norm = True
@@ -517,7 +527,7 @@ def _qwen3_moe_to_hf(cfg: Config) -> dict[str, Any]:
 
 def _mixtral_from_hf(hf: dict[str, Any]) -> Config:
     cfg = _common_from_hf(hf, "mixtral", default_theta=1e6, default_eps=1e-5, default_max_len=4096 * 32,
-                          default_eos=2)
+                          default_eos=2, default_bos=1)
     m, moe = cfg.model, cfg.moe
     _gqa_from_hf(hf, cfg, default_kv_heads=8, zero_head_dim_derives=True)
     m.qk_norm = False
@@ -557,7 +567,7 @@ def _mixtral_to_hf(cfg: Config) -> dict[str, Any]:
 
 def _deepseek_v3_from_hf(hf: dict[str, Any]) -> Config:
     cfg = _common_from_hf(hf, "deepseek_v3", default_theta=10000.0, default_eps=1e-6, default_max_len=4096,
-                          default_eos=1)
+                          default_eos=1, default_bos=0)
     m, moe = cfg.model, cfg.moe
     _require(hf, "topk_method", ("noaux_tc",), "noaux_tc")
     _require(hf, "scoring_func", ("sigmoid",), "sigmoid")

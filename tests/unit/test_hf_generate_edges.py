@@ -127,7 +127,7 @@ def test_a_refused_config_value_is_one_line_and_exit_2_from_the_cli(qwen_dir, tm
     (deepseek_v3, {"n_group": 4, "topk_group": 1, "num_experts_per_tok": 3},
      "num_experts_per_tok=3 exceeds the 2 experts of topk_group=1 groups"),
     # first_k_dense_replace=-1 is no dense layer, as in transformers (test_hf_generate_audit6.py)
-    (deepseek_v3, {"num_nextn_predict_layers": -1}, "num_nextn_predict_layers=-1 must be >= 0"),
+    # num_nextn_predict_layers=-1 is no MTP module, as in transformers (test_hf_roundtrip_audit6.py)
     (qwen3, {"rms_norm_eps": -1.0}, "rms_norm_eps=-1.0 must be > 0"),
     (qwen3, {"num_local_experts": -1}, "num_local_experts=-1 must be >= 0"),  # the alias transformers 5 writes
     (qwen3, {"router_aux_loss_coef": -1.0}, "router_aux_loss_coef=-1.0 must be >= 0"),

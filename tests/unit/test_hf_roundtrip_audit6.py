@@ -1,6 +1,6 @@
 """What a Hugging Face round trip (convert --from-hf, train --init-from-hf, convert --to-hf) keeps
 of a checkpoint's special-token ids and generation_config.json, against transformers 5: where its
-generate stops and what its loaded generation config holds."""
+generate stops, what its loaded generation config holds, and what its DeepSeek-V3 builds."""
 
 import json
 import re
@@ -10,7 +10,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from test_hf_generate_audit6 import _json, _round_trip  # noqa: E402
+from test_hf_generate_audit6 import _json, _logits_match, _round_trip  # noqa: E402
 from test_hf_interop import deepseek_v3, hf_model_of, mixtral, qwen3  # noqa: E402
 
 from moefold.cli import main  # noqa: E402
@@ -192,3 +192,16 @@ def test_a_run_config_edited_past_what_the_export_writes_is_refused_by_its_field
     capsys.readouterr()
     assert main(["convert", "--run-dir", str(run), "--to-hf", str(tmp_path / "back")]) == 2
     assert message in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. DeepSeek-V3's num_nextn_predict_layers below 0: transformers builds no MTP module
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layers", [-1, -3])
+def test_deepseek_num_nextn_predict_layers_below_0_is_no_mtp_module_as_in_transformers(layers, tmp_path):
+    """transformers' DeepseekV3Config takes any integer there and its model builds no MTP module;
+    moefold refused -1 ('model.mtp_layers must be >= 0')."""
+    ours = _logits_match(deepseek_v3(num_nextn_predict_layers=layers), tmp_path)
+    assert ours.cfg.model.mtp_layers == 0

@@ -588,8 +588,9 @@ def _deepseek_v3_from_hf(hf: dict[str, Any]) -> Config:
         raise CheckpointError(f"config.json: {key}.factor=null is not supported beside {key}.mscale_all_dim="
                               f"{rope['mscale_all_dim']!r}: DeepSeek-V3's attention scales by the factor as "
                               f"written; give {key}.factor")
-    # absent: DeepseekV3Config's 1 (a checkpoint without the MTP tensors loads without them)
-    m.mtp_layers = _int(hf, "num_nextn_predict_layers", _int(hf, "num_mtp_layers", 1))
+    # absent: DeepseekV3Config's 1 (a checkpoint without the MTP tensors loads without them);
+    # below 0: none (transformers' config takes any integer, its model builds no MTP module)
+    m.mtp_layers = max(_int(hf, "num_nextn_predict_layers", _int(hf, "num_mtp_layers", 1)), 0)
     moe.num_experts = _positive(hf, _present(hf, _DEEPSEEK_V3_EXPERTS))  # transformers: MoE layers of 0 experts
     # transformers' layer i is MoE where i >= first_k_dense_replace: a negative k is no dense layer
     moe.first_k_dense, moe.moe_every = max(_int(hf, "first_k_dense_replace", 3), 0), 1

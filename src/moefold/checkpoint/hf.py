@@ -12,8 +12,9 @@ A *plan* pairs every Hugging Face tensor name with the moefold tensor it fills (
 of a stacked `[E, in, out]` weight, transposed); both directions walk the same plan, so an import
 that fills every tensor and an export that writes every tensor are one fact. The per-family name
 tables and config converters are data in `hf_families.py`. The files are the Hub's layout:
-`config.json` (and `generation_config.json`), `model.safetensors` or `model-0000i-of-0000n.safetensors` + `model.safetensors.index.json`,
-per-expert tensors, MTP module k as layer L+k with copies of the shared embedding and head.
+`config.json` (and `generation_config.json`), `model.safetensors` or
+`model-0000i-of-0000n.safetensors` + `model.safetensors.index.json`, per-expert tensors, MTP
+module k as layer L+k with copies of the shared embedding and head.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import torch
 from torch import nn
 
 from moefold.checkpoint.hf_families import (FAMILIES, Family, PerExpert, Rule, config_json_keys, family_of,
-                                            refuse_nulls, single_token_id, token_ids)
+                                            refuse_nulls, token_ids)
 from moefold.config import Config, ModelConfig, validate
 from moefold.errors import CheckpointError, ConfigError, writing
 from moefold.files import fsync

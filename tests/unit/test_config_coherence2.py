@@ -237,10 +237,10 @@ def test_a_memory_name_without_a_site_from_python_is_refused(apply, name):
 
 
 # What build_moe_layer may take that load_config refuses: options of the whole model's layer
-# pattern, and those a layer leaves unread (docs/python.md: `moefold generate` builds its dropless
-# layers with the run's drop_policy); its "> 0 for an MoE layer" words 0 experts' refusal its way.
+# pattern, and drop_policy without a capacity, which a layer leaves unread (docs/python.md: `moefold
+# generate` builds its dropless layers with the run's drop_policy); its "> 0 for an MoE layer" words 0 experts' refusal its way.
 _MODEL_WIDE = {"first_k_dense", "moe_every", "dense_layers"}
-_UNREAD = {"drop_policy", "expert_bias_update_rate", "shared_expert_hidden", "shared_expert_gate", "norm_topk_prob"}
+_UNREAD = {"drop_policy"}
 _VALUES = {int: [-1, 0, 1, 3, 9, 2**64], float: [-1.0, 0.0, 0.5, 2.0, float("nan"), float("inf")],
            bool: [True, False], str: ["bogus", "sigmoid", "position", "gelu", "loop", "fp64"]}
 

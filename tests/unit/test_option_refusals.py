@@ -1,8 +1,8 @@
 """Options the rest of the config leaves unread, or that make an option cost without effect, are
 refused with one line naming both options (as model.mtp_loss_weight without MTP modules and the
-yarn_* options without YaRN are), from a config file or the command line. The [moe] ones are
-config checks, not build_moe_layer's, as the shared experts' are: `moefold generate` builds its
-dropless layers with the run's drop_policy, and a layer built in Python may carry them unused.
+yarn_* options without YaRN are), from a config file or the command line; build_moe_layer refuses
+the [moe] ones too (6e746ac), except drop_policy without a capacity, a config check alone:
+`moefold generate` builds its dropless layers with the run's drop_policy.
 The MoE layer itself refuses a [T, D] token matrix where the sequence aux loss needs sequences."""
 
 import pytest

@@ -298,7 +298,7 @@ def _convert(args: argparse.Namespace) -> int:
 
     from moefold.checkpoint.hf import CONFIG, check_exportable, save_pretrained
     from moefold.data.tokenizer import tokenizer_files
-    from moefold.generate import load_model_from_run, run_config
+    from moefold.generate import learned_end_of_document_id, load_model_from_run, run_config
 
     if args.from_hf is not None:
         if args.out is None or args.to_hf is not None:
@@ -319,22 +319,9 @@ def _convert(args: argparse.Namespace) -> int:
     default = "bf16" if cfg.optim.master_dtype == "bf16" else "fp32"
     dtype = getattr(torch, _EXPORT_DTYPES[args.dtype or default])
     save_pretrained(model, args.to_hf, dtype=dtype, copies=tokenizer_files(cfg.data.tokenizer),
-                    eos_token_id=_export_eos_id(cfg, tokenizer, model.vocab_size, args.run_dir))
+                    eos_token_id=learned_end_of_document_id(cfg, tokenizer, model.vocab_size, args.run_dir))
     print(f"converted {args.run_dir} -> {args.to_hf}")
     return 0
-
-
-def _export_eos_id(cfg: Config, tokenizer, vocab_size: int, run_dir: Path) -> int | None:
-    """config.json's eos_token_id: the id the run's documents ended with, or None (null) where the
-    byte tokenizer's 256 ended none this model read: a run converted from a checkpoint without
-    tokenizer.json, exported before it trained (its step-0 checkpoint), or a vocabulary without it."""
-    from moefold.checkpoint.dcp import checkpoint_step, resolve_checkpoint
-    from moefold.generate import end_of_document_id
-
-    eos = end_of_document_id(cfg, tokenizer)
-    bytes_untrained = (not cfg.data.tokenizer and cfg.data.eos_id < 0
-                       and checkpoint_step(resolve_checkpoint(run_dir, "--run-dir")) == 0)
-    return None if bytes_untrained or eos >= vocab_size else eos
 
 
 def _convert_from_hf(hf_dir: Path, out: Path) -> int:
@@ -425,7 +412,8 @@ def _generate(args: argparse.Namespace) -> int:
     model, tokenizer, cfg = load_model_from_run(args.run_dir, args.device, for_sampling=True)
     generator = torch.Generator().manual_seed(args.seed)
     new_ids = sample(model, prompt_ids, args.max_new_tokens, args.temperature, args.top_k,
-                     context, stop_ids(cfg, tokenizer), generator, tokenizer.vocab_size)
+                     context, stop_ids(cfg, tokenizer, model.vocab_size, args.run_dir), generator,
+                     tokenizer.vocab_size)
     _print_text(continuation(tokenizer, args.prompt, prompt_ids, new_ids))
     return 0
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from moefold.checkpoint.dcp import load_weights, resolve_checkpoint
+from moefold.checkpoint.dcp import checkpoint_step, load_weights, resolve_checkpoint
 from moefold.checkpoint.hf import stop_token_ids
 from moefold.config import Config, config_from_toml
 from moefold.data.formats import TOKEN_SUFFIXES, find_data_files
@@ -90,11 +90,22 @@ def end_of_document_id(cfg: Config, tokenizer) -> int:
     return cfg.data.eos_id if cfg.data.eos_id >= 0 else tokenizer.eos_id
 
 
-def stop_ids(cfg: Config, tokenizer) -> list[int]:
-    """The ids `moefold generate` stops at: the end of document (`end_of_document_id`), and those
-    an imported checkpoint states, where transformers' generate stops (its generation_config.json's
-    eos_token_id, else its config.json's: Qwen3 instruct's <|im_end|> and <|endoftext|>)."""
-    return stop_token_ids(cfg, end_of_document_id(cfg, tokenizer))
+def learned_end_of_document_id(cfg: Config, tokenizer, vocab_size: int, run_dir: Path) -> int | None:
+    """`end_of_document_id` where the run's model may have learned it, else None: the byte
+    tokenizer's 256 ended no document that a run converted from a checkpoint without tokenizer.json
+    read before it trained (its step-0 checkpoint), and an id past the vocabulary is no token."""
+    eos = end_of_document_id(cfg, tokenizer)
+    bytes_untrained = (not cfg.data.tokenizer and cfg.data.eos_id < 0
+                       and checkpoint_step(resolve_checkpoint(run_dir, "--run-dir")) == 0)
+    return None if bytes_untrained or eos >= vocab_size else eos
+
+
+def stop_ids(cfg: Config, tokenizer, vocab_size: int, run_dir: Path) -> list[int]:
+    """The ids `moefold generate` stops at: the end of document where the model learned it
+    (`learned_end_of_document_id`), and those an imported checkpoint states, where transformers'
+    generate stops (its generation_config.json's eos_token_id, else its config.json's: Qwen3
+    instruct's <|im_end|> and <|endoftext|>)."""
+    return stop_token_ids(cfg, learned_end_of_document_id(cfg, tokenizer, vocab_size, run_dir))
 
 
 def context_length(cfg: Config) -> tuple[int, str]:

@@ -205,3 +205,35 @@ def test_deepseek_num_nextn_predict_layers_below_0_is_no_mtp_module_as_in_transf
     moefold refused -1 ('model.mtp_layers must be >= 0')."""
     ours = _logits_match(deepseek_v3(num_nextn_predict_layers=layers), tmp_path)
     assert ours.cfg.model.mtp_layers == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. A converted run that has not trained never learned the byte tokenizer's end of document
+# ---------------------------------------------------------------------------------------------
+
+
+def test_an_untrained_converted_run_generates_past_the_byte_end_of_document_as_transformers(tmp_path, capsys):
+    """A checkpoint without tokenizer.json is read with the byte tokenizer, whose end of document
+    (256) ended no document the model read before it trains; the export already leaves it out of
+    config.json, and transformers' generate runs past it. moefold's generate stopped there."""
+    prompt = "moefold: é"
+    prompt_ids = ByteTokenizer().encode(prompt)
+    config = qwen3(vocab_size=300, eos_token_id=None, tie_word_embeddings=False)
+    reference = hf_model_of(config)
+    free = _greedy(reference, prompt_ids, 24, eos_token_id=None)
+    # Swap the head's rows of the first new token t and 256: greedy then picks 256 where it picked t.
+    j, t = next((j, t) for j, t in enumerate(free) if t not in free[:j] and t not in prompt_ids)
+    assert 256 not in free[:j]
+    with torch.no_grad():
+        reference.lm_head.weight[[t, 256]] = reference.lm_head.weight[[256, t]]
+    hf_ids = _greedy(reference, prompt_ids, 24, eos_token_id=None)
+    assert hf_ids[j] == 256 and len(hf_ids) == 24  # ran on past it
+    reference.save_pretrained(tmp_path / "hf")
+    assert not (tmp_path / "hf" / "generation_config.json").exists() or \
+        transformers.GenerationConfig.from_pretrained(tmp_path / "hf").eos_token_id is None
+    run = tmp_path / "run"
+    assert main(["convert", "--from-hf", str(tmp_path / "hf"), "--out", str(run)]) == 0
+    capsys.readouterr()
+    assert main(["generate", "--run-dir", str(run), "--prompt", prompt, "--max-new-tokens", "24",
+                 "--temperature", "0", "--device", "cpu"]) == 0
+    assert capsys.readouterr().out == ByteTokenizer().decode(prompt_ids + hf_ids) + "\n"

@@ -412,8 +412,7 @@ def _generate(args: argparse.Namespace) -> int:
     model, tokenizer, cfg = load_model_from_run(args.run_dir, args.device, for_sampling=True)
     generator = torch.Generator().manual_seed(args.seed)
     new_ids = sample(model, prompt_ids, args.max_new_tokens, args.temperature, args.top_k,
-                     context, stop_ids(cfg, tokenizer, model.vocab_size, args.run_dir), generator,
-                     tokenizer.vocab_size)
+                     context, stop_ids(cfg, tokenizer, args.run_dir), generator, tokenizer.vocab_size)
     _print_text(continuation(tokenizer, args.prompt, prompt_ids, new_ids))
     return 0
 

@@ -100,12 +100,12 @@ def learned_end_of_document_id(cfg: Config, tokenizer, vocab_size: int, run_dir:
     return None if bytes_untrained or eos >= vocab_size else eos
 
 
-def stop_ids(cfg: Config, tokenizer, vocab_size: int, run_dir: Path) -> list[int]:
-    """The ids `moefold generate` stops at: the end of document where the model learned it
-    (`learned_end_of_document_id`), and those an imported checkpoint states, where transformers'
-    generate stops (its generation_config.json's eos_token_id, else its config.json's: Qwen3
-    instruct's <|im_end|> and <|endoftext|>)."""
-    return stop_token_ids(cfg, learned_end_of_document_id(cfg, tokenizer, vocab_size, run_dir))
+def stop_ids(cfg: Config, tokenizer, run_dir: Path) -> list[int]:
+    """The ids `moefold generate` stops at for run directory `run_dir`: the end of document where
+    its model learned it (`learned_end_of_document_id`), and those an imported checkpoint states,
+    where transformers' generate stops (its generation_config.json's eos_token_id, else its
+    config.json's: Qwen3 instruct's <|im_end|> and <|endoftext|>)."""
+    return stop_token_ids(cfg, learned_end_of_document_id(cfg, tokenizer, tokenizer.vocab_size, run_dir))
 
 
 def context_length(cfg: Config) -> tuple[int, str]:

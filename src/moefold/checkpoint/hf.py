@@ -131,8 +131,8 @@ def _is_json_list_or_scalar(value: Any) -> bool:
 
 
 def _has_generation_config(model: ModelConfig) -> bool:
-    """Whether the imported checkpoint had a generation_config.json (a run saved before
-    model.generation_config existed kept only its eos ids)."""
+    """Whether the imported checkpoint had a generation_config.json: its settings, or its eos ids
+    alone (a config that sets model.generation_eos_token_ids without model.generation_config)."""
     return bool(model.generation_config or model.generation_eos_token_ids)
 
 

@@ -8,7 +8,6 @@ line and status 1; an interrupted run exits with 128 + signal.
 import argparse
 import dataclasses
 import difflib
-import json
 import math
 import os
 import re
@@ -258,9 +257,10 @@ def _config_for_hf_model(hf_dir: Path, preset: str | None, overrides: dict[str, 
     (the [moe] fields of how it trains: aux losses, capacity, ...) from the preset — without one,
     the load-balancing loss config.json states, as `convert --from-hf` keeps it —; then the
     overrides. The checkpoint's tokenizer.json is the default tokenizer."""
+    from moefold.checkpoint.hf import checkpoint_config
     from moefold.checkpoint.hf_families import HF_LOSS_FIELDS, TRAINING_MOE_FIELDS
 
-    hf_cfg = _hf_config(hf_dir)
+    hf_cfg = checkpoint_config(hf_dir)  # convert --from-hf's reader: its refusals name the file
     tokenizer = Path(hf_dir) / "tokenizer.json"
     defaults = {"data.tokenizer": str(tokenizer)} if tokenizer.is_file() else {}
     cfg = load_config(preset, {**defaults, **{k: v for k, v in overrides.items()
@@ -274,18 +274,6 @@ def _config_for_hf_model(hf_dir: Path, preset: str | None, overrides: dict[str, 
         from moefold.checkpoint.hf import refuse_absent_mtp
 
         refuse_absent_mtp(hf_dir, cfg)
-    return cfg
-
-
-def _hf_config(hf_dir: Path) -> Config:
-    from moefold.checkpoint.hf import config_from_hf, read_generation_config
-
-    path = Path(hf_dir) / "config.json"
-    try:
-        cfg = config_from_hf(json.loads(path.read_text()))
-    except (OSError, ValueError) as e:
-        raise UserError(f"--init-from-hf {hf_dir}: cannot read config.json ({e.__class__.__name__}: {e})") from None
-    read_generation_config(cfg.model, hf_dir)  # where its generate stops, its sampling defaults
     return cfg
 
 

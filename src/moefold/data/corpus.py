@@ -23,9 +23,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from moefold.config import DataConfig
-from moefold.data.formats import (ConcatenatedTokens, DataFile, DataSearch, Document,
-                                  open_token_file, read_documents, search_data_path, stdlib_files)
+from moefold.data.formats import (DataFile, DataSearch, Document, read_documents, search_data_path,
+                                  stdlib_files)
 from moefold.data.loader import Vocabulary
+from moefold.data.token_files import ConcatenatedTokens, open_token_file
 from moefold.data.tokenizer import Tokenizer
 from moefold.errors import DataError
 

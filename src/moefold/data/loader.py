@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from moefold.data.formats import ConcatenatedTokens
+from moefold.data.token_files import ConcatenatedTokens
 from moefold.errors import DataError
 
 IGNORE_INDEX = -100

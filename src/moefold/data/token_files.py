@@ -1,0 +1,125 @@
+"""Token files (.npy, .bin): opened memory-mapped, never read whole, and several read as one stream.
+
+Anything wrong with a file is a one-line `DataError` naming `data.path`, the file and what is
+allowed (F: files).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from moefold.data.formats import DataFile, first_line, reading
+
+_NPY_MAGIC = b"\x93NUMPY"
+_WIDTH_CHECK_TOKENS = 1 << 20
+
+
+def open_token_file(file: DataFile, token_dtype: str) -> np.ndarray:
+    """A read-only, memory-mapped 1-D array of the file's token ids."""
+    with reading(file):
+        tokens_N = _open_npy(file) if file.suffix == ".npy" else _open_bin(file, token_dtype)
+    if tokens_N.size == 0:
+        raise file.error("no tokens")
+    return tokens_N
+
+
+def _open_npy(file: DataFile) -> np.ndarray:
+    # Checked first: without the magic, np.load would try (and refuse) to unpickle the file.
+    with file.path.open("rb") as f:
+        if f.read(len(_NPY_MAGIC)) != _NPY_MAGIC:
+            raise file.error("not a .npy file (no NumPy header; save with numpy.save)")
+    try:
+        tokens_N = np.load(file.path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        raise file.error(f"not a valid .npy file ({first_line(e)})") from None
+    # By kind, not np.issubdtype(..., np.integer): NumPy counts timedelta64 as an integer type.
+    if tokens_N.ndim != 1 or tokens_N.dtype.kind not in "iu":
+        raise file.error(f"expected a 1-D integer array of token ids, got shape "
+                         f"{tokens_N.shape} of {tokens_N.dtype}")
+    return tokens_N
+
+
+def _open_bin(file: DataFile, token_dtype: str) -> np.ndarray:
+    # A header read as ids would be trained on (and its dtype ignored) wherever the vocabulary
+    # holds them: np.save into an open file named x.bin writes one.
+    with file.path.open("rb") as f:
+        if f.read(len(_NPY_MAGIC)) == _NPY_MAGIC:
+            raise file.error("a .npy file (it has a NumPy header), not raw token ids; rename it "
+                             "to .npy")
+    dtype = np.dtype(token_dtype)
+    if file.size % dtype.itemsize:
+        raise file.error(f"{file.size} bytes is not a whole number of {token_dtype} tokens "
+                         "(check data.token_dtype)")
+    tokens_N = np.memmap(file.path, dtype=dtype, mode="r")
+    _refuse_uint32_as_uint16(file, tokens_N)
+    return tokens_N
+
+
+def _refuse_uint32_as_uint16(file: DataFile, tokens_N: np.ndarray) -> None:
+    """uint32 ids (below 65,536, little-endian) read as uint16 are each id followed by a 0: all
+    inside the vocabulary, so no id check sees them. Judged on the file's first ~1M ids, as
+    corpus.py checks them, and only from 64 on: a real id 0 at every odd position that long is
+    no text."""
+    head_N = np.asarray(tokens_N[:_WIDTH_CHECK_TOKENS])
+    if (tokens_N.dtype == np.uint16 and len(head_N) >= 64 and not head_N[1::2].any()
+            and head_N[0::2].any()):
+        raise file.error(f"every second uint16 id is 0 in its first {len(head_N)} ids: uint32 "
+                         "token ids read as uint16; set data.token_dtype=uint32")
+
+
+@dataclass(frozen=True, eq=False)
+class ConcatenatedTokens:
+    """Token files read as one stream without joining them, as Megatron-Core's indexed datasets do:
+    each file stays memory-mapped and a slice reads only the files it touches (F: the files).
+    np.concatenate held the whole stream on every rank: 20 GB for 10^10 uint16 tokens, 8 per node.
+
+    A slice (step 1) is another such view, as an array's would be; np.asarray reads it."""
+
+    parts: tuple[np.ndarray, ...]
+    offsets_F1: np.ndarray
+    """File f holds the stream's tokens [offsets_F1[f], offsets_F1[f + 1])."""
+    start: int
+    stop: int
+    dtype: np.dtype
+
+    @classmethod
+    def of(cls, parts: list[np.ndarray]) -> ConcatenatedTokens:
+        offsets_F1 = np.cumsum([0, *map(len, parts)])
+        dtype = np.result_type(*(p.dtype for p in parts))
+        # uint64 with a signed type promotes to float64 (8 bytes an id, inexact above 2**53); as
+        # int64 an id the model cannot hold stays refused: a uint64 one past 2**63 turns negative.
+        dtype = dtype if dtype.kind in "iu" else np.dtype(np.int64)
+        return cls(tuple(parts), offsets_F1, 0, int(offsets_F1[-1]), dtype)
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def size(self) -> int:
+        return len(self)
+
+    def __getitem__(self, key: slice) -> ConcatenatedTokens:
+        if not isinstance(key, slice) or key.step not in (None, 1):
+            raise TypeError(f"token stream index {key!r}: only slices of step 1 are read")
+        start, stop, _ = key.indices(len(self))
+        return replace(self, start=self.start + start, stop=self.start + max(start, stop))
+
+    def pieces(self) -> list[np.ndarray]:
+        """The slices of the files this view spans, in order, each in its file's own dtype."""
+        offsets_F1 = self.offsets_F1
+        first = int(np.searchsorted(offsets_F1, self.start, side="right")) - 1
+        end = int(np.searchsorted(offsets_F1, self.stop, side="left"))  # past the last file read
+        return [self.parts[f][max(self.start - offsets_F1[f], 0):self.stop - offsets_F1[f]]
+                for f in range(first, end)]
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        pieces = self.pieces()
+        # "unsafe": uint64 ids are read as int64 (see `of`); every other cast is exact.
+        tokens_N = (np.concatenate(pieces, dtype=self.dtype, casting="unsafe") if pieces
+                    else np.empty(0, self.dtype))
+        return tokens_N if dtype is None else tokens_N.astype(dtype, copy=False)
+
+    def tolist(self) -> list[int]:
+        return np.asarray(self).tolist()

@@ -26,7 +26,7 @@ from moefold.config import DataConfig
 from moefold.data.formats import (DataFile, DataSearch, Document, read_documents, search_data_path,
                                   stdlib_files)
 from moefold.data.loader import Vocabulary
-from moefold.data.token_files import ConcatenatedTokens, open_token_file
+from moefold.data.token_files import ConcatenatedTokens, TokenFile, open_token_file
 from moefold.data.tokenizer import Tokenizer
 from moefold.errors import DataError
 
@@ -247,11 +247,10 @@ def _token_file_streams(files: list[DataFile], label: str, cfg: DataConfig,
     if eos_id >= vocab.size:
         raise DataError(f"data.eos_id={eos_id} is not below the vocabulary size {vocab.size} "
                         f"of tokenizer {tokenizer.name} (data.tokenizer)")
-    arrays = [open_token_file(f, cfg.token_dtype) for f in files]
-    for file, tokens_N in zip(files, arrays):
-        _check_token_ids(file, tokens_N, vocab)
-    # Every file stays memory-mapped: several are one stream by their offsets, never one copy.
-    tokens_N = arrays[0] if len(arrays) == 1 else ConcatenatedTokens.of(arrays)
+    token_files = [_checked_token_file(f, cfg.token_dtype, vocab) for f in files]
+    # Memory-mapped, never copied: several files are one stream by their offsets, each mapped
+    # while read (a bounded number at once: Linux caps a process's mappings).
+    tokens_N = token_files[0].open() if len(files) == 1 else ConcatenatedTokens.of(token_files)
     num_val = round(len(tokens_N) * cfg.val_fraction)
     if cfg.val_fraction > 0 and num_val == 0:
         raise DataError(f"data.path={label}: {len(tokens_N)} tokens leave no validation tokens "
@@ -263,6 +262,14 @@ def _token_file_streams(files: list[DataFile], label: str, cfg: DataConfig,
     source = f"{label}: {_count(len(files), 'token file')}, {len(tokens_N) / 1e6:.1f}M tokens"
     return TokenStreams(train_N=tokens_N[:split], val_N=tokens_N[split:], eos_id=eos_id,
                         vocab=vocab, source=source, train_docs=None, val_docs=None)
+
+
+def _checked_token_file(file: DataFile, token_dtype: str, vocab: Vocabulary) -> TokenFile:
+    """Where the file's ids lie, its head checked against the vocabulary; its map closes on return,
+    so startup holds one file's at a time."""
+    tokens_N = open_token_file(file, token_dtype)
+    _check_token_ids(file, tokens_N, vocab)
+    return TokenFile.of(file, tokens_N)
 
 
 def _check_token_ids(file: DataFile, tokens_N: np.ndarray, vocab: Vocabulary) -> None:

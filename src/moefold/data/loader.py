@@ -64,13 +64,16 @@ class PackedSequences:
     def id_range(self, indices: Sequence[int]) -> tuple[int, int]:
         """The least and greatest id of sequences `indices`, read in each file's own dtype:
         `gather`'s int64 turns a uint64 id past 2**63 negative."""
-        pieces = []
+        lows, highs = [], []
         for index in indices:
             start = int(index) * self.seq_len
             view = self.tokens_N[start:start + self.seq_len + 1]
-            pieces += view.pieces() if isinstance(view, ConcatenatedTokens) else [view]
-        pieces = [piece for piece in pieces if piece.size]
-        return min(int(piece.min()) for piece in pieces), max(int(piece.max()) for piece in pieces)
+            # One piece at a time: each holds its file's map open (MAX_OPEN_TOKEN_FILES).
+            for piece in view.pieces() if isinstance(view, ConcatenatedTokens) else [view]:
+                if piece.size:
+                    lows.append(int(piece.min()))
+                    highs.append(int(piece.max()))
+        return min(lows), max(highs)
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,8 @@ allowed (F: files).
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -69,15 +71,75 @@ def _refuse_uint32_as_uint16(file: DataFile, tokens_N: np.ndarray) -> None:
                          "token ids read as uint16; set data.token_dtype=uint32")
 
 
+MAX_OPEN_TOKEN_FILES = 128
+"""Token files a process holds memory-mapped at once; the others are mapped again when read, the
+least recently read closed first. Each map is one of the vm.max_map_count mappings Linux allows a
+process (65,530 by default) and holds a file descriptor (`ulimit -n`, often 1,024): a corpus of
+~65k shards, each mapped for the whole run, could not start."""
+
+
+@dataclass(frozen=True)
+class TokenFile:
+    """Where a token file's ids lie, read when it was opened and checked at startup: what maps
+    it again on demand, without its header read or checked again."""
+
+    file: DataFile
+    dtype: np.dtype
+    offset: int
+    """Bytes before the first id: a .npy file's header."""
+    length: int
+    """Ids in the file."""
+
+    @classmethod
+    def of(cls, file: DataFile, tokens_N: np.memmap) -> TokenFile:
+        """The layout of `tokens_N`, `open_token_file(file, ...)`'s map."""
+        return cls(file, tokens_N.dtype, tokens_N.offset, len(tokens_N))
+
+    def open(self) -> np.memmap:
+        """The file's ids, memory-mapped again; a file changed since then is refused by name."""
+        with reading(self.file):
+            size = self.file.path.stat().st_size
+            if size != self.file.size:  # reading a map past a file's end faults (SIGBUS)
+                raise self.file.error(f"changed since training started ({size} bytes, then "
+                                      f"{self.file.size}); token files must not change under a run")
+            return np.memmap(self.file.path, self.dtype, mode="r", offset=self.offset,
+                             shape=(self.length,))
+
+
+class OpenTokenFiles:
+    """Token files by index, each mapped when read and at most MAX_OPEN_TOKEN_FILES at once: the
+    least recently read is dropped first (its mapping closes with the last slice of it)."""
+
+    def __init__(self, files: tuple[TokenFile, ...]):
+        self.files = files
+        self._maps_by_file: OrderedDict[int, np.memmap] = OrderedDict()
+
+    def __getitem__(self, f: int) -> np.memmap:
+        tokens_N = self._maps_by_file.pop(f, None)
+        if tokens_N is None:
+            while self._maps_by_file and len(self._maps_by_file) >= MAX_OPEN_TOKEN_FILES:
+                self._maps_by_file.popitem(last=False)
+            tokens_N = self.files[f].open()
+        self._maps_by_file[f] = tokens_N  # now the most recently read
+        return tokens_N
+
+    def __getstate__(self) -> dict:
+        # A DataLoader worker or a spawned process gets the files, not their ids: a pickled
+        # np.memmap holds its whole array.
+        return {**self.__dict__, "_maps_by_file": OrderedDict()}
+
+
 @dataclass(frozen=True, eq=False)
 class ConcatenatedTokens:
     """Token files read as one stream without joining them, as Megatron-Core's indexed datasets do:
-    each file stays memory-mapped and a slice reads only the files it touches (F: the files).
-    np.concatenate held the whole stream on every rank: 20 GB for 10^10 uint16 tokens, 8 per node.
+    a slice reads only the files it touches, each memory-mapped (a bounded number at once:
+    `OpenTokenFiles`) (F: the files). np.concatenate held the whole stream on every rank: 20 GB for
+    10^10 uint16 tokens, 8 per node.
 
-    A slice (step 1) is another such view, as an array's would be; np.asarray reads it."""
+    A slice (step 1) is another such view, as an array's would be, sharing the open files;
+    np.asarray reads it."""
 
-    parts: tuple[np.ndarray, ...]
+    files: OpenTokenFiles
     offsets_F1: np.ndarray
     """File f holds the stream's tokens [offsets_F1[f], offsets_F1[f + 1])."""
     start: int
@@ -85,13 +147,13 @@ class ConcatenatedTokens:
     dtype: np.dtype
 
     @classmethod
-    def of(cls, parts: list[np.ndarray]) -> ConcatenatedTokens:
-        offsets_F1 = np.cumsum([0, *map(len, parts)])
-        dtype = np.result_type(*(p.dtype for p in parts))
+    def of(cls, files: Sequence[TokenFile]) -> ConcatenatedTokens:
+        offsets_F1 = np.cumsum([0, *(f.length for f in files)])
+        dtype = np.result_type(*(f.dtype for f in files))
         # uint64 with a signed type promotes to float64 (8 bytes an id, inexact above 2**53); as
         # int64 an id the model cannot hold stays refused: a uint64 one past 2**63 turns negative.
         dtype = dtype if dtype.kind in "iu" else np.dtype(np.int64)
-        return cls(tuple(parts), offsets_F1, 0, int(offsets_F1[-1]), dtype)
+        return cls(OpenTokenFiles(tuple(files)), offsets_F1, 0, int(offsets_F1[-1]), dtype)
 
     def __len__(self) -> int:
         return self.stop - self.start
@@ -106,19 +168,23 @@ class ConcatenatedTokens:
         start, stop, _ = key.indices(len(self))
         return replace(self, start=self.start + start, stop=self.start + max(start, stop))
 
-    def pieces(self) -> list[np.ndarray]:
-        """The slices of the files this view spans, in order, each in its file's own dtype."""
+    def pieces(self) -> Iterator[np.ndarray]:
+        """The slices of the files this view spans, in order, each in its file's own dtype. One
+        at a time: reading each may close the map of one read before."""
         offsets_F1 = self.offsets_F1
         first = int(np.searchsorted(offsets_F1, self.start, side="right")) - 1
         end = int(np.searchsorted(offsets_F1, self.stop, side="left"))  # past the last file read
-        return [self.parts[f][max(self.start - offsets_F1[f], 0):self.stop - offsets_F1[f]]
-                for f in range(first, end)]
+        for f in range(first, end):
+            yield self.files[f][max(self.start - offsets_F1[f], 0):self.stop - offsets_F1[f]]
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
-        pieces = self.pieces()
-        # "unsafe": uint64 ids are read as int64 (see `of`); every other cast is exact.
-        tokens_N = (np.concatenate(pieces, dtype=self.dtype, casting="unsafe") if pieces
-                    else np.empty(0, self.dtype))
+        tokens_N = np.empty(len(self), self.dtype)
+        at = 0
+        for piece_P in self.pieces():
+            # "unsafe": uint64 ids are read as int64 (see `of`); every other cast is exact.
+            np.copyto(tokens_N[at:at + len(piece_P)], piece_P, casting="unsafe")
+            at += len(piece_P)
+            del piece_P  # copied: its map may close before the next file's opens
         return tokens_N if dtype is None else tokens_N.astype(dtype, copy=False)
 
     def tolist(self) -> list[int]:

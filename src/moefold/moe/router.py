@@ -339,8 +339,12 @@ class Router(KeepsBufferDtypes):
         balancing). `tokens_per_expert_E` is the step's (all-reduced) load. No-op without a bias."""
         if self.expert_bias_E is None:
             return
-        load_E = tokens_per_expert_E.to(self.expert_bias_E)
-        self.expert_bias_E += self.expert_bias_update_rate * torch.sign(load_E.mean() - load_E)
+        # mean − load has the sign of Σ load − E·load, exact in int64. A float mean is off by a
+        # fraction of a copy at DeepSeek-V3's ~2M copies per expert, and an expert within a copy of
+        # it took no step or the wrong one.
+        load_E = tokens_per_expert_E.long()
+        under_mean_E = torch.sign(load_E.sum() - load_E.numel() * load_E)  # +1 under, -1 over
+        self.expert_bias_E += self.expert_bias_update_rate * under_mean_E.to(self.expert_bias_E)
 
 
 def build_router(dim: int, cfg: MoEConfig, replay: RouterReplay | None = None) -> Router:

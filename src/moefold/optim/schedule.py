@@ -61,8 +61,8 @@ def build_scheduler(optimizer: Optimizer, t: TrainConfig, steps_done: int = 0) -
     fn = {"cosine": partial(cosine, **common),
           "wsd": partial(wsd, **common, decay_fraction=t.decay_fraction),
           "constant": partial(constant, **common)}[t.schedule]
-    for group in optimizer.param_groups if steps_done else []:
-        # torch takes the peak from `initial_lr` when starting past step 0 (KeyError without one),
-        # and `lr` may be a decayed saved value: a group no schedule has set yet peaks at train.lr.
-        group.setdefault("initial_lr", t.lr)
+    for group in optimizer.param_groups:
+        # torch's peak is `initial_lr` (needed past step 0, kept as found at step 0); a loaded state
+        # dict puts back the saver's, and `lr` may be a decayed saved value: both give way to train.lr.
+        group["initial_lr"] = t.lr
     return LambdaLR(optimizer, fn, last_epoch=steps_done - 1)

@@ -12,6 +12,7 @@ import torch
 from moefold.config import MoEConfig
 from moefold.moe.capacity import build_capacity
 from moefold.moe.router import build_router
+from moefold.moe.stats import ExpertLoadStats, summarize
 
 D = 16
 
@@ -44,3 +45,19 @@ def test_the_bias_step_compares_each_load_with_the_exact_mean(load_E):
                                        expert_bias_update_rate=0.5))
     router.update_expert_bias(torch.tensor(load_E))
     assert router.expert_bias_E.tolist() == paper_bias_step(load_E, 0.5)
+
+
+# ------------------------------------------------------------------------------ statistics
+
+
+def test_an_aux_value_named_like_a_summary_key_is_refused():
+    """summarize logs `<name>_per_layer` for each aux value, and `tokens_per_expert_per_layer` is
+    its own key (the heatmap's counts): an aux value named tokens_per_expert had its per-layer
+    list silently replaced by the counts."""
+    stats = ExpertLoadStats(4)
+    with pytest.raises(ValueError, match="tokens_per_expert"):
+        stats.record(torch.tensor([1, 2, 3, 4]), torch.full((5, 4), 0.25), 0,
+                     {"tokens_per_expert": torch.tensor(0.5)})
+    with pytest.raises(ValueError, match="tokens_per_expert"):
+        ExpertLoadStats(4, aux_names=("tokens_per_expert",))
+

@@ -24,10 +24,11 @@ ENTROPY_TOKENS = "entropy_tokens"  # int64: real tokens in that sum
 AUX_SUM = "aux_sum/"  # + name, fp32: Σ over forwards of the unweighted aux value
 AUX_CALLS = "aux_calls/"  # + name, int64: forwards that reported that value
 
-# Keys an aux value's name must not shadow: summarize's own, and the trainer's losses that share
+# Keys an aux value's name must not shadow: summarize's own (an aux value's `<name>_per_layer`
+# list too: tokens_per_expert would become the counts' key), and the trainer's losses that share
 # the log record's namespace.
 _RESERVED = {"load_imbalance", "load_imbalance_max", "load_cv", "dead_expert_fraction",
-             "routing_entropy", "dropped_fraction", "loss", "val_loss"}
+             "routing_entropy", "dropped_fraction", "tokens_per_expert", "loss", "val_loss"}
 
 
 def _is_shard_sum(key: str) -> bool:

@@ -193,3 +193,87 @@ def test_an_npy_file_with_bytes_past_its_array_reads_as_numpy_loads_it(tmp_path,
     stream = _streams(tmp_path).train_N
     assert np.asarray(stream).tolist() == reference_N.tolist()
     assert np.asarray(stream).tolist() == reference_N.tolist()  # every file mapped again
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. The train loader against a naive reference, over random layouts, epochs and resumes
+# ---------------------------------------------------------------------------------------------
+
+SEQ = 3
+
+
+def _naive_steps(num_sequences: int, seed: int, step_size: int, steps: int) -> list[list[int]]:
+    """Each step's sequence indices: epoch e visits randperm(n) seeded seed * 1_000_003 + e, cut
+    into whole steps (the rest dropped); a step longer than an epoch reads epochs back to back."""
+    flat: list[int] = []
+    epoch = 0
+    while len(flat) < steps * step_size:
+        generator = torch.Generator().manual_seed((seed * 1_000_003 + epoch) % 2**64)
+        order = torch.randperm(num_sequences, generator=generator).tolist()
+        whole = len(order) if step_size > num_sequences else len(order) // step_size * step_size
+        flat += order[:whole]
+        epoch += 1
+    return [flat[s * step_size:(s + 1) * step_size] for s in range(steps)]
+
+
+def _rank_rows(num_sequences: int, seed: int, split: tuple[int, int, int], steps: int,
+               state: dict | None = None) -> tuple[list[list[list[int]]], dict]:
+    """Per step, each data rank's sequence indices (its rows of every micro-batch, as
+    Trainer._local_rows takes them), and the loader's state after the last step."""
+    from types import SimpleNamespace
+
+    from moefold.train.trainer import Trainer
+
+    micro, dp, accum = split
+    sequences = PackedSequences(np.arange(num_sequences * SEQ + 1), SEQ)
+    loader = TrainLoader(sequences, micro * dp, seed, eos_id=-1, step_size=micro * dp * accum)
+    if state is not None:
+        loader.load_state_dict(state)
+    out = []
+    for _ in range(steps):
+        per_rank: list[list[int]] = [[] for _ in range(dp)]
+        for _ in range(accum):
+            batch = loader.next_batch()
+            assert torch.equal(batch.labels_BS[:, :-1], batch.input_ids_BS[:, 1:])
+            for rank in range(dp):
+                ranked = SimpleNamespace(dist=SimpleNamespace(dp_rank=rank, dp_size=dp))
+                rows_BS = Trainer._local_rows(ranked, batch).input_ids_BS
+                assert rows_BS.shape == (micro, SEQ)
+                per_rank[rank] += (rows_BS[:, 0] // SEQ).tolist()
+        out.append(per_rank)
+    return out, loader.state_dict()
+
+
+def _random_split(generator: np.random.Generator, step_size: int,
+                  num_sequences: int) -> tuple[int, int, int]:
+    """A random (micro_batch_size, dp, grad_accum) whose product is `step_size`, its global
+    micro-batch (micro_batch_size · dp) within the sequences, as the loader requires."""
+    divisors = [d for d in range(1, step_size + 1) if step_size % d == 0]
+    splits = [(micro, dp, step_size // (micro * dp)) for dp in divisors for micro in divisors
+              if step_size % (micro * dp) == 0 and micro * dp <= num_sequences]
+    return splits[int(generator.integers(len(splits)))]
+
+
+@pytest.mark.parametrize("case", range(40))
+def test_random_layouts_epochs_and_resumes_read_the_naive_steps(case):
+    """Steps across several epochs (some steps longer than an epoch), split over random data
+    ranks and micro-batches, cut at a random step and resumed under another split of the same
+    global batch: rank r reads rows [r·micro, (r+1)·micro) of each micro-batch of the naive
+    step, so the ranks' rows are disjoint and together the step one process reads."""
+    generator = np.random.default_rng(case)
+    num_sequences = int(generator.integers(2, 40))
+    step_size = int(generator.choice([1, 2, 4, 6, 8, 12, 16, 24]))
+    seed = int(generator.integers(0, 2**63 - 1)) if case % 4 == 0 else case
+    steps = 3 * num_sequences // step_size + 3  # past a few epoch ends
+    first = _random_split(generator, step_size, num_sequences)
+    then = _random_split(generator, step_size, num_sequences)
+    reference = _naive_steps(num_sequences, seed, step_size, steps)
+    cut = int(generator.integers(0, steps + 1))
+    before, state = _rank_rows(num_sequences, seed, first, cut)
+    after, _ = _rank_rows(num_sequences, seed, then, steps - cut, state)
+    for s, per_rank in enumerate(before + after):
+        micro, dp, accum = first if s < cut else then
+        for rank, rows in enumerate(per_rank):
+            expected = [reference[s][m * micro * dp + rank * micro + j]
+                        for m in range(accum) for j in range(micro)]
+            assert rows == expected, (s, cut, first, then, rank)

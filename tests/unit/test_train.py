@@ -174,11 +174,11 @@ def test_save_killed_halfway_leaves_previous_checkpoint_loadable(tmp_path, tiny_
     assert not (run / "checkpoints" / "step_00000008.tmp").exists()
 
 
-@pytest.mark.parametrize("log_every, steps", [(1, "step 2"), (4, "steps 1–2")])
+@pytest.mark.parametrize("log_every, steps", [(1, "step 2"), (4, "step 2")])  # a checkpoint ends a log window
 def test_a_diverged_run_stops_before_saving_non_finite_weights(tmp_path, tiny_args, capsys, log_every, steps):
     """lr 1e30, without weight decay (that would flip every weight's sign, which is refused):
     step 1's update makes step 2's gradient norm nan. The run stops there, at a log step or before
-    the save due at step 2, with one line; the checkpoint of step 1 stays the latest (rotation
+    the save due at step 2 (which logs the window since step 1's save first), with one line; the checkpoint of step 1 stays the latest (rotation
     would otherwise have deleted it for nan weights)."""
     from moefold.generate import load_model_from_run
 
@@ -266,7 +266,8 @@ def test_validation_and_saving_stay_out_of_tokens_per_s(tmp_path, tiny_args, mon
     """On a clock that only training steps (1 s each), validation and saves (1000 s each) move,
     every log window reports its tokens over its training seconds alone, including the windows
     a validation or a save falls into (val_every and checkpoint.every are not multiples of
-    log_every here)."""
+    log_every here; the save at step 3 ends a window, and the validation and save there fall into
+    the next)."""
     import types
 
     import moefold.train.trainer as trainer_module
@@ -289,9 +290,9 @@ def test_validation_and_saving_stay_out_of_tokens_per_s(tmp_path, tiny_args, mon
     assert main(["train", "--run-dir", str(run), *tiny_args, "--train.steps", "6",
                  "--logging.log_every", "2", "--train.val_every", "3", "--checkpoint.every", "3"]) == 0
     train = [r for r in read_metrics(run) if "loss" in r]
-    assert [r["step"] for r in train] == [2, 4, 6]
+    assert [r["step"] for r in train] == [2, 3, 4, 6]
     tokens_per_step = 4 * 32  # micro_batch_size · seq_len of TINY_OVERRIDES
-    assert [r["tokens_per_s"] for r in train] == [tokens_per_step] * 3
+    assert [r["tokens_per_s"] for r in train] == [tokens_per_step] * 4
 
 
 def test_metrics_jsonl_is_strict_json_when_values_are_not_finite(tmp_path):

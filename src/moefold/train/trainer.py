@@ -594,7 +594,7 @@ class Trainer:
 
     def _train_loop(self, bar: tqdm, emit: Callable[[str], None]) -> dict[str, Any]:
         """Steps to train.steps, each followed by what is due at its end, in this order: a log
-        line, a validation, a checkpoint, a stop on a signal; then the final checkpoint. Returns
+        line (at log steps and checkpoint steps), a validation, a checkpoint, a stop on a signal; then the final checkpoint. Returns
         the last train and validation records (and that checkpoint's path)."""
         last: dict[str, Any] = {}
         window = _Window(first_step=self.step + 1)
@@ -603,7 +603,7 @@ class Trainer:
             window.add(*self.train_step())
             self.step += 1
             bar.update(1)
-            if self._log_due():
+            if self._window_ends():
                 last.update(self._close_window(window, lr, emit))
                 window = _Window(first_step=self.step + 1)
             if self._validation_due():
@@ -676,6 +676,13 @@ class Trainer:
 
     def _log_due(self) -> bool:
         return self.step % self.cfg.logging.log_every == 0 or self.step == self.cfg.train.steps
+
+    def _window_ends(self) -> bool:
+        """A log step, or a checkpoint's: a run resumed from a checkpoint opens its first window
+        after it, so the one that ends there is logged before the save. Else the window's steps
+        up to the checkpoint were in no record after a crash past it, and the resumed run's next
+        record covered fewer steps than the uninterrupted run's."""
+        return self._log_due() or self._checkpoint_due()
 
     def _validation_due(self) -> bool:
         every, steps = self.cfg.train.val_every, self.cfg.train.steps

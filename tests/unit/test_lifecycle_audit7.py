@@ -1,0 +1,112 @@
+"""The training lifecycle against one uninterrupted run: a run stopped part-way (a crash between
+checkpoints, a signal, a failed save) and resumed must end with the uninterrupted run's records,
+checkpoints and states."""
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from conftest import TINY_OVERRIDES
+from moefold.config import load_config
+from moefold.train.trainer import Trainer, TrainingInterrupted
+
+TIMING = ("tokens_per_s", "tflops", "mfu", "peak_mem_gib")
+"""Record keys that measure the machine, not the training: left out of comparisons."""
+
+
+def _records(run: Path) -> list[dict]:
+    """metrics.jsonl's records without their timings."""
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in lines]
+
+
+def _config(corpus: Path, **overrides: str):
+    return load_config(None, {**TINY_OVERRIDES, "data.path": str(corpus), **overrides})
+
+
+def _train(cfg, run: Path, resume: Path | None = None) -> Trainer:
+    trainer = Trainer(cfg, run, resume=resume, out=lambda line: None)
+    trainer.fit()
+    return trainer
+
+
+class _Crash(Exception):
+    """A failure in the middle of training (an out-of-memory error, a lost node)."""
+
+
+def _crashing_in_step(monkeypatch, step: int) -> None:
+    """Trainer.train_step raises as it starts step `step` (1-based)."""
+    train_step = Trainer.train_step
+
+    def crashing(self):
+        if self.step + 1 == step:
+            raise _Crash(f"crash in step {step}")
+        return train_step(self)
+
+    monkeypatch.setattr(Trainer, "train_step", crashing)
+
+
+# log every 4, save every 3: the checkpoint at 6 falls inside the log window 5–8.
+BETWEEN_LOG_STEPS = {"train.steps": "8", "logging.log_every": "4", "checkpoint.every": "3", "train.grad_accum": "2"}
+
+
+def test_a_crash_after_a_checkpoint_between_log_steps_resumes_to_the_uninterrupted_runs_records(
+        tmp_path, text_corpus, monkeypatch):
+    """Crashed in step 7 of 8, after the checkpoint of step 6 and the log of step 4, and resumed:
+    steps 5 and 6 were in no record (the window they were in died with the process, and the
+    resumed run's window starts at 7), and the resumed step-8 record averaged steps 7–8 where
+    the uninterrupted run's averaged 5–8. Every record must be the uninterrupted run's, and every
+    step in one record (the means of a run that logs every step, over the steps each covers)."""
+    cfg = _config(text_corpus, **BETWEEN_LOG_STEPS)
+    whole = tmp_path / "whole"
+    _train(cfg, whole)
+    every_step = tmp_path / "every_step"
+    _train(_config(text_corpus, **{**BETWEEN_LOG_STEPS, "logging.log_every": "1"}), every_step)
+    losses = {r["step"]: r["loss"] for r in _records(every_step) if "loss" in r}
+
+    run = tmp_path / "run"
+    _crashing_in_step(monkeypatch, 7)
+    with pytest.raises(_Crash):
+        _train(cfg, run)
+    monkeypatch.undo()
+    _train(cfg, run, resume=run)
+
+    assert _records(run) == _records(whole)
+    logged = [r["step"] for r in _records(run) if "loss" in r]
+    assert logged[-1] == 8
+    for first, last in zip([0, *logged], logged):
+        record = next(r for r in _records(run) if r["step"] == last and "loss" in r)
+        window = [losses[s] for s in range(first + 1, last + 1)]
+        assert record["loss"] == pytest.approx(sum(window) / len(window), rel=1e-6), (first, last)
+
+
+def test_a_signal_during_a_save_between_log_steps_keeps_its_window_in_the_expert_load_history(
+        tmp_path, text_corpus, monkeypatch):
+    """SIGTERM during the save of step 6 (log every 4): the stop logged steps 5–6 after the
+    checkpoint was written, so their expert-load window was in metrics.jsonl but not in the
+    checkpoint's heatmap history; the resumed run's heatmap lacked it. Resumed, the history must
+    be the uninterrupted run's, one window per record of metrics.jsonl."""
+    import moefold.checkpoint.dcp as checkpoint
+
+    cfg = _config(text_corpus, **BETWEEN_LOG_STEPS)
+    whole = _train(cfg, tmp_path / "whole")
+    save = checkpoint.dcp.save
+
+    def signalled_at_step_6(state, checkpoint_id):
+        if state["step"] == 6:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return save(state, checkpoint_id=checkpoint_id)
+
+    monkeypatch.setattr(checkpoint.dcp, "save", signalled_at_step_6)
+    run = tmp_path / "run"
+    with pytest.raises(TrainingInterrupted):
+        _train(cfg, run)
+    monkeypatch.undo()
+    resumed = _train(cfg, run, resume=run)
+
+    assert resumed.load_history == whole.load_history
+    assert [step for step, _ in resumed.load_history] == [r["step"] for r in _records(run) if "loss" in r]
+    assert _records(run) == _records(tmp_path / "whole")

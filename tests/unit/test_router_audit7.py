@@ -61,3 +61,90 @@ def test_an_aux_value_named_like_a_summary_key_is_refused():
     with pytest.raises(ValueError, match="tokens_per_expert"):
         ExpertLoadStats(4, aux_names=("tokens_per_expert",))
 
+
+
+# --------------------------------------------------------------- transformers' DeepSeek routers
+
+
+def _deepseek_v3_hf_router(E, G, group_top_k, K, norm, scale, bias_scale, gen):
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    hf = DeepseekV3TopkRouter(DeepseekV3Config(
+        hidden_size=D, n_routed_experts=E, num_experts_per_tok=K, n_group=G, topk_group=group_top_k,
+        norm_topk_prob=norm, routed_scaling_factor=scale))
+    with torch.no_grad():
+        hf.weight.copy_(torch.randn(E, D, generator=gen))
+        hf.e_score_correction_bias.copy_((torch.rand(E, generator=gen) - 0.5) * bias_scale)
+    return hf
+
+
+def _deepseek_v3_cases():
+    """(E, G, group_top_k, K): groups of at least 2 experts (transformers scores a group by its
+    top 2), K no more than the kept groups hold; G = 1 and group_top_k = G among them."""
+    for E, G, group_top_k, K in itertools.product((8, 16, 32), (1, 2, 4, 8), (1, 2, 4), (1, 2, 3, 6, 8)):
+        if E % G == 0 and E // G >= 2 and group_top_k <= G and K <= group_top_k * E // G:
+            yield E, G, group_top_k, K
+
+
+@pytest.mark.parametrize("bias_scale", [0.0, 0.3, 3.0])
+def test_sigmoid_grouped_routing_chooses_and_weighs_as_transformers_deepseek_v3(bias_scale):
+    """Every (E, groups, kept groups, K) above, renormalised or not, scaled or not, with no bias,
+    a small one and one that dwarfs the sigmoid scores (some negative): the same experts and
+    weights as transformers' DeepseekV3TopkRouter, whose n_group=1 is moefold's ungrouped top-k."""
+    checked = 0
+    for case, norm in itertools.product(_deepseek_v3_cases(), (True, False)):
+        E, G, group_top_k, K = case
+        scale = 2.5 if K % 2 else 1.0
+        gen = torch.Generator().manual_seed(hash((case, norm, bias_scale)) % 2**31)
+        hf = _deepseek_v3_hf_router(E, G, group_top_k, K, norm, scale, bias_scale, gen)
+        grouped = dict(num_groups=G, group_top_k=group_top_k, group_score_top_k=2) if G > 1 else {}
+        router = build_router(D, MoEConfig(num_experts=E, top_k=K, score_func="sigmoid", norm_topk_prob=norm,
+                                           routed_scaling_factor=scale, expert_bias=True, **grouped))
+        with torch.no_grad():
+            router.weight.copy_(hf.weight)
+            router.expert_bias_E.copy_(hf.e_score_correction_bias)
+        x_TD = torch.randn(32, D, generator=gen)
+        _, probs_hf_TK, idx_hf_TK = hf(x_TD)
+        routing = router(x_TD)
+        idx_TK, order_TK = routing.idx_TK.sort(-1)
+        idx_hf_sorted_TK, order_hf_TK = idx_hf_TK.sort(-1)
+        assert torch.equal(idx_TK, idx_hf_sorted_TK), (case, norm)
+        torch.testing.assert_close(routing.probs_TK.gather(-1, order_TK), probs_hf_TK.gather(-1, order_hf_TK),
+                                   rtol=1e-5, atol=1e-6, msg=lambda m: f"{case} norm={norm}: {m}")
+        checked += 1
+    assert checked > 100
+
+
+@pytest.mark.parametrize("E, G, group_top_k, K", [(16, 4, 2, 4), (16, 8, 3, 6), (64, 8, 3, 6), (8, 2, 1, 2)])
+def test_softmax_group_limited_greedy_is_transformers_deepseek_v2(E, G, group_top_k, K):
+    """DeepSeek-V2's group_limited_greedy (softmax, a group scored by its best expert, weights
+    not renormalised, times routed_scaling_factor) is moefold's softmax router with
+    group_score_top_k=1 and norm_topk_prob=false."""
+    from transformers import DeepseekV2Config
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+
+    hf = DeepseekV2TopkRouter(DeepseekV2Config(
+        hidden_size=D, n_routed_experts=E, num_experts_per_tok=K, n_group=G, topk_group=group_top_k,
+        topk_method="group_limited_greedy", routed_scaling_factor=16.0, num_attention_heads=2,
+        num_key_value_heads=2))
+    gen = torch.Generator().manual_seed(E + G + K)
+    with torch.no_grad():
+        hf.weight.copy_(torch.randn(E, D, generator=gen))
+    router = build_router(D, MoEConfig(num_experts=E, top_k=K, num_groups=G, group_top_k=group_top_k,
+                                       group_score_top_k=1, norm_topk_prob=False, routed_scaling_factor=16.0))
+    with torch.no_grad():
+        router.weight.copy_(hf.weight)
+    x_TD = torch.randn(256, D, generator=gen)
+    _, probs_hf_TK, idx_hf_TK = hf(x_TD)
+    routing = router(x_TD)
+    idx_TK, order_TK = routing.idx_TK.sort(-1)
+    idx_hf_sorted_TK, order_hf_TK = idx_hf_TK.sort(-1)
+    assert torch.equal(idx_TK, idx_hf_sorted_TK)
+    torch.testing.assert_close(routing.probs_TK.gather(-1, order_TK), probs_hf_TK.gather(-1, order_hf_TK))
+    # the tokens tell a group's best expert from the top-2 sum moefold's default would take
+    default = build_router(D, MoEConfig(num_experts=E, top_k=K, num_groups=G, group_top_k=group_top_k,
+                                        group_score_top_k=2, norm_topk_prob=False))
+    with torch.no_grad():
+        default.weight.copy_(hf.weight)
+    assert not torch.equal(default(x_TD).idx_TK.sort(-1).values, idx_TK)

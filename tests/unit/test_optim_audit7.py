@@ -55,3 +55,39 @@ def test_a_schedule_rebuilt_over_a_loaded_optimizer_follows_the_configs_lr(sched
     resumed.load_state_dict(saved)
     build_scheduler(resumed, new, steps_done=8)
     assert resumed.param_groups[0]["lr"] == pytest.approx(_uninterrupted_lrs(new)[8], rel=1e-12)
+
+
+def _documented_multiplier(step: int, t: TrainConfig) -> float:
+    """docs/optimizer.md's words: lr/warmup at step 0 rising to the peak at the warm-up's last step
+    (the first step without one); cosine from that peak to min_lr_ratio at the last step, steps − 1;
+    wsd at the peak but for its last round(decay_fraction · steps) steps (at least one, none in the
+    warm-up), a straight line to min_lr_ratio; constant at the peak."""
+    if step < t.warmup_steps:
+        return (step + 1) / t.warmup_steps
+    peak, last = max(t.warmup_steps - 1, 0), t.steps - 1
+    if t.schedule == "constant" or last == peak:
+        return 1.0
+    if t.schedule == "cosine":
+        return t.min_lr_ratio + (1 - t.min_lr_ratio) * (1 + math.cos(math.pi * (step - peak) / (last - peak))) / 2
+    decaying = min(max(1, round(t.decay_fraction * t.steps)), last - peak)
+    below_peak = step - (last - decaying)  # 1 at the first decayed step, `decaying` at the last
+    return 1.0 if below_peak <= 0 else 1 - (1 - t.min_lr_ratio) * below_peak / decaying
+
+
+SCHEDULES = [{"schedule": "cosine"}, {"schedule": "constant", "min_lr_ratio": TrainConfig.min_lr_ratio},
+             *({"schedule": "wsd", "decay_fraction": f} for f in (0.04, 0.2, 0.5, 1.0))]
+
+
+@pytest.mark.parametrize("kw", SCHEDULES, ids=lambda kw: "-".join(map(str, kw.values())))
+@pytest.mark.parametrize("steps, warmup", [(1, 0), (1, 1), (2, 0), (2, 1), (2, 2), (7, 0), (7, 3), (7, 6), (7, 7),
+                                           (25, 5)])
+def test_every_step_of_every_schedule_is_the_documented_lr_fresh_and_resumed_there(kw, steps, warmup):
+    """Each step's lr, through torch's LambdaLR as the trainer drives it, is the documented one, and a
+    schedule rebuilt at any step (a resume) continues the uninterrupted run's rates."""
+    t = TrainConfig(steps=steps, warmup_steps=warmup, lr=3e-3, **{"min_lr_ratio": 0.25, **kw})
+    lrs = _uninterrupted_lrs(t)
+    assert lrs == pytest.approx([t.lr * _documented_multiplier(s, t) for s in range(steps)], rel=1e-12, abs=0)
+    for done in range(1, steps):
+        opt = _optimizer_after(t, done)
+        build_scheduler(opt, t, steps_done=done)
+        assert opt.param_groups[0]["lr"] == lrs[done], done

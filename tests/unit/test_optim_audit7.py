@@ -91,3 +91,91 @@ def test_every_step_of_every_schedule_is_the_documented_lr_fresh_and_resumed_the
         opt = _optimizer_after(t, done)
         build_scheduler(opt, t, steps_done=done)
         assert opt.param_groups[0]["lr"] == lrs[done], done
+
+
+# ------------------------------------------------------------------------------ AdamW arithmetic
+
+from moefold.optim.blocks import dequantize_fp8, row_blocks  # noqa: E402
+from moefold.optim.precision import PrecisionAwareAdamW, join_fp32  # noqa: E402
+
+# (betas, eps, weight_decay): bias corrections at their extremes (beta 0: none; beta2 near 1: a
+# correction of ~1e-6 at step 1), no decay, a decay of 0.9 of the weight per unit lr, a large eps.
+EDGES = [((0.0, 0.0), 1e-8, 0.1), ((0.0, 0.999999), 1e-8, 0.1), ((0.999, 0.5), 1e-8, 0.0),
+         ((0.9, 0.95), 1e-8, 9.0), ((0.9, 0.95), 0.5, 0.1)]
+LRS = [0.0, 0.1, 1e-3, 0.0, 3e-2, 1e-5] * 10  # lr 0 between nonzero ones, as a warm-up from 0 has
+
+
+def _edge_params() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(shape, generator=gen) for shape in ((), (1,), (5, 130), (3, 4, 2))]
+
+
+@pytest.mark.parametrize("foreach", [True, False], ids=["foreach", "loop"])
+@pytest.mark.parametrize("betas, eps, wd", EDGES, ids=lambda v: str(v))
+def test_fp32_precision_adamw_is_torch_adamw_bit_for_bit_at_edge_hyperparameters(betas, eps, wd, foreach):
+    """60 steps, the lr changing every step (0 included), a 0-dim and a 1-element parameter among
+    them: PrecisionAwareAdamW with fp32 states and torch.optim.AdamW give the same bits."""
+    ref_params = [torch.nn.Parameter(x.clone()) for x in _edge_params()]
+    params = [torch.nn.Parameter(x.clone()) for x in _edge_params()]
+    hp = {"betas": betas, "eps": eps, "weight_decay": wd}
+    ref = torch.optim.AdamW(ref_params, lr=1.0, foreach=False, **hp)
+    opt = PrecisionAwareAdamW(params, lr=1.0, foreach=foreach, **hp)
+    gen = torch.Generator().manual_seed(1)
+    for step, lr in enumerate(LRS):
+        for o in (ref, opt):
+            o.param_groups[0]["lr"] = lr
+        for p, q in zip(ref_params, params):
+            p.grad = torch.randn(p.shape, generator=gen) * 10.0 ** (step % 7 - 3)
+            q.grad = p.grad.clone()
+        ref.step()
+        opt.step()
+        for p, q in zip(ref_params, params):
+            assert torch.equal(q, p), f"step {step}"
+    for p, q in zip(ref_params, params):
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(opt.state[q][key], ref.state[p][key]), key
+
+
+MODES = [{"exp_avg_dtype": "bf16", "exp_avg_sq_dtype": "bf16"}, {"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp8"},
+         {"master": "bf16"}, {"master": "bf16+remainder"},
+         {"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "bf16", "master": "bf16+remainder"}]
+
+
+def _master(opt, p) -> torch.Tensor:
+    state = opt.state[p]
+    if "master_remainder" in state:
+        return join_fp32(p.detach(), state["master_remainder"])
+    return p.detach().float()
+
+
+def _first_moment(opt, p) -> torch.Tensor:
+    """exp_avg in fp32 (an fp8 one dequantized: its e4m3 values times the block scales)."""
+    state = opt.state[p]
+    if "exp_avg_scale" not in state:
+        return state["exp_avg"].float().clone()
+    return dequantize_fp8(state["exp_avg"], state["exp_avg_scale"], row_blocks(p))
+
+
+@pytest.mark.parametrize("options", MODES, ids=lambda o: "-".join(o.values()))
+def test_an_lr_of_zero_leaves_every_master_as_it_was_and_still_counts_the_step(options):
+    """torch's AdamW at lr 0 (a warm-up from 0, DCP's state initialisation) leaves the weights bit
+    for bit and advances the moments and the step: every precision mode alike (decoupled decay is
+    lr · weight_decay: none; the bf16 master is not rounded again, the remainder split is exact)."""
+    params = [torch.nn.Parameter(x.clone()) for x in _edge_params()]
+    opt = PrecisionAwareAdamW(params, lr=0.0, weight_decay=0.5, **options)
+    gen = torch.Generator().manual_seed(1)
+    for p in params:  # some steps first, so the moments are not zero
+        p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+    opt.param_groups[0]["lr"] = 1e-2
+    opt.step()
+    before = [_master(opt, p).clone() for p in params]
+    moments = [_first_moment(opt, p) for p in params]
+    opt.param_groups[0]["lr"] = 0.0
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+        opt.step()
+    for p, x, m in zip(params, before, moments):
+        assert torch.equal(_master(opt, p).view(torch.int32), x.view(torch.int32))
+        assert opt.state[p]["step"].item() == 4.0
+        assert not torch.equal(_first_moment(opt, p), m)

@@ -195,6 +195,53 @@ def test_an_npy_file_with_bytes_past_its_array_reads_as_numpy_loads_it(tmp_path,
     assert np.asarray(stream).tolist() == reference_N.tolist()  # every file mapped again
 
 
+def _ids_read_at_startup(monkeypatch, root: Path) -> int:
+    """Ids sliced out of the token files' maps while the streams are built (each check reads the
+    head it slices)."""
+    read = []
+    real_getitem = np.memmap.__getitem__
+
+    def counting_getitem(self, key):
+        part = real_getitem(self, key)
+        read.append(np.size(part) if isinstance(key, slice) else 0)
+        return part
+
+    with monkeypatch.context() as patched:
+        patched.setattr(np.memmap, "__getitem__", counting_getitem)
+        _streams(root)
+    return sum(read)
+
+
+def test_startup_reads_a_bounded_number_of_ids_however_many_token_files(tmp_path, monkeypatch):
+    """Each file's head was checked (ids, and a .bin file's width) up to ~1M ids: 2 MiB a uint16
+    shard, 128 GiB read at startup by every rank for 65k shards. The heads now share a budget
+    (here 16 · 4,096 ids), each at least 4,096 ids."""
+    from moefold.data import corpus
+
+    monkeypatch.setattr(corpus, "_STARTUP_CHECK_TOKENS", 16 * 4096, raising=False)
+    files = 64
+    for i in range(files):
+        np.arange(20_000, dtype=np.uint16).tofile(tmp_path / f"{i:03d}.bin")
+    assert _ids_read_at_startup(monkeypatch, tmp_path) <= 2 * files * 4096  # ids, then width
+
+
+def test_a_token_file_among_many_is_still_checked_at_startup(tmp_path, monkeypatch):
+    """The reduced heads still refuse a wrong width or an id past the vocabulary in any file."""
+    from moefold.data import corpus
+
+    monkeypatch.setattr(corpus, "_STARTUP_CHECK_TOKENS", 4096, raising=False)
+    for i in range(30):
+        np.arange(10_000, dtype=np.uint16).tofile(tmp_path / f"{i:03d}.bin")
+    np.arange(10_000, dtype=np.uint32).tofile(tmp_path / "017.bin")
+    with pytest.raises(DataError, match=r"017.bin: every second uint16 id is 0"):
+        _streams(tmp_path)
+    ids_N = np.arange(10_000, dtype=np.uint16)
+    ids_N[4000] = 60_000
+    ids_N.tofile(tmp_path / "017.bin")
+    with pytest.raises(DataError, match=r"017.bin: token id 60000 is outside the vocabulary"):
+        build_token_streams(DataConfig(path=str(tmp_path), eos_id=EOS), BYTES, vocab_size=50_000)
+
+
 # ---------------------------------------------------------------------------------------------
 # 2. The train loader against a naive reference, over random layouts, epochs and resumes
 # ---------------------------------------------------------------------------------------------

@@ -34,6 +34,10 @@ _HASH_BUCKETS = 10_000
 _ENCODE_BATCH = 1024  # documents per tokenizer call (HF tokenizers parallelise within a batch)
 _ENCODE_CHARS = 1 << 20  # ... or fewer, once they hold this many characters
 _VOCAB_CHECK_TOKENS = 1 << 20  # ids checked per token file at startup: catches a wrong tokenizer
+# ... and in all token files, yet at least _MIN_CHECK_TOKENS a file: 65k uint16 shards' 1M-id
+# heads were 128 GiB read by every rank at startup.
+_STARTUP_CHECK_TOKENS = 1 << 26
+_MIN_CHECK_TOKENS = 4096
 
 
 @dataclass
@@ -247,7 +251,9 @@ def _token_file_streams(files: list[DataFile], label: str, cfg: DataConfig,
     if eos_id >= vocab.size:
         raise DataError(f"data.eos_id={eos_id} is not below the vocabulary size {vocab.size} "
                         f"of tokenizer {tokenizer.name} (data.tokenizer)")
-    token_files = [_checked_token_file(f, cfg.token_dtype, vocab) for f in files]
+    head_tokens = min(_VOCAB_CHECK_TOKENS,
+                      max(_MIN_CHECK_TOKENS, _STARTUP_CHECK_TOKENS // len(files)))
+    token_files = [_checked_token_file(f, cfg.token_dtype, vocab, head_tokens) for f in files]
     # Memory-mapped, never copied: several files are one stream by their offsets, each mapped
     # while read (a bounded number at once: Linux caps a process's mappings).
     tokens_N = token_files[0].open() if len(files) == 1 else ConcatenatedTokens.of(token_files)
@@ -264,18 +270,20 @@ def _token_file_streams(files: list[DataFile], label: str, cfg: DataConfig,
                         vocab=vocab, source=source, train_docs=None, val_docs=None)
 
 
-def _checked_token_file(file: DataFile, token_dtype: str, vocab: Vocabulary) -> TokenFile:
-    """Where the file's ids lie, its head checked against the vocabulary; its map closes on return,
-    so startup holds one file's at a time."""
-    tokens_N = open_token_file(file, token_dtype)
-    _check_token_ids(file, tokens_N, vocab)
+def _checked_token_file(file: DataFile, token_dtype: str, vocab: Vocabulary,
+                        head_tokens: int) -> TokenFile:
+    """Where the file's ids lie, its first `head_tokens` checked; its map closes on return, so
+    startup holds one file's at a time."""
+    tokens_N = open_token_file(file, token_dtype, head_tokens)
+    _check_token_ids(file, tokens_N[:head_tokens], vocab)
     return TokenFile.of(file, tokens_N)
 
 
-def _check_token_ids(file: DataFile, tokens_N: np.ndarray, vocab: Vocabulary) -> None:
-    """Ids in the file's first ~1M tokens lie in [0, vocab.size): reading it whole is too slow.
-    A wrong tokenizer shows at once; a stray id later fails its batch (Vocabulary.check)."""
-    head_N = np.asarray(tokens_N[:_VOCAB_CHECK_TOKENS])
+def _check_token_ids(file: DataFile, head_N: np.ndarray, vocab: Vocabulary) -> None:
+    """Ids in the file's head (~1M tokens; fewer in a corpus of more than 64 files) lie in
+    [0, vocab.size): reading it whole is too slow. A wrong tokenizer shows at once; a stray id
+    later fails its batch (Vocabulary.check)."""
+    head_N = np.asarray(head_N)
     low, high = int(head_N.min()), int(head_N.max())
     if low < 0 or high >= vocab.size:
         bad = low if low < 0 else high

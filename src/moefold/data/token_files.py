@@ -15,13 +15,14 @@ import numpy as np
 from moefold.data.formats import DataFile, first_line, reading
 
 _NPY_MAGIC = b"\x93NUMPY"
-_WIDTH_CHECK_TOKENS = 1 << 20
 
 
-def open_token_file(file: DataFile, token_dtype: str) -> np.ndarray:
-    """A read-only, memory-mapped 1-D array of the file's token ids."""
+def open_token_file(file: DataFile, token_dtype: str, head_tokens: int) -> np.ndarray:
+    """A read-only, memory-mapped 1-D array of the file's token ids; a .bin file's width is judged
+    on its first `head_tokens` ids."""
     with reading(file):
-        tokens_N = _open_npy(file) if file.suffix == ".npy" else _open_bin(file, token_dtype)
+        tokens_N = (_open_npy(file) if file.suffix == ".npy"
+                    else _open_bin(file, token_dtype, head_tokens))
     if tokens_N.size == 0:
         raise file.error("no tokens")
     return tokens_N
@@ -43,7 +44,7 @@ def _open_npy(file: DataFile) -> np.ndarray:
     return tokens_N
 
 
-def _open_bin(file: DataFile, token_dtype: str) -> np.ndarray:
+def _open_bin(file: DataFile, token_dtype: str, head_tokens: int) -> np.ndarray:
     # A header read as ids would be trained on (and its dtype ignored) wherever the vocabulary
     # holds them: np.save into an open file named x.bin writes one.
     with file.path.open("rb") as f:
@@ -55,17 +56,16 @@ def _open_bin(file: DataFile, token_dtype: str) -> np.ndarray:
         raise file.error(f"{file.size} bytes is not a whole number of {token_dtype} tokens "
                          "(check data.token_dtype)")
     tokens_N = np.memmap(file.path, dtype=dtype, mode="r")
-    _refuse_uint32_as_uint16(file, tokens_N)
+    _refuse_uint32_as_uint16(file, tokens_N[:head_tokens])
     return tokens_N
 
 
-def _refuse_uint32_as_uint16(file: DataFile, tokens_N: np.ndarray) -> None:
+def _refuse_uint32_as_uint16(file: DataFile, head_N: np.ndarray) -> None:
     """uint32 ids (below 65,536, little-endian) read as uint16 are each id followed by a 0: all
-    inside the vocabulary, so no id check sees them. Judged on the file's first ~1M ids, as
-    corpus.py checks them, and only from 64 on: a real id 0 at every odd position that long is
-    no text."""
-    head_N = np.asarray(tokens_N[:_WIDTH_CHECK_TOKENS])
-    if (tokens_N.dtype == np.uint16 and len(head_N) >= 64 and not head_N[1::2].any()
+    inside the vocabulary, so no id check sees them. Judged on the file's head, the ids corpus.py
+    checks, and only from 64 on: a real id 0 at every odd position that long is no text."""
+    head_N = np.asarray(head_N)
+    if (head_N.dtype == np.uint16 and len(head_N) >= 64 and not head_N[1::2].any()
             and head_N[0::2].any()):
         raise file.error(f"every second uint16 id is 0 in its first {len(head_N)} ids: uint32 "
                          "token ids read as uint16; set data.token_dtype=uint32")

@@ -148,3 +148,80 @@ def test_softmax_group_limited_greedy_is_transformers_deepseek_v2(E, G, group_to
     with torch.no_grad():
         default.weight.copy_(hf.weight)
     assert not torch.equal(default(x_TD).idx_TK.sort(-1).values, idx_TK)
+
+
+# ------------------------------------------------------------------ load-balancing loss, HF's
+
+
+@pytest.mark.parametrize("E, K", [(8, 2), (4, 1), (16, 4)])
+@pytest.mark.parametrize("masked", [False, True])
+def test_the_micro_batch_loss_is_transformers_load_balancing_loss_over_k(E, K, masked):
+    """transformers' load_balancing_loss_func (Qwen3-MoE, Mixtral) over one layer's logits, with
+    and without an attention mask, is K times moefold's aux loss: it divides the copies by the
+    tokens, moefold by the tokens' K copies (Switch/Megatron-Core), so even routing is 1.0 for any
+    K (docs/architecture.md). The value and the router's gradient, through the layer's balancer."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    from moefold.moe.balance import LoadBalancer
+
+    B, S = 3, 7
+    gen = torch.Generator().manual_seed(E * K)
+    weight_ED = torch.randn(E, D, generator=gen, dtype=torch.float64, requires_grad=True)
+    x_TD = torch.randn(B * S, D, generator=gen, dtype=torch.float64)
+    mask_BS = (torch.rand(B, S, generator=gen) > 0.3).long() if masked else None
+    router = build_router(D, MoEConfig(num_experts=E, top_k=K, router_dtype="fp64"))
+    with torch.no_grad():
+        router.weight.copy_(weight_ED)
+    routing = router(x_TD)
+    valid_T = None if mask_BS is None else mask_BS.bool().view(-1)
+    ours, _ = LoadBalancer(MoEConfig(num_experts=E, top_k=K, aux_loss_coeff=1.0))(routing, B, valid_T)
+    theirs = load_balancing_loss_func((x_TD @ weight_ED.T,), E, K, mask_BS)
+    torch.testing.assert_close(K * ours.double(), theirs.double(), rtol=1e-6, atol=0)
+    grad_ours, = torch.autograd.grad(K * ours, router.weight)
+    grad_theirs, = torch.autograd.grad(theirs, weight_ED)
+    torch.testing.assert_close(grad_ours, grad_theirs.to(grad_ours), rtol=1e-5, atol=1e-7)
+
+
+# ------------------------------------------------------------------------------ capacity
+
+
+def _routed(T, E, K, seed):
+    """Distinct probabilities (no ties for a reference to break its own way) and skewed logits, so
+    that some experts overflow."""
+    gen = torch.Generator().manual_seed(seed)
+    logits_TE = torch.randn(T, E, generator=gen) + torch.linspace(0, 2, E)
+    probs_TK, idx_TK = logits_TE.softmax(-1).topk(K)
+    return probs_TK, idx_TK
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("factor", [0.5, 1.0, 1.5])
+def test_drop_by_probs_keeps_each_experts_top_c_as_megatron_core(seed, factor):
+    """Megatron-Core's apply_router_token_dropping (drop_policy probs): per expert, the C tokens of
+    highest routing probability over the [T, E] map, C = ceil(T·K·factor / E); a copy is kept
+    where it is one of those."""
+    T, E, K = 24 + seed, 8, 1 + seed % 3
+    probs_TK, idx_TK = _routed(T, E, K, seed)
+    C = math.ceil(T * K * factor / E)
+    probs_TE = torch.zeros(T, E).scatter(1, idx_TK, probs_TK)
+    routed_TE = torch.zeros(T, E, dtype=torch.bool).scatter(1, idx_TK, True)
+    top_c_TE = torch.zeros(T, E, dtype=torch.bool).scatter(0, probs_TE.topk(C, dim=0).indices, True)
+    expected_TK = (top_c_TE & routed_TE).gather(1, idx_TK)
+    keep_TK = build_capacity(E, factor, "probs")(idx_TK, probs_TK).view(T, K)
+    assert torch.equal(keep_TK, expected_TK)
+    assert not keep_TK.all()  # the case drops something
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("factor", [0.5, 1.0, 1.25])
+def test_top1_drop_by_position_is_switch_transformers_position_in_expert(seed, factor):
+    """Switch Transformer (top-1): a token's position in its expert's buffer is the cumulative sum
+    of the expert mask over the tokens before it; it is kept below the capacity C."""
+    T, E = 30 + seed, 4
+    probs_TK, idx_TK = _routed(T, E, 1, seed)
+    mask_TE = torch.nn.functional.one_hot(idx_TK[:, 0], E)
+    position_T = ((mask_TE.cumsum(0) - 1) * mask_TE).sum(-1)
+    expected_T = position_T < math.ceil(T * factor / E)
+    keep_T = build_capacity(E, factor, "position")(idx_TK, probs_TK)
+    assert torch.equal(keep_T, expected_T)
+    assert not keep_T.all()

@@ -179,3 +179,32 @@ def test_an_lr_of_zero_leaves_every_master_as_it_was_and_still_counts_the_step(o
         assert torch.equal(_master(opt, p).view(torch.int32), x.view(torch.int32))
         assert opt.state[p]["step"].item() == 4.0
         assert not torch.equal(_first_moment(opt, p), m)
+
+
+# ------------------------------------------------------------------------------ weight decay
+
+from moefold.config import OptimConfig, load_config  # noqa: E402
+from moefold.models.transformer import build_model  # noqa: E402
+from moefold.optim.adamw import build_optimizer  # noqa: E402
+
+
+@pytest.mark.parametrize("tie", ["false", "true"])
+@pytest.mark.parametrize("preset, recompute", [("tiny-deepseek", []), ("tiny-deepseek", ["layer"]),
+                                               ("tiny-qwen3", ["norm", "moe_act"]), ("tiny-mixtral", [])])
+def test_weight_decay_falls_on_the_documented_parameters_of_the_real_models(preset, recompute, tie):
+    """docs/optimizer.md: every parameter of two or more dimensions (attention, MLA and MTP
+    projections, experts, routers, the untied head) decays, but the token embedding — the very
+    tensor, also as a tied head — and no norm weight; the routers' expert bias is no parameter.
+    (Megatron-Core also leaves out biases and 1-D tensors; it decays the embedding.) Each parameter
+    once, recompute wrappers or not, for either optimizer."""
+    cfg = load_config(preset, {"model.tie_embeddings": tie, "memory.recompute": recompute})
+    model = build_model(cfg, vocab_size=300)
+    embedding = model.tok_embeddings.weight
+    want = {id(p): 0.1 if p.dim() >= 2 and p is not embedding else 0.0 for p in model.parameters()}
+    assert any(v == 0.1 for v in want.values()) and sum(p.dim() == 1 for p in model.parameters()) > 2
+    for o in (OptimConfig(), OptimConfig(exp_avg_dtype="bf16")):
+        opt = build_optimizer(model, TrainConfig(weight_decay=0.1), torch.device("cpu"), o)
+        got = [(id(p), g["weight_decay"]) for g in opt.param_groups for p in g["params"]]
+        assert len(got) == len(want) and dict(got) == want
+    biases = [name for name, _ in model.named_buffers() if "expert_bias" in name]
+    assert (len(biases) > 0) == (preset == "tiny-deepseek")  # a buffer: never in the optimizer

@@ -110,3 +110,23 @@ def test_a_signal_during_a_save_between_log_steps_keeps_its_window_in_the_expert
     assert resumed.load_history == whole.load_history
     assert [step for step, _ in resumed.load_history] == [r["step"] for r in _records(run) if "loss" in r]
     assert _records(run) == _records(tmp_path / "whole")
+
+
+def test_a_checkpoint_is_flushed_to_disk_before_its_rename_and_its_directory_after(tmp_path, durability_events):
+    """DCP fsyncs each shard and `.metadata`, but `.metadata` gets its name by a rename inside the
+    `.tmp` directory that nothing flushed: after a power cut, `step_N` could be on disk without its
+    `.metadata` entry (ext4 and XFS may write one rename before another directory's entries), so
+    not complete, while the rotation had deleted the checkpoint before it: no checkpoint left. The
+    directory's entries are flushed before it is renamed, and the rename after, as files.py does
+    for files."""
+    import torch
+
+    from moefold.checkpoint.dcp import checkpoint_path, save_checkpoint
+
+    run = tmp_path.resolve() / "run"  # as /proc/self/fd names the files
+    save_checkpoint({"model": {"w": torch.ones(3)}, "step": 1}, run, 1, keep=1)
+    final = checkpoint_path(run, 1)
+    tmp = final.with_name(final.name + ".tmp")
+    renamed = durability_events.index(("replace", tmp, final))
+    assert durability_events[renamed - 1:renamed + 2] == [("fsync", tmp), ("replace", tmp, final),
+                                                          ("fsync", final.parent)]

@@ -170,7 +170,11 @@ def _barrier() -> None:
 
 
 def _replace_dir(src: Path, dst: Path) -> None:
-    """Rename src to dst; an existing dst (a re-save of the same step) is swapped out first."""
+    """Rename src to dst durably; an existing dst (a re-save of the same step) is swapped out
+    first. DCP flushes each file but names `.metadata` by a rename inside src: src's entries
+    reach the disk before src is renamed (`files.py`), or a power cut could leave dst incomplete
+    once the rotation has deleted the checkpoint before it."""
+    fsync(src)
     if dst.exists():
         old = dst.with_name(dst.name + ".old")
         shutil.rmtree(old, ignore_errors=True)

@@ -212,16 +212,18 @@ def test_drop_by_probs_keeps_each_experts_top_c_as_megatron_core(seed, factor):
     assert not keep_TK.all()  # the case drops something
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(9))
 @pytest.mark.parametrize("factor", [0.5, 1.0, 1.25])
-def test_top1_drop_by_position_is_switch_transformers_position_in_expert(seed, factor):
-    """Switch Transformer (top-1): a token's position in its expert's buffer is the cumulative sum
-    of the expert mask over the tokens before it; it is kept below the capacity C."""
-    T, E = 30 + seed, 4
-    probs_TK, idx_TK = _routed(T, E, 1, seed)
-    mask_TE = torch.nn.functional.one_hot(idx_TK[:, 0], E)
-    position_T = ((mask_TE.cumsum(0) - 1) * mask_TE).sum(-1)
-    expected_T = position_T < math.ceil(T * factor / E)
-    keep_T = build_capacity(E, factor, "position")(idx_TK, probs_TK)
-    assert torch.equal(keep_T, expected_T)
-    assert not keep_T.all()
+def test_drop_by_position_keeps_each_experts_earliest_tokens_as_switch_and_megatron_core(seed, factor):
+    """Switch Transformer's position in an expert's buffer: the cumulative sum of the [T, E] routing
+    map over the tokens before it, kept below C; Megatron-Core's drop_policy=position keeps the
+    same C earliest tokens of each expert for any K. (GShard's top-2 instead ranks every token's
+    first choice before any second choice: another order.)"""
+    T, E, K = 30 + seed, 4, 1 + seed % 3
+    probs_TK, idx_TK = _routed(T, E, K, seed)
+    routed_TE = torch.zeros(T, E, dtype=torch.long).scatter(1, idx_TK, 1)
+    position_TE = (routed_TE.cumsum(0) - 1) * routed_TE
+    expected_TK = (position_TE < math.ceil(T * K * factor / E)).gather(1, idx_TK)
+    keep_TK = build_capacity(E, factor, "position")(idx_TK, probs_TK).view(T, K)
+    assert torch.equal(keep_TK, expected_TK)
+    assert not keep_TK.all()

@@ -2,7 +2,9 @@
 
 T tokens, K top-k, N = T·K copies, E experts.
 Dropless keeps every copy; with a capacity factor each expert keeps at most
-C = ceil(capacity_factor · T·K / E) copies, chosen by probability or by position (GShard).
+C = ceil(capacity_factor · T·K / E) copies (GShard's capacity), chosen by probability or by position
+as Megatron-Core's drop policies choose: an expert's C most probable or C earliest tokens. (GShard's
+top-2 ranks every token's first choice before any second choice; position here is token order.)
 Padding tokens are never sent to an expert.
 """
 

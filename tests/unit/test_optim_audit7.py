@@ -208,3 +208,87 @@ def test_weight_decay_falls_on_the_documented_parameters_of_the_real_models(pres
         assert len(got) == len(want) and dict(got) == want
     biases = [name for name, _ in model.named_buffers() if "expert_bias" in name]
     assert (len(biases) > 0) == (preset == "tiny-deepseek")  # a buffer: never in the optimizer
+
+
+# ------------------------------------------------------------------------------ clipping
+
+from moefold.optim.adamw import clip_scaling, param_groups  # noqa: E402
+from moefold.parallel.data import GradNormClipper  # noqa: E402
+
+
+def _small_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 3))
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(step)
+    return torch.randn(8, 6, generator=gen) * 3, torch.randn(8, 3, generator=gen)
+
+
+def _loss(model, x, y) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+# (device the optimizer is built for, optim settings): torch's foreach AdamW clipped in place;
+# torch's fused AdamW (it runs on the CPU too) with the coefficient as its grad_scale; the
+# precision-aware AdamW (bf16 first moment, fp32 master).
+KERNELS = [("cpu", OptimConfig()), ("cuda", OptimConfig()), ("cpu", OptimConfig(exp_avg_dtype="bf16"))]
+
+
+@pytest.mark.parametrize("max_norm", [0.05, 1e6], ids=["clipped", "unclipped"])
+@pytest.mark.parametrize("device, o", KERNELS[:2], ids=["foreach", "fused"])
+def test_accumulated_gradients_clip_and_step_as_clip_grad_norm_and_torch_adamw(device, o, max_norm):
+    """Two micro-batches of 4 accumulated as the trainer accumulates them ((loss / 2).backward()
+    each), the norm over both param groups clipped through clip_scaling's strategy, then the
+    step: torch.nn.utils.clip_grad_norm_ over the whole batch's gradients and torch's AdamW with
+    the same groups give the same norm, gradients and weights."""
+    model, ref_model = _small_model(), _small_model()
+    t = TrainConfig(lr=1e-2, weight_decay=0.1)
+    opt = build_optimizer(model, t, torch.device(device), o)
+    clip = GradNormClipper(list(model.parameters()), None, clip_scaling(opt, o))
+    ref = torch.optim.AdamW(param_groups(ref_model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
+                            eps=t.eps, foreach=False)
+    assert len(opt.param_groups) == 2
+    for step in range(5):
+        x, y = _batch(step)
+        for x_half, y_half in zip(x.split(4), y.split(4)):
+            (_loss(model, x_half, y_half) / 2).backward()
+        _loss(ref_model, x, y).backward()
+        norm = clip(max_norm)
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), max_norm)
+        torch.testing.assert_close(norm, ref_norm, rtol=1e-6, atol=0)
+        opt.step()
+        ref.step()
+        for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)  # left clipped, as torch's
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
+        opt.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+    assert (norm > max_norm) == (max_norm < 1)  # the clipped case clipped, the other did not
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("device, o", KERNELS, ids=["foreach", "fused", "precision"])
+def test_a_non_finite_gradient_gives_torchs_norm_and_the_step_is_taken(device, o, bad):
+    """docs/optimizer.md: a non-finite norm does not skip the step (the run stops at its next log
+    step). The norm is clip_grad_norm_'s, and every weight ends where torch's clipped AdamW puts it
+    (NaN where it does: a NaN coefficient poisons every gradient, an infinite norm zeroes them)."""
+    model, ref_model = _small_model(), _small_model()
+    t = TrainConfig(lr=1e-2, weight_decay=0.1)
+    opt = build_optimizer(model, t, torch.device(device), o)
+    clip = GradNormClipper(list(model.parameters()), None, clip_scaling(opt, o))
+    ref = torch.optim.AdamW(param_groups(ref_model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
+                            eps=t.eps, foreach=False)
+    for m in (model, ref_model):
+        x, y = _batch(0)
+        _loss(m, x, y).backward()
+        m[0].weight.grad[0, 0] = bad
+    norm, ref_norm = clip(1.0), torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 1.0)
+    torch.testing.assert_close(norm, ref_norm, equal_nan=True)
+    opt.step()
+    ref.step()
+    for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
+        got = _master(opt, p) if isinstance(opt, PrecisionAwareAdamW) else p.detach()
+        torch.testing.assert_close(got, q.detach(), rtol=1e-6, atol=1e-7, equal_nan=True)
+    assert not all(torch.isfinite(p).all() for p in model.parameters())

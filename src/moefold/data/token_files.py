@@ -1,7 +1,8 @@
-"""Token files (.npy, .bin): opened memory-mapped, never read whole, and several read as one stream.
+"""Token files (.npy, .bin): memory-mapped, never read whole; several read as one stream, a bounded
+number of them mapped at once.
 
 Anything wrong with a file is a one-line `DataError` naming `data.path`, the file and what is
-allowed (F: files).
+allowed. F: files; N: ids of a stream; P: ids of one file's slice.
 """
 
 from __future__ import annotations

@@ -292,3 +292,71 @@ def test_a_non_finite_gradient_gives_torchs_norm_and_the_step_is_taken(device, o
         got = _master(opt, p) if isinstance(opt, PrecisionAwareAdamW) else p.detach()
         torch.testing.assert_close(got, q.detach(), rtol=1e-6, atol=1e-7, equal_nan=True)
     assert not all(torch.isfinite(p).all() for p in model.parameters())
+
+
+# ------------------------------------------------------------------------------ resume
+
+import torch.distributed.checkpoint as dcp  # noqa: E402
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # noqa: E402
+
+RESUMED = [("cpu", OptimConfig()), ("cuda", OptimConfig()), *(("cpu", OptimConfig(**{
+    {"master": "master_dtype"}.get(k, k): v for k, v in m.items()})) for m in MODES)]
+
+
+class _Run:
+    """The trainer's optimizer step on the small model: clip (clip_scaling's strategy), step, the
+    schedule's step; its optimizer and schedule built as the trainer builds them."""
+
+    def __init__(self, t: TrainConfig, device: str, o: OptimConfig):
+        self.t, self.model = t, _small_model()
+        self.opt = build_optimizer(self.model, t, torch.device(device), o)
+        self.clip = GradNormClipper(list(self.model.parameters()), None, clip_scaling(self.opt, o))
+        self.sched = build_scheduler(self.opt, t)
+        self.lrs: list[float] = []
+
+    def train(self, steps: range) -> None:
+        dtype = next(self.model.parameters()).dtype
+        for step in steps:
+            x, y = _batch(step)
+            _loss(self.model, x.to(dtype), y.to(dtype)).backward()
+            self.lrs.append(self.opt.param_groups[0]["lr"])
+            self.clip(0.5)
+            self.opt.step()
+            self.sched.step()
+            self.opt.zero_grad(set_to_none=True)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+@pytest.mark.parametrize("device, o", RESUMED,
+                         ids=["foreach", "fused", *("-".join(m.values()) for m in MODES)])
+def test_a_run_resumed_mid_schedule_through_dcp_continues_bit_for_bit(device, o, tmp_path):
+    """Saved after 4 of 10 steps (inside the decay, past a 2-step warm-up) through DCP as the
+    trainer saves, loaded into a freshly built model, optimizer and schedule, the schedule rebuilt
+    at step 4: the last 6 steps train with the same rates and end with the same bits in every
+    weight and every state, in its own dtype, as the run that never stopped."""
+    t = TrainConfig(steps=10, warmup_steps=2, lr=1e-2, weight_decay=0.1, schedule="wsd", decay_fraction=0.5)
+    whole = _Run(t, device, o)
+    whole.train(range(4))
+    model_sd, optim_sd = get_state_dict(whole.model, whole.opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp_path)
+    whole.train(range(4, 10))
+
+    resumed = _Run(t, device, o)
+    model_sd, optim_sd = get_state_dict(resumed.model, resumed.opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=tmp_path)
+    set_state_dict(resumed.model, resumed.opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    resumed.sched = build_scheduler(resumed.opt, t, steps_done=4)
+    resumed.train(range(4, 10))
+
+    assert resumed.lrs == whole.lrs[4:] and len(set(resumed.lrs)) > 2
+    for p, q in zip(whole.model.parameters(), resumed.model.parameters(), strict=True):
+        assert p.dtype == q.dtype and torch.equal(_bits(p), _bits(q))
+    for p, q in zip(whole.model.parameters(), resumed.model.parameters(), strict=True):
+        s, r = whole.opt.state[p], resumed.opt.state[q]
+        assert s.keys() == r.keys()
+        for key in s:
+            assert s[key].dtype == r[key].dtype and torch.equal(_bits(s[key]), _bits(r[key])), key

@@ -130,3 +130,17 @@ def test_a_checkpoint_is_flushed_to_disk_before_its_rename_and_its_directory_aft
     renamed = durability_events.index(("replace", tmp, final))
     assert durability_events[renamed - 1:renamed + 2] == [("fsync", tmp), ("replace", tmp, final),
                                                           ("fsync", final.parent)]
+
+
+def test_the_records_of_a_checkpoints_steps_are_on_disk_before_it(tmp_path, text_corpus, durability_events):
+    """metrics.jsonl is written unflushed (each record reaches the page cache): a power cut could
+    keep a checkpoint (flushed) and lose the records of the steps before it, which the run resumed
+    from it never logs again. The records are flushed before each checkpoint is renamed into place."""
+    run = tmp_path.resolve() / "run"  # as /proc/self/fd names the files
+    _train(_config(text_corpus, **{"train.steps": "4", "checkpoint.every": "2"}), run)
+    for step in (2, 4):
+        checkpoint = run / "checkpoints" / f"step_{step:08d}"
+        renamed = durability_events.index(("replace", checkpoint.with_name(checkpoint.name + ".tmp"), checkpoint))
+        previous = [e for e in durability_events[:renamed] if e[0] == "replace"][-1:]
+        since = durability_events[durability_events.index(previous[0]) if previous else 0:renamed]
+        assert ("fsync", run / "metrics.jsonl") in since, step

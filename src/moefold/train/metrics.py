@@ -142,6 +142,12 @@ class MetricsSinks:
                 self.jsonl.truncate(start)
                 raise
 
+    def sync(self) -> None:
+        """metrics.jsonl's records on disk (before a checkpoint of their steps: the run resumed
+        from it logs only the steps after it)."""
+        with writing(self.jsonl_path):
+            os.fsync(self.jsonl.fileno())
+
     def close(self) -> None:
         self.jsonl.close()
         if self.tb is not None:
@@ -225,6 +231,9 @@ class NullSinks:
     """What ranks other than 0 write: nothing."""
 
     def write(self, record: dict[str, Any]) -> None:
+        pass
+
+    def sync(self) -> None:
         pass
 
     def close(self) -> None:

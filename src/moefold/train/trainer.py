@@ -462,6 +462,13 @@ class Trainer:
     def save(self) -> Path:
         return save_checkpoint(self._state(), self.run_dir, self.step, self.cfg.checkpoint.keep)
 
+    def _save_after_records(self) -> Path:
+        """The training loop's save: metrics.jsonl flushed to disk first, so that a power cut
+        never keeps a checkpoint while losing the records of its steps (a run resumed from it
+        logs only the steps after it)."""
+        self.sinks.sync()
+        return self.save()
+
     # ------------------------------------------------------------------------------- the step
 
     def _local_rows(self, batch: Batch) -> Batch:
@@ -615,7 +622,7 @@ class Trainer:
                 self._stop(signum, window, lr, saved, emit)
         if self.cfg.checkpoint.save_at_end and self.cfg.train.steps > 0:
             self._refuse_diverged(window)
-            last["checkpoint"] = str(self.save())
+            last["checkpoint"] = str(self._save_after_records())
         self._write_end_of_run()
         return last
 
@@ -632,7 +639,7 @@ class Trainer:
             return None
         self._refuse_diverged(window)
         with window.paused():
-            return self.save()
+            return self._save_after_records()
 
     def _stop(self, signum: int, window: _Window, lr: float, saved: Path | None, emit) -> NoReturn:
         """Ends the run on a signal at this step boundary: the steps since the last log step go
@@ -640,7 +647,7 @@ class Trainer:
         that checkpoint (`saved`), not a second copy."""
         if window.steps:
             self._close_window(window, lr, emit)
-        checkpoint = saved or self.save()
+        checkpoint = saved or self._save_after_records()
         if self.step == self.cfg.train.steps:  # the run is complete all the same
             self._write_end_of_run()
         raise TrainingInterrupted(signum, self.step, checkpoint)

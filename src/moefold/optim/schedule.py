@@ -3,7 +3,8 @@
 Each is a function step → multiplier of the peak lr, used through torch's LambdaLR; steps count
 from 0 and the run's last step is `steps - 1`. Warm-up rises linearly to the peak at its last step
 (`warmup - 1`: 1/warmup at step 0); cosine and WSD's decay end at exactly `min_ratio` on the last
-step, so the final learning rate is train.min_lr_ratio · train.lr (as TorchTitan's schedules).
+step, so the final learning rate is train.min_lr_ratio · train.lr (TorchTitan's arithmetic before its
+virtual last step; without warm-up step 0 is the peak here, as torch's CosineAnnealingLR).
 The state is the step and the config: a resumed run rebuilds the schedule at its step from the
 (possibly changed) config, so a longer train.steps stretches what is left of the decay.
 """

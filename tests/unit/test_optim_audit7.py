@@ -360,3 +360,32 @@ def test_a_run_resumed_mid_schedule_through_dcp_continues_bit_for_bit(device, o,
         assert s.keys() == r.keys()
         for key in s:
             assert s[key].dtype == r[key].dtype and torch.equal(_bits(s[key]), _bits(r[key])), key
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"], ids=["foreach", "fused"])
+def test_bf16_gradients_are_the_clipped_gradients_rounded_once(device):
+    """docs/optimizer.md: optim.grad_dtype=bf16 rounds every gradient to bf16 after clipping, once.
+    Against clip_grad_norm_, then a bf16 round trip of each gradient, then torch's AdamW: the same
+    weights and gradients with torch's foreach and its fused kernel (whose coefficient, handed to
+    the kernel, would scale the rounded unclipped gradients instead)."""
+    o = OptimConfig(grad_dtype="bf16")
+    model, ref_model = _small_model(), _small_model()
+    t = TrainConfig(lr=1e-2, weight_decay=0.1)
+    opt = build_optimizer(model, t, torch.device(device), o)
+    clip = GradNormClipper(list(model.parameters()), None, clip_scaling(opt, o))
+    ref = torch.optim.AdamW(param_groups(ref_model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
+                            eps=t.eps, foreach=False)
+    for step in range(3):
+        for m in (model, ref_model):
+            _loss(m, *_batch(step)).backward()
+        clip(0.05)
+        torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.05)
+        for q in ref_model.parameters():
+            q.grad = q.grad.bfloat16().float()
+        opt.step()
+        ref.step()
+        for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+        opt.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)

@@ -144,3 +144,20 @@ def test_the_records_of_a_checkpoints_steps_are_on_disk_before_it(tmp_path, text
         previous = [e for e in durability_events[:renamed] if e[0] == "replace"][-1:]
         since = durability_events[durability_events.index(previous[0]) if previous else 0:renamed]
         assert ("fsync", run / "metrics.jsonl") in since, step
+
+
+def test_superseded_records_are_in_a_named_file_on_disk_before_they_leave_metrics_jsonl(tmp_path, durability_events):
+    """The records a resumed run logs again move to metrics.superseded.jsonl, flushed before
+    metrics.jsonl is cut; but the side file's name, new in the directory, was not: a power cut
+    could keep the cut and lose the file (POSIX: a new file's entry is durable once its directory
+    is fsynced). Its directory is flushed before the cut."""
+    from moefold.train.metrics import SUPERSEDED_FILE, MetricsSinks
+
+    run = tmp_path.resolve()
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2, 3)))
+    MetricsSinks(run, tensorboard=False, out=lambda line: None, first_step=2).close()
+    side = run / SUPERSEDED_FILE
+    assert [json.loads(line)["step"] for line in side.read_text().splitlines()] == [2, 3]
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1]
+    flushed = durability_events.index(("fsync", side))
+    assert durability_events[flushed:flushed + 2] == [("fsync", side), ("fsync", run)]

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from moefold.errors import OutputError, writing
+from moefold.files import fsync
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -99,10 +100,12 @@ class MetricsSinks:
         if not tail:
             return
         side = self.jsonl_path.with_name(SUPERSEDED_FILE)
-        with writing(side), open(side, "ab") as f:
-            f.write(tail)
-            f.flush()
-            os.fsync(f.fileno())
+        with writing(side):
+            with open(side, "ab") as f:
+                f.write(tail)
+                f.flush()
+                os.fsync(f.fileno())
+            fsync(side.parent)  # its name too, where the first resume created it
         self.jsonl.truncate(cut)
         first, last = (_record_step(line) for line in (tail.splitlines()[0], tail.splitlines()[-1]))
         steps = f"step {first}" if first == last else f"steps {first}–{last}"

@@ -7,9 +7,16 @@ import math
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from moefold.config import TrainConfig
+from moefold.config import OptimConfig, TrainConfig, load_config
+from moefold.models.transformer import build_model
+from moefold.optim.adamw import build_optimizer, clip_scaling, param_groups
+from moefold.optim.blocks import dequantize_fp8, row_blocks
+from moefold.optim.precision import PrecisionAwareAdamW, join_fp32
 from moefold.optim.schedule import build_scheduler
+from moefold.parallel.data import GradNormClipper
 
 # ------------------------------------------------------------------------------------ schedule
 
@@ -47,8 +54,6 @@ def test_a_schedule_rebuilt_over_a_loaded_optimizer_follows_the_configs_lr(sched
     with the group), and the schedule kept it: resumed with --train.lr 2e-4, a run saved at 1e-3
     trained on at 1e-3's rates (the trainer overwrote `initial_lr` itself before calling)."""
     kw = {"steps": 20, "warmup_steps": 3, "schedule": schedule}
-    if schedule == "constant":
-        kw["min_lr_ratio"] = TrainConfig.min_lr_ratio
     saved = _optimizer_after(TrainConfig(lr=1e-3, **kw), steps=8).state_dict()
     new = TrainConfig(lr=2e-4, **kw)
     resumed = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))], lr=new.lr)
@@ -95,8 +100,6 @@ def test_every_step_of_every_schedule_is_the_documented_lr_fresh_and_resumed_the
 
 # ------------------------------------------------------------------------------ AdamW arithmetic
 
-from moefold.optim.blocks import dequantize_fp8, row_blocks  # noqa: E402
-from moefold.optim.precision import PrecisionAwareAdamW, join_fp32  # noqa: E402
 
 # (betas, eps, weight_decay): bias corrections at their extremes (beta 0: none; beta2 near 1: a
 # correction of ~1e-6 at step 1), no decay, a decay of 0.9 of the weight per unit lr, a large eps.
@@ -136,9 +139,14 @@ def test_fp32_precision_adamw_is_torch_adamw_bit_for_bit_at_edge_hyperparameters
             assert torch.equal(opt.state[q][key], ref.state[p][key]), key
 
 
-MODES = [{"exp_avg_dtype": "bf16", "exp_avg_sq_dtype": "bf16"}, {"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "fp8"},
-         {"master": "bf16"}, {"master": "bf16+remainder"},
-         {"exp_avg_dtype": "fp8", "exp_avg_sq_dtype": "bf16", "master": "bf16+remainder"}]
+MODES = [OptimConfig(exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16"),
+         OptimConfig(exp_avg_dtype="fp8", exp_avg_sq_dtype="fp8"), OptimConfig(master_dtype="bf16"), OptimConfig(master_dtype="bf16+remainder"),
+         OptimConfig(exp_avg_dtype="fp8", exp_avg_sq_dtype="bf16", master_dtype="bf16+remainder")]
+"""PrecisionAwareAdamW's settings (the all-fp32 one is torch's AdamW)."""
+
+
+def _mode_id(o: OptimConfig) -> str:
+    return f"{o.exp_avg_dtype}-{o.exp_avg_sq_dtype}-{o.master_dtype}"
 
 
 def _master(opt, p) -> torch.Tensor:
@@ -156,13 +164,14 @@ def _first_moment(opt, p) -> torch.Tensor:
     return dequantize_fp8(state["exp_avg"], state["exp_avg_scale"], row_blocks(p))
 
 
-@pytest.mark.parametrize("options", MODES, ids=lambda o: "-".join(o.values()))
-def test_an_lr_of_zero_leaves_every_master_as_it_was_and_still_counts_the_step(options):
+@pytest.mark.parametrize("o", MODES, ids=_mode_id)
+def test_an_lr_of_zero_leaves_every_master_as_it_was_and_still_counts_the_step(o):
     """torch's AdamW at lr 0 (a warm-up from 0, DCP's state initialisation) leaves the weights bit
     for bit and advances the moments and the step: every precision mode alike (decoupled decay is
     lr · weight_decay: none; the bf16 master is not rounded again, the remainder split is exact)."""
     params = [torch.nn.Parameter(x.clone()) for x in _edge_params()]
-    opt = PrecisionAwareAdamW(params, lr=0.0, weight_decay=0.5, **options)
+    opt = PrecisionAwareAdamW(params, lr=0.0, weight_decay=0.5, exp_avg_dtype=o.exp_avg_dtype,
+                              exp_avg_sq_dtype=o.exp_avg_sq_dtype, master=o.master_dtype)
     gen = torch.Generator().manual_seed(1)
     for p in params:  # some steps first, so the moments are not zero
         p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
@@ -182,10 +191,6 @@ def test_an_lr_of_zero_leaves_every_master_as_it_was_and_still_counts_the_step(o
 
 
 # ------------------------------------------------------------------------------ weight decay
-
-from moefold.config import OptimConfig, load_config  # noqa: E402
-from moefold.models.transformer import build_model  # noqa: E402
-from moefold.optim.adamw import build_optimizer  # noqa: E402
 
 
 @pytest.mark.parametrize("tie", ["false", "true"])
@@ -211,9 +216,6 @@ def test_weight_decay_falls_on_the_documented_parameters_of_the_real_models(pres
 
 
 # ------------------------------------------------------------------------------ clipping
-
-from moefold.optim.adamw import clip_scaling, param_groups  # noqa: E402
-from moefold.parallel.data import GradNormClipper  # noqa: E402
 
 
 def _small_model() -> torch.nn.Module:
@@ -296,11 +298,8 @@ def test_a_non_finite_gradient_gives_torchs_norm_and_the_step_is_taken(device, o
 
 # ------------------------------------------------------------------------------ resume
 
-import torch.distributed.checkpoint as dcp  # noqa: E402
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # noqa: E402
 
-RESUMED = [("cpu", OptimConfig()), ("cuda", OptimConfig()), *(("cpu", OptimConfig(**{
-    {"master": "master_dtype"}.get(k, k): v for k, v in m.items()})) for m in MODES)]
+RESUMED = [("cpu", OptimConfig()), ("cuda", OptimConfig()), *(("cpu", o) for o in MODES)]
 
 
 class _Run:
@@ -331,7 +330,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("device, o", RESUMED,
-                         ids=["foreach", "fused", *("-".join(m.values()) for m in MODES)])
+                         ids=["foreach", "fused", *map(_mode_id, MODES)])
 def test_a_run_resumed_mid_schedule_through_dcp_continues_bit_for_bit(device, o, tmp_path):
     """Saved after 4 of 10 steps (inside the decay, past a 2-step warm-up) through DCP as the
     trainer saves, loaded into a freshly built model, optimizer and schedule, the schedule rebuilt

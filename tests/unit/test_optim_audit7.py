@@ -140,7 +140,8 @@ def test_fp32_precision_adamw_is_torch_adamw_bit_for_bit_at_edge_hyperparameters
 
 
 MODES = [OptimConfig(exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16"),
-         OptimConfig(exp_avg_dtype="fp8", exp_avg_sq_dtype="fp8"), OptimConfig(master_dtype="bf16"), OptimConfig(master_dtype="bf16+remainder"),
+         OptimConfig(exp_avg_dtype="fp8", exp_avg_sq_dtype="fp8"), OptimConfig(master_dtype="bf16"),
+         OptimConfig(master_dtype="bf16+remainder"),
          OptimConfig(exp_avg_dtype="fp8", exp_avg_sq_dtype="bf16", master_dtype="bf16+remainder")]
 """PrecisionAwareAdamW's settings (the all-fp32 one is torch's AdamW)."""
 

@@ -161,3 +161,26 @@ def test_superseded_records_are_in_a_named_file_on_disk_before_they_leave_metric
     assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1]
     flushed = durability_events.index(("fsync", side))
     assert durability_events[flushed:flushed + 2] == [("fsync", side), ("fsync", run)]
+
+
+def test_a_branch_from_a_checkpoint_saved_before_a_resume_that_changed_the_model_says_so(
+        tmp_path, text_corpus, capsys):
+    """Trained with moe.top_k 2 to step 4 (checkpoints 2 and 4), resumed with --moe.top_k 3, which
+    config.toml then holds. A run continued from step 2 in another directory reads config.toml's
+    options: it trains top_k 3 from a top_k-2 checkpoint, and said nothing, since the resume checks
+    compared the options with config.toml's rather than with the ones step 2 was saved with. The
+    change is named as a resume that changes it is."""
+    from conftest import cli_args
+
+    from moefold.cli import main
+
+    run = tmp_path / "run"
+    args = cli_args({**TINY_OVERRIDES, "data.path": str(text_corpus), "train.steps": "4",
+                     "checkpoint.every": "2", "checkpoint.keep": "5"})
+    assert main(["train", "--run-dir", str(run), *args]) == 0
+    assert main(["train", "--resume", str(run), "--train.steps", "6", "--moe.top_k", "3"]) == 0
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run / "checkpoints" / "step_00000002"), "--run-dir",
+                 str(tmp_path / "branch")]) == 0
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: this run changes")]
+    assert notes == ["note: this run changes the model it resumes: moe.top_k 2 -> 3"]

@@ -193,12 +193,25 @@ def load_checkpoint(state: dict[str, Any], path: Path) -> None:
     _refuse_other_model_shapes(state.get("model", {}), metadata, path)
     _skip_unsaved_generators(state.get("rng"), metadata)
     try:
+        _load(state, path, metadata)
+    finally:
+        _last_metadata.clear()  # it lists every chunk of every tensor: not kept past the load
+
+
+def load_value(path: Path, key: str) -> Any:
+    """One small non-tensor value checkpoint `path` holds (its config), read before its full load,
+    which reuses the metadata this read."""
+    state = {key: ""}
+    _load(state, path, _read_metadata(path))
+    return state[key]
+
+
+def _load(state: dict[str, Any], path: Path, metadata) -> None:
+    try:
         with _single_process_ok():
             dcp.load(state, checkpoint_id=path, storage_reader=_ReaderWithMetadata(path, metadata))
     except (Exception, CheckpointException) as e:  # any reader failure means "unreadable"
         raise CheckpointError(f"checkpoint {path} is unreadable or corrupt: {_reason(e)}") from None
-    finally:
-        _last_metadata.clear()  # it lists every chunk of every tensor: not kept past the load
 
 
 def _skip_unsaved_generators(rng: dict[str, Any] | None, metadata) -> None:

@@ -11,6 +11,7 @@ import math
 import os
 import signal
 import time
+import tomllib
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
@@ -34,14 +35,15 @@ from moefold.checkpoint.dcp import (
     complete_checkpoints,
     latest_checkpoint,
     load_checkpoint,
+    load_value,
     load_weights,
     resolve_checkpoint,
     rng_state,
     save_checkpoint,
     set_rng_state,
 )
-from moefold.config import (Config, ParallelConfig, config_from_toml, micro_batches_per_step,
-                            refuse_unsupported_parallel, to_toml, validate)
+from moefold.config import (Config, ParallelConfig, apply_overrides, config_from_toml, flatten_table,
+                            micro_batches_per_step, refuse_unsupported_parallel, to_toml, validate)
 from moefold.data.corpus import build_token_streams
 from moefold.data.loader import IGNORE_INDEX, Batch, PackedSequences, TrainLoader, val_batches
 from moefold.data.tokenizer import build_tokenizer, model_vocab_size
@@ -108,8 +110,14 @@ def _zero_weights(model: nn.Module) -> None:
 
 
 def _saving_run_config(checkpoint: Path) -> Config | None:
-    """The config.toml of the run that saved `checkpoint`, read once for the resume checks; None
-    where it has none (a checkpoint copied out of its run)."""
+    """The config `checkpoint` was saved with, read once for the resume checks: the one it holds;
+    else (a checkpoint of an earlier version) its run's config.toml, which holds the options of
+    the run's latest resume, not necessarily this checkpoint's; None where it has neither (a
+    checkpoint copied out of its run)."""
+    if _CONFIG in checkpoint_keys(checkpoint):
+        cfg, label = Config(), f"checkpoint {checkpoint}"
+        apply_overrides(cfg, flatten_table(tomllib.loads(load_value(checkpoint, _CONFIG)), label), source=label)
+        return cfg
     saved_config = checkpoint.parent.parent / "config.toml"
     return config_from_toml(saved_config) if saved_config.is_file() else None
 
@@ -225,6 +233,9 @@ def _refuse_mixed_runs(run_dir: Path, resumed: Path | None) -> None:
     raise ConfigError(f"--run-dir {run_dir} already holds a run; continue it with "
                       f"--resume {run_dir} or choose another --run-dir")
 
+
+_CONFIG = "config"
+"""A checkpoint's key for the config it was saved with (config.toml's text)."""
 
 _CONFIG_HYPERPARAMETERS = ("initial_lr", "betas", "eps", "weight_decay")
 """An optimizer group's values that come from [train]; its moments' dtypes stay the checkpoint's."""
@@ -419,7 +430,8 @@ class Trainer:
         # No schedule: it is the config's at `step` (`_load`). Checkpoints that hold one load too.
         return {"model": model_sd, "optim": optim_sd, "data": self.train_loader.state_dict(),
                 "data_order": self._data_order(), "step": self.step, "rng": rng_state(),
-                "expert_load": self.load_history, "global_batch": self._global_batch()}
+                "expert_load": self.load_history, "global_batch": self._global_batch(),
+                _CONFIG: to_toml(_with_absolute_data_paths(self.cfg))}
 
     def _global_batch(self) -> int:
         """Sequences per optimizer step, over every data rank."""
@@ -434,6 +446,7 @@ class Trainer:
         """A full checkpoint's model, optimizer, data order, step and RNG; the schedule is rebuilt at
         the step."""
         state = self._state()
+        del state[_CONFIG]  # read by the resume checks (`_saving_run_config`)
         for key in ("expert_load", "data_order", "global_batch"):  # saved by later versions than some checkpoints
             if key not in checkpoint_keys(path):
                 del state[key]

@@ -184,3 +184,42 @@ def test_a_branch_from_a_checkpoint_saved_before_a_resume_that_changed_the_model
                  str(tmp_path / "branch")]) == 0
     notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: this run changes")]
     assert notes == ["note: this run changes the model it resumes: moe.top_k 2 -> 3"]
+
+
+def test_a_save_that_fails_inside_the_writer_keeps_the_last_checkpoint_and_the_resume_is_the_uninterrupted_run(
+        tmp_path, text_corpus, monkeypatch):
+    """DCP's own writer raises (a full disk) after writing step 6's shards, with checkpoint.keep 1:
+    the run stops with a CheckpointError, step 3 stays the one complete checkpoint (nothing of
+    step 6 left), and the run resumed from it ends with the uninterrupted run's records and
+    weights. (No defect found: a regression test.)"""
+    import torch
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from moefold.checkpoint.dcp import complete_checkpoints, load_checkpoint
+    from moefold.errors import CheckpointError
+
+    cfg = _config(text_corpus, **BETWEEN_LOG_STEPS, **{"checkpoint.keep": "1"})
+    whole = _train(cfg, tmp_path / "whole")
+    write_data = FileSystemWriter.write_data
+
+    def full_disk_at_step_6(self, plan, planner):
+        written = write_data(self, plan, planner)
+        if Path(self.path).name.startswith("step_00000006"):
+            written.wait()
+            raise OSError(28, "No space left on device")
+        return written
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", full_disk_at_step_6)
+    run = tmp_path / "run"
+    with pytest.raises(CheckpointError, match="step_00000003, is intact"):
+        _train(cfg, run)
+    monkeypatch.undo()
+    assert [step for step, _ in complete_checkpoints(run)] == [3]
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_00000003"]
+    resumed = _train(cfg, run, resume=run)
+    assert _records(run) == _records(tmp_path / "whole")
+    for name, value in whole.model.state_dict().items():
+        assert torch.equal(resumed.model.state_dict()[name], value), name
+    state = {"step": 0}
+    load_checkpoint(state, complete_checkpoints(run)[-1][1])
+    assert state["step"] == 8

@@ -223,3 +223,38 @@ def test_a_save_that_fails_inside_the_writer_keeps_the_last_checkpoint_and_the_r
     state = {"step": 0}
     load_checkpoint(state, complete_checkpoints(run)[-1][1])
     assert state["step"] == 8
+
+
+def test_ranks_checking_a_run_dir_at_once_do_not_refuse_each_other(tmp_path):
+    """Every rank of a resumed job checks that no other training holds the run directory, at about
+    the same moment. The check took the lock exclusively for an instant, so two checks at once
+    refused each other ("in use by another training", naming the run's earlier process): the
+    check now takes it shared, which a holder still refuses."""
+    import threading
+
+    from moefold.errors import ConfigError
+    from moefold.train.run_lock import LOCK_FILE, RunDirLock, refuse_run_dir_in_use
+
+    (tmp_path / LOCK_FILE).write_text("12345 node1 training\n")  # left by the run's earlier training
+    refused = []
+
+    def check_repeatedly():
+        for _ in range(500):
+            try:
+                refuse_run_dir_in_use(tmp_path)
+            except ConfigError as e:
+                refused.append(str(e))
+
+    ranks = [threading.Thread(target=check_repeatedly) for _ in range(4)]
+    for rank in ranks:
+        rank.start()
+    for rank in ranks:
+        rank.join()
+    assert refused == []
+    holder = RunDirLock(tmp_path)
+    holder.acquire()
+    try:
+        with pytest.raises(ConfigError, match="is in use by another training"):
+            refuse_run_dir_in_use(tmp_path)
+    finally:
+        holder.release()

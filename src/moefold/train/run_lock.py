@@ -33,7 +33,7 @@ class RunDirLock:
             raise ConfigError(f"{self.option} {self.run_dir}: {LOCK_FILE} is a directory, where a run keeps its lock "
                               f"file; move it away, or choose another {self.option}")
         f = open(self.run_dir / LOCK_FILE, "ab+")
-        if not _try_lock(f, self.run_dir, self.option, self.work):
+        if not _try_lock(f, self.run_dir, self.option, self.work, fcntl.LOCK_EX):
             return  # a filesystem without flock: unguarded, as before the lock
         f.truncate(0)
         f.write(f"{os.getpid()} {socket.gethostname()} {self.work}\n".encode())
@@ -48,19 +48,21 @@ class RunDirLock:
 
 def refuse_run_dir_in_use(run_dir: Path, option: str = "--run-dir", work: str = TRAINING) -> None:
     """Refuse a run directory another training or conversion holds, before any work (tried and let
-    go at once; the lock itself is taken when the trainer first writes)."""
+    go at once; the lock itself is taken when the trainer first writes). Shared: every rank of a
+    job checks at about the same moment, and exclusive checks at once refused each other."""
     try:
         f = open(Path(run_dir) / LOCK_FILE, "rb")
     except OSError:  # no lock file, nobody ever locked here (or no such run directory yet)
         return
     with f:
-        _try_lock(f, run_dir, option, work)
+        _try_lock(f, run_dir, option, work, fcntl.LOCK_SH)
 
 
-def _try_lock(f, run_dir: Path, option: str, work: str) -> bool:
-    """Lock `f` exclusively; False where the filesystem has no flock (Lustre mounted without it)."""
+def _try_lock(f, run_dir: Path, option: str, work: str, mode: int) -> bool:
+    """Lock `f` in `mode` (LOCK_EX, LOCK_SH); False where the filesystem has no flock (Lustre
+    mounted without it)."""
     try:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(f.fileno(), mode | fcntl.LOCK_NB)
         return True
     except OSError as e:
         if e.errno not in _HELD:

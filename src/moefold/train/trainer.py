@@ -614,8 +614,9 @@ class Trainer:
 
     def _train_loop(self, bar: tqdm, emit: Callable[[str], None]) -> dict[str, Any]:
         """Steps to train.steps, each followed by what is due at its end, in this order: a log
-        line (at log steps and checkpoint steps), a validation, a checkpoint, a stop on a signal; then the final checkpoint. Returns
-        the last train and validation records (and that checkpoint's path)."""
+        line (at log steps and checkpoint steps), a validation, a checkpoint, a stop on a signal;
+        then the final checkpoint. Returns the last train and validation records (and that
+        checkpoint's path)."""
         last: dict[str, Any] = {}
         window = _Window(first_step=self.step + 1)
         while self.step < self.cfg.train.steps:
@@ -633,8 +634,7 @@ class Trainer:
             signum = self._stop_requested(synced=saved is not None)
             if signum is not None:
                 self._stop(signum, window, lr, saved, emit)
-        if self.cfg.checkpoint.save_at_end and self.cfg.train.steps > 0:
-            self._refuse_diverged(window)
+        if self.cfg.checkpoint.save_at_end and self.cfg.train.steps > 0:  # the last step's window is closed
             last["checkpoint"] = str(self._save_after_records())
         self._write_end_of_run()
         return last
@@ -647,10 +647,10 @@ class Trainer:
         return record
 
     def _save_if_due(self, window: _Window) -> Path | None:
-        """The checkpoint of this step when one is due (never of diverged weights), else None."""
+        """The checkpoint of this step when one is due, else None. Never of diverged weights: the
+        window that ended at this step has refused them (`_window_ends`)."""
         if not self._checkpoint_due():
             return None
-        self._refuse_diverged(window)
         with window.paused():
             return self._save_after_records()
 
@@ -668,11 +668,11 @@ class Trainer:
     def _refuse_diverged(self, window: _Window) -> None:
         """Stop before non-finite weights reach a checkpoint (where rotation would delete the good
         ones): a non-finite gradient norm poisons every weight it scales. The norm is global, so
-        every rank stops at the same step. Read where it is read anyway (log steps) and before
-        each save, never per step."""
+        every rank stops at the same step. Read where the window's record reads it anyway (log and
+        checkpoint steps, a signal's stop), never per step."""
         if not window.steps:
             return
-        norm = float(window.grad_norm_sum)  # HOST SYNC before a save between log steps (else read already)
+        norm = float(window.grad_norm_sum)  # read already by the window's log record
         if math.isfinite(norm):
             return
         steps = f"step {self.step}" if window.first_step == self.step else f"steps {window.first_step}–{self.step}"

@@ -258,3 +258,31 @@ def test_ranks_checking_a_run_dir_at_once_do_not_refuse_each_other(tmp_path):
             refuse_run_dir_in_use(tmp_path)
     finally:
         holder.release()
+
+
+def test_a_checkpoint_rotated_out_while_it_is_read_is_named_for_that_not_as_corrupt(tmp_path, text_corpus,
+                                                                                    monkeypatch, capsys):
+    """`generate` (or a run continued elsewhere) reading the latest checkpoint of a run still
+    training: its next save can rotate the checkpoint out mid-read (checkpoint.keep), which was
+    reported as "unreadable or corrupt". It is said as what happened, with what to do."""
+    import shutil
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from moefold.cli import main
+
+    run = tmp_path / "run"
+    _train(_config(text_corpus, **{"train.steps": "2"}), run)
+    checkpoint = run / "checkpoints" / "step_00000002"
+    read_data = FileSystemReader.read_data
+
+    def rotated_out_first(self, plan, planner):
+        shutil.rmtree(checkpoint)  # as _rotate does, after renaming it .old
+        return read_data(self, plan, planner)
+
+    monkeypatch.setattr(FileSystemReader, "read_data", rotated_out_first)
+    capsys.readouterr()
+    assert main(["generate", "--run-dir", str(run), "--prompt", "a", "--max-new-tokens", "1"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"moefold: error: checkpoint {checkpoint} was deleted while it was read (its run saved a later one "
+        "and checkpoint.keep rotated it out?); run the command again to read the latest"]

@@ -211,6 +211,10 @@ def _load(state: dict[str, Any], path: Path, metadata) -> None:
         with _single_process_ok():
             dcp.load(state, checkpoint_id=path, storage_reader=_ReaderWithMetadata(path, metadata))
     except (Exception, CheckpointException) as e:  # any reader failure means "unreadable"
+        if not (Path(path) / _METADATA).is_file():  # gone during the read: not corrupt
+            raise CheckpointError(f"checkpoint {path} was deleted while it was read (its run saved a later one "
+                                  "and checkpoint.keep rotated it out?); run the command again to read the "
+                                  "latest") from None
         raise CheckpointError(f"checkpoint {path} is unreadable or corrupt: {_reason(e)}") from None
 
 

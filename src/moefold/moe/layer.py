@@ -26,6 +26,11 @@ from moefold.moe.shared import GatedSharedExperts, SharedExperts
 from moefold.moe.stats import ExpertLoadStats
 
 
+class LayerInputError(UserError, ValueError):
+    """A tensor given to the MoE layer that its options cannot take: the caller's input (one line,
+    exit status 2 from the CLI) and, as Python's own errors for a bad argument, a ValueError."""
+
+
 class MoELayer(nn.Module):
     def __init__(self, router: Router, balancer: LoadBalancer, capacity, dispatcher: LocalDispatcher,
                  experts: Experts, shared: SharedExperts | None):
@@ -47,9 +52,9 @@ class MoELayer(nn.Module):
     def forward(self, x_BSD: torch.Tensor, valid_BS: torch.Tensor | None = None) -> torch.Tensor:
         if self.training and self.seq_aux_loss_coeff and x_BSD.dim() != 3:
             # [T, D] would read each token as a sequence of one: another objective, without a word.
-            raise ValueError(f"MoELayer input of shape {list(x_BSD.shape)} with moe.seq_aux_loss_coeff="
-                             f"{self.seq_aux_loss_coeff}: the sequence aux loss needs [B, S, D] (give x[None] "
-                             "for one sequence)")
+            raise LayerInputError(f"MoELayer input of shape {list(x_BSD.shape)} with moe.seq_aux_loss_coeff="
+                                  f"{self.seq_aux_loss_coeff}: the sequence aux loss needs [B, S, D] (give "
+                                  "x[None] for one sequence)")
         valid_BS = valid_mask(valid_BS, x_BSD.shape[:-1])
         x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
         valid_N = None if valid_BS is None else valid_BS.reshape(-1).repeat_interleave(self.top_k)

@@ -181,10 +181,12 @@ class LocalCounts:
     @torch.no_grad()
     def __call__(self, idx_TK: torch.Tensor, keep_N: torch.Tensor, num_experts: int,
                  valid_T: torch.Tensor | None) -> RoutedCounts:
+        T, K = idx_TK.shape
+        valid_T = _valid_mask(valid_T, T, idx_TK.device)
         per_expert_E = valid_tokens_per_expert(idx_TK, num_experts, valid_T)
-        tokens = _valid_mask(valid_T, idx_TK.shape[0], idx_TK.device).sum()
-        # keep_N already excludes padding, so kept copies are all valid
-        counts = self.sum_over_shards(_packed(per_expert_E, tokens, per_expert_E.sum() - keep_N.sum()))
+        # Real copies left out: keep_N may keep padding (the balancer's own all-True mask does).
+        dropped = (valid_T.repeat_interleave(K) & ~keep_N).sum()
+        counts = self.sum_over_shards(_packed(per_expert_E, valid_T.sum(), dropped))
         return _unpacked(counts, num_experts, data_rank_tokens=counts[num_experts])
 
 

@@ -165,7 +165,8 @@ class MoEConfig:
 
     # Load balancing
     aux_loss_coeff: float = 0.01
-    """Weight of the micro-batch load-balancing loss (Switch/GShard); 0 disables it."""
+    """Weight of the micro-batch load-balancing loss (Switch Transformer's, its f_e counting all K
+    routed copies of a token as Megatron-Core's does, not GShard's first choices only); 0 disables it."""
     seq_aux_loss_coeff: float = 0.0
     """Weight of the sequence-level load-balancing loss (DeepSeek-V2/V3); 0 disables it."""
     global_aux_loss_coeff: float = 0.0

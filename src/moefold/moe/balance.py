@@ -2,8 +2,9 @@
 
 T tokens, E experts, K top-k, B sequences of S tokens (T = B·S).
 
-The balancing losses are all E · Σ_e f_e · P_e (Switch Transformer, GShard): f_e the fraction of the
-routed copies that went to expert e, P_e the mean score of e. They equal 1.0 for perfectly even
+The balancing losses are all E · Σ_e f_e · P_e (Switch Transformer's, top-1, taken to top-K as
+Megatron-Core takes it): f_e the fraction of the T·K routed copies that went to expert e, every
+copy counted (GShard's f counts first choices only), P_e the mean score of e. They equal 1.0 for perfectly even
 routing with uniform scores and differ only in the set of tokens f and P are taken over. Every
 function returns an unweighted fp32 scalar. `valid_T` (bool, True = real token) excludes padding from
 every count, mean and token total. Nothing syncs with the host.
@@ -36,7 +37,8 @@ if TYPE_CHECKING:
 
 def micro_batch_aux_loss(scores_TE: torch.Tensor, idx_TK: torch.Tensor,
                          valid_T: torch.Tensor | None = None) -> torch.Tensor:
-    """Switch/GShard load-balancing loss over the whole micro-batch."""
+    """Switch Transformer's load-balancing loss over the whole micro-batch, f over all T·K copies
+    (Megatron-Core's; not GShard's, whose f counts first choices only)."""
     return sequence_aux_loss(scores_TE, idx_TK, 1, valid_T)  # the micro-batch as one sequence
 
 

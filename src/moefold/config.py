@@ -177,7 +177,11 @@ class MoEConfig:
     expert_bias_update_rate: float = 1e-3
     """Expert-bias step: bias += rate * sign(mean count - count), once per optimizer step."""
     force_balanced: bool = False
-    """Ignore the router's choice and send tokens round-robin to experts (for benchmarks)."""
+    """Ignore the router's choice and send tokens round-robin to experts (for benchmarks). An off
+    switch of the choice, as num_experts=0 is of the MoE layers: a preset's expert_bias (updated
+    and saved, never read) and group-limited routing (num_groups) stay accepted, unread, so a real
+    config benchmarks as it is; the router's scores still weigh the chosen experts and feed the
+    aux losses and z-loss."""
 
     # Capacity
     capacity_factor: float = 0.0
@@ -261,14 +265,18 @@ class TrainConfig:
     lr: float = 3e-3
     """Peak learning rate."""
     min_lr_ratio: float = 0.1
-    """Final learning rate as a fraction of lr."""
+    """Final learning rate as a fraction of lr (cosine, wsd). Where no step decays (train.steps <=
+    max(warmup_steps, 1)) it changes nothing, yet is accepted: a short smoke test of a real config
+    keeps it, and a resume with more train.steps decays to it."""
     schedule: str = "cosine"
     """Learning-rate schedule after warm-up: cosine, wsd (warmup-stable-decay, linear decay) or
     constant."""
     warmup_steps: int = 30
     """Linear warm-up steps."""
     decay_fraction: float = 0.2
-    """For the wsd schedule: the fraction of steps spent in the final decay."""
+    """For the wsd schedule: the fraction of steps spent in the final decay. Accepted as
+    min_lr_ratio is where at most the last step decays (train.steps <= max(warmup_steps + 1, 2)),
+    though it changes nothing there."""
     weight_decay: float = 0.1
     """AdamW weight decay (not applied to norms, biases or embeddings)."""
     beta1: float = 0.9

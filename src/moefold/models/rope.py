@@ -82,8 +82,10 @@ def _yarn_inv_freq_half(head_dim: int, theta: float, scaling: RopeScaling, devic
 
 
 def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device=None,
-                 scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables `[S, Dh]` (fp32), each half repeated so they pair with `rotate_half`.
+                 scaling: RopeScaling | None = None, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables `[S, Dh]` (fp32) of positions start..start+S−1, each half repeated so they
+    pair with `rotate_half`. A decode step asks for its new positions only (`start`: the cached
+    ones), whose rows equal the whole table's bit for bit.
 
     With YaRN `scaling` both tables are multiplied by `yarn_attention_factor`, as transformers
     does; the softmax part of DeepSeek's scaling is `yarn_softmax_scale_factor`, for the attention.
@@ -92,7 +94,7 @@ def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device=None,
         inv_freq_half = 1.0 / _pos_freqs_half(head_dim, theta, device)
     else:
         inv_freq_half = _yarn_inv_freq_half(head_dim, theta, scaling, device)
-    positions_S = torch.arange(seq_len, device=device, dtype=torch.float32)
+    positions_S = torch.arange(start, start + seq_len, device=device, dtype=torch.float32)
     angles_S_half = torch.outer(positions_S, inv_freq_half)
     angles_SDh = torch.cat([angles_S_half, angles_S_half], dim=-1)
     if scaling is None:

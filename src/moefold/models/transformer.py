@@ -58,9 +58,10 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.mtp = mtp
 
-    def rope(self, seq_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope(self, seq_len: int, device, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The RoPE tables of positions start..start+seq_len−1."""
         return rope_cos_sin(seq_len, self.rope_dim, self.cfg.model.rope_theta, device=device,
-                            scaling=self.rope_scaling)
+                            scaling=self.rope_scaling, start=start)
 
     def trunk(self, input_ids_BS: torch.Tensor, valid_BS: torch.Tensor | None = None):
         """Hidden states after the last block (before the final norm), and the RoPE tables."""
@@ -82,7 +83,8 @@ class Transformer(nn.Module):
         """Logits `[B, S, V]` of tokens that follow the ones `cache` holds, which takes their keys
         and values: the last position's logits equal `forward`'s over the whole sequence."""
         start, S = cache.length, input_ids_BS.shape[1]
-        cos_SDr, sin_SDr = (t[start:] for t in self.rope(start + S, input_ids_BS.device))
+        # the new positions' rows only: the whole table would cost each token O(start) work
+        cos_SDr, sin_SDr = self.rope(S, input_ids_BS.device, start=start)
         x_BSD = self.tok_embeddings(input_ids_BS)
         for layer, layer_cache in zip(self.layers, cache.layers, strict=True):
             x_BSD = layer.decode(x_BSD, cos_SDr, sin_SDr, layer_cache)

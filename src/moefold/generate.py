@@ -230,8 +230,9 @@ def check_sampling(max_new_tokens: int, temperature: float, top_k: int,
 
 
 def _read(model, ids: list[int], cache, device) -> torch.Tensor:
-    """The next token's logits after the model reads `ids` into `cache`."""
-    return model.decode(torch.tensor([ids], device=device), cache)[0, -1].float()
+    """The next token's logits after the model reads `ids` into `cache` (the head reads the last
+    position only)."""
+    return model.decode(torch.tensor([ids], device=device), cache, logits_to_keep=1)[0, -1].float()
 
 
 def _pick(logits_V: torch.Tensor, temperature: float, top_k: int, generator: torch.Generator) -> int:

@@ -79,16 +79,19 @@ class Transformer(nn.Module):
         return self.output(self.norm(h_BSD))
 
     @torch.no_grad()
-    def decode(self, input_ids_BS: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def decode(self, input_ids_BS: torch.Tensor, cache: KVCache, logits_to_keep: int = 0) -> torch.Tensor:
         """Logits `[B, S, V]` of tokens that follow the ones `cache` holds, which takes their keys
-        and values: the last position's logits equal `forward`'s over the whole sequence."""
+        and values: the last position's logits equal `forward`'s over the whole sequence.
+        `logits_to_keep` (as transformers'): the last positions whose logits are computed, 0 for all;
+        sampling keeps 1, as a prompt's [S, V] logits would cost S times the head's work and memory."""
         start, S = cache.length, input_ids_BS.shape[1]
         # the new positions' rows only: the whole table would cost each token O(start) work
         cos_SDr, sin_SDr = self.rope(S, input_ids_BS.device, start=start)
         x_BSD = self.tok_embeddings(input_ids_BS)
         for layer, layer_cache in zip(self.layers, cache.layers, strict=True):
             x_BSD = layer.decode(x_BSD, cos_SDr, sin_SDr, layer_cache)
-        return self.output(self.norm(x_BSD))
+        kept_BSD = x_BSD[:, -logits_to_keep:] if logits_to_keep > 0 else x_BSD
+        return self.output(self.norm(kept_BSD))
 
     def new_cache(self, capacity: int) -> KVCache:
         """An empty KV cache of `capacity` positions for `decode`."""

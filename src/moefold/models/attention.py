@@ -12,36 +12,50 @@ from moefold.models.norm import RMSNorm
 from moefold.models.rope import apply_rope
 
 
-def causal_mask(start: int, num_new: int, device) -> dict:
-    """SDPA's mask arguments for queries at positions start..start+S−1 over keys 0..start+S−1 (a
-    whole sequence when start is 0; new tokens over cached ones in generation), causal."""
-    if num_new == 1:
-        return {}  # one new token sees every key
-    if start == 0:
-        return {"is_causal": True}  # square: SDPA's fused kernels mask themselves
-    return {"attn_mask": _distance_SP(start, num_new, device) >= 0}
+class CausalMask:
+    """SDPA's mask arguments for queries at positions start..start+S−1 over keys
+    first_key..start+S−1 (a whole sequence when start is 0; new tokens over cached ones in
+    generation), causal. Every earlier key is seen: a decode step reads the cache from key 0."""
+
+    def first_key(self, start: int) -> int:
+        return 0
+
+    def __call__(self, start: int, num_new: int, device, first_key: int = 0) -> dict:
+        if num_new == 1:
+            return {}  # one new token sees every key
+        if start == 0:
+            return {"is_causal": True}  # square: SDPA's fused kernels mask themselves
+        return {"attn_mask": _distance_SP(start, num_new, device, first_key) >= 0}
 
 
-class SlidingWindowMask:
+causal_mask = CausalMask()
+
+
+class SlidingWindowMask(CausalMask):
     """`causal_mask` within the latest `window` positions, the token itself included (Mixtral).
     Keys that all lie within the window (a sequence no longer than it) are `causal_mask`'s, so
     SDPA's fused kernels mask themselves rather than read an [S, P] mask (3x faster at S = 4096
-    on an H200)."""
+    on an H200). A decode step reads the keys from `first_key` on: a token after P cached ones
+    attends over W keys, unmasked, not over P + 1 through a [1, P + 1] mask."""
 
     def __init__(self, window: int):
         self.window = window
 
-    def __call__(self, start: int, num_new: int, device) -> dict:
-        if start + num_new <= self.window:
-            return causal_mask(start, num_new, device)
-        distance_SP = _distance_SP(start, num_new, device)
+    def first_key(self, start: int) -> int:
+        """The earliest key that query `start`, and so any later one, sees."""
+        return max(0, start + 1 - self.window)
+
+    def __call__(self, start: int, num_new: int, device, first_key: int = 0) -> dict:
+        if start + num_new - first_key <= self.window:  # the last query sees every key given
+            return causal_mask(start, num_new, device, first_key)
+        distance_SP = _distance_SP(start, num_new, device, first_key)
         return {"attn_mask": (distance_SP >= 0) & (distance_SP < self.window)}
 
 
-def _distance_SP(start: int, num_new: int, device) -> torch.Tensor:
-    """Query position minus key position, for queries start.. over keys 0..start+S−1."""
+def _distance_SP(start: int, num_new: int, device, first_key: int = 0) -> torch.Tensor:
+    """Query position minus key position, for queries start.. over keys first_key..start+S−1."""
     return (torch.arange(start, start + num_new, device=device)[:, None]
-            - torch.arange(start + num_new, device=device)[None, :])
+            - torch.arange(first_key, start + num_new, device=device)[None, :])
 
 
 class Attention(nn.Module):
@@ -70,10 +84,11 @@ class Attention(nn.Module):
         start, S = cache.length, x_BSD.shape[1]
         q_BHSDh, k_BGSDh, v_BGSDh = self.qkv(x_BSD, cos_SDh, sin_SDh)
         k_BGPDh, v_BGPDh = cache.extend(k_BGSDh, v_BGSDh)
+        first = self.mask.first_key(start)  # keys before it lie outside every new query's window
         # SDPA itself, not `core`: the recompute/offload wrappers there are training's.
         out_BHSDh = F.scaled_dot_product_attention(
-            q_BHSDh, k_BGPDh, v_BGPDh, enable_gqa=self.n_kv_heads != self.n_heads,
-            **self.mask(start, S, x_BSD.device))
+            q_BHSDh, k_BGPDh[:, :, first:], v_BGPDh[:, :, first:], enable_gqa=self.n_kv_heads != self.n_heads,
+            **self.mask(start, S, x_BSD.device, first))
         return self.out(out_BHSDh)
 
     def qkv(self, x_BSD: torch.Tensor, cos_SDh: torch.Tensor, sin_SDh: torch.Tensor):

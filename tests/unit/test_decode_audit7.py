@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from moefold.config import load_config
 from moefold.generate import _pick, sample
 from moefold.models.transformer import build_model
+from moefold.moe.layer import MoELayer
 
 FP32_ATOL = 1e-6
 
@@ -74,6 +75,21 @@ def test_decode_keeps_the_logits_asked_for_and_they_are_the_full_forwards(preset
     torch.testing.assert_close(last_BSV, full_BSV[:, 7:8], rtol=0, atol=FP32_ATOL)
     torch.testing.assert_close(two_BSV, full_BSV[:, 9:11], rtol=0, atol=FP32_ATOL)
     torch.testing.assert_close(every_BSV, full_BSV[:, 11:], rtol=0, atol=FP32_ATOL)
+
+
+def test_a_decode_step_decompresses_and_routes_its_new_positions_only():
+    """No defect, pinned: MLA expands the latent of the new positions only (the cache holds the
+    expanded keys and values, never the latent to expand again), and the MoE layers route the new
+    tokens only (no buffer sized to the context)."""
+    model = _model("tiny-deepseek")
+    latent_rows = [_rows_into(layer.attn.wkv_b) for layer in model.layers]
+    # the main layers': decode runs no MTP module
+    routed_rows = [_rows_into(layer.ffn.router) for layer in model.layers if isinstance(layer.ffn, MoELayer)]
+    cache = model.new_cache(12)
+    for piece in _ids(12).split([6, 1, 1, 2, 1, 1], dim=1):
+        model.decode(piece, cache)
+    assert routed_rows and all(rows == [12, 2, 2, 4, 2, 2] for rows in routed_rows)  # B·S tokens
+    assert all(rows == [6, 1, 1, 2, 1, 1] for rows in latent_rows)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,8 +5,8 @@ head), P positions cached so far, S new positions, Dk / Dv key and value head di
 capacity in positions.
 
 `Transformer.decode` reads tokens that follow the cached ones: each layer appends their keys and
-values and attends its new queries over everything cached (the layer's mask at an offset,
-models/attention.py). Training never
+values and attends its new queries over the cached keys they can see (all of them, or a sliding
+window's: the layer's mask at an offset, from its `first_key`, models/attention.py). Training never
 builds one: its forward is the plain `Transformer.forward`.
 """
 

@@ -144,18 +144,19 @@ def scale_gradients(grads: list[torch.Tensor], coef: torch.Tensor) -> None:
 class GradNormClipper:
     """clip_grad_norm_ over parameters spread across the dense and expert meshes: one all-reduce of
     a scalar for the global norm, then every local gradient scaled by the same coefficient, by a
-    strategy fixed at build (`scale_gradients`, or optim.adamw.ClipInFusedAdamW)."""
+    strategy fixed at build (`scale_gradients`, or optim.adamw.ClipInFusedAdamW). No host sync."""
 
     def __init__(self, params: list[nn.Parameter], group=None, scale=scale_gradients):
         self.params, self.group, self.scale = params, group, scale
         world = dist.get_world_size(group) if group is not None else 1
         self.weights = [1.0 / replication(p, world) for p in params]
+        self._device_weights: dict[tuple, torch.Tensor] = {}
 
     @torch.no_grad()
     def __call__(self, max_norm: float) -> torch.Tensor:
-        pairs = [(local_tensor(p.grad), w) for p, w in zip(self.params, self.weights) if p.grad is not None]
-        grads = [g for g, _ in pairs]
-        total_sq = self._local_sum_of_squares(pairs)
+        present = tuple(i for i, p in enumerate(self.params) if p.grad is not None)
+        grads = [local_tensor(self.params[i].grad) for i in present]
+        total_sq = self._local_sum_of_squares(grads, present)
         if self.group is not None:  # every rank enters it, one without gradients too (or the rest hang)
             dist.all_reduce(total_sq, group=self.group)
         norm = total_sq.sqrt()
@@ -163,15 +164,23 @@ class GradNormClipper:
             self.scale(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))
         return norm
 
-    def _local_sum_of_squares(self, pairs: list[tuple[torch.Tensor, float]]) -> torch.Tensor:
+    def _local_sum_of_squares(self, grads: list[torch.Tensor], present: tuple[int, ...]) -> torch.Tensor:
         """This rank's share of the squared global norm: each piece's squared norm over its replicas."""
-        if not pairs:
+        if not grads:
             device = local_tensor(self.params[0]).device if self.params else torch.device("cpu")
             return torch.zeros((), dtype=torch.float32, device=device)
         # fp32 norms of bf16 gradients: rounded to bf16, each piece would be off by up to 2^-9
-        norms = torch.stack(torch._foreach_norm([g for g, _ in pairs], 2.0, dtype=torch.float32))
-        weights = torch.tensor([w for _, w in pairs], device=norms.device)
-        return (norms.square() * weights).sum()
+        norms = torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32))
+        return (norms.square() * self._weights_on(norms.device, present)).sum()
+
+    def _weights_on(self, device: torch.device, present: tuple[int, ...]) -> torch.Tensor:
+        """The present gradients' replica weights on `device`, copied there once per set of present
+        gradients: `torch.tensor(data, device=cuda)` copies from pageable memory and waits for the
+        stream (a host sync every step, pytorch/pytorch#120996)."""
+        key = (device, present)
+        if key not in self._device_weights:
+            self._device_weights[key] = torch.tensor([self.weights[i] for i in present], device=device)
+        return self._device_weights[key]
 
 
 __all__ = [

@@ -247,6 +247,8 @@ LAYOUTS = {
     "fsdp-world1": (1, dict(parallel__data_parallel="fsdp", train__grad_accum="2")),
     "zero1-world1-precision": (1, dict(parallel__data_parallel="ddp", optim__exp_avg_dtype="fp8",
                                        optim__master_dtype="bf16+remainder")),
+    "ep2-alltoall": (2, dict(parallel__ep="2")),
+    "etp2-alltoall": (2, dict(parallel__etp="2")),
     "ep2-allgather": (2, dict(parallel__ep="2", parallel__ep_dispatcher="allgather")),
     "ep2-capacity-padded": (2, dict(parallel__ep="2", moe__capacity_factor="1.0", moe__pad_to_capacity="true")),
 }

@@ -241,12 +241,29 @@ def test_the_harness_records_each_kind_of_read(monkeypatch):
                                            "Tensor.to(device)"]
 
 
+def test_grad_norm_follows_the_gradients_present_at_each_step():
+    """The replica weights copied once per set of present gradients: a parameter without a
+    gradient at one step (a frozen or unused one) leaves the others' norm right, as a naive norm."""
+    from moefold.parallel.data import GradNormClipper
+
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (3, 4, 5)]
+    clip = GradNormClipper(params)
+    for present in ([0, 1, 2], [0, 2], [0, 1, 2], [1]):
+        for i, p in enumerate(params):
+            p.grad = torch.randn_like(p) if i in present else None
+        naive = torch.cat([params[i].grad for i in present]).norm()
+        torch.testing.assert_close(clip(float("inf")), naive, rtol=1e-6, atol=0)
+
+
 # ----------------------------------------------------------------------------- gloo layouts
 
 LAYOUTS = {
     "fsdp-world1": (1, dict(parallel__data_parallel="fsdp", train__grad_accum="2")),
     "zero1-world1-precision": (1, dict(parallel__data_parallel="ddp", optim__exp_avg_dtype="fp8",
                                        optim__master_dtype="bf16+remainder")),
+    "tp2-sequence-parallel": (2, dict(parallel__tp="2", model__n_kv_heads="2", moe__pad_multiple="8")),
+    "tp2-ep2-folded-zero1": (2, dict(parallel__tp="2", model__n_kv_heads="2", parallel__ep="2",
+                                     parallel__data_parallel="ddp")),
     "ep2-alltoall": (2, dict(parallel__ep="2")),
     "etp2-alltoall": (2, dict(parallel__etp="2")),
     "ep2-allgather": (2, dict(parallel__ep="2", parallel__ep_dispatcher="allgather")),

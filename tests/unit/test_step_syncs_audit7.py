@@ -261,6 +261,8 @@ LAYOUTS = {
     "fsdp-world1": (1, dict(parallel__data_parallel="fsdp", train__grad_accum="2")),
     "zero1-world1-precision": (1, dict(parallel__data_parallel="ddp", optim__exp_avg_dtype="fp8",
                                        optim__master_dtype="bf16+remainder")),
+    "fsdp-dp2-fp8-moments-remainder": (2, dict(optim__exp_avg_dtype="fp8", optim__exp_avg_sq_dtype="fp8",
+                                               optim__master_dtype="bf16+remainder")),
     "tp2-sequence-parallel": (2, dict(parallel__tp="2", model__n_kv_heads="2", moe__pad_multiple="8")),
     "tp2-ep2-folded-zero1": (2, dict(parallel__tp="2", model__n_kv_heads="2", parallel__ep="2",
                                      parallel__data_parallel="ddp")),

@@ -145,6 +145,20 @@ class _TokenBuffer:
         return self._ids_N
 
 
+def stream_fingerprint(tokens_N: np.ndarray | ConcatenatedTokens, samples: int = 8,
+                       width: int = 4096) -> int:
+    """A CRC-32 of `samples` evenly spaced runs of `width` ids (the whole stream when shorter):
+    what tells a resume that its training data are the checkpoint's when their sizes agree. Reads
+    at most samples · width ids, whatever the stream's size."""
+    length = len(tokens_N)
+    starts = np.linspace(0, max(length - width, 0), samples).astype(np.int64)
+    crc = 0
+    for start in dict.fromkeys(starts.tolist()):  # a short stream's runs coincide: each read once
+        ids_P = np.asarray(tokens_N[start:start + width]).astype(np.int64)  # int64: dtype-independent
+        crc = zlib.crc32(ids_P.tobytes(), crc)
+    return crc
+
+
 def validation_threshold(val_fraction: float) -> int:
     """Hash buckets (of 10_000) held out; at least one whenever val_fraction > 0."""
     return max(1, round(val_fraction * _HASH_BUCKETS)) if val_fraction > 0 else 0

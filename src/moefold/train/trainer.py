@@ -44,7 +44,7 @@ from moefold.checkpoint.dcp import (
 )
 from moefold.config import (Config, ParallelConfig, apply_overrides, config_from_toml, flatten_table,
                             micro_batches_per_step, refuse_unsupported_parallel, to_toml, validate)
-from moefold.data.corpus import build_token_streams
+from moefold.data.corpus import build_token_streams, stream_fingerprint
 from moefold.data.loader import IGNORE_INDEX, Batch, PackedSequences, TrainLoader, val_batches
 from moefold.data.tokenizer import build_tokenizer, model_vocab_size
 from moefold.errors import CheckpointError, ConfigError, TrainingDiverged, refuse_unwritable_dir
@@ -174,6 +174,15 @@ def _refuse_other_data_order(saved: dict[str, int], given: dict[str, int], check
         raise ConfigError(f"the training data holds {given['sequences']} sequences, but {checkpoint} holds a data "
                           f"position among {saved['sequences']}: data.path, data.tokenizer or data.val_fraction "
                           "changed since it was saved; a run continues with the data it was trained with")
+
+
+def _refuse_other_data(saved_fingerprint: int, given_fingerprint: int, checkpoint: Path) -> None:
+    """As many sequences (`_refuse_other_data_order`), other ids: the files under data.path were
+    replaced, or the tokenizer encodes alike in length only."""
+    if int(saved_fingerprint) != given_fingerprint:
+        raise ConfigError(f"the training data's ids differ from those {checkpoint} was trained on (as many "
+                          "sequences, other tokens): the files under data.path or data.tokenizer changed since "
+                          "it was saved; a run continues with the data it was trained with")
 
 
 def _with_absolute_data_paths(cfg: Config) -> Config:
@@ -340,6 +349,7 @@ class Trainer:
         # data rank takes its rows, so the data order does not depend on the layout.
         global_micro_batch = t.micro_batch_size * self.dist.dp_size
         train_seqs = PackedSequences(streams.train_N, t.seq_len, name="training")
+        self._data_fingerprint = stream_fingerprint(streams.train_N)  # what a resume checks it continues on
         self.train_loader = TrainLoader(train_seqs, global_micro_batch, t.seed, streams.eos_id,
                                         vocab=streams.vocab, step_size=global_micro_batch * self.grad_accum)
         self.val_batches = []
@@ -431,6 +441,7 @@ class Trainer:
         return {"model": model_sd, "optim": optim_sd, "data": self.train_loader.state_dict(),
                 "data_order": self._data_order(), "step": self.step, "rng": rng_state(),
                 "expert_load": self.load_history, "global_batch": self._global_batch(),
+                "data_fingerprint": self._data_fingerprint,
                 _CONFIG: to_toml(_with_absolute_data_paths(self.cfg))}
 
     def _global_batch(self) -> int:
@@ -447,13 +458,15 @@ class Trainer:
         the step."""
         state = self._state()
         del state[_CONFIG]  # read by the resume checks (`_saving_run_config`)
-        for key in ("expert_load", "data_order", "global_batch"):  # saved by later versions than some checkpoints
+        for key in ("expert_load", "data_order", "global_batch", "data_fingerprint"):  # saved by later versions
             if key not in checkpoint_keys(path):
                 del state[key]
         load_checkpoint(state, path)
         self._saved_global_batch = int(state["global_batch"]) if "global_batch" in state else None
         if "data_order" in state:
             _refuse_other_data_order(state["data_order"], self._data_order(), path)
+        if "data_fingerprint" in state:
+            _refuse_other_data(state["data_fingerprint"], self._data_fingerprint, path)
         self.load_history = list(state.get("expert_load", []))  # the heatmap covers the whole run
         set_model_state_dict(self.model, state["model"])  # ZeRO-1's shards follow (a load hook)
         # The config's hyperparameters, not the saved ones torch's load puts back: a resume with

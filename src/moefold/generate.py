@@ -22,10 +22,10 @@ from moefold.train.trainer import resolve_compute_dtype
 def load_model_from_run(run_dir: Path, device_name: str = "auto", exact_masters: bool = False,
                         for_sampling: bool = False):
     """(model, tokenizer, config) with the weights of the run's latest checkpoint; the model is
-    dropless whatever capacity factor the run trained with (`_dropless`). `exact_masters`: as
-    `load_weights`' (an export's weights, not the ones a bf16 forward ran with). `for_sampling`:
-    a tokenizer of more ids than the model's is refused first (`check_tokenizer_fits`); an
-    export takes the weights whatever the tokenizer."""
+    dropless and unpadded whatever capacity factor and pad multiple the run trained with
+    (`_dropless`). `exact_masters`: as `load_weights`' (an export's weights, not the ones a bf16
+    forward ran with). `for_sampling`: a tokenizer of more ids than the model's is refused first
+    (`check_tokenizer_fits`); an export takes the weights whatever the tokenizer."""
     cfg = run_config(run_dir)
     checkpoint = resolve_checkpoint(Path(run_dir), "--run-dir")
     device = resolve_device(device_name, "--device")
@@ -116,10 +116,13 @@ def context_length(cfg: Config) -> tuple[int, str]:
 
 
 def _dropless(cfg: Config) -> Config:
-    """`cfg` without a capacity factor. Capacity drops a token by what else is in the same forward
-    (the prompt, a decode call): a generated token would depend on how its context was read, and
-    the cache's logits would differ from a full forward's. Every token reaches its experts."""
-    return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, capacity_factor=0.0, pad_to_capacity=False))
+    """`cfg` without a capacity factor or padded expert rows. Capacity drops a token by what else is
+    in the same forward (the prompt, a decode call): a generated token would depend on how its
+    context was read, and the cache's logits would differ from a full forward's. Every token reaches
+    its experts. moe.pad_multiple (FP8 kernels' alignment) gave each expert up to m − 1 zero rows:
+    E·(m − 1) rows of expert GEMMs for a decode step's K copies, changing no output."""
+    return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, capacity_factor=0.0, pad_to_capacity=False,
+                                                            pad_multiple=0))
 
 
 @torch.no_grad()

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -198,7 +199,10 @@ def test_a_signal_while_the_ranks_start_stops_the_start(monkeypatch):
     def starting(*args, **kwargs):
         started.append(popen(*args, **kwargs))
         if len(started) == 2:
-            os.kill(os.getpid(), signal.SIGTERM)  # handled before the next rank would start
+            # To the main thread, which holds it back while it starts a rank (a launcher's only
+            # thread). os.kill's process-wide signal may go to another thread this test process
+            # has (torch's, gloo's), whose delivery can come after the next rank started.
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
         return started[-1]
 
     monkeypatch.setattr(launch.subprocess, "Popen", starting)

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from moefold.parallel.local import local_tensor
+from moefold.parallel.local import DeviceCopies, local_tensor
 
 
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -150,7 +150,7 @@ class GradNormClipper:
         self.params, self.group, self.scale = params, group, scale
         world = dist.get_world_size(group) if group is not None else 1
         self.weights = [1.0 / replication(p, world) for p in params]
-        self._device_weights: dict[tuple, torch.Tensor] = {}
+        self._device_weights = DeviceCopies()  # per set of present gradients
 
     @torch.no_grad()
     def __call__(self, max_norm: float) -> torch.Tensor:
@@ -171,16 +171,8 @@ class GradNormClipper:
             return torch.zeros((), dtype=torch.float32, device=device)
         # fp32 norms of bf16 gradients: rounded to bf16, each piece would be off by up to 2^-9
         norms = torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32))
-        return (norms.square() * self._weights_on(norms.device, present)).sum()
-
-    def _weights_on(self, device: torch.device, present: tuple[int, ...]) -> torch.Tensor:
-        """The present gradients' replica weights on `device`, copied there once per set of present
-        gradients: `torch.tensor(data, device=cuda)` copies from pageable memory and waits for the
-        stream (a host sync every step, pytorch/pytorch#120996)."""
-        key = (device, present)
-        if key not in self._device_weights:
-            self._device_weights[key] = torch.tensor([self.weights[i] for i in present], device=device)
-        return self._device_weights[key]
+        weights = self._device_weights.on(norms.device, present, lambda: [self.weights[i] for i in present])
+        return (norms.square() * weights).sum()
 
 
 __all__ = [

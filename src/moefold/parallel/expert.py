@@ -52,6 +52,7 @@ from moefold.moe.permute import (
 from moefold.moe.router import Routing
 from moefold.parallel.collectives import all_gather_single, reduce_scatter_single
 from moefold.parallel.dims import expert_coords
+from moefold.parallel.local import DeviceCopies
 from moefold.parallel.sequence import all_gather_rows
 
 
@@ -121,19 +122,11 @@ class _ExpertParallelDispatcher:
                               f"moe.num_experts={num_experts}")
         self.num_local_experts = num_experts // self.ep_size
         self._fans_out = self.ep_of_rank != list(range(self.ep_size))
-        self._ep_of_rank_on: dict[torch.device, torch.Tensor] = {}  # `ep_of_rank_on`'s copies
+        self._device_copies = DeviceCopies()  # ep_of_rank as an index tensor
         self._reduce = _sum_copies if probs_applied_by_experts else _weighted_sum_copies
 
     GROUPINGS: tuple[type, type]  # how received rows are grouped by local expert: without, with padding
     UNEVEN_TOKENS_HINT = ""  # what a dispatcher that needs the same T on every rank suggests instead
-
-    def ep_of_rank_on(self, device: torch.device) -> torch.Tensor:
-        """`ep_of_rank` as an index tensor on `device`, copied there once: `torch.tensor(data,
-        device=cuda)` copies from pageable memory and waits for the stream, a host sync of every
-        layer call (pytorch/pytorch#120996) before the split sizes' copy is even issued."""
-        if device not in self._ep_of_rank_on:
-            self._ep_of_rank_on[device] = torch.tensor(self.ep_of_rank, device=device)
-        return self._ep_of_rank_on[device]
 
     @property
     def grouping(self) -> type:
@@ -274,7 +267,8 @@ class AllToAllDispatcher(_ExpertParallelDispatcher):
         index's copies), then the split sizes' device→host copy, started but not waited for."""
         P, L = self.ep_size, self.num_local_experts
         counts_PL = tokens_per_expert_E.view(P, L)
-        ep_of_rank_G = self.ep_of_rank_on(counts_PL.device)
+        # Copied once: a copy per call waited for the stream before the split sizes' copy was issued.
+        ep_of_rank_G = self._device_copies.on(counts_PL.device, "ep_of_rank", lambda: self.ep_of_rank)
         # counts_GL[g, l]: rows group rank g sends to this rank's local expert l.
         counts_GL = torch.empty(self.group_size * L, dtype=counts_PL.dtype, device=counts_PL.device)
         dist.all_to_all_single(counts_GL, counts_PL.index_select(0, ep_of_rank_G).reshape(-1),

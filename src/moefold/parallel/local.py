@@ -1,4 +1,7 @@
-"""This rank's piece of a tensor: the local shard of a DTensor, or the tensor itself."""
+"""This rank's piece of a tensor: the local shard of a DTensor, or the tensor itself; and the
+small host values a step reads on the device, copied there once (`DeviceCopies`)."""
+
+from collections.abc import Callable, Hashable
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -10,6 +13,21 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     checkpoints know where each piece belongs); kernels and element-wise updates run on the local
     piece."""
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+class DeviceCopies:
+    """Host values as device tensors, each copied once per key and device: `torch.tensor(data,
+    device=cuda)` copies from pageable memory and waits for the stream (pytorch/pytorch#120996), a
+    host sync wherever a step builds one."""
+
+    def __init__(self):
+        self._tensors: dict[tuple[Hashable, torch.device], torch.Tensor] = {}
+
+    def on(self, device: torch.device, key: Hashable, values: Callable[[], list]) -> torch.Tensor:
+        """`values()` on `device`, read and copied the first time (`key`, `device`) is asked for."""
+        if (key, device) not in self._tensors:
+            self._tensors[key, device] = torch.tensor(values(), device=device)
+        return self._tensors[key, device]
 
 
 def memory_holder(t: torch.Tensor) -> torch.Tensor:

@@ -458,8 +458,9 @@ class Trainer:
         the step."""
         state = self._state()
         del state[_CONFIG]  # read by the resume checks (`_saving_run_config`)
+        saved_keys = checkpoint_keys(path)
         for key in ("expert_load", "data_order", "global_batch", "data_fingerprint"):  # saved by later versions
-            if key not in checkpoint_keys(path):
+            if key not in saved_keys:
                 del state[key]
         load_checkpoint(state, path)
         self._saved_global_batch = int(state["global_batch"]) if "global_batch" in state else None

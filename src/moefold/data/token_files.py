@@ -1,5 +1,11 @@
-"""Token files (.npy, .bin): memory-mapped, never read whole; several read as one stream, a bounded
-number of them mapped at once.
+"""Token files (.npy, .bin): never read whole; several read as one stream, a bounded number of them
+held open at once, each slice read with positioned reads (pread), not through a memory map.
+
+A map of a file cut shorter under the run faults (SIGBUS) on the first read past its new end, and
+the rank dies without a word; a check of the size before each read still races the truncation. A
+positioned read cannot fault: it ends early, and that is a `DataError` naming the file. Startup
+still maps each file once to read its header and head (`open_token_file`), and a corpus of one
+file is still that file's map (`TokenFile.open`).
 
 Anything wrong with a file is a one-line `DataError` naming `data.path`, the file and what is
 allowed. F: files; N: ids of a stream; P: ids of one file's slice.
@@ -7,6 +13,8 @@ allowed. F: files; N: ids of a stream; P: ids of one file's slice.
 
 from __future__ import annotations
 
+import os
+import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -73,16 +81,15 @@ def _refuse_uint32_as_uint16(file: DataFile, head_N: np.ndarray) -> None:
 
 
 MAX_OPEN_TOKEN_FILES = 128
-"""Token files a process holds memory-mapped at once; the others are mapped again when read, the
-least recently read closed first. Each map is one of the vm.max_map_count mappings Linux allows a
-process (65,530 by default) and holds a file descriptor (`ulimit -n`, often 1,024): a corpus of
-~65k shards, each mapped for the whole run, could not start."""
+"""Token files a process holds open at once, a file descriptor each; the others are opened again
+when read, the least recently read closed first. `ulimit -n` is often 1,024: a corpus of ~65k
+shards, each held open for the whole run, could not start."""
 
 
 @dataclass(frozen=True)
 class TokenFile:
-    """Where a token file's ids lie, read when it was opened and checked at startup: what maps
-    it again on demand, without its header read or checked again."""
+    """Where a token file's ids lie, read when it was opened and checked at startup: what opens
+    and reads it again on demand, without its header read or checked again."""
 
     file: DataFile
     dtype: np.dtype
@@ -97,45 +104,104 @@ class TokenFile:
         return cls(file, tokens_N.dtype, tokens_N.offset, len(tokens_N))
 
     def open(self) -> np.memmap:
-        """The file's ids, memory-mapped again; a file changed since then is refused by name."""
+        """The file's ids, memory-mapped again (one file alone is its stream); a file changed since
+        startup is refused by name."""
         with reading(self.file):
             size = self.file.path.stat().st_size
             if size != self.file.size:  # reading a map past a file's end faults (SIGBUS)
-                raise self.file.error(f"changed since training started ({size} bytes, then "
-                                      f"{self.file.size}); token files must not change under a run")
+                raise self._changed(size)
             return np.memmap(self.file.path, self.dtype, mode="r", offset=self.offset,
                              shape=(self.length,))
 
+    def open_descriptor(self) -> int:
+        """A read-only descriptor of the file, for `read_into`; a file changed since startup is
+        refused by name."""
+        with reading(self.file):
+            descriptor = os.open(self.file.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            try:
+                size = os.fstat(descriptor).st_size
+            except OSError:
+                os.close(descriptor)
+                raise
+        if size != self.file.size:
+            os.close(descriptor)
+            raise self._changed(size)
+        return descriptor
+
+    def read_into(self, descriptor: int, start: int, ids_P: np.ndarray) -> None:
+        """Fills `ids_P` (contiguous, of this file's dtype) with the file's ids from `start` on,
+        read from `descriptor`. A file cut shorter under the run ends the read early: a DataError
+        naming it, where reading a map past the file's end faulted (SIGBUS)."""
+        buffer = memoryview(ids_P.view(np.uint8))  # bytes: a big-endian dtype has no buffer format
+        position = self.offset + start * self.dtype.itemsize
+        done = 0
+        while done < len(buffer):  # a regular file reads short only at its end (or > 2 GiB)
+            try:
+                count = os.preadv(descriptor, [buffer[done:]], position + done)
+            except OSError:  # an I/O error, named as reading() names it (a `with` a read: 1 us)
+                with reading(self.file):
+                    raise
+            if count == 0:
+                raise self._changed(os.fstat(descriptor).st_size)
+            done += count
+
+    def _changed(self, size: int) -> Exception:
+        return self.file.error(f"changed since training started ({size} bytes, then "
+                               f"{self.file.size}); token files must not change under a run")
+
 
 class OpenTokenFiles:
-    """Token files by index, each mapped when read and at most MAX_OPEN_TOKEN_FILES at once: the
-    least recently read is dropped first (its mapping closes with the last slice of it)."""
+    """Token files by index, each opened when read and at most MAX_OPEN_TOKEN_FILES at once: the
+    least recently read is closed first."""
 
     def __init__(self, files: tuple[TokenFile, ...]):
         self.files = files
-        self._maps_by_file: OrderedDict[int, np.memmap] = OrderedDict()
+        self._descriptors_by_file: OrderedDict[int, int] = OrderedDict()
+        # A descriptor closed by one thread while another reads it could be reused by the next
+        # file opened, and that file's bytes read as this one's.
+        self._lock = threading.Lock()
 
-    def __getitem__(self, f: int) -> np.memmap:
-        tokens_N = self._maps_by_file.pop(f, None)
-        if tokens_N is None:
-            while self._maps_by_file and len(self._maps_by_file) >= MAX_OPEN_TOKEN_FILES:
-                self._maps_by_file.popitem(last=False)
-            tokens_N = self.files[f].open()
-        self._maps_by_file[f] = tokens_N  # now the most recently read
-        return tokens_N
+    def read(self, f: int, start: int, stop: int, out_P: np.ndarray | None = None) -> np.ndarray:
+        """Ids [start, stop) of file `f` in its own dtype: into `out_P` if given (of that dtype,
+        contiguous), else a new array."""
+        ids_P = np.empty(max(stop - start, 0), self.files[f].dtype) if out_P is None else out_P
+        with self._lock:
+            self.files[f].read_into(self._descriptor(f), start, ids_P)
+        return ids_P
+
+    def _descriptor(self, f: int) -> int:
+        descriptor = self._descriptors_by_file.pop(f, None)
+        if descriptor is None:
+            open_files = self._descriptors_by_file
+            while open_files and len(open_files) >= MAX_OPEN_TOKEN_FILES:
+                os.close(open_files.popitem(last=False)[1])
+            descriptor = self.files[f].open_descriptor()
+        self._descriptors_by_file[f] = descriptor  # now the most recently read
+        return descriptor
+
+    def close(self) -> None:
+        with self._lock:
+            while self._descriptors_by_file:
+                os.close(self._descriptors_by_file.popitem()[1])
+
+    def __del__(self) -> None:
+        if hasattr(self, "_lock"):  # not after an __init__ that failed
+            self.close()
 
     def __getstate__(self) -> dict:
-        # A DataLoader worker or a spawned process gets the files, not their ids: a pickled
-        # np.memmap holds its whole array.
-        return {**self.__dict__, "_maps_by_file": OrderedDict()}
+        # A DataLoader worker or a spawned process gets the files, and opens its own descriptors.
+        return {"files": self.files}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["files"])
 
 
 @dataclass(frozen=True, eq=False)
 class ConcatenatedTokens:
     """Token files read as one stream without joining them, as Megatron-Core's indexed datasets do:
-    a slice reads only the files it touches, each memory-mapped (a bounded number at once:
-    `OpenTokenFiles`) (F: the files). np.concatenate held the whole stream on every rank: 20 GB for
-    10^10 uint16 tokens, 8 per node.
+    a slice reads only the files it touches, each with positioned reads (a bounded number open at
+    once: `OpenTokenFiles`) (F: the files). np.concatenate held the whole stream on every rank:
+    20 GB for 10^10 uint16 tokens, 8 per node.
 
     A slice (step 1) is another such view, as an array's would be, sharing the open files;
     np.asarray reads it."""
@@ -170,22 +236,30 @@ class ConcatenatedTokens:
         return replace(self, start=self.start + start, stop=self.start + max(start, stop))
 
     def pieces(self) -> Iterator[np.ndarray]:
-        """The slices of the files this view spans, in order, each in its file's own dtype. One
-        at a time: reading each may close the map of one read before."""
+        """The slices of the files this view spans, in order, each read into a new array in its
+        file's own dtype."""
+        for f, start, stop in self._spans():
+            yield self.files.read(f, start, stop)
+
+    def _spans(self) -> Iterator[tuple[int, int, int]]:
+        """(file, its first id read, past its last) for each file this view spans, in order."""
         offsets_F1 = self.offsets_F1
         first = int(np.searchsorted(offsets_F1, self.start, side="right")) - 1
         end = int(np.searchsorted(offsets_F1, self.stop, side="left"))  # past the last file read
         for f in range(first, end):
-            yield self.files[f][max(self.start - offsets_F1[f], 0):self.stop - offsets_F1[f]]
+            file_start, file_stop = int(offsets_F1[f]), int(offsets_F1[f + 1])
+            yield f, max(self.start - file_start, 0), min(self.stop, file_stop) - file_start
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         tokens_N = np.empty(len(self), self.dtype)
         at = 0
-        for piece_P in self.pieces():
-            # "unsafe": uint64 ids are read as int64 (see `of`); every other cast is exact.
-            np.copyto(tokens_N[at:at + len(piece_P)], piece_P, casting="unsafe")
-            at += len(piece_P)
-            del piece_P  # copied: its map may close before the next file's opens
+        for f, start, stop in self._spans():
+            out_P = tokens_N[at:at + max(stop - start, 0)]
+            if self.files.files[f].dtype == self.dtype:  # read in place, no copy
+                self.files.read(f, start, stop, out_P)
+            else:  # "unsafe": uint64 ids are read as int64 (see `of`); every other cast is exact.
+                np.copyto(out_P, self.files.read(f, start, stop), casting="unsafe")
+            at += len(out_P)
         return tokens_N if dtype is None else tokens_N.astype(dtype, copy=False)
 
     def tolist(self) -> list[int]:

@@ -18,6 +18,7 @@ from moefold.data import (Batch, ByteTokenizer, HFTokenizer, PackedSequences, Tr
                           val_batches)
 from moefold.data import corpus
 from moefold.data.formats import find_data_files, stdlib_files
+from moefold.data.token_files import ConcatenatedTokens
 from moefold.errors import DataError
 
 BYTES = ByteTokenizer()
@@ -321,7 +322,8 @@ def test_npy_and_multiple_token_files(tmp_path):
     assert streams.val_N.tolist() == list(range(75, 100))
     assert streams.eos_id == EOS
     single = streams_of(tmp_path / "a.npy", val_fraction=0.0)
-    assert isinstance(single.train_N, np.memmap)  # used in place, not read
+    # Read in place, not copied: a view of the file's ids, read with pread (token_files.py)
+    assert isinstance(single.train_N, ConcatenatedTokens) and single.train_N.tolist() == list(range(60))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -46,9 +46,11 @@ print("read past the end without an error")
 """
 
 
-def test_a_token_file_truncated_after_it_was_read_is_a_one_line_error_not_sigbus(tmp_path):
-    """In a subprocess: SIGBUS kills the process that reads, which would be pytest's."""
-    for i in range(2):
+@pytest.mark.parametrize("num_files", [1, 2])
+def test_a_token_file_truncated_after_it_was_read_is_a_one_line_error_not_sigbus(tmp_path, num_files):
+    """In a subprocess: SIGBUS kills the process that reads, which would be pytest's. One file
+    too: a one-file corpus (a nanoGPT-style train.bin) was its own map."""
+    for i in range(num_files):
         np.full(300_000, 5 + i, dtype=np.uint32).tofile(tmp_path / f"{i:05d}.bin")
     result = subprocess.run([sys.executable, "-c", textwrap.dedent(_TRUNCATED_READ_SCRIPT),
                              str(tmp_path)], capture_output=True, text=True, timeout=120)

@@ -5,8 +5,8 @@ The held-out documents are chosen by a hash of each document's name: the split i
 every seed, run and machine; identical documents under two names may fall on both sides
 (deduplicating is preprocessing). Pre-tokenized files already are a stream; their last
 `data.val_fraction` of tokens is held out. Token files are used in place, never copied into
-memory: one alone memory-mapped, several as one stream by their offsets (`ConcatenatedTokens`,
-which reads each window's slices with positioned reads). They are joined
+memory: one stream by their offsets (`ConcatenatedTokens`, which reads each window's slices with
+positioned reads; one file too). They are joined
 as they are, with no EOS inserted between files: their writers already mark documents
 (Megatron's preprocess_data with append-EOD ends each with EOD, llm.c's shards start each with
 <|endoftext|>), an inserted one would double those, and `data.eos_id` defaults to the
@@ -44,7 +44,7 @@ _MIN_CHECK_TOKENS = 4096
 @dataclass
 class TokenStreams:
     train_N: np.ndarray | ConcatenatedTokens
-    """A memory-mapped file, a view of several (token files), or an array (text)."""
+    """A view of the token files (one or several), or an array (text)."""
     val_N: np.ndarray | ConcatenatedTokens
     """Empty when data.val_fraction is 0."""
     eos_id: int
@@ -269,9 +269,10 @@ def _token_file_streams(files: list[DataFile], label: str, cfg: DataConfig,
     head_tokens = min(_VOCAB_CHECK_TOKENS,
                       max(_MIN_CHECK_TOKENS, _STARTUP_CHECK_TOKENS // len(files)))
     token_files = [_checked_token_file(f, cfg.token_dtype, vocab, head_tokens) for f in files]
-    # Never copied: several files are one stream by their offsets, each read with pread while
-    # open (a bounded number at once: `ulimit -n` caps a process's descriptors).
-    tokens_N = token_files[0].open() if len(files) == 1 else ConcatenatedTokens.of(token_files)
+    # Never copied: the files are one stream by their offsets, each read with pread while open
+    # (a bounded number at once: `ulimit -n` caps a process's descriptors). One file too: its
+    # memory map would fault (SIGBUS) on a read past an end cut shorter under the run.
+    tokens_N = ConcatenatedTokens.of(token_files)
     num_val = round(len(tokens_N) * cfg.val_fraction)
     if cfg.val_fraction > 0 and num_val == 0:
         raise DataError(f"data.path={label}: {len(tokens_N)} tokens leave no validation tokens "

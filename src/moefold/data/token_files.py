@@ -1,11 +1,11 @@
-"""Token files (.npy, .bin): never read whole; several read as one stream, a bounded number of them
+"""Token files (.npy, .bin): never read whole; read as one stream, a bounded number of them
 held open at once, each slice read with positioned reads (pread), not through a memory map.
 
 A map of a file cut shorter under the run faults (SIGBUS) on the first read past its new end, and
 the rank dies without a word; a check of the size before each read still races the truncation. A
 positioned read cannot fault: it ends early, and that is a `DataError` naming the file. Startup
-still maps each file once to read its header and head (`open_token_file`), and a corpus of one
-file is still that file's map (`TokenFile.open`).
+still maps each file once to read its header and head (`open_token_file`); a corpus of one file is
+a stream of one.
 
 Anything wrong with a file is a one-line `DataError` naming `data.path`, the file and what is
 allowed. F: files; N: ids of a stream; P: ids of one file's slice.
@@ -102,16 +102,6 @@ class TokenFile:
     def of(cls, file: DataFile, tokens_N: np.memmap) -> TokenFile:
         """The layout of `tokens_N`, `open_token_file(file, ...)`'s map."""
         return cls(file, tokens_N.dtype, tokens_N.offset, len(tokens_N))
-
-    def open(self) -> np.memmap:
-        """The file's ids, memory-mapped again (one file alone is its stream); a file changed since
-        startup is refused by name."""
-        with reading(self.file):
-            size = self.file.path.stat().st_size
-            if size != self.file.size:  # reading a map past a file's end faults (SIGBUS)
-                raise self._changed(size)
-            return np.memmap(self.file.path, self.dtype, mode="r", offset=self.offset,
-                             shape=(self.length,))
 
     def open_descriptor(self) -> int:
         """A read-only descriptor of the file, for `read_into`; a file changed since startup is

@@ -24,8 +24,9 @@ def _on_rank(rank: int, corpus: Path, root: Path, out: Path) -> None:
     results = {}
     for name, parallel in LAYOUTS.items():
         trainer = Trainer(_config(corpus, **parallel), root / name, out=lambda line: None)
-        results[name] = {"val_loss": trainer.validate(),
-                         "sequences": sum(b.input_ids_BS.shape[0] for b in trainer.val_batches)}
+        # Each data rank holds only its rows: the sequences validated are the data ranks' sum.
+        held = torch.tensor([sum(b.input_ids_BS.shape[0] for b in trainer.val_batches)])
+        results[name] = {"val_loss": trainer.validate(), "sequences": int(trainer.dist.sum_over_data(held))}
     lines = []
     resumed = Trainer(_config(corpus), root / "resumed", resume=root / "one", out=lines.append)
     resumed._announce()

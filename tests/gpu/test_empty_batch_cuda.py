@@ -1,5 +1,5 @@
 """A batch of no tokens through the CUDA kernels: a data rank given no validation sequence (fewer
-of them than dp, `Trainer._local_rows`) runs every layer on B = 0. The CPU twins are tested in
+of them than dp, `val_batches`' data_rank) runs every layer on B = 0. The CPU twins are tested in
 test_fp8_moe_edges; here torch._grouped_mm, cuBLAS/CUTLASS scaled GEMMs and the Triton kernels
 meet zero rows (and groups of zero rows padded to the FP8 alignment)."""
 

@@ -71,8 +71,9 @@ def test_an_npy_of_no_integer_ids_is_refused_by_name(tmp_path, dtype):
 
 
 def trainer_loader(corpus: Path, dp: int, micro_batch: int, **train):
-    """The train loader Trainer._build_data builds on a data rank of `dp` (the rest of the trainer
-    stubbed: it reads only cfg, dist.dp_size and grad_accum), and the micro-batches of a step."""
+    """The train loaders Trainer._build_data builds on each data rank of `dp` (the rest of the
+    trainer stubbed: it reads only cfg, dist.dp_size, dist.dp_rank and grad_accum), and the
+    micro-batches of a step."""
     from types import SimpleNamespace
 
     from moefold.config import load_config, micro_batches_per_step
@@ -82,16 +83,20 @@ def trainer_loader(corpus: Path, dp: int, micro_batch: int, **train):
         "data.path": str(corpus), "data.val_fraction": "0", "train.seq_len": "64",
         "train.micro_batch_size": str(micro_batch),
         **{f"train.{key}": str(value) for key, value in train.items()}})
-    stub = SimpleNamespace(cfg=cfg, dist=SimpleNamespace(dp_size=dp),
-                           grad_accum=micro_batches_per_step(cfg.train, dp))
-    Trainer._build_data(stub)
-    return stub.train_loader, stub.grad_accum
+    loaders = []
+    for rank in range(dp):
+        stub = SimpleNamespace(cfg=cfg, dist=SimpleNamespace(dp_size=dp, dp_rank=rank),
+                               grad_accum=micro_batches_per_step(cfg.train, dp))
+        Trainer._build_data(stub)
+        loaders.append(stub.train_loader)
+    return loaders, stub.grad_accum
 
 
-def step_windows(loader, accum: int, steps: int) -> list[list[tuple[int, ...]]]:
-    """Each step's sequences (as token tuples), in the order the global batch holds them."""
-    return [[tuple(row) for _ in range(accum) for row in loader.next_batch().input_ids_BS.tolist()]
-            for _ in range(steps)]
+def step_windows(loaders, accum: int, steps: int) -> list[list[tuple[int, ...]]]:
+    """Each step's sequences (as token tuples), in the order the global batch holds them: each
+    micro-batch's rows data rank by data rank."""
+    return [[tuple(row) for _ in range(accum) for loader in loaders
+             for row in loader.next_batch().input_ids_BS.tolist()] for _ in range(steps)]
 
 
 @pytest.mark.parametrize("layout, one_process", [
@@ -111,11 +116,11 @@ def test_each_step_trains_on_the_sequences_of_one_process_past_an_epoch(tmp_path
     corpus.write_text("".join(f"line {i}: " + "x" * (i % 7) + "\n" for i in range(150)))
     loader, accum = trainer_loader(corpus, *layout[:2], **layout[2])
     ref_loader, ref_accum = trainer_loader(corpus, *one_process[:2], **one_process[2])
-    global_batch = loader.batch_size * accum
-    assert ref_loader.batch_size * ref_accum == global_batch
-    num_sequences = len(loader.sequences)
+    global_batch = loader[0].batch_size * accum
+    assert ref_loader[0].batch_size * ref_accum == global_batch
+    num_sequences = len(loader[0].sequences)
     # Precondition: the micro-batches leave different remainders of an epoch.
-    assert num_sequences % loader.batch_size != num_sequences % ref_loader.batch_size
+    assert num_sequences % loader[0].batch_size != num_sequences % ref_loader[0].batch_size
     steps = 2 * num_sequences // global_batch + 3  # past two epoch ends
     assert step_windows(loader, accum, steps) == step_windows(ref_loader, ref_accum, steps)
 
@@ -130,31 +135,29 @@ def test_a_resume_under_another_layout_continues_the_uninterrupted_steps(tmp_pat
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("".join(f"line {i}: " + "y" * (i % 5) + "\n" for i in range(120)))
     reference, accum = trainer_loader(corpus, *saved[:2], **saved[2])
-    num_steps = 2 * len(reference.sequences) // (reference.batch_size * accum) + 2
+    num_steps = 2 * len(reference[0].sequences) // (reference[0].batch_size * accum) + 2
     expected = step_windows(reference, accum, num_steps)
     for stop in range(num_steps):
         original, _ = trainer_loader(corpus, *saved[:2], **saved[2])
         step_windows(original, accum, stop)
         loader, resumed_accum = trainer_loader(corpus, *resumed[:2], **resumed[2])
-        loader.load_state_dict(original.state_dict())
+        for rank_loader in loader:
+            rank_loader.load_state_dict(original[0].state_dict())
         assert step_windows(loader, resumed_accum, num_steps - stop) == expected[stop:], stop
 
 
 @pytest.mark.parametrize("dp, micro_batch, accum", [(2, 3, 1), (3, 2, 2), (4, 1, 3)])
 def test_data_ranks_take_disjoint_rows_that_cover_the_seeded_epoch(tmp_path, dp, micro_batch,
                                                                    accum):
-    """Each data rank's rows (Trainer._local_rows) against a naive reference: the ranks' rows of a
+    """Each data rank's rows (its own loader's) against a naive reference: the ranks' rows of a
     micro-batch are disjoint and together the global micro-batch, and one epoch visits, in the
     seeded order, every sequence once up to its last whole step (the sequence count divides by
     neither dp · micro_batch_size nor the step)."""
     import torch
-    from types import SimpleNamespace
-
-    from moefold.train.trainer import Trainer
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("".join(f"row {i}\n" for i in range(300)))
-    loaders = [trainer_loader(corpus, dp, micro_batch, grad_accum=accum)[0] for _ in range(dp)]
+    loaders = trainer_loader(corpus, dp, micro_batch, grad_accum=accum)[0]
     num_sequences, step = len(loaders[0].sequences), dp * micro_batch * accum
     assert num_sequences % (dp * micro_batch) and num_sequences % step  # a remainder to drop
     windows = [tuple(loaders[0].sequences[i][:-1].tolist()) for i in range(num_sequences)]
@@ -163,9 +166,8 @@ def test_data_ranks_take_disjoint_rows_that_cover_the_seeded_epoch(tmp_path, dp,
     seen = []
     for _ in range(num_sequences // step * accum):  # one epoch of micro-batches
         rows = []
-        for rank, loader in enumerate(loaders):
-            ranked = SimpleNamespace(dist=SimpleNamespace(dp_rank=rank, dp_size=dp))
-            local = Trainer._local_rows(ranked, loader.next_batch())
+        for loader in loaders:
+            local = loader.next_batch()
             assert local.input_ids_BS.shape[0] == micro_batch
             assert torch.equal(local.labels_BS[:, :-1], local.input_ids_BS[:, 1:])
             rows += [index_of[tuple(row)] for row in local.input_ids_BS.tolist()]
@@ -174,7 +176,7 @@ def test_data_ranks_take_disjoint_rows_that_cover_the_seeded_epoch(tmp_path, dp,
         loaders[0].seed * 1_000_003 + epoch)).tolist() for epoch in range(2)]
     assert seen == orders[0][:num_sequences - num_sequences % step]
     assert len(set(seen)) == len(seen)
-    next_rows = [index_of[tuple(row)] for row in loaders[0].next_batch().input_ids_BS.tolist()]
+    next_rows = [index_of[tuple(row)] for loader in loaders for row in loader.next_batch().input_ids_BS.tolist()]
     assert next_rows == orders[1][:dp * micro_batch]  # the remainder dropped, the next epoch begun
 
 

@@ -265,30 +265,27 @@ def _naive_steps(num_sequences: int, seed: int, step_size: int, steps: int) -> l
 
 def _rank_rows(num_sequences: int, seed: int, split: tuple[int, int, int], steps: int,
                state: dict | None = None) -> tuple[list[list[list[int]]], dict]:
-    """Per step, each data rank's sequence indices (its rows of every micro-batch, as
-    Trainer._local_rows takes them), and the loader's state after the last step."""
-    from types import SimpleNamespace
-
-    from moefold.train.trainer import Trainer
-
+    """Per step, each data rank's sequence indices (its rows of every micro-batch, as its own
+    loader reads them, data_rank of dp), and the loaders' (common) state after the last step."""
     micro, dp, accum = split
     sequences = PackedSequences(np.arange(num_sequences * SEQ + 1), SEQ)
-    loader = TrainLoader(sequences, micro * dp, seed, eos_id=-1, step_size=micro * dp * accum)
-    if state is not None:
-        loader.load_state_dict(state)
+    loaders = [TrainLoader(sequences, micro * dp, seed, eos_id=-1, step_size=micro * dp * accum,
+                           data_rank=rank, data_ranks=dp) for rank in range(dp)]
+    for loader in loaders:
+        if state is not None:
+            loader.load_state_dict(state)
     out = []
     for _ in range(steps):
         per_rank: list[list[int]] = [[] for _ in range(dp)]
         for _ in range(accum):
-            batch = loader.next_batch()
-            assert torch.equal(batch.labels_BS[:, :-1], batch.input_ids_BS[:, 1:])
-            for rank in range(dp):
-                ranked = SimpleNamespace(dist=SimpleNamespace(dp_rank=rank, dp_size=dp))
-                rows_BS = Trainer._local_rows(ranked, batch).input_ids_BS
-                assert rows_BS.shape == (micro, SEQ)
-                per_rank[rank] += (rows_BS[:, 0] // SEQ).tolist()
+            for rank, loader in enumerate(loaders):
+                batch = loader.next_batch()
+                assert torch.equal(batch.labels_BS[:, :-1], batch.input_ids_BS[:, 1:])
+                assert batch.input_ids_BS.shape == (micro, SEQ)
+                per_rank[rank] += (batch.input_ids_BS[:, 0] // SEQ).tolist()
         out.append(per_rank)
-    return out, loader.state_dict()
+    assert all(loader.state_dict() == loaders[0].state_dict() for loader in loaders)
+    return out, loaders[0].state_dict()
 
 
 def _random_split(generator: np.random.Generator, step_size: int,

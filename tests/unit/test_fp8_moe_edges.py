@@ -53,7 +53,7 @@ def empty_batch_layer(dim=16, **overrides):
 @pytest.mark.parametrize("memory_efficient", [False, True])
 @pytest.mark.parametrize("training", [False, True])
 def test_an_empty_batch_passes_through_padded_groups(training, memory_efficient):
-    """A data rank left no validation sequence (fewer than dp of them, `Trainer._local_rows`) runs
+    """A data rank left no validation sequence (fewer than dp of them, `val_batches`' data_rank) runs
     the layer on B = 0: its padded groups still have rows, which gathered from no tokens."""
     layer = empty_batch_layer(pad_multiple=8, memory_efficient_permute=memory_efficient).train(training)
     x_BSD = torch.randn(0, 5, 16, dtype=torch.float64, requires_grad=True)

@@ -37,8 +37,13 @@ def _config(corpus: Path, dp: int, extra: dict[str, str]):
 
 def _val_loss(cfg, run_dir: Path) -> float:
     trainer = Trainer(cfg, run_dir, out=lambda line: None)
+    dp, rank = trainer.dist.dp_size, trainer.dist.dp_rank
+    # The first ROWS sequences of the first global batch (4 // dp rows a rank) as the only one: this
+    # data rank's share of them (tensor_split's) is the head of its own rows.
+    share = len(torch.arange(ROWS).tensor_split(dp)[rank])
     batch = trainer.val_batches[0]
-    trainer.val_batches = [type(batch)(*(t[:ROWS] for t in (batch.input_ids_BS, batch.labels_BS, batch.doc_ids_BS)))]
+    trainer.val_batches = [type(batch)(*(t[:share] for t in (batch.input_ids_BS, batch.labels_BS, batch.doc_ids_BS)))]
+    trainer._val_rows_any_rank = [-(-ROWS // dp)]  # what every rank pads to
     return trainer.validate()
 
 

@@ -57,7 +57,10 @@ class PackedSequences:
         return torch.from_numpy(self.window(index).astype(np.int64))
 
     def gather(self, indices: Sequence[int]) -> torch.Tensor:
-        """Sequences `indices` stacked into an int64 tensor [B, S+1]."""
+        """Sequences `indices` stacked into an int64 tensor [B, S+1] (B may be 0: a data rank
+        left no row of a small validation batch)."""
+        if len(indices) == 0:
+            return torch.empty(0, self.seq_len + 1, dtype=torch.int64)
         windows_BS1 = np.stack([self.window(int(i)) for i in indices])
         return torch.from_numpy(windows_BS1.astype(np.int64))
 
@@ -93,6 +96,8 @@ class Vocabulary:
         embedding fails deep in the forward: an IndexError on CPU, a device-side assert on GPU.
         `exact_range`: the ids' (least, greatest) as read from the files, to name a bad one by its
         value (`ids` are int64, where a uint64 id past 2**63 is negative)."""
+        if ids.numel() == 0:  # a data rank's empty share of a small validation batch
+            return
         low, high = int(ids.min()), int(ids.max())
         if low < 0 or high >= self.size:
             if exact_range is not None:
@@ -144,13 +149,19 @@ class TrainLoader:
     is dropped, so every batch holds exactly B sequences, and an epoch ends at the same sequence
     however a step is split into micro-batches and data ranks. A step longer than an epoch reads
     the epochs' orders back to back, nothing dropped, for the same reason.
+
+    B is the global micro-batch of every data rank; each rank's loader walks the same order and
+    state but reads and checks only its rows, `tensor_split(data_ranks)[data_rank]` of the B: at
+    dp = 1,000 a rank reads its mbs sequences, not the 1,000 · mbs of the whole micro-batch.
     """
 
     def __init__(self, sequences: PackedSequences, batch_size: int, seed: int, eos_id: int, *,
-                 vocab: Vocabulary | None = None, step_size: int | None = None):
+                 vocab: Vocabulary | None = None, step_size: int | None = None,
+                 data_rank: int = 0, data_ranks: int = 1):
         """`batch_size`: the global micro-batch, train.micro_batch_size on each data-parallel
         rank. `vocab`: the ids every batch is checked to hold; None checks nothing. `step_size`:
-        sequences per optimizer step, a multiple of `batch_size` (default: `batch_size`)."""
+        sequences per optimizer step, a multiple of `batch_size` (default: `batch_size`).
+        `data_rank` of `data_ranks`: whose rows of each batch this loader reads (default: all)."""
         if len(sequences) < batch_size:  # named as a product: under data parallelism it is one
             raise DataError(f"train.micro_batch_size · data-parallel ranks = {batch_size} "
                             f"sequences exceeds the {len(sequences)} training sequences of "
@@ -161,6 +172,7 @@ class TrainLoader:
         self.seed = seed
         self.eos_id = eos_id
         self.vocab = vocab
+        self.data_rank, self.data_ranks = data_rank, data_ranks
         # An epoch ends where a whole step no longer fits, not a micro-batch: the micro-batch is
         # micro_batch_size · dp, and dropping its remainder made the data order depend on dp.
         self.step_size = step_size or batch_size
@@ -186,7 +198,7 @@ class TrainLoader:
             indices_B = self._across_epochs()
         else:
             indices_B = self._within_epoch()
-        indices = indices_B.tolist()
+        indices = indices_B.tensor_split(self.data_ranks)[self.data_rank].tolist()
         windows_BS1 = self.sequences.gather(indices)
         if self.vocab is not None:
             self.vocab.check(windows_BS1, "training", lambda: self.sequences.id_range(indices))
@@ -232,8 +244,19 @@ class TrainLoader:
         self.epoch, self.cursor, self._step_batch = epoch, cursor, 0
 
 
+def val_batch_rows(num_sequences: int, batch_size: int, num_batches: int,
+                   data_ranks: int = 1) -> list[int]:
+    """The rows of each batch `val_batches` makes of `num_sequences` validation sequences, over
+    all data ranks: what a data rank pads its share to a whole rank's of (`Trainer._val_rows`)."""
+    batch_size = min(batch_size, num_sequences)
+    count = max(1, min(num_batches, num_sequences // batch_size)) * batch_size  # sequences
+    rows = batch_size * data_ranks
+    return [min(rows, count - start) for start in range(0, count, rows)]
+
+
 def val_batches(sequences: PackedSequences, batch_size: int, num_batches: int, eos_id: int, *,
-                vocab: Vocabulary | None = None, data_ranks: int = 1) -> list[Batch]:
+                vocab: Vocabulary | None = None, data_ranks: int = 1,
+                data_rank: int | None = None) -> list[Batch]:
     """The first `num_batches` full batches of `batch_size` validation sequences, in stream order,
     grouped `data_ranks` at a time: each batch holds `batch_size` rows for each data rank (the last
     one fewer when `num_batches` is not a multiple), so the sequences validated do not depend on
@@ -241,15 +264,25 @@ def val_batches(sequences: PackedSequences, batch_size: int, num_batches: int, e
 
     Fewer when the validation set is small (no sequence is counted twice); one smaller batch of
     every sequence when there are fewer than `batch_size`. `vocab`: as for `TrainLoader`.
+    `data_rank`: only that rank's rows of each batch, `tensor_split(data_ranks)[data_rank]` (none
+    when the batch has fewer rows than ranks), read and checked alone; None: every rank's rows.
     """
-    batch_size = min(batch_size, len(sequences))
-    count = max(1, min(num_batches, len(sequences) // batch_size)) * batch_size  # sequences
-    rows = batch_size * data_ranks
-    batches = []
-    for start in range(0, count, rows):
-        indices = range(start, min(start + rows, count))
+    batches, start = [], 0
+    for rows in val_batch_rows(len(sequences), batch_size, num_batches, data_ranks):
+        indices = range(start, start + rows)
+        start += rows
+        if data_rank is not None:
+            indices = _share(indices, data_rank, data_ranks)
         windows_BS1 = sequences.gather(indices)
         if vocab is not None:
             vocab.check(windows_BS1, "validation", lambda: sequences.id_range(indices))
         batches.append(make_batch(windows_BS1, eos_id))
     return batches
+
+
+def _share(indices: range, data_rank: int, data_ranks: int) -> range:
+    """`tensor_split(data_ranks)[data_rank]` of `indices`: the first len % data_ranks ranks hold
+    one more."""
+    base, extra = divmod(len(indices), data_ranks)
+    first = data_rank * base + min(data_rank, extra)
+    return indices[first:first + base + (data_rank < extra)]

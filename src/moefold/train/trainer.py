@@ -45,9 +45,9 @@ from moefold.checkpoint.dcp import (
 from moefold.config import (Config, ParallelConfig, apply_overrides, config_from_toml, flatten_table,
                             micro_batches_per_step, refuse_unsupported_parallel, to_toml, validate)
 from moefold.data.corpus import build_token_streams, stream_fingerprint
-from moefold.data.loader import IGNORE_INDEX, Batch, PackedSequences, TrainLoader, val_batches
+from moefold.data.loader import IGNORE_INDEX, Batch, PackedSequences, TrainLoader, val_batch_rows, val_batches
 from moefold.data.tokenizer import build_tokenizer, model_vocab_size
-from moefold.errors import CheckpointError, ConfigError, TrainingDiverged, refuse_unwritable_dir
+from moefold.errors import CheckpointError, ConfigError, DataError, TrainingDiverged, refuse_unwritable_dir
 from moefold.files import write_atomically
 from moefold.fp8.apply import apply_fp8
 from moefold.fp8.weight_cache import refresh_weight_caches
@@ -344,20 +344,25 @@ class Trainer:
         self.vocab_size = model_vocab_size(cfg, self.tokenizer)
         streams = build_token_streams(cfg.data, self.tokenizer, vocab_size=self.vocab_size)
         self.data_source = streams.source
-        t = cfg.train
-        # The loader yields the global micro-batch (micro_batch_size sequences per data rank); each
-        # data rank takes its rows, so the data order does not depend on the layout.
-        global_micro_batch = t.micro_batch_size * self.dist.dp_size
+        t, dp, rank = cfg.train, self.dist.dp_size, self.dist.dp_rank
+        # The loader walks the global micro-batch's order (micro_batch_size sequences per data rank),
+        # so the data order does not depend on the layout, and reads only this data rank's rows.
+        global_micro_batch = t.micro_batch_size * dp
         train_seqs = PackedSequences(streams.train_N, t.seq_len, name="training")
         self._data_fingerprint = stream_fingerprint(streams.train_N)  # what a resume checks it continues on
         self.train_loader = TrainLoader(train_seqs, global_micro_batch, t.seed, streams.eos_id,
-                                        vocab=streams.vocab, step_size=global_micro_batch * self.grad_accum)
-        self.val_batches = []
+                                        vocab=streams.vocab, step_size=global_micro_batch * self.grad_accum,
+                                        data_rank=rank, data_ranks=dp)
+        self.val_batches, self._val_rows_any_rank = [], []
         if streams.val_N.size:  # data.val_fraction = 0 turns validation off
             val_seqs = PackedSequences(streams.val_N, t.seq_len, name="validation")
             # The first val_batches · micro_batch_size sequences on any layout, shared by the data ranks.
-            self.val_batches = val_batches(val_seqs, t.micro_batch_size, t.val_batches, streams.eos_id,
-                                           vocab=streams.vocab, data_ranks=self.dist.dp_size)
+            self.val_batches = self._agree_on_data(lambda: val_batches(
+                val_seqs, t.micro_batch_size, t.val_batches, streams.eos_id, vocab=streams.vocab,
+                data_ranks=dp, data_rank=rank))
+            # Each batch's largest share (tensor_split's first), what every data rank pads to (`_val_rows`).
+            self._val_rows_any_rank = [-(-rows // dp) for rows in
+                                       val_batch_rows(len(val_seqs), t.micro_batch_size, t.val_batches, dp)]
 
     def _build_model(self, resumed_fill: Callable[[Transformer], None] | None) -> None:
         """`resumed_fill`: how a resumed run's weights start (`_checkpoint_fill`); None: from
@@ -498,16 +503,32 @@ class Trainer:
 
     # ------------------------------------------------------------------------------- the step
 
-    def _local_rows(self, batch: Batch) -> Batch:
-        """This data rank's rows of a global micro-batch."""
-        if self.dist.dp_size == 1:
-            return batch
-        rank, size = self.dist.dp_rank, self.dist.dp_size
-        return Batch(*(t.tensor_split(size)[rank] for t in
-                       (batch.input_ids_BS, batch.labels_BS, batch.doc_ids_BS)))
+    def _agree_on_data(self, read: Callable[[], Any]) -> Any:
+        """`read()`, this data rank's batches, and the DataError it meets raised on every rank: each
+        data rank reads and checks only its rows, and one that stopped alone on a token id outside
+        the vocabulary left the others in the next collective (gloo: a peer's traceback under the
+        line; NCCL: waiting until the launcher killed them). One CPU all-reduce on the stop vote's
+        gloo group (no device sync); the failed rank's message travels only when one failed, so
+        every rank ends with the same line, which the launcher says once."""
+        try:
+            value, error = read(), None
+        except DataError as e:
+            value, error = None, e
+        if self.dist.dp_size == 1:  # every rank read the same rows: the same error, or none
+            if error is not None:
+                raise error
+            return value
+        group = self._stop_vote.group
+        first_failed = torch.tensor([self.dist.world if error is None else self.dist.rank])
+        dist.all_reduce(first_failed, op=dist.ReduceOp.MIN, group=group)
+        if int(first_failed) == self.dist.world:
+            return value
+        message = [str(error)]
+        dist.broadcast_object_list(message, src=int(first_failed), group=group)
+        raise DataError(message[0]) from None
 
     def _to_device(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        batch = self._local_rows(batch)
+        """This data rank's batch (the loaders read only its rows) on the device."""
         return (batch.input_ids_BS.to(self.device, non_blocking=True),
                 batch.labels_BS.to(self.device, non_blocking=True))
 
@@ -523,8 +544,8 @@ class Trainer:
         gradient of the global batch's mean loss (data-parallel reduction included)."""
         accum = self.grad_accum
         parts_sum: dict[str, torch.Tensor] = {}
-        for _ in range(accum):
-            input_ids_BS, labels_BS = self._to_device(self.train_loader.next_batch())
+        for batch in self._agree_on_data(lambda: [self.train_loader.next_batch() for _ in range(accum)]):
+            input_ids_BS, labels_BS = self._to_device(batch)
             with self.autocast():
                 total, parts = self.objective(self.model, input_ids_BS, labels_BS)
             (total / accum).backward()
@@ -544,16 +565,17 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
 
-    def _val_rows(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """This data rank's rows of a validation batch on the device, padded to as many as any data
-        rank holds: a small validation set's one batch may not split evenly over dp (7 sequences:
-        4 and 3), and the static-shape EP dispatchers (capacity all-to-all, all-gather) need the
-        same tokens on every rank of a group; then to tokens the TP ranks split for the routed
+    def _val_rows(self, batch: Batch, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """This data rank's rows of validation batch `index` on the device, padded to as many as any
+        data rank holds (`_val_rows_any_rank`, from the global batch's size): a small validation
+        set's one batch may not split evenly over dp (7 sequences: 4 and 3), and the static-shape
+        EP dispatchers (capacity all-to-all, all-gather) need the same tokens on every rank of a
+        group; then to tokens the TP ranks split for the routed
         experts without sequence parallelism (3 rows of 15 over tp 2: 4 rows). Padding rows have
         no labels and reach no expert (valid_BS False). (input ids, labels, valid_BS or None where
         nothing is padded)."""
         input_ids_BS, labels_BS = self._to_device(batch)
-        rows, seq_len = -(-batch.input_ids_BS.shape[0] // self.dist.dp_size), input_ids_BS.shape[1]
+        rows, seq_len = self._val_rows_any_rank[index], input_ids_BS.shape[1]
         rows_tp_divides = self.cfg.parallel.tp // math.gcd(seq_len, self.cfg.parallel.tp)
         rows = -(-rows // rows_tp_divides) * rows_tp_divides
         missing = rows - input_ids_BS.shape[0]
@@ -571,8 +593,8 @@ class Trainer:
         warning saying so (`_announce`), and trains on."""
         self.model.eval()
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss · tokens, tokens
-        for batch in self.val_batches:
-            input_ids_BS, labels_BS, valid_BS = self._val_rows(batch)
+        for index, batch in enumerate(self.val_batches):
+            input_ids_BS, labels_BS, valid_BS = self._val_rows(batch, index)
             with self.autocast():  # the head through the training's loss: in chunks under loss_chunk_tokens
                 h_BSD, _ = self.model.trunk(input_ids_BS, valid_BS)
                 loss = self.head_loss(self.model.output, self.model.norm(h_BSD), labels_BS)
@@ -812,11 +834,18 @@ class Trainer:
         lines += self._notes + self._no_effect_here() + self._global_batch_note()
         if self._changed_model_options:
             lines.append(f"note: this run changes the model it resumes: {', '.join(self._changed_model_options)}")
-        if self.val_batches and not any(bool((b.labels_BS != IGNORE_INDEX).any()) for b in self.val_batches):
+        if self.val_batches and not self._any_validation_label():
             lines.append(f"warning: no validation token has a label (every label is {IGNORE_INDEX}): val_loss is nan "
                          "(null in metrics.jsonl)")
         for line in lines:
             self.out(line)
+
+    def _any_validation_label(self) -> bool:
+        """Whether any data rank's validation rows hold a label: each holds only its own (a
+        collective: every rank announces)."""
+        labelled = sum(int((b.labels_BS != IGNORE_INDEX).sum()) for b in self.val_batches)
+        labelled_over_ranks = self.dist.sum_over_data(torch.tensor([labelled], device=self.device))
+        return bool(labelled_over_ranks.item())  # HOST SYNC: once, as the run starts
 
     def _no_effect_here(self) -> list[str]:
         """Options without effect on this device or launch, said and not refused: one config file

@@ -44,6 +44,8 @@ CPU_BY_DESIGN = {
     ("precision.py", "_step_group"), ("precision.py", "_step_param"), ("precision.py", "_step_fused"),
     # Several ranks vote on a stop signal over a gloo group of their own, with a CPU flag (train/stop.py).
     ("stop.py", "agreed"), ("stop.py", "_wait"),
+    # ... and on no bad token id in any data rank's rows, with a CPU flag too (train/step_data.py).
+    ("step_data.py", "_start_vote"), ("step_data.py", "_raise_first_failure"),
 }
 DELIBERATE = {
     ("expert.py", "tolist"),  # HOST SYNC: NCCL's all-to-all needs split sizes on the host

@@ -33,15 +33,20 @@ from moefold.train.trainer import Trainer
 
 
 class RandomTokens:
-    """The loader interface the Trainer's step reads (`next_batch`): [B, S] uniform random ids."""
+    """The loader interface the Trainer's step reads (`next_batch`): data rank `data_rank`'s rows
+    of a global [B, S] batch of uniform random ids, as the training loader reads its rows: the
+    ranks train on different tokens, the same ones on any number of data ranks."""
 
-    def __init__(self, batch_size: int, seq_len: int, vocab_size: int, seed: int):
+    def __init__(self, batch_size: int, seq_len: int, vocab_size: int, seed: int,
+                 data_rank: int = 0, data_ranks: int = 1):
         self.shape = (batch_size, seq_len + 1)
         self.vocab_size = vocab_size
+        self.data_rank, self.data_ranks = data_rank, data_ranks
         self.generator = torch.Generator().manual_seed(seed)
 
     def next_batch(self) -> Batch:
         windows_BS1 = torch.randint(0, self.vocab_size, self.shape, generator=self.generator)
+        windows_BS1 = windows_BS1.tensor_split(self.data_ranks)[self.data_rank]
         input_ids_BS = windows_BS1[:, :-1].contiguous()
         return Batch(input_ids_BS, windows_BS1[:, 1:].contiguous(),
                      torch.zeros_like(input_ids_BS, dtype=torch.int32))
@@ -58,7 +63,7 @@ class BenchTrainer(Trainer):
         self.vocab_size = model_vocab_size(self.cfg)
         self.data_source = f"random tokens (vocabulary {self.vocab_size})"
         self.train_loader = RandomTokens(t.micro_batch_size * self.dist.dp_size, t.seq_len,
-                                         self.vocab_size, t.seed)
+                                         self.vocab_size, t.seed, self.dist.dp_rank, self.dist.dp_size)
         self.val_batches = []
 
     def _prepare_run_dir(self) -> None:

@@ -46,8 +46,8 @@ class PackedSequences:
         return max(len(self.tokens_N) - 1, 0) // self.seq_len
 
     def window(self, index: int) -> np.ndarray:
-        """The S + 1 token ids of sequence `index`, in the stream's dtype (no copy from one file;
-        from several, the slices of the files it spans joined)."""
+        """The S + 1 token ids of sequence `index`, in the stream's dtype: token files' read from the
+        one or more files the window spans, text's a view of its array."""
         if not 0 <= index < len(self):
             raise IndexError(f"sequence {index} out of range [0, {len(self)})")
         start = index * self.seq_len
@@ -71,7 +71,7 @@ class PackedSequences:
         for index in indices:
             start = int(index) * self.seq_len
             view = self.tokens_N[start:start + self.seq_len + 1]
-            # One piece at a time: each holds its file's map open (MAX_OPEN_TOKEN_FILES).
+            # One piece at a time: a piece is read from its file, one of MAX_OPEN_TOKEN_FILES held open.
             for piece in view.pieces() if isinstance(view, ConcatenatedTokens) else [view]:
                 if piece.size:
                     lows.append(int(piece.min()))

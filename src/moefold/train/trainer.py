@@ -47,7 +47,7 @@ from moefold.config import (Config, ParallelConfig, apply_overrides, config_from
 from moefold.data.corpus import build_token_streams, stream_fingerprint
 from moefold.data.loader import IGNORE_INDEX, Batch, PackedSequences, TrainLoader, val_batch_rows, val_batches
 from moefold.data.tokenizer import build_tokenizer, model_vocab_size
-from moefold.errors import CheckpointError, ConfigError, DataError, TrainingDiverged, refuse_unwritable_dir
+from moefold.errors import CheckpointError, ConfigError, TrainingDiverged, refuse_unwritable_dir
 from moefold.files import write_atomically
 from moefold.fp8.apply import apply_fp8
 from moefold.fp8.weight_cache import refresh_weight_caches
@@ -67,6 +67,7 @@ from moefold.train.flops import count_params, params_line, peak_tflops, train_fl
 from moefold.train.heatmap import append_window, write_load_heatmap
 from moefold.train.loss import build_head_loss, build_objective
 from moefold.train.run_lock import LOCK_FILE, RunDirLock, refuse_run_dir_in_use
+from moefold.train.step_data import StepBatches, read_agreed
 from moefold.train.stop import StopVote
 
 
@@ -312,6 +313,7 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         self.compute_dtype = resolve_compute_dtype(cfg.precision.compute_dtype, self.device)
         self._build_data()
+        self.step_batches = StepBatches(self.train_loader, self.grad_accum, self._data_vote_group())
         refuse_model_beyond_memory(cfg, self.vocab_size, self.dist.world,
                                    rank_capacity(self.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
         self._build_model(_checkpoint_fill(checkpoint, full_state) if checkpoint is not None else None)
@@ -357,9 +359,9 @@ class Trainer:
         if streams.val_N.size:  # data.val_fraction = 0 turns validation off
             val_seqs = PackedSequences(streams.val_N, t.seq_len, name="validation")
             # The first val_batches · micro_batch_size sequences on any layout, shared by the data ranks.
-            self.val_batches = self._agree_on_data(lambda: val_batches(
+            self.val_batches = read_agreed(lambda: val_batches(
                 val_seqs, t.micro_batch_size, t.val_batches, streams.eos_id, vocab=streams.vocab,
-                data_ranks=dp, data_rank=rank))
+                data_ranks=dp, data_rank=rank), self._data_vote_group())
             # Each batch's largest share (tensor_split's first), what every data rank pads to (`_val_rows`).
             self._val_rows_any_rank = [-(-rows // dp) for rows in
                                        val_batch_rows(len(val_seqs), t.micro_batch_size, t.val_batches, dp)]
@@ -443,7 +445,7 @@ class Trainer:
         model_sd = get_model_state_dict(self.model)
         optim_sd = get_optimizer_state_dict(self.data_parallel.optimized, self.optimizer)
         # No schedule: it is the config's at `step` (`_load`). Checkpoints that hold one load too.
-        return {"model": model_sd, "optim": optim_sd, "data": self.train_loader.state_dict(),
+        return {"model": model_sd, "optim": optim_sd, "data": self.step_batches.state_dict(),
                 "data_order": self._data_order(), "step": self.step, "rng": rng_state(),
                 "expert_load": self.load_history, "global_batch": self._global_batch(),
                 "data_fingerprint": self._data_fingerprint,
@@ -488,7 +490,7 @@ class Trainer:
             group.update(values)
         self.step = int(state["step"])
         self.scheduler = build_scheduler(self.optimizer, self.cfg.train, steps_done=self.step)
-        self.train_loader.load_state_dict(state["data"])
+        self.step_batches.load_state_dict(state["data"])
         set_rng_state(state["rng"])
 
     def save(self) -> Path:
@@ -503,29 +505,10 @@ class Trainer:
 
     # ------------------------------------------------------------------------------- the step
 
-    def _agree_on_data(self, read: Callable[[], Any]) -> Any:
-        """`read()`, this data rank's batches, and the DataError it meets raised on every rank: each
-        data rank reads and checks only its rows, and one that stopped alone on a token id outside
-        the vocabulary left the others in the next collective (gloo: a peer's traceback under the
-        line; NCCL: waiting until the launcher killed them). One CPU all-reduce on the stop vote's
-        gloo group (no device sync); the failed rank's message travels only when one failed, so
-        every rank ends with the same line, which the launcher says once."""
-        try:
-            value, error = read(), None
-        except DataError as e:
-            value, error = None, e
-        if self.dist.dp_size == 1:  # every rank read the same rows: the same error, or none
-            if error is not None:
-                raise error
-            return value
-        group = self._stop_vote.group
-        first_failed = torch.tensor([self.dist.world if error is None else self.dist.rank])
-        dist.all_reduce(first_failed, op=dist.ReduceOp.MIN, group=group)
-        if int(first_failed) == self.dist.world:
-            return value
-        message = [str(error)]
-        dist.broadcast_object_list(message, src=int(first_failed), group=group)
-        raise DataError(message[0]) from None
+    def _data_vote_group(self) -> dist.ProcessGroup | None:
+        """The gloo group the ranks agree on a data error over (`step_data`): the stop vote's, where
+        data ranks read different rows; None where every rank reads the same ones."""
+        return self._stop_vote.group if self.dist.dp_size > 1 else None
 
     def _to_device(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """This data rank's batch (the loaders read only its rows) on the device."""
@@ -544,13 +527,14 @@ class Trainer:
         gradient of the global batch's mean loss (data-parallel reduction included)."""
         accum = self.grad_accum
         parts_sum: dict[str, torch.Tensor] = {}
-        for batch in self._agree_on_data(lambda: [self.train_loader.next_batch() for _ in range(accum)]):
+        for batch in self.step_batches.next_step():
             input_ids_BS, labels_BS = self._to_device(batch)
             with self.autocast():
                 total, parts = self.objective(self.model, input_ids_BS, labels_BS)
             (total / accum).backward()
             for name, value in parts.items():
                 parts_sum[name] = parts_sum.get(name, 0.0) + value
+        self.step_batches.read_ahead()  # the next step's rows, read while this one's kernels run
         self.data_parallel.reduce_gradients()  # left after backward (ZeRO-1; FSDP: nothing)
         return {name: value / accum for name, value in parts_sum.items()}
 

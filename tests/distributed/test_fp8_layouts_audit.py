@@ -16,6 +16,21 @@ def corpus(tmp_path_factory):
     return write_text_corpus(tmp_path_factory.mktemp("corpus"))
 
 
+def _cpu_sums_k_halves_as_one_gemm() -> bool:
+    """Whether this CPU's float32 GEMM gives, bit for bit, the sum of its two K halves' GEMMs: what
+    TP's row-parallel projections compute (each rank's half, then an all-reduce). The TP layouts
+    below equal one process bit for bit only where it does, as on the machines these tests were
+    written on. Where it does not (an AVX-512/AMX Xeon, whose kernels block K otherwise), the
+    first last-bit difference moves an activation's amax, hence its FP8 scale, and every id of that
+    row or tile rounds anew: FP8 noise (~1%) in every later gradient, not a wrong path."""
+    generator = torch.Generator().manual_seed(0)
+    x_TK, w_KN = (torch.randn(shape, generator=generator) for shape in ((64, 256), (256, 256)))
+    return torch.equal(x_TK[:, :128] @ w_KN[:128] + x_TK[:, 128:] @ w_KN[128:], x_TK @ w_KN)
+
+
+TP_EXACT = _cpu_sums_k_halves_as_one_gemm()
+
+
 def _same_training(result: dict, ref: dict, note: str, rtol: float = 1e-4, grad_tol: float = 1e-5) -> None:
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref["losses"]), rtol=rtol, atol=0,
                                msg=lambda m: f"{note} losses: {m}")
@@ -49,7 +64,8 @@ def test_fp8_experts_under_ep_train_exactly_like_one_process(world, dp, parallel
     results = torch.load(out)
     for r in recipes:
         ref = train(run_config("qwen3", corpus, extra=extra[r]), tmp_path / f"ref-{r}")
-        _same_training(results[r], ref, f"{r} {parallel}")
+        # Under TP the norms' gradients sum the ranks' halves: 1.5e-5 seen where TP_EXACT fails.
+        _same_training(results[r], ref, f"{r} {parallel}", grad_tol=1e-5 if TP_EXACT or "tp" not in parallel else 1e-4)
 
 
 def _is_fp8_weight(name: str) -> bool:
@@ -106,14 +122,15 @@ def test_blockwise_fp8_under_tp_with_aligned_shards_is_one_process(corpus, tmp_p
     """At tiny widths every blockwise linear stays bf16 under tp=2 (64 features a rank), so the
     blockwise TP path never ran in the layout tests. With 128-feature shards each rank's 1x128 and
     128x128 tiles are tiles of the whole weight and the sequence-parallel input is gathered whole:
-    the first loss and every first-step gradient but the experts' equal one process's; the experts,
+    the first loss and every first-step gradient but the experts' equal one process's (`TP_EXACT`); the experts,
     replicated over the TP ranks, scale their sequence shard's rows (data parallelism: ~2%)."""
     out = tmp_path / "results.pt"
     run_ranks(2, train_on_rank, [("tp2", "qwen3", corpus, 1, dict(tp=2), tmp_path / "tp2", None, 0, TP_BLOCKWISE)], out)
     result = torch.load(out)["tp2"]
     ref = train(run_config("qwen3", corpus, extra=TP_BLOCKWISE), tmp_path / "ref")
-    assert result["losses"][0] == pytest.approx(ref["losses"][0], rel=1e-6, abs=0)
+    # Without TP_EXACT: a 1e-5 loss, ~1% gradients (seen on an AVX-512/AMX Xeon), FP8's noise.
+    assert result["losses"][0] == pytest.approx(ref["losses"][0], rel=1e-6 if TP_EXACT else 1e-4, abs=0)
     for name, grad in ref["grads"].items():
         err = ((result["grads"][name] - grad).norm() / grad.norm()).item()
-        bound = 5e-2 if ".experts." in name else 1e-5
+        bound = 5e-2 if ".experts." in name or not TP_EXACT else 1e-5
         assert err < bound, f"blockwise tp2 first-step gradient of {name}: relative error {err:.3g} (bound {bound})"

@@ -8,7 +8,6 @@ np.concatenate of the files read whole with np.fromfile / np.load.
 
 from __future__ import annotations
 
-import os
 import pickle
 import signal
 import subprocess
@@ -22,6 +21,7 @@ import pytest
 from moefold.data import token_files
 from moefold.data.formats import DataFile
 from moefold.data.token_files import ConcatenatedTokens, TokenFile, open_token_file
+from test_data_audit7 import _live_maps, _open_fds  # this process's maps and descriptors
 
 linux_only = pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/self")
 
@@ -86,21 +86,6 @@ def _write_mixed(root: Path, count: int, seed: int) -> tuple[list[TokenFile], np
         files.append(TokenFile.of(file, open_token_file(file, dtype, 4096)))
         arrays.append(read_back_N.astype(np.int64))
     return files, np.concatenate(arrays)
-
-
-def _live_maps(root: Path) -> int:
-    with open("/proc/self/maps") as maps:
-        return sum(f" {root}/" in line for line in maps)
-
-
-def _open_fds(root: Path) -> int:
-    count = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            count += os.readlink(f"/proc/self/fd/{fd}").startswith(f"{root}/")
-        except OSError:  # the descriptor listdir itself used, closed since
-            pass
-    return count
 
 
 @linux_only

@@ -271,18 +271,10 @@ def val_batches(sequences: PackedSequences, batch_size: int, num_batches: int, e
     for rows in val_batch_rows(len(sequences), batch_size, num_batches, data_ranks):
         indices = range(start, start + rows)
         start += rows
-        if data_rank is not None:
-            indices = _share(indices, data_rank, data_ranks)
+        if data_rank is not None:  # as TrainLoader takes a rank's rows
+            indices = torch.arange(indices.start, indices.stop).tensor_split(data_ranks)[data_rank].tolist()
         windows_BS1 = sequences.gather(indices)
         if vocab is not None:
             vocab.check(windows_BS1, "validation", lambda: sequences.id_range(indices))
         batches.append(make_batch(windows_BS1, eos_id))
     return batches
-
-
-def _share(indices: range, data_rank: int, data_ranks: int) -> range:
-    """`tensor_split(data_ranks)[data_rank]` of `indices`: the first len % data_ranks ranks hold
-    one more."""
-    base, extra = divmod(len(indices), data_ranks)
-    first = data_rank * base + min(data_rank, extra)
-    return indices[first:first + base + (data_rank < extra)]

@@ -404,7 +404,7 @@ BAD_FILES = {
     "empty npy": ("b.npy", lambda p: np.save(p, np.zeros(0, np.uint16)), "no tokens"),
     "blank jsonl": ("b.jsonl", lambda p: p.write_text("\n  \n"), "no documents"),
     "object npy": ("b.npy", lambda p: np.save(p, np.array([1, "a"], dtype=object)),
-                   "not a valid .npy"),
+                   "1-D integer array of token ids, got shape (2,) of object"),
     "structured npy": ("b.npy", lambda p: np.save(p, np.zeros(3, "u2,u2")), "1-D integer"),
     "bool npy": ("b.npy", lambda p: np.save(p, np.ones(3, bool)), "1-D integer"),
     "0-d npy": ("b.npy", lambda p: np.save(p, np.int32(3)), "1-D integer"),

@@ -85,7 +85,7 @@ def test_slices_of_the_joined_stream_read_like_array_slices(tmp_path):
 
 def test_several_token_files_are_not_copied_into_memory(tmp_path):
     """np.concatenate held the whole stream on every rank (20 GB for 10^10 uint16 tokens, times
-    8 ranks a node); the files now stay memory-mapped and a batch reads only its windows."""
+    8 ranks a node); the files now stay on disk and a batch reads only its windows."""
     _write_files(tmp_path, [(f"{i}.npy", "uint16", 1_000_000) for i in range(3)])
     stream_bytes = 3_000_000 * 2
     tracemalloc.start()

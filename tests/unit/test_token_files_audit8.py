@@ -83,7 +83,7 @@ def _write_mixed(root: Path, count: int, seed: int) -> tuple[list[TokenFile], np
             np.save(path, ids_N)
             read_back_N = np.load(path)
         file = DataFile(path, path.name, str(root), path.stat().st_size)
-        files.append(TokenFile.of(file, open_token_file(file, dtype, 4096)))
+        files.append(open_token_file(file, dtype, 4096)[0])
         arrays.append(read_back_N.astype(np.int64))
     return files, np.concatenate(arrays)
 

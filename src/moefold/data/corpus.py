@@ -27,7 +27,7 @@ from moefold.config import DataConfig
 from moefold.data.formats import (DataFile, DataSearch, Document, read_documents, search_data_path,
                                   stdlib_files)
 from moefold.data.loader import Vocabulary
-from moefold.data.token_files import ConcatenatedTokens, TokenFile, open_token_file
+from moefold.data.token_files import ConcatenatedTokens, HeadIds, TokenFile, open_token_file
 from moefold.data.tokenizer import Tokenizer
 from moefold.errors import DataError
 
@@ -288,21 +288,19 @@ def _token_file_streams(files: list[DataFile], label: str, cfg: DataConfig,
 
 def _checked_token_file(file: DataFile, token_dtype: str, vocab: Vocabulary,
                         head_tokens: int) -> TokenFile:
-    """Where the file's ids lie, its first `head_tokens` checked; its map closes on return, so
-    startup holds one file's at a time."""
-    tokens_N = open_token_file(file, token_dtype, head_tokens)
-    _check_token_ids(file, tokens_N[:head_tokens], vocab)
-    return TokenFile.of(file, tokens_N)
+    """Where the file's ids lie, its first `head_tokens` checked; its descriptor closes on return,
+    so startup holds one file open at a time."""
+    layout, head = open_token_file(file, token_dtype, head_tokens)
+    _check_token_ids(file, head, vocab)
+    return layout
 
 
-def _check_token_ids(file: DataFile, head_N: np.ndarray, vocab: Vocabulary) -> None:
+def _check_token_ids(file: DataFile, head: HeadIds, vocab: Vocabulary) -> None:
     """Ids in the file's head (~1M tokens; fewer in a corpus of more than 64 files) lie in
     [0, vocab.size): reading it whole is too slow. A wrong tokenizer shows at once; a stray id
     later fails its batch (Vocabulary.check)."""
-    head_N = np.asarray(head_N)
-    low, high = int(head_N.min()), int(head_N.max())
-    if low < 0 or high >= vocab.size:
-        bad = low if low < 0 else high
+    if head.low < 0 or head.high >= vocab.size:
+        bad = head.low if head.low < 0 else head.high
         raise file.error(f"token id {bad} is outside the vocabulary [0, {vocab.size}) of "
                          f"tokenizer {vocab.tokenizer}; set data.tokenizer to the tokenizer that "
                          "produced the file")

@@ -4,8 +4,8 @@ held open at once, each slice read with positioned reads (pread), not through a 
 A map of a file cut shorter under the run faults (SIGBUS) on the first read past its new end, and
 the rank dies without a word; a check of the size before each read still races the truncation. A
 positioned read cannot fault: it ends early, and that is a `DataError` naming the file. Startup
-still maps each file once to read its header and head (`open_token_file`); a corpus of one file is
-a stream of one.
+reads each file's header and head the same way (`open_token_file`); a corpus of one file is a
+stream of one.
 
 Anything wrong with a file is a one-line `DataError` naming `data.path`, the file and what is
 allowed. F: files; N: ids of a stream; P: ids of one file's slice.
@@ -26,34 +26,63 @@ from moefold.data.formats import DataFile, first_line, reading
 _NPY_MAGIC = b"\x93NUMPY"
 
 
-def open_token_file(file: DataFile, token_dtype: str, head_tokens: int) -> np.ndarray:
-    """A read-only, memory-mapped 1-D array of the file's token ids; a .bin file's width is judged
-    on its first `head_tokens` ids."""
+@dataclass(frozen=True)
+class HeadIds:
+    """What startup checks of a file's first ids, read in pieces of `HEAD_PIECE_IDS`: a 1M-id head
+    of uint64 held whole was 8 MB a file."""
+
+    low: int
+    high: int
+    count: int
+
+
+HEAD_PIECE_IDS = 1 << 16  # even: each piece's odd positions are the file's
+
+
+def open_token_file(file: DataFile, token_dtype: str, head_tokens: int) -> tuple[TokenFile, HeadIds]:
+    """Where the file's ids lie (`TokenFile`) and the range of its first `head_tokens` ids, read
+    with positioned reads like every later read: no map, so a file cut shorter while the run starts
+    is a `DataError`, not a fault. A .bin file's width is judged on those ids."""
     with reading(file):
-        tokens_N = (_open_npy(file) if file.suffix == ".npy"
-                    else _open_bin(file, token_dtype, head_tokens))
-    if tokens_N.size == 0:
+        layout = _npy_layout(file) if file.suffix == ".npy" else _bin_layout(file, token_dtype)
+    if layout.length == 0:
         raise file.error("no tokens")
-    return tokens_N
+    low, high, odd_ids_any, even_ids_any = None, None, False, False
+    for piece_P in layout.head_pieces(head_tokens):
+        low = int(piece_P.min()) if low is None else min(low, int(piece_P.min()))
+        high = int(piece_P.max()) if high is None else max(high, int(piece_P.max()))
+        odd_ids_any, even_ids_any = odd_ids_any or piece_P[1::2].any(), even_ids_any or piece_P[0::2].any()
+    head = HeadIds(low, high, min(head_tokens, layout.length))
+    if layout.dtype == np.uint16 and file.suffix != ".npy":
+        _refuse_uint32_as_uint16(file, head, odd_ids_any, even_ids_any)
+    return layout, head
 
 
-def _open_npy(file: DataFile) -> np.ndarray:
-    # Checked first: without the magic, np.load would try (and refuse) to unpickle the file.
+def _npy_layout(file: DataFile) -> TokenFile:
+    # The magic is checked first: np.lib.format would read anything else as a version error.
     with file.path.open("rb") as f:
         if f.read(len(_NPY_MAGIC)) != _NPY_MAGIC:
             raise file.error("not a .npy file (no NumPy header; save with numpy.save)")
-    try:
-        tokens_N = np.load(file.path, mmap_mode="r", allow_pickle=False)
-    except (ValueError, OSError, EOFError) as e:
-        raise file.error(f"not a valid .npy file ({first_line(e)})") from None
+        f.seek(0)
+        try:
+            version = np.lib.format.read_magic(f)
+            # Version 3.0 differs from 2.0 only in its header's encoding (UTF-8 field names).
+            read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                           else np.lib.format.read_array_header_2_0)
+            shape, _, dtype = read_header(f)
+        except (ValueError, OSError, EOFError) as e:
+            raise file.error(f"not a valid .npy file ({first_line(e)})") from None
+        offset = f.tell()
     # By kind, not np.issubdtype(..., np.integer): NumPy counts timedelta64 as an integer type.
-    if tokens_N.ndim != 1 or tokens_N.dtype.kind not in "iu":
-        raise file.error(f"expected a 1-D integer array of token ids, got shape "
-                         f"{tokens_N.shape} of {tokens_N.dtype}")
-    return tokens_N
+    if len(shape) != 1 or dtype.kind not in "iu":
+        raise file.error(f"expected a 1-D integer array of token ids, got shape {shape} of {dtype}")
+    if offset + shape[0] * dtype.itemsize > file.size:
+        raise file.error(f"not a valid .npy file (its header promises {shape[0]} ids of {dtype}, "
+                         f"{file.size - offset} bytes hold fewer)")
+    return TokenFile(file, dtype, offset, shape[0])
 
 
-def _open_bin(file: DataFile, token_dtype: str, head_tokens: int) -> np.ndarray:
+def _bin_layout(file: DataFile, token_dtype: str) -> TokenFile:
     # A header read as ids would be trained on (and its dtype ignored) wherever the vocabulary
     # holds them: np.save into an open file named x.bin writes one.
     with file.path.open("rb") as f:
@@ -64,19 +93,15 @@ def _open_bin(file: DataFile, token_dtype: str, head_tokens: int) -> np.ndarray:
     if file.size % dtype.itemsize:
         raise file.error(f"{file.size} bytes is not a whole number of {token_dtype} tokens "
                          "(check data.token_dtype)")
-    tokens_N = np.memmap(file.path, dtype=dtype, mode="r")
-    _refuse_uint32_as_uint16(file, tokens_N[:head_tokens])
-    return tokens_N
+    return TokenFile(file, dtype, 0, file.size // dtype.itemsize)
 
 
-def _refuse_uint32_as_uint16(file: DataFile, head_N: np.ndarray) -> None:
+def _refuse_uint32_as_uint16(file: DataFile, head: HeadIds, odd_ids_any: bool, even_ids_any: bool) -> None:
     """uint32 ids (below 65,536, little-endian) read as uint16 are each id followed by a 0: all
     inside the vocabulary, so no id check sees them. Judged on the file's head, the ids corpus.py
     checks, and only from 64 on: a real id 0 at every odd position that long is no text."""
-    head_N = np.asarray(head_N)
-    if (head_N.dtype == np.uint16 and len(head_N) >= 64 and not head_N[1::2].any()
-            and head_N[0::2].any()):
-        raise file.error(f"every second uint16 id is 0 in its first {len(head_N)} ids: uint32 "
+    if head.count >= 64 and not odd_ids_any and even_ids_any:
+        raise file.error(f"every second uint16 id is 0 in its first {head.count} ids: uint32 "
                          "token ids read as uint16; set data.token_dtype=uint32")
 
 
@@ -98,10 +123,18 @@ class TokenFile:
     length: int
     """Ids in the file."""
 
-    @classmethod
-    def of(cls, file: DataFile, tokens_N: np.memmap) -> TokenFile:
-        """The layout of `tokens_N`, `open_token_file(file, ...)`'s map."""
-        return cls(file, tokens_N.dtype, tokens_N.offset, len(tokens_N))
+    def head_pieces(self, count: int) -> Iterator[np.ndarray]:
+        """The first `count` ids (all, in a shorter file), `HEAD_PIECE_IDS` at a time, read through
+        a descriptor of their own."""
+        count = min(count, self.length)
+        descriptor = self.open_descriptor()
+        try:
+            for start in range(0, count, HEAD_PIECE_IDS):
+                piece_P = np.empty(min(HEAD_PIECE_IDS, count - start), dtype=self.dtype)
+                self.read_into(descriptor, start, piece_P)
+                yield piece_P
+        finally:
+            os.close(descriptor)
 
     def open_descriptor(self) -> int:
         """A read-only descriptor of the file, for `read_into`; a file changed since startup is

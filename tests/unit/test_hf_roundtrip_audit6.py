@@ -160,17 +160,19 @@ def test_generation_config_jsons_keys_survive_a_round_trip(tmp_path):
     assert (loaded.temperature, loaded.top_p, loaded.top_k, loaded.do_sample) == (0.6, 0.95, 20, True)
 
 
-@pytest.mark.parametrize("content, message", [
-    ({"temperature": {"a": 1}}, 'generation_config.json: temperature={"a": 1} is not supported '
-                                '(a number, string, boolean, null or a list of them)'),
-    ({"bad_words_ids": [[1], {"a": 2}]}, 'generation_config.json: bad_words_ids=[[1], {"a": 2}] is not supported'),
-    ({"eos_token_id": 1.5}, "generation_config.json: eos_token_id=1.5 is not a token id"),
-    ([1, 2], "generation_config.json: [1, 2] is not a JSON object"),
+@pytest.mark.parametrize("text, message", [
+    (json.dumps({"temperature": {"a": 1}}), 'generation_config.json: temperature={"a": 1} is not supported '
+                                            '(a number, string, boolean, null or a list of them)'),
+    (json.dumps({"bad_words_ids": [[1], {"a": 2}]}),
+     'generation_config.json: bad_words_ids=[[1], {"a": 2}] is not supported'),
+    (json.dumps({"eos_token_id": 1.5}), "generation_config.json: eos_token_id=1.5 is not a token id"),
+    (json.dumps([1, 2]), "/hf/generation_config.json: not a JSON object (a JSON list)"),
+    ("{", "/hf/generation_config.json: invalid JSON: "),
 ])
-def test_a_malformed_generation_config_is_refused_by_its_key(content, message, tmp_path, capsys):
+def test_a_malformed_generation_config_is_refused_by_its_key(text, message, tmp_path, capsys):
     hf = tmp_path / "hf"
     hf_model_of(mixtral()).save_pretrained(hf)
-    (hf / "generation_config.json").write_text(json.dumps(content))
+    (hf / "generation_config.json").write_text(text)
     capsys.readouterr()
     assert main(["convert", "--from-hf", str(hf), "--out", str(tmp_path / "run")]) == 2
     assert message in capsys.readouterr().err

@@ -109,12 +109,7 @@ def read_generation_config(model: ModelConfig, path: str | Path) -> None:
     if not file.is_file():
         model.generation_config, model.generation_eos_token_ids = "", []
         return
-    try:
-        content = json.loads(file.read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{GENERATION_CONFIG}: cannot be read ({e.__class__.__name__}: {e})") from None
-    if not isinstance(content, dict):
-        raise CheckpointError(f"{GENERATION_CONFIG}: {json.dumps(content)} is not a JSON object")
+    content = _read_json(file)
     model.generation_eos_token_ids = token_ids(content.get("eos_token_id"), f"{GENERATION_CONFIG}: eos_token_id")
     settings = {key: value for key, value in content.items() if key not in _GENERATION_BOOKKEEPING}
     for key, value in settings.items():

@@ -36,7 +36,8 @@ What one GPU holds, and the assumptions behind each part (docs/memory.md explain
   gradients to reduce-scatter (backward), the pipeline's send/receive of one micro-batch.
 - **Time order** (`_phases`): the peak is the largest of three moments. Forward ends with every
   in-flight activation held and the loss workspace, and no gradients yet unless micro-batches
-  accumulate (or a pipeline interleaves them). Backward walks the layers in reverse: at layer i the
+  accumulate (or a pipeline interleaves them); or it peaks inside a recomputed or offloaded layer,
+  which makes the plain layer's tensors before it lets them go. Backward walks the layers in reverse: at layer i the
   activations of the layers below it are still held, its own plus a working set, and the gradients
   of the layers from i up (and the head's) exist. The optimizer step holds every gradient and
   PrecisionAwareAdamW's fp32 copies of its largest tensor (about five), and no activations. Under
@@ -330,6 +331,8 @@ class _Rank:
     # order: (one micro-batch's saved activations, their weight copies, backward working set,
     # gradients)
     head: tuple[float, float, float]  # the loss's forward and backward workspace, head gradients
+    running: list[tuple[float, float]]  # the last local chunk's recomputed or offloaded layers
+    # while their forward runs: (the activations held, the layer's tensors beyond what it keeps)
     head_backward: tuple[float, float]  # what the heads kept, freed by the head's backward (the
     # log-probabilities, or the chunked loss's dh and dW), and its working set (plan.head)
     accumulating: bool  # gradients already exist when forward starts (micro-batches accumulate)
@@ -346,8 +349,11 @@ def _phases(r: _Rank) -> dict[str, dict[str, float]]:
     before = grads if r.accumulating else 0.0
     comm_fwd = sum(v for k, v in r.comm.items() if k != BACKWARD_ONLY)
     fwd_ws, loss_bwd_ws, head_grads = r.head
-    forward = {**held, "gradients": before, "activations": r.activations,
-               "transient": fwd_ws, "communication": comm_fwd}
+    # Forward ends at the loss, or peaks inside a layer whose recompute or offload lets go, only
+    # as the layer returns, of tensors its forward made.
+    forward = max(({**held, "gradients": before, "activations": acts, "transient": work,
+                    "communication": comm_fwd} for acts, work in [(r.activations, fwd_ws), *r.running]),
+                  key=lambda parts: sum(parts.values()))
     # Backward, in reverse: the loss first, then each layer of the last chunk (whose micro-batch
     # is backpropagated at the in-flight peak); layers above i have freed their activations.
     head_saved, head_grad_ws = r.head_backward
@@ -386,11 +392,21 @@ def _rank_plan(cfg: Config, lay: _Layout, chunks: list[Chunk], rank: int, sh: ac
     states = _states(cfg, lay, *local, _scale_blocks(cfg, lay, mine, vocab) if fp8_moments else 0.0)
     states["fp8_weight_cache"] = _fp8_weight_cache(cfg, mine, sh, d)
     last = mine[-1]
-    layers = []
+    layers, running = [], []
+    # While a layer of the last chunk runs forward, the layers after it and the heads have saved
+    # nothing yet of the micro-batch at the peak.
+    held = sum(activations.values()) - (sum(act.last_stage_bytes(cfg, sh, vocab).values()) if last.last else 0)
+    held -= sum(sum(act.layer_bytes(cfg, i, sh).values()) + sum(options.layer_delta(cfg, i, sh)[0].values())
+                for i in last.layers)
     for i in last.layers:
         full = act.layer_bytes(cfg, i, sh)
         delta = options.layer_delta(cfg, i, sh)[0]
         saved = sum(full.values()) + sum(delta.values())
+        # A recomputed or offloaded layer's forward makes every tensor the plain layer keeps, and
+        # drops (or moves to the host) what it does not keep only as it goes: held at its most.
+        if sum(full.values()) > saved:
+            running.append((held + saved, sum(full.values()) - saved))
+        held += saved
         copies = full.get("weight_copies", 0) + delta.get("weight_copies", 0)
         # A layer's backward working set: its saved activations (a recomputed layer rebuilds
         # them), less the weight copies, and less the experts' [R, F] tensors, which backward
@@ -405,7 +421,7 @@ def _rank_plan(cfg: Config, lay: _Layout, chunks: list[Chunk], rank: int, sh: ac
                 _gradients(cfg, lay, head_params(cfg, vocab)))
         head_backward = (sum(h.freed_in_backward() for h in heads), heads[-1].grad_workspace())
     optimizer = _optimizer_step(cfg, lay, split)
-    r = _Rank(states, sum(activations.values()), layers, head, head_backward,
+    r = _Rank(states, sum(activations.values()), layers, head, running, head_backward,
               micro_batches > 1 or d.pp > 1, _comm_buffers(cfg, lay, mine, sh, vocab), optimizer,
               _after_backward(cfg, lay, *local, states["gradients"], optimizer))
     transient = max([head[0], head[1]] + [w for _, _, w, _ in layers])

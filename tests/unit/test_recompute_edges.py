@@ -51,3 +51,31 @@ def test_output_discarding_under_compile_is_refused(preset, name):
         load_config(preset, overrides)
     load_config(preset, {**overrides, "train.compile": "false"})
     load_config(preset, {**overrides, "memory.recompute": '["attn_core", "moe_act"]'})
+
+
+@pytest.mark.parametrize("modified", [False, True])
+def test_an_input_modified_in_place_before_the_recompute_is_refused_as_autograd_refuses_it(modified):
+    """The plain graph saves `x` and refuses it once changed in place; the recompute keeps `x`
+    instead, and used the changed values without a word."""
+    from moefold.memory.recompute import _Run
+
+    def producer(x):
+        return torch.sin(x) * x
+
+    def gradient(recomputed: bool) -> torch.Tensor:
+        leaf = torch.linspace(-1, 1, 6, requires_grad=True)
+        x = leaf * 2
+        out = _Run(producer, (x,)).forward((x,)) if recomputed else producer(x)
+        if modified:
+            x.add_(1)
+        out.sum().backward()
+        return leaf.grad
+
+    if not modified:
+        assert torch.equal(gradient(recomputed=True), gradient(recomputed=False))
+        return
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        gradient(recomputed=False)
+    with pytest.raises(RuntimeError, match=r"input 0 of the recomputed .*producer was modified by an "
+                                           r"inplace operation after its forward \(version 0, now 1\)"):
+        gradient(recomputed=True)

@@ -108,6 +108,10 @@ class _Run:
     def __init__(self, fn: Callable, args: tuple, unread: tuple[int, ...] = ()):
         self.fn, self.outputs, self.freed = fn, (), {}
         self.args = tuple(None if i in unread else a for i, a in enumerate(args))
+        # Autograd refuses a saved tensor changed in place since; the inputs kept for the recompute
+        # are checked as it would check them, or the recompute would silently use the new values.
+        self.versions = tuple(memory_holder(a)._version if isinstance(a, torch.Tensor) else None
+                              for a in self.args)
         self.holders: list[weakref.ref[_Holder]] = []
         self.recomputed: weakref.WeakKeyDictionary[_Holder, torch.Tensor] = weakref.WeakKeyDictionary()
         self.device_type = next(a for a in args if isinstance(a, torch.Tensor)).device.type
@@ -160,6 +164,12 @@ class _Run:
 
     def recompute(self) -> tuple[torch.Tensor, ...]:
         args, self.args = self.args, None  # the inputs are kept only until now
+        for i, (a, version) in enumerate(zip(args, self.versions)):
+            if version is not None and memory_holder(a)._version != version:
+                raise RuntimeError(f"input {i} of the recomputed {getattr(self.fn, '__qualname__', self.fn)} "
+                                   f"was modified by an inplace operation after its forward (version "
+                                   f"{version}, now {memory_holder(a)._version}): the recompute would "
+                                   "use the new values")
         inputs = [a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
                   for a in args]
         saved: list[torch.Tensor] = []

@@ -24,3 +24,68 @@ def test_forward_peak_holds_a_recomputed_block_s_own_tensors_while_it_runs(names
     measured, plan = measure_peaks(cfg, "fp32"), predict_memory(cfg, 1)
     assert plan.phase_peak("forward") == pytest.approx(measured.forward, rel=0.05)
     assert plan.phase_peak("forward") >= measured.forward
+
+
+# ------------------------------------- the all-to-all buffers against the exchanged tensors
+
+ALL_TO_ALL = {  # world size, overrides
+    "ep 2, dropless": (2, {"parallel.ep": "2"}),
+    # every rank sends each expert exactly C = 2·T·K/E rows: twice its T·K copies
+    "ep 2, padded to capacity 2": (2, {"parallel.ep": "2", "moe.capacity_factor": "2.0", "moe.pad_to_capacity": "true"}),
+    "ep 2, padded to capacity 0.5": (2, {"parallel.ep": "2", "moe.capacity_factor": "0.5", "moe.pad_to_capacity": "true"}),
+    # each EP index's rows go to both of its ETP ranks: twice the copies each way
+    # under sequence parallelism each TP rank drops and pads its own T/tp tokens' copies
+    "tp 2 · ep 2, padded to capacity 1.5": (4, {"parallel.tp": "2", "parallel.ep": "2", "moe.capacity_factor": "1.5",
+                                                "moe.pad_to_capacity": "true", "parallel.data_parallel": "ddp"}),
+    "ep 2 · etp 2, dropless": (4, {"parallel.ep": "2", "parallel.etp": "2", "parallel.data_parallel": "ddp"}),
+}
+
+
+def _exchanged_on_rank(rank: int, run_dir: str) -> dict:
+    """Per case: (planned, this rank's) bytes of the input and output of the step's first
+    all-to-all, the first MoE layer's dispatch of its tokens' rows."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    from moefold.train.trainer import Trainer
+
+    out, exchange = {}, funcol.all_to_all_single_autograd
+    for i, (name, (world, overrides)) in enumerate(ALL_TO_ALL.items()):
+        if world != dist.get_world_size():
+            continue
+        sizes = []
+
+        def recorded(x, *args, **kwargs):
+            y = exchange(x, *args, **kwargs)
+            sizes.append((x.numel() + y.numel()) * x.element_size())
+            return y
+
+        funcol.all_to_all_single_autograd = recorded
+        try:
+            cfg = load_config("tiny-qwen3", {**overrides, "train.micro_batch_size": "2", "train.seq_len": "16",
+                                                "precision.compute_dtype": "fp32"})
+            trainer = Trainer(cfg, f"{run_dir}/{i}-{rank}", out=lambda line: None)
+            trainer.accumulate_gradients()
+        finally:
+            funcol.all_to_all_single_autograd = exchange
+        plan = predict_memory(cfg, world, vocab_size=trainer.vocab_size)
+        out[name] = (plan.comm_buffers["all-to-all (one MoE layer)"], sizes[0])
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_all_to_all_buffers_are_the_exchanged_rows(tmp_path, world):
+    """The plan's send and receive buffers of one MoE layer against the rows the dispatcher
+    exchanged (fp32 compute, as the CPU runs). Dropless routing leaves a rank what the
+    router sends it, so there the plan is the ranks' mean. The plan counted T/tp·K rows each way
+    whatever the layout: capacity padding's E·C rows (2x and 0.5x here) and ETP's copy of each
+    row for every ETP rank (2x) were not in it."""
+    from test_parallel_dims import results_on_ranks
+
+    ranks = results_on_ranks(_exchanged_on_rank, world, tmp_path, str(tmp_path))
+    for name in ranks[0]:
+        planned, real = ranks[0][name][0], [r[name][1] for r in ranks]
+        if "dropless" in name:
+            assert planned == sum(real) / world, (name, planned, real)
+        else:
+            assert [planned] * world == real, (name, planned, real)

@@ -28,7 +28,8 @@ What one GPU holds, and the assumptions behind each part (docs/memory.md explain
   train.loss_chunk_tokens, the eager chunk step's logits and elementwise passes over one chunk
   (forward) or the scaled dh and dW (backward); in backward one layer's working set, taken as its
   saved activations less the experts' [R, F] tensors.
-- **Communication buffers**: the all-to-all send and receive buffers of one MoE layer (ep·etp > 1;
+- **Communication buffers**: the all-to-all send and receive buffers of one MoE layer (ep·etp > 1:
+  each copy once per ETP rank out, the busiest rank's rows in, padded to capacity E·C rows each way;
   with parallel.ep_dispatcher = "allgather" the combine's [M, D] gathered copies' outputs and their
   fp32 [ep·etp·T/tp, D] sums),
   FSDP2's all-gathered parameters (in their own dtype) of two blocks (the current and the prefetched
@@ -58,6 +59,7 @@ import torch
 from moefold.config import Config, micro_batches_per_step
 from moefold.data.tokenizer import model_vocab_size
 from moefold.errors import ConfigError
+from moefold.moe.capacity import padded_capacity
 from moefold.optim.blocks import pieces_hold_whole_blocks
 from moefold.parallel.dims import ParallelDims
 from moefold.plan import activations as act
@@ -300,7 +302,9 @@ def _comm_buffers(cfg: Config, lay: _Layout, chunks: list[Chunk], sh: act.Shapes
             copies = act.gathered_copies(cfg, sh)
             out["all-gather (one MoE layer)"] = copies * D * c + copies // cfg.moe.top_k * D * act.FP32
         else:
-            out["all-to-all (one MoE layer)"] = 2 * sh.tokens // d.tp * cfg.moe.top_k * D * c
+            rows = max(_all_to_all_rows(cfg, act.block_shapes(cfg, i, sh))
+                       for i in layers if is_moe_layer(cfg, i))
+            out["all-to-all (one MoE layer)"] = rows * D * c
     if lay.fsdp and lay.dense_shard > 1:
         root = _chunk_params(cfg, Chunk(-1, (), any(ch.first for ch in chunks),
                                         any(ch.last for ch in chunks)), vocab)
@@ -314,6 +318,17 @@ def _comm_buffers(cfg: Config, lay: _Layout, chunks: list[Chunk], sh: act.Shapes
     if d.pp > 1:
         out["pipeline send/recv"] = 2 * sh.tokens * D * c
     return out
+
+
+def _all_to_all_rows(cfg: Config, sh: act.Shapes) -> int:
+    """Rows one MoE layer's all-to-all sends and receives on the busiest rank (parallel/expert.py):
+    out, its T/tp·K copies once for each ETP rank of their expert's EP index; in, its experts' rows
+    less their padding (`imbalance` included). Padded to capacity, etp·E·C rows each way."""
+    rows = act.expert_rows(cfg, sh)
+    if padded_capacity(cfg.moe) is not None:
+        return 2 * rows
+    sent = sh.tokens // sh.tp * cfg.moe.top_k * sh.etp
+    return sent + rows - cfg.moe.num_experts // sh.ep * (act.row_multiple(cfg, sh) - 1)
 
 
 def _fsdp_block(cfg: Config, lay: _Layout, layer_id: int) -> float:

@@ -68,7 +68,7 @@ RUNS_WORLD8 = [
     ("w8-deepseek-tp2-etp2-ep2-edp2-fsdp", "deepseek", 4, dict(tp=2, etp=2, ep=2), {}, ONE),
     ("w8-deepseek-tp2-etp2-ep2-edp2-ddp", "deepseek", 4, dict(tp=2, etp=2, ep=2, data_parallel="ddp"), {}, ONE),
 ]
-PADDED_VALIDATION = "deepseek-capacity-tp4-ep4-no-sp"  # a known difference: the xfail test below
+PADDED_VALIDATION = "deepseek-capacity-tp4-ep4-no-sp"  # validation rows padded for TP: the test below
 COMPARED = [(name, against) for name, *_, against in RUNS + RUNS_WORLD8
             if against is not None and name != PADDED_VALIDATION]
 
@@ -164,11 +164,8 @@ def test_folded_layout_trains_and_validates_like_the_reference(name, against, tr
     _check_same_training(trained[name], ref, f"{name} against {against}")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "moe/capacity.py counts padding tokens in an expert's capacity C (its stated contract, which "
-    "test_moe_layer.py and test_moe_audit.py assert): under tp4 without sequence parallelism the "
-    "trainer pads the one 15-token validation row to 4 rows for the TP ranks to split, C grows "
-    "from ceil(15·K/E) to ceil(60·K/E) and fewer copies drop: val_loss is off one process's by "
-    "3.8e-4 relative, while training (no padding) matches it to 1e-7"))
 def test_validation_padded_for_tp_without_sequence_parallelism_drops_as_one_process(trained):
+    """tp4 without sequence parallelism pads the one 15-token validation row to 4 rows for the TP
+    ranks to split; capacity counted the padding (C from 60 tokens, not 15), fewer copies dropped
+    and val_loss was off one process's by 3.8e-4 relative."""
     _check_same_training(trained[PADDED_VALIDATION], trained[(ONE, PADDED_VALIDATION)], PADDED_VALIDATION)

@@ -168,10 +168,12 @@ def test_deepseek_v3_ties_choose_the_experts_transformers_chooses():
 
 
 def naive_keep(idx_TK, probs_TK, valid_T, num_experts, factor, policy):
-    """Each expert keeps its first C = min(T, ceil(factor·T·K/E)) copies: real tokens' before padding's,
-    then highest probability first (ties: token order, then k) or earliest token first."""
+    """Each expert keeps its first C = min(R, ceil(factor·R·K/E)) copies, R the real tokens (all T
+    without padding): real tokens' before padding's, then highest probability first (ties: token
+    order, then k) or earliest token first."""
     T, K = idx_TK.shape
-    C = min(T, math.ceil(factor * T * K / num_experts - 1e-9))
+    R = T if valid_T is None else int(valid_T.sum())
+    C = min(R, math.ceil(factor * R * K / num_experts - 1e-9))
     copies = [(t, k) for t in range(T) for k in range(K)]
     if policy == "probs":
         copies.sort(key=lambda c: -probs_TK[c].item())

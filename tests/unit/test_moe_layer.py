@@ -135,7 +135,8 @@ def test_a_float_or_misshapen_mask_is_refused_naming_valid_bs(mask, message):
 @pytest.mark.parametrize("drop_policy", ["probs", "position"])
 def test_padding_never_takes_a_real_tokens_place_under_capacity(drop_policy):
     """With a capacity factor, padding copies rank after every real one: the real tokens' outputs
-    do not depend on what the padding holds, and a real copy is dropped only past C real copies."""
+    do not depend on what the padding holds, and a real copy is dropped only past C real copies,
+    C the real tokens' capacity (padding raised it: a padded layout kept what one process drops)."""
     cfg = MoEConfig(num_experts=4, top_k=1, expert_hidden=16, capacity_factor=1.0, drop_policy=drop_policy,
                     aux_loss_coeff=0.0, norm_topk_prob=False)
     layer = build(cfg, 16, seed=2).float().eval()
@@ -145,7 +146,7 @@ def test_padding_never_takes_a_real_tokens_place_under_capacity(drop_policy):
                (torch.zeros(1, 8, 16), 3 * real, -real)]
     for y in outputs[1:]:
         torch.testing.assert_close(y, outputs[0], rtol=0, atol=0)
-    capacity = layer.capacity.capacity(16, 1)  # C = 4 of the 16 tokens
+    capacity = layer.capacity.capacity(8, 1)  # C = 2: of the 8 real tokens, not all 16
     per_expert = torch.bincount(layer.router(real.view(8, 16)).idx_TK.view(-1), minlength=4)
     dropped = int((outputs[0].abs().sum(-1) == 0).sum())
     assert dropped == int((per_expert - capacity).clamp(min=0).sum())

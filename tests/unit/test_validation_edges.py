@@ -21,9 +21,9 @@ from ranks import run_ranks  # noqa: E402
 
 ROWS = 3  # validation sequences: 2 and 1 on dp 2
 
-# capacity_factor 2 = num_experts / top_k: an expert takes every token, so no rank drops one and
+# capacity_factor 4 = num_experts / top_k: an expert takes every token, so no rank drops one and
 # the padded capacity run is comparable with the dropless one process.
-DISPATCHERS = {"alltoall-padded-capacity": {"parallel.ep_dispatcher": "alltoall", "moe.capacity_factor": "2.0",
+DISPATCHERS = {"alltoall-padded-capacity": {"parallel.ep_dispatcher": "alltoall", "moe.capacity_factor": "4.0",
                                             "moe.pad_to_capacity": "true"},
                "allgather": {"parallel.ep_dispatcher": "allgather"}}
 

@@ -24,6 +24,9 @@ def test_forward_peak_holds_a_recomputed_block_s_own_tensors_while_it_runs(names
     measured, plan = measure_peaks(cfg, "fp32"), predict_memory(cfg, 1)
     assert plan.phase_peak("forward") == pytest.approx(measured.forward, rel=0.05)
     assert plan.phase_peak("forward") >= measured.forward
+    # The table's transient row (the largest working set) left that layer's out: 428 MiB where the
+    # forward phase held 1,856 MiB (["layer"]).
+    assert plan.transient >= max(parts.get("transient", 0) for parts in plan.phases.values())
 
 
 # ------------------------------------- the all-to-all buffers against the exchanged tensors

@@ -105,7 +105,8 @@ class MemoryPlan:
     optimizer_moments: float
     activations: dict[str, float]  # by category (plan.activations.CATEGORIES), all in-flight
     in_flight: tuple[int, ...]  # micro-batches live per local chunk at the peak
-    transient: float  # the larger working set: the loss's (forward or backward) or a layer's
+    transient: float  # the largest working set: the loss's (forward or backward) or a layer's (in
+    # backward, or in forward where memory.recompute / memory.offload wrap it)
     comm_buffers: dict[str, float]
     optimizer_step: float  # the optimizer's workspace
     phases: dict[str, dict[str, float]] = field(default_factory=dict)
@@ -439,7 +440,7 @@ def _rank_plan(cfg: Config, lay: _Layout, chunks: list[Chunk], rank: int, sh: ac
     r = _Rank(states, sum(activations.values()), layers, head, running, head_backward,
               micro_batches > 1 or d.pp > 1, _comm_buffers(cfg, lay, mine, sh, vocab), optimizer,
               _after_backward(cfg, lay, *local, states["gradients"], optimizer))
-    transient = max([head[0], head[1]] + [w for _, _, w, _ in layers])
+    transient = max([head[0], head[1]] + [w for _, _, w, _ in layers] + [w for _, w in running])
     return MemoryPlan(world_size=d.world, pp_rank=rank, layers=tuple(i for ch in mine for i in ch.layers),
                       **states, activations=activations, in_flight=flight.per_chunk,
                       transient=transient, comm_buffers=r.comm, optimizer_step=r.optimizer,

@@ -67,7 +67,7 @@ def format_plan(plan: MemoryPlan, cfg: Config, capacity_gb: float, device: str) 
             lines.append(_row(label, plan.activations[key], indent=2))
     if plan.offloaded:
         lines.append(_row("  (offloaded to host memory, not counted)", plan.offloaded))
-    lines.append(_row("transient (backward working set / loss)", plan.transient))
+    lines.append(_row("transient (a layer's working set / loss)", plan.transient))
     lines.append(_row("communication buffers", sum(plan.comm_buffers.values())))
     lines += [_row(label, value, indent=2) for label, value in plan.comm_buffers.items()]
     lines.append(_row("optimizer step workspace (after backward)", plan.optimizer_step))

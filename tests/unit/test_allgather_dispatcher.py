@@ -4,6 +4,7 @@ count on every rank (all-gather dispatch needs it), and no host transfer at all.
 """
 
 import dataclasses
+import warnings
 
 import pytest
 import torch
@@ -85,3 +86,20 @@ def _count_host_transfers(rank: int, world: int) -> None:
 @pytest.mark.skipif("grouped_mm" not in BACKENDS, reason="the loop backend syncs by design")
 def test_allgather_makes_no_host_transfer():
     run_on_ranks(_count_host_transfers, 2, 2)
+
+
+def _dispatch_warnings(rank: int, world: int) -> None:
+    ep_group = ParallelLayout(ParallelDims(world, ep=world)).ep_group
+    layer = build(MoEConfig(num_experts=4, top_k=2, expert_hidden=4, experts_backend="loop",
+                            aux_loss_coeff=0.0), DIM, 0).float()
+    apply_ep(layer, ep_group, dispatcher="allgather")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        layer(torch.randn(1, 6, DIM, requires_grad=True)).square().sum().backward()
+    assert [str(w.message) for w in caught if issubclass(w.category, (FutureWarning, DeprecationWarning))] == []
+
+
+def test_allgather_dispatch_calls_no_deprecated_collective():
+    """torch 2.13 deprecates the functional reduce_scatter_tensor_autograd: a FutureWarning on
+    every MoE layer's combine, every step."""
+    run_on_ranks(_dispatch_warnings, 2, 2)

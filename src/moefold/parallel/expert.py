@@ -50,7 +50,7 @@ from moefold.moe.permute import (
     unpermute,
 )
 from moefold.moe.router import Routing
-from moefold.parallel.collectives import all_gather_single, reduce_scatter_single
+from moefold.parallel.collectives import all_gather_single, reduce_scatter_single, reduce_scatter_single_autograd
 from moefold.parallel.dims import expert_coords
 from moefold.parallel.local import DeviceCopies
 from moefold.parallel.sequence import all_gather_rows
@@ -527,7 +527,7 @@ class AllGatherDispatcher(_ExpertParallelDispatcher):
         """Sum over the group and keep this rank's T rows: the functional autograd-aware
         reduce-scatter (its backward is an all-gather). torch.distributed.nn's is deprecated in
         torch 2.13 (a FutureWarning a call) and refused under torch.compile."""
-        y_TD = funcol.reduce_scatter_tensor_autograd(y_GD.contiguous(), "sum", scatter_dim=0, group=self.group)
+        y_TD = reduce_scatter_single_autograd(y_GD.contiguous(), "sum", scatter_dim=0, group=self.group)
         return funcol.wait_tensor(y_TD)
 
 

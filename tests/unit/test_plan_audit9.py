@@ -4,7 +4,7 @@ from allocation to release (plan.peaks)."""
 
 import pytest
 
-from moefold.config import load_config
+from moefold.config import load_config, preset_names
 from moefold.plan import predict_memory
 from moefold.plan.peaks import measure_peaks
 
@@ -92,3 +92,96 @@ def test_all_to_all_buffers_are_the_exchanged_rows(tmp_path, world):
             assert planned == sum(real) / world, (name, planned, real)
         else:
             assert [planned] * world == real, (name, planned, real)
+
+
+# ------------------------ parameters and states against what a rank holds after parallelize
+
+@pytest.mark.parametrize("preset", preset_names())
+def test_each_rank_s_parameters_are_what_parallelize_leaves_it(preset):
+    """Every preset on the meta device, played as the last rank of 4 (torch's fake process group,
+    as benchmarks/sharded_init.py plays one) under tp 2 · ep 2 · etp 2 and ddp, which shards no
+    parameter: the plan's parameter bytes are the numel of the rank's local tensors, fp32 each."""
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from moefold.data.tokenizer import model_vocab_size
+    from moefold.models.transformer import build_model
+    from moefold.parallel.apply import parallelize
+    from moefold.parallel.dims import ParallelDims, ParallelLayout
+    from moefold.parallel.local import local_tensor
+
+    layout = {"parallel.tp": "2", "parallel.ep": "2", "parallel.etp": "2", "parallel.data_parallel": "ddp"}
+    if preset in ("tiny", "tiny-mixtral", "tiny-qwen3"):
+        layout["model.n_kv_heads"] = "2"  # tp 2 holds whole key/value heads
+    cfg = load_config(preset, layout)
+    vocab = model_vocab_size(cfg)
+    dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=4)
+    try:
+        with torch.device("meta"):
+            model = build_model(cfg, vocab)
+        p = cfg.parallel
+        parallelize(model, ParallelLayout(ParallelDims(4, p.tp, p.cp, p.pp, p.ep, p.etp, p.order)), p)
+        held = sum(local_tensor(t).numel() for t in {id(t): t for t in model.parameters()}.values())
+    finally:
+        dist.destroy_process_group()
+    assert predict_memory(cfg, 4, vocab_size=vocab).parameters == 4 * held
+
+
+STATES = {  # layouts and state dtypes test_plan_bench_audit's 2 ranks leave out, on 4
+    "MLA, MTP, shared expert; fsdp, tp 2, ep 2": ("tiny-deepseek", {"parallel.tp": "2", "parallel.ep": "2"}),
+    "ddp, ep 4, fp8 moments": ("tiny-deepseek", {"parallel.ep": "4", "parallel.data_parallel": "ddp",
+                                                 "optim.exp_avg_dtype": "fp8", "optim.exp_avg_sq_dtype": "fp8"}),
+    "ddp, tp 2, bf16+remainder, fp8 first moment": (
+        "tiny-deepseek", {"parallel.tp": "2", "parallel.data_parallel": "ddp",
+                          "optim.master_dtype": "bf16+remainder", "optim.exp_avg_dtype": "fp8"}),
+    "fsdp, tp 2, ep 2, fp8 moments": ("tiny-qwen3", {"parallel.tp": "2", "parallel.ep": "2",
+                                                     "optim.exp_avg_dtype": "fp8", "optim.exp_avg_sq_dtype": "fp8"}),
+    "ddp, ep 2, etp 2, bf16 master": ("tiny-qwen3", {"parallel.ep": "2", "parallel.etp": "2",
+                                                      "parallel.data_parallel": "ddp", "optim.master_dtype": "bf16"}),
+    "fsdp, ep 2, bf16+remainder, bf16 / fp8 moments": (
+        "tiny-mixtral", {"parallel.ep": "2", "optim.master_dtype": "bf16+remainder",
+                         "optim.exp_avg_dtype": "bf16", "optim.exp_avg_sq_dtype": "fp8"}),
+}
+
+
+def _states_on_rank(rank: int, run_dir: str) -> dict:
+    from test_plan_bench_audit import _local_bytes
+
+    from moefold.train.trainer import Trainer
+
+    out = {}
+    for i, (name, (preset, overrides)) in enumerate(STATES.items()):
+        cfg = load_config(preset, {**overrides, "train.micro_batch_size": "1", "train.seq_len": "16"})
+        trainer = Trainer(cfg, f"{run_dir}/{i}-{rank}", out=lambda line: None)
+        params = list(trainer.model.parameters())
+        grads, reduce = [], trainer.data_parallel.reduce_gradients
+        trainer.data_parallel.reduce_gradients = lambda: (grads.append(
+            _local_bytes(p.grad for p in params if p.grad is not None)), reduce())
+        trainer.accumulate_gradients()
+        optimized = [p for group in trainer.optimizer.param_groups for p in group["params"]]
+        trainer.optimizer_step()
+        states = [(k, t) for p in optimized for k, t in trainer.optimizer.state[p].items() if k != "step"]
+        plan = predict_memory(cfg, 4, vocab_size=trainer.vocab_size)
+        out[name] = {"parameters": (plan.parameters, _local_bytes(params)), "gradients": (plan.gradients, grads[0]),
+                     "master_weights": (plan.master_weights,
+                                        _local_bytes(t for k, t in states if k == "master_remainder")),
+                     "optimizer_moments": (plan.optimizer_moments,
+                                           _local_bytes(t for k, t in states if k != "master_remainder"))}
+    return out
+
+
+def test_state_bytes_equal_each_of_4_ranks_real_tensors(tmp_path):
+    """4 gloo ranks, a step each: parameters, gradients before the data-parallel reduction,
+    remainders and moments (fp8's per-block scales included) against each rank's local tensors;
+    under fsdp the ranks' mean (FSDP cuts the 257-row vocabulary unevenly)."""
+    from test_parallel_dims import results_on_ranks
+
+    ranks = results_on_ranks(_states_on_rank, 4, tmp_path, str(tmp_path))
+    for name in STATES:
+        for part in ("parameters", "gradients", "master_weights", "optimizer_moments"):
+            planned, real = ranks[0][name][part][0], [r[name][part][1] for r in ranks]
+            if "fsdp" in name:
+                assert planned == sum(real) / 4, (name, part, planned, real)
+            else:
+                assert [planned] * 4 == real, (name, part, planned, real)

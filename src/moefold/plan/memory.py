@@ -33,8 +33,10 @@ What one GPU holds, and the assumptions behind each part (docs/memory.md explain
   with parallel.ep_dispatcher = "allgather" the combine's [M, D] gathered copies' outputs and their
   fp32 [ep·etp·T/tp, D] sums),
   FSDP2's all-gathered parameters (in their own dtype) of two blocks (the current and the prefetched
-  one), the root's embedding and head (kept gathered from forward to backward), one block's
-  gradients to reduce-scatter (backward), the pipeline's send/receive of one micro-batch.
+  one), the root's embedding and head (kept gathered from forward to backward), in backward
+  FSDP2's reduce-scatter: a block's unsharded gradients (the master's dtype) and their send buffer
+  (the reduce dtype) and the head's unsharded gradients, or the root's last reduce-scatter
+  (`_reduce_scatter_bytes`), the pipeline's send/receive of one micro-batch.
 - **Time order** (`_phases`): the peak is the largest of three moments. Forward ends with every
   in-flight activation held and the loss workspace, and no gradients yet unless micro-batches
   accumulate (or a pipeline interleaves them); or it peaks inside a recomputed or offloaded layer,
@@ -286,7 +288,7 @@ def _chunk_params(cfg: Config, chunk: Chunk, vocab: int) -> ParamSplit:
     return total
 
 
-BACKWARD_ONLY = "FSDP reduce-scatter (1 block)"
+BACKWARD_ONLY = "FSDP reduce-scatter (1 block, root grads)"
 
 
 def _comm_buffers(cfg: Config, lay: _Layout, chunks: list[Chunk], sh: act.Shapes,
@@ -306,19 +308,51 @@ def _comm_buffers(cfg: Config, lay: _Layout, chunks: list[Chunk], sh: act.Shapes
             rows = max(_all_to_all_rows(cfg, act.block_shapes(cfg, i, sh))
                        for i in layers if is_moe_layer(cfg, i))
             out["all-to-all (one MoE layer)"] = rows * D * c
+    first, last = any(ch.first for ch in chunks), any(ch.last for ch in chunks)
+    root = root_grads = root_sent = 0.0  # the root's parameters, those with gradients mid-backward,
+    # its send buffer (elements)
     if lay.fsdp and lay.dense_shard > 1:
-        root = _chunk_params(cfg, Chunk(-1, (), any(ch.first for ch in chunks),
-                                        any(ch.last for ch in chunks)), vocab)
-        if root.total:
-            out["FSDP root (embedding, head) gathered"] = sh.params * root.replicated
+        root = _chunk_params(cfg, Chunk(-1, (), first, last), vocab).replicated
+        if root:
+            out["FSDP root (embedding, head) gathered"] = sh.params * root
+        # The head's backward (backward's first) makes them, tied embeddings' included; the untied
+        # embedding's comes last, at the root's own reduce-scatter.
+        tied = cfg.model.tie_embeddings and first
+        root_grads = head_params(cfg, vocab).replicated * last + embedding_params(cfg, vocab).replicated * tied
+        root_sent = _padded_root(cfg, vocab, first, last, lay.dense_shard)
     if lay.fsdp:
         block = max(_fsdp_block(cfg, lay, i) for i in layers)
         if block:
             out["FSDP all-gather (2 blocks)"] = 2 * sh.params * block
-            out[BACKWARD_ONLY] = 4 * block
+        if block or root:
+            out[BACKWARD_ONLY] = _reduce_scatter_bytes(cfg, block, root, root_grads, root_sent)
     if d.pp > 1:
         out["pipeline send/recv"] = 2 * sh.tokens * D * c
     return out
+
+
+def _padded_root(cfg: Config, vocab: int, first: bool, last: bool, ranks: int) -> float:
+    """Elements of the root's send buffer: FSDP2 pads each parameter's dim 0 to a multiple of the
+    ranks (a 257-row vocabulary sends 258 rows over 2)."""
+    weights = (embedding_weights(cfg, vocab) if first else []) + (head_weights(cfg, vocab) if last else [])
+    return sum(math.ceil(w.cols / ranks) * ranks if w.vector else math.ceil(w.rows / ranks) * ranks * w.cols
+               for w in weights)
+
+
+def _reduce_scatter_bytes(cfg: Config, block: float, root: float, root_grads: float,
+                          root_sent: float) -> float:
+    """FSDP2's unsharded gradients and reduce-scatter send buffers at their most in backward (torch
+    2.13's foreach_reduce). A group's gradients, in the master's dtype, are copied into a send
+    buffer in the reduce dtype (optim.grad_dtype; a bf16 master's own) before they are freed, and
+    FSDP2 keeps that buffer until the next group's post-backward (one in flight, its default):
+    master + reduce bytes per element (8 fp32/fp32, 6 fp32 with bf16 gradients, 4 bf16). The root
+    (embedding, head, final norm) reduce-scatters last, with a padded send buffer; its head's
+    gradients stay unsharded from the head's backward on. A block is taken whole, gradients and
+    buffer: FSDP2 reduces a MoE block's experts and the rest as two groups, so this exceeds the
+    real most by master + reduce bytes per element of the smaller group."""
+    master = MASTER_BYTES[cfg.optim.master_dtype]
+    reduce = 2 if cfg.optim.grad_dtype == "bf16" else master
+    return max(master * root_grads + (master + reduce) * block, master * root + reduce * root_sent)
 
 
 def _all_to_all_rows(cfg: Config, sh: act.Shapes) -> int:

@@ -1,0 +1,114 @@
+"""Audit 9 of the memory planner: the FSDP reduce-scatter row against what torch's FSDP2 holds in
+backward on gloo ranks, not against the planner's formula. At each of FSDP2's reduce-scatters (its
+copy of a group's unsharded gradients into the flat send buffer) and as each group's post-backward
+starts, the bytes of every FSDP parameter's live unsharded gradient, the group's send buffer and the
+earlier send buffers FSDP2 still keeps are summed, each storage once."""
+
+import pytest
+
+from moefold.config import load_config
+from moefold.plan import predict_memory
+from moefold.plan.memory import BACKWARD_ONLY as ROW
+
+# tiny-qwen3 (its experts 79% of a block), fp32 compute as the CPU runs: a gradient takes its
+# parameter's dtype under autocast too.
+CASES = {  # world size, overrides
+    "fp32 master, fp32 gradients": (2, {}),
+    "fp32 master, bf16 gradients": (2, {"optim.grad_dtype": "bf16"}),
+    "bf16 master": (2, {"optim.master_dtype": "bf16"}),
+    "bf16+remainder master, bf16 gradients": (2, {"optim.master_dtype": "bf16+remainder", "optim.grad_dtype": "bf16"}),
+    "fp32 master, bf16 gradients, ep 2": (4, {"parallel.ep": "2", "optim.grad_dtype": "bf16"}),
+    # experts whole on each rank: the root's reduce-scatter (its send buffer padded to 258 rows) is the most
+    "ep 2": (2, {"parallel.ep": "2"}),
+}
+
+
+def _storages(tensors) -> dict[int, int]:
+    """Bytes by storage (a DTensor's local one), each once."""
+    from moefold.parallel.local import local_tensor
+
+    storages = [local_tensor(t).untyped_storage() for t in tensors]
+    return {s.data_ptr(): s.nbytes() for s in storages}
+
+
+class _Held:
+    """The most bytes of unsharded gradients and reduce-scatter send buffers alive at once."""
+
+    def __init__(self, model):
+        from torch.distributed.fsdp import FSDPModule
+
+        self.groups = [m._get_fsdp_state()._fsdp_param_group for m in model.modules() if isinstance(m, FSDPModule)]
+        self.groups = [g for g in self.groups if g is not None]
+        self.most = 0
+
+    def record(self, send_buffer_and_grads=()) -> None:
+        grads = [p._unsharded_param.grad for g in self.groups for p in g.fsdp_params
+                 if hasattr(p, "_unsharded_param") and p._unsharded_param.grad is not None]
+        contexts = {id(g.comm_ctx): g.comm_ctx for g in self.groups}.values()
+        kept = [s.reduce_scatter_input for c in contexts for s in c.reduce_scatter_states]
+        self.most = max(self.most, sum(_storages([*grads, *kept, *send_buffer_and_grads]).values()))
+
+
+def _held_on_rank(rank: int, run_dir: str) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives, _fsdp_param_group
+
+    from moefold.parallel.data import expert_parameters
+    from moefold.train.trainer import Trainer
+
+    out = {}
+    group_cls = _fsdp_param_group.FSDPParamGroup
+    post_backward, copy_in = group_cls.post_backward, _fsdp_collectives.foreach_reduce_scatter_copy_in
+    for i, (name, (world, overrides)) in enumerate(CASES.items()):
+        if world != dist.get_world_size():
+            continue
+        cfg = load_config("tiny-qwen3", {**overrides, "train.micro_batch_size": "1", "train.seq_len": "8",
+                                         "precision.compute_dtype": "fp32"})
+        trainer = Trainer(cfg, f"{run_dir}/{i}-{rank}", out=lambda line: None)
+        held = _Held(trainer.model)
+
+        def recorded_post_backward(self, *args, **kwargs):
+            held.record()  # the group's gradients complete, the previous send buffer still kept
+            return post_backward(self, *args, **kwargs)
+
+        def recorded_copy_in(grads, send_buffer, world_size):
+            copy_in(grads, send_buffer, world_size)
+            held.record([*grads, send_buffer])
+
+        group_cls.post_backward = recorded_post_backward
+        _fsdp_collectives.foreach_reduce_scatter_copy_in = recorded_copy_in
+        try:
+            trainer.accumulate_gradients()
+        finally:
+            group_cls.post_backward, _fsdp_collectives.foreach_reduce_scatter_copy_in = post_backward, copy_in
+        experts = {id(p) for p in expert_parameters(trainer.model)}
+        block = next(iter(trainer.model.blocks()))
+        dense = sum(p.numel() for p in block.parameters() if id(p) not in experts)  # unsharded (DTensor) numel
+        plan = predict_memory(cfg, world, vocab_size=trainer.vocab_size)
+        out[name] = (plan.comm_buffers[ROW], held.most, dense)
+    return out
+
+
+BYTES = {"fp32": 4, "bf16": 2, "bf16+remainder": 2}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_reduce_scatter_row_bounds_what_fsdp2_holds(tmp_path, world):
+    """The row was 4 bytes per element of one block whatever the dtypes, where FSDP2 holds a
+    group's unsharded gradients (the master's dtype) beside their copy in the send buffer (the
+    reduce dtype), and the root's head gradients unsharded through backward: measured 459,264 B
+    with fp32 master and gradients, 360,960 with bf16 gradients, where the row said 248,448, and
+    264,192 for the root's reduce-scatter where it said 0 (ep 2). Now the row is exact, or, where a
+    block's reduce-scatters set the most, above it by exactly its stated margin: (master + reduce)
+    bytes for each element of the block's non-expert group, which FSDP2 reduces apart from the
+    experts and the plan counts with them."""
+    from test_parallel_dims import results_on_ranks
+
+    ranks = results_on_ranks(_held_on_rank, world, tmp_path, str(tmp_path))
+    for name in ranks[0]:
+        overrides = CASES[name][1]
+        master = BYTES[overrides.get("optim.master_dtype", "fp32")]
+        reduce = 2 if overrides.get("optim.grad_dtype") == "bf16" else master
+        planned, dense = ranks[0][name][0], ranks[0][name][2]
+        real = max(r[name][1] for r in ranks)
+        assert planned - real in (0, (master + reduce) * dense), (name, planned, real, dense)

@@ -146,28 +146,12 @@ STATES = {  # layouts and state dtypes test_plan_bench_audit's 2 ranks leave out
 
 
 def _states_on_rank(rank: int, run_dir: str) -> dict:
-    from test_plan_bench_audit import _local_bytes
-
-    from moefold.train.trainer import Trainer
+    from test_plan_bench_audit import planned_and_held_states
 
     out = {}
     for i, (name, (preset, overrides)) in enumerate(STATES.items()):
         cfg = load_config(preset, {**overrides, "train.micro_batch_size": "1", "train.seq_len": "16"})
-        trainer = Trainer(cfg, f"{run_dir}/{i}-{rank}", out=lambda line: None)
-        params = list(trainer.model.parameters())
-        grads, reduce = [], trainer.data_parallel.reduce_gradients
-        trainer.data_parallel.reduce_gradients = lambda: (grads.append(
-            _local_bytes(p.grad for p in params if p.grad is not None)), reduce())
-        trainer.accumulate_gradients()
-        optimized = [p for group in trainer.optimizer.param_groups for p in group["params"]]
-        trainer.optimizer_step()
-        states = [(k, t) for p in optimized for k, t in trainer.optimizer.state[p].items() if k != "step"]
-        plan = predict_memory(cfg, 4, vocab_size=trainer.vocab_size)
-        out[name] = {"parameters": (plan.parameters, _local_bytes(params)), "gradients": (plan.gradients, grads[0]),
-                     "master_weights": (plan.master_weights,
-                                        _local_bytes(t for k, t in states if k == "master_remainder")),
-                     "optimizer_moments": (plan.optimizer_moments,
-                                           _local_bytes(t for k, t in states if k != "master_remainder"))}
+        out[name] = planned_and_held_states(cfg, f"{run_dir}/{i}-{rank}", 4)
     return out
 
 

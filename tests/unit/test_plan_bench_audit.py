@@ -237,29 +237,33 @@ def _local_bytes(tensors) -> int:
     return _nbytes(local_tensor(t) for t in {id(t): t for t in tensors}.values())
 
 
-def _states_on_rank(rank: int, run_dir: str) -> dict:
-    """Per layout: (planned, this rank's real) bytes of parameters, full gradients before the
-    data-parallel reduction, remainders and moments after a step."""
+def planned_and_held_states(cfg, run_dir: str, world: int) -> dict:
+    """(planned, this rank's real) bytes of parameters, full gradients before the data-parallel
+    reduction, remainders and moments after a step of `cfg` on `world` ranks."""
     from moefold.plan import predict_memory
 
+    trainer = Trainer(cfg, run_dir, out=lambda line: None)
+    params = list(trainer.model.parameters())
+    grads, reduce = [], trainer.data_parallel.reduce_gradients
+    trainer.data_parallel.reduce_gradients = lambda: (grads.append(
+        _local_bytes(p.grad for p in params if p.grad is not None)), reduce())
+    trainer.accumulate_gradients()
+    optimized = [p for group in trainer.optimizer.param_groups for p in group["params"]]
+    trainer.optimizer_step()
+    states = [(k, t) for p in optimized for k, t in trainer.optimizer.state[p].items() if k != "step"]
+    plan = predict_memory(cfg, world, vocab_size=trainer.vocab_size)
+    return {"parameters": (plan.parameters, _local_bytes(params)), "gradients": (plan.gradients, grads[0]),
+            "master_weights": (plan.master_weights, _local_bytes(t for k, t in states if k == "master_remainder")),
+            "optimizer_moments": (plan.optimizer_moments,
+                                  _local_bytes(t for k, t in states if k != "master_remainder"))}
+
+
+def _states_on_rank(rank: int, run_dir: str) -> dict:
+    """Per layout: `planned_and_held_states` on 2 ranks."""
     out = {}
     for name, overrides in SHARDED.items():
         cfg = load_config("tiny-qwen3", {**overrides, "train.micro_batch_size": "1", "train.seq_len": "16"})
-        trainer = Trainer(cfg, f"{run_dir}/{len(out)}-{rank}", out=lambda line: None)
-        params = list(trainer.model.parameters())
-        grads, reduce = [], trainer.data_parallel.reduce_gradients
-        trainer.data_parallel.reduce_gradients = lambda: (grads.append(
-            _local_bytes(p.grad for p in params if p.grad is not None)), reduce())
-        trainer.accumulate_gradients()
-        optimized = [p for group in trainer.optimizer.param_groups for p in group["params"]]
-        trainer.optimizer_step()
-        states = [(k, t) for p in optimized for k, t in trainer.optimizer.state[p].items() if k != "step"]
-        plan = predict_memory(cfg, 2, vocab_size=trainer.vocab_size)
-        out[name] = {"parameters": (plan.parameters, _local_bytes(params)), "gradients": (plan.gradients, grads[0]),
-                     "master_weights": (plan.master_weights,
-                                        _local_bytes(t for k, t in states if k == "master_remainder")),
-                     "optimizer_moments": (plan.optimizer_moments,
-                                           _local_bytes(t for k, t in states if k != "master_remainder"))}
+        out[name] = planned_and_held_states(cfg, f"{run_dir}/{len(out)}-{rank}", 2)
     return out
 
 

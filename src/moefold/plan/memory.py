@@ -209,8 +209,7 @@ def _after_backward(cfg: Config, lay: _Layout, dense: float, expert: float, grad
         return [{"gradients": grads, "transient": optimizer}]
     from moefold.parallel.zero import BUCKET_ELEMENTS
 
-    master = MASTER_BYTES[cfg.optim.master_dtype]
-    reduced = 2 if cfg.optim.grad_dtype == "bf16" else master
+    master, reduced = MASTER_BYTES[cfg.optim.master_dtype], _reduce_bytes(cfg)
     bucket = max(min(BUCKET_ELEMENTS, n) * (1 + 1 / w)
                  for n, w in ((dense, lay.dense_shard), (expert, lay.expert_shard)))
     grad_shards = master * (dense / lay.dense_shard + expert / lay.expert_shard)
@@ -350,9 +349,14 @@ def _reduce_scatter_bytes(cfg: Config, block: float, root: float, root_grads: fl
     gradients stay unsharded from the head's backward on. A block is taken whole, gradients and
     buffer: FSDP2 reduces a MoE block's experts and the rest as two groups, so this exceeds the
     real most by master + reduce bytes per element of the smaller group."""
-    master = MASTER_BYTES[cfg.optim.master_dtype]
-    reduce = 2 if cfg.optim.grad_dtype == "bf16" else master
+    master, reduce = MASTER_BYTES[cfg.optim.master_dtype], _reduce_bytes(cfg)
     return max(master * root_grads + (master + reduce) * block, master * root + reduce * root_sent)
+
+
+def _reduce_bytes(cfg: Config) -> int:
+    """Bytes an element of the data-parallel gradient reduction: optim.grad_dtype's (bf16), else the
+    master's."""
+    return 2 if cfg.optim.grad_dtype == "bf16" else MASTER_BYTES[cfg.optim.master_dtype]
 
 
 def _all_to_all_rows(cfg: Config, sh: act.Shapes) -> int:

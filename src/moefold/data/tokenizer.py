@@ -7,6 +7,7 @@ fast path the corpus builder calls (one NumPy array per document, no Python list
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -108,13 +109,22 @@ class HFTokenizer:
         tokens its post-processor adds (Llama's, Mixtral's and DeepSeek's BOS; Qwen's none:
         transformers 5 takes it over tokenizer_config.json's add_bos_token), and a special token
         spelled in the text (a chat template's <|im_start|>) read as that token. Documents are
-        encoded by `encode`, without either: a prompt differs from training text only here."""
-        self._tokenizer.encode_special_tokens = False
-        try:
-            with self._refusals():
-                return self._tokenizer.encode(text, add_special_tokens=True).ids
-        finally:
-            self._tokenizer.encode_special_tokens = True
+        encoded by `encode`, without either: a prompt differs from training text only here.
+        Thread-safe, as `encode` is: it reads its own copy of the tokenizer (`_prompt_tokenizer`)."""
+        with self._refusals():
+            return self._prompt_tokenizer.encode(text, add_special_tokens=True).ids
+
+    @functools.cached_property
+    def _prompt_tokenizer(self):
+        """A copy of the tokenizer that reads a special token spelled in the text as that token.
+        Switching the shared one's encode_special_tokens for a prompt's call changed how any
+        encode running meanwhile in another thread read such text (a document's, or another
+        prompt's). Made at the first prompt: a training never needs it."""
+        prompt_tokenizer = type(self._tokenizer).from_str(self._tokenizer.to_str())
+        prompt_tokenizer.encode_special_tokens = False
+        prompt_tokenizer.no_truncation()  # as __init__ sets the shared one (to_str keeps them anyway)
+        prompt_tokenizer.no_padding()
+        return prompt_tokenizer
 
     def encode_batch_np(self, texts: Sequence[str]) -> list[np.ndarray]:
         with self._refusals():

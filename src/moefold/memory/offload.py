@@ -58,6 +58,7 @@ def apply_offload(model: torch.nn.Module, names: Sequence[str], min_bytes: int,
     """Wrap the sites of `names`; returns the offload (None when nothing is offloaded)."""
     validate_memory_names("offload", names)  # names given in Python: no config check saw them
     refuse_offload_against(getattr(model, "recomputed_names", []), names, min_bytes)
+    model.offloaded_names = [*getattr(model, "offloaded_names", []), *names]  # apply_recompute's check
     if not names:
         return None
     on_cuda = torch.device(device_type).type == "cuda"  # "cuda:1" too

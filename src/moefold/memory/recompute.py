@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.utils.checkpoint import checkpoint, get_device_states, set_device_states
 
-from moefold.config import refuse_recomputed_twice, validate_memory_names
+from moefold.config import refuse_offload_against, refuse_recomputed_twice, validate_memory_names
 from moefold.memory.moe_tape import moe_recompute_contexts
 from moefold.memory.sites import Site, mark_wrapped, targets_of
 from moefold.moe.layer import MoELayer
@@ -42,6 +42,9 @@ def apply_recompute(model: torch.nn.Module, names: Sequence[str]) -> None:
     recomputed = [*getattr(model, "recomputed_names", []), *names]  # with a call's before (build_model's)
     validate_memory_names("recompute", recomputed)
     refuse_recomputed_twice(recomputed)
+    # A name the model offloads already (apply_offload's): the config's check, in its words. Only
+    # the overlap is checked here: apply_offload checked its min_bytes.
+    refuse_offload_against(recomputed, getattr(model, "offloaded_names", []), min_bytes=0)
     chosen = targets_of(model, "recompute", names)
     model.recomputed_names = recomputed
     for target in (t for t in chosen if t.consumer is None):

@@ -7,7 +7,6 @@ weight and `e_score_correction_bias` in fp32 whatever X, its `_keep_in_fp32_modu
 """
 
 import json
-import math
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 from moefold.checkpoint.hf import load_pretrained, save_pretrained  # noqa: E402
 from moefold.cli import main  # noqa: E402
 from moefold.errors import CheckpointError  # noqa: E402
+from test_hf_interop import randomize  # noqa: E402
 
 VOCAB = 300  # the run's byte tokenizer needs 257 ids
 transformers.logging.set_verbosity_error()
@@ -59,29 +59,13 @@ def _deepseek_v3(**kw):
 FAMILIES = {"qwen3_moe": _qwen3, "mixtral": _mixtral, "deepseek_v3": _deepseek_v3}
 
 
-@torch.no_grad()
-def _randomize(model, seed):
-    """Unit-scale activations, uneven routing and an expert bias that matters."""
-    gen = torch.Generator().manual_seed(seed)
-    for name, t in [*model.named_parameters(), *model.named_buffers()]:
-        if not t.is_floating_point() or "inv_freq" in name:
-            continue
-        noise = torch.randn(t.shape, generator=gen)
-        if name.endswith("e_score_correction_bias"):
-            t.copy_(0.1 * noise)
-        elif t.dim() == 1:
-            t.copy_(1 + 0.2 * noise)
-        else:
-            t.copy_(noise / math.sqrt(t.shape[-1]))
-
-
 def _bf16_checkpoint(path, family, seed=0):
     """A bf16 checkpoint as a Hub release is: every tensor bf16, DeepSeek-V3's
     `e_score_correction_bias` and router weight too (transformers would write those in fp32)."""
     hf_config = FAMILIES[family]()
     hf_config._attn_implementation = "eager"
     model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-    _randomize(model, seed)
+    randomize(model, seed)
     model.to(torch.bfloat16).save_pretrained(path)
     tensors = safetensors_torch.load_file(path / "model.safetensors")
     assert all(t.dtype == torch.bfloat16 for t in tensors.values())
@@ -130,7 +114,7 @@ def _fp32_checkpoint(path, family, seed):
     hf_config = FAMILIES[family]()
     hf_config._attn_implementation = "eager"
     model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-    _randomize(model, seed)
+    randomize(model, seed)
     model.save_pretrained(path)
     return path
 

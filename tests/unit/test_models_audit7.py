@@ -9,7 +9,6 @@ fp64 arithmetic.
 B batch, S sequence, V vocabulary, P positions already cached.
 """
 
-import math
 
 import pytest
 import torch
@@ -19,13 +18,13 @@ from moefold.checkpoint.hf import config_from_hf, hf_tensors, load_pretrained
 from moefold.errors import CheckpointError
 from moefold.models import transformer as transformer_module
 from moefold.models.rope import apply_rope, apply_rope_interleaved, rope_cos_sin
+from test_hf_interop import hub_named, randomize
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
 VOCAB = 96
 FP32_RTOL = 1e-5
-_HUB_EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2")}
 
 
 def qwen3(**kw):
@@ -50,29 +49,12 @@ def deepseek_v3(**kw):
     return transformers.DeepseekV3Config(**{**base, **kw})
 
 
-@torch.no_grad()
-def _randomize(model, seed: int) -> None:
-    """Unit-scale activations and uneven routing: 1/sqrt(fan-in) matrices, norms near 1, a non-zero
-    expert bias."""
-    gen = torch.Generator().manual_seed(seed)
-    for name, t in [*model.named_parameters(), *model.named_buffers()]:
-        if not t.is_floating_point() or "inv_freq" in name:
-            continue
-        noise = torch.randn(t.shape, generator=gen)
-        if name.endswith("e_score_correction_bias"):
-            t.copy_(0.1 * noise)
-        elif t.dim() == 1:
-            t.copy_(1 + 0.2 * noise)
-        else:
-            t.copy_(noise / math.sqrt(t.shape[-1]))
-
-
 def _pair(hf_config, tmp_path, seed=0):
     """(transformers' eager fp32 model, moefold's model loaded from the checkpoint it saved)."""
     hf_config._attn_implementation = "eager"
     torch.manual_seed(seed)
     hf = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-    _randomize(hf, seed)
+    randomize(hf, seed)
     hf.save_pretrained(tmp_path)
     return hf.eval(), load_pretrained(tmp_path)
 
@@ -212,26 +194,6 @@ def test_a_yarn_attention_factor_is_refused_by_its_key():
 # ---------------------------------------------------------------------------------------------
 
 
-def _hub_named(tensors: dict, model_type: str) -> dict:
-    """transformers' in-memory tensors (fused experts) under the Hub's per-expert names."""
-    gate, up, down = _HUB_EXPERT_NAMES.get(model_type, ("gate_proj", "up_proj", "down_proj"))
-    out = {}
-    for name, t in tensors.items():
-        if model_type == "mixtral":
-            name = name.replace(".mlp.", ".block_sparse_moe.")
-        base = name.rsplit(".", 1)[0]
-        if name.endswith("experts.gate_up_proj"):
-            g, u = t.chunk(2, dim=1)
-            for e in range(t.shape[0]):
-                out[f"{base}.{e}.{gate}.weight"], out[f"{base}.{e}.{up}.weight"] = g[e], u[e]
-        elif name.endswith("experts.down_proj"):
-            for e in range(t.shape[0]):
-                out[f"{base}.{e}.{down}.weight"] = t[e]
-        else:
-            out[name] = t
-    return out
-
-
 @pytest.mark.parametrize("hf_config", [
     deepseek_v3(n_shared_experts=2), deepseek_v3(first_k_dense_replace=0),
     deepseek_v3(first_k_dense_replace=5), deepseek_v3(routed_scaling_factor=1.0, norm_topk_prob=False),
@@ -250,7 +212,7 @@ def test_model_variants_match_transformers_logits_and_gradients(hf_config, tmp_p
     _assert_rel_close(our_logits.detach(), hf_logits.detach(), FP32_RTOL, "logits")
     F.cross_entropy(hf_logits.flatten(0, 1), labels.flatten()).backward()
     F.cross_entropy(our_logits.flatten(0, 1), labels.flatten()).backward()
-    hf_grads = _hub_named({n: p.grad for n, p in hf.named_parameters() if p.grad is not None}, hf_config.model_type)
+    hf_grads = hub_named({n: p.grad for n, p in hf.named_parameters() if p.grad is not None}, hf_config.model_type)
     our_grads = dict(hf_tensors(ours, {n: p.grad for n, p in ours.named_parameters() if p.grad is not None}))
     assert hf_grads.keys() <= our_grads.keys()
     for name, grad in hf_grads.items():

@@ -393,14 +393,17 @@ def _check_prompt(prompt: str) -> None:
 def _generate(args: argparse.Namespace) -> int:
     import torch
 
+    from moefold.checkpoint.dcp import resolve_checkpoint
     from moefold.generate import continuation, load_model_from_run, sample, stop_ids
 
     _check_generate_args(args)  # before loading the model
     prompt_ids, context = _prompt_ids(args.run_dir, args.prompt)  # before the weights are read
-    model, tokenizer, cfg = load_model_from_run(args.run_dir, args.device, for_sampling=True)
+    # The latest checkpoint once, for the weights and the stop ids: a training may save another.
+    checkpoint = resolve_checkpoint(args.run_dir, "--run-dir")
+    model, tokenizer, cfg = load_model_from_run(args.run_dir, args.device, for_sampling=True, checkpoint=checkpoint)
     generator = torch.Generator().manual_seed(args.seed)
     new_ids = sample(model, prompt_ids, args.max_new_tokens, args.temperature, args.top_k,
-                     context, stop_ids(cfg, tokenizer, args.run_dir), generator, tokenizer.vocab_size)
+                     context, stop_ids(cfg, tokenizer, checkpoint), generator, tokenizer.vocab_size)
     _print_text(continuation(tokenizer, args.prompt, prompt_ids, new_ids))
     return 0
 

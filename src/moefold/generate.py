@@ -20,14 +20,16 @@ from moefold.train.trainer import resolve_compute_dtype
 
 
 def load_model_from_run(run_dir: Path, device_name: str = "auto", exact_masters: bool = False,
-                        for_sampling: bool = False):
-    """(model, tokenizer, config) with the weights of the run's latest checkpoint; the model is
+                        for_sampling: bool = False, checkpoint: Path | None = None):
+    """(model, tokenizer, config) with the weights of the run's latest checkpoint, or of
+    `checkpoint` (one of its checkpoints: `moefold generate` resolves the latest once, for these
+    weights and for `stop_ids`, since a training may save another in between); the model is
     dropless and unpadded whatever capacity factor and pad multiple the run trained with
     (`_dropless`). `exact_masters`: as `load_weights`' (an export's weights, not the ones a bf16
     forward ran with). `for_sampling`: a tokenizer of more ids than the model's is refused first
     (`check_tokenizer_fits`); an export takes the weights whatever the tokenizer."""
     cfg = run_config(run_dir)
-    checkpoint = resolve_checkpoint(Path(run_dir), "--run-dir")
+    checkpoint = resolve_checkpoint(Path(checkpoint or run_dir), "--run-dir")
     device = resolve_device(device_name, "--device")
     tokenizer = build_tokenizer(cfg.data.tokenizer)
     if for_sampling:  # before the weights are read
@@ -93,7 +95,8 @@ def end_of_document_id(cfg: Config, tokenizer) -> int:
 def learned_end_of_document_id(cfg: Config, tokenizer, vocab_size: int, run_dir: Path) -> int | None:
     """`end_of_document_id` where the run's model may have learned it, else None: the byte
     tokenizer's 256 ended no document that a run converted from a checkpoint without tokenizer.json
-    read before it trained (its step-0 checkpoint), and an id past the vocabulary is no token."""
+    read before it trained (its step-0 checkpoint), and an id past the vocabulary is no token.
+    `run_dir`: the run (its latest checkpoint), or the checkpoint whose weights the model holds."""
     eos = end_of_document_id(cfg, tokenizer)
     bytes_untrained = (not cfg.data.tokenizer and cfg.data.eos_id < 0
                        and checkpoint_step(resolve_checkpoint(run_dir, "--run-dir")) == 0)
@@ -101,7 +104,8 @@ def learned_end_of_document_id(cfg: Config, tokenizer, vocab_size: int, run_dir:
 
 
 def stop_ids(cfg: Config, tokenizer, run_dir: Path) -> list[int]:
-    """The ids `moefold generate` stops at for run directory `run_dir`: the end of document where
+    """The ids `moefold generate` stops at for run directory `run_dir` (or the checkpoint of it
+    whose weights the model holds): the end of document where
     its model learned it (`learned_end_of_document_id`), and those an imported checkpoint states,
     where transformers' generate stops (its generation_config.json's eos_token_id, else its
     config.json's: Qwen3 instruct's <|im_end|> and <|endoftext|>)."""

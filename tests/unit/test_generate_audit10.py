@@ -2,6 +2,7 @@
 at the same time, and `moefold generate` judges the checkpoint whose weights it loaded."""
 
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -49,3 +50,35 @@ def test_prompts_and_documents_encoded_in_threads_get_their_serial_ids(tmp_path)
     for thread in threads:
         thread.join()
     assert wrong == {"document": 0, "prompt": 0}
+
+
+def test_generate_judges_the_checkpoint_whose_weights_it_loaded(tmp_path, tiny_args, monkeypatch):
+    """`moefold generate` resolved the run's latest checkpoint twice: for the weights, then again
+    for the stop ids (whether its model ever read an end of document: not at step 0). A training
+    that saved a checkpoint in between had the stop ids judged by that one: step 3 where the
+    weights were step 2's. Now the one path serves both."""
+    import shutil
+
+    import moefold.generate as generate
+    from moefold.cli import main
+
+    run = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run), *tiny_args, "--train.steps", "2",
+                 "--train.warmup_steps", "1"]) == 0
+    loaded, judged = [], []
+    load_weights, checkpoint_step = generate.load_weights, generate.checkpoint_step
+
+    def load_then_save_another(model, path, *args):
+        load_weights(model, path, *args)
+        loaded.append(path.name)
+        shutil.copytree(path, path.with_name("step_00000003"))  # as a training's save meanwhile
+
+    def step_of(path):
+        judged.append(Path(path).name)
+        return checkpoint_step(path)
+    monkeypatch.setattr(generate, "load_weights", load_then_save_another)
+    monkeypatch.setattr(generate, "checkpoint_step", step_of)
+    assert main(["generate", "--run-dir", str(run), "--prompt", "hello", "--max-new-tokens", "2",
+                 "--device", "cpu"]) == 0
+    assert loaded == ["step_00000002"]
+    assert judged == loaded

@@ -284,6 +284,7 @@ _EXPORT_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 def _convert(args: argparse.Namespace) -> int:
     import torch
 
+    from moefold.checkpoint.dcp import resolve_checkpoint
     from moefold.checkpoint.hf import CONFIG, check_exportable, save_pretrained
     from moefold.data.tokenizer import tokenizer_files
     from moefold.generate import learned_end_of_document_id, load_model_from_run, run_config
@@ -301,13 +302,15 @@ def _convert(args: argparse.Namespace) -> int:
     if (args.to_hf / CONFIG).exists():
         raise UserError(f"--to-hf {args.to_hf} already holds a checkpoint ({CONFIG}); choose another directory")
     check_exportable(run_config(args.run_dir))  # a family without export: before the weights are read
+    # The latest checkpoint once, for the weights and the EOS id: a training may save another.
+    checkpoint = resolve_checkpoint(args.run_dir, "--run-dir")
     # By default the weights as the optimizer holds them: bf16+remainder's exact fp32 masters; bf16
     # masters are bf16 (written as such, not widened).
-    model, tokenizer, cfg = load_model_from_run(args.run_dir, "cpu", exact_masters=True)
+    model, tokenizer, cfg = load_model_from_run(args.run_dir, "cpu", exact_masters=True, checkpoint=checkpoint)
     default = "bf16" if cfg.optim.master_dtype == "bf16" else "fp32"
     dtype = getattr(torch, _EXPORT_DTYPES[args.dtype or default])
     save_pretrained(model, args.to_hf, dtype=dtype, copies=tokenizer_files(cfg.data.tokenizer),
-                    eos_token_id=learned_end_of_document_id(cfg, tokenizer, model.vocab_size, args.run_dir))
+                    eos_token_id=learned_end_of_document_id(cfg, tokenizer, model.vocab_size, checkpoint))
     print(f"converted {args.run_dir} -> {args.to_hf}")
     return 0
 

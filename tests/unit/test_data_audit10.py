@@ -4,11 +4,15 @@ run needs, counted on the loader; the batch's copy to the device (`Trainer._to_d
 from __future__ import annotations
 
 import sys
+import time
+import types
 from pathlib import Path
 
 import pytest
+import torch
 
 from moefold.config import load_config
+from moefold.data.loader import Batch, make_batch
 from moefold.train.trainer import Trainer
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
@@ -40,3 +44,39 @@ def test_a_run_reads_the_batches_of_its_steps_each_read_during_the_step_before(t
     read_at = _counting_reads(trainer)
     trainer.fit()
     assert read_at == [0] * accum + [step for step in range(steps - 1) for _ in range(accum)]
+
+
+def _batches(count: int, rows: int = 8, seq_len: int = 4096) -> list[Batch]:
+    generator = torch.Generator().manual_seed(0)
+    return [make_batch(torch.randint(0, 50_000, (rows, seq_len + 1), generator=generator), 0)
+            for _ in range(count)]
+
+
+def test_a_batch_on_the_cpu_is_the_loader_rows_unpinned():
+    """On a CPU run `_to_device` pins nothing (pinning needs CUDA: a CPU-only torch raises) and
+    gives the batch's own values."""
+    batch = _batches(1, rows=2, seq_len=16)[0]
+    input_ids_BS, labels_BS = Trainer._to_device(types.SimpleNamespace(device=torch.device("cpu")), batch)
+    assert torch.equal(input_ids_BS, batch.input_ids_BS) and torch.equal(labels_BS, batch.labels_BS)
+    assert not input_ids_BS.is_pinned()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a host-to-CUDA copy")
+def test_batches_copied_to_cuda_queue_behind_busy_kernels_without_waiting_and_arrive_intact():
+    """Three batches copied while the stream sleeps ~1 s: the host returns at once (a copy from
+    pageable memory may wait for the stream), and each batch arrives with its own rows although
+    their pinned blocks were dropped before the copies ran (the caching host allocator must not
+    hand one to the next batch early)."""
+    trainer = types.SimpleNamespace(device=torch.device("cuda"))
+    batches = _batches(3)
+    Trainer._to_device(trainer, batches[0])  # the pinned allocator's first blocks, outside the timing
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1_500_000_000)  # cycles: ~1 s at 1.5 GHz
+    start = time.perf_counter()
+    copies = [Trainer._to_device(trainer, batch) for batch in batches]
+    host_s = time.perf_counter() - start
+    torch.cuda.synchronize()
+    assert host_s < 0.2, f"the host waited {host_s:.3f} s for the stream"
+    for batch, (input_ids_BS, labels_BS) in zip(batches, copies):
+        assert torch.equal(input_ids_BS.cpu(), batch.input_ids_BS)
+        assert torch.equal(labels_BS.cpu(), batch.labels_BS)

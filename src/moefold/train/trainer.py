@@ -511,9 +511,16 @@ class Trainer:
         return self._stop_vote.group if self.dist.dp_size > 1 else None
 
     def _to_device(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """This data rank's batch (the loaders read only its rows) on the device."""
-        return (batch.input_ids_BS.to(self.device, non_blocking=True),
-                batch.labels_BS.to(self.device, non_blocking=True))
+        """This data rank's batch (the loaders read only its rows) on the device. To CUDA through
+        pinned memory: from pageable memory the driver stages the copy and "may synchronize with
+        the stream" (CUDA's API sync behaviour), a wait for the kernels queued before it at every
+        micro-batch; from pinned memory the copy is queued and the host goes on. The pinned rows
+        may be dropped at once: torch's caching host allocator records the copy on the stream and
+        reuses their block only after it."""
+        rows = (batch.input_ids_BS, batch.labels_BS)
+        if self.device.type == "cuda":  # pinning needs a CUDA context; a CPU copy is no copy
+            rows = tuple(t.pin_memory() for t in rows)
+        return tuple(t.to(self.device, non_blocking=True) for t in rows)
 
     def train_step(self, read_ahead: bool = True) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """One optimizer step over grad_accum micro-batches; (mean loss parts, grad norm), both on

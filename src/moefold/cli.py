@@ -75,7 +75,8 @@ def _build_parser() -> argparse.ArgumentParser:
                                             "corpus). Any config field can be overridden.")
     train.add_argument("--run-dir", type=path_argument, help="where the run writes (default: runs/<timestamp>)")
     train.add_argument("--resume", type=path_argument, metavar="DIR",
-                       help="continue the run in DIR (a run directory or one of its checkpoints)")
+                       help="continue the run in DIR: a run directory (its latest checkpoint, with its "
+                            "config.toml) or one of its checkpoints (with the config it was saved with)")
     train.add_argument("--init-from-hf", type=path_argument, metavar="DIR",
                        help="start from a Hugging Face checkpoint directory (its config.json sets "
                             "[model] and the architecture of [moe], which options may change where "
@@ -194,9 +195,10 @@ def _train(args: argparse.Namespace) -> int:
     if args.resume is not None:
         if args.config or args.init_from_hf:
             raise ConfigError("--config and --init-from-hf cannot be combined with --resume: the "
-                              "run's config.toml is used; override single fields instead")
+                              "run's config is used (config.toml, or the checkpoint's own); override "
+                              "single fields instead")
         run_dir = args.run_dir or _run_dir_of(args.resume)
-        cfg, notes = read_run_config(_run_dir_of(args.resume) / "config.toml", overrides)
+        cfg, notes = _resume_config(args.resume, overrides)
     elif args.init_from_hf is not None:
         cfg = _config_for_hf_model(args.init_from_hf, args.config, overrides)
         run_dir = args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
@@ -357,10 +359,39 @@ def _write_converted_run(hf_dir: Path, out: Path, created: bool) -> Path:
     return path
 
 
+def _resume_config(resume: Path, overrides: dict[str, Any]) -> tuple[Config, list[str]]:
+    """The config --resume DIR continues with, and the notes to say. A checkpoint's is the one it
+    was saved with, which it holds: its run's config.toml holds the options of the run's latest
+    start, which a later resume may have changed (as Megatron-LM's --use-checkpoint-args takes
+    a checkpoint's). A run directory continues its latest checkpoint with config.toml, as does a
+    checkpoint that holds no config (weights only, or saved by an earlier moefold): said where
+    it is not the run's latest, whose options config.toml may no longer hold."""
+    from moefold.checkpoint.dcp import checkpoint_keys, latest_checkpoint, load_value, resolve_checkpoint
+    from moefold.train.trainer import _CONFIG as SAVED_CONFIG  # the key of the config a checkpoint was saved with
+
+    run_dir = _run_dir_of(resume)
+    if not _is_checkpoint_dir(resume):
+        return read_run_config(run_dir / "config.toml", overrides)
+    checkpoint = resolve_checkpoint(resume)
+    if SAVED_CONFIG in checkpoint_keys(checkpoint):
+        return read_run_config(checkpoint, overrides, text=load_value(checkpoint, SAVED_CONFIG))
+    cfg, notes = read_run_config(run_dir / "config.toml", overrides)
+    if checkpoint.name != latest_checkpoint(run_dir).name:
+        notes.append(f"note: --resume {resume} holds no config of its own (weights only, or saved by an earlier "
+                     f"moefold): continuing with {run_dir / 'config.toml'}, the options of the run's latest start, "
+                     "which may differ from those it was saved with")
+    return cfg, notes
+
+
+def _is_checkpoint_dir(resume: Path) -> bool:
+    """Whether --resume DIR names one of a run's checkpoints (not the run directory)."""
+    return Path(resume).name.startswith("step_") and Path(resume).parent.name == "checkpoints"
+
+
 def _run_dir_of(resume: Path) -> Path:
     """The run directory of --resume DIR, which names a run or one of its checkpoints."""
     resume = Path(resume)
-    if resume.name.startswith("step_") and resume.parent.name == "checkpoints":
+    if _is_checkpoint_dir(resume):
         run_dir = resume.parent.parent
         if not (run_dir / "config.toml").is_file():  # else named as a --config that was never given
             raise UserError(f"--resume {resume}: its run directory {run_dir} holds no config.toml, the config "

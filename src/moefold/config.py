@@ -627,14 +627,17 @@ def config_from_toml(path: Path, overrides: dict[str, Any] | None = None) -> Con
     return read_run_config(path, overrides)[0]
 
 
-def read_run_config(path: Path, overrides: dict[str, Any] | None = None) -> tuple[Config, list[str]]:
+def read_run_config(path: Path, overrides: dict[str, Any] | None = None,
+                    text: str | None = None) -> tuple[Config, list[str]]:
     """`config_from_toml`, and a note for each option of the file it dropped: one without effect
     in the config with the overrides, which an older moefold accepted and saved (refused since):
     the run must still resume (or generate) without it (`InertOptionError.unset`). One the
-    overrides give is refused, as in a fresh run."""
+    overrides give is refused, as in a fresh run. `text`: the TOML itself where `path` holds it
+    as a value (the config a checkpoint was saved with); `path` then only names it."""
     label, overrides = str(path), overrides or {}
     cfg = Config()
-    apply_overrides(cfg, flatten_table(read_preset(label, label), label), source=label)
+    table = read_preset(label, label) if text is None else tomllib.loads(text)
+    apply_overrides(cfg, flatten_table(table, label), source=label)
     apply_overrides(cfg, overrides)
     notes, set_to = [], set()
     while True:  # one error at a time: each drop lets validate reach the next

@@ -169,7 +169,8 @@ def test_a_branch_from_a_checkpoint_saved_before_a_resume_that_changed_the_model
     config.toml then holds. A run continued from step 2 in another directory reads config.toml's
     options: it trains top_k 3 from a top_k-2 checkpoint, and said nothing, since the resume checks
     compared the options with config.toml's rather than with the ones step 2 was saved with. The
-    change is named as a resume that changes it is."""
+    change is named as a resume that changes it is. (Since test_cli_audit10, a branch continues
+    with the options step 2 was saved with: top_k 3 is given here, as a change.)"""
     from conftest import cli_args
 
     from moefold.cli import main
@@ -181,7 +182,7 @@ def test_a_branch_from_a_checkpoint_saved_before_a_resume_that_changed_the_model
     assert main(["train", "--resume", str(run), "--train.steps", "6", "--moe.top_k", "3"]) == 0
     capsys.readouterr()
     assert main(["train", "--resume", str(run / "checkpoints" / "step_00000002"), "--run-dir",
-                 str(tmp_path / "branch")]) == 0
+                 str(tmp_path / "branch"), "--moe.top_k", "3"]) == 0
     notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: this run changes")]
     assert notes == ["note: this run changes the model it resumes: moe.top_k 2 -> 3"]
 

@@ -98,10 +98,9 @@ def test_reduce_scatter_row_bounds_what_fsdp2_holds(tmp_path, world):
     group's unsharded gradients (the master's dtype) beside their copy in the send buffer (the
     reduce dtype), and the root's head gradients unsharded through backward: measured 459,264 B
     with fp32 master and gradients, 360,960 with bf16 gradients, where the row said 248,448, and
-    264,192 for the root's reduce-scatter where it said 0 (ep 2). Now the row is exact, or, where a
-    block's reduce-scatters set the most, above it by exactly its stated margin: (master + reduce)
-    bytes for each element of the block's non-expert group, which FSDP2 reduces apart from the
-    experts and the plan counts with them."""
+    264,192 for the root's reduce-scatter where it said 0 (ep 2). Now the row is exact, or above it
+    by at most its stated margin: (master + reduce) bytes for each element of the block's
+    non-expert group, which FSDP2 reduces apart from the experts and the plan counts with them."""
     from test_parallel_dims import results_on_ranks
 
     ranks = results_on_ranks(_held_on_rank, world, tmp_path, str(tmp_path))
@@ -111,4 +110,6 @@ def test_reduce_scatter_row_bounds_what_fsdp2_holds(tmp_path, world):
         reduce = 2 if overrides.get("optim.grad_dtype") == "bf16" else master
         planned, dense = ranks[0][name][0], ranks[0][name][2]
         real = max(r[name][1] for r in ranks)
-        assert planned - real in (0, (master + reduce) * dense), (name, planned, real, dense)
+        # test_plan_audit10: the block's groups over one rank count too (ep 2 on 2), and a
+        # group's reduce-scatter may fall short of the root's: within the margin, never below
+        assert 0 <= planned - real <= (master + reduce) * dense, (name, planned, real, dense)

@@ -35,8 +35,10 @@ What one GPU holds, and the assumptions behind each part (docs/memory.md explain
   FSDP2's all-gathered parameters (in their own dtype) of two blocks (the current and the prefetched
   one), the root's embedding and head (kept gathered from forward to backward), in backward
   FSDP2's reduce-scatter: a block's unsharded gradients (the master's dtype) and their send buffer
-  (the reduce dtype) and the head's unsharded gradients, or the root's last reduce-scatter
-  (`_reduce_scatter_bytes`), the pipeline's send/receive of one micro-batch.
+  (the reduce dtype, dim 0 padded to a multiple of the ranks; a group over one rank too) and the
+  head's unsharded gradients (their shards come after backward), or the root's last
+  reduce-scatter (`_reduce_scatter_bytes`; none in a one-process job, which runs without FSDP),
+  the pipeline's send/receive of one micro-batch.
 - **Time order** (`_phases`): the peak is the largest of three moments. Forward ends with every
   in-flight activation held and the loss workspace, and no gradients yet unless micro-batches
   accumulate (or a pipeline interleaves them); or it peaks inside a recomputed or offloaded layer,
@@ -69,6 +71,7 @@ from moefold.plan import options
 from moefold.plan.head import head_losses
 from moefold.plan.params import (
     ParamSplit,
+    Weight,
     block_weights,
     embedding_params,
     embedding_weights,
@@ -141,6 +144,12 @@ class _Layout:
     dense_shard: int  # ranks sharing one dense parameter's optimizer state (dp·cp)
     expert_shard: int  # ... one expert parameter's (edp)
     fsdp: bool
+
+    @property
+    def fsdp2(self) -> bool:
+        """Whether FSDP2 wraps the model: a one-process job runs without it (parallel/launch.py:
+        no layout), where a multi-process one wraps every group, one over a single rank included."""
+        return self.fsdp and self.dims.world > 1
 
 
 def _layout(cfg: Config, world_size: int) -> _Layout:
@@ -308,49 +317,88 @@ def _comm_buffers(cfg: Config, lay: _Layout, chunks: list[Chunk], sh: act.Shapes
                        for i in layers if is_moe_layer(cfg, i))
             out["all-to-all (one MoE layer)"] = rows * D * c
     first, last = any(ch.first for ch in chunks), any(ch.last for ch in chunks)
-    root = root_grads = root_sent = 0.0  # the root's parameters, those with gradients mid-backward,
-    # its send buffer (elements)
-    if lay.fsdp and lay.dense_shard > 1:
-        root = _chunk_params(cfg, Chunk(-1, (), first, last), vocab).replicated
-        if root:
-            out["FSDP root (embedding, head) gathered"] = sh.params * root
-        # The head's backward (backward's first) makes them, tied embeddings' included; the untied
-        # embedding's comes last, at the root's own reduce-scatter.
-        tied = cfg.model.tie_embeddings and first
-        root_grads = head_params(cfg, vocab).replicated * last + embedding_params(cfg, vocab).replicated * tied
-        root_sent = _padded_root(cfg, vocab, first, last, lay.dense_shard)
-    if lay.fsdp:
-        block = max(_fsdp_block(cfg, lay, i) for i in layers)
-        if block:
-            out["FSDP all-gather (2 blocks)"] = 2 * sh.params * block
-        if block or root:
-            out[BACKWARD_ONLY] = _reduce_scatter_bytes(cfg, block, root, root_grads, root_sent)
+    if lay.fsdp2:
+        out.update(_fsdp_buffers(cfg, lay, layers, sh, vocab, first, last))
     if d.pp > 1:
         out["pipeline send/recv"] = 2 * sh.tokens * D * c
     return out
 
 
-def _padded_root(cfg: Config, vocab: int, first: bool, last: bool, ranks: int) -> float:
-    """Elements of the root's send buffer: FSDP2 pads each parameter's dim 0 to a multiple of the
-    ranks (a 257-row vocabulary sends 258 rows over 2)."""
-    weights = (embedding_weights(cfg, vocab) if first else []) + (head_weights(cfg, vocab) if last else [])
-    return sum(math.ceil(w.cols / ranks) * ranks if w.vector else math.ceil(w.rows / ranks) * ranks * w.cols
-               for w in weights)
+def _fsdp_buffers(cfg: Config, lay: _Layout, layers: list[int], sh: act.Shapes, vocab: int,
+                  first: bool, last: bool) -> dict[str, float]:
+    """FSDP2's gathered parameters and, in backward, its reduce-scatter (`_reduce_scatter_bytes`)."""
+    out: dict[str, float] = {}
+    root = _chunk_params(cfg, Chunk(-1, (), first, last), vocab).replicated
+    if root and lay.dense_shard > 1:
+        out["FSDP root (embedding, head) gathered"] = sh.params * root
+    block = max(_fsdp_block(cfg, lay, i) for i in layers)
+    if block:
+        out["FSDP all-gather (2 blocks)"] = 2 * sh.params * block
+    # The head's backward (backward's first) makes the root's gradients, tied embeddings' included;
+    # the untied embedding's comes last, at the root's own reduce-scatter.
+    tied = cfg.model.tie_embeddings and first
+    root_grads = head_params(cfg, vocab).replicated * last + embedding_params(cfg, vocab).replicated * tied
+    root_sent = _padded_elements(_root_weights(cfg, vocab, first, last), lay.dims, lay.dense_shard,
+                                 lay.expert_shard)
+    reduced = [_reduced_block(cfg, lay, i) for i in layers]
+    if reduced or root:
+        out[BACKWARD_ONLY] = _reduce_scatter_bytes(cfg, reduced, root, root_grads, root_sent)
+    return out
 
 
-def _reduce_scatter_bytes(cfg: Config, block: float, root: float, root_grads: float,
-                          root_sent: float) -> float:
+def _root_weights(cfg: Config, vocab: int, first: bool, last: bool) -> list[Weight]:
+    return (embedding_weights(cfg, vocab) if first else []) + (head_weights(cfg, vocab) if last else [])
+
+
+def _reduced_block(cfg: Config, lay: _Layout, layer_id: int) -> tuple[float, float]:
+    """(elements, send-buffer elements) of one block's gradients FSDP2 reduce-scatters on this
+    rank: every local parameter, a group over one rank included (FSDP2 copies it into a send
+    buffer and out again all the same)."""
+    from moefold.models.transformer import is_moe_layer
+
+    local = sum(_local(layer_params(cfg, layer_id), lay.dims))
+    weights = block_weights(cfg, is_moe_layer(cfg, layer_id))
+    return local, _padded_elements(weights, lay.dims, lay.dense_shard, lay.expert_shard)
+
+
+def _padded_elements(weights: list[Weight], dims: ParallelDims, dense_ranks: int,
+                     expert_ranks: int) -> float:
+    """Elements of the send buffers of `weights`' local tensors: FSDP2 pads each one's dim 0 to a
+    multiple of its data ranks (a 257-row vocabulary sends 258 rows over 2, a 64-wide norm 66 over
+    3). An expert weight whose local experts do not split evenly is cut on dim 1 instead
+    (parallel/data.py's `even_expert_shards`), which must split evenly: no padding."""
+    total = 0.0
+    for w in weights:
+        ranks = expert_ranks if w.expert else dense_ranks
+        if w.vector:
+            total += math.ceil(w.cols / ranks) * ranks
+            continue
+        rows = w.rows // math.prod(getattr(dims, name) for name in w.row_split)
+        cols = w.cols // getattr(dims, w.col_split) if w.col_split else w.cols
+        lead = w.lead // getattr(dims, w.row_split[0]) if w.lead else rows  # dim 0
+        per_lead = rows // lead  # an expert tensor's dim 1 (1 for a matrix)
+        if w.lead and lead % ranks and per_lead % ranks == 0:  # cut on dim 1
+            total += rows * cols
+        else:
+            total += math.ceil(lead / ranks) * ranks * per_lead * cols
+    return total
+
+
+def _reduce_scatter_bytes(cfg: Config, blocks: list[tuple[float, float]], root: float,
+                          root_grads: float, root_sent: float) -> float:
     """FSDP2's unsharded gradients and reduce-scatter send buffers at their most in backward (torch
     2.13's foreach_reduce). A group's gradients, in the master's dtype, are copied into a send
-    buffer in the reduce dtype (optim.grad_dtype; a bf16 master's own) before they are freed, and
-    FSDP2 keeps that buffer until the next group's post-backward (one in flight, its default):
-    master + reduce bytes per element (8 fp32/fp32, 6 fp32 with bf16 gradients, 4 bf16). The root
-    (embedding, head, final norm) reduce-scatters last, with a padded send buffer; its head's
-    gradients stay unsharded from the head's backward on. A block is taken whole, gradients and
-    buffer: FSDP2 reduces a MoE block's experts and the rest as two groups, so this exceeds the
-    real most by master + reduce bytes per element of the smaller group."""
+    buffer in the reduce dtype (optim.grad_dtype; a bf16 master's own), each parameter's dim 0
+    padded to a multiple of the ranks (`blocks`: each block's (elements, send-buffer elements)),
+    before they are freed, and FSDP2 keeps that buffer until the next group's post-backward (one in
+    flight, its default). A group over one rank is copied so too. The root (embedding, head, final
+    norm) reduce-scatters last; its head's gradients stay unsharded from the head's backward on
+    (the plan counts them here, not among the sharded gradients). A block is taken whole,
+    gradients and buffer: FSDP2 reduces a MoE block's experts and the rest as two groups, so this
+    exceeds the real most by up to master + reduce bytes per element of the smaller group."""
     master, reduce = MASTER_BYTES[cfg.optim.master_dtype], _reduce_bytes(cfg)
-    return max(master * root_grads + (master + reduce) * block, master * root + reduce * root_sent)
+    block = max((master * n + reduce * sent for n, sent in blocks), default=0.0)
+    return max(master * root_grads + block, master * root + reduce * root_sent)
 
 
 def _reduce_bytes(cfg: Config) -> int:
@@ -471,8 +519,10 @@ def _rank_plan(cfg: Config, lay: _Layout, chunks: list[Chunk], rank: int, sh: ac
     head, head_backward = (0.0, 0.0, 0.0), (0.0, 0.0)
     if last.last:  # forward ends, and backward starts, at the last head (an MTP depth's, if any)
         heads = head_losses(cfg, sh, vocab)
-        head = (heads[-1].forward_workspace(), heads[-1].backward_workspace(),
-                _gradients(cfg, lay, head_params(cfg, vocab)))
+        # FSDP2 keeps the head's gradients unsharded until the root reduce-scatters them, after
+        # every block: the reduce-scatter row holds them, and their shards come after backward.
+        head_grads = 0.0 if lay.fsdp2 else _gradients(cfg, lay, head_params(cfg, vocab))
+        head = (heads[-1].forward_workspace(), heads[-1].backward_workspace(), head_grads)
         head_backward = (sum(h.freed_in_backward() for h in heads), heads[-1].grad_workspace())
     optimizer = _optimizer_step(cfg, lay, split)
     r = _Rank(states, sum(activations.values()), layers, head, running, head_backward,

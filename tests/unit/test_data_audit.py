@@ -72,8 +72,8 @@ def test_an_npy_of_no_integer_ids_is_refused_by_name(tmp_path, dtype):
 
 def trainer_loader(corpus: Path, dp: int, micro_batch: int, **train):
     """The train loaders Trainer._build_data builds on each data rank of `dp` (the rest of the
-    trainer stubbed: it reads only cfg, dist.dp_size, dist.dp_rank and grad_accum), and the
-    micro-batches of a step."""
+    trainer stubbed: it reads only cfg, dist.dp_size, dist.dp_rank, grad_accum and _stop_vote, whose
+    group shares the encoding over the ranks: None, each encodes alone), and the micro-batches of a step."""
     from types import SimpleNamespace
 
     from moefold.config import load_config, micro_batches_per_step
@@ -86,7 +86,7 @@ def trainer_loader(corpus: Path, dp: int, micro_batch: int, **train):
     loaders = []
     for rank in range(dp):
         stub = SimpleNamespace(cfg=cfg, dist=SimpleNamespace(dp_size=dp, dp_rank=rank),
-                               grad_accum=micro_batches_per_step(cfg.train, dp))
+                               grad_accum=micro_batches_per_step(cfg.train, dp), _stop_vote=None)
         Trainer._build_data(stub)
         loaders.append(stub.train_loader)
     return loaders, stub.grad_accum

@@ -11,6 +11,11 @@ as they are, with no EOS inserted between files: their writers already mark docu
 (Megatron's preprocess_data with append-EOD ends each with EOD, llm.c's shards start each with
 <|endoftext|>), an inserted one would double those, and `data.eos_id` defaults to the
 tokenizer's, which need not be the files' (the byte-level 256 is a real GPT-2 id).
+
+The ranks of a run tokenize a text corpus once between them: each reads every document (names and
+sizes make the split and the batches) but encodes only every world-th batch, and the ranks then
+exchange the ids over a gloo group, each batch's broadcast by its encoder straight into its place
+in every rank's streams. The streams are byte for byte those of one process.
 """
 
 from __future__ import annotations
@@ -20,8 +25,11 @@ import sys
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+import torch
+import torch.distributed as dist
 
 from moefold.config import DataConfig
 from moefold.data.formats import (DataFile, DataSearch, Document, read_documents, search_data_path,
@@ -58,12 +66,13 @@ class TokenStreams:
     val_docs: int | None
 
 
-def build_token_streams(data_cfg: DataConfig, tokenizer: Tokenizer, *,
-                        vocab_size: int | None = None) -> TokenStreams:
+def build_token_streams(data_cfg: DataConfig, tokenizer: Tokenizer, *, vocab_size: int | None = None,
+                        group: dist.ProcessGroup | None = None) -> TokenStreams:
     """The train and validation token streams of `data.path` (empty: the stdlib corpus).
 
     `vocab_size` bounds the ids (default: the tokenizer's); pass model.vocab_size when it is set
-    larger than the tokenizer's.
+    larger than the tokenizer's. `group`: a gloo group of every rank building these streams, which
+    call this together and share the encoding of a text corpus; None: this process encodes it all.
     """
     if data_cfg.path:
         search, label = search_data_path(data_cfg.path), data_cfg.path
@@ -79,7 +88,7 @@ def build_token_streams(data_cfg: DataConfig, tokenizer: Tokenizer, *,
                         f"but data.path={label} is text, whose documents end with the EOS of "
                         f"tokenizer {tokenizer.name} ({tokenizer.eos_id}); leave data.eos_id at -1")
     else:
-        streams = _text_streams(files, label, data_cfg, tokenizer, vocab)
+        streams = _text_streams(files, label, data_cfg, tokenizer, vocab, group)
     streams.source += search.skipped_note()
     return streams
 
@@ -95,19 +104,14 @@ def stream_dtype(vocab_size: int) -> np.dtype:
 
 
 def _text_streams(files: list[DataFile], label: str, cfg: DataConfig, tokenizer: Tokenizer,
-                  vocab: Vocabulary) -> TokenStreams:
-    dtype = stream_dtype(tokenizer.vocab_size)
+                  vocab: Vocabulary, group: dist.ProcessGroup | None) -> TokenStreams:
     threshold = validation_threshold(cfg.val_fraction)
-    # Each document's ids go straight into its side's growing array: a list of per-document
-    # arrays joined at the end held the corpus' ids twice (2.3x their bytes at the peak).
-    train, val = _TokenBuffer(dtype), _TokenBuffer(dtype)
     documents = itertools.chain.from_iterable(read_documents(f, cfg.text_field) for f in files)
-    for batch in _batched(documents, _ENCODE_BATCH, _ENCODE_CHARS):
-        ids_per_doc = _encode_documents(tokenizer, batch, label)
-        _check_encoded_ids(ids_per_doc, tokenizer, batch)
-        for doc, ids_N in zip(batch, ids_per_doc):
-            held_out = is_validation(doc.name, threshold)
-            (val if held_out else train).append(ids_N, tokenizer.eos_id)
+    batches = _batched(documents, _ENCODE_BATCH, _ENCODE_CHARS)
+    if group is None or dist.get_world_size(group) == 1:
+        train, val = _encode_alone(batches, label, threshold, tokenizer)
+    else:
+        train, val = _encode_shared(batches, label, threshold, tokenizer, group)
     if threshold > 0:
         train_N, val_N, counts = _split_both_nonempty(train, val, label, cfg.val_fraction)
     else:
@@ -116,6 +120,22 @@ def _text_streams(files: list[DataFile], label: str, cfg: DataConfig, tokenizer:
     return TokenStreams(train_N=train_N, val_N=val_N, eos_id=tokenizer.eos_id, vocab=vocab,
                         source=f"{label}: {_count(len(files), 'file')}, {megabytes:.1f} MB",
                         train_docs=counts[0], val_docs=counts[1])
+
+
+def _encode_alone(batches: Iterable[list[Document]], label: str, threshold: int,
+                  tokenizer: Tokenizer) -> tuple[_TokenBuffer, _TokenBuffer]:
+    """The train and validation documents' ids, every batch encoded here."""
+    # Each document's ids go straight into its side's growing array: a list of per-document
+    # arrays joined at the end held the corpus' ids twice (2.3x their bytes at the peak).
+    dtype = stream_dtype(tokenizer.vocab_size)
+    train, val = _TokenBuffer(dtype), _TokenBuffer(dtype)
+    for batch in batches:
+        ids_per_doc = _encode_documents(tokenizer, batch, label)
+        _check_encoded_ids(ids_per_doc, tokenizer, batch)
+        for doc, ids_N in zip(batch, ids_per_doc):
+            held_out = is_validation(doc.name, threshold)
+            (val if held_out else train).append(ids_N, tokenizer.eos_id)
+    return train, val
 
 
 class _TokenBuffer:
@@ -144,6 +164,95 @@ class _TokenBuffer:
         """The ids appended (the spare capacity given back); append no more after."""
         self._ids_N.resize(self.size, refcheck=False)
         return self._ids_N
+
+    @classmethod
+    def filled(cls, ids_N: np.ndarray, docs: int, first_end: int, last_start: int) -> _TokenBuffer:
+        """A buffer holding `ids_N`, `docs` documents, as if appended one by one."""
+        buffer = cls(ids_N.dtype)
+        buffer._ids_N, buffer.size, buffer.docs = ids_N, len(ids_N), docs
+        buffer.first_end, buffer.last_start = first_end, last_start
+        return buffer
+
+
+@dataclass
+class _Piece:
+    """One batch's documents of one side (train or validation) in the buffer of the rank that
+    encoded them: where they lie, and what `_split_both_nonempty` reads of them."""
+
+    start: int
+    size: int = 0
+    docs: int = 0
+    first_end: int = 0  # where the piece's first document ends, from `start`
+    last_start: int = 0  # where its last document starts, from `start`
+
+
+def _append_batch(sides: tuple[_TokenBuffer, _TokenBuffer], batch: list[Document],
+                  ids_per_doc: list[np.ndarray], threshold: int, eos_id: int) -> tuple[_Piece, _Piece]:
+    """The batch's documents appended to their sides (train, validation); the two pieces they made."""
+    pieces = (_Piece(sides[0].size), _Piece(sides[1].size))
+    for doc, ids_N in zip(batch, ids_per_doc):
+        side = int(is_validation(doc.name, threshold))
+        sides[side].append(ids_N, eos_id)
+        piece = pieces[side]
+        piece.size, piece.docs = sides[side].size - piece.start, piece.docs + 1
+        piece.first_end = piece.first_end or piece.size
+        piece.last_start = sides[side].last_start - piece.start
+    return pieces
+
+
+def _encode_shared(batches: Iterable[list[Document]], label: str, threshold: int, tokenizer: Tokenizer,
+                   group: dist.ProcessGroup) -> tuple[_TokenBuffer, _TokenBuffer]:
+    """`_encode_alone`'s buffers, this rank encoding batches rank, rank + world, ... of `group`'s
+    ranks, which all call this: then every rank holds every batch's ids, in batch order. The
+    DataError of the first batch that fails on any rank (reading or encoding it, as one process
+    would meet it first) is raised on every rank."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    dtype = stream_dtype(tokenizer.vocab_size)
+    mine = (_TokenBuffer(dtype), _TokenBuffer(dtype))  # this rank's batches: train, validation
+    pieces: list[tuple[int, _Piece, _Piece]] = []  # (batch, train piece, validation piece)
+    failure, position = None, 0
+    try:
+        for batch in batches:  # every rank reads every document: a read error is met by all
+            if position % world == rank:
+                ids_per_doc = _encode_documents(tokenizer, batch, label)
+                _check_encoded_ids(ids_per_doc, tokenizer, batch)
+                pair = _append_batch(mine, batch, ids_per_doc, threshold, tokenizer.eos_id)
+                pieces.append((position, *pair))
+            position += 1
+    except DataError as e:  # the batch being read or encoded; the others go on to the exchange
+        failure = (position, e)
+    reports: list[Any] = [None] * world
+    dist.all_gather_object(reports, (failure, pieces), group=group)
+    failures = [failure for failure, _ in reports if failure is not None]
+    if failures:
+        raise min(failures, key=lambda failure: failure[0])[1]
+    owned = sorted((batch, owner, pair) for owner, (_, rank_pieces) in enumerate(reports)
+                   for batch, *pair in rank_pieces)
+    return tuple(_exchanged_side([(owner, pair[side]) for _, owner, pair in owned], mine[side].array(),
+                                 rank, group) for side in (0, 1))
+
+
+def _exchanged_side(pieces: list[tuple[int, _Piece]], mine_N: np.ndarray, rank: int,
+                    group: dist.ProcessGroup) -> _TokenBuffer:
+    """One side's stream from its pieces in batch order (owner: the rank that holds it in `mine_N`),
+    each broadcast by its owner into its place in every rank's array, so no rank needs a buffer to
+    receive into: a rank holds the whole stream and, until it returns, its own share once more."""
+    ids_N = np.empty(sum(piece.size for _, piece in pieces), mine_N.dtype)
+    works, offset, docs, first_end, last_start = [], 0, 0, 0, 0
+    for owner, piece in pieces:
+        if not piece.docs:
+            continue
+        place_N = ids_N[offset:offset + piece.size]
+        if owner == rank:
+            place_N[:] = mine_N[piece.start:piece.start + piece.size]
+        # As bytes: gloo has no uint16 or uint32.
+        works.append(dist.broadcast(torch.from_numpy(place_N.view(np.uint8)), group=group, async_op=True,
+                                    src=dist.get_global_rank(group, owner)))
+        first_end = first_end or offset + piece.first_end
+        last_start, docs, offset = offset + piece.last_start, docs + piece.docs, offset + piece.size
+    for work in works:
+        work.wait()
+    return _TokenBuffer.filled(ids_N, docs, first_end, last_start)
 
 
 def stream_fingerprint(tokens_N: np.ndarray | ConcatenatedTokens, samples: int = 8,

@@ -344,7 +344,9 @@ class Trainer:
         cfg = self.cfg
         self.tokenizer = build_tokenizer(cfg.data.tokenizer)
         self.vocab_size = model_vocab_size(cfg, self.tokenizer)
-        streams = build_token_streams(cfg.data, self.tokenizer, vocab_size=self.vocab_size)
+        # A text corpus is encoded once over the ranks, each a share, over the stop vote's gloo group.
+        host_group = self._stop_vote.group if self._stop_vote is not None else None
+        streams = build_token_streams(cfg.data, self.tokenizer, vocab_size=self.vocab_size, group=host_group)
         self.data_source = streams.source
         t, dp, rank = cfg.train, self.dist.dp_size, self.dist.dp_rank
         # The loader walks the global micro-batch's order (micro_batch_size sequences per data rank),

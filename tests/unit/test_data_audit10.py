@@ -46,6 +46,22 @@ def test_a_run_reads_the_batches_of_its_steps_each_read_during_the_step_before(t
     assert read_at == [0] * accum + [step for step in range(steps - 1) for _ in range(accum)]
 
 
+def test_bench_reads_each_step_ahead_whatever_train_steps_says(tmp_path):
+    """`moefold bench` counts its steps itself (its trainer's `step` stays 0): with train.steps=1 its
+    steps still read the next one's batch during the one before, as a training's do."""
+    from moefold.bench.run import BenchTrainer
+
+    cfg = load_config(None, {**TINY_OVERRIDES, "train.steps": "1", "train.warmup_steps": "0"})
+    trainer = BenchTrainer(cfg, tmp_path / "no-run", out=lambda line: None)
+    events: list[str] = []
+    next_batch, optimizer_step = trainer.train_loader.next_batch, trainer.optimizer_step
+    trainer.train_loader.next_batch = lambda: events.append("read") or next_batch()
+    trainer.optimizer_step = lambda: events.append("step") or optimizer_step()
+    for _ in range(2):
+        trainer.train_step()
+    assert events == ["read", "read", "step", "read", "step"]
+
+
 def _batches(count: int, rows: int = 8, seq_len: int = 4096) -> list[Batch]:
     generator = torch.Generator().manual_seed(0)
     return [make_batch(torch.randint(0, 50_000, (rows, seq_len + 1), generator=generator), 0)

@@ -69,6 +69,9 @@ class BenchTrainer(Trainer):
     def _prepare_run_dir(self) -> None:
         pass
 
+    def _another_step_follows(self) -> bool:
+        return True  # bench counts its steps itself (`step` stays 0): each reads the next, as training's do
+
 
 @dataclasses.dataclass
 class BenchResult:

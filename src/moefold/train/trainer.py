@@ -524,18 +524,16 @@ class Trainer:
             rows = tuple(t.pin_memory() for t in rows)
         return tuple(t.to(self.device, non_blocking=True) for t in rows)
 
-    def train_step(self, read_ahead: bool = True) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    def train_step(self) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """One optimizer step over grad_accum micro-batches; (mean loss parts, grad norm), both on
         the device. `lm_loss` is the next-token loss; other parts (mtp_loss) as the objective has.
-        Loss parts are this data rank's; the log averages them over the data ranks. `read_ahead`:
-        as `accumulate_gradients`."""
-        parts = self.accumulate_gradients(read_ahead)
+        Loss parts are this data rank's; the log averages them over the data ranks."""
+        parts = self.accumulate_gradients()
         return parts, self.optimizer_step()
 
-    def accumulate_gradients(self, read_ahead: bool = True) -> dict[str, torch.Tensor]:
+    def accumulate_gradients(self) -> dict[str, torch.Tensor]:
         """Forward and backward of the step's micro-batches; afterwards every parameter holds the
-        gradient of the global batch's mean loss (data-parallel reduction included). `read_ahead`:
-        read the next step's micro-batches while this step's kernels run (False: no step follows)."""
+        gradient of the global batch's mean loss (data-parallel reduction included)."""
         accum = self.grad_accum
         parts_sum: dict[str, torch.Tensor] = {}
         for batch in self.step_batches.next_step():
@@ -545,10 +543,15 @@ class Trainer:
             (total / accum).backward()
             for name, value in parts.items():
                 parts_sum[name] = parts_sum.get(name, 0.0) + value
-        if read_ahead:  # the next step's rows, read while this one's kernels run
+        if self._another_step_follows():  # the next step's rows, read while this one's kernels run
             self.step_batches.read_ahead()
         self.data_parallel.reduce_gradients()  # left after backward (ZeRO-1; FSDP: nothing)
         return {name: value / accum for name, value in parts_sum.items()}
+
+    def _another_step_follows(self) -> bool:
+        """Whether the run trains a step after the one running (`step` counts those done before
+        it): the last one reads nothing ahead, which no step would train on."""
+        return self.step + 1 < self.cfg.train.steps
 
     def optimizer_step(self) -> torch.Tensor:
         """Clip (one norm across both meshes), step, update expert biases; returns the grad norm."""
@@ -653,8 +656,7 @@ class Trainer:
         window = _Window(first_step=self.step + 1)
         while self.step < self.cfg.train.steps:
             lr = self.optimizer.param_groups[0]["lr"]  # the rate this step trains with
-            # The last step reads nothing ahead: no step follows it in this run.
-            window.add(*self.train_step(read_ahead=self.step + 1 < self.cfg.train.steps))
+            window.add(*self.train_step())
             self.step += 1
             bar.update(1)
             if self._window_ends():

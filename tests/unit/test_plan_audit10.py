@@ -1,8 +1,10 @@
-"""Audit 10 of the memory planner: FSDP2's gradients in backward against the plan, on gloo ranks
-with tiny-qwen3 (test_plan_fsdp_buffers_audit9's approach). At each group's post-backward (as it
-starts and as it returns) and at its reduce-scatter copy-in, the bytes of every gradient FSDP2
-holds are summed, each storage once: the sharded gradients already reduced, the unsharded ones
-and the reduce-scatter send buffers ('held': those two alone, the plan's reduce-scatter row)."""
+"""Audit 10 of the memory planner: FSDP2's gradients in backward and its gathered parameters
+against the plan, on gloo ranks with tiny-qwen3 (test_plan_fsdp_buffers_audit9's approach). At
+each group's post-backward (as it starts and as it returns) and at its reduce-scatter copy-in, the
+bytes of every gradient FSDP2 holds are summed, each storage once: the sharded gradients already
+reduced, the unsharded ones and the reduce-scatter send buffers ('held': those two alone, the
+plan's reduce-scatter row). At each all-gather's copy-out, the flat buffer, the copies of the
+weights cut on dim 1 and every group's gathered parameters."""
 
 import pytest
 
@@ -143,3 +145,101 @@ def test_reduce_scatter_row_counts_padding_and_one_rank_groups(measured):
         if not m["dense"]:
             assert m["row"] == m["held"], (name, m["row"], m["held"])
 
+
+
+GATHER_CASES = {  # world size, overrides
+    # 2 experts over 4 ranks: cut on dim 1, and larger than the rest of the block
+    "experts cut on dim 1": (4, {"moe.num_experts": "2", "moe.expert_hidden": "128"}),
+    # experts whole on each rank (edp 1, nothing gathered): the root's all-gather sets the most
+    "the root's all-gather": (2, {"parallel.ep": "2"}),
+    "padded over 3 ranks": (3, {}),
+}
+
+
+GATHER_ROWS = ("FSDP root (embedding, head) gathered", "FSDP all-gather (2 blocks)")
+
+
+class _Gathered:
+    """The most bytes of FSDP2's all-gather buffers and gathered parameters alive at once (groups
+    over one rank gather nothing: their parameters are the sharded ones)."""
+
+    def __init__(self, model):
+        from torch.distributed.fsdp import FSDPModule
+
+        groups = [m._get_fsdp_state()._fsdp_param_group for m in model.modules() if isinstance(m, FSDPModule)]
+        self.params = [p for g in groups if g is not None and g._all_gather_process_group.size() > 1
+                       for p in g.fsdp_params]
+        self.most = 0
+
+    def record(self, buffers) -> None:
+        from test_plan_fsdp_buffers_audit9 import _storages
+
+        gathered = [t for p in self.params for t in getattr(p, "all_gather_outputs", [])
+                    if t.untyped_storage().nbytes()]
+        self.most = max(self.most, sum(_storages([*gathered, *buffers]).values()))
+
+
+def _gathered_on_rank(rank: int, run_dir: str) -> dict:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives, _fsdp_param_group
+
+    from moefold.train.trainer import Trainer
+
+    out = {}
+    copy_out = _fsdp_collectives.foreach_all_gather_copy_out
+    cat, empty_like = torch.cat, torch.empty_like
+    for i, (name, (world, overrides)) in enumerate(GATHER_CASES.items()):
+        if world != dist.get_world_size():
+            continue
+        cfg = load_config("tiny-qwen3", {**overrides, "train.micro_batch_size": "1", "train.seq_len": "8",
+                                         "precision.compute_dtype": "fp32"})
+        trainer = Trainer(cfg, f"{run_dir}/{i}-{rank}", out=lambda line: None)
+        seen = _Gathered(trainer.model)
+
+        def recorded_copy_out(all_gather_result, *args, **kwargs):
+            buffers = [all_gather_result.all_gather_output]
+
+            def copy(t, *a, **k):  # the copies of weights cut on dim 1
+                buffers.append(empty_like(t, *a, **k))
+                return buffers[-1]
+
+            def chunk_cat(tensors, *a, **k):  # each such copy cat into place, every copy alive
+                result = cat(tensors, *a, **k)
+                seen.record(buffers)
+                return result
+
+            torch.empty_like, torch.cat = copy, chunk_cat
+            try:
+                result = copy_out(all_gather_result, *args, **kwargs)
+            finally:
+                torch.empty_like, torch.cat = empty_like, cat
+            seen.record(buffers[:1])
+            return result
+
+        _fsdp_param_group.foreach_all_gather_copy_out = recorded_copy_out
+        try:
+            trainer.accumulate_gradients()
+        finally:
+            _fsdp_param_group.foreach_all_gather_copy_out = copy_out
+        plan = predict_memory(cfg, world, vocab_size=trainer.vocab_size)
+        out[name] = {"planned": sum(plan.comm_buffers.get(row, 0) for row in GATHER_ROWS), "real": seen.most}
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_all_gather_rows_bound_what_fsdp2_gathers(tmp_path, world):
+    """The rows left out three things FSDP2 holds as it gathers: the copy of each expert weight
+    cut on dim 1 (parallel/data.py's even_expert_shards) before its chunk-cat (their flat buffer,
+    gathered weights and copies beside the block's other weights), 148,352 B under at 2 experts
+    over 4 ranks; the root's flat buffer beside its gathered parameters, 29,184 B under at ep 2 on
+    2; and each tensor's dim 0 padded to a multiple of the ranks (part of both). Now exact where
+    the experts or the root set the most."""
+    from test_parallel_dims import results_on_ranks
+
+    ranks = results_on_ranks(_gathered_on_rank, world, tmp_path, str(tmp_path))
+    for name in ranks[0]:
+        planned, real = ranks[0][name]["planned"], max(r[name]["real"] for r in ranks)
+        assert planned >= real, (name, planned, real)
+        if name != "padded over 3 ranks":
+            assert planned == real, (name, planned, real)

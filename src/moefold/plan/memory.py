@@ -32,8 +32,10 @@ What one GPU holds, and the assumptions behind each part (docs/memory.md explain
   each copy once per ETP rank out, the busiest rank's rows in, padded to capacity E·C rows each way;
   with parallel.ep_dispatcher = "allgather" the combine's [M, D] gathered copies' outputs and their
   fp32 [ep·etp·T/tp, D] sums),
-  FSDP2's all-gathered parameters (in their own dtype) of two blocks (the current and the prefetched
-  one), the root's embedding and head (kept gathered from forward to backward), in backward
+  FSDP2's all-gathered parameters (in their own dtype, dim 0 padded to a multiple of the ranks) of
+  two blocks (the current and the prefetched one; or a block, its experts' flat buffer and
+  FSDP2's copy of those it cuts on dim 1; or the root's flat buffer), the root's embedding and
+  head (kept gathered from forward to backward), in backward
   FSDP2's reduce-scatter: a block's unsharded gradients (the master's dtype) and their send buffer
   (the reduce dtype, dim 0 padded to a multiple of the ranks; a group over one rank too) and the
   head's unsharded gradients (their shards come after backward), or the root's last
@@ -329,17 +331,20 @@ def _fsdp_buffers(cfg: Config, lay: _Layout, layers: list[int], sh: act.Shapes, 
     """FSDP2's gathered parameters and, in backward, its reduce-scatter (`_reduce_scatter_bytes`)."""
     out: dict[str, float] = {}
     root = _chunk_params(cfg, Chunk(-1, (), first, last), vocab).replicated
+    root_sent = _padded_elements(_root_weights(cfg, vocab, first, last), lay.dims, lay.dense_shard,
+                                 lay.expert_shard)  # gathered and sent alike, rows padded
     if root and lay.dense_shard > 1:
-        out["FSDP root (embedding, head) gathered"] = sh.params * root
-    block = max(_fsdp_block(cfg, lay, i) for i in layers)
-    if block:
-        out["FSDP all-gather (2 blocks)"] = 2 * sh.params * block
+        out["FSDP root (embedding, head) gathered"] = sh.params * root_sent
+    # The root's own all-gather, forward's first, holds its flat buffer beside the gathered
+    # parameters for a moment, with no block gathered yet.
+    root_buffer = root_sent * (lay.dense_shard > 1)
+    gathered = max(root_buffer, *(_gathered_blocks(cfg, lay, i) for i in layers))
+    if gathered:
+        out["FSDP all-gather (2 blocks)"] = sh.params * gathered
     # The head's backward (backward's first) makes the root's gradients, tied embeddings' included;
     # the untied embedding's comes last, at the root's own reduce-scatter.
     tied = cfg.model.tie_embeddings and first
     root_grads = head_params(cfg, vocab).replicated * last + embedding_params(cfg, vocab).replicated * tied
-    root_sent = _padded_elements(_root_weights(cfg, vocab, first, last), lay.dims, lay.dense_shard,
-                                 lay.expert_shard)
     reduced = [_reduced_block(cfg, lay, i) for i in layers]
     if reduced or root:
         out[BACKWARD_ONLY] = _reduce_scatter_bytes(cfg, reduced, root, root_grads, root_sent)
@@ -375,12 +380,11 @@ def _padded_elements(weights: list[Weight], dims: ParallelDims, dense_ranks: int
             continue
         rows = w.rows // math.prod(getattr(dims, name) for name in w.row_split)
         cols = w.cols // getattr(dims, w.col_split) if w.col_split else w.cols
-        lead = w.lead // getattr(dims, w.row_split[0]) if w.lead else rows  # dim 0
-        per_lead = rows // lead  # an expert tensor's dim 1 (1 for a matrix)
-        if w.lead and lead % ranks and per_lead % ranks == 0:  # cut on dim 1
+        if w.expert and _dim1_elements(w, dims, ranks):
             total += rows * cols
-        else:
-            total += math.ceil(lead / ranks) * ranks * per_lead * cols
+            continue
+        lead = w.lead // getattr(dims, w.row_split[0]) if w.lead else rows  # dim 0
+        total += math.ceil(lead / ranks) * ranks * rows // lead * cols
     return total
 
 
@@ -418,10 +422,31 @@ def _all_to_all_rows(cfg: Config, sh: act.Shapes) -> int:
     return sent + rows - cfg.moe.num_experts // sh.ep * (act.row_multiple(cfg, sh) - 1)
 
 
-def _fsdp_block(cfg: Config, lay: _Layout, layer_id: int) -> float:
-    """Elements of one block FSDP gathers on this rank (parts sharded over one rank need none)."""
-    dense, expert = _local(layer_params(cfg, layer_id), lay.dims)
-    return dense * (lay.dense_shard > 1) + expert * (lay.expert_shard > 1)
+def _gathered_blocks(cfg: Config, lay: _Layout, layer_id: int) -> float:
+    """Elements of FSDP2's gathered parameters at their most around one block on this rank (parts
+    sharded over one rank need none), each tensor's dim 0 padded to a multiple of the ranks as
+    FSDP2 gathers it: two blocks (the current and the prefetched one), or, where its expert
+    weights are cut on dim 1, the block with its experts' flat all-gather buffer and the copy
+    FSDP2 makes of those weights before chunk-catting them into place (torch 2.13's
+    foreach_all_gather_copy_out)."""
+    from moefold.models.transformer import is_moe_layer
+
+    weights = block_weights(cfg, is_moe_layer(cfg, layer_id))
+    d, dense_ranks, expert_ranks = lay.dims, lay.dense_shard, lay.expert_shard
+    dense = _padded_elements([w for w in weights if not w.expert], d, dense_ranks, expert_ranks)
+    expert = _padded_elements([w for w in weights if w.expert], d, dense_ranks, expert_ranks)
+    block = dense * (dense_ranks > 1) + expert * (expert_ranks > 1)
+    cut_on_dim1 = sum(_dim1_elements(w, d, expert_ranks) for w in weights if w.expert)
+    return max(2 * block, block + expert + cut_on_dim1) if cut_on_dim1 else 2 * block
+
+
+def _dim1_elements(w: Weight, dims: ParallelDims, ranks: int) -> float:
+    """Local elements of expert weight `w` where FSDP2 cuts it on dim 1 (parallel/data.py's
+    `even_expert_shards`: its local experts do not split evenly over the ranks, its dim 1 does)."""
+    rows = w.rows // math.prod(getattr(dims, name) for name in w.row_split)
+    lead = w.lead // getattr(dims, w.row_split[0])
+    cut = ranks > 1 and lead % ranks and (rows // lead) % ranks == 0
+    return rows * (w.cols // getattr(dims, w.col_split) if w.col_split else w.cols) if cut else 0.0
 
 
 @dataclass(frozen=True)

@@ -303,12 +303,14 @@ def _convert(args: argparse.Namespace) -> int:
     refuse_unwritable_dir(args.to_hf, "--to-hf")
     if (args.to_hf / CONFIG).exists():
         raise UserError(f"--to-hf {args.to_hf} already holds a checkpoint ({CONFIG}); choose another directory")
-    check_exportable(run_config(args.run_dir))  # a family without export: before the weights are read
-    # The latest checkpoint once, for the weights and the EOS id: a training may save another.
+    # The latest checkpoint once, for the config, the weights and the EOS id: a training may save another.
     checkpoint = resolve_checkpoint(args.run_dir, "--run-dir")
+    cfg = run_config(args.run_dir, checkpoint)  # the model the checkpoint holds
+    check_exportable(cfg)  # a family without export: before the weights are read
     # By default the weights as the optimizer holds them: bf16+remainder's exact fp32 masters; bf16
     # masters are bf16 (written as such, not widened).
-    model, tokenizer, cfg = load_model_from_run(args.run_dir, "cpu", exact_masters=True, checkpoint=checkpoint)
+    model, tokenizer, cfg = load_model_from_run(args.run_dir, "cpu", exact_masters=True, checkpoint=checkpoint,
+                                                cfg=cfg)
     default = "bf16" if cfg.optim.master_dtype == "bf16" else "fp32"
     dtype = getattr(torch, _EXPORT_DTYPES[args.dtype or default])
     save_pretrained(model, args.to_hf, dtype=dtype, copies=tokenizer_files(cfg.data.tokenizer),
@@ -366,15 +368,16 @@ def _resume_config(resume: Path, overrides: dict[str, Any]) -> tuple[Config, lis
     a checkpoint's). A run directory continues its latest checkpoint with config.toml, as does a
     checkpoint that holds no config (weights only, or saved by an earlier moefold): said where
     it is not the run's latest, whose options config.toml may no longer hold."""
-    from moefold.checkpoint.dcp import checkpoint_keys, latest_checkpoint, load_value, resolve_checkpoint
-    from moefold.train.trainer import _CONFIG as SAVED_CONFIG  # the key of the config a checkpoint was saved with
+    from moefold.checkpoint.dcp import latest_checkpoint, resolve_checkpoint
+    from moefold.generate import saved_config
 
     run_dir = _run_dir_of(resume)
     if not _is_checkpoint_dir(resume):
         return read_run_config(run_dir / "config.toml", overrides)
     checkpoint = resolve_checkpoint(resume)
-    if SAVED_CONFIG in checkpoint_keys(checkpoint):
-        return read_run_config(checkpoint, overrides, text=load_value(checkpoint, SAVED_CONFIG))
+    saved = saved_config(checkpoint, overrides)
+    if saved is not None:
+        return saved
     cfg, notes = read_run_config(run_dir / "config.toml", overrides)
     if checkpoint.name != latest_checkpoint(run_dir).name:
         notes.append(f"note: --resume {resume} holds no config of its own (weights only, or saved by an earlier "
@@ -428,13 +431,15 @@ def _generate(args: argparse.Namespace) -> int:
     import torch
 
     from moefold.checkpoint.dcp import resolve_checkpoint
-    from moefold.generate import continuation, load_model_from_run, sample, stop_ids
+    from moefold.generate import continuation, load_model_from_run, run_config, sample, stop_ids
 
     _check_generate_args(args)  # before loading the model
-    prompt_ids, context = _prompt_ids(args.run_dir, args.prompt)  # before the weights are read
-    # The latest checkpoint once, for the weights and the stop ids: a training may save another.
+    # The latest checkpoint once, for the config, the weights and the stop ids: a training may save another.
     checkpoint = resolve_checkpoint(args.run_dir, "--run-dir")
-    model, tokenizer, cfg = load_model_from_run(args.run_dir, args.device, for_sampling=True, checkpoint=checkpoint)
+    cfg = run_config(args.run_dir, checkpoint)  # the model the checkpoint holds, read once
+    prompt_ids, context = _prompt_ids(cfg, args.prompt)  # before the weights are read
+    model, tokenizer, cfg = load_model_from_run(args.run_dir, args.device, for_sampling=True, checkpoint=checkpoint,
+                                                cfg=cfg)
     generator = torch.Generator().manual_seed(args.seed)
     new_ids = sample(model, prompt_ids, args.max_new_tokens, args.temperature, args.top_k,
                      context, stop_ids(cfg, tokenizer, checkpoint), generator, tokenizer.vocab_size)
@@ -442,13 +447,12 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _prompt_ids(run_dir: Path, prompt: str) -> tuple[list[int], int]:
-    """--prompt's ids and the model's context, from config.toml and the run's tokenizer: a prompt
-    refused here costs no checkpoint read (a large model's minutes)."""
+def _prompt_ids(cfg: Config, prompt: str) -> tuple[list[int], int]:
+    """--prompt's ids and the model's context, from the run's config (`run_config`) and tokenizer:
+    a prompt refused here costs no checkpoint read (a large model's minutes)."""
     from moefold.data.tokenizer import build_tokenizer
-    from moefold.generate import context_length, run_config
+    from moefold.generate import context_length
 
-    cfg = run_config(run_dir)
     prompt_ids = build_tokenizer(cfg.data.tokenizer).encode_prompt(prompt)  # as transformers' tokenizer(prompt)
     if not prompt_ids:
         raise UserError(f"--prompt {prompt!r} encodes to no tokens; give text to continue")

@@ -4,32 +4,37 @@ new token alone (`Transformer.decode`)."""
 import dataclasses
 from collections.abc import Callable, Collection
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from moefold.checkpoint.dcp import checkpoint_step, load_weights, resolve_checkpoint
+from moefold.checkpoint.dcp import checkpoint_keys, checkpoint_step, load_value, load_weights, resolve_checkpoint
 from moefold.checkpoint.hf import stop_token_ids
-from moefold.config import Config, config_from_toml
+from moefold.config import Config, config_from_toml, read_run_config
 from moefold.data.formats import TOKEN_SUFFIXES, find_data_files
 from moefold.data.tokenizer import build_tokenizer
 from moefold.errors import CheckpointError, DataError, UserError
 from moefold.models.transformer import build_model, materialize
 from moefold.moe.router import RoundRobinSelection
 from moefold.parallel.launch import resolve_device
+from moefold.train.trainer import _CONFIG as SAVED_CONFIG  # the key of the config a checkpoint was saved with
 from moefold.train.trainer import resolve_compute_dtype
 
 
 def load_model_from_run(run_dir: Path, device_name: str = "auto", exact_masters: bool = False,
-                        for_sampling: bool = False, checkpoint: Path | None = None):
+                        for_sampling: bool = False, checkpoint: Path | None = None, cfg: Config | None = None):
     """(model, tokenizer, config) with the weights of the run's latest checkpoint, or of
     `checkpoint` (one of its checkpoints: `moefold generate` resolves the latest once, for these
-    weights and for `stop_ids`, since a training may save another in between); the model is
+    weights and for `stop_ids`, since a training may save another in between), built with the
+    config that checkpoint was saved with (`run_config`); the model is
     dropless and unpadded whatever capacity factor and pad multiple the run trained with
-    (`_dropless`). `exact_masters`: as `load_weights`' (an export's weights, not the ones a bf16
-    forward ran with). `for_sampling`: a tokenizer of more ids than the model's is refused first
-    (`check_tokenizer_fits`); an export takes the weights whatever the tokenizer."""
-    cfg = run_config(run_dir)
+    (`_dropless`). `cfg`: `run_config(run_dir, checkpoint)` where the caller has read it already
+    (`moefold generate` encodes the prompt with it first). `exact_masters`: as `load_weights`' (an
+    export's weights, not the ones a bf16 forward ran with). `for_sampling`: a tokenizer of more
+    ids than the model's is refused first (`check_tokenizer_fits`); an export takes the weights
+    whatever the tokenizer."""
     checkpoint = resolve_checkpoint(Path(checkpoint or run_dir), "--run-dir")
+    cfg = cfg if cfg is not None else run_config(run_dir, checkpoint)
     device = resolve_device(device_name, "--device")
     tokenizer = build_tokenizer(cfg.data.tokenizer)
     if for_sampling:  # before the weights are read
@@ -43,12 +48,34 @@ def load_model_from_run(run_dir: Path, device_name: str = "auto", exact_masters:
     return model.eval(), tokenizer, cfg
 
 
-def run_config(run_dir: Path) -> Config:
-    """The config of run directory `run_dir` (its config.toml)."""
+def run_config(run_dir: Path, checkpoint: Path | None = None) -> Config:
+    """The config of run directory `run_dir`: its config.toml; with `checkpoint` (one of its
+    checkpoints), the config of the model that checkpoint holds. That is the one it was saved with
+    (`saved_config`), which config.toml, rewritten as each training starts, may no longer be: a
+    `--resume --moe.top_k 3` stopped before its first save left top_k 3 beside a top_k-2 model.
+    config.toml's serves a checkpoint that holds none (a conversion's weights only, or one saved by
+    an earlier moefold). data.tokenizer is config.toml's in both: a file outside the checkpoint,
+    which the user sets there (moved, or missing from a run on token files: the refusals here say
+    to). A resume that changes it over text data changes the tokens, which the data checks refuse
+    before config.toml is rewritten."""
     config_path = Path(run_dir) / "config.toml"
     if not config_path.is_file():
         raise CheckpointError(f"--run-dir {run_dir}: no config.toml (not a moefold run directory)")
-    return config_from_toml(config_path)
+    run_cfg = config_from_toml(config_path)
+    saved = saved_config(checkpoint) if checkpoint is not None else None
+    if saved is None:
+        return run_cfg
+    cfg, _ = saved  # its notes (options dropped since) are said by a resume, not here
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=run_cfg.data.tokenizer))
+
+
+def saved_config(checkpoint: Path, overrides: dict[str, Any] | None = None) -> tuple[Config, list[str]] | None:
+    """The config `checkpoint` was saved with (its run's config.toml as it stood then, which the
+    checkpoint holds under the trainer's `_CONFIG`) with `overrides`, and `read_run_config`'s notes;
+    None where it holds none (weights only, or saved by an earlier moefold)."""
+    if SAVED_CONFIG not in checkpoint_keys(checkpoint):
+        return None
+    return read_run_config(checkpoint, overrides, text=load_value(checkpoint, SAVED_CONFIG))
 
 
 def check_tokenizer_fits(run_dir: Path, cfg: Config, tokenizer, model_vocab: int) -> None:

@@ -1,10 +1,12 @@
 """Generation's inputs read once and safely: a prompt's encoding changes no other encoding running
-at the same time, and `moefold generate` judges the checkpoint whose weights it loaded."""
+at the same time, `moefold generate` judges the checkpoint whose weights it loaded, and builds (as
+`convert --to-hf` exports) the model with the config that checkpoint was saved with."""
 
 import threading
 from pathlib import Path
 
 import pytest
+import torch
 
 tokenizers = pytest.importorskip("tokenizers")
 
@@ -82,3 +84,137 @@ def test_generate_judges_the_checkpoint_whose_weights_it_loaded(tmp_path, tiny_a
                  "--device", "cpu"]) == 0
     assert loaded == ["step_00000002"]
     assert judged == loaded
+
+
+class _Killed(BaseException):
+    """The resume's process killed before its first save (SIGKILL, an out-of-memory kill)."""
+
+
+def _run_then_resume_with_top_k_3_killed_before_saving(tmp_path, tiny_args, monkeypatch) -> Path:
+    """A run of moe.top_k 2 to step 2, then `--resume --moe.top_k 3`, which rewrites config.toml as
+    it starts and is killed before its first save: config.toml holds top_k 3, the run's latest
+    (and only) checkpoint the top_k-2 model."""
+    import moefold.train.trainer as trainer
+    from moefold.cli import main
+    from moefold.config import read_run_config
+
+    run = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run), *tiny_args, "--train.steps", "2",
+                 "--train.warmup_steps", "1"]) == 0
+
+    def killed(*args, **kwargs):
+        raise _Killed()
+    with monkeypatch.context() as patch:
+        patch.setattr(trainer, "save_checkpoint", killed)
+        with pytest.raises(_Killed):
+            main(["train", "--resume", str(run), "--train.steps", "4", "--moe.top_k", "3"])
+    assert read_run_config(run / "config.toml")[0].moe.top_k == 3
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000002"]
+    return run
+
+
+def _reference_model(text_corpus, checkpoint):
+    """The model `checkpoint` holds, built from the options its run trained with (moe.top_k 2,
+    given here, not read back from the run) and its weights loaded directly."""
+    from conftest import TINY_OVERRIDES
+
+    from moefold.checkpoint.dcp import load_weights
+    from moefold.config import load_config
+    from moefold.models.transformer import build_model
+
+    cfg = load_config(None, {**TINY_OVERRIDES, "data.path": str(text_corpus), "train.steps": "2",
+                             "train.warmup_steps": "1", "moe.capacity_factor": "0"})
+    assert cfg.moe.top_k == 2
+    model = build_model(cfg, 257)
+    load_weights(model, checkpoint)
+    return model.eval()
+
+
+def _logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).float()
+
+
+def test_generate_builds_the_model_its_checkpoint_was_saved_with(tmp_path, tiny_args, text_corpus, monkeypatch,
+                                                                 capsys):
+    """generate built its model from config.toml, which a resume rewrites as it starts: after a
+    `--resume --moe.top_k 3` killed before its first save, it ran the step-2 weights of a top_k-2
+    model as top_k 3, printing that model's text (exit 0). Now the config the checkpoint was saved
+    with: logits equal to a top_k-2 model's with those weights, loaded directly, and its text."""
+    import moefold.generate as generate
+    from moefold.cli import main
+    from moefold.data.tokenizer import build_tokenizer
+
+    run = _run_then_resume_with_top_k_3_killed_before_saving(tmp_path, tiny_args, monkeypatch)
+    reference = _reference_model(text_corpus, run / "checkpoints" / "step_00000002")
+    ids = list(b"the experts route tokens")
+    sampled_by, sample = [], generate.sample
+
+    def recording(model, *args, **kwargs):
+        sampled_by.append(model)
+        return sample(model, *args, **kwargs)
+    monkeypatch.setattr(generate, "sample", recording)
+    capsys.readouterr()
+    assert main(["generate", "--run-dir", str(run), "--prompt", "the experts", "--max-new-tokens", "8",
+                 "--temperature", "0", "--device", "cpu"]) == 0
+    [model] = sampled_by
+    assert torch.equal(_logits(model, ids), _logits(reference, ids))
+    tokenizer = build_tokenizer("")
+    prompt_ids = tokenizer.encode_prompt("the experts")
+    new_ids = sample(reference, prompt_ids, 8, 0.0, 0, 32, tokenizer.eos_id, torch.Generator(), 257)
+    assert capsys.readouterr().out == generate.continuation(tokenizer, "the experts", prompt_ids, new_ids) + "\n"
+    # From Python too, the latest checkpoint or one named.
+    for checkpoint in (None, run / "checkpoints" / "step_00000002"):
+        model, _, cfg = generate.load_model_from_run(run, "cpu", checkpoint=checkpoint)
+        assert cfg.moe.top_k == 2
+        assert torch.equal(_logits(model, ids), _logits(reference, ids))
+
+
+def test_convert_to_hf_exports_the_model_its_checkpoint_was_saved_with(tmp_path, tiny_args, text_corpus,
+                                                                       monkeypatch):
+    """convert --to-hf built its model from config.toml too: the export of step 2's top_k-2
+    weights stated num_experts_per_tok 3 in config.json, a model transformers runs otherwise."""
+    import json
+
+    from moefold.cli import main
+
+    run = _run_then_resume_with_top_k_3_killed_before_saving(tmp_path, tiny_args, monkeypatch)
+    assert main(["convert", "--run-dir", str(run), "--to-hf", str(tmp_path / "hf")]) == 0
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["num_experts_per_tok"] == 2
+
+
+def test_generate_takes_data_tokenizer_from_config_toml_as_its_refusal_says(tmp_path, tiny_args, capsys):
+    """The model is the checkpoint's config's, but data.tokenizer stays config.toml's, where the
+    refusal of a run on token files without their tokenizer says to set it: the checkpoint's
+    config (tokenizer '') must not undo that edit. Generated text is then the tokenizer's words."""
+    import numpy as np
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from moefold.cli import main
+    from moefold.config import read_run_config, to_toml
+    from moefold.generate import saved_config
+
+    rng = np.random.default_rng(0)
+    docs = [np.append(rng.integers(11, 1000, size=int(n)), 10) for n in rng.integers(20, 60, size=80)]
+    np.save(tmp_path / "tokens.npy", np.concatenate(docs).astype(np.uint16))
+    run = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run), *tiny_args, "--data.path", str(tmp_path / "tokens.npy"),
+                 "--data.eos_id", "10", "--model.vocab_size", "1000", "--train.steps", "1",
+                 "--train.warmup_steps", "1"]) == 0
+    generate = ["generate", "--run-dir", str(run), "--prompt", "t5 t17", "--max-new-tokens", "4",
+                "--temperature", "0", "--device", "cpu"]
+    capsys.readouterr()
+    assert main(generate) == 2
+    assert "set data.tokenizer in its config.toml" in capsys.readouterr().err
+    words = Tokenizer(models.WordLevel({"<|endoftext|>" if i == 10 else f"t{i}": i for i in range(1000)},
+                                       unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    words.save(str(tmp_path / "words.json"))
+    cfg, _ = read_run_config(run / "config.toml")
+    cfg.data.tokenizer = str(tmp_path / "words.json")
+    (run / "config.toml").write_text(to_toml(cfg))
+    assert saved_config(run / "checkpoints" / "step_00000001")[0].data.tokenizer == ""
+    assert main(generate) == 0
+    out = capsys.readouterr().out.split()
+    assert out[:2] == ["t5", "t17"] and len(out) > 2
+    assert all(word.startswith("t") for word in out), out

@@ -171,15 +171,25 @@ def test_mixtral_head_dim_0_is_derived_as_transformers_derives_it(head_dim):
 # ---------------------------------------------------------------------------------------------
 
 
+def _run_of_unreadable_weights(run, cfg) -> None:
+    """A run of `cfg` whose only checkpoint holds one tensor, which no model of it loads, and no
+    config: the run's config is its config.toml's."""
+    from moefold.checkpoint.dcp import save_weights_only
+    from moefold.config import to_toml
+
+    run.mkdir()
+    (run / "config.toml").write_text(to_toml(cfg))
+    save_weights_only({"unreadable": torch.zeros(1)}, run)
+
+
 @pytest.mark.parametrize("preset, family", [("olmoe-1b-7b", "olmoe"), ("deepseek-v2-lite", "deepseek_v2")])
 def test_convert_to_hf_refuses_a_family_before_reading_the_weights(preset, family, tmp_path, capsys):
-    """A run of a family without export: refused from its config.toml (here a run without any
-    checkpoint, whose weights could not be read), not after loading a 16B model."""
-    from moefold.config import load_config, to_toml
+    """A run of a family without export: refused from its config (here a checkpoint whose weights
+    could not be read), not after loading a 16B model."""
+    from moefold.config import load_config
 
     run = tmp_path / "run"
-    run.mkdir()
-    (run / "config.toml").write_text(to_toml(load_config(preset)))
+    _run_of_unreadable_weights(run, load_config(preset))
     assert main(["convert", "--run-dir", str(run), "--to-hf", str(tmp_path / "hf")]) == 2
     assert capsys.readouterr().err.splitlines() == [
         f"moefold: error: model.family={family!r} is not supported (supported: qwen3_moe, mixtral, deepseek_v3)"]
@@ -189,11 +199,10 @@ def test_convert_to_hf_refuses_a_family_before_reading_the_weights(preset, famil
 def test_convert_to_hf_refuses_an_inexpressible_option_before_reading_the_weights(tmp_path, capsys, monkeypatch):
     import moefold.generate
 
-    from moefold.config import load_config, to_toml
+    from moefold.config import load_config
 
     run = tmp_path / "run"
-    run.mkdir()
-    (run / "config.toml").write_text(to_toml(load_config(None, {"moe.force_balanced": "true"})))
+    _run_of_unreadable_weights(run, load_config(None, {"moe.force_balanced": "true"}))
     monkeypatch.setattr(moefold.generate, "load_weights", lambda *a, **k: pytest.fail("weights read"))
     assert main(["convert", "--run-dir", str(run), "--to-hf", str(tmp_path / "hf")]) == 2
     err = capsys.readouterr().err.splitlines()

@@ -21,6 +21,8 @@ CASES = {  # world size, overrides
     "MoE blocks over 3 ranks": (3, {"optim.grad_dtype": "bf16"}),
     # edp 1: FSDP2 still copies the experts' gradients into a send buffer and out again
     "experts on one rank each": (2, {"parallel.ep": "2", "moe.expert_hidden": "128"}),
+    # dp 1: the dense groups and the root over one rank, copied into send buffers too
+    "dense weights on one rank (tp 2)": (2, {"parallel.tp": "2"}),
 }
 
 
@@ -52,7 +54,8 @@ class _Gradients:
 
 def _padded_dense(block, experts: set, ranks: int) -> int:
     """Elements of a block's non-expert send buffer: each tensor's dim 0 padded to a multiple of
-    the ranks, from the module's real (unsharded, tp 1) shapes."""
+    the ranks, from the module's real (unsharded) shapes (under TP the whole tensor's: a margin
+    above the rank's)."""
     return sum(-(-p.shape[0] // ranks) * ranks * (p.numel() // p.shape[0])
                for p in block.parameters() if id(p) not in experts)
 

@@ -286,7 +286,6 @@ _EXPORT_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 def _convert(args: argparse.Namespace) -> int:
     import torch
 
-    from moefold.checkpoint.dcp import resolve_checkpoint
     from moefold.checkpoint.hf import CONFIG, check_exportable, save_pretrained
     from moefold.data.tokenizer import tokenizer_files
     from moefold.generate import learned_end_of_document_id, load_model_from_run, run_config
@@ -304,7 +303,7 @@ def _convert(args: argparse.Namespace) -> int:
     if (args.to_hf / CONFIG).exists():
         raise UserError(f"--to-hf {args.to_hf} already holds a checkpoint ({CONFIG}); choose another directory")
     # The latest checkpoint once, for the config, the weights and the EOS id: a training may save another.
-    checkpoint = resolve_checkpoint(args.run_dir, "--run-dir")
+    checkpoint = _latest_run_checkpoint(args.run_dir)
     cfg = run_config(args.run_dir, checkpoint)  # the model the checkpoint holds
     check_exportable(cfg)  # a family without export: before the weights are read
     # By default the weights as the optimizer holds them: bf16+remainder's exact fp32 masters; bf16
@@ -427,15 +426,24 @@ def _check_prompt(prompt: str) -> None:
                         "give the prompt in UTF-8") from None
 
 
+def _latest_run_checkpoint(run_dir: Path) -> Path:
+    """--run-dir's latest checkpoint; a directory that is not a run (no config.toml) is said as
+    such, not as a run without checkpoints."""
+    from moefold.checkpoint.dcp import resolve_checkpoint
+    from moefold.generate import run_config_path
+
+    run_config_path(run_dir)
+    return resolve_checkpoint(run_dir, "--run-dir")
+
+
 def _generate(args: argparse.Namespace) -> int:
     import torch
 
-    from moefold.checkpoint.dcp import resolve_checkpoint
     from moefold.generate import continuation, load_model_from_run, run_config, sample, stop_ids
 
     _check_generate_args(args)  # before loading the model
     # The latest checkpoint once, for the config, the weights and the stop ids: a training may save another.
-    checkpoint = resolve_checkpoint(args.run_dir, "--run-dir")
+    checkpoint = _latest_run_checkpoint(args.run_dir)
     cfg = run_config(args.run_dir, checkpoint)  # the model the checkpoint holds, read once
     prompt_ids, context = _prompt_ids(cfg, args.prompt)  # before the weights are read
     model, tokenizer, cfg = load_model_from_run(args.run_dir, args.device, for_sampling=True, checkpoint=checkpoint,

@@ -58,15 +58,21 @@ def run_config(run_dir: Path, checkpoint: Path | None = None) -> Config:
     which the user sets there (moved, or missing from a run on token files: the refusals here say
     to). A resume that changes it over text data changes the tokens, which the data checks refuse
     before config.toml is rewritten."""
-    config_path = Path(run_dir) / "config.toml"
-    if not config_path.is_file():
-        raise CheckpointError(f"--run-dir {run_dir}: no config.toml (not a moefold run directory)")
-    run_cfg = config_from_toml(config_path)
+    run_cfg = config_from_toml(run_config_path(run_dir))
     saved = saved_config(checkpoint) if checkpoint is not None else None
     if saved is None:
         return run_cfg
     cfg, _ = saved  # its notes (options dropped since) are said by a resume, not here
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=run_cfg.data.tokenizer))
+
+
+def run_config_path(run_dir: Path) -> Path:
+    """`run_dir`'s config.toml; refused where it has none: not a run directory, whatever else it
+    holds (said before its checkpoints are looked for)."""
+    config_path = Path(run_dir) / "config.toml"
+    if not config_path.is_file():
+        raise CheckpointError(f"--run-dir {run_dir}: no config.toml (not a moefold run directory)")
+    return config_path
 
 
 def saved_config(checkpoint: Path, overrides: dict[str, Any] | None = None) -> tuple[Config, list[str]] | None:

@@ -122,9 +122,12 @@ def test_bad_tokenizer_file(tmp_path, tiny_args, capsys):
     assert "data.tokenizer" in line
 
 
-def test_generate_on_a_non_run(tmp_path, capsys):
-    assert "not a moefold run directory" in error_line(
-        capsys, ["generate", "--run-dir", str(tmp_path), "--prompt", "x"])
+@pytest.mark.parametrize("command", ["generate", "convert"])
+def test_generate_and_convert_on_a_non_run(tmp_path, capsys, command):
+    """A directory without config.toml is not a run: said as such, not as a run without checkpoints."""
+    (tmp_path / "checkpoints").mkdir()
+    output = ["--prompt", "x"] if command == "generate" else ["--to-hf", str(tmp_path / "hf")]
+    assert "not a moefold run directory" in error_line(capsys, [command, "--run-dir", str(tmp_path), *output])
 
 
 @pytest.mark.parametrize("option, value, expected", [

@@ -368,7 +368,7 @@ def _resume_config(resume: Path, overrides: dict[str, Any]) -> tuple[Config, lis
     checkpoint that holds no config (weights only, or saved by an earlier moefold): said where
     it is not the run's latest, whose options config.toml may no longer hold."""
     from moefold.checkpoint.dcp import latest_checkpoint, resolve_checkpoint
-    from moefold.generate import saved_config
+    from moefold.checkpoint.run_config import saved_config
 
     run_dir = _run_dir_of(resume)
     if not _is_checkpoint_dir(resume):

@@ -4,20 +4,19 @@ new token alone (`Transformer.decode`)."""
 import dataclasses
 from collections.abc import Callable, Collection
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from moefold.checkpoint.dcp import checkpoint_keys, checkpoint_step, load_value, load_weights, resolve_checkpoint
+from moefold.checkpoint.dcp import checkpoint_step, load_weights, resolve_checkpoint
 from moefold.checkpoint.hf import stop_token_ids
-from moefold.config import Config, config_from_toml, read_run_config
+from moefold.checkpoint.run_config import saved_config
+from moefold.config import Config, config_from_toml
 from moefold.data.formats import TOKEN_SUFFIXES, find_data_files
 from moefold.data.tokenizer import build_tokenizer
 from moefold.errors import CheckpointError, DataError, UserError
 from moefold.models.transformer import build_model, materialize
 from moefold.moe.router import RoundRobinSelection
 from moefold.parallel.launch import resolve_device
-from moefold.train.trainer import _CONFIG as SAVED_CONFIG  # the key of the config a checkpoint was saved with
 from moefold.train.trainer import resolve_compute_dtype
 
 
@@ -73,15 +72,6 @@ def run_config_path(run_dir: Path) -> Path:
     if not config_path.is_file():
         raise CheckpointError(f"--run-dir {run_dir}: no config.toml (not a moefold run directory)")
     return config_path
-
-
-def saved_config(checkpoint: Path, overrides: dict[str, Any] | None = None) -> tuple[Config, list[str]] | None:
-    """The config `checkpoint` was saved with (its run's config.toml as it stood then, which the
-    checkpoint holds under the trainer's `_CONFIG`) with `overrides`, and `read_run_config`'s notes;
-    None where it holds none (weights only, or saved by an earlier moefold)."""
-    if SAVED_CONFIG not in checkpoint_keys(checkpoint):
-        return None
-    return read_run_config(checkpoint, overrides, text=load_value(checkpoint, SAVED_CONFIG))
 
 
 def check_tokenizer_fits(run_dir: Path, cfg: Config, tokenizer, model_vocab: int) -> None:

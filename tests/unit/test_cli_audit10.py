@@ -75,7 +75,7 @@ def _run_to_4_then_resumed_with_top_k_3(tmp_path, text_corpus, monkeypatch=None)
                      "checkpoint.every": "2", "checkpoint.keep": "5"})
     with monkeypatch.context() if monkeypatch else contextlib.nullcontext() as patch:
         if patch:
-            patch.setattr(trainer, "_CONFIG", "not_the_config")  # saved under another key: none found
+            patch.setattr(trainer, "CONFIG_KEY", "not_the_config")  # saved under another key: none found
         assert main(["train", "--run-dir", str(run), *args]) == 0
     assert main(["train", "--resume", str(run), "--train.steps", "6", "--moe.top_k", "3"]) == 0
     return run

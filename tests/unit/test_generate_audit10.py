@@ -192,7 +192,7 @@ def test_generate_takes_data_tokenizer_from_config_toml_as_its_refusal_says(tmp_
 
     from moefold.cli import main
     from moefold.config import read_run_config, to_toml
-    from moefold.generate import saved_config
+    from moefold.checkpoint.run_config import saved_config
 
     rng = np.random.default_rng(0)
     docs = [np.append(rng.integers(11, 1000, size=int(n)), 10) for n in rng.integers(20, 60, size=80)]

@@ -35,13 +35,13 @@ from moefold.checkpoint.dcp import (
     complete_checkpoints,
     latest_checkpoint,
     load_checkpoint,
-    load_value,
     load_weights,
     resolve_checkpoint,
     rng_state,
     save_checkpoint,
     set_rng_state,
 )
+from moefold.checkpoint.run_config import CONFIG_KEY, saved_config_text
 from moefold.config import (Config, ParallelConfig, apply_overrides, config_from_toml, flatten_table,
                             micro_batches_per_step, refuse_unsupported_parallel, to_toml, validate)
 from moefold.data.corpus import build_token_streams, stream_fingerprint
@@ -115,9 +115,9 @@ def _saving_run_config(checkpoint: Path) -> Config | None:
     else (a checkpoint of an earlier version) its run's config.toml, which holds the options of
     the run's latest resume, not necessarily this checkpoint's; None where it has neither (a
     checkpoint copied out of its run)."""
-    if _CONFIG in checkpoint_keys(checkpoint):
+    if (text := saved_config_text(checkpoint)) is not None:
         cfg, label = Config(), f"checkpoint {checkpoint}"
-        apply_overrides(cfg, flatten_table(tomllib.loads(load_value(checkpoint, _CONFIG)), label), source=label)
+        apply_overrides(cfg, flatten_table(tomllib.loads(text), label), source=label)
         return cfg
     saved_config = checkpoint.parent.parent / "config.toml"
     return config_from_toml(saved_config) if saved_config.is_file() else None
@@ -243,9 +243,6 @@ def _refuse_mixed_runs(run_dir: Path, resumed: Path | None) -> None:
     raise ConfigError(f"--run-dir {run_dir} already holds a run; continue it with "
                       f"--resume {run_dir} or choose another --run-dir")
 
-
-_CONFIG = "config"
-"""A checkpoint's key for the config it was saved with (config.toml's text)."""
 
 _CONFIG_HYPERPARAMETERS = ("initial_lr", "betas", "eps", "weight_decay")
 """An optimizer group's values that come from [train]; its moments' dtypes stay the checkpoint's."""
@@ -451,7 +448,7 @@ class Trainer:
                 "data_order": self._data_order(), "step": self.step, "rng": rng_state(),
                 "expert_load": self.load_history, "global_batch": self._global_batch(),
                 "data_fingerprint": self._data_fingerprint,
-                _CONFIG: to_toml(_with_absolute_data_paths(self.cfg))}
+                CONFIG_KEY: to_toml(_with_absolute_data_paths(self.cfg))}
 
     def _global_batch(self) -> int:
         """Sequences per optimizer step, over every data rank."""
@@ -466,7 +463,7 @@ class Trainer:
         """A full checkpoint's model, optimizer, data order, step and RNG; the schedule is rebuilt at
         the step."""
         state = self._state()
-        del state[_CONFIG]  # read by the resume checks (`_saving_run_config`)
+        del state[CONFIG_KEY]  # read by the resume checks (`_saving_run_config`)
         saved_keys = checkpoint_keys(path)
         for key in ("expert_load", "data_order", "global_batch", "data_fingerprint"):  # saved by later versions
             if key not in saved_keys:

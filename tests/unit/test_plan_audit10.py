@@ -8,7 +8,6 @@ weights cut on dim 1 and every group's gathered parameters."""
 
 import pytest
 
-from moefold.config import load_config
 from moefold.plan import predict_memory
 from moefold.plan.memory import BACKWARD_ONLY as ROW
 
@@ -26,32 +25,6 @@ CASES = {  # world size, overrides
 }
 
 
-class _Gradients:
-    """The most bytes of FSDP2's gradients alive at once: all ('total') and the unsharded ones with
-    the send buffers ('held')."""
-
-    def __init__(self, model):
-        from torch.distributed.fsdp import FSDPModule
-
-        self.model = model
-        groups = [m._get_fsdp_state()._fsdp_param_group for m in model.modules() if isinstance(m, FSDPModule)]
-        self.groups = [g for g in groups if g is not None]
-        self.total = self.held = 0
-
-    def record(self, send_buffer_and_grads=()) -> None:
-        from test_plan_fsdp_buffers_audit9 import _storages
-
-        unsharded = [p._unsharded_param.grad for g in self.groups for p in g.fsdp_params
-                     if hasattr(p, "_unsharded_param") and p._unsharded_param.grad is not None]
-        contexts = {id(g.comm_ctx): g.comm_ctx for g in self.groups}.values()
-        kept = [s.reduce_scatter_input for c in contexts for s in c.reduce_scatter_states]
-        held = _storages([*unsharded, *kept, *send_buffer_and_grads])
-        # a resharded module's parameters are the sharded ones, with the gradients reduced so far
-        sharded = _storages([p.grad for p in self.model.parameters() if p.grad is not None])
-        self.held = max(self.held, sum(held.values()))
-        self.total = max(self.total, sum({**held, **sharded}.values()))
-
-
 def _padded_dense(block, experts: set, ranks: int) -> int:
     """Elements of a block's non-expert send buffer: each tensor's dim 0 padded to a multiple of
     the ranks, from the module's real (unsharded) shapes (under TP the whole tensor's: a margin
@@ -62,38 +35,17 @@ def _padded_dense(block, experts: set, ranks: int) -> int:
 
 def _gradients_on_rank(rank: int, run_dir: str) -> dict:
     import torch.distributed as dist
-    from torch.distributed.fsdp._fully_shard import _fsdp_collectives, _fsdp_param_group
+    from test_plan_fsdp_buffers_audit9 import FsdpGradients, accumulate_recording, tiny_trainer
 
     from moefold.parallel.data import expert_parameters
-    from moefold.train.trainer import Trainer
 
     out = {}
-    group_cls = _fsdp_param_group.FSDPParamGroup
-    post_backward, copy_in = group_cls.post_backward, _fsdp_collectives.foreach_reduce_scatter_copy_in
     for i, (name, (world, overrides)) in enumerate(CASES.items()):
         if world != dist.get_world_size():
             continue
-        cfg = load_config("tiny-qwen3", {**overrides, "train.micro_batch_size": "1", "train.seq_len": "8",
-                                         "precision.compute_dtype": "fp32"})
-        trainer = Trainer(cfg, f"{run_dir}/{i}-{rank}", out=lambda line: None)
-        seen = _Gradients(trainer.model)
-
-        def recorded_post_backward(self, *args, **kwargs):
-            seen.record()
-            result = post_backward(self, *args, **kwargs)
-            seen.record()  # the group's sharded gradients made, its send buffer kept
-            return result
-
-        def recorded_copy_in(grads, send_buffer, world_size):
-            copy_in(grads, send_buffer, world_size)
-            seen.record([*grads, send_buffer])
-
-        group_cls.post_backward = recorded_post_backward
-        _fsdp_collectives.foreach_reduce_scatter_copy_in = recorded_copy_in
-        try:
-            trainer.accumulate_gradients()
-        finally:
-            group_cls.post_backward, _fsdp_collectives.foreach_reduce_scatter_copy_in = post_backward, copy_in
+        cfg, trainer = tiny_trainer(overrides, f"{run_dir}/{i}-{rank}")
+        seen = FsdpGradients(trainer.model)
+        accumulate_recording(trainer, seen, after_post_backward=True)
         experts = {id(p) for p in expert_parameters(trainer.model)}
         block = next(iter(trainer.model.blocks()))
         dense = sum(p.numel() for p in block.parameters() if id(p) not in experts)
@@ -185,9 +137,8 @@ class _Gathered:
 def _gathered_on_rank(rank: int, run_dir: str) -> dict:
     import torch
     import torch.distributed as dist
+    from test_plan_fsdp_buffers_audit9 import tiny_trainer
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives, _fsdp_param_group
-
-    from moefold.train.trainer import Trainer
 
     out = {}
     copy_out = _fsdp_collectives.foreach_all_gather_copy_out
@@ -195,9 +146,7 @@ def _gathered_on_rank(rank: int, run_dir: str) -> dict:
     for i, (name, (world, overrides)) in enumerate(GATHER_CASES.items()):
         if world != dist.get_world_size():
             continue
-        cfg = load_config("tiny-qwen3", {**overrides, "train.micro_batch_size": "1", "train.seq_len": "8",
-                                         "precision.compute_dtype": "fp32"})
-        trainer = Trainer(cfg, f"{run_dir}/{i}-{rank}", out=lambda line: None)
+        cfg, trainer = tiny_trainer(overrides, f"{run_dir}/{i}-{rank}")
         seen = _Gathered(trainer.model)
 
         def recorded_copy_out(all_gather_result, *args, **kwargs):

@@ -31,61 +31,85 @@ def _storages(tensors) -> dict[int, int]:
     return {s.data_ptr(): s.nbytes() for s in storages}
 
 
-class _Held:
-    """The most bytes of unsharded gradients and reduce-scatter send buffers alive at once."""
+class FsdpGradients:
+    """The most bytes of FSDP2's gradients alive at once: the unsharded ones with the reduce-scatter
+    send buffers ('held', the plan's row), and with the sharded gradients reduced so far ('total')."""
 
     def __init__(self, model):
         from torch.distributed.fsdp import FSDPModule
 
-        self.groups = [m._get_fsdp_state()._fsdp_param_group for m in model.modules() if isinstance(m, FSDPModule)]
-        self.groups = [g for g in self.groups if g is not None]
-        self.most = 0
+        self.model = model
+        groups = [m._get_fsdp_state()._fsdp_param_group for m in model.modules() if isinstance(m, FSDPModule)]
+        self.groups = [g for g in groups if g is not None]
+        self.held = self.total = 0
 
     def record(self, send_buffer_and_grads=()) -> None:
-        grads = [p._unsharded_param.grad for g in self.groups for p in g.fsdp_params
-                 if hasattr(p, "_unsharded_param") and p._unsharded_param.grad is not None]
+        unsharded = [p._unsharded_param.grad for g in self.groups for p in g.fsdp_params
+                     if hasattr(p, "_unsharded_param") and p._unsharded_param.grad is not None]
         contexts = {id(g.comm_ctx): g.comm_ctx for g in self.groups}.values()
         kept = [s.reduce_scatter_input for c in contexts for s in c.reduce_scatter_states]
-        self.most = max(self.most, sum(_storages([*grads, *kept, *send_buffer_and_grads]).values()))
+        held = _storages([*unsharded, *kept, *send_buffer_and_grads])
+        # a resharded module's parameters are the sharded ones, with the gradients reduced so far
+        sharded = _storages([p.grad for p in self.model.parameters() if p.grad is not None])
+        self.held = max(self.held, sum(held.values()))
+        self.total = max(self.total, sum({**held, **sharded}.values()))
+
+
+def tiny_trainer(overrides: dict, run_dir: str):
+    """tiny-qwen3 with `overrides`, one 8-token row a rank, fp32 compute (as the CPU runs: a
+    gradient takes its parameter's dtype under autocast too): (config, Trainer)."""
+    from moefold.train.trainer import Trainer
+
+    cfg = load_config("tiny-qwen3", {**overrides, "train.micro_batch_size": "1", "train.seq_len": "8",
+                                     "precision.compute_dtype": "fp32"})
+    return cfg, Trainer(cfg, run_dir, out=lambda line: None)
+
+
+def accumulate_recording(trainer, gradients: FsdpGradients, after_post_backward: bool = False) -> None:
+    """One `accumulate_gradients` with `gradients` recorded as each group's post-backward starts
+    (its gradients complete, the previous send buffer still kept), as it returns where asked (its
+    sharded gradients made, its send buffer kept) and after each reduce-scatter copy-in."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives, _fsdp_param_group
+
+    group_cls = _fsdp_param_group.FSDPParamGroup
+    post_backward, copy_in = group_cls.post_backward, _fsdp_collectives.foreach_reduce_scatter_copy_in
+
+    def recorded_post_backward(self, *args, **kwargs):
+        gradients.record()
+        result = post_backward(self, *args, **kwargs)
+        if after_post_backward:
+            gradients.record()
+        return result
+
+    def recorded_copy_in(grads, send_buffer, world_size):
+        copy_in(grads, send_buffer, world_size)
+        gradients.record([*grads, send_buffer])
+
+    group_cls.post_backward = recorded_post_backward
+    _fsdp_collectives.foreach_reduce_scatter_copy_in = recorded_copy_in
+    try:
+        trainer.accumulate_gradients()
+    finally:
+        group_cls.post_backward, _fsdp_collectives.foreach_reduce_scatter_copy_in = post_backward, copy_in
 
 
 def _held_on_rank(rank: int, run_dir: str) -> dict:
     import torch.distributed as dist
-    from torch.distributed.fsdp._fully_shard import _fsdp_collectives, _fsdp_param_group
 
     from moefold.parallel.data import expert_parameters
-    from moefold.train.trainer import Trainer
 
     out = {}
-    group_cls = _fsdp_param_group.FSDPParamGroup
-    post_backward, copy_in = group_cls.post_backward, _fsdp_collectives.foreach_reduce_scatter_copy_in
     for i, (name, (world, overrides)) in enumerate(CASES.items()):
         if world != dist.get_world_size():
             continue
-        cfg = load_config("tiny-qwen3", {**overrides, "train.micro_batch_size": "1", "train.seq_len": "8",
-                                         "precision.compute_dtype": "fp32"})
-        trainer = Trainer(cfg, f"{run_dir}/{i}-{rank}", out=lambda line: None)
-        held = _Held(trainer.model)
-
-        def recorded_post_backward(self, *args, **kwargs):
-            held.record()  # the group's gradients complete, the previous send buffer still kept
-            return post_backward(self, *args, **kwargs)
-
-        def recorded_copy_in(grads, send_buffer, world_size):
-            copy_in(grads, send_buffer, world_size)
-            held.record([*grads, send_buffer])
-
-        group_cls.post_backward = recorded_post_backward
-        _fsdp_collectives.foreach_reduce_scatter_copy_in = recorded_copy_in
-        try:
-            trainer.accumulate_gradients()
-        finally:
-            group_cls.post_backward, _fsdp_collectives.foreach_reduce_scatter_copy_in = post_backward, copy_in
+        cfg, trainer = tiny_trainer(overrides, f"{run_dir}/{i}-{rank}")
+        gradients = FsdpGradients(trainer.model)
+        accumulate_recording(trainer, gradients)
         experts = {id(p) for p in expert_parameters(trainer.model)}
         block = next(iter(trainer.model.blocks()))
         dense = sum(p.numel() for p in block.parameters() if id(p) not in experts)  # unsharded (DTensor) numel
         plan = predict_memory(cfg, world, vocab_size=trainer.vocab_size)
-        out[name] = (plan.comm_buffers[ROW], held.most, dense)
+        out[name] = (plan.comm_buffers[ROW], gradients.held, dense)
     return out
 
 

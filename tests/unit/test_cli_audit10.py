@@ -30,37 +30,6 @@ def test_recompute_from_python_of_a_name_the_model_offloads_is_refused_as_the_co
     assert model.recomputed_names == ["attn_core"]
 
 
-def test_convert_to_hf_judges_the_checkpoint_whose_weights_it_exports(tmp_path, tiny_args, monkeypatch):
-    """`convert --to-hf` resolved the run's latest checkpoint twice, as generate did: for the
-    weights, then for the export's eos_token_id (none at step 0 of the byte tokenizer). A save in
-    between had step 3 judged for step 2's weights."""
-    import shutil
-    from pathlib import Path
-
-    import moefold.generate as generate
-    from moefold.cli import main
-
-    run = tmp_path / "run"
-    assert main(["train", "--run-dir", str(run), *tiny_args, "--train.steps", "2",
-                 "--train.warmup_steps", "1"]) == 0
-    loaded, judged = [], []
-    load_weights, checkpoint_step = generate.load_weights, generate.checkpoint_step
-
-    def load_then_save_another(model, path, *args):
-        load_weights(model, path, *args)
-        loaded.append(path.name)
-        shutil.copytree(path, path.with_name("step_00000003"))  # as a training's save meanwhile
-
-    def step_of(path):
-        judged.append(Path(path).name)
-        return checkpoint_step(path)
-    monkeypatch.setattr(generate, "load_weights", load_then_save_another)
-    monkeypatch.setattr(generate, "checkpoint_step", step_of)
-    assert main(["convert", "--run-dir", str(run), "--to-hf", str(tmp_path / "hf")]) == 0
-    assert loaded == ["step_00000002"]
-    assert judged == loaded
-
-
 def _run_to_4_then_resumed_with_top_k_3(tmp_path, text_corpus, monkeypatch=None):
     """A run of moe.top_k 2 to step 4 (checkpoints 2 and 4), then resumed to step 6 with --moe.top_k
     3, which its config.toml then holds. With `monkeypatch`, its first checkpoints hold no config

@@ -54,11 +54,13 @@ def test_prompts_and_documents_encoded_in_threads_get_their_serial_ids(tmp_path)
     assert wrong == {"document": 0, "prompt": 0}
 
 
-def test_generate_judges_the_checkpoint_whose_weights_it_loaded(tmp_path, tiny_args, monkeypatch):
-    """`moefold generate` resolved the run's latest checkpoint twice: for the weights, then again
-    for the stop ids (whether its model ever read an end of document: not at step 0). A training
-    that saved a checkpoint in between had the stop ids judged by that one: step 3 where the
-    weights were step 2's. Now the one path serves both."""
+@pytest.mark.parametrize("command", ["generate", "convert"])
+def test_generate_and_convert_judge_the_checkpoint_whose_weights_they_loaded(tmp_path, tiny_args, monkeypatch,
+                                                                             command):
+    """`moefold generate` and `convert --to-hf` resolved the run's latest checkpoint twice: for the
+    weights, then again for the stop ids or the export's eos_token_id (whether its model ever read
+    an end of document: not at step 0). A training that saved a checkpoint in between had them
+    judged by that one: step 3 where the weights were step 2's. Now the one path serves both."""
     import shutil
 
     import moefold.generate as generate
@@ -80,8 +82,9 @@ def test_generate_judges_the_checkpoint_whose_weights_it_loaded(tmp_path, tiny_a
         return checkpoint_step(path)
     monkeypatch.setattr(generate, "load_weights", load_then_save_another)
     monkeypatch.setattr(generate, "checkpoint_step", step_of)
-    assert main(["generate", "--run-dir", str(run), "--prompt", "hello", "--max-new-tokens", "2",
-                 "--device", "cpu"]) == 0
+    output = (["--prompt", "hello", "--max-new-tokens", "2", "--device", "cpu"] if command == "generate"
+              else ["--to-hf", str(tmp_path / "hf")])
+    assert main([command, "--run-dir", str(run), *output]) == 0
     assert loaded == ["step_00000002"]
     assert judged == loaded
 

@@ -364,17 +364,19 @@ def _resume_config(resume: Path, overrides: dict[str, Any]) -> tuple[Config, lis
     """The config --resume DIR continues with, and the notes to say. A checkpoint's is the one it
     was saved with, which it holds: its run's config.toml holds the options of the run's latest
     start, which a later resume may have changed (as Megatron-LM's --use-checkpoint-args takes
-    a checkpoint's). A run directory continues its latest checkpoint with config.toml, as does a
-    checkpoint that holds no config (weights only, or saved by an earlier moefold): said where
-    it is not the run's latest, whose options config.toml may no longer hold."""
+    a checkpoint's). Its data.path and data.tokenizer are config.toml's (`run_data_files`): files
+    outside the checkpoint, which a user who moved them sets there. A run directory continues its
+    latest checkpoint with config.toml, as does a checkpoint that holds no config (weights only, or
+    saved by an earlier moefold): said where it is not the run's latest, whose options config.toml
+    may no longer hold."""
     from moefold.checkpoint.dcp import latest_checkpoint, resolve_checkpoint
-    from moefold.checkpoint.run_config import saved_config
+    from moefold.checkpoint.run_config import run_data_files, saved_config
 
     run_dir = _run_dir_of(resume)
     if not _is_checkpoint_dir(resume):
         return read_run_config(run_dir / "config.toml", overrides)
     checkpoint = resolve_checkpoint(resume)
-    saved = saved_config(checkpoint, overrides)
+    saved = saved_config(checkpoint, {**run_data_files(run_dir / "config.toml"), **overrides})
     if saved is not None:
         return saved
     cfg, notes = read_run_config(run_dir / "config.toml", overrides)

@@ -9,7 +9,7 @@ import torch
 
 from moefold.checkpoint.dcp import checkpoint_step, load_weights, resolve_checkpoint
 from moefold.checkpoint.hf import stop_token_ids
-from moefold.checkpoint.run_config import saved_config
+from moefold.checkpoint.run_config import run_data_files, saved_config
 from moefold.config import Config, config_from_toml
 from moefold.data.formats import TOKEN_SUFFIXES, find_data_files
 from moefold.data.tokenizer import build_tokenizer
@@ -53,16 +53,16 @@ def run_config(run_dir: Path, checkpoint: Path | None = None) -> Config:
     (`saved_config`), which config.toml, rewritten as each training starts, may no longer be: a
     `--resume --moe.top_k 3` stopped before its first save left top_k 3 beside a top_k-2 model.
     config.toml's serves a checkpoint that holds none (a conversion's weights only, or one saved by
-    an earlier moefold). data.tokenizer is config.toml's in both: a file outside the checkpoint,
-    which the user sets there (moved, or missing from a run on token files: the refusals here say
-    to). A resume that changes it over text data changes the tokens, which the data checks refuse
-    before config.toml is rewritten."""
-    run_cfg = config_from_toml(run_config_path(run_dir))
-    saved = saved_config(checkpoint) if checkpoint is not None else None
+    an earlier moefold). data.tokenizer and data.path are config.toml's in both (`run_data_files`):
+    files outside the checkpoint, which the user sets there (moved, or a tokenizer missing from a
+    run on token files: the refusals here say to). A resume that changes them over text data
+    changes the tokens, which the data checks refuse before config.toml is rewritten."""
+    config_path = run_config_path(run_dir)
+    saved = saved_config(checkpoint, run_data_files(config_path)) if checkpoint is not None else None
     if saved is None:
-        return run_cfg
+        return config_from_toml(config_path)
     cfg, _ = saved  # its notes (options dropped since) are said by a resume, not here
-    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=run_cfg.data.tokenizer))
+    return cfg
 
 
 def run_config_path(run_dir: Path) -> Path:

@@ -1,7 +1,9 @@
 """The config a training checkpoint was saved with: its run's config.toml as it stood at the save,
 which the checkpoint holds as TOML text under `CONFIG_KEY`. A run's config.toml holds the options
 of its latest start, which a later resume may have changed; a checkpoint's own says what its
-weights are (as Megatron-LM's --use-checkpoint-args reads a checkpoint's arguments)."""
+weights are (as Megatron-LM's --use-checkpoint-args reads a checkpoint's arguments). The files
+outside the checkpoint (`RUN_DATA_FILES`) are config.toml's: where a user who moved them sets them
+(as Megatron-LM takes data paths from the command line, not the checkpoint)."""
 
 from __future__ import annotations
 
@@ -9,10 +11,14 @@ from pathlib import Path
 from typing import Any
 
 from moefold.checkpoint.dcp import checkpoint_keys, load_value
-from moefold.config import Config, read_run_config
+from moefold.config import Config, apply_overrides, flatten_table, read_preset, read_run_config
 
 CONFIG_KEY = "config"
 """A checkpoint's key for the config it was saved with (config.toml's text)."""
+
+RUN_DATA_FILES = ("data.path", "data.tokenizer")
+"""[data] options naming files outside the checkpoint, taken from the run's config.toml: the data
+checks of a resume (sequences, fingerprint) say whether they still hold the data it trained on."""
 
 
 def saved_config_text(checkpoint: Path) -> str | None:
@@ -26,3 +32,14 @@ def saved_config(checkpoint: Path, overrides: dict[str, Any] | None = None) -> t
     (options an older moefold saved that the config now refuses, dropped); None where it holds none."""
     text = saved_config_text(checkpoint)
     return None if text is None else read_run_config(checkpoint, overrides, text=text)
+
+
+def run_data_files(config_path: Path) -> dict[str, Any]:
+    """`RUN_DATA_FILES` as a run's config.toml (`config_path`) gives them, checked there (its
+    errors name it), as overrides of a checkpoint's config (`saved_config`)."""
+    label = str(config_path)
+    table = flatten_table(read_preset(label, label), label)
+    given = {key: table[key] for key in RUN_DATA_FILES if key in table}
+    cfg = Config()
+    apply_overrides(cfg, given, source=label)
+    return {key: getattr(cfg.data, key.split(".")[1]) for key in given}

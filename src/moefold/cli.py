@@ -193,6 +193,9 @@ def _train(args: argparse.Namespace) -> int:
 
     overrides, notes = _overrides(args), []
     if args.resume is not None:
+        # Where it is, not as written: `--resume step_00000002` from checkpoints/ names a checkpoint
+        # of the run above (`_is_checkpoint_dir` reads the parents), `--resume .` inside it one too.
+        args.resume = Path(os.path.abspath(args.resume))
         if args.config or args.init_from_hf:
             raise ConfigError("--config and --init-from-hf cannot be combined with --resume: the "
                               "run's config is used (config.toml, or the checkpoint's own); override "

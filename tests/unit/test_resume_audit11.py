@@ -83,3 +83,71 @@ def test_generate_judges_token_files_at_config_toml_data_path(tmp_path, tiny_arg
     assert main(["generate", "--run-dir", str(run), "--prompt", "ab", "--max-new-tokens", "2",
                  "--device", "cpu"]) == 2
     assert f"trained on token files (data.path={moved})" in capsys.readouterr().err
+
+
+def test_resume_of_a_checkpoint_named_from_inside_its_run(tmp_path, text_corpus, monkeypatch, capsys):
+    """`cd RUN/checkpoints && moefold train --resume step_00000002` (or `--resume .` inside the
+    checkpoint) was refused: '--resume step_00000002: not a moefold run directory (no config.toml)',
+    the path's parent read as written ('') rather than where it is. Now the same branch as the
+    absolute path: its step 4 equal to the original's bit for bit (CPU)."""
+    from conftest import TINY_OVERRIDES, cli_args
+
+    from moefold.cli import main
+
+    run = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run), *cli_args({
+        **TINY_OVERRIDES, "data.path": str(text_corpus), "train.steps": "4", "checkpoint.every": "2",
+        "checkpoint.keep": "5"})]) == 0
+    monkeypatch.chdir(run / "checkpoints")
+    assert main(["train", "--resume", "step_00000002", "--run-dir", "../../branch"]) == 0
+    original, branched = (_model_state(d / "checkpoints" / "step_00000004") for d in (run, tmp_path / "branch"))
+    for name in original:
+        assert torch.equal(original[name], branched[name]), name
+    monkeypatch.chdir(run / "checkpoints" / "step_00000002")
+    capsys.readouterr()
+    assert main(["train", "--resume", ".", "--run-dir", str(tmp_path / "other"), "--train.steps", "3"]) == 0
+    assert f"(resumed from {run / 'checkpoints' / 'step_00000002'})" in capsys.readouterr().out
+
+
+class _Killed(Exception):
+    pass
+
+
+def test_latest_checkpoint_named_or_by_its_run_after_a_resume_killed_before_saving(
+        tmp_path, tiny_args, monkeypatch, capsys):
+    """`--resume RUN --moe.top_k 3` killed before its first save leaves config.toml at top_k 3
+    beside step 2's top_k-2 model. Naming step 2 continues with the config it was saved with: as
+    `--resume RUN --moe.top_k 2` given explicitly, bit for bit (CPU), no note. Naming the run
+    takes config.toml (the latest start's options) and says the model it changes, in one line."""
+    import moefold.train.trainer as trainer
+    from moefold.cli import main
+    from moefold.config import read_run_config
+
+    run = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run), *tiny_args, "--train.steps", "2", "--train.warmup_steps", "1"]) == 0
+
+    def killed(*args, **kwargs):
+        raise _Killed()
+    with monkeypatch.context() as patch:
+        patch.setattr(trainer, "save_checkpoint", killed)
+        try:
+            main(["train", "--resume", str(run), "--train.steps", "4", "--moe.top_k", "3"])
+        except _Killed:
+            pass
+    assert read_run_config(run / "config.toml")[0].moe.top_k == 3
+    capsys.readouterr()
+    named, explicit, by_run = tmp_path / "named", tmp_path / "explicit", tmp_path / "by_run"
+    assert main(["train", "--resume", str(run / "checkpoints" / "step_00000002"), "--run-dir", str(named),
+                 "--train.steps", "4"]) == 0
+    assert [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")] == []
+    assert main(["train", "--resume", str(run), "--run-dir", str(explicit), "--train.steps", "4",
+                 "--moe.top_k", "2"]) == 0
+    capsys.readouterr()
+    assert read_run_config(named / "config.toml")[0] == read_run_config(explicit / "config.toml")[0]
+    a, b = (_model_state(d / "checkpoints" / "step_00000004") for d in (named, explicit))
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    assert main(["train", "--resume", str(run), "--run-dir", str(by_run), "--train.steps", "4"]) == 0
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
+    assert notes == ["note: this run changes the model it resumes: moe.top_k 2 -> 3"], notes
+    assert read_run_config(by_run / "config.toml")[0].moe.top_k == 3

@@ -76,7 +76,8 @@ def _build_parser() -> argparse.ArgumentParser:
     train.add_argument("--run-dir", type=path_argument, help="where the run writes (default: runs/<timestamp>)")
     train.add_argument("--resume", type=path_argument, metavar="DIR",
                        help="continue the run in DIR: a run directory (its latest checkpoint, with its "
-                            "config.toml) or one of its checkpoints (with the config it was saved with)")
+                            "config.toml) or one of its checkpoints (with the config it was saved with; "
+                            "data.path and data.tokenizer from config.toml)")
     train.add_argument("--init-from-hf", type=path_argument, metavar="DIR",
                        help="start from a Hugging Face checkpoint directory (its config.json sets "
                             "[model] and the architecture of [moe], which options may change where "

@@ -382,13 +382,31 @@ def _resume_config(resume: Path, overrides: dict[str, Any]) -> tuple[Config, lis
     checkpoint = resolve_checkpoint(resume)
     saved = saved_config(checkpoint, {**run_data_files(run_dir / "config.toml"), **overrides})
     if saved is not None:
-        return saved
+        cfg, notes = saved
+        if checkpoint.name == latest_checkpoint(run_dir).name:
+            notes += _unsaved_start_note(resume, run_dir / "config.toml", checkpoint, overrides)
+        return cfg, notes
     cfg, notes = read_run_config(run_dir / "config.toml", overrides)
     if checkpoint.name != latest_checkpoint(run_dir).name:
         notes.append(f"note: --resume {resume} holds no config of its own (weights only, or saved by an earlier "
                      f"moefold): continuing with {run_dir / 'config.toml'}, the options of the run's latest start, "
                      "which may differ from those it was saved with")
     return cfg, notes
+
+
+def _unsaved_start_note(resume: Path, config_path: Path, checkpoint: Path, overrides: dict[str, Any]) -> list[str]:
+    """One line where the run's config.toml holds options its latest checkpoint was not saved with
+    (a later start stopped before its first save) that --resume of that checkpoint does not take;
+    `--resume RUN` would (the options given now aside)."""
+    from moefold.checkpoint.run_config import unsaved_options
+
+    unsaved = [(key, given, held) for key, given, held in unsaved_options(checkpoint, config_path)
+               if key not in overrides]
+    if not unsaved:
+        return []
+    return [f"note: {config_path} holds options its latest checkpoint was not saved with (a start that saved "
+            f"none): {', '.join(f'{key}={given!r}' for key, given, _ in unsaved)}; --resume {resume} continues "
+            f"with its own: {', '.join(f'{key}={held!r}' for key, _, held in unsaved)}"]
 
 
 def _is_checkpoint_dir(resume: Path) -> bool:

@@ -117,8 +117,9 @@ def test_latest_checkpoint_named_or_by_its_run_after_a_resume_killed_before_savi
         tmp_path, tiny_args, monkeypatch, capsys):
     """`--resume RUN --moe.top_k 3` killed before its first save leaves config.toml at top_k 3
     beside step 2's top_k-2 model. Naming step 2 continues with the config it was saved with: as
-    `--resume RUN --moe.top_k 2` given explicitly, bit for bit (CPU), no note. Naming the run
-    takes config.toml (the latest start's options) and says the model it changes, in one line."""
+    `--resume RUN --moe.top_k 2` given explicitly, bit for bit (CPU), and says in one line the
+    option of config.toml it does not take (silent before; train.steps, given, is not said).
+    Naming the run takes config.toml (the latest start's options) and says the model it changes."""
     import moefold.train.trainer as trainer
     from moefold.cli import main
     from moefold.config import read_run_config
@@ -137,9 +138,11 @@ def test_latest_checkpoint_named_or_by_its_run_after_a_resume_killed_before_savi
     assert read_run_config(run / "config.toml")[0].moe.top_k == 3
     capsys.readouterr()
     named, explicit, by_run = tmp_path / "named", tmp_path / "explicit", tmp_path / "by_run"
-    assert main(["train", "--resume", str(run / "checkpoints" / "step_00000002"), "--run-dir", str(named),
-                 "--train.steps", "4"]) == 0
-    assert [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")] == []
+    step2 = run / "checkpoints" / "step_00000002"
+    assert main(["train", "--resume", str(step2), "--run-dir", str(named), "--train.steps", "4"]) == 0
+    assert [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")] == [
+        f"note: {run / 'config.toml'} holds options its latest checkpoint was not saved with (a start that saved "
+        f"none): moe.top_k=3; --resume {step2} continues with its own: moe.top_k=2"]
     assert main(["train", "--resume", str(run), "--run-dir", str(explicit), "--train.steps", "4",
                  "--moe.top_k", "2"]) == 0
     capsys.readouterr()

@@ -7,11 +7,14 @@ outside the checkpoint (`RUN_DATA_FILES`) are config.toml's: where a user who mo
 
 from __future__ import annotations
 
+import dataclasses
+import tomllib
 from pathlib import Path
 from typing import Any
 
 from moefold.checkpoint.dcp import checkpoint_keys, load_value
-from moefold.config import Config, apply_overrides, flatten_table, read_preset, read_run_config
+from moefold.config import SECTIONS, Config, apply_overrides, flatten_table, read_preset, read_run_config
+from moefold.errors import ConfigError
 
 CONFIG_KEY = "config"
 """A checkpoint's key for the config it was saved with (config.toml's text)."""
@@ -43,3 +46,28 @@ def run_data_files(config_path: Path) -> dict[str, Any]:
     cfg = Config()
     apply_overrides(cfg, given, source=label)
     return {key: getattr(cfg.data, key.split(".")[1]) for key in given}
+
+
+def unsaved_options(checkpoint: Path, config_path: Path) -> list[tuple[str, Any, Any]]:
+    """(key, config.toml's value, the checkpoint's) for each option its run's config.toml
+    (`config_path`) gives otherwise than the config `checkpoint` was saved with, the files outside
+    it aside (`RUN_DATA_FILES`); [] where it holds none. At the run's latest checkpoint these are a
+    later start's that never saved (stopped or killed before its first checkpoint)."""
+    text = saved_config_text(checkpoint)
+    if text is None:
+        return []
+    try:
+        held, given = _unvalidated(tomllib.loads(text), str(checkpoint)), _unvalidated(
+            read_preset(str(config_path), str(config_path)), str(config_path))
+    except ConfigError:  # an option an earlier moefold saved and this one no longer knows: no note, no refusal
+        return []
+    return [(f"{section}.{name}", value, held[section][name]) for section in SECTIONS
+            for name, value in given[section].items()
+            if value != held[section][name] and f"{section}.{name}" not in RUN_DATA_FILES]
+
+
+def _unvalidated(table: dict[str, Any], label: str) -> dict[str, dict[str, Any]]:
+    """A saved TOML table as {section: {name: value}} over every field (defaults where it has none)."""
+    cfg = Config()
+    apply_overrides(cfg, flatten_table(table, label), source=label)
+    return {section: dataclasses.asdict(getattr(cfg, section)) for section in SECTIONS}

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from moefold import __version__
-from moefold.config import (SECTIONS, Config, apply_overrides, field_docs, field_types, load_config,
-                            preset_names, read_run_config, to_toml, validate)
+from moefold.config import (SECTIONS, Config, apply_overrides, config_from_toml, field_docs, field_types,
+                            load_config, preset_names, read_run_config, to_toml, validate)
 from moefold.errors import (FULL_OR_READ_ONLY, ConfigError, OutputError, UserError, refuse_unwritable_dir,
                             report)
 
@@ -451,12 +451,12 @@ def _check_prompt(prompt: str) -> None:
 
 
 def _latest_run_checkpoint(run_dir: Path) -> Path:
-    """--run-dir's latest checkpoint; a directory that is not a run (no config.toml) is said as
-    such, not as a run without checkpoints."""
+    """--run-dir's latest checkpoint. A directory that is not a run (no config.toml), or whose
+    config.toml does not read, is said as such first, not as a run without checkpoints."""
     from moefold.checkpoint.dcp import resolve_checkpoint
     from moefold.generate import run_config_path
 
-    run_config_path(run_dir)
+    config_from_toml(run_config_path(run_dir))
     return resolve_checkpoint(run_dir, "--run-dir")
 
 

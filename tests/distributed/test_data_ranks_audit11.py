@@ -7,7 +7,6 @@ one-process run on a uint32 corpus (the data fingerprint check passes) and valid
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -16,12 +15,12 @@ import numpy as np
 import torch.distributed as dist
 from conftest import TINY_OVERRIDES, write_text_corpus
 from ranks import run_ranks
+from test_data_ranks_audit10 import _summary
 
 from moefold.config import DataConfig, load_config
 from moefold.data import corpus
-from moefold.data.corpus import build_token_streams, stream_fingerprint
+from moefold.data.corpus import build_token_streams
 from moefold.data.tokenizer import ByteTokenizer
-from moefold.errors import DataError
 from moefold.train import trainer as trainer_module
 
 WORLD = 3
@@ -97,18 +96,6 @@ def _cases(tmp_path: Path) -> dict[str, tuple[DataConfig, int, bool]]:
 
 def _tokenizer(wide: bool):
     return WideBytes(refused=1) if wide else ByteTokenizer()  # no corpus but "refused" holds byte 1
-
-
-def _summary(build) -> dict:
-    try:
-        streams = build()
-    except DataError as e:
-        return {"error": str(e)}
-    return {"train": hashlib.sha256(streams.train_N.tobytes()).hexdigest(),
-            "val": hashlib.sha256(streams.val_N.tobytes()).hexdigest(),
-            "sizes": [len(streams.train_N), len(streams.val_N)], "dtype": str(streams.train_N.dtype),
-            "docs": [streams.train_docs, streams.val_docs], "source": streams.source,
-            "fingerprint": stream_fingerprint(streams.train_N)}
 
 
 def _summaries(tmp_path: Path, group) -> dict[str, dict]:

@@ -158,3 +158,40 @@ def test_three_ranks_resume_a_one_process_run_on_the_same_uint32_streams(tmp_pat
     said = [json.loads((tmp_path / f"trainer{rank}.json").read_text()) for rank in range(WORLD)]
     assert [s["fingerprint"] for s in said] == [one._data_fingerprint] * WORLD
     assert all(np.isfinite(s["val_loss"]) for s in said)
+
+
+class CrashingBytes(ByteTokenizer):
+    """A tokenizer that fails as a program does (not a refusal of the data): out of memory, a bug."""
+
+    def encode_batch_np(self, texts: Sequence[str]) -> list[np.ndarray]:
+        raise RuntimeError("the tokenizer crashed")
+
+
+def _fault_on_rank(rank: int, corpus_dir: Path, out: Path) -> None:
+    from datetime import timedelta
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=20))  # a rank left waiting fails in 20 s
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=20))
+    corpus._ENCODE_BATCH = 2  # 6 documents: batches 0, 2 on rank 0, 1 on rank 1
+    try:
+        build_token_streams(DataConfig(path=str(corpus_dir), val_fraction=0.0),
+                            CrashingBytes() if rank == 1 else ByteTokenizer(), group=group)
+        said = "built"
+    except Exception as e:  # noqa: BLE001 (what each rank raised is the result)
+        said = f"{type(e).__name__}: {e}"
+    (out / f"rank{rank}.txt").write_text(said)
+
+
+def test_a_fault_on_one_rank_stops_the_others_at_once(tmp_path):
+    """A rank whose encoding failed with anything but a DataError left the exchange before it
+    began, and the other ranks waited in it until gloo's timeout (30 minutes by default; a launcher
+    that ends every rank when one fails hid it). Now the faulting rank raises its own error and
+    every other rank one that names it."""
+    from test_data_ranks_audit10 import _few_documents
+
+    corpus_dir = _few_documents(tmp_path / "corpus", [f"document {i}\n" for i in range(6)])
+    run_ranks(2, _fault_on_rank, corpus_dir, tmp_path)
+    assert (tmp_path / "rank1.txt").read_text() == "RuntimeError: the tokenizer crashed"
+    assert (tmp_path / "rank0.txt").read_text() == (
+        f"RuntimeError: rank 1 of the ranks encoding {corpus_dir} failed at its batch 1: "
+        "RuntimeError: the tokenizer crashed")

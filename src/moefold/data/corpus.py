@@ -205,12 +205,14 @@ def _encode_shared(batches: Iterable[list[Document]], label: str, threshold: int
     """`_encode_alone`'s buffers, this rank encoding batches rank, rank + world, ... of `group`'s
     ranks, which all call this: then every rank holds every batch's ids, in batch order. The
     DataError of the first batch that fails on any rank (reading or encoding it, as one process
-    would meet it first) is raised on every rank."""
+    would meet it first) is raised on every rank. Any other exception (a fault: the tokenizer's,
+    out of memory) is raised where it happened and said to the other ranks, which raise too rather
+    than wait for it in the exchange."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     dtype = stream_dtype(tokenizer.vocab_size)
     mine = (_TokenBuffer(dtype), _TokenBuffer(dtype))  # this rank's batches: train, validation
     pieces: list[tuple[int, _Piece, _Piece]] = []  # (batch, train piece, validation piece)
-    failure, position = None, 0
+    failure, fault, position = None, None, 0
     try:
         for batch in batches:  # every rank reads every document: a read error is met by all
             if position % world == rank:
@@ -221,8 +223,14 @@ def _encode_shared(batches: Iterable[list[Document]], label: str, threshold: int
             position += 1
     except DataError as e:  # the batch being read or encoded; the others go on to the exchange
         failure = (position, e)
+    except Exception as e:  # noqa: BLE001 (re-raised below, after the other ranks are told)
+        fault = e
+        failure = (position, RuntimeError(f"rank {rank} of the ranks encoding {label} failed at its batch "
+                                          f"{position}: {type(e).__name__}: {e}"))
     reports: list[Any] = [None] * world
     dist.all_gather_object(reports, (failure, pieces), group=group)
+    if fault is not None:
+        raise fault
     failures = [failure for failure, _ in reports if failure is not None]
     if failures:
         raise min(failures, key=lambda failure: failure[0])[1]

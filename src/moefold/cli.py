@@ -374,17 +374,18 @@ def _resume_config(resume: Path, overrides: dict[str, Any]) -> tuple[Config, lis
     saved by an earlier moefold): said where it is not the run's latest, whose options config.toml
     may no longer hold."""
     from moefold.checkpoint.dcp import latest_checkpoint, resolve_checkpoint
-    from moefold.checkpoint.run_config import run_data_files, saved_config
+    from moefold.checkpoint.run_config import run_data_files, saved_config_text
 
     run_dir = _run_dir_of(resume)
     if not _is_checkpoint_dir(resume):
         return read_run_config(run_dir / "config.toml", overrides)
     checkpoint = resolve_checkpoint(resume)
-    saved = saved_config(checkpoint, {**run_data_files(run_dir / "config.toml"), **overrides})
-    if saved is not None:
-        cfg, notes = saved
+    saved_text = saved_config_text(checkpoint)  # read once: the config and the note compare it
+    if saved_text is not None:
+        cfg, notes = read_run_config(checkpoint, {**run_data_files(run_dir / "config.toml"), **overrides},
+                                     text=saved_text)
         if checkpoint.name == latest_checkpoint(run_dir).name:
-            notes += _unsaved_start_note(resume, run_dir / "config.toml", checkpoint, overrides)
+            notes += _unsaved_start_note(resume, run_dir / "config.toml", checkpoint, saved_text, overrides)
         return cfg, notes
     cfg, notes = read_run_config(run_dir / "config.toml", overrides)
     if checkpoint.name != latest_checkpoint(run_dir).name:
@@ -394,13 +395,14 @@ def _resume_config(resume: Path, overrides: dict[str, Any]) -> tuple[Config, lis
     return cfg, notes
 
 
-def _unsaved_start_note(resume: Path, config_path: Path, checkpoint: Path, overrides: dict[str, Any]) -> list[str]:
+def _unsaved_start_note(resume: Path, config_path: Path, checkpoint: Path, saved_text: str,
+                        overrides: dict[str, Any]) -> list[str]:
     """One line where the run's config.toml holds options its latest checkpoint was not saved with
     (a later start stopped before its first save) that --resume of that checkpoint does not take;
     `--resume RUN` would (the options given now aside)."""
     from moefold.checkpoint.run_config import unsaved_options
 
-    unsaved = [(key, given, held) for key, given, held in unsaved_options(checkpoint, config_path)
+    unsaved = [(key, given, held) for key, given, held in unsaved_options(saved_text, checkpoint, config_path)
                if key not in overrides]
     if not unsaved:
         return []

@@ -48,17 +48,15 @@ def run_data_files(config_path: Path) -> dict[str, Any]:
     return {key: getattr(cfg.data, key.split(".")[1]) for key in given}
 
 
-def unsaved_options(checkpoint: Path, config_path: Path) -> list[tuple[str, Any, Any]]:
+def unsaved_options(saved_text: str, checkpoint: Path, config_path: Path) -> list[tuple[str, Any, Any]]:
     """(key, config.toml's value, the checkpoint's) for each option its run's config.toml
-    (`config_path`) gives otherwise than the config `checkpoint` was saved with, the files outside
-    it aside (`RUN_DATA_FILES`); [] where it holds none. At the run's latest checkpoint these are a
-    later start's that never saved (stopped or killed before its first checkpoint)."""
-    text = saved_config_text(checkpoint)
-    if text is None:
-        return []
+    (`config_path`) gives otherwise than the config `checkpoint` was saved with (`saved_text`, its
+    `saved_config_text`), the files outside it aside (`RUN_DATA_FILES`). At the run's latest
+    checkpoint these are a later start's that never saved (stopped or killed before its first
+    checkpoint)."""
     try:
-        held, given = _unvalidated(tomllib.loads(text), str(checkpoint)), _unvalidated(
-            read_preset(str(config_path), str(config_path)), str(config_path))
+        held = _sections(unvalidated_config(tomllib.loads(saved_text), str(checkpoint)))
+        given = _sections(unvalidated_config(read_preset(str(config_path), str(config_path)), str(config_path)))
     except ConfigError:  # an option an earlier moefold saved and this one no longer knows: no note, no refusal
         return []
     return [(f"{section}.{name}", value, held[section][name]) for section in SECTIONS
@@ -66,8 +64,14 @@ def unsaved_options(checkpoint: Path, config_path: Path) -> list[tuple[str, Any,
             if value != held[section][name] and f"{section}.{name}" not in RUN_DATA_FILES]
 
 
-def _unvalidated(table: dict[str, Any], label: str) -> dict[str, dict[str, Any]]:
-    """A saved TOML table as {section: {name: value}} over every field (defaults where it has none)."""
+def unvalidated_config(table: dict[str, Any], label: str) -> Config:
+    """A saved TOML table (a checkpoint's config, a run's config.toml) over the defaults, without
+    `validate`: the options a run held, to compare with, as an earlier moefold may have saved them."""
     cfg = Config()
     apply_overrides(cfg, flatten_table(table, label), source=label)
+    return cfg
+
+
+def _sections(cfg: Config) -> dict[str, dict[str, Any]]:
+    """`cfg` as {section: {name: value}} over every field."""
     return {section: dataclasses.asdict(getattr(cfg, section)) for section in SECTIONS}

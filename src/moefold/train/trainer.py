@@ -41,9 +41,9 @@ from moefold.checkpoint.dcp import (
     save_checkpoint,
     set_rng_state,
 )
-from moefold.checkpoint.run_config import CONFIG_KEY, saved_config_text
-from moefold.config import (Config, ParallelConfig, apply_overrides, config_from_toml, flatten_table,
-                            micro_batches_per_step, refuse_unsupported_parallel, to_toml, validate)
+from moefold.checkpoint.run_config import CONFIG_KEY, saved_config_text, unvalidated_config
+from moefold.config import (Config, ParallelConfig, config_from_toml, micro_batches_per_step,
+                            refuse_unsupported_parallel, to_toml, validate)
 from moefold.data.corpus import build_token_streams, stream_fingerprint
 from moefold.data.loader import IGNORE_INDEX, Batch, PackedSequences, TrainLoader, val_batch_rows, val_batches
 from moefold.data.tokenizer import build_tokenizer, model_vocab_size
@@ -116,9 +116,7 @@ def _saving_run_config(checkpoint: Path) -> Config | None:
     the run's latest resume, not necessarily this checkpoint's; None where it has neither (a
     checkpoint copied out of its run)."""
     if (text := saved_config_text(checkpoint)) is not None:
-        cfg, label = Config(), f"checkpoint {checkpoint}"
-        apply_overrides(cfg, flatten_table(tomllib.loads(text), label), source=label)
-        return cfg
+        return unvalidated_config(tomllib.loads(text), f"checkpoint {checkpoint}")
     saved_config = checkpoint.parent.parent / "config.toml"
     return config_from_toml(saved_config) if saved_config.is_file() else None
 

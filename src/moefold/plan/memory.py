@@ -378,14 +378,21 @@ def _padded_elements(weights: list[Weight], dims: ParallelDims, dense_ranks: int
         if w.vector:
             total += math.ceil(w.cols / ranks) * ranks
             continue
-        rows = w.rows // math.prod(getattr(dims, name) for name in w.row_split)
-        cols = w.cols // getattr(dims, w.col_split) if w.col_split else w.cols
+        lead, rows, cols = _local_shape(w, dims)
         if w.expert and _dim1_elements(w, dims, ranks):
             total += rows * cols
             continue
-        lead = w.lead // getattr(dims, w.row_split[0]) if w.lead else rows  # dim 0
         total += math.ceil(lead / ranks) * ranks * rows // lead * cols
     return total
+
+
+def _local_shape(w: Weight, dims: ParallelDims) -> tuple[int, int, int]:
+    """(dim 0, rows, cols) of `w`'s local tensor: rows over every dim but the last (an expert
+    weight's local experts times their rows), dim 0 its local experts (or its rows)."""
+    rows = w.rows // math.prod(getattr(dims, name) for name in w.row_split)
+    cols = w.cols // getattr(dims, w.col_split) if w.col_split else w.cols
+    lead = w.lead // getattr(dims, w.row_split[0]) if w.lead else rows
+    return lead, rows, cols
 
 
 def _reduce_scatter_bytes(cfg: Config, blocks: list[tuple[float, float]], root: float,
@@ -443,10 +450,9 @@ def _gathered_blocks(cfg: Config, lay: _Layout, layer_id: int) -> float:
 def _dim1_elements(w: Weight, dims: ParallelDims, ranks: int) -> float:
     """Local elements of expert weight `w` where FSDP2 cuts it on dim 1 (parallel/data.py's
     `even_expert_shards`: its local experts do not split evenly over the ranks, its dim 1 does)."""
-    rows = w.rows // math.prod(getattr(dims, name) for name in w.row_split)
-    lead = w.lead // getattr(dims, w.row_split[0])
+    lead, rows, cols = _local_shape(w, dims)
     cut = ranks > 1 and lead % ranks and (rows // lead) % ranks == 0
-    return rows * (w.cols // getattr(dims, w.col_split) if w.col_split else w.cols) if cut else 0.0
+    return rows * cols if cut else 0.0
 
 
 @dataclass(frozen=True)

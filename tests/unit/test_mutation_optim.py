@@ -3,7 +3,6 @@ its schedule, its fp8 blocks, the data loader, RoPE, RMSNorm or the FLOP count a
 reference (torch's own schedulers and AdamW, a naive formula, transformers), where a small change of
 the source (an off-by-one, a dropped term, a swapped clamp) went unnoticed."""
 
-import math
 
 import pytest
 import torch

@@ -103,6 +103,12 @@ def measured_peak_tflops(device: torch.device, size: int = 8192, repeats: int = 
     so no repeat reads what the last one left in L2); None on the CPU. Once per process and device."""
     if device.type != "cuda":
         return None
+    seconds = _matmul_seconds(device, size, repeats)
+    torch.cuda.empty_cache()  # the operands died with _matmul_seconds' frame
+    return 2 * size**3 / seconds / 1e12
+
+
+def _matmul_seconds(device: torch.device, size: int, repeats: int) -> float:
     gen = torch.Generator(device).manual_seed(0)
     sets = [(torch.randn(size, size, device=device, dtype=torch.bfloat16, generator=gen),
              torch.randn(size, size, device=device, dtype=torch.bfloat16, generator=gen))
@@ -114,10 +120,7 @@ def measured_peak_tflops(device: torch.device, size: int = 8192, repeats: int = 
         a, b = sets[next(turn) % len(sets)]
         torch.mm(a, b, out=out)
 
-    seconds = median_seconds(matmul, device, warmup=5, repeats=repeats)
-    del sets, out
-    torch.cuda.empty_cache()
-    return 2 * size**3 / seconds / 1e12
+    return median_seconds(matmul, device, warmup=5, repeats=repeats)
 
 
 def alloc_retries(device: torch.device) -> int | None:

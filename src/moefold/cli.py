@@ -412,8 +412,15 @@ def _unsaved_start_note(resume: Path, config_path: Path, checkpoint: Path, saved
 
 
 def _is_checkpoint_dir(resume: Path) -> bool:
-    """Whether --resume DIR names one of a run's checkpoints (not the run directory)."""
-    return Path(resume).name.startswith("step_") and Path(resume).parent.name == "checkpoints"
+    """Whether --resume DIR names one of a run's checkpoints (not the run directory), by the name
+    checkpoints are saved under (`step_<N>`: not a `.tmp` or `.old` leftover)."""
+    from moefold.checkpoint.dcp import CHECKPOINTS, is_checkpoint_name
+
+    return is_checkpoint_name(Path(resume).name) and Path(resume).parent.name == CHECKPOINTS
+
+
+_LEFTOVERS = {".tmp": "an unfinished save", ".old": "a checkpoint being deleted"}
+"""What dcp's leftovers under a run's checkpoints/ are, by suffix (`save_checkpoint`, `_rotate`)."""
 
 
 def _run_dir_of(resume: Path) -> Path:
@@ -426,8 +433,22 @@ def _run_dir_of(resume: Path) -> Path:
                             "the run continues with")
         return run_dir
     if not (resume / "config.toml").is_file():
+        _refuse_other_entry_of_checkpoints(resume)
         raise UserError(f"--resume {resume}: not a moefold run directory (no config.toml)")
     return resume
+
+
+def _refuse_other_entry_of_checkpoints(resume: Path) -> None:
+    """Refuses --resume RUN/checkpoints/NAME where NAME is not a complete checkpoint's (a save killed
+    before its rename left `step_<N>.tmp`), naming what it is and what resumes."""
+    from moefold.checkpoint.dcp import CHECKPOINTS
+
+    run_dir = resume.parent.parent
+    if resume.parent.name != CHECKPOINTS or not (run_dir / "config.toml").is_file():
+        return
+    what = _LEFTOVERS.get(resume.suffix, "not a checkpoint's name, step_<N>")
+    raise UserError(f"--resume {resume}: not a complete checkpoint ({what}); give the run directory {run_dir} "
+                    f"(its latest checkpoint) or one of its complete checkpoints, {resume.parent}/step_<N>")
 
 
 def _check_generate_args(args: argparse.Namespace) -> None:

@@ -59,6 +59,12 @@ def complete_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def is_checkpoint_name(name: str) -> bool:
+    """Whether `name` is a complete checkpoint's directory name, `step_<N>` (not a leftover `.tmp`
+    or `.old` of a save or a removal cut short)."""
+    return _STEP_DIR.match(name) is not None
+
+
 def checkpoint_step(path: Path) -> int:
     """The step a checkpoint directory `step_<N>` holds."""
     return int(_STEP_DIR.match(Path(path).name).group(1))

@@ -1,0 +1,49 @@
+"""The CLI's resume, generate and convert paths: what a path under a run's checkpoints/ that is not
+a complete checkpoint, a layout one process cannot hold and a resume that changes the model say."""
+
+import shutil
+
+import pytest
+
+
+def _error_lines(capsys) -> list[str]:
+    return [line for line in capsys.readouterr().err.splitlines() if line]
+
+
+@pytest.fixture
+def two_step_run(tmp_path, tiny_args):
+    """A 2-step run, checkpoint at step 2."""
+    from moefold.cli import main
+
+    run = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run), *tiny_args, "--train.steps", "2", "--train.warmup_steps", "1"]) == 0
+    return run
+
+
+@pytest.mark.parametrize("suffix, what", [(".tmp", "an unfinished save"), (".old", "a checkpoint being deleted")])
+def test_resume_of_a_leftover_under_checkpoints_is_refused_in_one_line(two_step_run, capsys, suffix, what):
+    """`--resume RUN/checkpoints/step_N.tmp` (a save killed before its rename) passed as a checkpoint
+    (any step_* name did) and was read as a run directory: 'no complete checkpoint in
+    RUN/checkpoints/step_N.tmp/checkpoints'. It names the path, says what it is and what to give."""
+    from moefold.cli import main
+
+    leftover = two_step_run / "checkpoints" / f"step_00000004{suffix}"
+    shutil.copytree(two_step_run / "checkpoints" / "step_00000002", leftover)
+    (leftover / ".metadata").unlink()  # DCP writes it last: a save killed half-way has none
+    capsys.readouterr()
+    assert main(["train", "--resume", str(leftover), "--train.steps", "4"]) == 2
+    assert _error_lines(capsys) == [
+        f"moefold: error: --resume {leftover}: not a complete checkpoint ({what}); give the run directory "
+        f"{two_step_run} (its latest checkpoint) or one of its complete checkpoints, "
+        f"{two_step_run / 'checkpoints'}/step_<N>"]
+    assert leftover.is_dir() and not (two_step_run / "checkpoints" / "step_00000004").exists()
+
+
+def test_resume_of_a_run_directory_in_a_folder_named_checkpoints(tmp_path, tiny_args):
+    """A run kept in a folder named checkpoints (`checkpoints/my-run`) is a run, not a leftover."""
+    from moefold.cli import main
+
+    run = tmp_path / "checkpoints" / "my-run"
+    assert main(["train", "--run-dir", str(run), *tiny_args, "--train.steps", "2", "--train.warmup_steps", "1"]) == 0
+    assert main(["train", "--resume", str(run), "--train.steps", "3"]) == 0
+    assert (run / "checkpoints" / "step_00000003").is_dir()

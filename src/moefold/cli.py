@@ -202,7 +202,9 @@ def _train(args: argparse.Namespace) -> int:
                               "run's config is used (config.toml, or the checkpoint's own); override "
                               "single fields instead")
         run_dir = args.run_dir or _run_dir_of(args.resume)
-        cfg, notes = _resume_config(args.resume, overrides)
+        cfg, notes, source = _resume_config(args.resume, overrides)
+        if args.nproc == 1:
+            _refuse_saved_layout_beyond_one_process(args.resume, cfg, overrides, source)
     elif args.init_from_hf is not None:
         cfg = _config_for_hf_model(args.init_from_hf, args.config, overrides)
         run_dir = args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
@@ -364,8 +366,9 @@ def _write_converted_run(hf_dir: Path, out: Path, created: bool) -> Path:
     return path
 
 
-def _resume_config(resume: Path, overrides: dict[str, Any]) -> tuple[Config, list[str]]:
-    """The config --resume DIR continues with, and the notes to say. A checkpoint's is the one it
+def _resume_config(resume: Path, overrides: dict[str, Any]) -> tuple[Config, list[str], str]:
+    """The config --resume DIR continues with, the notes to say, and where its options come from
+    (config.toml, or the config a checkpoint was saved with). A checkpoint's is the one it
     was saved with, which it holds: its run's config.toml holds the options of the run's latest
     start, which a later resume may have changed (as Megatron-LM's --use-checkpoint-args takes
     a checkpoint's). Its data.path and data.tokenizer are config.toml's (`run_data_files`): files
@@ -378,7 +381,7 @@ def _resume_config(resume: Path, overrides: dict[str, Any]) -> tuple[Config, lis
 
     run_dir = _run_dir_of(resume)
     if not _is_checkpoint_dir(resume):
-        return read_run_config(run_dir / "config.toml", overrides)
+        return *read_run_config(run_dir / "config.toml", overrides), str(run_dir / "config.toml")
     checkpoint = resolve_checkpoint(resume)
     saved_text = saved_config_text(checkpoint)  # read once: the config and the note compare it
     if saved_text is not None:
@@ -386,13 +389,32 @@ def _resume_config(resume: Path, overrides: dict[str, Any]) -> tuple[Config, lis
                                      text=saved_text)
         if checkpoint.name == latest_checkpoint(run_dir).name:
             notes += _unsaved_start_note(resume, run_dir / "config.toml", checkpoint, saved_text, overrides)
-        return cfg, notes
+        return cfg, notes, f"the config {checkpoint} was saved with"
     cfg, notes = read_run_config(run_dir / "config.toml", overrides)
     if checkpoint.name != latest_checkpoint(run_dir).name:
         notes.append(f"note: --resume {resume} holds no config of its own (weights only, or saved by an earlier "
                      f"moefold): continuing with {run_dir / 'config.toml'}, the options of the run's latest start, "
                      "which may differ from those it was saved with")
-    return cfg, notes
+    return cfg, notes, str(run_dir / "config.toml")
+
+
+def _refuse_saved_layout_beyond_one_process(resume: Path, cfg: Config, overrides: dict[str, Any],
+                                            source: str) -> None:
+    """A one-process resume of a run whose saved layout needs more ranks (parallel.ep 2 of a 2-rank
+    run), said with where the sizes came from (`source`) and the options that resume it here: DCP
+    reads a checkpoint under any layout. Sizes given now are the user's: `join` says those."""
+    from moefold.parallel.dims import ParallelDims
+    from moefold.parallel.launch import world_from_env
+
+    p = cfg.parallel
+    sizes = {f"parallel.{name}": getattr(p, name) for name in ("tp", "cp", "pp", "ep", "etp") if getattr(p, name) > 1}
+    if world_from_env() != 1 or not sizes or any(key in overrides for key in sizes):
+        return
+    world = ParallelDims.smallest(p.tp, p.cp, p.pp, p.ep, p.etp, p.order).world
+    raise ConfigError(f"--resume {resume}: {', '.join(f'{key}={size}' for key, size in sizes.items())} (from "
+                      f"{source}) needs {world} ranks and this is one process: start them with --nproc {world} "
+                      f"(or torchrun), or resume on one process with {' '.join(f'--{key} 1' for key in sizes)} "
+                      "(a checkpoint resumes under another layout)")
 
 
 def _unsaved_start_note(resume: Path, config_path: Path, checkpoint: Path, saved_text: str,

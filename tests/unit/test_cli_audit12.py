@@ -47,3 +47,25 @@ def test_resume_of_a_run_directory_in_a_folder_named_checkpoints(tmp_path, tiny_
     assert main(["train", "--run-dir", str(run), *tiny_args, "--train.steps", "2", "--train.warmup_steps", "1"]) == 0
     assert main(["train", "--resume", str(run), "--train.steps", "3"]) == 0
     assert (run / "checkpoints" / "step_00000003").is_dir()
+
+
+def test_one_process_resume_of_a_two_rank_run_says_where_parallel_ep_came_from(tmp_path, tiny_args, capsys):
+    """A run trained on 2 ranks with parallel.ep 2, resumed in one process: the error named
+    parallel.ep but not that it came from the run's saved config (config.toml, or the config its
+    checkpoint was saved with), nor that --parallel.ep 1 resumes it here (DCP reshards any layout)."""
+    from moefold.cli import main
+
+    run = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run), *tiny_args, "--train.steps", "2", "--train.warmup_steps", "1",
+                 "--nproc", "2", "--parallel.ep", "2"]) == 0
+    step2 = run / "checkpoints" / "step_00000002"
+    capsys.readouterr()
+    for resume, source in ((run, run / "config.toml"), (step2, f"the config {step2} was saved with")):
+        assert main(["train", "--resume", str(resume), "--train.steps", "3", "--run-dir", str(tmp_path / "b")]) == 2
+        assert _error_lines(capsys) == [
+            f"moefold: error: --resume {resume}: parallel.ep=2 (from {source}) needs 2 ranks and this is one "
+            "process: start them with --nproc 2 (or torchrun), or resume on one process with --parallel.ep 1 "
+            "(a checkpoint resumes under another layout)"]
+    assert main(["train", "--resume", str(step2), "--train.steps", "3", "--run-dir", str(tmp_path / "b"),
+                 "--parallel.ep", "1"]) == 0
+    assert (tmp_path / "b" / "checkpoints" / "step_00000003").is_dir()

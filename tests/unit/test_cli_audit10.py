@@ -82,7 +82,8 @@ def test_resume_from_a_checkpoint_continues_with_the_config_it_was_saved_with(tm
     # An option given still changes it, and is said to change the model the checkpoint holds.
     assert main(["train", "--resume", str(run / "checkpoints" / "step_00000002"), "--run-dir",
                  str(tmp_path / "other"), "--moe.top_k", "3"]) == 0
-    assert "note: this run changes the model it resumes: moe.top_k 2 -> 3" in capsys.readouterr().out
+    assert (f"note: this run changes the model it resumes (compared with the config {run}/checkpoints/step_00000002 "
+            "was saved with): moe.top_k 2 -> 3") in capsys.readouterr().out
 
 
 def test_resume_from_an_older_checkpoint_without_its_config_says_whose_options_it_takes(

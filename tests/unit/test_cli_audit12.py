@@ -69,3 +69,26 @@ def test_one_process_resume_of_a_two_rank_run_says_where_parallel_ep_came_from(t
     assert main(["train", "--resume", str(step2), "--train.steps", "3", "--run-dir", str(tmp_path / "b"),
                  "--parallel.ep", "1"]) == 0
     assert (tmp_path / "b" / "checkpoints" / "step_00000003").is_dir()
+
+
+@pytest.mark.parametrize("holds_config", [True, False])
+def test_a_resume_that_changes_the_model_names_what_it_compares_with(tmp_path, tiny_args, capsys, monkeypatch,
+                                                                    holds_config):
+    """'note: this run changes the model it resumes: moe.top_k 2 -> 3' did not say whose 2 it was:
+    the config the checkpoint was saved with, or (a checkpoint without one: an earlier moefold's,
+    weights only) the run's config.toml."""
+    import moefold.train.trainer as trainer
+    from moefold.cli import main
+
+    run = tmp_path / "run"
+    with monkeypatch.context() as patch:
+        if not holds_config:
+            patch.setattr(trainer, "CONFIG_KEY", "not_the_config")  # saved under another key: none found
+        assert main(["train", "--run-dir", str(run), *tiny_args, "--train.steps", "2",
+                     "--train.warmup_steps", "1"]) == 0
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run), "--train.steps", "3", "--moe.top_k", "3"]) == 0
+    source = (f"the config {run / 'checkpoints' / 'step_00000002'} was saved with" if holds_config
+              else str(run / "config.toml"))
+    assert [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: this run")] == [
+        f"note: this run changes the model it resumes (compared with {source}): moe.top_k 2 -> 3"]

@@ -184,7 +184,8 @@ def test_a_branch_from_a_checkpoint_saved_before_a_resume_that_changed_the_model
     assert main(["train", "--resume", str(run / "checkpoints" / "step_00000002"), "--run-dir",
                  str(tmp_path / "branch"), "--moe.top_k", "3"]) == 0
     notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: this run changes")]
-    assert notes == ["note: this run changes the model it resumes: moe.top_k 2 -> 3"]
+    assert notes == [f"note: this run changes the model it resumes (compared with the config {run}/checkpoints/"
+                     "step_00000002 was saved with): moe.top_k 2 -> 3"]
 
 
 def test_a_save_that_fails_inside_the_writer_keeps_the_last_checkpoint_and_the_resume_is_the_uninterrupted_run(

@@ -182,6 +182,7 @@ def test_a_resume_that_changes_the_model_says_so_in_one_note(tmp_path, tiny_args
     assert main(["train", "--resume", str(run), "--train.steps", "3", "--moe.top_k", "3",
                  "--moe.aux_loss_coeff", "0.02"]) == 0
     notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: ")]
-    assert notes == ["note: this run changes the model it resumes: moe.top_k 2 -> 3, moe.aux_loss_coeff 0.01 -> 0.02"]
+    assert notes == [f"note: this run changes the model it resumes (compared with the config {run}/checkpoints/"
+                     "step_00000002 was saved with): moe.top_k 2 -> 3, moe.aux_loss_coeff 0.01 -> 0.02"]
     assert main(["train", "--resume", str(run), "--train.steps", "4"]) == 0  # the saved config.toml has them now
     assert not [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: ")]

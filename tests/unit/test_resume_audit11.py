@@ -152,5 +152,6 @@ def test_latest_checkpoint_named_or_by_its_run_after_a_resume_killed_before_savi
         assert torch.equal(a[name], b[name]), name
     assert main(["train", "--resume", str(run), "--run-dir", str(by_run), "--train.steps", "4"]) == 0
     notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
-    assert notes == ["note: this run changes the model it resumes: moe.top_k 2 -> 3"], notes
+    assert notes == [f"note: this run changes the model it resumes (compared with the config {step2} was saved "
+                     "with): moe.top_k 2 -> 3"], notes
     assert read_run_config(by_run / "config.toml")[0].moe.top_k == 3

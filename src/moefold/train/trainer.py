@@ -41,7 +41,7 @@ from moefold.checkpoint.dcp import (
     save_checkpoint,
     set_rng_state,
 )
-from moefold.checkpoint.run_config import CONFIG_KEY, saved_config_text, unvalidated_config
+from moefold.checkpoint.run_config import CONFIG_KEY, saved_config_source, saved_config_text, unvalidated_config
 from moefold.config import (Config, ParallelConfig, config_from_toml, micro_batches_per_step,
                             refuse_unsupported_parallel, to_toml, validate)
 from moefold.data.corpus import build_token_streams, stream_fingerprint
@@ -827,7 +827,8 @@ class Trainer:
                          f"{par.ep_dispatcher if d.ep * d.etp > 1 else 'local'} dispatch")
         lines += self._notes + self._no_effect_here() + self._global_batch_note()
         if self._changed_model_options:
-            lines.append(f"note: this run changes the model it resumes: {', '.join(self._changed_model_options)}")
+            lines.append(f"note: this run changes the model it resumes (compared with "
+                         f"{saved_config_source(self.resumed_from)}): {', '.join(self._changed_model_options)}")
         if self.val_batches and not self._any_validation_label():
             lines.append(f"warning: no validation token has a label (every label is {IGNORE_INDEX}): val_loss is nan "
                          "(null in metrics.jsonl)")

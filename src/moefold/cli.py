@@ -508,15 +508,17 @@ def _latest_run_checkpoint(run_dir: Path) -> Path:
 def _generate(args: argparse.Namespace) -> int:
     import torch
 
+    from moefold.data.tokenizer import build_tokenizer
     from moefold.generate import continuation, load_model_from_run, run_config, sample, stop_ids
 
     _check_generate_args(args)  # before loading the model
     # The latest checkpoint once, for the config, the weights and the stop ids: a training may save another.
     checkpoint = _latest_run_checkpoint(args.run_dir)
     cfg = run_config(args.run_dir, checkpoint)  # the model the checkpoint holds, read once
-    prompt_ids, context = _prompt_ids(cfg, args.prompt)  # before the weights are read
+    tokenizer = build_tokenizer(cfg.data.tokenizer)  # once: a Hugging Face tokenizer.json takes seconds
+    prompt_ids, context = _prompt_ids(cfg, tokenizer, args.prompt)  # before the weights are read
     model, tokenizer, cfg = load_model_from_run(args.run_dir, args.device, for_sampling=True, checkpoint=checkpoint,
-                                                cfg=cfg)
+                                                cfg=cfg, tokenizer=tokenizer)
     generator = torch.Generator().manual_seed(args.seed)
     new_ids = sample(model, prompt_ids, args.max_new_tokens, args.temperature, args.top_k,
                      context, stop_ids(cfg, tokenizer, checkpoint), generator, tokenizer.vocab_size)
@@ -524,13 +526,12 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _prompt_ids(cfg: Config, prompt: str) -> tuple[list[int], int]:
+def _prompt_ids(cfg: Config, tokenizer, prompt: str) -> tuple[list[int], int]:
     """--prompt's ids and the model's context, from the run's config (`run_config`) and tokenizer:
     a prompt refused here costs no checkpoint read (a large model's minutes)."""
-    from moefold.data.tokenizer import build_tokenizer
     from moefold.generate import context_length
 
-    prompt_ids = build_tokenizer(cfg.data.tokenizer).encode_prompt(prompt)  # as transformers' tokenizer(prompt)
+    prompt_ids = tokenizer.encode_prompt(prompt)  # as transformers' tokenizer(prompt)
     if not prompt_ids:
         raise UserError(f"--prompt {prompt!r} encodes to no tokens; give text to continue")
     context, source = context_length(cfg)

@@ -21,21 +21,24 @@ from moefold.train.trainer import resolve_compute_dtype
 
 
 def load_model_from_run(run_dir: Path, device_name: str = "auto", exact_masters: bool = False,
-                        for_sampling: bool = False, checkpoint: Path | None = None, cfg: Config | None = None):
+                        for_sampling: bool = False, checkpoint: Path | None = None, cfg: Config | None = None,
+                        tokenizer=None):
     """(model, tokenizer, config) with the weights of the run's latest checkpoint, or of
     `checkpoint` (one of its checkpoints: `moefold generate` resolves the latest once, for these
     weights and for `stop_ids`, since a training may save another in between), built with the
     config that checkpoint was saved with (`run_config`); the model is
     dropless and unpadded whatever capacity factor and pad multiple the run trained with
     (`_dropless`). `cfg`: `run_config(run_dir, checkpoint)` where the caller has read it already
-    (`moefold generate` encodes the prompt with it first). `exact_masters`: as `load_weights`' (an
-    export's weights, not the ones a bf16 forward ran with). `for_sampling`: a tokenizer of more
+    (`moefold generate` encodes the prompt with it first); `tokenizer`:
+    `build_tokenizer(cfg.data.tokenizer)` where the caller has built it already (`moefold
+    generate`'s, for the prompt: a tokenizer.json is read once). `exact_masters`: as
+    `load_weights`' (an export's weights, not the ones a bf16 forward ran with). `for_sampling`: a tokenizer of more
     ids than the model's is refused first (`check_tokenizer_fits`); an export takes the weights
     whatever the tokenizer."""
     checkpoint = resolve_checkpoint(Path(checkpoint or run_dir), "--run-dir")
     cfg = cfg if cfg is not None else run_config(run_dir, checkpoint)
     device = resolve_device(device_name, "--device")
-    tokenizer = build_tokenizer(cfg.data.tokenizer)
+    tokenizer = tokenizer if tokenizer is not None else build_tokenizer(cfg.data.tokenizer)
     if for_sampling:  # before the weights are read
         check_tokenizer_fits(run_dir, cfg, tokenizer, cfg.model.vocab_size or tokenizer.vocab_size)
         _check_token_files_have_tokenizer(run_dir, cfg, tokenizer)

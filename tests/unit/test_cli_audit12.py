@@ -92,3 +92,23 @@ def test_a_resume_that_changes_the_model_names_what_it_compares_with(tmp_path, t
               else str(run / "config.toml"))
     assert [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: this run")] == [
         f"note: this run changes the model it resumes (compared with {source}): moe.top_k 2 -> 3"]
+
+
+def test_generate_builds_the_tokenizer_once(two_step_run, monkeypatch, capsys):
+    """generate built the run's tokenizer for the prompt (cli._prompt_ids), then again with the
+    model (load_model_from_run): a Hugging Face tokenizer.json of 150k ids is read twice."""
+    import moefold.data.tokenizer
+    import moefold.generate
+    from moefold.cli import main
+
+    builds, build = [], moefold.data.tokenizer.build_tokenizer
+
+    def counted(*args, **kwargs):
+        builds.append(args)
+        return build(*args, **kwargs)
+    monkeypatch.setattr(moefold.data.tokenizer, "build_tokenizer", counted)
+    monkeypatch.setattr(moefold.generate, "build_tokenizer", counted)
+    assert main(["generate", "--run-dir", str(two_step_run), "--prompt", "ab", "--max-new-tokens", "3",
+                 "--device", "cpu"]) == 0
+    assert capsys.readouterr().out.startswith("ab")
+    assert len(builds) == 1, builds

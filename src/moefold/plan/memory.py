@@ -62,7 +62,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moefold.config import Config, micro_batches_per_step
+from moefold.config import Config, micro_batches_per_step, moe_layers_in
 from moefold.data.tokenizer import model_vocab_size
 from moefold.errors import ConfigError
 from moefold.moe.capacity import padded_capacity
@@ -70,6 +70,7 @@ from moefold.optim.blocks import pieces_hold_whole_blocks
 from moefold.parallel.dims import ParallelDims
 from moefold.plan import activations as act
 from moefold.plan import options
+from moefold.plan.layers import Run, layer_runs
 from moefold.plan.head import head_losses
 from moefold.plan.params import (
     ParamSplit,
@@ -85,6 +86,7 @@ from moefold.plan.params import (
 )
 from moefold.plan.pipeline import (
     Chunk,
+    LayerIds,
     model_chunks,
     peak_in_flight,
     rank_chunks,
@@ -105,7 +107,7 @@ class MemoryPlan:
     """Predicted bytes on the busiest GPU (the pipeline rank with the highest peak)."""
     world_size: int
     pp_rank: int
-    layers: tuple[int, ...]  # layer ids on this rank (MTP blocks numbered on from n_layers)
+    layers: LayerIds  # layer ids on this rank (MTP blocks numbered on from n_layers)
     parameters: float
     gradients: float
     master_weights: float
@@ -189,8 +191,6 @@ def _states(cfg: Config, lay: _Layout, dense: float, expert: float, scales: floa
 
 def _scale_blocks(cfg: Config, lay: _Layout, chunks: list[Chunk], vocab: int) -> float:
     """fp32 scales this rank keeps per fp8 moment of its chunks' parameters."""
-    from moefold.models.transformer import is_moe_layer
-
     def scales(weights) -> float:
         return sum(local_scale_blocks(w, lay.dims, lay.expert_shard if w.expert else lay.dense_shard,
                                       not lay.fsdp) for w in weights)
@@ -198,7 +198,7 @@ def _scale_blocks(cfg: Config, lay: _Layout, chunks: list[Chunk], vocab: int) ->
     per_block = {moe_layer: scales(block_weights(cfg, moe_layer)) for moe_layer in (False, True)}
     total = 0.0
     for ch in chunks:
-        n_moe = sum(is_moe_layer(cfg, i) for i in ch.layers)
+        n_moe = moe_layers_in(cfg, ch.layers)
         total += n_moe * per_block[True] + (len(ch.layers) - n_moe) * per_block[False]
         total += scales(embedding_weights(cfg, vocab)) if ch.first else 0
         total += scales(head_weights(cfg, vocab)) if ch.last else 0
@@ -268,9 +268,9 @@ def _shapes(cfg: Config, lay: _Layout, imbalance: float) -> act.Shapes:
 def _chunk_activations(cfg: Config, chunk: Chunk, sh: act.Shapes, vocab: int) -> dict[str, int]:
     """One micro-batch's saved bytes of a model chunk, after memory.recompute / memory.offload."""
     out = dict(options.rope_tables_kept(cfg, sh))
-    for layer_id in chunk.layers:
-        act._add(out, **act.layer_bytes(cfg, layer_id, sh))
-        act._add(out, **options.layer_delta(cfg, layer_id, sh)[0])
+    for run in layer_runs(cfg, chunk.layers):
+        act._add(out, **_times(act.layer_bytes(cfg, run.layer, sh), run.count))
+        act._add(out, **_times(options.layer_delta(cfg, run.layer, sh)[0], run.count))
     if chunk.first:
         act._add(out, **act.first_stage_bytes(cfg, sh))
     if chunk.last:
@@ -278,19 +278,24 @@ def _chunk_activations(cfg: Config, chunk: Chunk, sh: act.Shapes, vocab: int) ->
     return out
 
 
+def _times(parts: dict[str, int], count: int) -> dict[str, int]:
+    """`count` layers' bytes of one layer's `parts`."""
+    return {key: value * count for key, value in parts.items()}
+
+
 def _fp8_weight_cache(cfg: Config, chunks: list[Chunk], sh: act.Shapes, dims: ParallelDims) -> float:
     """precision.fp8_weight_cache (fp8/weight_cache.py): each FP8 expert weight held in both of
     its GEMMs' layouts, 1 byte each per local element, for the whole run (scales, under 0.5%, not
     counted); the experts of bf16 layers and of fp8_exclude'd modules are not cached."""
-    cached = sum(layer_params(cfg, i).expert for ch in chunks for i in ch.layers
-                 if act.cached_fp8_experts(cfg, i, sh))
+    cached = sum(layer_params(cfg, run.layer).expert * run.count for ch in chunks
+                 for run in layer_runs(cfg, ch.layers) if act.cached_fp8_experts(cfg, run.layer, sh))
     return 2.0 * cached / (dims.ep * dims.etp)
 
 
 def _chunk_params(cfg: Config, chunk: Chunk, vocab: int) -> ParamSplit:
     total = ParamSplit()
-    for layer_id in chunk.layers:
-        total += layer_params(cfg, layer_id)
+    for run in layer_runs(cfg, chunk.layers):
+        total += layer_params(cfg, run.layer) * run.count
     if chunk.first:
         total += embedding_params(cfg, vocab)
     if chunk.last:
@@ -306,7 +311,7 @@ def _comm_buffers(cfg: Config, lay: _Layout, chunks: list[Chunk], sh: act.Shapes
     from moefold.models.transformer import is_moe_layer
 
     d, c, D = lay.dims, sh.act_bytes, cfg.model.dim
-    layers = [i for ch in chunks for i in ch.layers]
+    layers = [run.layer for ch in chunks for run in layer_runs(cfg, ch.layers)]  # one of each run
     out: dict[str, float] = {}
     if d.ep * d.etp > 1 and any(is_moe_layer(cfg, i) for i in layers):
         if act.gathers_copies(cfg, sh):
@@ -330,7 +335,7 @@ def _fsdp_buffers(cfg: Config, lay: _Layout, layers: list[int], sh: act.Shapes, 
                   first: bool, last: bool) -> dict[str, float]:
     """FSDP2's gathered parameters and, in backward, its reduce-scatter (`_reduce_scatter_bytes`)."""
     out: dict[str, float] = {}
-    root = _chunk_params(cfg, Chunk(-1, (), first, last), vocab).replicated
+    root = _chunk_params(cfg, Chunk(-1, range(0), first, last), vocab).replicated
     root_sent = _padded_elements(_root_weights(cfg, vocab, first, last), lay.dims, lay.dense_shard,
                                  lay.expert_shard)  # gathered and sent alike, rows padded
     if root and lay.dense_shard > 1:
@@ -456,13 +461,28 @@ def _dim1_elements(w: Weight, dims: ParallelDims, ranks: int) -> float:
 
 
 @dataclass(frozen=True)
+class _LayerCost:
+    """One layer of a run (bytes)."""
+    full: int  # the plain layer's saved activations
+    saved: int  # ... after memory.recompute / memory.offload
+    copies: int  # the weight copies among `saved`
+    work: int  # its backward working set
+    gradients: float
+
+
+def _visits(run: Run) -> list[int]:
+    """The layers of `run` a walk evaluates (positions in it): its first and last, where what the
+    walk holds changes by the same amount with every layer (none in a period's middle
+    repetitions, plan.layers)."""
+    return sorted({0, run.count - 1}) if run.walked else []
+
+
+@dataclass(frozen=True)
 class _Rank:
     """What the time-ordered peaks of one rank are made of (bytes)."""
     states: dict[str, float]  # parameters, gradients, master_weights, optimizer_moments, fp8_weight_cache
     activations: float  # every in-flight micro-batch's saved activations
-    layers: list[tuple[float, float, float, float]]  # the last local chunk's layers, in forward
-    # order: (one micro-batch's saved activations, their weight copies, backward working set,
-    # gradients)
+    layers: list[tuple[Run, _LayerCost]]  # the last local chunk's layers, in forward order
     head: tuple[float, float, float]  # the loss's forward and backward workspace, head gradients
     running: list[tuple[float, float]]  # the last local chunk's recomputed or offloaded layers
     # while their forward runs: (the activations held, the layer's tensors beyond what it keeps)
@@ -493,16 +513,54 @@ def _phases(r: _Rank) -> dict[str, dict[str, float]]:
     steps = [(r.activations, loss_bwd_ws, 0.0),  # log-softmax's backward
              (r.activations - head_saved, head_grad_ws, head_grads)]  # the head's
     freed, made = head_saved, head_grads
-    for saved, copies, work, layer_grads in reversed(r.layers):
-        made += layer_grads  # ... while the weight copies they replace are released
-        steps.append((r.activations - freed - copies, work, made))
-        freed += saved
+    for run, cost in reversed(r.layers):  # a run's layers alike: its first and last are its extremes
+        done = 0
+        for k in _visits(run):
+            made += (k - done) * cost.gradients
+            freed += (k - done) * cost.saved
+            made += cost.gradients  # ... while the weight copies they replace are released
+            steps.append((r.activations - freed - cost.copies, cost.work, made))
+            freed += cost.saved
+            done = k + 1
+        made += (run.count - done) * cost.gradients
+        freed += (run.count - done) * cost.saved
     comm = sum(r.comm.values())
     backward = max(({**held, "gradients": grads if r.accumulating else made, "activations": acts,
                      "transient": work, "communication": comm} for acts, work, made in steps),
                    key=lambda parts: sum(parts.values()))
     step = max(({**held, **parts} for parts in r.after_backward), key=lambda parts: sum(parts.values()))
     return {"forward": forward, "backward": backward, "optimizer step": step}
+
+
+def _layer_cost(cfg: Config, lay: _Layout, layer_id: int, sh: act.Shapes) -> _LayerCost:
+    full = act.layer_bytes(cfg, layer_id, sh)
+    delta = options.layer_delta(cfg, layer_id, sh)[0]
+    # A layer's backward working set: its saved activations (a recomputed layer rebuilds them),
+    # less the weight copies, and less the experts' [R, F] tensors, which backward frees one by
+    # one as it makes their same-sized gradients (the activation's backward is written out,
+    # moe/activation.py, and keeps no graph of its own).
+    work = sum(full.values()) - full.get("weight_copies", 0) - full.get("experts", 0)
+    return _LayerCost(sum(full.values()), sum(full.values()) + sum(delta.values()),
+                      full.get("weight_copies", 0) + delta.get("weight_copies", 0), work,
+                      _gradients(cfg, lay, layer_params(cfg, layer_id)))
+
+
+def _running(layers: list[tuple[Run, _LayerCost]], held: int) -> list[tuple[int, int]]:
+    """The last chunk's recomputed or offloaded layers while their forward runs, from `held`
+    activations before its first layer: (the activations held, the layer's tensors beyond what it
+    keeps). Such a layer's forward makes every tensor the plain layer keeps, and drops (or moves
+    to the host) what it does not keep only as it goes: held at its most."""
+    running = []
+    for run, cost in layers:
+        done = 0
+        for k in _visits(run):
+            held += (k - done) * cost.saved
+            if cost.full > cost.saved:
+                running.append((held + cost.saved, cost.full - cost.saved))
+            held += cost.saved
+            done = k + 1
+        held += (run.count - done) * cost.saved
+    return running
 
 
 def _rank_plan(cfg: Config, lay: _Layout, chunks: list[Chunk], rank: int, sh: act.Shapes,
@@ -512,8 +570,8 @@ def _rank_plan(cfg: Config, lay: _Layout, chunks: list[Chunk], rank: int, sh: ac
     per_chunk = [_chunk_activations(cfg, ch, sh, vocab) for ch in mine]
     flight = peak_in_flight([sum(b.values()) for b in per_chunk], micro_batches, d.pp, rank)
     activations: dict[str, float] = {}
-    offloaded = sum(n * sum(options.layer_delta(cfg, i, sh)[1] for i in ch.layers)
-                    for n, ch in zip(flight.per_chunk, mine))
+    offloaded = sum(n * sum(options.layer_delta(cfg, run.layer, sh)[1] * run.count
+                            for run in layer_runs(cfg, ch.layers)) for n, ch in zip(flight.per_chunk, mine))
     for n, b in zip(flight.per_chunk, per_chunk):
         for key, value in b.items():
             activations[key] = activations.get(key, 0) + n * value
@@ -525,28 +583,12 @@ def _rank_plan(cfg: Config, lay: _Layout, chunks: list[Chunk], rank: int, sh: ac
     states = _states(cfg, lay, *local, _scale_blocks(cfg, lay, mine, vocab) if fp8_moments else 0.0)
     states["fp8_weight_cache"] = _fp8_weight_cache(cfg, mine, sh, d)
     last = mine[-1]
-    layers, running = [], []
+    layers = [(run, _layer_cost(cfg, lay, run.layer, sh)) for run in layer_runs(cfg, last.layers)]
     # While a layer of the last chunk runs forward, the layers after it and the heads have saved
     # nothing yet of the micro-batch at the peak.
     held = sum(activations.values()) - (sum(act.last_stage_bytes(cfg, sh, vocab).values()) if last.last else 0)
-    held -= sum(sum(act.layer_bytes(cfg, i, sh).values()) + sum(options.layer_delta(cfg, i, sh)[0].values())
-                for i in last.layers)
-    for i in last.layers:
-        full = act.layer_bytes(cfg, i, sh)
-        delta = options.layer_delta(cfg, i, sh)[0]
-        saved = sum(full.values()) + sum(delta.values())
-        # A recomputed or offloaded layer's forward makes every tensor the plain layer keeps, and
-        # drops (or moves to the host) what it does not keep only as it goes: held at its most.
-        if sum(full.values()) > saved:
-            running.append((held + saved, sum(full.values()) - saved))
-        held += saved
-        copies = full.get("weight_copies", 0) + delta.get("weight_copies", 0)
-        # A layer's backward working set: its saved activations (a recomputed layer rebuilds
-        # them), less the weight copies, and less the experts' [R, F] tensors, which backward
-        # frees one by one as it makes their same-sized gradients (the activation's backward is
-        # written out, moe/activation.py, and keeps no graph of its own).
-        work = sum(full.values()) - full.get("weight_copies", 0) - full.get("experts", 0)
-        layers.append((saved, copies, work, _gradients(cfg, lay, layer_params(cfg, i))))
+    held -= sum(cost.saved * run.count for run, cost in layers)
+    running = _running(layers, held)
     head, head_backward = (0.0, 0.0, 0.0), (0.0, 0.0)
     if last.last:  # forward ends, and backward starts, at the last head (an MTP depth's, if any)
         heads = head_losses(cfg, sh, vocab)
@@ -559,8 +601,8 @@ def _rank_plan(cfg: Config, lay: _Layout, chunks: list[Chunk], rank: int, sh: ac
     r = _Rank(states, sum(activations.values()), layers, head, running, head_backward,
               micro_batches > 1 or d.pp > 1, _comm_buffers(cfg, lay, mine, sh, vocab), optimizer,
               _after_backward(cfg, lay, *local, states["gradients"], optimizer))
-    transient = max([head[0], head[1]] + [w for _, _, w, _ in layers] + [w for _, w in running])
-    return MemoryPlan(world_size=d.world, pp_rank=rank, layers=tuple(i for ch in mine for i in ch.layers),
+    transient = max([head[0], head[1]] + [cost.work for _, cost in layers] + [w for _, w in running])
+    return MemoryPlan(world_size=d.world, pp_rank=rank, layers=LayerIds(tuple(ch.layers for ch in mine)),
                       **states, activations=activations, in_flight=flight.per_chunk,
                       transient=transient, comm_buffers=r.comm, optimizer_step=r.optimizer,
                       phases=_phases(r), offloaded=offloaded)

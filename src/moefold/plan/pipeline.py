@@ -22,9 +22,25 @@ from moefold.errors import ConfigError
 
 
 @dataclass(frozen=True)
+class LayerIds:
+    """Layer ids as ranges (a rank's chunks'), iterated and counted as ids: a model of 10^8
+    layers lists them in a few ranges."""
+    ranges: tuple[range, ...]
+
+    def __len__(self) -> int:
+        return sum(len(r) for r in self.ranges)
+
+    def __iter__(self):
+        return (i for r in self.ranges for i in r)
+
+    def __contains__(self, layer_id: object) -> bool:
+        return any(layer_id in r for r in self.ranges)
+
+
+@dataclass(frozen=True)
 class Chunk:
     index: int  # virtual stage, 0 .. pp·vpp − 1
-    layers: tuple[int, ...]  # layer ids (MTP blocks numbered on from n_layers)
+    layers: range  # layer ids (MTP blocks numbered on from n_layers, after the last chunk's)
     first: bool  # holds the embedding
     last: bool  # holds the final norm, the output head and the MTP modules
 
@@ -40,12 +56,10 @@ def model_chunks(n_layers: int, mtp_layers: int, pp: int, vpp: int) -> list[Chun
     base, extra = divmod(n_layers, virtual)
     chunks, start = [], 0
     for c in range(virtual):
-        size = base + (c < extra)
-        layers = list(range(start, start + size))
-        start += size
-        if c == virtual - 1:
-            layers += range(n_layers, n_layers + mtp_layers)  # MTP blocks sit beside the head
-        chunks.append(Chunk(c, tuple(layers), first=c == 0, last=c == virtual - 1))
+        last = c == virtual - 1
+        stop = start + base + (c < extra) + (mtp_layers if last else 0)  # MTP blocks sit beside the head
+        chunks.append(Chunk(c, range(start, stop), first=c == 0, last=last))
+        start = stop
     return chunks
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from moefold.config import Config
 from moefold.plan.memory import GIB, MemoryPlan, compute_bytes
+from moefold.plan.pipeline import LayerIds
 
 CATEGORY_LABELS = {
     "embedding": "embedding (token ids)",
@@ -23,14 +24,15 @@ CATEGORY_LABELS = {
 DTYPE_NAMES = {2: "bf16", 4: "fp32"}
 
 
-def _layer_ranges(layers: tuple[int, ...]) -> str:
-    runs, start = [], None
-    for i, layer in enumerate(layers):
-        start = layer if start is None else start
-        if i + 1 == len(layers) or layers[i + 1] != layer + 1:
-            runs.append(f"{start}" if start == layer else f"{start}-{layer}")
-            start = None
-    return ", ".join(runs)
+def _layer_ranges(layers: LayerIds) -> str:
+    """"0-3, 8-11": the ids of `layers`' ranges, adjacent ones joined."""
+    spans: list[list[int]] = []
+    for r in layers.ranges:
+        if spans and spans[-1][1] + 1 == r.start:
+            spans[-1][1] = r.stop - 1
+        else:
+            spans.append([r.start, r.stop - 1])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
 
 
 def _header(plan: MemoryPlan, cfg: Config) -> list[str]:

@@ -43,7 +43,7 @@ CPU_BY_DESIGN = {
     # PrecisionAwareAdamW's step counts are CPU tensors on any device (optim/precision.py).
     ("precision.py", "_step_group"), ("precision.py", "_step_param"), ("precision.py", "_step_fused"),
     # Several ranks vote on a stop signal over a gloo group of their own, with a CPU flag (train/stop.py).
-    ("stop.py", "agreed"), ("stop.py", "_wait"),
+    ("stop.py", "agreed"), ("stop.py", "_wait"), ("stop.py", "settled"),
     # ... and on no bad token id in any data rank's rows, with a CPU flag too (train/step_data.py).
     ("step_data.py", "_start_vote"), ("step_data.py", "_raise_first_failure"),
 }

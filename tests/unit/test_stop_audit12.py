@@ -4,7 +4,9 @@ data position after the steps trained, not after the read-ahead, so the resumed 
 uninterrupted run trains next, with its losses (the reference: that run, in one process). One process
 stops after the step the signal arrived in; 2 gloo ranks, the signal to one, after the step their vote
 is read at (train/stop.py). The signal is sent by the process to itself (the trainer's own handler),
-before the step's first micro-batch or in its optimizer step (after the read-ahead)."""
+before the step's first micro-batch or in its optimizer step (after the read-ahead). The stopped run
+reads nothing past its last step where the stop is known before the read-ahead: one process signalled
+before it, and ranks always (the vote the step's end reads was started a step before)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import pytest
 import torch.distributed as dist
 
 from moefold.config import load_config
+from moefold.train.stop import StopVote
 from moefold.train.trainer import Trainer, TrainingInterrupted
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -49,8 +52,9 @@ def _signal_in_step(trainer: Trainer, step: int, moment: str) -> None:
 
 def _recorded_fit(trainer: Trainer) -> dict:
     """Fits `trainer`; the ids of every micro-batch its loader read and of every one it trained
-    on (this rank's rows), and the step it stopped at (None: it ran to the end)."""
-    read, trained = [], []
+    on (this rank's rows), the step it stopped at (None: it ran to the end) and the collectives
+    started on the ranks' gloo group (the stop and data votes)."""
+    read, trained, votes = [], [], []
     next_batch, next_step = trainer.train_loader.next_batch, trainer.step_batches.next_step
 
     def recorded_batch():
@@ -63,13 +67,23 @@ def _recorded_fit(trainer: Trainer) -> dict:
         trained.extend(batch.input_ids_BS.tolist() for batch in batches)
         return batches
 
+    all_reduce = dist.all_reduce  # train/stop.py and step_data.py call it through the module
+
+    def recorded_all_reduce(tensor, *args, group=None, **kwargs):
+        if trainer._stop_vote is not None and group is trainer._stop_vote.group:
+            votes.append(trainer.step)
+        return all_reduce(tensor, *args, group=group, **kwargs)
+
     trainer.train_loader.next_batch, trainer.step_batches.next_step = recorded_batch, recorded_step
+    dist.all_reduce = recorded_all_reduce
     try:
         trainer.fit()
         stopped = None
     except TrainingInterrupted:
         stopped = trainer.step
-    return {"read": read, "trained": trained, "stopped": stopped}
+    finally:
+        dist.all_reduce = all_reduce
+    return {"read": read, "trained": trained, "stopped": stopped, "votes": len(votes)}
 
 
 def _fit(run_dir: Path, corpus: Path, micro_batch_size: int, resume: Path | None = None,
@@ -101,6 +115,8 @@ def test_one_process_stopped_by_a_signal_resumes_with_the_uninterrupted_runs_bat
     assert stopped["trained"] + resumed["trained"] == reference["trained"]
     assert _losses(tmp_path / "run") == _losses(tmp_path / "reference")
     assert _read_past_the_last_step(resumed) == 0
+    # Known before the read-ahead: nothing read past step 3. After it: step 4's rows, never trained.
+    assert _read_past_the_last_step(stopped) == (0 if moment == "before the read-ahead" else ACCUM)
 
 
 def _stop_and_resume_on_rank(rank: int, corpus: Path, run_dir: Path, moment: str) -> None:
@@ -125,4 +141,30 @@ def test_ranks_stopped_by_a_signal_to_one_read_nothing_past_their_last_step(tmp_
     losses, reference_losses = _losses(tmp_path / "run"), _losses(tmp_path / "reference")
     assert [step for step, _ in losses] == list(range(1, STEPS + 1))
     assert [loss for _, loss in losses] == pytest.approx([loss for _, loss in reference_losses], rel=1e-5)
-    assert [_read_past_the_last_step(rank["resumed"]) for rank in ranks] == [0, 0]
+    # No collective added: one stop vote at each boundary until the stop is read (steps 1-3; 5-6),
+    # one data vote with each step's reads (steps 1-4; 5-6): the first step's own, then each read
+    # ahead. Before, step 4 read step 5's ahead: 8 votes in the stopped run.
+    assert [rank[run]["votes"] for rank in ranks for run in ("stopped", "resumed")] == [7, 4] * 2
+    # Their vote is known a step ahead: step 4 read nothing ahead on either rank.
+    assert [_read_past_the_last_step(rank[run]) for rank in ranks for run in ("stopped", "resumed")] == [0] * 4
+
+
+# Per step boundary: (rank 0's signal, rank 1's signal, read at once), as test_stop_vote's.
+BOUNDARIES = [(None, None, False), (None, signal.SIGINT, False), (None, None, False),
+              (signal.SIGTERM, signal.SIGINT, True)]
+
+
+def _settled_then_agreed_on_rank(rank: int, out: Path) -> None:
+    dist.init_process_group("gloo")
+    vote = StopVote()
+    read = [(vote.settled(), vote.settled(), vote.agreed(signals[rank], now=now)) for *signals, now in BOUNDARIES]
+    (out / f"rank{rank}.json").write_text(json.dumps(read))
+
+
+def test_the_vote_settled_mid_step_is_what_the_boundary_reads_on_every_rank(tmp_path):
+    """`settled` (twice: the trainer asks once a step) reads the vote started at the boundary before,
+    which `agreed` then returns; a vote read at once (a save, the last step) is not known before."""
+    run_ranks(2, _settled_then_agreed_on_rank, tmp_path)
+    expected = [[None, None, None], [None, None, None], [signal.SIGINT, signal.SIGINT, signal.SIGINT],
+                [None, None, signal.SIGTERM]]
+    assert [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)] == [expected, expected]

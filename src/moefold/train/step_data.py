@@ -5,8 +5,9 @@ vocabulary shows on one rank only. That rank stopping alone would leave the othe
 collective (gloo: a peer's traceback under the line; NCCL: waiting until the launcher kills them).
 So every rank reads the next step's batches while this step's kernels run, and starts an all-reduce
 of whether it failed on a gloo group; the all-reduce is waited for when that step starts, having had
-a whole step to complete, as the stop vote's (train/stop.py). No per-step wait on the other ranks, no
-device sync. A failure raises the first failed rank's DataError on every rank, before the step it
+the rest of this step to complete (the stop vote's, train/stop.py, has the next step's micro-batches).
+No per-step wait on the other ranks, no device sync. A step the run stops after reads nothing ahead
+(Trainer._another_step_follows). A failure raises the first failed rank's DataError on every rank, before the step it
 would have trained on, and before any checkpoint holds the loader's position past it.
 """
 

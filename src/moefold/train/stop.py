@@ -9,6 +9,8 @@ in or the next. The all-reduce runs on a gloo group of its own, created once: a 
 so waiting for it never waits for the GPU (no host sync of the training stream, unlike an NCCL
 all-reduce read with `.item()`), and it never queues behind the training's own collectives.
 MAX makes every rank report the same signal (SIGTERM over SIGINT), hence exit with the same status.
+The trainer learns the vote a boundary will read before the step ends (`settled`, where it would read
+the next step's batches ahead): a step the ranks stop after reads nothing ahead.
 """
 
 import torch
@@ -34,6 +36,16 @@ class StopVote:
         flag = torch.tensor([signum or 0], dtype=torch.int32)
         self._pending = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True), flag
         return self._wait() if now else None
+
+    def settled(self) -> int | None:
+        """What the next `agreed` reads first: the signal any rank had by the previous boundary, or
+        None; waited for now instead (no collective of its own: every rank reads the same vote).
+        Called mid-step, it lets the ranks agree on a stop at the step's end before they read ahead."""
+        if self._pending is None:
+            return None
+        work, flag = self._pending
+        work.wait()  # a CPU collective, as in `_wait`, which then returns at once
+        return int(flag.item()) or None
 
     def _wait(self) -> int | None:
         if self._pending is None:

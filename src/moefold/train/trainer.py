@@ -301,6 +301,7 @@ class Trainer:
         self.dist, self.device = join(cfg, cfg.train.device, self.launch_command)
         # Several ranks vote on a stop signal every step (train/stop.py); built on each at once.
         self._stop_vote = StopVote() if self.dist.layout is not None else None
+        self._stop_signal: int | None = None  # this rank's, recorded by the handlers `fit` installs
         refuse_weight_cache_over_fsdp(cfg, self.dist.layout)
         if not self.dist.is_main:  # rank 0 speaks for the job
             self.out = lambda line: None
@@ -545,8 +546,19 @@ class Trainer:
 
     def _another_step_follows(self) -> bool:
         """Whether the run trains a step after the one running (`step` counts those done before
-        it): the last one reads nothing ahead, which no step would train on."""
-        return self.step + 1 < self.cfg.train.steps
+        it): the last one reads nothing ahead, which no step would train on, nor one a signal
+        stops the run after (`_stop_known`)."""
+        return self.step + 1 < self.cfg.train.steps and not self._stop_known()
+
+    def _stop_known(self) -> bool:
+        """Whether the run stops on a signal after the step running, known before it ends. One
+        process: its own signal, if it came before now (it stops after the step it arrived in).
+        Several ranks: the vote started at the boundary before, which its end reads
+        (`StopVote.settled`): waited for earlier in the step, not once more, and the same on
+        every rank, so all read ahead or none (a read-ahead's data vote is a collective)."""
+        if self._stop_vote is None:
+            return self._stop_signal is not None
+        return self._stop_vote.settled() is not None
 
     def optimizer_step(self) -> torch.Tensor:
         """Clip (one norm across both meshes), step, update expert biases; returns the grad norm."""
@@ -630,7 +642,7 @@ class Trainer:
         log = self.cfg.logging
         self.sinks = (metrics.MetricsSinks(self.run_dir, log.tensorboard, self.out, first_step=self.step + 1)
                       if self.dist.is_main else metrics.NullSinks())
-        self._stop_signal: int | None = None
+        self._stop_signal = None
         previous_handlers = self._install_signal_handlers()
         show_bar = log.progress_bar and metrics.is_interactive() and self.dist.is_main
         bar = tqdm(total=self.cfg.train.steps, initial=self.step, disable=not show_bar,

@@ -31,10 +31,10 @@ STEPS, ACCUM, SIGNAL_STEP = 6, 2, 3
 MOMENTS = ["before the read-ahead", "after the read-ahead"]
 
 
-def _config(corpus: Path, micro_batch_size: int):
+def _config(corpus: Path, micro_batch_size: int, checkpoint_every: int):
     return load_config(None, {**TINY_OVERRIDES, "data.path": str(corpus), "train.steps": str(STEPS),
                               "train.grad_accum": str(ACCUM), "train.micro_batch_size": str(micro_batch_size),
-                              "data.val_fraction": "0"})
+                              "data.val_fraction": "0", "checkpoint.every": str(checkpoint_every)})
 
 
 def _signal_in_step(trainer: Trainer, step: int, moment: str) -> None:
@@ -87,8 +87,8 @@ def _recorded_fit(trainer: Trainer) -> dict:
 
 
 def _fit(run_dir: Path, corpus: Path, micro_batch_size: int, resume: Path | None = None,
-         moment: str | None = None, signalled: bool = True) -> dict:
-    trainer = Trainer(_config(corpus, micro_batch_size), run_dir, resume, out=lambda line: None)
+         moment: str | None = None, signalled: bool = True, checkpoint_every: int = 0) -> dict:
+    trainer = Trainer(_config(corpus, micro_batch_size, checkpoint_every), run_dir, resume, out=lambda line: None)
     if moment is not None and signalled:
         _signal_in_step(trainer, SIGNAL_STEP, moment)
     return _recorded_fit(trainer)
@@ -119,34 +119,46 @@ def test_one_process_stopped_by_a_signal_resumes_with_the_uninterrupted_runs_bat
     assert _read_past_the_last_step(stopped) == (0 if moment == "before the read-ahead" else ACCUM)
 
 
-def _stop_and_resume_on_rank(rank: int, corpus: Path, run_dir: Path, moment: str) -> None:
+def _stop_and_resume_on_rank(rank: int, corpus: Path, run_dir: Path, moment: str, checkpoint_every: int) -> None:
     """2 data ranks of 2 sequences each (the one process's micro-batch of 4); the signal to rank 1 only."""
-    stopped = _fit(run_dir, corpus, 2, moment=moment, signalled=rank == 1)
+    stopped = _fit(run_dir, corpus, 2, moment=moment, signalled=rank == 1, checkpoint_every=checkpoint_every)
     dist.barrier()  # rank 0's run has let go of the run directory: a relaunch starts after every rank ended
-    resumed = _fit(run_dir, corpus, 2, resume=run_dir)
+    resumed = _fit(run_dir, corpus, 2, resume=run_dir, checkpoint_every=checkpoint_every)
     (run_dir.parent / f"rank{rank}.json").write_text(json.dumps({"stopped": stopped, "resumed": resumed}))
 
 
-@pytest.mark.parametrize("moment", MOMENTS)
-def test_ranks_stopped_by_a_signal_to_one_read_nothing_past_their_last_step(tmp_path, text_corpus, moment):
+# (the moment in step 3, checkpoint.every, the step the ranks stop at, micro-batches read past it,
+# votes started in the stopped and the resumed run)
+RANK_CASES = {
+    # The vote started at step 3's end is read at step 4's, and known within it: both ranks stop
+    # there, together, having read nothing ahead. No collective added: one stop vote at each boundary
+    # until the stop is read (steps 1-3; 5-6), one data vote with each step's reads (steps 1-4; 5-6):
+    # the first step's own, then each read ahead. Before, step 4 read step 5's ahead: 8 votes.
+    "before": ("before the read-ahead", 0, SIGNAL_STEP + 1, 0, [7, 4]),
+    "after": ("after the read-ahead", 0, SIGNAL_STEP + 1, 0, [7, 4]),
+    # Step 3 saves: the ranks vote at once at its end, known only after step 4 was read ahead, which
+    # the checkpoint's position leaves out. Stop votes at steps 1-3; 4-6, data votes at steps 1-4; 4-6.
+    "saving step": ("before the read-ahead", SIGNAL_STEP, SIGNAL_STEP, ACCUM, [7, 6]),
+}
+
+
+@pytest.mark.parametrize("case", RANK_CASES)
+def test_ranks_stopped_by_a_signal_to_one_read_nothing_past_their_last_step(tmp_path, text_corpus, case):
+    moment, checkpoint_every, stop, read_past, votes = RANK_CASES[case]
     reference = _fit(tmp_path / "reference", text_corpus, 4)
-    run_ranks(2, _stop_and_resume_on_rank, text_corpus, tmp_path / "run", moment)
+    run_ranks(2, _stop_and_resume_on_rank, text_corpus, tmp_path / "run", moment, checkpoint_every)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for rank in ranks:
-        # The vote started at step 3's end is read at step 4's: both ranks stop there, together.
-        assert (rank["stopped"]["stopped"], rank["resumed"]["stopped"]) == (SIGNAL_STEP + 1, None)
+        assert (rank["stopped"]["stopped"], rank["resumed"]["stopped"]) == (stop, None)
     # Each micro-batch's rows over the two data ranks are the one process's micro-batch.
     trained = [ranks[r]["stopped"]["trained"] + ranks[r]["resumed"]["trained"] for r in range(2)]
     assert [rows0 + rows1 for rows0, rows1 in zip(*trained, strict=True)] == reference["trained"]
     losses, reference_losses = _losses(tmp_path / "run"), _losses(tmp_path / "reference")
     assert [step for step, _ in losses] == list(range(1, STEPS + 1))
     assert [loss for _, loss in losses] == pytest.approx([loss for _, loss in reference_losses], rel=1e-5)
-    # No collective added: one stop vote at each boundary until the stop is read (steps 1-3; 5-6),
-    # one data vote with each step's reads (steps 1-4; 5-6): the first step's own, then each read
-    # ahead. Before, step 4 read step 5's ahead: 8 votes in the stopped run.
-    assert [rank[run]["votes"] for rank in ranks for run in ("stopped", "resumed")] == [7, 4] * 2
-    # Their vote is known a step ahead: step 4 read nothing ahead on either rank.
-    assert [_read_past_the_last_step(rank[run]) for rank in ranks for run in ("stopped", "resumed")] == [0] * 4
+    assert [rank[run]["votes"] for rank in ranks for run in ("stopped", "resumed")] == votes * 2
+    assert [_read_past_the_last_step(rank[run]) for rank in ranks for run in ("stopped", "resumed")] == [
+        read_past, 0] * 2
 
 
 # Per step boundary: (rank 0's signal, rank 1's signal, read at once), as test_stop_vote's.

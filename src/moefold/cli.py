@@ -294,7 +294,7 @@ def _convert(args: argparse.Namespace) -> int:
 
     from moefold.checkpoint.hf import CONFIG, check_exportable, save_pretrained
     from moefold.data.tokenizer import tokenizer_files
-    from moefold.generate import learned_end_of_document_id, load_model_from_run, run_config
+    from moefold.generate import latest_run_config, learned_end_of_document_id, load_model_from_run
 
     if args.from_hf is not None:
         if args.out is None or args.to_hf is not None:
@@ -310,7 +310,8 @@ def _convert(args: argparse.Namespace) -> int:
         raise UserError(f"--to-hf {args.to_hf} already holds a checkpoint ({CONFIG}); choose another directory")
     # The latest checkpoint once, for the config, the weights and the EOS id: a training may save another.
     checkpoint = _latest_run_checkpoint(args.run_dir)
-    cfg = run_config(args.run_dir, checkpoint)  # the model the checkpoint holds
+    cfg, notes = latest_run_config(args.run_dir, checkpoint, "convert exports")  # the model the checkpoint holds
+    _say_notes(notes)
     check_exportable(cfg)  # a family without export: before the weights are read
     # By default the weights as the optimizer holds them: bf16+remainder's exact fp32 masters; bf16
     # masters are bf16 (written as such, not widened).
@@ -377,7 +378,7 @@ def _resume_config(resume: Path, overrides: dict[str, Any]) -> tuple[Config, lis
     saved by an earlier moefold): said where it is not the run's latest, whose options config.toml
     may no longer hold."""
     from moefold.checkpoint.dcp import latest_checkpoint, resolve_checkpoint
-    from moefold.checkpoint.run_config import run_data_files, saved_config_text
+    from moefold.checkpoint.run_config import run_data_files, saved_config_text, unsaved_options_note
 
     run_dir = _run_dir_of(resume)
     if not _is_checkpoint_dir(resume):
@@ -387,8 +388,9 @@ def _resume_config(resume: Path, overrides: dict[str, Any]) -> tuple[Config, lis
     if saved_text is not None:
         cfg, notes = read_run_config(checkpoint, {**run_data_files(run_dir / "config.toml"), **overrides},
                                      text=saved_text)
-        if checkpoint.name == latest_checkpoint(run_dir).name:
-            notes += _unsaved_start_note(resume, run_dir / "config.toml", checkpoint, saved_text, overrides)
+        if checkpoint.name == latest_checkpoint(run_dir).name:  # config.toml may hold a start that saved none
+            notes += unsaved_options_note(saved_text, checkpoint, run_dir / "config.toml",
+                                          f"--resume {resume} continues with", overrides)
         return cfg, notes, f"the config {checkpoint} was saved with"
     cfg, notes = read_run_config(run_dir / "config.toml", overrides)
     if checkpoint.name != latest_checkpoint(run_dir).name:
@@ -415,22 +417,6 @@ def _refuse_saved_layout_beyond_one_process(resume: Path, cfg: Config, overrides
                       f"{source}) needs {world} ranks and this is one process: start them with --nproc {world} "
                       f"(or torchrun), or resume on one process with {' '.join(f'--{key} 1' for key in sizes)} "
                       "(a checkpoint resumes under another layout)")
-
-
-def _unsaved_start_note(resume: Path, config_path: Path, checkpoint: Path, saved_text: str,
-                        overrides: dict[str, Any]) -> list[str]:
-    """One line where the run's config.toml holds options its latest checkpoint was not saved with
-    (a later start stopped before its first save) that --resume of that checkpoint does not take;
-    `--resume RUN` would (the options given now aside)."""
-    from moefold.checkpoint.run_config import unsaved_options
-
-    unsaved = [(key, given, held) for key, given, held in unsaved_options(saved_text, checkpoint, config_path)
-               if key not in overrides]
-    if not unsaved:
-        return []
-    return [f"note: {config_path} holds options its latest checkpoint was not saved with (a start that saved "
-            f"none): {', '.join(f'{key}={given!r}' for key, given, _ in unsaved)}; --resume {resume} continues "
-            f"with its own: {', '.join(f'{key}={held!r}' for key, _, held in unsaved)}"]
 
 
 def _is_checkpoint_dir(resume: Path) -> bool:
@@ -509,12 +495,13 @@ def _generate(args: argparse.Namespace) -> int:
     import torch
 
     from moefold.data.tokenizer import build_tokenizer
-    from moefold.generate import continuation, load_model_from_run, run_config, sample, stop_ids
+    from moefold.generate import continuation, latest_run_config, load_model_from_run, sample, stop_ids
 
     _check_generate_args(args)  # before loading the model
     # The latest checkpoint once, for the config, the weights and the stop ids: a training may save another.
     checkpoint = _latest_run_checkpoint(args.run_dir)
-    cfg = run_config(args.run_dir, checkpoint)  # the model the checkpoint holds, read once
+    cfg, notes = latest_run_config(args.run_dir, checkpoint, "generate samples with")  # the model it holds, read once
+    _say_notes(notes)
     tokenizer = build_tokenizer(cfg.data.tokenizer)  # once: a Hugging Face tokenizer.json takes seconds
     prompt_ids, context = _prompt_ids(cfg, tokenizer, args.prompt)  # before the weights are read
     model, tokenizer, cfg = load_model_from_run(args.run_dir, args.device, for_sampling=True, checkpoint=checkpoint,
@@ -524,6 +511,12 @@ def _generate(args: argparse.Namespace) -> int:
                      context, stop_ids(cfg, tokenizer, checkpoint), generator, tokenizer.vocab_size)
     _print_text(continuation(tokenizer, args.prompt, prompt_ids, new_ids))
     return 0
+
+
+def _say_notes(notes: list[str]) -> None:
+    """generate's and convert's notes, on stderr: generate's stdout is the text it samples."""
+    for note in notes:
+        print(note, file=sys.stderr)
 
 
 def _prompt_ids(cfg: Config, tokenizer, prompt: str) -> tuple[list[int], int]:

@@ -9,8 +9,8 @@ import torch
 
 from moefold.checkpoint.dcp import checkpoint_step, load_weights, resolve_checkpoint
 from moefold.checkpoint.hf import stop_token_ids
-from moefold.checkpoint.run_config import run_data_files, saved_config
-from moefold.config import Config, config_from_toml
+from moefold.checkpoint.run_config import run_data_files, saved_config_text, unsaved_options_note
+from moefold.config import Config, config_from_toml, read_run_config
 from moefold.data.formats import TOKEN_SUFFIXES, find_data_files
 from moefold.data.tokenizer import build_tokenizer
 from moefold.errors import CheckpointError, DataError, UserError
@@ -60,12 +60,28 @@ def run_config(run_dir: Path, checkpoint: Path | None = None) -> Config:
     files outside the checkpoint, which the user sets there (moved, or a tokenizer missing from a
     run on token files: the refusals here say to). A resume that changes them over text data
     changes the tokens, which the data checks refuse before config.toml is rewritten."""
+    return _checkpoint_config(run_config_path(run_dir), checkpoint,
+                              saved_config_text(checkpoint) if checkpoint is not None else None)
+
+
+def latest_run_config(run_dir: Path, checkpoint: Path, command: str) -> tuple[Config, list[str]]:
+    """`run_config` of the run's latest checkpoint `checkpoint`, and the note of the options its
+    config.toml holds that the checkpoint was not saved with (a start that saved none:
+    `unsaved_options_note`), which `command` ('generate samples with') does not take, as a
+    `--resume` of that checkpoint says. The checkpoint's config is read once, for both."""
     config_path = run_config_path(run_dir)
-    saved = saved_config(checkpoint, run_data_files(config_path)) if checkpoint is not None else None
-    if saved is None:
+    saved_text = saved_config_text(checkpoint)
+    cfg = _checkpoint_config(config_path, checkpoint, saved_text)
+    return cfg, [] if saved_text is None else unsaved_options_note(saved_text, checkpoint, config_path, command)
+
+
+def _checkpoint_config(config_path: Path, checkpoint: Path | None, saved_text: str | None) -> Config:
+    """`run_config` from the run's config.toml and the config `checkpoint` was saved with (its
+    `saved_config_text`; None: config.toml's serves)."""
+    if saved_text is None:
         return config_from_toml(config_path)
-    cfg, _ = saved  # its notes (options dropped since) are said by a resume, not here
-    return cfg
+    cfg, _ = read_run_config(checkpoint, run_data_files(config_path), text=saved_text)
+    return cfg  # its notes (options dropped since, which have no effect) are said by a resume, not here
 
 
 def run_config_path(run_dir: Path) -> Path:

@@ -112,3 +112,42 @@ def test_generate_builds_the_tokenizer_once(two_step_run, monkeypatch, capsys):
                  "--device", "cpu"]) == 0
     assert capsys.readouterr().out.startswith("ab")
     assert len(builds) == 1, builds
+
+
+class _Killed(Exception):
+    pass
+
+
+def test_generate_and_convert_say_the_config_toml_options_their_checkpoint_was_not_saved_with(
+        two_step_run, tmp_path, monkeypatch, capsys):
+    """After `--resume RUN --train.steps 4 --moe.top_k 3` killed before its first save, config.toml
+    holds top_k 3 (and 4 steps) beside step 2's top_k-2 model. generate and convert use the checkpoint's (bae9d30) and said
+    nothing, where `--resume RUN/checkpoints/step_2` says it in one line (b758f2c): now the same
+    line on stderr, naming what each does. The text and the export are unchanged (stdout: the
+    sample; the export's num_experts_per_tok stays 2)."""
+    import json
+
+    import moefold.train.trainer as trainer
+    from moefold.cli import main
+
+    def killed(*args, **kwargs):
+        raise _Killed()
+    with monkeypatch.context() as patch:
+        patch.setattr(trainer, "save_checkpoint", killed)
+        with pytest.raises(_Killed):
+            main(["train", "--resume", str(two_step_run), "--train.steps", "4", "--moe.top_k", "3"])
+    prompt = ["--prompt", "ab", "--max-new-tokens", "3", "--device", "cpu", "--temperature", "0"]
+    capsys.readouterr()
+    assert main(["generate", "--run-dir", str(two_step_run), *prompt]) == 0
+    sampled = capsys.readouterr()
+    held = f"note: {two_step_run / 'config.toml'} holds options its latest checkpoint was not saved with (a start " \
+           "that saved none): moe.top_k=3, train.steps=4; "
+    assert sampled.err.splitlines() == [held + "generate samples with its own: moe.top_k=2, train.steps=2"]
+    assert main(["convert", "--run-dir", str(two_step_run), "--to-hf", str(tmp_path / "hf")]) == 0
+    assert capsys.readouterr().err.splitlines() == [held + "convert exports its own: moe.top_k=2, train.steps=2"]
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["num_experts_per_tok"] == 2
+    # A run whose config.toml its latest checkpoint was saved with says nothing.
+    (two_step_run / "config.toml").write_text((two_step_run / "config.toml").read_text().replace(
+        "\ntop_k = 3\n", "\ntop_k = 2\n").replace("\nsteps = 4\n", "\nsteps = 2\n"))
+    assert main(["generate", "--run-dir", str(two_step_run), *prompt]) == 0
+    assert capsys.readouterr() == (sampled.out, "")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import tomllib
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +72,21 @@ def unsaved_options(saved_text: str, checkpoint: Path, config_path: Path) -> lis
     return [(f"{section}.{name}", value, held[section][name]) for section in SECTIONS
             for name, value in given[section].items()
             if value != held[section][name] and f"{section}.{name}" not in RUN_DATA_FILES]
+
+
+def unsaved_options_note(saved_text: str, checkpoint: Path, config_path: Path, continues: str,
+                         given: Collection[str] = ()) -> list[str]:
+    """One line where the run's config.toml (`config_path`) holds options its latest checkpoint
+    was not saved with (`unsaved_options`): a later start stopped before its first save, whose
+    options a user of that checkpoint (`continues`: '--resume CKPT continues with', 'generate
+    samples with') does not take. The options `given` now (a resume's overrides) aside."""
+    unsaved = [(key, value, held) for key, value, held in unsaved_options(saved_text, checkpoint, config_path)
+               if key not in given]
+    if not unsaved:
+        return []
+    return [f"note: {config_path} holds options its latest checkpoint was not saved with (a start that saved "
+            f"none): {', '.join(f'{key}={value!r}' for key, value, _ in unsaved)}; {continues} its own: "
+            f"{', '.join(f'{key}={held!r}' for key, _, held in unsaved)}"]
 
 
 def unvalidated_config(table: dict[str, Any], label: str) -> Config:

@@ -502,7 +502,7 @@ def _generate(args: argparse.Namespace) -> int:
     checkpoint = _latest_run_checkpoint(args.run_dir)
     cfg, notes = latest_run_config(args.run_dir, checkpoint, "generate samples with")  # the model it holds, read once
     _say_notes(notes)
-    tokenizer = build_tokenizer(cfg.data.tokenizer)  # once: a Hugging Face tokenizer.json takes seconds
+    tokenizer = build_tokenizer(cfg.data.tokenizer)  # once, for the prompt and the model
     prompt_ids, context = _prompt_ids(cfg, tokenizer, args.prompt)  # before the weights are read
     model, tokenizer, cfg = load_model_from_run(args.run_dir, args.device, for_sampling=True, checkpoint=checkpoint,
                                                 cfg=cfg, tokenizer=tokenizer)

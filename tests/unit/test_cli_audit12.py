@@ -121,9 +121,9 @@ class _Killed(Exception):
 def test_generate_and_convert_say_the_config_toml_options_their_checkpoint_was_not_saved_with(
         two_step_run, tmp_path, monkeypatch, capsys):
     """After `--resume RUN --train.steps 4 --moe.top_k 3` killed before its first save, config.toml
-    holds top_k 3 (and 4 steps) beside step 2's top_k-2 model. generate and convert use the checkpoint's (bae9d30) and said
-    nothing, where `--resume RUN/checkpoints/step_2` says it in one line (b758f2c): now the same
-    line on stderr, naming what each does. The text and the export are unchanged (stdout: the
+    holds top_k 3 (and 4 steps) beside step 2's top_k-2 model. generate and convert use the
+    checkpoint's (bae9d30) and said nothing, where `--resume RUN/checkpoints/step_2` says it in one
+    line (b758f2c): now the same line on stderr, naming what each does. The text and the export are unchanged (stdout: the
     sample; the export's num_experts_per_tok stays 2)."""
     import json
 

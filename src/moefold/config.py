@@ -934,10 +934,6 @@ def _validate_precision(cfg: Config) -> None:
             _require_effect(value == getattr(PrecisionConfig(), key), f"precision.{key}",
                             f"precision.{key}={_shown(value)} needs "
                      f"precision.fp8 ({', '.join(FP8_RECIPES[1:])}), not 'off'")
-    wrapped = [k for k in ("recompute", "offload") if "moe_act" in getattr(cfg.memory, k)]
-    _require(p.fp8 == "off" or not wrapped,
-             f"precision.fp8={p.fp8!r} with 'moe_act' in memory.{wrapped[0] if wrapped else ''} is not "
-             "yet supported (it wraps the experts' GEMM before FP8 replaces it); use 'moe' instead")
 
 
 # A name that already recomputes everything the listed ones would.

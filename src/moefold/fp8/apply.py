@@ -27,6 +27,7 @@ from moefold.fp8.grouped import build_grouped_gemm, grouped_scaling
 from moefold.fp8.linear import Fp8Linear
 from moefold.fp8.saved import SaveInput, saved_input
 from moefold.fp8.weight_cache import build_weight_cache
+from moefold.memory.sites import is_wrapped, rewrap, unwrapped
 from moefold.moe.experts import Experts, Fp8GroupedExperts, expert_hidden_slice
 from moefold.moe.layer import MoELayer
 from moefold.parallel.tp_split import tp_local_features
@@ -164,13 +165,18 @@ def _check_experts_aligned(experts: Experts, recipe: str, multiple: int, etp: in
 
 
 def _fp8_experts(experts: Experts, gemm, scaling, saver, weight_cache) -> Fp8GroupedExperts:
-    if "_mm" in vars(experts):  # config validation refuses this; a direct caller gets told too
-        raise ConfigError("precision.fp8 with 'moe_act' in memory.recompute/offload is not yet supported")
+    """The FP8 experts in `experts`' place, with its parameters and its memory.recompute /
+    memory.offload wrappers (`rewrap`: moe_act wraps the activation, and its recompute the down
+    GEMM that keeps the activation's output)."""
     num_experts, dim, hidden = experts.w1_EDF.shape
-    new = Fp8GroupedExperts(num_experts, dim, hidden, experts.activation, gemm, scaling, saver, device="meta",
-                            weight_cache=weight_cache)
+    # A recomputed activation's output is freed once the down GEMM ran and rebuilt for its
+    # backward: the GEMM keeps it as it is, an FP8 copy would outlive it (fp8_saved_activations).
+    down_saver = SaveInput() if is_wrapped(experts, "_mm") else saver
+    new = Fp8GroupedExperts(num_experts, dim, hidden, unwrapped(experts, "activation"), gemm, scaling, saver,
+                            device="meta", weight_cache=weight_cache, down_saver=down_saver)
     for name, param in experts.named_parameters(recurse=False):
         setattr(new, name, param)
+    rewrap(experts, new)
     return new
 
 

@@ -5,7 +5,8 @@ A site is one callable attribute of one object: a module's `forward`, a method s
 that instance only, so classes, parameter names and state dicts stay as they are, and transforms
 applied later keep the wrapper as long as they change a wrapped object in place: tensor/expert
 parallelism swap dispatchers and parameters, and turn the QK-norms into their head-sharded class
-(parallel/tensor.py). A transform that put a new module in a wrapped one's place would drop its
+(parallel/tensor.py). A transform that puts a new module in a wrapped one's place carries the
+wrappers over with `rewrap` (apply_fp8 does, for the routed experts); a plain swap would drop its
 recompute or offload silently.
 
 A site may name its consumer: the callable that takes the site's output straight away and keeps it
@@ -36,15 +37,47 @@ class Site:
     name: str
 
     def wrap(self, make: Callable[[Callable], Callable]) -> None:
-        """Replace the callable by `make(callable)`; a strategy object keeps its other attributes."""
+        """Replace the callable by `make(callable)`; a strategy object keeps its other attributes.
+        The owner records the wrap (`unwrapped`, `rewrap`)."""
         original = getattr(self.owner, self.name)
         wrapped = make(original)
         if not (inspect.ismethod(original) or inspect.isfunction(original)):
             wrapped = _CallableProxy(original, wrapped)
         setattr(self.owner, self.name, wrapped)
+        vars(self.owner).setdefault(_WRAPS, []).append(_Wrap(self.name, make, original))
 
     def modules(self) -> list[nn.Module]:
         return list(self.owner.modules()) if isinstance(self.owner, nn.Module) and self.name == "forward" else []
+
+
+@dataclass(frozen=True)
+class _Wrap:
+    name: str
+    make: Callable[[Callable], Callable]
+    original: object  # the attribute before this wrap
+
+
+_WRAPS = "_memory_wraps"  # an owner's _Wrap records, in the order they were applied
+
+
+def is_wrapped(owner: object, name: str) -> bool:
+    return any(w.name == name for w in vars(owner).get(_WRAPS, ()))
+
+
+def unwrapped(owner: object, name: str):
+    """`owner.<name>` as it was before memory.recompute / memory.offload wrapped it."""
+    wraps = [w for w in vars(owner).get(_WRAPS, ()) if w.name == name]
+    return wraps[0].original if wraps else getattr(owner, name)
+
+
+def rewrap(old: nn.Module, new: nn.Module) -> None:
+    """Wrap `new` as `old` was wrapped, in the same order, for a transform that puts `new` in
+    `old`'s place (apply_fp8's experts), built from old's `unwrapped` attributes: the wrappers
+    (a DiscardedOutput pair, an offload region) carry over, where a plain swap drops them."""
+    for w in vars(old).get(_WRAPS, ()):
+        Site(new, w.name).wrap(w.make)
+    if isinstance(vars(old).get("_memory_wrapped"), _Wrapped):
+        new._memory_wrapped = _Wrapped()
 
 
 @dataclass(frozen=True)

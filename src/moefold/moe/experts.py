@@ -95,10 +95,11 @@ class Fp8GroupedExperts(Experts):
 
     def __init__(self, num_experts: int, dim: int, hidden: int,
                  activation: PlainActivation | ProbsInActivation | None, gemm, scaling,
-                 saver=None, device=None, weight_cache=None):
+                 saver=None, device=None, weight_cache=None, down_saver=None):
         with torch.device(device) if device is not None else contextlib.nullcontext():
             super().__init__(num_experts, dim, hidden, activation)
         self.gemm, self.scaling, self.saver = gemm, scaling, saver  # saver: fp8/saved.py
+        self.down_saver = down_saver or saver  # what the down GEMM keeps of the activation's output
         self.weight_cache = weight_cache or PerCallWeights()  # fp8/weight_cache.py
 
     def weight_names(self) -> list[str]:
@@ -112,7 +113,7 @@ class Fp8GroupedExperts(Experts):
     def _mm(self, x_RX, w_EXY, offsets_E):
         """The down projection (`_input_mms` takes the others)."""
         cached = self.weight_cache.operands(self, ["w2_EFD"])
-        return fp8_grouped_mm(x_RX, w_EXY, offsets_E, self.gemm, self.scaling, self.saver, cached)
+        return fp8_grouped_mm(x_RX, w_EXY, offsets_E, self.gemm, self.scaling, self.down_saver, cached)
 
 
 @functools.cache

@@ -387,17 +387,31 @@ def _gathered_dispatch_tensors(cfg: Config, sh: Shapes, rows: int) -> list[int]:
     return out + [M * cfg.model.dim * sh.act_bytes, M * sh.act_bytes]
 
 
+def experts_shapes(cfg: Config, sh: Shapes) -> Shapes:
+    """The block's shapes as its routed experts keep their inputs."""
+    if not fp8_module(cfg, sh, "ffn.experts"):
+        return replace(sh, fp8_kept="")  # excluded: the experts keep their inputs as they are
+    if sh.fp8_kept:  # the experts' own tiles (a tensorwise run's experts scale rows: fp8/grouped.py)
+        return replace(sh, fp8_kept=grouped_scaling(cfg.precision.fp8).forward.a.tile)
+    return sh
+
+
 def experts_tensors(cfg: Config, sh: Shapes, rows: int) -> list[int]:
     moe, D = cfg.moe, cfg.model.dim
-    F = moe.expert_hidden // sh.etp
-    if not fp8_module(cfg, sh, "ffn.experts"):
-        sh = replace(sh, fp8_kept="")  # excluded: the experts keep their inputs as they are
-    elif sh.fp8_kept:  # the experts' own tiles (a tensorwise run's experts scale rows: fp8/grouped.py)
-        sh = replace(sh, fp8_kept=grouped_scaling(cfg.precision.fp8).forward.a.tile)
+    sh = experts_shapes(cfg, sh)
     # The input rows (once: in FP8 gate and up keep one copy, fp8/grouped.py's fp8_grouped_mms),
     # int32 offsets, and the activation's output h, which the down GEMM keeps.
-    out = kept_input(rows, D, sh) + [moe.num_experts // sh.ep * 4] + kept_input(rows, F, sh)
+    out = kept_input(rows, D, sh) + [moe.num_experts // sh.ep * 4] + down_input(cfg, sh, rows)
     return out + activation_tensors(cfg, sh, rows)
+
+
+def down_input(cfg: Config, sh: Shapes, rows: int) -> list[int]:
+    """What the down GEMM keeps of the activation's output h: as it is where moe_act is
+    recomputed (the recompute frees it; fp8/apply.py keeps no FP8 copy, which would outlive it),
+    else as the experts keep their inputs (`sh`: experts_shapes')."""
+    if "moe_act" in cfg.memory.recompute:
+        sh = replace(sh, fp8_kept="")
+    return kept_input(rows, cfg.moe.expert_hidden // sh.etp, sh)
 
 
 def activation_tensors(cfg: Config, sh: Shapes, rows: int) -> list[int]:

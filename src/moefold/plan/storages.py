@@ -218,14 +218,16 @@ def _moe(cfg: Config, sh: Shapes, tensors: act.Tensors, ffn_x: Stored) -> list[S
 def _experts(cfg: Config, sh: Shapes, experts: list[int]) -> list[Stored]:
     """The GEMMs' inputs and offsets in the MoE layer; the activation (a call of its own) keeps
     the inputs it reads when recomputed (not the [R] probabilities it is handed and ignores without
-    the memory-efficient permutation) and frees its output h, which the down GEMM saves. FP8 is
-    refused with moe_act (config.py), so where that recompute runs, h is one compute-dtype
-    storage."""
+    the memory-efficient permutation) and frees its output h, which the down GEMM saves. Where the
+    down GEMM keeps an FP8 copy of h instead (and its scales: precision.fp8_saved_activations), h
+    is not recomputed (act.down_input): the copy is the GEMM's own."""
     rows, mem_efficient = act.expert_rows(cfg, sh), cfg.moe.memory_efficient_permute
     activation = act.activation_tensors(cfg, sh, rows)
-    gemms, h = experts[:-len(activation) - 1], experts[-len(activation) - 1]
+    kept_h = len(act.down_input(cfg, act.experts_shapes(cfg, sh), rows))
+    gemms, h = experts[:-len(activation) - kept_h], experts[-len(activation) - kept_h:len(experts) - len(activation)]
     inputs = len(activation) if mem_efficient else (2 if act.GATED[cfg.moe.activation] else 1)
-    out = _saved(gemms, "experts", MOE) + [Stored(h, "experts", [MOE], output_of=MOE_ACT)]
+    out = _saved(gemms, "experts", MOE)
+    out += [Stored(h[0], "experts", [MOE], output_of=MOE_ACT)] if kept_h == 1 else _saved(h, "experts", MOE)
     out += [Stored(s, "experts", [MOE_ACT], held_by=[MOE_ACT]) for s in activation[:inputs]]
     out += _saved(activation[inputs:], "experts", MOE_ACT)  # silu(gate)
     return out

@@ -39,7 +39,7 @@ What one GPU holds, and the assumptions behind each part (docs/memory.md explain
   FSDP2's reduce-scatter: a block's unsharded gradients (the master's dtype) and their send buffer
   (the reduce dtype, dim 0 padded to a multiple of the ranks; a group over one rank too) and the
   head's unsharded gradients (their shards come after backward), or the root's last
-  reduce-scatter (`_reduce_scatter_bytes`; none in a one-process job, which runs without FSDP),
+  reduce-scatter (`_reduce_scatter_moments`; none in a one-process job, which runs without FSDP),
   the pipeline's send/receive of one micro-batch.
 - **Time order** (`_phases`): the peak is the largest of three moments. Forward ends with every
   in-flight activation held and the loss workspace, and no gradients yet unless micro-batches
@@ -335,9 +335,7 @@ def _fsdp_buffers(cfg: Config, lay: _Layout, layers: list[int], sh: act.Shapes, 
                   first: bool, last: bool) -> dict[str, float]:
     """FSDP2's gathered parameters and, in backward, its reduce-scatter (`_reduce_scatter_bytes`)."""
     out: dict[str, float] = {}
-    root = _chunk_params(cfg, Chunk(-1, range(0), first, last), vocab).replicated
-    root_sent = _padded_elements(_root_weights(cfg, vocab, first, last), lay.dims, lay.dense_shard,
-                                 lay.expert_shard)  # gathered and sent alike, rows padded
+    root, root_sent = _root_elements(cfg, lay, vocab, first, last)
     if root and lay.dense_shard > 1:
         out["FSDP root (embedding, head) gathered"] = sh.params * root_sent
     # The root's own all-gather, forward's first, holds its flat buffer beside the gathered
@@ -346,14 +344,34 @@ def _fsdp_buffers(cfg: Config, lay: _Layout, layers: list[int], sh: act.Shapes, 
     gathered = max(root_buffer, *(_gathered_blocks(cfg, lay, i) for i in layers))
     if gathered:
         out["FSDP all-gather (2 blocks)"] = sh.params * gathered
+    moments = _reduce_scatters(cfg, lay, layers, vocab, first, last)
+    if moments:
+        out[BACKWARD_ONLY] = max(moments)
+    return out
+
+
+def _root_elements(cfg: Config, lay: _Layout, vocab: int, first: bool, last: bool) -> tuple[float, float]:
+    """(elements, gathered or send-buffer elements, rows padded) of the root's parameters on this
+    rank: the embedding where it holds the first chunk, the final norm, head and MTP modules where
+    it holds the last."""
+    root = _chunk_params(cfg, Chunk(-1, range(0), first, last), vocab).replicated
+    return root, _padded_elements(_root_weights(cfg, vocab, first, last), lay.dims, lay.dense_shard,
+                                  lay.expert_shard)
+
+
+def _reduce_scatters(cfg: Config, lay: _Layout, layers: list[int], vocab: int, first: bool,
+                     last: bool) -> tuple[float, float] | None:
+    """`_reduce_scatter_moments` of this rank's blocks (`layers`: one of each kind) and root; None
+    where it reduces nothing."""
+    root, root_sent = _root_elements(cfg, lay, vocab, first, last)
     # The head's backward (backward's first) makes the root's gradients, tied embeddings' included;
     # the untied embedding's comes last, at the root's own reduce-scatter.
     tied = cfg.model.tie_embeddings and first
     root_grads = head_params(cfg, vocab).replicated * last + embedding_params(cfg, vocab).replicated * tied
     reduced = [_reduced_block(cfg, lay, i) for i in layers]
-    if reduced or root:
-        out[BACKWARD_ONLY] = _reduce_scatter_bytes(cfg, reduced, root, root_grads, root_sent)
-    return out
+    if not (reduced or root):
+        return None
+    return _reduce_scatter_moments(cfg, reduced, root, root_grads, root_sent)
 
 
 def _root_weights(cfg: Config, vocab: int, first: bool, last: bool) -> list[Weight]:
@@ -400,8 +418,8 @@ def _local_shape(w: Weight, dims: ParallelDims) -> tuple[int, int, int]:
     return lead, rows, cols
 
 
-def _reduce_scatter_bytes(cfg: Config, blocks: list[tuple[float, float]], root: float,
-                          root_grads: float, root_sent: float) -> float:
+def _reduce_scatter_moments(cfg: Config, blocks: list[tuple[float, float]], root: float,
+                            root_grads: float, root_sent: float) -> tuple[float, float]:
     """FSDP2's unsharded gradients and reduce-scatter send buffers at their most in backward (torch
     2.13's foreach_reduce). A group's gradients, in the master's dtype, are copied into a send
     buffer in the reduce dtype (optim.grad_dtype; a bf16 master's own), each parameter's dim 0
@@ -411,10 +429,12 @@ def _reduce_scatter_bytes(cfg: Config, blocks: list[tuple[float, float]], root: 
     norm) reduce-scatters last; its head's gradients stay unsharded from the head's backward on
     (the plan counts them here, not among the sharded gradients). A block is taken whole,
     gradients and buffer: FSDP2 reduces a MoE block's experts and the rest as two groups, so this
-    exceeds the real most by up to master + reduce bytes per element of the smaller group."""
+    exceeds the real most by up to master + reduce bytes per element of the smaller group.
+    Two moments: while the blocks reduce (the head's gradients and a block's), and at the root's
+    reduce-scatter, after every block's (its sharded gradients then all made)."""
     master, reduce = MASTER_BYTES[cfg.optim.master_dtype], _reduce_bytes(cfg)
     block = max((master * n + reduce * sent for n, sent in blocks), default=0.0)
-    return max(master * root_grads + block, master * root + reduce * root_sent)
+    return master * root_grads + block, master * root + reduce * root_sent
 
 
 def _reduce_bytes(cfg: Config) -> int:
@@ -492,6 +512,8 @@ class _Rank:
     comm: dict[str, float]
     optimizer: float
     after_backward: list[dict[str, float]]  # the optimizer step's moments (`_after_backward`)
+    reduce_scatters: tuple[float, float] | None = None  # FSDP2's, while the blocks reduce and at
+    # the root's (`_reduce_scatter_moments`; the comm row is their most); None without FSDP2
 
 
 def _phases(r: _Rank) -> dict[str, dict[str, float]]:
@@ -509,27 +531,45 @@ def _phases(r: _Rank) -> dict[str, dict[str, float]]:
                   key=lambda parts: sum(parts.values()))
     # Backward, in reverse: the loss first, then each layer of the last chunk (whose micro-batch
     # is backpropagated at the in-flight peak); layers above i have freed their activations.
+    # Under FSDP2 the blocks' reduce-scatters hold a block's unsharded gradients meanwhile, and the
+    # root's, after them, every block's sharded ones.
     head_saved, head_grad_ws = r.head_backward
-    steps = [(r.activations, loss_bwd_ws, 0.0),  # log-softmax's backward
-             (r.activations - head_saved, head_grad_ws, head_grads)]  # the head's
+    blocks_reducing, root_reducing = r.reduce_scatters or (0.0, 0.0)
+    steps = [(r.activations, loss_bwd_ws, 0.0, blocks_reducing),  # log-softmax's backward
+             (r.activations - head_saved, head_grad_ws, head_grads, blocks_reducing)]  # the head's
     freed, made = head_saved, head_grads
     for run, cost in reversed(r.layers):  # a run's layers alike: its first and last are its extremes
+        # FSDP2 makes a block's sharded gradients only as its reduce-scatter, which holds the
+        # unsharded ones till then, ends.
+        own = 0.0 if r.reduce_scatters else cost.gradients
         done = 0
         for k in _visits(run):
             made += (k - done) * cost.gradients
             freed += (k - done) * cost.saved
-            made += cost.gradients  # ... while the weight copies they replace are released
-            steps.append((r.activations - freed - cost.copies, cost.work, made))
+            # ... while the weight copies they replace are released
+            steps.append((r.activations - freed - cost.copies, cost.work, made + own, blocks_reducing))
+            made += cost.gradients
             freed += cost.saved
             done = k + 1
         made += (run.count - done) * cost.gradients
         freed += (run.count - done) * cost.saved
-    comm = sum(r.comm.values())
+    if r.reduce_scatters:  # the root's reduce-scatter, the last
+        steps.append((r.activations - freed, 0.0, made, root_reducing))
     backward = max(({**held, "gradients": grads if r.accumulating else made, "activations": acts,
-                     "transient": work, "communication": comm} for acts, work, made in steps),
+                     "transient": work, "communication": comm_fwd + reducing}
+                    for acts, work, made, reducing in steps),
                    key=lambda parts: sum(parts.values()))
     step = max(({**held, **parts} for parts in r.after_backward), key=lambda parts: sum(parts.values()))
     return {"forward": forward, "backward": backward, "optimizer step": step}
+
+
+def _rank_reduce_scatters(cfg: Config, lay: _Layout, chunks: list[Chunk],
+                          vocab: int) -> tuple[float, float] | None:
+    """FSDP2's reduce-scatter moments on a rank of `chunks` (`_reduce_scatters`); None without FSDP2."""
+    if not lay.fsdp2:
+        return None
+    layers = [run.layer for ch in chunks for run in layer_runs(cfg, ch.layers)]
+    return _reduce_scatters(cfg, lay, layers, vocab, any(ch.first for ch in chunks), any(ch.last for ch in chunks))
 
 
 def _layer_cost(cfg: Config, lay: _Layout, layer_id: int, sh: act.Shapes) -> _LayerCost:
@@ -542,7 +582,22 @@ def _layer_cost(cfg: Config, lay: _Layout, layer_id: int, sh: act.Shapes) -> _La
     work = sum(full.values()) - full.get("weight_copies", 0) - full.get("experts", 0)
     return _LayerCost(sum(full.values()), sum(full.values()) + sum(delta.values()),
                       full.get("weight_copies", 0) + delta.get("weight_copies", 0), work,
-                      _gradients(cfg, lay, layer_params(cfg, layer_id)))
+                      _block_gradients(cfg, lay, layer_id))
+
+
+def _block_gradients(cfg: Config, lay: _Layout, layer_id: int) -> float:
+    """The bytes of one block's gradients on this rank. Under FSDP2 its reduce-scatter gives the
+    busiest (first) rank of a group each tensor's dim 0 padded to a multiple of the ranks, over
+    them (22 of 64 rows over 3), where `_gradients` counts the mean share."""
+    from moefold.models.transformer import is_moe_layer
+
+    if not lay.fsdp2:
+        return _gradients(cfg, lay, layer_params(cfg, layer_id))
+    weights = block_weights(cfg, is_moe_layer(cfg, layer_id))
+    d, dense_ranks, expert_ranks = lay.dims, lay.dense_shard, lay.expert_shard
+    dense = _padded_elements([w for w in weights if not w.expert], d, dense_ranks, expert_ranks)
+    expert = _padded_elements([w for w in weights if w.expert], d, dense_ranks, expert_ranks)
+    return MASTER_BYTES[cfg.optim.master_dtype] * (dense / dense_ranks + expert / expert_ranks)
 
 
 def _running(layers: list[tuple[Run, _LayerCost]], held: int) -> list[tuple[int, int]]:
@@ -600,7 +655,8 @@ def _rank_plan(cfg: Config, lay: _Layout, chunks: list[Chunk], rank: int, sh: ac
     optimizer = _optimizer_step(cfg, lay, split)
     r = _Rank(states, sum(activations.values()), layers, head, running, head_backward,
               micro_batches > 1 or d.pp > 1, _comm_buffers(cfg, lay, mine, sh, vocab), optimizer,
-              _after_backward(cfg, lay, *local, states["gradients"], optimizer))
+              _after_backward(cfg, lay, *local, states["gradients"], optimizer),
+              _rank_reduce_scatters(cfg, lay, mine, vocab))
     transient = max([head[0], head[1]] + [cost.work for _, cost in layers] + [w for _, w in running])
     return MemoryPlan(world_size=d.world, pp_rank=rank, layers=LayerIds(tuple(ch.layers for ch in mine)),
                       **states, activations=activations, in_flight=flight.per_chunk,

@@ -76,8 +76,8 @@ def _build_parser() -> argparse.ArgumentParser:
     train.add_argument("--run-dir", type=path_argument, help="where the run writes (default: runs/<timestamp>)")
     train.add_argument("--resume", type=path_argument, metavar="DIR",
                        help="continue the run in DIR: a run directory (its latest checkpoint, with its "
-                            "config.toml) or one of its checkpoints (with the config it was saved with; "
-                            "data.path and data.tokenizer from config.toml)")
+                            "config.toml; its checkpoints folder too) or one of its checkpoints (with the "
+                            "config it was saved with; data.path and data.tokenizer from config.toml)")
     train.add_argument("--init-from-hf", type=path_argument, metavar="DIR",
                        help="start from a Hugging Face checkpoint directory (its config.json sets "
                             "[model] and the architecture of [moe], which options may change where "
@@ -203,8 +203,7 @@ def _train(args: argparse.Namespace) -> int:
                               "single fields instead")
         run_dir = args.run_dir or _run_dir_of(args.resume)
         cfg, notes, source = _resume_config(args.resume, overrides)
-        if args.nproc == 1:
-            _refuse_saved_layout_beyond_one_process(args.resume, cfg, overrides, source)
+        _refuse_saved_layout_beyond_the_ranks(args.resume, cfg, overrides, source, args.nproc)
     elif args.init_from_hf is not None:
         cfg = _config_for_hf_model(args.init_from_hf, args.config, overrides)
         run_dir = args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
@@ -309,7 +308,7 @@ def _convert(args: argparse.Namespace) -> int:
     if (args.to_hf / CONFIG).exists():
         raise UserError(f"--to-hf {args.to_hf} already holds a checkpoint ({CONFIG}); choose another directory")
     # The latest checkpoint once, for the config, the weights and the EOS id: a training may save another.
-    checkpoint = _latest_run_checkpoint(args.run_dir)
+    checkpoint = _latest_run_checkpoint(args.run_dir, "convert")
     cfg, notes = latest_run_config(args.run_dir, checkpoint, "convert exports")  # the model the checkpoint holds
     _say_notes(notes)
     check_exportable(cfg)  # a family without export: before the weights are read
@@ -400,23 +399,56 @@ def _resume_config(resume: Path, overrides: dict[str, Any]) -> tuple[Config, lis
     return cfg, notes, str(run_dir / "config.toml")
 
 
-def _refuse_saved_layout_beyond_one_process(resume: Path, cfg: Config, overrides: dict[str, Any],
-                                            source: str) -> None:
-    """A one-process resume of a run whose saved layout needs more ranks (parallel.ep 2 of a 2-rank
-    run), said with where the sizes came from (`source`) and the options that resume it here: DCP
-    reads a checkpoint under any layout. Sizes given now are the user's: `join` says those."""
+def _refuse_saved_layout_beyond_the_ranks(resume: Path, cfg: Config, overrides: dict[str, Any], source: str,
+                                          nproc: int) -> None:
+    """A resume whose saved layout does not fit the ranks started (parallel.ep 2 of a 2-rank run in
+    one process; ep 4 on --nproc 2, or on 6 torchrun ranks), said with where the sizes came from
+    (`source`) and the sizes that resume it on these ranks: DCP reads a checkpoint under any
+    layout. Sizes given now are the user's: `join` and `_spawn_ranks` say those."""
     from moefold.parallel.dims import ParallelDims
     from moefold.parallel.launch import world_from_env
 
     p = cfg.parallel
     sizes = {f"parallel.{name}": getattr(p, name) for name in ("tp", "cp", "pp", "ep", "etp") if getattr(p, name) > 1}
-    if world_from_env() != 1 or not sizes or any(key in overrides for key in sizes):
+    world = nproc if nproc != 1 else world_from_env()
+    if world < 1 or not sizes or any(key in overrides for key in sizes):
         return
-    world = ParallelDims.smallest(p.tp, p.cp, p.pp, p.ep, p.etp, p.order).world
-    raise ConfigError(f"--resume {resume}: {', '.join(f'{key}={size}' for key, size in sizes.items())} (from "
-                      f"{source}) needs {world} ranks and this is one process: start them with --nproc {world} "
-                      f"(or torchrun), or resume on one process with {' '.join(f'--{key} 1' for key in sizes)} "
+    needed = ParallelDims.smallest(p.tp, p.cp, p.pp, p.ep, p.etp, p.order).world
+    if world % needed == 0:
+        return  # the sizes fit these ranks (the order's own refusal, if any, is join's)
+    fits = " ".join(f"--{key} {size}" for key, size in _sizes_that_fit(world, sizes, p.order).items()
+                    if size != sizes[key])
+    saved = f"{', '.join(f'{key}={size}' for key, size in sizes.items())} (from {source})"
+    if world == 1:
+        raise ConfigError(f"--resume {resume}: {saved} needs {needed} ranks and this is one process: start them "
+                          f"with --nproc {needed} (or torchrun), or resume on one process with {fits} (a checkpoint "
+                          "resumes under another layout)")
+    started = f"--nproc {world} starts {world}" if nproc != 1 else f"this job has {world}"
+    raise ConfigError(f"--resume {resume}: {saved} needs a multiple of {needed} ranks and {started}: start a "
+                      f"multiple of {needed} (--nproc {needed}, or torchrun), or resume on {world} ranks with {fits} "
                       "(a checkpoint resumes under another layout)")
+
+
+def _sizes_that_fit(world: int, sizes: dict[str, int], order: str) -> dict[str, int]:
+    """The parallel sizes (`sizes`: {'parallel.ep': 4, ...}, the others 1) cut down to fit `world`
+    ranks, keeping the most parallelism (the largest product; ties: the earlier sizes larger).
+    Each a divisor of its saved size, so it still divides what that did (moe.num_experts for ep,
+    the heads for tp): every combination is tried, a few dozen for any real layout."""
+    import itertools
+
+    from moefold.parallel.dims import ParallelDims
+
+    def fits(combo: tuple[int, ...]) -> bool:
+        try:
+            ParallelDims(world, **{key.split(".")[1]: size for key, size in zip(sizes, combo)}, order=order)
+        except ConfigError:
+            return False
+        return True
+
+    divisors = [[d for d in range(1, size + 1) if size % d == 0] for size in sizes.values()]
+    best = max((combo for combo in itertools.product(*divisors) if fits(combo)),
+               key=lambda combo: (math.prod(combo), combo))  # all 1s always fits
+    return dict(zip(sizes, best))
 
 
 def _is_checkpoint_dir(resume: Path) -> bool:
@@ -427,12 +459,11 @@ def _is_checkpoint_dir(resume: Path) -> bool:
     return is_checkpoint_name(Path(resume).name) and Path(resume).parent.name == CHECKPOINTS
 
 
-_LEFTOVERS = {".tmp": "an unfinished save", ".old": "a checkpoint being deleted"}
-"""What dcp's leftovers under a run's checkpoints/ are, by suffix (`save_checkpoint`, `_rotate`)."""
-
-
 def _run_dir_of(resume: Path) -> Path:
-    """The run directory of --resume DIR, which names a run or one of its checkpoints."""
+    """The run directory of --resume DIR, which names a run, its checkpoints folder or one of its
+    checkpoints."""
+    from moefold.checkpoint.dcp import refuse_checkpoints_leftover, run_of_checkpoints_folder
+
     resume = Path(resume)
     if _is_checkpoint_dir(resume):
         run_dir = resume.parent.parent
@@ -440,23 +471,11 @@ def _run_dir_of(resume: Path) -> Path:
             raise UserError(f"--resume {resume}: its run directory {run_dir} holds no config.toml, the config "
                             "the run continues with")
         return run_dir
-    if not (resume / "config.toml").is_file():
-        _refuse_other_entry_of_checkpoints(resume)
+    run_dir = run_of_checkpoints_folder(resume) or resume  # RUN/checkpoints: its latest, as Megatron-LM's --load
+    if not (run_dir / "config.toml").is_file():
+        refuse_checkpoints_leftover(resume)
         raise UserError(f"--resume {resume}: not a moefold run directory (no config.toml)")
-    return resume
-
-
-def _refuse_other_entry_of_checkpoints(resume: Path) -> None:
-    """Refuses --resume RUN/checkpoints/NAME where NAME is not a complete checkpoint's (a save killed
-    before its rename left `step_<N>.tmp`), naming what it is and what resumes."""
-    from moefold.checkpoint.dcp import CHECKPOINTS
-
-    run_dir = resume.parent.parent
-    if resume.parent.name != CHECKPOINTS or not (run_dir / "config.toml").is_file():
-        return
-    what = _LEFTOVERS.get(resume.suffix, "not a checkpoint's name, step_<N>")
-    raise UserError(f"--resume {resume}: not a complete checkpoint ({what}); give the run directory {run_dir} "
-                    f"(its latest checkpoint) or one of its complete checkpoints, {resume.parent}/step_<N>")
+    return run_dir
 
 
 def _check_generate_args(args: argparse.Namespace) -> None:
@@ -481,14 +500,34 @@ def _check_prompt(prompt: str) -> None:
                         "give the prompt in UTF-8") from None
 
 
-def _latest_run_checkpoint(run_dir: Path) -> Path:
-    """--run-dir's latest checkpoint. A directory that is not a run (no config.toml), or whose
-    config.toml does not read, is said as such first, not as a run without checkpoints."""
+def _latest_run_checkpoint(run_dir: Path, command: str) -> Path:
+    """--run-dir's latest checkpoint, which `command` reads. A directory that is not a run (no
+    config.toml), or whose config.toml does not read, is said as such first, not as a run without
+    checkpoints; a run's checkpoint or checkpoints folder, as such (`_refuse_part_of_a_run`)."""
     from moefold.checkpoint.dcp import resolve_checkpoint
     from moefold.generate import run_config_path
 
+    _refuse_part_of_a_run(run_dir, command)
     config_from_toml(run_config_path(run_dir))
     return resolve_checkpoint(run_dir, "--run-dir")
+
+
+def _refuse_part_of_a_run(run_dir: Path, command: str) -> None:
+    """--run-dir RUN/checkpoints/step_<N> (or the folder): refused naming the run, whose latest
+    checkpoint `command` reads, where 'no config.toml' would leave the user to guess."""
+    from moefold.checkpoint.dcp import latest_checkpoint, run_of_checkpoints_entry, run_of_checkpoints_folder
+
+    run = run_of_checkpoints_folder(run_dir)
+    what = "the checkpoints folder"
+    if run is None:
+        run = run_of_checkpoints_entry(run_dir)
+        what = "a checkpoint" if _is_checkpoint_dir(run_dir) else "an entry of the checkpoints folder"
+    if run is None:
+        return
+    latest = latest_checkpoint(run)
+    reads = f"its latest checkpoint, {latest}" if latest else "its latest checkpoint"
+    raise UserError(f"--run-dir {run_dir}: {what} of the run {run}, not a run directory; give --run-dir {run} "
+                    f"({command} reads {reads})")
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -499,7 +538,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     _check_generate_args(args)  # before loading the model
     # The latest checkpoint once, for the config, the weights and the stop ids: a training may save another.
-    checkpoint = _latest_run_checkpoint(args.run_dir)
+    checkpoint = _latest_run_checkpoint(args.run_dir, "generate")
     cfg, notes = latest_run_config(args.run_dir, checkpoint, "generate samples with")  # the model it holds, read once
     _say_notes(notes)
     tokenizer = build_tokenizer(cfg.data.tokenizer)  # once, for the prompt and the model

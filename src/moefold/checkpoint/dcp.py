@@ -29,6 +29,7 @@ from moefold.parallel.local import local_tensor
 from moefold.train.run_lock import refuse_run_dir_in_use
 
 CHECKPOINTS = "checkpoints"
+RUN_CONFIG = "config.toml"  # a run directory's config (the trainer writes it)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _LEFTOVER = re.compile(r"^step_\d+\.(tmp|old)$")  # of a save or a removal cut short
 _METADATA = ".metadata"  # written by DCP's FileSystemWriter last, once every shard is on disk
@@ -76,8 +77,9 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 
 def resolve_checkpoint(path: Path, option: str = "--resume") -> Path:
-    """A checkpoint directory from a run directory (its latest) or a checkpoint directory itself;
-    `option` names where the path came from in errors."""
+    """A checkpoint directory from a run directory (its latest), the run's checkpoints folder (its
+    latest too: what Megatron-LM's --load and TorchTitan's checkpoint.folder name) or a checkpoint
+    directory itself; `option` names where the path came from in errors."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{option} {path}: no such directory")
@@ -85,11 +87,52 @@ def resolve_checkpoint(path: Path, option: str = "--resume") -> Path:
         if not (path / _METADATA).is_file():
             raise CheckpointError(f"{option} {path}: incomplete or corrupt checkpoint (no {_METADATA})")
         return path
-    latest = latest_checkpoint(path)
+    refuse_checkpoints_leftover(path, option)
+    run_dir = run_of_checkpoints_folder(path) or path
+    latest = latest_checkpoint(run_dir)
     if latest is None:
-        refuse_run_dir_in_use(path, option)  # a training there has not saved yet: name it, not the missing save
-        raise CheckpointError(f"{option} {path}: no complete checkpoint in {path / CHECKPOINTS}")
+        refuse_run_dir_in_use(run_dir, option)  # a training there has not saved yet: name it, not the missing save
+        raise CheckpointError(f"{option} {path}: no complete checkpoint in {run_dir / CHECKPOINTS}")
     return latest
+
+
+def is_run_dir(path: Path) -> bool:
+    """Whether `path` is a run directory: it holds the run's config.toml, which a training writes
+    before its first checkpoint and a conversion after its only one."""
+    return (Path(path) / RUN_CONFIG).is_file()
+
+
+def run_of_checkpoints_folder(path: Path) -> Path | None:
+    """The run whose checkpoints folder `path` is (`RUN/checkpoints`); None for any other path,
+    a run itself kept in a folder named checkpoints too."""
+    path = Path(path)
+    if path.name == CHECKPOINTS and not is_run_dir(path) and is_run_dir(path.parent):
+        return path.parent
+    return None
+
+
+def run_of_checkpoints_entry(path: Path) -> Path | None:
+    """The run whose checkpoints folder holds `path` (`RUN/checkpoints/NAME`: a checkpoint, a
+    leftover or anything else); None for any other path, a run itself kept there too."""
+    path = Path(path)
+    return run_of_checkpoints_folder(path.parent) if not is_run_dir(path) else None
+
+
+_LEFTOVER_KINDS = {".tmp": "an unfinished save", ".old": "a checkpoint being deleted"}
+"""What the leftovers under a run's checkpoints folder are, by suffix (`save_checkpoint`, `_rotate`)."""
+
+
+def refuse_checkpoints_leftover(path: Path, option: str = "--resume") -> None:
+    """Refuses `RUN/checkpoints/NAME` where NAME is no complete checkpoint's (a save killed before
+    its rename left `step_<N>.tmp`), naming what it is and what resumes: read as a run directory it
+    would be one with no checkpoints/ of its own. Shared by the command line and `Trainer`."""
+    path = Path(path)
+    run_dir = run_of_checkpoints_entry(path)
+    if run_dir is None or is_checkpoint_name(path.name):
+        return
+    what = _LEFTOVER_KINDS.get(path.suffix, "not a checkpoint's name, step_<N>")
+    raise CheckpointError(f"{option} {path}: not a complete checkpoint ({what}); give the run directory {run_dir} "
+                          f"(its latest checkpoint) or one of its complete checkpoints, {path.parent}/step_<N>")
 
 
 def save_checkpoint(state: dict[str, Any], run_dir: Path, step: int, keep: int) -> Path:

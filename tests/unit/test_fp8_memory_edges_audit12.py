@@ -7,6 +7,9 @@ inside a recomputed 'layer' or an offloaded 'moe', the permutation that is not m
 A dropped wrapper trains the same, so the runs also count the activation outputs the recompute
 freed: one per MoE layer (MTP's included) and micro-batch."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 from memory_runs import (
@@ -177,3 +180,40 @@ def test_with_fp8_kept_inputs_only_the_down_weights_gradient_differs_from_the_pl
     assert differ == [f"layers.{i}.ffn.experts.w2_EFD" for i in range(2)]
     for name in differ:
         assert ((grads[name] - grads_ref[name]).norm() / grads_ref[name].norm()).item() < 0.1
+
+
+@pytest.mark.parametrize("memory", [RECOMPUTED, {"memory.offload": '["moe_act"]', "memory.offload_min_bytes": "0"}],
+                         ids=["recomputed", "offloaded"])
+def test_the_replaced_experts_are_freed_and_the_offload_keeps_the_fp8_experts_buffers(memory):
+    """apply_fp8's swap leaves nothing holding the bf16 experts it replaced: the offload region
+    carried over keeps the FP8 experts' buffers on the device (the weight cache's), not the old
+    module's. Held, the old module kept its parameters alive: after parallelize's EP slicing, the
+    whole [E, D, F] weights beside the rank's slice."""
+    model = build("qwen3", {"precision.fp8": "rowwise", "precision.fp8_weight_cache": "true", **memory})
+    replaced = [weakref.ref(layer.experts) for layer in model.moe_layers()]
+    apply_fp8(model, model.cfg.precision, "cpu", compute_dtype=torch.float32)
+    gc.collect()
+    assert [ref() for ref in replaced] == [None] * len(replaced)
+
+
+def test_the_offloaded_activation_keeps_the_fp8_experts_buffers_on_the_device(monkeypatch):
+    """The offload region carried over to the FP8 experts leaves their buffers (the weight
+    cache's FP8 weights) on the device, as the region does for the module it was built on."""
+    from moefold.fp8.weight_cache import refresh_weight_caches
+    from moefold.memory.offload import ActivationOffload
+
+    model = fp8_model("qwen3", {"precision.fp8_weight_cache": "true", "memory.offload": '["moe_act"]',
+                                "memory.offload_min_bytes": "0"})
+    refresh_weight_caches(model)
+    kept_on_device: list[set[int]] = []
+    pack = ActivationOffload.pack
+
+    def recording(self, t):
+        kept_on_device.append(set(self._buffers))
+        return pack(self, t)
+    monkeypatch.setattr(ActivationOffload, "pack", recording)
+    ids = batches(1)[0]
+    model(ids[:, :-1])
+    buffers = {b.untyped_storage()._cdata for layer in model.moe_layers() for b in layer.experts.buffers()}
+    assert buffers and kept_on_device
+    assert all(buffers & region for region in kept_on_device)

@@ -17,6 +17,7 @@ output once the consumer ran (recompute.DiscardedOutput).
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -75,9 +76,18 @@ def rewrap(old: nn.Module, new: nn.Module) -> None:
     `old`'s place (apply_fp8's experts), built from old's `unwrapped` attributes: the wrappers
     (a DiscardedOutput pair, an offload region) carry over, where a plain swap drops them."""
     for w in vars(old).get(_WRAPS, ()):
-        Site(new, w.name).wrap(w.make)
+        Site(new, w.name).wrap(_rebound(w.make, old, new))
     if isinstance(vars(old).get("_memory_wrapped"), _Wrapped):
         new._memory_wrapped = _Wrapped()
+
+
+def _rebound(make: Callable[[Callable], Callable], old: nn.Module, new: nn.Module) -> Callable[[Callable], Callable]:
+    """`make` with its `owner` (apply_offload's: the module whose buffers its region leaves on the
+    device) `new` where it was `old`: the region keeps the new module's buffers (the FP8 weight
+    cache's), and nothing holds `old` and its parameters alive."""
+    if isinstance(make, functools.partial) and make.keywords.get("owner") is old:
+        return functools.partial(make.func, *make.args, **{**make.keywords, "owner": new})
+    return make
 
 
 @dataclass(frozen=True)

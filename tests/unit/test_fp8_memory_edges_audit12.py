@@ -72,7 +72,9 @@ def _moe_layers(model) -> list[MoELayer]:
     ("deepseek", {"precision.fp8_saved_activations": "true"}, [True, True]),
     # the activation handed the [R] probabilities it ignores (moe_act's unread argument)
     ("qwen3", {"moe.memory_efficient_permute": "false", "precision.fp8_saved_activations": "true"}, [True, True]),
-], ids=["exclude-experts", "bf16-first-layer", "deepseek-mtp-kept", "no-mem-efficient-permute"])
+    # one scale over all rows (the experts' GEMMs scale rows: fp8/grouped.py)
+    ("deepseek", {"precision.fp8": "tensorwise"}, [True, True]),
+], ids=["exclude-experts", "bf16-first-layer", "deepseek-mtp-kept", "no-mem-efficient-permute", "tensorwise"])
 def test_recomputed_moe_act_trains_like_fp8_and_frees_h_in_every_moe_layer(config, overrides, fp8_experts,
                                                                            discards):
     model = fp8_model(config, {**overrides, **RECOMPUTED})
@@ -110,7 +112,9 @@ def test_weight_cache_with_grad_accumulation_and_recomputed_moe_act(discards):
     {"memory.recompute": '["layer"]', "memory.offload": '["moe_act"]'},
     {"memory.offload": '["moe", "moe_act"]'},
     {"memory.recompute": '["moe_act"]', "memory.offload": '["moe"]'},
-], ids=["offload-in-recomputed-layer", "offload-in-offloaded-moe", "recompute-in-offloaded-moe"])
+    {"memory.recompute": '["moe"]', "memory.offload": '["moe_act"]'},
+], ids=["offload-in-recomputed-layer", "offload-in-offloaded-moe", "recompute-in-offloaded-moe",
+        "offload-in-recomputed-moe"])
 def test_nested_moe_act_trains_like_fp8_with_the_outer_option_alone(memory):
     """moe_act inside a recomputed 'layer' or offloaded 'moe': the same as FP8 with the outer
     option alone, bit for bit, and an offload moves bytes."""
@@ -141,6 +145,9 @@ PLAN_CASES = {
     # DeepSeek's main MoE layer in bf16, its MTP block's in FP8
     "deepseek-bf16-main": ("tiny-deepseek", {**KEPT, "precision.fp8_bf16_first_layers": 2, **RECOMPUTED}, "fp32"),
     "deepseek-bf16-mtp": ("tiny-deepseek", {**KEPT, "precision.fp8_exclude": '["mtp.*"]', **RECOMPUTED}, "bf16"),
+    "tensorwise-kept": ("tiny-qwen3", {**KEPT, "precision.fp8": "tensorwise", **RECOMPUTED}, "bf16"),
+    "offload-in-recomputed-moe": ("tiny-deepseek", {**KEPT, "memory.recompute": '["moe"]',
+                                                    "memory.offload": '["moe_act"]'}, "bf16"),
     "weight-cache": ("tiny-qwen3", {**KEPT, "precision.fp8_weight_cache": True, **RECOMPUTED}, "bf16"),
     "offload-in-recomputed-layer": ("tiny-qwen3", {**KEPT, "memory.recompute": '["layer"]',
                                                    "memory.offload": '["moe_act"]'}, "bf16"),

@@ -139,6 +139,12 @@ PLAN_CASES = [(preset, {**ALIGNED, "precision.fp8": recipe, "precision.fp8_saved
 
 @pytest.mark.parametrize("preset,overrides,dtype", PLAN_CASES, ids=[f"{p}-{o}-{d}" for p, o, d in PLAN_CASES])
 def test_the_planner_counts_fp8_with_moe_act_wrapped(preset, overrides, dtype):
+    assert_planned_as_measured(preset, overrides, dtype)
+
+
+def assert_planned_as_measured(preset: str, overrides: dict, dtype: str) -> None:
+    """The planner's activations, by category and in all, and its host bytes equal the wrapped
+    model's, measured (test_plan_memory's dtypes by name)."""
     from test_plan_memory import DTYPES, _case_config, _nonzero
 
     from moefold.plan import predict_memory

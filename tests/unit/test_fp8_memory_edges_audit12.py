@@ -20,6 +20,7 @@ from memory_runs import (
     one_thread,  # noqa: F401 (autouse fixture)
     train,
 )
+from test_fp8_memory_audit12 import assert_planned_as_measured
 
 from moefold.fp8.apply import apply_fp8
 from moefold.fp8.saved import SaveInput
@@ -159,17 +160,7 @@ PLAN_CASES = {
 
 @pytest.mark.parametrize("preset,overrides,dtype", PLAN_CASES.values(), ids=PLAN_CASES)
 def test_the_planner_counts_the_edges_of_fp8_with_moe_act(preset, overrides, dtype):
-    from test_plan_memory import DTYPES, _case_config, _nonzero
-
-    from moefold.plan import predict_memory
-    from moefold.plan.measure import measure_saved_activations
-
-    cfg = _case_config(preset, overrides, dtype)
-    measured = measure_saved_activations(cfg, DTYPES[dtype][2], param_dtype=DTYPES[dtype][3])
-    plan = predict_memory(cfg, 1)
-    assert _nonzero(plan.activations) == _nonzero(measured.by_category)
-    assert measured.total == plan.activation_total
-    assert measured.host == plan.offloaded
+    assert_planned_as_measured(preset, overrides, dtype)
 
 
 def test_with_fp8_kept_inputs_only_the_down_weights_gradient_differs_from_the_plain_kept_run():

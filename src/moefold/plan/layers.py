@@ -55,7 +55,7 @@ def _boundaries(cfg: Config) -> set[int]:
     singles = set(moe.dense_layers)
     if _fp8_on(cfg):
         cuts |= {p.fp8_bf16_first_layers, m.n_layers - p.fp8_bf16_last_layers}
-        singles |= {_pinned_layer(cfg, pattern) for pattern in p.fp8_exclude} - {None}
+        singles |= {pinned_layer(cfg, pattern) for pattern in p.fp8_exclude} - {None}
     return cuts | singles | {i + 1 for i in singles}
 
 
@@ -92,7 +92,7 @@ _LAYER_DIGITS = re.compile(r"(^|[.*])[0-9]|[?\[]")
 _PINNED = re.compile(r"^(mtp\.)?layers\.([0-9]+)(\..*)?$")
 
 
-def _pinned_layer(cfg: Config, pattern: str) -> int | None:
+def pinned_layer(cfg: Config, pattern: str) -> int | None:
     """The layer id a pattern names by its number ("layers.3.*", "mtp.layers.0.block"), where the
     rest of it is matched alike for every layer; else None."""
     found = _PINNED.match(pattern)
@@ -102,8 +102,15 @@ def _pinned_layer(cfg: Config, pattern: str) -> int | None:
     return cfg.model.n_layers + number if found.group(1) else number
 
 
+def renumber_pinned(pattern: str, number: int) -> str:
+    """`pattern`, which names a layer by its number (`pinned_layer`), naming layer `number` of the
+    same stack (main or MTP) instead."""
+    mtp, _, rest = _PINNED.match(pattern).groups()
+    return f"{mtp or ''}layers.{number}{rest or ''}"
+
+
 def _digits_matter(cfg: Config) -> bool:
     """Whether an fp8_exclude pattern's match may depend on a layer's number other than by naming
-    one layer (`_pinned_layer`): then each layer is planned on its own."""
-    return _fp8_on(cfg) and any(_LAYER_DIGITS.search(pattern) and _pinned_layer(cfg, pattern) is None
+    one layer (`pinned_layer`): then each layer is planned on its own."""
+    return _fp8_on(cfg) and any(_LAYER_DIGITS.search(pattern) and pinned_layer(cfg, pattern) is None
                                 for pattern in cfg.precision.fp8_exclude)

@@ -5,6 +5,9 @@ Two ways to recompute, chosen per site (memory/sites.py) when the model is built
 * `checkpointed`: torch.utils.checkpoint, non-reentrant. The site keeps only its inputs; backward
   runs it again (same RNG state, same autocast) to rebuild what its ops saved. A region holding MoE
   layers (`moe`, `layer`) replays their forward's routing and records nothing (moe_tape.py).
+  `moe_act` in blocks that train.compile compiles is one too, over the activation and the down GEMM,
+  with a selective policy that keeps the GEMM's output (`keep_gemm_outputs`): Dynamo traces it into
+  the block's graph, where the output discarding below breaks it (memory/sites.py).
 * `DiscardedOutput`: Megatron-Core's CheckpointWithoutOutput, for a site whose output its consumer
   takes at once and keeps for backward (the attention after a pre-norm keeps the normed x; the
   attention core keeps MLA's per-head q/k/v; the down-projection keeps the expert activation). The
@@ -22,11 +25,13 @@ losses and gradients are bit-identical to the plain run (tests/unit/test_recompu
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections.abc import Callable, Sequence
 
 import torch
-from torch.utils.checkpoint import checkpoint, get_device_states, set_device_states
+from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts,
+                                    get_device_states, set_device_states)
 
 from moefold.config import refuse_offload_against, refuse_recomputed_twice, validate_memory_names
 from moefold.memory.moe_tape import moe_recompute_contexts
@@ -35,9 +40,11 @@ from moefold.moe.layer import MoELayer
 from moefold.parallel.local import memory_holder
 
 
-def apply_recompute(model: torch.nn.Module, names: Sequence[str]) -> None:
+def apply_recompute(model: torch.nn.Module, names: Sequence[str], compiled: bool = False) -> None:
     """Wrap the sites of `names` (config.MEMORY_MODULES): whole regions first, then the
-    output-discarding pairs, so a consumer that is itself checkpointed frees its input too."""
+    output-discarding pairs, so a consumer that is itself checkpointed frees its input too.
+    `compiled`: the blocks will be compiled (train.compile), so moe_act is a checkpoint that
+    Dynamo traces instead of an output discarding (memory/sites.py)."""
     validate_memory_names("recompute", names)  # given in Python: no config check saw them
     recomputed = [*getattr(model, "recomputed_names", []), *names]  # with a call's before (build_model's)
     validate_memory_names("recompute", recomputed)
@@ -45,27 +52,46 @@ def apply_recompute(model: torch.nn.Module, names: Sequence[str]) -> None:
     # A name the model offloads already (apply_offload's): the config's check, in its words. Only
     # the overlap is checked here: apply_offload checked its min_bytes.
     refuse_offload_against(recomputed, getattr(model, "offloaded_names", []), min_bytes=0)
-    chosen = targets_of(model, "recompute", names)
+    chosen = targets_of(model, "recompute", names, compiled)
     model.recomputed_names = recomputed
     for target in (t for t in chosen if t.consumer is None):
         moe_layers = [m for m in target.site.modules() if isinstance(m, MoELayer)]
-        target.site.wrap(lambda fn, layers=moe_layers: checkpointed(fn, layers))
+        target.site.wrap(lambda fn, layers=moe_layers, keeps_gemms=target.keeps_gemms:
+                         checkpointed(fn, layers, keeps_gemms))
     for target in (t for t in chosen if t.consumer is not None):
         DiscardedOutput(target.site, target.consumer, target.unread)
     for target in chosen:
         mark_wrapped(target.site, target.consumer)
 
 
-def checkpointed(fn: Callable, moe_layers: list[MoELayer]) -> Callable:
+def checkpointed(fn: Callable, moe_layers: list[MoELayer], keeps_gemms: bool = False) -> Callable:
+    """`fn` under a non-reentrant checkpoint; `keeps_gemms`: one that keeps the outputs of its
+    GEMMs (`keep_gemm_outputs`) and recomputes only the rest."""
     # None without MoE layers: under torch.compile a context_fn must give TorchDispatchModes (a
     # pair of nullcontexts failed the compile of a recomputed norm, attention core or dense block).
     contexts = {"context_fn": lambda: moe_recompute_contexts(moe_layers)} if moe_layers else {}
+    if keeps_gemms:
+        contexts = {"context_fn": functools.partial(create_selective_checkpoint_contexts, keep_gemm_outputs)}
 
     def run(*args, **kwargs):
         if not torch.is_grad_enabled():  # evaluation: nothing to save, nothing to recompute
             return fn(*args, **kwargs)
         return checkpoint(fn, *args, use_reentrant=False, **contexts, **kwargs)
     return run
+
+
+# The GEMMs a `keeps_gemms` checkpoint keeps: the expert GEMMs in every backend (the FP8 emulation
+# runs torch._grouped_mm, CUTLASS torch._scaled_grouped_mm, Triton its custom ops) and the loop's.
+_GEMMS = frozenset({"aten::mm", "aten::_grouped_mm", "aten::_scaled_mm", "aten::_scaled_grouped_mm",
+                    "moefold::fp8_grouped_mm_rows", "moefold::fp8_grouped_mm_rows_blockwise",
+                    "moefold::scaled_mm_blockwise"})
+
+
+def keep_gemm_outputs(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """Selective checkpoint policy: a GEMM's output is kept from the forward, the rest (the
+    elementwise activation, the FP8 quantization) recomputed."""
+    name = op.name() if isinstance(op, torch._ops.OpOverload) else None
+    return CheckpointPolicy.MUST_SAVE if name in _GEMMS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 class DiscardedOutput:

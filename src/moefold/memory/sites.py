@@ -95,6 +95,7 @@ class Target:
     site: Site
     consumer: Site | None = None  # takes the site's output at once and saves it for backward
     unread: tuple[int, ...] = ()  # positional arguments the site ignores: a recompute holds none
+    keeps_gemms: bool = False  # a checkpoint that keeps its GEMMs' outputs and recomputes the rest
 
 
 class _CallableProxy:
@@ -135,12 +136,13 @@ def mark_wrapped(*sites: Site | None) -> None:
             site.owner._memory_wrapped = _Wrapped()
 
 
-def targets_of(model: nn.Module, key: str, names: Sequence[str]) -> list[Target]:
+def targets_of(model: nn.Module, key: str, names: Sequence[str], compiled: bool = False) -> list[Target]:
     """The sites of each of `names`, in order; a name without any in `model` is refused, as the
-    config refuses it (`memory.<key>`): given in Python, it silently wrapped nothing."""
+    config refuses it (`memory.<key>`): given in Python, it silently wrapped nothing. `compiled`:
+    the blocks will be compiled (train.compile), which some names recompute otherwise."""
     chosen = []
     for name in names:
-        found = targets(model, name)
+        found = targets(model, name, compiled)
         if not found:
             raise ConfigError(f"memory.{key}={name!r} does nothing here: the model has no {name} site "
                               "(memory/sites.py)")
@@ -148,9 +150,11 @@ def targets_of(model: nn.Module, key: str, names: Sequence[str]) -> list[Target]
     return chosen
 
 
-def targets(model: nn.Module, name: str) -> list[Target]:
-    """The sites of `name` (one of config.MEMORY_MODULES) in every block, MTP blocks included."""
-    return [t for block in model.blocks() for t in _BLOCK_TARGETS[name](block)]
+def targets(model: nn.Module, name: str, compiled: bool = False) -> list[Target]:
+    """The sites of `name` (one of config.MEMORY_MODULES) in every block, MTP blocks included;
+    `compiled`: those of compiled blocks (`_COMPILED_BLOCK_TARGETS`)."""
+    table = _COMPILED_BLOCK_TARGETS if compiled else _BLOCK_TARGETS
+    return [t for block in model.blocks() for t in table[name](block)]
 
 
 def _norm(block) -> Iterator[Target]:
@@ -180,6 +184,15 @@ def _moe_act(block) -> Iterator[Target]:
         yield Target(Site(experts, "activation"), Site(experts, "_mm"), unread)
 
 
+def _moe_act_checkpointed(block) -> Iterator[Target]:
+    """moe_act in a compiled block: one checkpoint over the activation and the down GEMM that keeps
+    the GEMM's output and recomputes the activation, so the activation's output is never kept
+    and the GEMM never runs twice. Dynamo traces it into the block's graph, where `_moe_act`'s
+    output discarding (storage resizing, RNG capture) breaks the graph around both."""
+    if isinstance(block.ffn, MoELayer):
+        yield Target(Site(block.ffn.experts, "_down"), keeps_gemms=True)
+
+
 def _shared_experts(block) -> Iterator[Target]:
     if isinstance(block.ffn, MoELayer) and block.ffn.shared is not None:
         yield Target(Site(block.ffn.shared, "forward"))
@@ -202,3 +215,4 @@ def _layer(block) -> Iterator[Target]:
 _BLOCK_TARGETS = {"norm": _norm, "attn_core": _attn_core, "mla_up_proj": _mla_up_proj,
                   "moe_act": _moe_act, "shared_experts": _shared_experts, "mlp": _mlp, "moe": _moe,
                   "layer": _layer}
+_COMPILED_BLOCK_TARGETS = {**_BLOCK_TARGETS, "moe_act": _moe_act_checkpointed}

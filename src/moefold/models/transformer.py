@@ -182,7 +182,7 @@ def build_model(cfg: Config, vocab_size: int, device_type: str = "cpu",
     model = Transformer(cfg, vocab_size, blocks[:m.n_layers], mtp)
     model.router_replay = replay  # record / replay routing for RL (moe/replay.py)
     # Recompute and offload wrap the chosen sites of this model instance (memory/).
-    apply_recompute(model, cfg.memory.recompute)
+    apply_recompute(model, cfg.memory.recompute, compiled=cfg.train.compile)
     model.activation_offload = apply_offload(model, cfg.memory.offload, cfg.memory.offload_min_bytes,
                                              device_type)
     return model

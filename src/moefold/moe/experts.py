@@ -55,8 +55,14 @@ class Experts(nn.Module):
         x_RD = x_RD.to(dtype)
         offsets_E = torch.cumsum(rows_per_expert_E, dim=0, dtype=torch.int32)
         hidden_RF = self._input_mms(x_RD, [w.to(dtype) for w in self.input_weights()], offsets_E)
-        h_RF = self.activation(probs_R, *hidden_RF).to(dtype)
-        return self._mm(h_RF, local_tensor(self.w2_EFD).to(dtype), offsets_E)
+        return self._down(probs_R, hidden_RF, local_tensor(self.w2_EFD).to(dtype), offsets_E)
+
+    def _down(self, probs_R: torch.Tensor | None, hidden_RF: list[torch.Tensor], w2_EFD: torch.Tensor,
+              offsets_E: torch.Tensor) -> torch.Tensor:
+        """The activation and the down projection, in w2's dtype: one seam, which memory.recompute's
+        moe_act under train.compile checkpoints as a whole (memory/sites.py)."""
+        h_RF = self.activation(probs_R, *hidden_RF).to(w2_EFD.dtype)
+        return self._mm(h_RF, w2_EFD, offsets_E)
 
     def _input_mms(self, x_RD: torch.Tensor, ws_EDF: list[torch.Tensor],
                    offsets_E: torch.Tensor) -> list[torch.Tensor]:

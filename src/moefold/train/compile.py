@@ -11,7 +11,8 @@ graph there and the rest still compiles.
 Inductor generates Triton kernels on GPUs and C++ on the CPU (which needs a C++ compiler): the option
 is meant for GPUs. `torch._grouped_mm`'s meta kernel accepts bf16 only (torch 2.11–2.13) while
 eager also runs fp32: outside bf16 the expert GEMMs stay eager, the graph broken around them
-(moe/grouped_mm.py, which the experts call).
+(moe/grouped_mm.py, which the experts call). `build_model` builds memory.recompute's `moe_act` in a
+form Dynamo traces when train.compile is on (memory/sites.py).
 """
 
 from __future__ import annotations
@@ -34,18 +35,6 @@ def compile_blocks(model: nn.Module) -> None:
     for block in model.blocks():
         block.forward = torch.compile(block.forward, dynamic=False)
         block._compiled_forward = _CompiledForward()
-
-
-def recompute_warnings(recompute: list[str]) -> list[str]:
-    """What `memory.recompute` names cost under compiled blocks: `moe_act`'s output discarding
-    (memory/recompute.py's RNG capture and storage checks) cannot be traced, so each MoE block's
-    graph breaks around the activation and the down GEMM (9 graphs a qwen3 block instead of 1),
-    where the compiled block already recomputes the activation on its own."""
-    if "moe_act" not in recompute:
-        return []
-    return ["warning: memory.recompute 'moe_act' splits each compiled MoE block's graph: at qwen3-moe-300m "
-            "on an H100 the step took 1.9x as long for 1.6% less peak memory, the compiler already "
-            "recomputing the activation; measure with moefold bench (docs/recompute_offload.md)"]
 
 
 class _CompiledForward:

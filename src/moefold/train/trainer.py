@@ -62,7 +62,7 @@ from moefold.parallel.launch import TRAIN_LAUNCH, join
 from moefold.plan.fit import rank_capacity, refuse_model_beyond_memory
 from moefold.plan.refuse import refuse_weight_cache_over_fsdp
 from moefold.train import metrics
-from moefold.train.compile import compile_blocks, recompute_warnings
+from moefold.train.compile import compile_blocks
 from moefold.train.flops import count_params, params_line, peak_tflops, train_flops_per_token
 from moefold.train.heatmap import append_window, write_load_heatmap
 from moefold.train.loss import build_head_loss, build_objective
@@ -420,8 +420,6 @@ class Trainer:
             initialize(self.model)
         if cfg.train.compile:
             compile_blocks(self.model)
-            for line in recompute_warnings(cfg.memory.recompute):
-                self.out(line)
         self.peak_tflops = peak_tflops(self.device, cfg.logging.peak_tflops)
         autocast_on = self.compute_dtype != torch.float32
         self.autocast = (partial(torch.autocast, self.device.type, dtype=self.compute_dtype)

@@ -79,8 +79,9 @@ def _compiled_run(config: str, overrides: dict[str, str], fp8: bool):
     return train(model)
 
 
-@pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8-rowwise"])
-@pytest.mark.parametrize("config", sorted(PRESETS))
+# Each preset once and each mode once (all four pairs cost ~110 s of the CI machine's 2 cores).
+@pytest.mark.parametrize("config,fp8", [("qwen3", False), ("deepseek", True)],
+                         ids=["qwen3-fp32", "deepseek-fp8-rowwise"])
 def test_compiled_training_with_moe_act_recomputed_is_bit_identical(config, fp8, monkeypatch):
     _aot_eager(monkeypatch)
     fp8_options = {"precision.fp8": "rowwise"} if fp8 else {}

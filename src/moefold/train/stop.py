@@ -44,13 +44,11 @@ class StopVote:
         if self._pending is None:
             return None
         work, flag = self._pending
-        work.wait()  # a CPU collective, as in `_wait`, which then returns at once
+        work.wait()  # a CPU collective: waits for the other ranks, not for a device; done, at once
         return int(flag.item()) or None
 
     def _wait(self) -> int | None:
-        if self._pending is None:
-            return None
-        work, flag = self._pending
+        """`settled`, then the vote is spent: the next boundary starts another."""
+        signal = self.settled()
         self._pending = None
-        work.wait()  # a CPU collective: waits for the other ranks, not for a device
-        return int(flag.item()) or None
+        return signal

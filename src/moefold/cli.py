@@ -462,17 +462,17 @@ def _is_checkpoint_dir(resume: Path) -> bool:
 def _run_dir_of(resume: Path) -> Path:
     """The run directory of --resume DIR, which names a run, its checkpoints folder or one of its
     checkpoints."""
-    from moefold.checkpoint.dcp import refuse_checkpoints_leftover, run_of_checkpoints_folder
+    from moefold.checkpoint.dcp import is_run_dir, refuse_checkpoints_leftover, run_of_checkpoints_folder
 
     resume = Path(resume)
     if _is_checkpoint_dir(resume):
         run_dir = resume.parent.parent
-        if not (run_dir / "config.toml").is_file():  # else named as a --config that was never given
+        if not is_run_dir(run_dir):  # else named as a --config that was never given
             raise UserError(f"--resume {resume}: its run directory {run_dir} holds no config.toml, the config "
                             "the run continues with")
         return run_dir
     run_dir = run_of_checkpoints_folder(resume) or resume  # RUN/checkpoints: its latest, as Megatron-LM's --load
-    if not (run_dir / "config.toml").is_file():
+    if not is_run_dir(run_dir):
         refuse_checkpoints_leftover(resume)
         raise UserError(f"--resume {resume}: not a moefold run directory (no config.toml)")
     return run_dir

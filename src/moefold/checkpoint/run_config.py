@@ -31,15 +31,6 @@ def saved_config_text(checkpoint: Path) -> str | None:
     return load_value(checkpoint, CONFIG_KEY) if CONFIG_KEY in checkpoint_keys(checkpoint) else None
 
 
-def saved_config_source(checkpoint: Path) -> str:
-    """Where a resume of `checkpoint` reads the options it was trained with, in words: the config it
-    was saved with, or its run's config.toml where it holds none (as the trainer's resume checks
-    read them)."""
-    if CONFIG_KEY in checkpoint_keys(checkpoint):
-        return f"the config {checkpoint} was saved with"
-    return str(Path(checkpoint).parent.parent / "config.toml")
-
-
 def saved_config(checkpoint: Path, overrides: dict[str, Any] | None = None) -> tuple[Config, list[str]] | None:
     """The config `checkpoint` was saved with, `overrides` on top, and `read_run_config`'s notes
     (options an older moefold saved that the config now refuses, dropped); None where it holds none."""

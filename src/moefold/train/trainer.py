@@ -41,7 +41,7 @@ from moefold.checkpoint.dcp import (
     save_checkpoint,
     set_rng_state,
 )
-from moefold.checkpoint.run_config import CONFIG_KEY, saved_config_source, saved_config_text, unvalidated_config
+from moefold.checkpoint.run_config import CONFIG_KEY, saved_config_text, unvalidated_config
 from moefold.config import (Config, ParallelConfig, config_from_toml, micro_batches_per_step,
                             refuse_unsupported_parallel, to_toml, validate)
 from moefold.data.corpus import build_token_streams, stream_fingerprint
@@ -110,15 +110,16 @@ def _zero_weights(model: nn.Module) -> None:
         p.zero_()
 
 
-def _saving_run_config(checkpoint: Path) -> Config | None:
-    """The config `checkpoint` was saved with, read once for the resume checks: the one it holds;
-    else (a checkpoint of an earlier version) its run's config.toml, which holds the options of
-    the run's latest resume, not necessarily this checkpoint's; None where it has neither (a
-    checkpoint copied out of its run)."""
+def _saving_run_config(checkpoint: Path) -> tuple[Config | None, str]:
+    """The config `checkpoint` was saved with, read once for the resume checks, and where from in
+    words: the one it holds; else (a checkpoint of an earlier version) its run's config.toml, which
+    holds the options of the run's latest resume, not necessarily this checkpoint's; None where it
+    has neither (a checkpoint copied out of its run)."""
     if (text := saved_config_text(checkpoint)) is not None:
-        return unvalidated_config(tomllib.loads(text), f"checkpoint {checkpoint}")
+        saved = unvalidated_config(tomllib.loads(text), f"checkpoint {checkpoint}")
+        return saved, f"the config {checkpoint} was saved with"
     saved_config = checkpoint.parent.parent / "config.toml"
-    return config_from_toml(saved_config) if saved_config.is_file() else None
+    return (config_from_toml(saved_config) if saved_config.is_file() else None), str(saved_config)
 
 
 def _refuse_changed_state_dtypes(cfg: Config, saved: Config, checkpoint: Path) -> None:
@@ -290,7 +291,8 @@ class Trainer:
         refuse_unsupported_parallel(cfg)
         checkpoint = resolve_checkpoint(resume) if resume is not None else None
         refuse_run_dir(self.run_dir, checkpoint)
-        saved = _saving_run_config(checkpoint) if checkpoint is not None else None
+        saved, self._saved_config_source = (_saving_run_config(checkpoint) if checkpoint is not None
+                                            else (None, ""))
         self.resumed_from = checkpoint
         full_state = checkpoint is not None and "optim" in checkpoint_keys(checkpoint)  # else weights only
         self._changed_model_options = _changed_model_options(cfg, saved) if saved is not None else []
@@ -840,7 +842,7 @@ class Trainer:
         lines += self._notes + self._no_effect_here() + self._global_batch_note()
         if self._changed_model_options:
             lines.append(f"note: this run changes the model it resumes (compared with "
-                         f"{saved_config_source(self.resumed_from)}): {', '.join(self._changed_model_options)}")
+                         f"{self._saved_config_source}): {', '.join(self._changed_model_options)}")
         if self.val_batches and not self._any_validation_label():
             lines.append(f"warning: no validation token has a label (every label is {IGNORE_INDEX}): val_loss is nan "
                          "(null in metrics.jsonl)")

@@ -27,7 +27,7 @@ from moefold.fp8.grouped import build_grouped_gemm, grouped_scaling
 from moefold.fp8.linear import Fp8Linear
 from moefold.fp8.saved import SaveInput, saved_input
 from moefold.fp8.weight_cache import build_weight_cache
-from moefold.memory.sites import is_wrapped, rewrap, unwrapped
+from moefold.memory.sites import rewrap, unwrapped
 from moefold.moe.experts import Experts, Fp8GroupedExperts, expert_hidden_slice
 from moefold.moe.layer import MoELayer
 from moefold.parallel.tp_split import tp_local_features
@@ -167,13 +167,11 @@ def _check_experts_aligned(experts: Experts, recipe: str, multiple: int, etp: in
 def _fp8_experts(experts: Experts, gemm, scaling, saver, weight_cache) -> Fp8GroupedExperts:
     """The FP8 experts in `experts`' place, with its parameters and its memory.recompute /
     memory.offload wrappers (`rewrap`: moe_act wraps the activation, and its recompute the down
-    GEMM that keeps the activation's output)."""
+    GEMM that keeps the activation's output, which the FP8 experts are told of when the wrap is
+    carried over, as when memory.recompute wraps them after this: Fp8GroupedExperts.memory_site_wrapped)."""
     num_experts, dim, hidden = experts.w1_EDF.shape
-    # A recomputed activation's output is freed once the down GEMM ran and rebuilt for its
-    # backward: the GEMM keeps it as it is, an FP8 copy would outlive it (fp8_saved_activations).
-    down_saver = SaveInput() if is_wrapped(experts, "_mm") else saver
     new = Fp8GroupedExperts(num_experts, dim, hidden, unwrapped(experts, "activation"), gemm, scaling, saver,
-                            device="meta", weight_cache=weight_cache, down_saver=down_saver)
+                            device="meta", weight_cache=weight_cache)
     for name, param in experts.named_parameters(recurse=False):
         setattr(new, name, param)
     rewrap(experts, new)

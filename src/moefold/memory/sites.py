@@ -7,7 +7,8 @@ applied later keep the wrapper as long as they change a wrapped object in place:
 parallelism swap dispatchers and parameters, and turn the QK-norms into their head-sharded class
 (parallel/tensor.py). A transform that puts a new module in a wrapped one's place carries the
 wrappers over with `rewrap` (apply_fp8 does, for the routed experts); a plain swap would drop its
-recompute or offload silently.
+recompute or offload silently. An owner whose strategies depend on what is wrapped (`WrapAware`:
+the FP8 experts) is told at each wrap, so the wrap may come before such a transform or after it.
 
 A site may name its consumer: the callable that takes the site's output straight away and keeps it
 for its own backward (the block's attention or FFN after a pre-norm, the attention core after MLA's
@@ -21,6 +22,7 @@ import functools
 import inspect
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 from torch import nn
 
@@ -39,16 +41,30 @@ class Site:
 
     def wrap(self, make: Callable[[Callable], Callable]) -> None:
         """Replace the callable by `make(callable)`; a strategy object keeps its other attributes.
-        The owner records the wrap (`unwrapped`, `rewrap`)."""
+        The owner records the wrap (`unwrapped`, `rewrap`), and one that adapts to it is told
+        (`WrapAware`)."""
         original = getattr(self.owner, self.name)
         wrapped = make(original)
         if not (inspect.ismethod(original) or inspect.isfunction(original)):
             wrapped = _CallableProxy(original, wrapped)
         setattr(self.owner, self.name, wrapped)
         vars(self.owner).setdefault(_WRAPS, []).append(_Wrap(self.name, make, original))
+        if isinstance(self.owner, WrapAware):
+            self.owner.memory_site_wrapped(self.name)
 
     def modules(self) -> list[nn.Module]:
         return list(self.owner.modules()) if isinstance(self.owner, nn.Module) and self.name == "forward" else []
+
+
+@runtime_checkable
+class WrapAware(Protocol):
+    """An owner whose strategies depend on which of its callables are wrapped (the FP8 experts'
+    down GEMM keeps its input as it is once its producer's output is discarded): told at each
+    wrap, whether memory.recompute / memory.offload came before a transform that put the owner in
+    place (`rewrap`) or after it (apply_recompute from Python after apply_fp8), so both orders
+    build the same model."""
+
+    def memory_site_wrapped(self, name: str) -> None: ...
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from torch import nn
 
 from moefold.errors import ConfigError
 from moefold.fp8.grouped import fp8_grouped_mm, fp8_grouped_mms
+from moefold.fp8.saved import SaveInput
 from moefold.fp8.weight_cache import PerCallWeights
 from moefold.moe.activation import ACTIVATIONS, PlainActivation, ProbsInActivation
 from moefold.moe.grouped_mm import grouped_mm
@@ -101,12 +102,23 @@ class Fp8GroupedExperts(Experts):
 
     def __init__(self, num_experts: int, dim: int, hidden: int,
                  activation: PlainActivation | ProbsInActivation | None, gemm, scaling,
-                 saver=None, device=None, weight_cache=None, down_saver=None):
+                 saver=None, device=None, weight_cache=None):
         with torch.device(device) if device is not None else contextlib.nullcontext():
             super().__init__(num_experts, dim, hidden, activation)
         self.gemm, self.scaling, self.saver = gemm, scaling, saver  # saver: fp8/saved.py
-        self.down_saver = down_saver or saver  # what the down GEMM keeps of the activation's output
+        self.down_saver = saver  # what the down GEMM keeps of the activation's output
         self.weight_cache = weight_cache or PerCallWeights()  # fp8/weight_cache.py
+
+    def memory_site_wrapped(self, name: str) -> None:
+        """Told by memory/sites.py at each wrap of one of this module's callables, whether the
+        wrap came before apply_fp8 put this module in place (carried over by `rewrap`) or after it
+        (apply_recompute from Python). `_mm` is wrapped only as the consumer of moe_act's output
+        discarding (eager memory.recompute): the activation's output h is freed once the down GEMM
+        ran and rebuilt for its backward, so the GEMM keeps h as it is; an FP8 copy
+        (precision.fp8_saved_activations) would outlive the free. Compiled blocks wrap `_down`
+        instead, which recomputes h only to quantize it again: the FP8 copy stays."""
+        if name == "_mm":
+            self.down_saver = SaveInput()
 
     def weight_names(self) -> list[str]:
         return [*self.input_weight_names(), "w2_EFD"]

@@ -160,13 +160,14 @@ def _fp8_moments_on_rank(rank: int, run_dir: str) -> dict:
 
 def test_planned_fp8_moments_equal_each_rank_s_tensors(tmp_path):
     """2 gloo ranks: a cut of a row's block leaves each rank the whole row's scales; FSDP splits an
-    odd first dim unevenly (257 vocabulary rows: 129 and 128), so the plan is the ranks' mean."""
+    odd first dim unevenly (257 vocabulary rows: 129 and 128), so the plan is rank 0's, the busiest
+    (test_plan_padded_audit13)."""
     from test_parallel_dims import results_on_ranks
 
     ranks = results_on_ranks(_fp8_moments_on_rank, 2, tmp_path, str(tmp_path))
     for name in FP8_SHARDED:
         planned, real = ranks[0][name][0], [r[name][1] for r in ranks]
-        assert planned == sum(real) / 2, (name, planned, real)
+        assert planned == real[0] == max(real), (name, planned, real)
 
 
 # ------------------------------------------------- docs/architecture.md's listing of the modules

@@ -158,7 +158,7 @@ def _states_on_rank(rank: int, run_dir: str) -> dict:
 def test_state_bytes_equal_each_of_4_ranks_real_tensors(tmp_path):
     """4 gloo ranks, a step each: parameters, gradients before the data-parallel reduction,
     remainders and moments (fp8's per-block scales included) against each rank's local tensors;
-    under fsdp the ranks' mean (FSDP cuts the 257-row vocabulary unevenly)."""
+    under fsdp rank 0's, the busiest (FSDP cuts the 257-row vocabulary unevenly)."""
     from test_parallel_dims import results_on_ranks
 
     ranks = results_on_ranks(_states_on_rank, 4, tmp_path, str(tmp_path))
@@ -166,6 +166,6 @@ def test_state_bytes_equal_each_of_4_ranks_real_tensors(tmp_path):
         for part in ("parameters", "gradients", "master_weights", "optimizer_moments"):
             planned, real = ranks[0][name][part][0], [r[name][part][1] for r in ranks]
             if "fsdp" in name:
-                assert planned == sum(real) / 4, (name, part, planned, real)
+                assert planned == real[0] == max(real), (name, part, planned, real)
             else:
                 assert [planned] * 4 == real, (name, part, planned, real)

@@ -270,7 +270,8 @@ def _states_on_rank(rank: int, run_dir: str) -> dict:
 def test_state_bytes_equal_each_rank_s_real_tensors_under_dp_and_ep(tmp_path):
     """2 gloo ranks: the plan's per-GPU parameters, gradients (ddp: whole until reduce-scattered),
     remainders and moments against each rank's local tensors. FSDP cuts an odd first dim unevenly
-    (the 257 vocabulary rows: 129 and 128, 256 bytes), so under fsdp the plan is the ranks' mean."""
+    (the 257 vocabulary rows: 129 and 128, 256 bytes), so under fsdp the plan is rank 0's, the
+    busiest (test_plan_padded_audit13)."""
     from test_parallel_dims import results_on_ranks
 
     ranks = results_on_ranks(_states_on_rank, 2, tmp_path, str(tmp_path))
@@ -278,7 +279,7 @@ def test_state_bytes_equal_each_rank_s_real_tensors_under_dp_and_ep(tmp_path):
         for part in ("parameters", "gradients", "master_weights", "optimizer_moments"):
             planned, real = ranks[0][name][part][0], [r[name][part][1] for r in ranks]
             if name.startswith("fsdp"):
-                assert planned == sum(real) / 2 and max(real) - planned <= 1e-3 * planned, (name, part, real)
+                assert planned == real[0] == max(real), (name, part, real)
             else:
                 assert [planned] * 2 == real, (name, part)
 

@@ -10,7 +10,9 @@ What one GPU holds, and the assumptions behind each part (docs/memory.md explain
   bf16: the plan is for a GPU). Bytes per parameter:
   - `fsdp`: the sharded parameter is the master (fp32 4, bf16 or bf16+remainder 2; FSDP2 all-gathers
     compute-dtype copies per block), gradients in the master's dtype, moments and the int16
-    remainder (2) all sharded over dp·cp (dense) or edp (experts).
+    remainder (2) all sharded over dp·cp (dense) or edp (experts). A sharded state counts as the
+    first data rank holds it, the busiest: ceil(rows / ranks) of a dim 0 the ranks do not divide
+    (torch.chunk's cut, FSDP2's and ZeRO-1's alike: `params.busiest_elements`), not the mean.
   - `ddp`: ZeRO-1 (parallel/zero.py): parameters (the master's dtype, as forward reads them) and,
     until they are reduce-scattered, gradients replicated; the remainder and the moments sharded
     over dp·cp / edp. The optimizer's shard of a parameter is a view of it (no copy) where a dim
@@ -76,12 +78,14 @@ from moefold.plan.params import (
     ParamSplit,
     Weight,
     block_weights,
+    busiest_elements,
     embedding_params,
     embedding_weights,
     head_params,
     head_weights,
     layer_params,
     local_scale_blocks,
+    local_shape,
     moe_layer_count,
 )
 from moefold.plan.pipeline import (
@@ -174,12 +178,14 @@ def _local(split: ParamSplit, dims: ParallelDims) -> tuple[float, float]:
     return split.tp / dims.tp + split.replicated, split.expert / (dims.ep * dims.etp)
 
 
-def _states(cfg: Config, lay: _Layout, dense: float, expert: float, scales: float = 0.0) -> dict[str, float]:
-    """`scales`: this rank's fp32 scales of one fp8 moment (`_scale_blocks`)."""
+def _states(cfg: Config, lay: _Layout, dense: float, expert: float, sharded: float,
+            scales: float = 0.0) -> dict[str, float]:
+    """Bytes of this rank's parameters, gradients, remainders and moments, from its (`dense`,
+    `expert`) elements (`_local`), the elements of its share of the sharded states
+    (`_busiest_shards`) and its fp32 scales of one fp8 moment (`_scale_blocks`)."""
     o = cfg.optim
     master = MASTER_BYTES[o.master_dtype]
     remainder = 2 if o.master_dtype == "bf16+remainder" else 0
-    sharded = dense / lay.dense_shard + expert / lay.expert_shard
     moments = (ELEMENT_BYTES[o.exp_avg_dtype] + ELEMENT_BYTES[o.exp_avg_sq_dtype]) * sharded \
         + 4 * scales * [o.exp_avg_dtype, o.exp_avg_sq_dtype].count("fp8")
     if lay.fsdp:
@@ -189,33 +195,55 @@ def _states(cfg: Config, lay: _Layout, dense: float, expert: float, scales: floa
             "master_weights": remainder * sharded, "optimizer_moments": moments}
 
 
-def _scale_blocks(cfg: Config, lay: _Layout, chunks: list[Chunk], vocab: int) -> float:
-    """fp32 scales this rank keeps per fp8 moment of its chunks' parameters."""
-    def scales(weights) -> float:
-        return sum(local_scale_blocks(w, lay.dims, lay.expert_shard if w.expert else lay.dense_shard,
-                                      not lay.fsdp) for w in weights)
+def _data_ranks(lay: _Layout, w: Weight) -> int:
+    """The data ranks that shard `w`'s states: dp·cp for a dense weight, edp for an expert's."""
+    return lay.expert_shard if w.expert else lay.dense_shard
 
-    per_block = {moe_layer: scales(block_weights(cfg, moe_layer)) for moe_layer in (False, True)}
+
+def _busiest_shards(cfg: Config, lay: _Layout, chunks: list[Chunk], vocab: int) -> float:
+    """Elements of this rank's share of its chunks' sharded states, where it is the first of its
+    data ranks: torch.chunk gives that rank ceil(rows / ranks) of a dim 0 the ranks do not divide
+    (`busiest_elements`), more than their mean share."""
+    return _sum_over_weights(cfg, chunks, vocab, lambda w: busiest_elements(
+        w, lay.dims, _data_ranks(lay, w), not lay.fsdp))
+
+
+def _scale_blocks(cfg: Config, lay: _Layout, chunks: list[Chunk], vocab: int) -> float:
+    """fp32 scales this rank keeps per fp8 moment of its chunks' parameters, the busiest data
+    rank's (`local_scale_blocks`)."""
+    return _sum_over_weights(cfg, chunks, vocab, lambda w: local_scale_blocks(
+        w, lay.dims, _data_ranks(lay, w), not lay.fsdp))
+
+
+def _sum_over_weights(cfg: Config, chunks: list[Chunk], vocab: int, of_weight) -> float:
+    """The sum of `of_weight(w)` over the parameters of `chunks`, tensor by tensor."""
+    def over(weights: list[Weight]) -> float:
+        return sum(of_weight(w) for w in weights)
+
+    per_block = {moe_layer: over(block_weights(cfg, moe_layer)) for moe_layer in (False, True)}
     total = 0.0
     for ch in chunks:
         n_moe = moe_layers_in(cfg, ch.layers)
         total += n_moe * per_block[True] + (len(ch.layers) - n_moe) * per_block[False]
-        total += scales(embedding_weights(cfg, vocab)) if ch.first else 0
-        total += scales(head_weights(cfg, vocab)) if ch.last else 0
+        total += over(embedding_weights(cfg, vocab)) if ch.first else 0
+        total += over(head_weights(cfg, vocab)) if ch.last else 0
     return total
 
 
 def _gradients(cfg: Config, lay: _Layout, split: ParamSplit) -> float:
-    """The bytes of `split`'s gradients on one rank, sharded as its parameters are."""
-    return _states(cfg, lay, *_local(split, lay.dims))["gradients"]
+    """The bytes of `split`'s gradients on one rank without FSDP2 (ddp, one process): whole until
+    reduce-scattered. FSDP2's are `_block_gradients`' and the reduce-scatters'."""
+    assert not lay.fsdp2
+    return MASTER_BYTES[cfg.optim.master_dtype] * sum(_local(split, lay.dims))
 
 
-def _after_backward(cfg: Config, lay: _Layout, dense: float, expert: float, grads: float,
+def _after_backward(cfg: Config, lay: _Layout, dense: float, expert: float, sharded: float, grads: float,
                     optimizer: float) -> list[dict[str, float]]:
     """What the optimizer step holds besides parameters and optimizer states, at each of its
     moments. FSDP: every (sharded) gradient and the optimizer's workspace. ddp (ZeRO-1): the
     reduce-scatter, the update and the all-gather, each bucket's flat buffers (all segments and
-    this rank's) of at most zero.BUCKET_ELEMENTS elements."""
+    this rank's) of at most zero.BUCKET_ELEMENTS elements; `sharded`: this rank's elements of the
+    sharded states (`_busiest_shards`), its gradient shards'."""
     if lay.fsdp:
         return [{"gradients": grads, "transient": optimizer}]
     from moefold.parallel.zero import BUCKET_ELEMENTS
@@ -223,7 +251,7 @@ def _after_backward(cfg: Config, lay: _Layout, dense: float, expert: float, grad
     master, reduced = MASTER_BYTES[cfg.optim.master_dtype], _reduce_bytes(cfg)
     bucket = max(min(BUCKET_ELEMENTS, n) * (1 + 1 / w)
                  for n, w in ((dense, lay.dense_shard), (expert, lay.expert_shard)))
-    grad_shards = master * (dense / lay.dense_shard + expert / lay.expert_shard)
+    grad_shards = master * sharded
     return [{"gradients": grads, "communication": reduced * bucket},
             {"gradients": grad_shards, "transient": optimizer},
             {"gradients": grad_shards, "communication": master * bucket}]
@@ -401,21 +429,12 @@ def _padded_elements(weights: list[Weight], dims: ParallelDims, dense_ranks: int
         if w.vector:
             total += math.ceil(w.cols / ranks) * ranks
             continue
-        lead, rows, cols = _local_shape(w, dims)
+        lead, rows, cols = local_shape(w, dims)
         if w.expert and _dim1_elements(w, dims, ranks):
             total += rows * cols
             continue
         total += math.ceil(lead / ranks) * ranks * rows // lead * cols
     return total
-
-
-def _local_shape(w: Weight, dims: ParallelDims) -> tuple[int, int, int]:
-    """(dim 0, rows, cols) of `w`'s local tensor: rows over every dim but the last (an expert
-    weight's local experts times their rows), dim 0 its local experts (or its rows)."""
-    rows = w.rows // math.prod(getattr(dims, name) for name in w.row_split)
-    cols = w.cols // getattr(dims, w.col_split) if w.col_split else w.cols
-    lead = w.lead // getattr(dims, w.row_split[0]) if w.lead else rows
-    return lead, rows, cols
 
 
 def _reduce_scatter_moments(cfg: Config, blocks: list[tuple[float, float]], root: float,
@@ -475,7 +494,7 @@ def _gathered_blocks(cfg: Config, lay: _Layout, layer_id: int) -> float:
 def _dim1_elements(w: Weight, dims: ParallelDims, ranks: int) -> float:
     """Local elements of expert weight `w` where FSDP2 cuts it on dim 1 (parallel/data.py's
     `even_expert_shards`: its local experts do not split evenly over the ranks, its dim 1 does)."""
-    lead, rows, cols = _local_shape(w, dims)
+    lead, rows, cols = local_shape(w, dims)
     cut = ranks > 1 and lead % ranks and (rows // lead) % ranks == 0
     return rows * cols if cut else 0.0
 
@@ -588,16 +607,14 @@ def _layer_cost(cfg: Config, lay: _Layout, layer_id: int, sh: act.Shapes) -> _La
 def _block_gradients(cfg: Config, lay: _Layout, layer_id: int) -> float:
     """The bytes of one block's gradients on this rank. Under FSDP2 its reduce-scatter gives the
     busiest (first) rank of a group each tensor's dim 0 padded to a multiple of the ranks, over
-    them (22 of 64 rows over 3), where `_gradients` counts the mean share."""
+    them (22 of 64 rows over 3: `busiest_elements`)."""
     from moefold.models.transformer import is_moe_layer
 
     if not lay.fsdp2:
         return _gradients(cfg, lay, layer_params(cfg, layer_id))
     weights = block_weights(cfg, is_moe_layer(cfg, layer_id))
-    d, dense_ranks, expert_ranks = lay.dims, lay.dense_shard, lay.expert_shard
-    dense = _padded_elements([w for w in weights if not w.expert], d, dense_ranks, expert_ranks)
-    expert = _padded_elements([w for w in weights if w.expert], d, dense_ranks, expert_ranks)
-    return MASTER_BYTES[cfg.optim.master_dtype] * (dense / dense_ranks + expert / expert_ranks)
+    shard = sum(busiest_elements(w, lay.dims, _data_ranks(lay, w), False) for w in weights)
+    return MASTER_BYTES[cfg.optim.master_dtype] * shard
 
 
 def _running(layers: list[tuple[Run, _LayerCost]], held: int) -> list[tuple[int, int]]:
@@ -633,9 +650,9 @@ def _rank_plan(cfg: Config, lay: _Layout, chunks: list[Chunk], rank: int, sh: ac
     split = ParamSplit()
     for ch in mine:
         split += _chunk_params(cfg, ch, vocab)
-    local = _local(split, d)
+    local, sharded = _local(split, d), _busiest_shards(cfg, lay, mine, vocab)
     fp8_moments = "fp8" in (cfg.optim.exp_avg_dtype, cfg.optim.exp_avg_sq_dtype)
-    states = _states(cfg, lay, *local, _scale_blocks(cfg, lay, mine, vocab) if fp8_moments else 0.0)
+    states = _states(cfg, lay, *local, sharded, _scale_blocks(cfg, lay, mine, vocab) if fp8_moments else 0.0)
     states["fp8_weight_cache"] = _fp8_weight_cache(cfg, mine, sh, d)
     last = mine[-1]
     layers = [(run, _layer_cost(cfg, lay, run.layer, sh)) for run in layer_runs(cfg, last.layers)]
@@ -655,7 +672,7 @@ def _rank_plan(cfg: Config, lay: _Layout, chunks: list[Chunk], rank: int, sh: ac
     optimizer = _optimizer_step(cfg, lay, split)
     r = _Rank(states, sum(activations.values()), layers, head, running, head_backward,
               micro_batches > 1 or d.pp > 1, _comm_buffers(cfg, lay, mine, sh, vocab), optimizer,
-              _after_backward(cfg, lay, *local, states["gradients"], optimizer),
+              _after_backward(cfg, lay, *local, sharded, states["gradients"], optimizer),
               _rank_reduce_scatters(cfg, lay, mine, vocab))
     transient = max([head[0], head[1]] + [cost.work for _, cost in layers] + [w for _, w in running])
     return MemoryPlan(world_size=d.world, pp_rank=rank, layers=LayerIds(tuple(ch.layers for ch in mine)),

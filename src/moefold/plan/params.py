@@ -192,23 +192,57 @@ def head_weights(cfg: Config, vocab: int) -> list[Weight]:
     return [*_vectors(m.dim), *head, *mtp * m.mtp_layers]
 
 
-def local_scale_blocks(w: Weight, dims, data_ranks: int, zero1: bool) -> float:
-    """fp32 scales one rank keeps per fp8 moment of `w` (optim/blocks.py's `scale_like`): a block of
-    BLOCK columns per row, a row's last one whole however short. A split of the columns into pieces
-    of whole blocks splits the scales with them; one that cuts blocks leaves every rank the whole
-    rows' scales. Data ranks split a matrix's rows (FSDP's dim 0: their mean share), a vector's
-    columns, and under ZeRO-1 (`zero1`) a matrix's columns where no leading dim divides evenly
+def local_shape(w: Weight, dims) -> tuple[int, int, int]:
+    """(dim 0, rows, cols) of `w`'s local tensor (after TP, EP and ETP): rows over every dim but the
+    last (an expert weight's local experts times their rows), dim 0 its local experts (or its rows)."""
+    rows = w.rows // math.prod(getattr(dims, name) for name in w.row_split)
+    cols = w.cols // getattr(dims, w.col_split) if w.col_split else w.cols
+    lead = w.lead // getattr(dims, w.row_split[0]) if w.lead else rows
+    return lead, rows, cols
+
+
+def busiest_rows(lead: int, rows: int, data_ranks: int) -> int:
+    """Rows (the product of the leading dims) of a local tensor [lead, rows / lead, cols] that the
+    first of `data_ranks` holds, the busiest: dim 0 is cut as torch.chunk cuts it (FSDP2's Shard(0),
+    ZeRO-1's shard), ceil(lead / ranks) on the first ranks (22 of 64 rows over 3), unless it does
+    not split evenly and an expert weight's dim 1 does, which is cut instead, evenly
+    (parallel/data.py's `even_expert_shards`, parallel/zero.py's `shard_dim`)."""
+    if lead % data_ranks and (rows // lead) % data_ranks == 0:
+        return rows // data_ranks
+    return -(-lead // data_ranks) * (rows // lead)
+
+
+def busiest_elements(w: Weight, dims, data_ranks: int, zero1: bool) -> int:
+    """Elements of `w` that the busiest (first) of its `data_ranks` keeps of a sharded state (the
+    parameter and gradient under FSDP2, the moments and remainder under FSDP2 and ZeRO-1): a
+    vector's ceil(n / ranks); a matrix's `busiest_rows`, or, under ZeRO-1 (`zero1`) where no
+    leading dim splits evenly and the last one does, an even share of the columns
     (parallel/zero.py's `shard_dim`: the tiny models' 257-row embedding)."""
+    if w.vector:
+        return -(-w.cols // data_ranks)
+    lead, rows, cols = local_shape(w, dims)
+    leading_uneven = lead % data_ranks and (rows // lead) % data_ranks
+    if zero1 and leading_uneven and cols % data_ranks == 0:
+        return rows * cols // data_ranks
+    return busiest_rows(lead, rows, data_ranks) * cols
+
+
+def local_scale_blocks(w: Weight, dims, data_ranks: int, zero1: bool) -> float:
+    """fp32 scales the busiest data rank keeps per fp8 moment of `w` (optim/blocks.py's
+    `scale_like`): a block of BLOCK columns per row, a row's last one whole however short. A split
+    of the columns into pieces of whole blocks splits the scales with them; one that cuts blocks
+    leaves every rank the whole rows' scales. Data ranks split a matrix's rows (`busiest_rows`), a
+    vector's columns, and under ZeRO-1 (`zero1`) a matrix's columns where no leading dim divides
+    evenly (parallel/zero.py's `shard_dim`: the tiny models' 257-row embedding)."""
     from moefold.optim.blocks import BLOCK, pieces_hold_whole_blocks
 
-    rows = w.rows / math.prod(getattr(dims, name) for name in w.row_split)
+    lead, rows, _ = local_shape(w, dims)
     cols = w.cols
     if w.col_split and pieces_hold_whole_blocks(cols, getattr(dims, w.col_split)):
         cols = -(-cols // getattr(dims, w.col_split))
-    lead = w.lead / getattr(dims, w.row_split[0]) if w.lead and w.row_split else w.lead or rows
-    leading_uneven = lead % data_ranks and (rows / lead) % data_ranks  # dim 0, and an expert's dim 1
+    leading_uneven = lead % data_ranks and (rows // lead) % data_ranks  # dim 0, and an expert's dim 1
     if w.vector or zero1 and leading_uneven and cols % data_ranks == 0:
         if pieces_hold_whole_blocks(cols, data_ranks):
             cols = -(-cols // data_ranks)
         return rows * -(-cols // BLOCK)
-    return rows * -(-cols // BLOCK) / data_ranks
+    return busiest_rows(lead, rows, data_ranks) * -(-cols // BLOCK)

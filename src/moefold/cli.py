@@ -90,8 +90,12 @@ def _build_parser() -> argparse.ArgumentParser:
                             "--nproc-per-node N): one per GPU, or N CPU processes with gloo")
     _add_config_options(train)
 
-    gen = commands.add_parser("generate", allow_abbrev=False, help="sample from a run's latest checkpoint")
-    gen.add_argument("--run-dir", type=path_argument, required=True, help="the run to sample from")
+    gen = commands.add_parser("generate", allow_abbrev=False,
+                              help="sample from a run's checkpoint (its latest, or one named)")
+    gen.add_argument("--run-dir", type=path_argument, required=True, metavar="DIR",
+                     help="what to sample from, as --resume takes it: a run directory (its latest checkpoint; "
+                          "its checkpoints folder too) or one of its checkpoints, RUN/checkpoints/step_N (with "
+                          "the config it was saved with; data.path and data.tokenizer from config.toml)")
     gen.add_argument("--prompt", required=True, help="text to continue")
     gen.add_argument("--max-new-tokens", type=int, default=200,
                      help="tokens to sample (default 200); past the model's context (model.max_position_embeddings, "
@@ -106,7 +110,10 @@ def _build_parser() -> argparse.ArgumentParser:
                                   help="convert between Hugging Face checkpoints and moefold runs")
     direction = convert.add_mutually_exclusive_group(required=True)
     direction.add_argument("--from-hf", type=path_argument, metavar="DIR", help="a Hugging Face model directory")
-    direction.add_argument("--run-dir", type=path_argument, help="a moefold run (its latest checkpoint)")
+    direction.add_argument("--run-dir", type=path_argument, metavar="DIR",
+                           help="what to export, as --resume takes it: a moefold run (its latest checkpoint; its "
+                                "checkpoints folder too) or one of its checkpoints, RUN/checkpoints/step_N (with the "
+                                "config it was saved with)")
     convert.add_argument("--out", type=path_argument, metavar="RUN_DIR", help="with --from-hf: the run to create")
     convert.add_argument("--to-hf", type=path_argument, metavar="DIR", help="with --run-dir: the directory to write")
     convert.add_argument("--dtype", choices=tuple(_EXPORT_DTYPES), default=None,
@@ -293,7 +300,7 @@ def _convert(args: argparse.Namespace) -> int:
 
     from moefold.checkpoint.hf import CONFIG, check_exportable, save_pretrained
     from moefold.data.tokenizer import tokenizer_files
-    from moefold.generate import latest_run_config, learned_end_of_document_id, load_model_from_run
+    from moefold.generate import checkpoint_run_config, learned_end_of_document_id, load_model_from_run
 
     if args.from_hf is not None:
         if args.out is None or args.to_hf is not None:
@@ -307,15 +314,13 @@ def _convert(args: argparse.Namespace) -> int:
     refuse_unwritable_dir(args.to_hf, "--to-hf")
     if (args.to_hf / CONFIG).exists():
         raise UserError(f"--to-hf {args.to_hf} already holds a checkpoint ({CONFIG}); choose another directory")
-    # The latest checkpoint once, for the config, the weights and the EOS id: a training may save another.
-    checkpoint = _latest_run_checkpoint(args.run_dir, "convert")
-    cfg, notes = latest_run_config(args.run_dir, checkpoint, "convert exports")  # the model the checkpoint holds
+    run_dir, checkpoint = _run_and_checkpoint(args.run_dir)
+    cfg, notes = checkpoint_run_config(run_dir, checkpoint, "convert exports")  # the model the checkpoint holds
     _say_notes(notes)
     check_exportable(cfg)  # a family without export: before the weights are read
     # By default the weights as the optimizer holds them: bf16+remainder's exact fp32 masters; bf16
     # masters are bf16 (written as such, not widened).
-    model, tokenizer, cfg = load_model_from_run(args.run_dir, "cpu", exact_masters=True, checkpoint=checkpoint,
-                                                cfg=cfg)
+    model, tokenizer, cfg = load_model_from_run(run_dir, "cpu", exact_masters=True, checkpoint=checkpoint, cfg=cfg)
     default = "bf16" if cfg.optim.master_dtype == "bf16" else "fp32"
     dtype = getattr(torch, _EXPORT_DTYPES[args.dtype or default])
     save_pretrained(model, args.to_hf, dtype=dtype, copies=tokenizer_files(cfg.data.tokenizer),
@@ -452,29 +457,30 @@ def _sizes_that_fit(world: int, sizes: dict[str, int], order: str) -> dict[str, 
 
 
 def _is_checkpoint_dir(resume: Path) -> bool:
-    """Whether --resume DIR names one of a run's checkpoints (not the run directory), by the name
-    checkpoints are saved under (`step_<N>`: not a `.tmp` or `.old` leftover)."""
+    """Whether --resume DIR (or --run-dir) names one of a run's checkpoints (not the run
+    directory), by the name checkpoints are saved under (`step_<N>`: not a `.tmp` or `.old`
+    leftover)."""
     from moefold.checkpoint.dcp import CHECKPOINTS, is_checkpoint_name
 
     return is_checkpoint_name(Path(resume).name) and Path(resume).parent.name == CHECKPOINTS
 
 
-def _run_dir_of(resume: Path) -> Path:
-    """The run directory of --resume DIR, which names a run, its checkpoints folder or one of its
-    checkpoints."""
+def _run_dir_of(resume: Path, option: str = "--resume") -> Path:
+    """The run directory of --resume DIR (or of generate's and convert's --run-dir: `option`), which
+    names a run, its checkpoints folder or one of its checkpoints."""
     from moefold.checkpoint.dcp import is_run_dir, refuse_checkpoints_leftover, run_of_checkpoints_folder
 
     resume = Path(resume)
     if _is_checkpoint_dir(resume):
         run_dir = resume.parent.parent
         if not is_run_dir(run_dir):  # else named as a --config that was never given
-            raise UserError(f"--resume {resume}: its run directory {run_dir} holds no config.toml, the config "
-                            "the run continues with")
+            raise UserError(f"{option} {resume}: its run directory {run_dir} holds no config.toml "
+                            "(not a moefold run directory)")
         return run_dir
     run_dir = run_of_checkpoints_folder(resume) or resume  # RUN/checkpoints: its latest, as Megatron-LM's --load
     if not is_run_dir(run_dir):
-        refuse_checkpoints_leftover(resume)
-        raise UserError(f"--resume {resume}: not a moefold run directory (no config.toml)")
+        refuse_checkpoints_leftover(resume, option)
+        raise UserError(f"{option} {resume}: not a moefold run directory (no config.toml)")
     return run_dir
 
 
@@ -500,50 +506,32 @@ def _check_prompt(prompt: str) -> None:
                         "give the prompt in UTF-8") from None
 
 
-def _latest_run_checkpoint(run_dir: Path, command: str) -> Path:
-    """--run-dir's latest checkpoint, which `command` reads. A directory that is not a run (no
-    config.toml), or whose config.toml does not read, is said as such first, not as a run without
-    checkpoints; a run's checkpoint or checkpoints folder, as such (`_refuse_part_of_a_run`)."""
+def _run_and_checkpoint(run_dir_option: Path) -> tuple[Path, Path]:
+    """The run and the checkpoint generate's and convert's --run-dir names, as --resume takes it: a
+    run directory or its checkpoints folder (the latest checkpoint), or one of its checkpoints.
+    Resolved once, for the config, the weights and the stop or EOS ids: a training may save another
+    meanwhile. A directory that is not a run (no config.toml), or whose config.toml does not read,
+    is said as such first, not as a run without checkpoints."""
     from moefold.checkpoint.dcp import resolve_checkpoint
-    from moefold.generate import run_config_path
 
-    _refuse_part_of_a_run(run_dir, command)
-    config_from_toml(run_config_path(run_dir))
-    return resolve_checkpoint(run_dir, "--run-dir")
-
-
-def _refuse_part_of_a_run(run_dir: Path, command: str) -> None:
-    """--run-dir RUN/checkpoints/step_<N> (or the folder): refused naming the run, whose latest
-    checkpoint `command` reads, where 'no config.toml' would leave the user to guess."""
-    from moefold.checkpoint.dcp import latest_checkpoint, run_of_checkpoints_entry, run_of_checkpoints_folder
-
-    run = run_of_checkpoints_folder(run_dir)
-    what = "the checkpoints folder"
-    if run is None:
-        run = run_of_checkpoints_entry(run_dir)
-        what = "a checkpoint" if _is_checkpoint_dir(run_dir) else "an entry of the checkpoints folder"
-    if run is None:
-        return
-    latest = latest_checkpoint(run)
-    reads = f"its latest checkpoint, {latest}" if latest else "its latest checkpoint"
-    raise UserError(f"--run-dir {run_dir}: {what} of the run {run}, not a run directory; give --run-dir {run} "
-                    f"({command} reads {reads})")
+    run_dir = _run_dir_of(run_dir_option, "--run-dir")
+    config_from_toml(run_dir / "config.toml")
+    return run_dir, resolve_checkpoint(run_dir_option, "--run-dir")
 
 
 def _generate(args: argparse.Namespace) -> int:
     import torch
 
     from moefold.data.tokenizer import build_tokenizer
-    from moefold.generate import continuation, latest_run_config, load_model_from_run, sample, stop_ids
+    from moefold.generate import checkpoint_run_config, continuation, load_model_from_run, sample, stop_ids
 
     _check_generate_args(args)  # before loading the model
-    # The latest checkpoint once, for the config, the weights and the stop ids: a training may save another.
-    checkpoint = _latest_run_checkpoint(args.run_dir, "generate")
-    cfg, notes = latest_run_config(args.run_dir, checkpoint, "generate samples with")  # the model it holds, read once
+    run_dir, checkpoint = _run_and_checkpoint(args.run_dir)
+    cfg, notes = checkpoint_run_config(run_dir, checkpoint, "generate samples with")  # the model it holds, read once
     _say_notes(notes)
     tokenizer = build_tokenizer(cfg.data.tokenizer)  # once, for the prompt and the model
     prompt_ids, context = _prompt_ids(cfg, tokenizer, args.prompt)  # before the weights are read
-    model, tokenizer, cfg = load_model_from_run(args.run_dir, args.device, for_sampling=True, checkpoint=checkpoint,
+    model, tokenizer, cfg = load_model_from_run(run_dir, args.device, for_sampling=True, checkpoint=checkpoint,
                                                 cfg=cfg, tokenizer=tokenizer)
     generator = torch.Generator().manual_seed(args.seed)
     new_ids = sample(model, prompt_ids, args.max_new_tokens, args.temperature, args.top_k,

@@ -1,5 +1,5 @@
-"""Sampling from a run's latest checkpoint, with a KV cache: the prompt is read once, then each
-new token alone (`Transformer.decode`)."""
+"""Sampling from a run's checkpoint (its latest, or one named), with a KV cache: the prompt is read
+once, then each new token alone (`Transformer.decode`)."""
 
 import dataclasses
 from collections.abc import Callable, Collection
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from moefold.checkpoint.dcp import checkpoint_step, load_weights, resolve_checkpoint
+from moefold.checkpoint.dcp import checkpoint_step, latest_checkpoint, load_weights, resolve_checkpoint
 from moefold.checkpoint.hf import stop_token_ids
 from moefold.checkpoint.run_config import run_data_files, saved_config_text, unsaved_options_note
 from moefold.config import Config, config_from_toml, read_run_config
@@ -24,8 +24,8 @@ def load_model_from_run(run_dir: Path, device_name: str = "auto", exact_masters:
                         for_sampling: bool = False, checkpoint: Path | None = None, cfg: Config | None = None,
                         tokenizer=None):
     """(model, tokenizer, config) with the weights of the run's latest checkpoint, or of
-    `checkpoint` (one of its checkpoints: `moefold generate` resolves the latest once, for these
-    weights and for `stop_ids`, since a training may save another in between), built with the
+    `checkpoint` (one of its checkpoints: `moefold generate` resolves the one it reads once, for
+    these weights and for `stop_ids`, since a training may save another in between), built with the
     config that checkpoint was saved with (`run_config`); the model is
     dropless and unpadded whatever capacity factor and pad multiple the run trained with
     (`_dropless`). `cfg`: `run_config(run_dir, checkpoint)` where the caller has read it already
@@ -64,15 +64,24 @@ def run_config(run_dir: Path, checkpoint: Path | None = None) -> Config:
                               saved_config_text(checkpoint) if checkpoint is not None else None)
 
 
-def latest_run_config(run_dir: Path, checkpoint: Path, command: str) -> tuple[Config, list[str]]:
-    """`run_config` of the run's latest checkpoint `checkpoint`, and the note of the options its
-    config.toml holds that the checkpoint was not saved with (a start that saved none:
-    `unsaved_options_note`), which `command` ('generate samples with') does not take, as a
-    `--resume` of that checkpoint says. The checkpoint's config is read once, for both."""
+def checkpoint_run_config(run_dir: Path, checkpoint: Path, command: str) -> tuple[Config, list[str]]:
+    """`run_config` of `checkpoint`, the one of the run's checkpoints that `moefold generate` or
+    `convert --to-hf` reads (its latest, or one named), and the note a `--resume` of it says. At
+    the latest: the options config.toml holds that it was not saved with (a start that saved none:
+    `unsaved_options_note`), which `command` ('generate samples with') does not take. At an
+    earlier one without a config of its own: config.toml's serve, which a later start may have
+    changed. The checkpoint's config is read once, for both."""
     config_path = run_config_path(run_dir)
     saved_text = saved_config_text(checkpoint)
     cfg = _checkpoint_config(config_path, checkpoint, saved_text)
-    return cfg, [] if saved_text is None else unsaved_options_note(saved_text, checkpoint, config_path, command)
+    latest = latest_checkpoint(run_dir)
+    if latest is not None and checkpoint.name == latest.name:
+        return cfg, [] if saved_text is None else unsaved_options_note(saved_text, checkpoint, config_path, command)
+    if saved_text is not None:
+        return cfg, []  # config.toml's options may be a later start's, which this checkpoint did not train with
+    return cfg, [f"note: --run-dir {checkpoint} holds no config of its own (weights only, or saved by an earlier "
+                 f"moefold): its model is built with {config_path}, the options of the run's latest start, which "
+                 "may differ from those it was saved with"]
 
 
 def _checkpoint_config(config_path: Path, checkpoint: Path | None, saved_text: str | None) -> Config:

@@ -1,6 +1,6 @@
-"""What `train --resume` and `generate`/`convert --run-dir` make of a path beside the one they take:
-a run's checkpoints folder, a leftover of a save given to the Python `Trainer`, a checkpoint given
-where a run is expected, and a saved layout that does not fit the ranks started."""
+"""What `train --resume` makes of a path beside the one it takes: a run's checkpoints folder, a
+leftover of a save given to the Python `Trainer`, and a saved layout that does not fit the ranks
+started. (`generate`/`convert --run-dir` of a checkpoint: test_generate_checkpoint_audit13.)"""
 
 import json
 import shutil
@@ -91,28 +91,6 @@ def test_python_resume_of_a_leftover_says_what_the_command_line_says(two_step_ru
     assert main(["train", "--resume", str(leftover), "--train.steps", "4"]) == 2
     assert _error_lines(capsys) == [f"moefold: error: {expected}"]
     assert not (tmp_path / "other").exists()
-
-
-@pytest.mark.parametrize("command", ["generate", "convert"])
-def test_run_dir_given_a_checkpoint_or_the_checkpoints_folder_names_its_run(two_step_run, tmp_path, capsys, command):
-    """`generate --run-dir RUN/checkpoints/step_N` said 'no config.toml (not a moefold run
-    directory)', not that it is a checkpoint of the run RUN, which --run-dir takes (its latest
-    checkpoint is read)."""
-    from moefold.cli import main
-
-    shutil.copytree(two_step_run / "checkpoints" / "step_00000002", two_step_run / "checkpoints" / "step_00000001")
-    rest = (["--prompt", "ab", "--max-new-tokens", "2"] if command == "generate"
-            else ["--to-hf", str(tmp_path / "hf")])
-    latest = two_step_run / "checkpoints" / "step_00000002"
-    for given, what in ((two_step_run / "checkpoints" / "step_00000001", "a checkpoint"),
-                        (latest, "a checkpoint"),
-                        (two_step_run / "checkpoints", "the checkpoints folder")):
-        capsys.readouterr()
-        assert main([command, "--run-dir", str(given), *rest]) == 2
-        assert _error_lines(capsys) == [
-            f"moefold: error: --run-dir {given}: {what} of the run {two_step_run}, not a run directory; give "
-            f"--run-dir {two_step_run} ({command} reads its latest checkpoint, {latest})"]
-    assert not (tmp_path / "hf").exists()
 
 
 def test_resume_on_ranks_a_saved_layout_does_not_fit_says_where_it_came_from(two_step_run, tmp_path, capsys,

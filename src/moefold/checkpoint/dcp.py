@@ -82,7 +82,7 @@ def resolve_checkpoint(path: Path, option: str = "--resume") -> Path:
     directory itself; `option` names where the path came from in errors."""
     path = Path(path)
     if not path.exists():
-        raise CheckpointError(f"{option} {path}: no such directory")
+        raise CheckpointError(f"{option} {path}: {_what_is_missing(path)}")
     if _STEP_DIR.match(path.name):
         if not (path / _METADATA).is_file():
             raise CheckpointError(f"{option} {path}: incomplete or corrupt checkpoint (no {_METADATA})")
@@ -94,6 +94,18 @@ def resolve_checkpoint(path: Path, option: str = "--resume") -> Path:
         refuse_run_dir_in_use(run_dir, option)  # a training there has not saved yet: name it, not the missing save
         raise CheckpointError(f"{option} {path}: no complete checkpoint in {run_dir / CHECKPOINTS}")
     return latest
+
+
+def _what_is_missing(path: Path) -> str:
+    """What a path that does not exist is said to be. One of a run's checkpoints (`RUN/checkpoints/
+    step_<N>`: rotated out by checkpoint.keep, or mistyped) is named with those the run holds."""
+    run_dir = run_of_checkpoints_entry(path)
+    if run_dir is None or not is_checkpoint_name(path.name):
+        return "no such directory"
+    held = [found.name for _, found in complete_checkpoints(run_dir)]
+    if not held:
+        return f"no such checkpoint; the run holds no complete checkpoint (in {path.parent})"
+    return f"no such checkpoint; the run's complete checkpoints are {', '.join(held)} (in {path.parent})"
 
 
 def is_run_dir(path: Path) -> bool:

@@ -27,7 +27,7 @@ from moefold.fp8.grouped import build_grouped_gemm, grouped_scaling
 from moefold.fp8.linear import Fp8Linear
 from moefold.fp8.saved import SaveInput, saved_input
 from moefold.fp8.weight_cache import build_weight_cache
-from moefold.memory.sites import rewrap, unwrapped
+from moefold.memory.sites import rewrap, tell_discarded_inputs, unwrapped
 from moefold.moe.experts import Experts, Fp8GroupedExperts, expert_hidden_slice
 from moefold.moe.layer import MoELayer
 from moefold.parallel.tp_split import tp_local_features
@@ -83,10 +83,13 @@ def apply_fp8(model: nn.Module, precision: PrecisionConfig, device_type: str,
                     attr, module.in_features, module.out_features, tp, lin.row_multiple):
                 parent = model.get_submodule(parent_name)
                 saver = lin_saver if _keeps_fp8_input(parent, attr, block_shares_inputs, siblings) else SaveInput()
-                setattr(parent, attr, Fp8Linear.from_linear(module, gemm, lin, saver))
+                as_is = _reads_parent_input(attr, block_shares_inputs, sequence_parallel and not mtp)
+                setattr(parent, attr, Fp8Linear.from_linear(module, gemm, lin, saver,
+                                                            discarded_input_saver=SaveInput() if as_is else saver))
             else:
                 continue
             converted.append(name)
+    tell_discarded_inputs(model)  # memory.recompute applied before (build_model's order)
     _refuse_idle_weight_cache(precision, model)
     return converted
 
@@ -145,6 +148,22 @@ def _keeps_fp8_input(parent: nn.Module, attr: str, shared_inputs: bool, siblings
         return False
     has_sibling = any(attr in group and all(hasattr(parent, n) for n in group) for group in siblings)
     return not (has_sibling and shared_inputs)
+
+
+# Linears that read their parent's input itself (a view of it, or a DTensor around it under TP):
+# the first projections after a pre-norm. Under sequence parallelism GQA's, the MLPs' and MLA's
+# wq without q-LoRA read an all-gathered copy; MLA's down-projections read the rank's rows.
+_READ_PARENT_INPUT = frozenset({"wq", "wk", "wv", "wq_a", "wkv_a", "w1", "w3"})
+_READ_PARENT_SHARD = frozenset({"wq_a", "wkv_a"})
+
+
+def _reads_parent_input(attr: str, shared_inputs: bool, sequence_parallel: bool) -> bool:
+    """Whether linear `attr` reads its parent's input itself: the tensor a recomputed pre-norm
+    frees once the parent ran (memory.recompute 'norm'). Such a linear then keeps it as it is
+    (Fp8Linear.memory_input_discarded): an FP8 copy (precision.fp8_saved_activations) would
+    outlive the free. With fp32 parameters under autocast (`shared_inputs` false) each linear
+    reads its own cast instead, which the free leaves, so its FP8 copy stays the cheaper."""
+    return shared_inputs and attr in (_READ_PARENT_SHARD if sequence_parallel else _READ_PARENT_INPUT)
 
 
 def linear_aligned(attr: str, in_features: int, out_features: int, tp: int, multiple: int) -> bool:

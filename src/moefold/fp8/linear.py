@@ -108,20 +108,31 @@ class Fp8Linear(nn.Linear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool,
                  gemm: Fp8GemmBase, scaling: Fp8Scaling,
-                 saver: SaveInput | None = None, device=None):
+                 saver: SaveInput | None = None, device=None, discarded_input_saver: SaveInput | None = None):
         super().__init__(in_features, out_features, bias=bias, device=device)
         self.gemm, self.scaling, self.saver = gemm, scaling, saver or SaveInput()
+        # What to keep once memory.recompute frees the input after the parent ran (apply_fp8:
+        # the input as it is where the linear reads the freed tensor itself, else `saver`).
+        self.discarded_input_saver = discarded_input_saver or self.saver
         self.shards: PlainShards = PlainShards()  # Column/RowShards once TP shards the weight
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, gemm, scaling: Fp8Scaling,
-                    saver: SaveInput | None = None) -> Fp8Linear:
+    def from_linear(cls, linear: nn.Linear, gemm, scaling: Fp8Scaling, saver: SaveInput | None = None,
+                    discarded_input_saver: SaveInput | None = None) -> Fp8Linear:
         """Wrap `linear`'s own parameters (no copy; built on meta so nothing is allocated)."""
         new = cls(linear.in_features, linear.out_features, linear.bias is not None, gemm, scaling,
-                  saver, device="meta")
+                  saver, device="meta", discarded_input_saver=discarded_input_saver)
         new.weight = linear.weight
         new.bias = linear.bias
         return new
+
+    def memory_input_discarded(self) -> None:
+        """Told by memory/sites.py (`InputAware`) that memory.recompute frees the parent's input
+        once the parent ran and rebuilds it for the backward (a recomputed pre-norm's output):
+        a linear that reads that tensor itself keeps it as it is, since an FP8 copy
+        (precision.fp8_saved_activations) would outlive the free. Whether the recompute was
+        applied before apply_fp8 made this linear or after it."""
+        self.saver = self.discarded_input_saver
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = compute_dtype(x)

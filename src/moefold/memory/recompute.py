@@ -35,7 +35,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selecti
 
 from moefold.config import refuse_offload_against, refuse_recomputed_twice, validate_memory_names
 from moefold.memory.moe_tape import moe_recompute_contexts
-from moefold.memory.sites import Site, mark_wrapped, targets_of
+from moefold.memory.sites import Site, discard_input_of, mark_wrapped, targets_of
 from moefold.moe.layer import MoELayer
 from moefold.parallel.local import memory_holder
 
@@ -103,6 +103,7 @@ class DiscardedOutput:
         self._unread = unread  # the producer's arguments it ignores: neither held nor recomputed with
         producer.wrap(self._producing)
         consumer.wrap(self._consuming)
+        discard_input_of(consumer)  # an FP8 linear reading the freed output keeps it as it is
 
     def _producing(self, fn: Callable) -> Callable:
         def produce(*args):

@@ -8,7 +8,9 @@ parallelism swap dispatchers and parameters, and turn the QK-norms into their he
 (parallel/tensor.py). A transform that puts a new module in a wrapped one's place carries the
 wrappers over with `rewrap` (apply_fp8 does, for the routed experts); a plain swap would drop its
 recompute or offload silently. An owner whose strategies depend on what is wrapped (`WrapAware`:
-the FP8 experts) is told at each wrap, so the wrap may come before such a transform or after it.
+the FP8 experts) is told at each wrap, so the wrap may come before such a transform or after it;
+so is a module inside a consumer whose input a recompute frees (`InputAware`: an FP8 linear that
+reads a recomputed pre-norm's output).
 
 A site may name its consumer: the callable that takes the site's output straight away and keeps it
 for its own backward (the block's attention or FFN after a pre-norm, the attention core after MLA's
@@ -65,6 +67,39 @@ class WrapAware(Protocol):
     build the same model."""
 
     def memory_site_wrapped(self, name: str) -> None: ...
+
+
+@runtime_checkable
+class InputAware(Protocol):
+    """A module inside a consumer that may read the consumer's input itself (an FP8 linear after a
+    pre-norm): told when memory.recompute frees that input once the consumer ran
+    (`discard_input_of`), whether the module was put in place before the recompute was applied
+    (apply_fp8 in the config's order, which then asks `tell_discarded_inputs`) or after it."""
+
+    def memory_input_discarded(self) -> None: ...
+
+
+_INPUT_DISCARDED = "_memory_input_discarded"  # set on a module whose forward's input is freed
+
+
+def discard_input_of(consumer: Site) -> None:
+    """Record that `consumer`'s input is freed once it ran (an output-discarding pair's consumer)
+    and tell the InputAware modules inside it. Only a module's `forward` takes the module's input;
+    a seam (MLA's `core`, the experts' `_mm`) takes a tensor the module made itself, which no
+    module inside it reads as the module's input."""
+    if consumer.name == "forward" and isinstance(consumer.owner, nn.Module):
+        setattr(consumer.owner, _INPUT_DISCARDED, True)
+        tell_discarded_inputs(consumer.owner)
+
+
+def tell_discarded_inputs(model: nn.Module) -> None:
+    """Tell every InputAware module inside a module whose input memory.recompute frees (a
+    transform that puts such modules in place after the recompute was applied calls this)."""
+    for module in model.modules():
+        if vars(module).get(_INPUT_DISCARDED):
+            for inner in module.modules():
+                if isinstance(inner, InputAware):
+                    inner.memory_input_discarded()
 
 
 @dataclass(frozen=True)

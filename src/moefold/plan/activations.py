@@ -206,11 +206,18 @@ def mla_proj_inputs(cfg: Config, sh: Shapes) -> tuple[list[int], list[int], list
         wkv_x = kept_input(Tr, m.dim, sh, own and wkv_a_fp8)
         wq_x = kept_input(Tr, m.dim, sh, wq_fp8) if own else []
     else:  # under SP wq gathers x itself, its own [T, D], and wkv_a alone keeps the rank's rows
-        wkv_x = kept_input(Tr, m.dim, sh, wkv_a_fp8)
+        wkv_x = kept_input(Tr, m.dim, sh, wkv_a_fp8 and not wkv_a_input_freed(cfg, sh))
         wq_x = kept_input(T, m.dim, sh, wq_fp8)
     q_b = kept_input(T, Q, sh, fp8_linear(cfg, sh, "attn.wq_b", Q, Hq)) if Q else []
     kv_b = kept_input(T, C, sh, fp8_linear(cfg, sh, "attn.wkv_b", C, Hkv))
     return wq_x, wkv_x, q_b + kv_b
+
+
+def wkv_a_input_freed(cfg: Config, sh: Shapes) -> bool:
+    """Whether a recomputed pre-norm frees wkv_a's input, the normed x it reads as it is (no
+    input copies): wkv_a then keeps it as it is, not in FP8 (fp8/apply.py; a copy would outlive
+    the free)."""
+    return "norm" in cfg.memory.recompute and not sh.input_copies
 
 
 def mla_tensors(cfg: Config, sh: Shapes) -> Tensors:

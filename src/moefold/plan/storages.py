@@ -170,7 +170,7 @@ def _mla(cfg: Config, sh: Shapes, tensors: act.Tensors, attn_x: Stored) -> list[
     Q, C, Dr = m.q_lora_rank, m.kv_lora_rank, m.qk_rope_head_dim
     wq_in = LAYER if Q else UP_PROJ
     wq_x, wkv_x, up_inputs = act.mla_proj_inputs(cfg, sh)  # tensors["attn_proj"], in parts
-    if sh.input_copies:
+    if sh.input_copies or len(wkv_x) > 1:  # its own cast, or (SP) its own FP8 copy and scales
         out = _saved(wkv_x, "attn_proj", LAYER)
     else:
         out = [_read_as_is(attn_x, wkv_x[0], "attn_proj", LAYER, *([] if wq_x else [wq_in]))]

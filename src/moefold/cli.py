@@ -325,7 +325,7 @@ def _convert(args: argparse.Namespace) -> int:
     dtype = getattr(torch, _EXPORT_DTYPES[args.dtype or default])
     save_pretrained(model, args.to_hf, dtype=dtype, copies=tokenizer_files(cfg.data.tokenizer),
                     eos_token_id=learned_end_of_document_id(cfg, tokenizer, model.vocab_size, checkpoint))
-    print(f"converted {args.run_dir} -> {args.to_hf}")
+    print(f"converted {checkpoint} -> {args.to_hf}")  # the checkpoint read, not the path given
     return 0
 
 
@@ -458,8 +458,8 @@ def _sizes_that_fit(world: int, sizes: dict[str, int], order: str) -> dict[str, 
 
 def _is_checkpoint_dir(resume: Path) -> bool:
     """Whether --resume DIR (or --run-dir) names one of a run's checkpoints (not the run
-    directory), by the name checkpoints are saved under (`step_<N>`: not a `.tmp` or `.old`
-    leftover)."""
+    directory), by the name checkpoints are saved under (`step_<N>`, N as saved or as typed,
+    which `resolve_checkpoint` maps to the saved name: not a `.tmp` or `.old` leftover)."""
     from moefold.checkpoint.dcp import CHECKPOINTS, is_checkpoint_name
 
     return is_checkpoint_name(Path(resume).name) and Path(resume).parent.name == CHECKPOINTS

@@ -287,4 +287,4 @@ def test_a_checkpoint_rotated_out_while_it_is_read_is_named_for_that_not_as_corr
     assert main(["generate", "--run-dir", str(run), "--prompt", "a", "--max-new-tokens", "1"]) == 2
     assert capsys.readouterr().err.splitlines() == [
         f"moefold: error: checkpoint {checkpoint} was deleted while it was read (its run saved a later one "
-        "and checkpoint.keep rotated it out?); run the command again to read the latest"]
+        f"and checkpoint.keep rotated it out?); the run holds no complete checkpoint now (in {run / 'checkpoints'})"]

@@ -79,8 +79,9 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 def resolve_checkpoint(path: Path, option: str = "--resume") -> Path:
     """A checkpoint directory from a run directory (its latest), the run's checkpoints folder (its
     latest too: what Megatron-LM's --load and TorchTitan's checkpoint.folder name) or a checkpoint
-    directory itself; `option` names where the path came from in errors."""
-    path = Path(path)
+    directory itself; `option` names where the path came from in errors. A checkpoint is named by
+    its step as typed too: `RUN/checkpoints/step_2` is the saved `step_00000002`."""
+    path = _saved_name(Path(path))
     if not path.exists():
         raise CheckpointError(f"{option} {path}: {_what_is_missing(path)}")
     if _STEP_DIR.match(path.name):
@@ -96,16 +97,32 @@ def resolve_checkpoint(path: Path, option: str = "--resume") -> Path:
     return latest
 
 
+def _saved_name(path: Path) -> Path:
+    """`RUN/checkpoints/step_<N>` as saved: N is written in 8 digits (`checkpoint_path`), and a user
+    types the step (`step_100`). A name that exists, or that no complete checkpoint of the run
+    holds the step of, is left as given (to be read, or said missing); `.tmp`/`.old` are no step's."""
+    run_dir = run_of_checkpoints_entry(path)
+    if path.exists() or run_dir is None or not is_checkpoint_name(path.name):
+        return path
+    step = checkpoint_step(path)
+    return next((found for saved, found in complete_checkpoints(run_dir) if saved == step), path)
+
+
 def _what_is_missing(path: Path) -> str:
     """What a path that does not exist is said to be. One of a run's checkpoints (`RUN/checkpoints/
     step_<N>`: rotated out by checkpoint.keep, or mistyped) is named with those the run holds."""
     run_dir = run_of_checkpoints_entry(path)
     if run_dir is None or not is_checkpoint_name(path.name):
         return "no such directory"
+    return f"no such checkpoint; {_held_checkpoints(run_dir)}"
+
+
+def _held_checkpoints(run_dir: Path, now: str = "") -> str:
+    """The run's complete checkpoints, said by name (`now`: ' now', once one was deleted)."""
     held = [found.name for _, found in complete_checkpoints(run_dir)]
     if not held:
-        return f"no such checkpoint; the run holds no complete checkpoint (in {path.parent})"
-    return f"no such checkpoint; the run's complete checkpoints are {', '.join(held)} (in {path.parent})"
+        return f"the run holds no complete checkpoint{now} (in {run_dir / CHECKPOINTS})"
+    return f"the run's complete checkpoints are{now} {', '.join(held)} (in {run_dir / CHECKPOINTS})"
 
 
 def is_run_dir(path: Path) -> bool:
@@ -273,10 +290,23 @@ def _load(state: dict[str, Any], path: Path, metadata) -> None:
             dcp.load(state, checkpoint_id=path, storage_reader=_ReaderWithMetadata(path, metadata))
     except (Exception, CheckpointException) as e:  # any reader failure means "unreadable"
         if not (Path(path) / _METADATA).is_file():  # gone during the read: not corrupt
-            raise CheckpointError(f"checkpoint {path} was deleted while it was read (its run saved a later one "
-                                  "and checkpoint.keep rotated it out?); run the command again to read the "
-                                  "latest") from None
+            raise CheckpointError(_deleted_while_read(Path(path))) from None
         raise CheckpointError(f"checkpoint {path} is unreadable or corrupt: {_reason(e)}") from None
+
+
+def _deleted_while_read(path: Path) -> str:
+    """Why a load failed whose checkpoint is gone, with what its run holds now. Right whether the
+    run's latest was read or a step was named (the load is not told which, and only this failure
+    pays for the listing): a named step gone is not read by reading the latest again."""
+    what = (f"checkpoint {path} was deleted while it was read (its run saved a later one and checkpoint.keep "
+            "rotated it out?)")
+    run_dir = run_of_checkpoints_entry(path)
+    if run_dir is None:
+        return what
+    if not complete_checkpoints(run_dir):
+        return f"{what}; {_held_checkpoints(run_dir, ' now')}"
+    return (f"{what}; {_held_checkpoints(run_dir, ' now')}: run the command again with the run directory to read "
+            "its latest, or with one of them")
 
 
 def _skip_unsaved_generators(rng: dict[str, Any] | None, metadata) -> None:

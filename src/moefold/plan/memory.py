@@ -49,7 +49,9 @@ What one GPU holds, and the assumptions behind each part (docs/memory.md explain
   which makes the plain layer's tensors before it lets them go. Backward walks the layers in reverse: at layer i the
   activations of the layers below it are still held, its own plus a working set, and the gradients
   of the layers from i up (and the head's) exist. The optimizer step holds every gradient and
-  PrecisionAwareAdamW's fp32 copies of its largest tensor (about five), and no activations. Under
+  the workspace of PrecisionAwareAdamW's foreach path with fp8 moments (`_optimizer_step`: the
+  pieces that cut their 128-element blocks, their fp32 copies and padded blocks), and no
+  activations. Under
   ddp the step has three moments: the reduce-scatter (every full gradient and one bucket's flat
   buffers), the update (the gradient shards and the optimizer's workspace) and the all-gather (the
   gradient shards and one bucket's buffers).
@@ -79,6 +81,7 @@ from moefold.plan.params import (
     Weight,
     block_weights,
     busiest_elements,
+    busiest_rows,
     embedding_params,
     embedding_weights,
     head_params,
@@ -86,7 +89,6 @@ from moefold.plan.params import (
     layer_params,
     local_scale_blocks,
     local_shape,
-    moe_layer_count,
 )
 from moefold.plan.pipeline import (
     Chunk,
@@ -257,33 +259,116 @@ def _after_backward(cfg: Config, lay: _Layout, dense: float, expert: float, shar
             {"gradients": grad_shards, "communication": master * bucket}]
 
 
-def _optimizer_step(cfg: Config, lay: _Layout, split: ParamSplit) -> float:
-    """PrecisionAwareAdamW's fp32 working copies of its largest tensor on its foreach path, which
-    the GPU takes only for fp8 moments of pieces whose last dimension is split across a 128-element
-    block (optim/blocks.py: TP's row-parallel weights, ETP's slices of w1/w3, when their width over
-    the ranks is no multiple of 128; bounded here by the largest piece): torch's fused AdamW and the
-    Triton update (optim/fused.py) make none. FSDP's cuts of 1-D norm weights, kilobytes: not
-    counted."""
+@dataclass
+class _CutPieces:
+    """A foreach chunk's pieces that cut their fp8 blocks, summed: `elements` (N), their rows'
+    padded `blocks` of BLOCK elements (the local blocks the pieces touch, B; P = B·BLOCK) and the
+    `scales` of their whole rows (one per global block, F), and the piece elements
+    (optim/precision.py's `_piece_elements`) that its chunking counts."""
+    elements: float = 0
+    blocks: float = 0
+    scales: float = 0
+    piece_elements: float = 0
+
+    def add(self, rows: int, cols: int, total_cols: int) -> None:
+        """A piece of `rows` rows of `cols` columns (from column 0) of rows `total_cols` wide."""
+        from moefold.optim.blocks import BLOCK
+
+        self.elements += rows * cols
+        self.blocks += rows * -(-cols // BLOCK)  # rank 0's columns start a block
+        self.scales += rows * -(-total_cols // BLOCK)
+        self.piece_elements += rows * cols  # rank 0's piece is the largest of the ranks'
+
+    def chunk(self, max_elements: int) -> _CutPieces:
+        """The largest chunk's share: `_chunks` cuts a group every `max_elements` piece elements (a
+        larger piece alone); beyond one chunk, a proportional share of at most that many."""
+        if self.piece_elements <= max_elements:
+            return self
+        f = max_elements / self.piece_elements
+        return _CutPieces(self.elements * f, self.blocks * f, self.scales * f, max_elements)
+
+
+def _optimizer_step(cfg: Config, lay: _Layout, chunks: list[Chunk], vocab: int) -> float:
+    """PrecisionAwareAdamW's workspace on rank 0 (tp, ep and data coordinates 0), the most its
+    foreach path allocates at once. The GPU takes that path only for fp8 moments of pieces whose
+    last dimension is cut inside a 128-element block (optim/precision.py `step`; optim/blocks.py):
+    TP's row-parallel weights and ETP's w1/w3 whose width over the ranks is no multiple of 128, 1-D
+    weights and ZeRO-1's column shards cut so by the data ranks. Torch's fused AdamW and the
+    Triton update (optim/fused.py) make none. Each param group (`optim.adamw.param_groups`: with
+    and without weight decay) runs in chunks of FOREACH_ELEMENTS; the largest chunk counts
+    (`_foreach_peak`)."""
+    from moefold.optim.precision import FOREACH_ELEMENTS
+
     o = cfg.optim
-    d = lay.dims
-    if "fp8" not in (o.exp_avg_dtype, o.exp_avg_sq_dtype) or not _splits_cut_blocks(cfg, d):
+    if "fp8" not in (o.exp_avg_dtype, o.exp_avg_sq_dtype):
         return 0.0
-    largest = max(split.largest_dense / lay.dense_shard,
-                  split.largest_expert / (d.ep * d.etp * lay.expert_shard))
-    return 5 * 4 * largest  # grad, master, two moments and the denominator in fp32
+    groups = {True: _CutPieces(), False: _CutPieces()}  # weight decay: matrices but the embedding
+    for ch in chunks:
+        for w, decay in _chunk_weights(cfg, ch, vocab):
+            _add_cut_piece(groups[decay], w, lay)
+    return max(_foreach_peak(cfg, g.chunk(FOREACH_ELEMENTS)) for g in groups.values())
 
 
-def _splits_cut_blocks(cfg: Config, d: ParallelDims) -> bool:
-    """Whether a weight split along its last dimension (TP's row-parallel wo and w2, ETP's expert
-    w1/w3) gives the ranks pieces that cut the optimizer's fp8 blocks (optim/blocks.py)."""
-    m, moe = cfg.model, cfg.moe
-    attn_out = m.n_heads * (m.v_head_dim if m.attention == "mla" else m.head_dim or m.dim // m.n_heads)
-    widths = [(attn_out, d.tp), (moe.expert_hidden, d.etp)]
-    if moe_layer_count(cfg) < m.n_layers + m.mtp_layers:  # dense MLPs
-        widths.append((m.ffn_hidden, d.tp))
-    if moe.shared_experts:
-        widths.append((moe.shared_experts * (moe.shared_expert_hidden or moe.expert_hidden), d.tp))
-    return not all(pieces_hold_whole_blocks(width, ranks) for width, ranks in widths)
+def _chunk_weights(cfg: Config, ch: Chunk, vocab: int) -> list[tuple[Weight, bool]]:
+    """(weight, in the weight-decay group) of every parameter of `ch`."""
+    from moefold.models.transformer import is_moe_layer
+
+    out = [w for layer in ch.layers for w in block_weights(cfg, is_moe_layer(cfg, layer))]
+    out += head_weights(cfg, vocab) if ch.last else []
+    decayed = [(w, not w.vector) for w in out]
+    return decayed + [(w, False) for w in embedding_weights(cfg, vocab)] if ch.first else decayed
+
+
+def _add_cut_piece(pieces: _CutPieces, w: Weight, lay: _Layout) -> None:
+    """Rank 0's piece of `w` where its last dimension is cut inside a block: by TP/ETP (`col_split`),
+    or by the data ranks (a vector's one dim; ZeRO-1's even column cut of a matrix whose leading
+    dims do not split evenly: `params.busiest_elements`)."""
+    d, ranks = lay.dims, _data_ranks(lay, w)
+    if w.vector:
+        if not pieces_hold_whole_blocks(w.cols, ranks):
+            pieces.add(1, -(-w.cols // ranks), w.cols)
+        return
+    lead, rows, cols = local_shape(w, d)
+    column_cut = not lay.fsdp and lead % ranks and (rows // lead) % ranks and cols % ranks == 0
+    if column_cut:
+        if not pieces_hold_whole_blocks(cols, ranks):
+            pieces.add(rows, cols // ranks, w.cols)
+        return
+    split = getattr(d, w.col_split) if w.col_split else 1
+    if not pieces_hold_whole_blocks(w.cols, split):
+        pieces.add(busiest_rows(lead, rows, ranks), cols, w.cols)
+
+
+def _foreach_peak(cfg: Config, c: _CutPieces) -> float:
+    """The most bytes PrecisionAwareAdamW._step_group holds at once over chunk `c`, following its
+    allocations on the CPU, op by op (tests/unit/test_plan_optim_workspace_audit13 measures them):
+    fp32 copies of the gradients (unless fp32) and masters (unless fp32), 4N each, kept through
+    the step; a bf16 moment's fp32 copy 4N, an fp8 one's dequantized rows 4P (padded to whole
+    blocks: optim/blocks.py `_blocks`; 8P + 4B while made); the denominators 4N; quantizing an fp8
+    moment 12P + 8F + 4B (the blocks, the quotient and its clamp; the rows' maxima and scales; the
+    local scales), with sqrt(v) 4N more for the second moment; the remainder's join_fp32 and
+    split_fp32, int64 bit arithmetic, 44N and 47N over what is held."""
+    from moefold.optim.blocks import BLOCK
+
+    o = cfg.optim
+    n, padded, blocks, scales = c.elements, c.blocks * BLOCK, c.blocks, c.scales
+    fp32_master = o.master_dtype == "fp32"
+    held = 0 if fp32_master else 4 * n  # the gradients' fp32 copies
+    peaks = [held + 44 * n] if o.master_dtype == "bf16+remainder" else []
+    held += 0 if fp32_master else 4 * n  # the masters'
+    kept = {"fp32": 0, "bf16": 4 * n, "fp8": 4 * padded}
+    for dtype in (o.exp_avg_dtype, o.exp_avg_sq_dtype):
+        peaks.append(held + (8 * padded + 4 * blocks if dtype == "fp8" else kept[dtype]))
+        held += kept[dtype]
+    held += 4 * n  # the denominators
+    quantize = 12 * padded + 8 * scales + 4 * blocks
+    if o.exp_avg_dtype == "fp8":
+        peaks.append(held + quantize)
+    if o.exp_avg_sq_dtype == "fp8":
+        peaks.append(held + 4 * n + quantize)
+    if o.master_dtype == "bf16+remainder":
+        peaks.append(held + 47 * n)
+    return float(max(peaks)) if n else 0.0
 
 
 def _shapes(cfg: Config, lay: _Layout, imbalance: float) -> act.Shapes:
@@ -669,7 +754,7 @@ def _rank_plan(cfg: Config, lay: _Layout, chunks: list[Chunk], rank: int, sh: ac
         head_grads = 0.0 if lay.fsdp2 else _gradients(cfg, lay, head_params(cfg, vocab))
         head = (heads[-1].forward_workspace(), heads[-1].backward_workspace(), head_grads)
         head_backward = (sum(h.freed_in_backward() for h in heads), heads[-1].grad_workspace())
-    optimizer = _optimizer_step(cfg, lay, split)
+    optimizer = _optimizer_step(cfg, lay, mine, vocab)
     r = _Rank(states, sum(activations.values()), layers, head, running, head_backward,
               micro_batches > 1 or d.pp > 1, _comm_buffers(cfg, lay, mine, sh, vocab), optimizer,
               _after_backward(cfg, lay, *local, sharded, states["gradients"], optimizer),

@@ -23,21 +23,13 @@ class ParamSplit:
     tp: int = 0
     replicated: int = 0
     expert: int = 0
-    # Elements of the largest single dense / expert tensor (the optimizer's per-tensor workspace).
-    largest_dense: int = 0
-    largest_expert: int = 0
 
     def __add__(self, other: ParamSplit) -> ParamSplit:
-        return ParamSplit(self.tp + other.tp, self.replicated + other.replicated,
-                          self.expert + other.expert, max(self.largest_dense, other.largest_dense),
-                          max(self.largest_expert, other.largest_expert))
+        return ParamSplit(self.tp + other.tp, self.replicated + other.replicated, self.expert + other.expert)
 
     def __mul__(self, copies: int) -> ParamSplit:
-        """`copies` modules of this split (the largest tensors unchanged, none when there are none)."""
-        if copies == 0:
-            return ParamSplit()
-        return ParamSplit(self.tp * copies, self.replicated * copies, self.expert * copies,
-                          self.largest_dense, self.largest_expert)
+        """`copies` modules of this split."""
+        return ParamSplit(self.tp * copies, self.replicated * copies, self.expert * copies)
 
     @property
     def total(self) -> int:
@@ -45,11 +37,11 @@ class ParamSplit:
 
 
 def _tp(*sizes: int) -> ParamSplit:
-    return ParamSplit(tp=sum(sizes), largest_dense=max(sizes, default=0))
+    return ParamSplit(tp=sum(sizes))
 
 
 def _rep(*sizes: int) -> ParamSplit:
-    return ParamSplit(replicated=sum(sizes), largest_dense=max(sizes, default=0))
+    return ParamSplit(replicated=sum(sizes))
 
 
 def attention_params(cfg: Config) -> ParamSplit:
@@ -77,7 +69,7 @@ def _ffn_params(cfg: Config, moe_layer: bool) -> ParamSplit:
         return _tp(m.dim * m.ffn_hidden, m.dim * m.ffn_hidden, m.ffn_hidden * m.dim)
     matrices = 3 if moe.activation == "swiglu" else 2
     expert_matrix = moe.num_experts * m.dim * moe.expert_hidden
-    out = _rep(moe.num_experts * m.dim) + ParamSplit(expert=matrices * expert_matrix, largest_expert=expert_matrix)
+    out = _rep(moe.num_experts * m.dim) + ParamSplit(expert=matrices * expert_matrix)
     if moe.shared_experts:
         hidden = moe.shared_experts * (moe.shared_expert_hidden or moe.expert_hidden)
         out += _tp(*[m.dim * hidden] * matrices)

@@ -53,6 +53,6 @@ def test_resuming_a_checkpoint_of_a_run_without_config_toml_names_resume(tmp_pat
     capsys.readouterr()
     assert main(["train", "--resume", str(checkpoint), "--train.steps", "4"]) == 2
     assert capsys.readouterr().err.splitlines() == [
-        f"moefold: error: --resume {checkpoint}: its run directory {run} holds no config.toml, the config "
-        "the run continues with"]
+        f"moefold: error: --resume {checkpoint}: its run directory {run} holds no config.toml "
+        "(not a moefold run directory)"]
     assert sorted(p.name for p in run.iterdir()) == [".lock", "checkpoints", "metrics.jsonl"]

@@ -7,7 +7,14 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
+
+# Under pytest-xdist (the README's `-n 2`) each worker computes on one thread, as do the processes
+# it starts (the CLI, torchrun's ranks): two workers on the CI machine's two cores then never
+# oversubscribe them, where OpenMP pools that do stall (an 8 s test took 120-280 s).
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ["OMP_NUM_THREADS"] = "1"
+
+import torch  # noqa: E402  (after OMP_NUM_THREADS: torch sizes its pool from it)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -382,8 +382,8 @@ def test_every_file_and_test_a_page_names_exists():
 
 
 def test_every_dashed_option_a_page_names_is_a_commands_or_a_scripts():
-    """`--max-new-tokens`, `--gpu-memory`, ...: an option of a moefold command, of torchrun, or of
-    the benchmark script the page runs it with."""
+    """`--max-new-tokens`, `--gpu-memory`, ...: an option of a moefold command, of torchrun, of
+    pytest-xdist (the README's test command) or of the benchmark script the page runs it with."""
     options = set()
 
     def walk(parser):
@@ -397,5 +397,5 @@ def test_every_dashed_option_a_page_names_is_a_commands_or_a_scripts():
     scripts = "\n".join(p.read_text() for p in (ROOT / "benchmarks").glob("*.py"))
     for doc in DOCS:
         for option in set(re.findall(r"(?<![\w-])(--[a-z][a-z-]*[a-z])(?![\w.])", doc.read_text())):
-            assert option in options | {"--nproc-per-node", "--standalone"} or f'"{option}"' in scripts, \
+            assert option in options | {"--nproc-per-node", "--standalone", "--dist"} or f'"{option}"' in scripts, \
                 f"{doc.name}: {option}"

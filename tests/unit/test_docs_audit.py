@@ -381,6 +381,10 @@ def test_every_file_and_test_a_page_names_exists():
             assert re.search(rf"^def {name}\b", (ROOT / path).read_text(), re.M), f"{doc.name}: {path}::{name}"
 
 
+# torchrun's, and pytest-xdist's in the README's test command
+OTHER_TOOLS_OPTIONS = {"--nproc-per-node", "--standalone", "--dist"}
+
+
 def test_every_dashed_option_a_page_names_is_a_commands_or_a_scripts():
     """`--max-new-tokens`, `--gpu-memory`, ...: an option of a moefold command, of torchrun, of
     pytest-xdist (the README's test command) or of the benchmark script the page runs it with."""
@@ -397,5 +401,5 @@ def test_every_dashed_option_a_page_names_is_a_commands_or_a_scripts():
     scripts = "\n".join(p.read_text() for p in (ROOT / "benchmarks").glob("*.py"))
     for doc in DOCS:
         for option in set(re.findall(r"(?<![\w-])(--[a-z][a-z-]*[a-z])(?![\w.])", doc.read_text())):
-            assert option in options | {"--nproc-per-node", "--standalone", "--dist"} or f'"{option}"' in scripts, \
+            assert option in options | OTHER_TOOLS_OPTIONS or f'"{option}"' in scripts, \
                 f"{doc.name}: {option}"

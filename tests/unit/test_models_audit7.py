@@ -18,7 +18,7 @@ from moefold.checkpoint.hf import config_from_hf, hf_tensors, load_pretrained
 from moefold.errors import CheckpointError
 from moefold.models import transformer as transformer_module
 from moefold.models.rope import apply_rope, apply_rope_interleaved, rope_cos_sin
-from test_hf_interop import hub_named, randomize
+from test_hf_interop import deepseek_v3, hub_named, mixtral, randomize
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -27,26 +27,11 @@ VOCAB = 96
 FP32_RTOL = 1e-5
 
 
-def qwen3(**kw):
+def qwen3(**kw):  # two layers, where test_hf_interop's qwen3 has three
     base = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=8, moe_intermediate_size=16,
                 num_experts=6, num_experts_per_tok=2)
     return transformers.Qwen3MoeConfig(**{**base, **kw})
-
-
-def mixtral(**kw):
-    base = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
-    return transformers.MixtralConfig(**{**base, **kw})
-
-
-def deepseek_v3(**kw):
-    base = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
-                n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1,
-                first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
-                qk_nope_head_dim=8, v_head_dim=8, routed_scaling_factor=2.5, num_nextn_predict_layers=0)
-    return transformers.DeepseekV3Config(**{**base, **kw})
 
 
 def _pair(hf_config, tmp_path, seed=0):

@@ -30,6 +30,8 @@ MODULES = {
     "deepseek": ["norm", "attn_core", "mla_up_proj", "moe_act", "shared_experts", "mlp", "moe", "layer"],
     "mixtral": ["norm", "attn_core", "moe_act", "moe", "layer"],
 }
+# Every (config, module name) pair: the cases the recompute and offload tests run.
+CASES = [(config, name) for config in CONFIGS for name in MODULES[config]]
 
 
 @pytest.fixture(autouse=True, scope="module")

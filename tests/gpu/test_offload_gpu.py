@@ -5,14 +5,12 @@ import contextlib
 
 import pytest
 import torch
-from memory_runs import CONFIGS, MODULES, assert_identical, batches, build, train
+from memory_runs import CASES, assert_identical, batches, build, train
 
 from moefold.memory.offload import StreamedHostCopy
 from moefold.moe.recomputing import in_backward
 
 pytestmark = pytest.mark.gpu
-
-CASES = [(config, name) for config in CONFIGS for name in MODULES[config]]
 
 
 @pytest.fixture(autouse=True)

@@ -8,24 +8,13 @@ import weakref
 
 import pytest
 import torch
-from memory_runs import (
-    CONFIGS,
-    MODULES,
-    SavedBytes,
-    assert_identical,
-    batches,
-    build,
-    one_thread,  # noqa: F401 (autouse fixture)
-    plain_run,
-    train,
-)
+from memory_runs import CASES, SavedBytes, assert_identical, batches, build, plain_run, train
+from memory_runs import one_thread  # noqa: F401 (autouse fixture)
 
 from moefold.memory.offload import ActivationOffload, HostCopy
 from moefold.moe.recomputing import in_backward
 from moefold.parallel.sequence import SumGrad
 from moefold.train.loss import build_objective
-
-CASES = [(config, name) for config in CONFIGS for name in MODULES[config]]
 
 
 class Spy:

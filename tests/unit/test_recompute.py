@@ -3,23 +3,12 @@ models, MoE recording taken once, fewer saved bytes, and clear config errors."""
 
 import pytest
 import torch
-from memory_runs import (
-    CONFIGS,
-    MODULES,
-    SavedBytes,
-    assert_identical,
-    batches,
-    build,
-    one_thread,  # noqa: F401 (autouse fixture)
-    plain_run,
-    train,
-)
+from memory_runs import CASES, SavedBytes, assert_identical, batches, build, plain_run, train
+from memory_runs import one_thread  # noqa: F401 (autouse fixture)
 
 from moefold.config import load_config
 from moefold.errors import ConfigError
 from moefold.moe.balance import LocalCounts
-
-CASES = [(config, name) for config in CONFIGS for name in MODULES[config]]
 
 
 @pytest.mark.parametrize("config,name", CASES)

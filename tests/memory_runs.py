@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from moefold.config import load_config
+from moefold.fp8.apply import apply_fp8
 from moefold.models.transformer import build_model
+from moefold.moe.experts import Fp8GroupedExperts
 from moefold.parallel.apply import parallelize
 from moefold.parallel.dims import ParallelLayout
 from moefold.parallel.local import local_tensor
@@ -64,6 +66,33 @@ def build(config: str, overrides: dict[str, str] | None = None, device_type: str
     if layout is not None:
         parallelize(model, layout, replace(cfg.parallel, data_parallel="ddp"))
     return model.train()
+
+
+# The FP8 recipes the memory options are tested with, and the dims each needs (blockwise: 128).
+FP8_RECIPES = {"rowwise": {}, "blockwise": {"model.dim": "128", "moe.expert_hidden": "128"}}
+
+
+def fp8_overrides(recipe: str, overrides: dict[str, str] | None = None) -> dict[str, str]:
+    return {**FP8_RECIPES[recipe], "precision.fp8": recipe, **(overrides or {})}
+
+
+def fp8_model(config: str, recipe: str, overrides: dict[str, str] | None = None):
+    """build()'s model (memory options wrapped at build time), then converted as the trainer
+    converts it: apply_fp8 after build_model."""
+    model = build(config, fp8_overrides(recipe, overrides))
+    apply_fp8(model, model.cfg.precision, "cpu")
+    assert all(isinstance(layer.experts, Fp8GroupedExperts) for layer in model.moe_layers())
+    return model
+
+
+def rowwise_fp8_h_bytes(model, ids_BS: torch.Tensor) -> int:
+    """The bytes of a rowwise FP8 copy of each MoE layer's activation output h (R routed rows by F
+    expert hidden features) for a forward of ids_BS, from the shapes: R·F values of 1 byte, R fp32
+    row scales."""
+    T = ids_BS.shape[0] * (ids_BS.shape[1] - 1)
+    rows_F = [(layer.dispatcher.layout.num_rows(T * layer.top_k), layer.experts.w2_EFD.shape[1])
+              for layer in model.moe_layers()]
+    return sum(R * F + R * 4 for R, F in rows_F)
 
 
 def batches(count: int, device="cpu", seq_len: int = 16) -> list[torch.Tensor]:

@@ -10,21 +10,14 @@ precision.fp8_saved_activations it would otherwise keep h's FP8 copy, which outl
 
 import pytest
 import torch
-from memory_runs import (
-    SavedBytes,
-    assert_identical,
-    batches,
-    build,
-    one_thread,  # noqa: F401 (autouse fixture)
-    train,
-)
+from memory_runs import (SavedBytes, assert_identical, batches, build, fp8_model, fp8_overrides,
+                         rowwise_fp8_h_bytes, train)
+from memory_runs import one_thread  # noqa: F401 (autouse fixture)
 
 from moefold.fp8.apply import apply_fp8
 from moefold.fp8.saved import SaveFp8Input, SaveInput
 from moefold.memory import apply_offload, apply_recompute
-from moefold.moe.experts import Fp8GroupedExperts
 
-RECIPES = {"rowwise": {}, "blockwise": {"model.dim": "128", "moe.expert_hidden": "128"}}
 KEPT = {"precision.fp8_saved_activations": "true"}
 RECOMPUTED = {"memory.recompute": '["moe_act"]'}
 OFFLOADED = {"memory.offload": '["moe_act"]', "memory.offload_min_bytes": "0"}
@@ -32,15 +25,12 @@ COMPILED = {"train.compile": "true"}  # moe_act's compiled form (a checkpoint ov
 
 
 def _fp8_overrides(recipe: str, overrides: dict[str, str]) -> dict[str, str]:
-    return {**RECIPES[recipe], "precision.fp8": recipe, **KEPT, **overrides}
+    return fp8_overrides(recipe, {**KEPT, **overrides})
 
 
 def config_order(config: str, recipe: str, overrides: dict[str, str]):
     """The memory options in the config: build_model wraps, then apply_fp8 (the trainer's order)."""
-    model = build(config, _fp8_overrides(recipe, overrides))
-    apply_fp8(model, model.cfg.precision, "cpu")
-    assert all(isinstance(layer.experts, Fp8GroupedExperts) for layer in model.moe_layers())
-    return model
+    return fp8_model(config, recipe, {**KEPT, **overrides})
 
 
 def python_order(config: str, recipe: str, recompute=(), offload=(), compiled: bool = False):
@@ -75,12 +65,9 @@ def test_the_fp8_copy_left_by_the_old_order_is_what_differed(monkeypatch):
     for layer in with_copy.moe_layers():
         layer.experts.down_saver = layer.experts.saver  # the old order's choice
     assert all(type(layer.experts.saver) is SaveFp8Input for layer in with_copy.moe_layers())
-    T = ids.shape[0] * (ids.shape[1] - 1)
-    rows_F = [(layer.dispatcher.layout.num_rows(T * layer.top_k), layer.experts.w2_EFD.shape[1])
-              for layer in later.moe_layers()]
     extra = SavedBytes(with_copy, monkeypatch).of_forward(with_copy, ids) - \
         SavedBytes(later, monkeypatch).of_forward(later, ids)
-    assert extra == sum(R * F + R * 4 for R, F in rows_F)
+    assert extra == rowwise_fp8_h_bytes(later, ids)
 
 
 def test_moe_act_offloaded_after_apply_fp8_keeps_offloads_and_trains_as_the_config_order(monkeypatch):

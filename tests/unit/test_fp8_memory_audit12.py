@@ -6,33 +6,14 @@ more, so the saved bytes are checked too."""
 
 import pytest
 import torch
-from memory_runs import (
-    SavedBytes,
-    assert_identical,
-    batches,
-    build,
-    one_thread,  # noqa: F401 (autouse fixture)
-    train,
-)
+from memory_runs import (FP8_RECIPES, SavedBytes, assert_identical, batches, fp8_model,
+                         rowwise_fp8_h_bytes, train)
+from memory_runs import one_thread  # noqa: F401 (autouse fixture)
 
 from moefold.config import load_config
-from moefold.fp8.apply import apply_fp8
 from moefold.fp8.saved import SaveInput
 from moefold.memory.recompute import DiscardedOutput
 from moefold.memory.sites import Site
-from moefold.moe.experts import Fp8GroupedExperts
-
-RECIPES = {"rowwise": {}, "blockwise": {"model.dim": "128", "moe.expert_hidden": "128"}}
-
-
-def fp8_model(config: str, recipe: str, overrides: dict[str, str] | None = None):
-    """build()'s model (memory options wrapped at build time), then converted as the trainer
-    converts it: apply_fp8 after build_model."""
-    overrides = {**RECIPES[recipe], "precision.fp8": recipe, **(overrides or {})}
-    model = build(config, overrides)
-    apply_fp8(model, model.cfg.precision, "cpu")
-    assert all(isinstance(layer.experts, Fp8GroupedExperts) for layer in model.moe_layers())
-    return model
 
 
 def test_the_config_takes_fp8_with_moe_act_recomputed_or_offloaded():
@@ -42,7 +23,7 @@ def test_the_config_takes_fp8_with_moe_act_recomputed_or_offloaded():
 
 
 @pytest.mark.parametrize("config", ["qwen3", "deepseek"])
-@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize("recipe", list(FP8_RECIPES))
 def test_fp8_with_moe_act_recomputed_trains_bit_identically(config, recipe):
     run = train(fp8_model(config, recipe, {"memory.recompute": '["moe_act"]'}))
     assert_identical(run, train(fp8_model(config, recipe)))
@@ -79,12 +60,9 @@ def test_with_fp8_kept_inputs_the_recomputed_output_is_not_kept_in_fp8(monkeypat
     assert all(type(layer.experts.down_saver) is SaveInput for layer in recomputed.moe_layers())
     ids = batches(1)[0]
     plain = fp8_model("qwen3", "rowwise", kept)
-    T = ids.shape[0] * (ids.shape[1] - 1)
-    rows_F = [(layer.dispatcher.layout.num_rows(T * layer.top_k), layer.experts.w2_EFD.shape[1])
-              for layer in plain.moe_layers()]
     freed = SavedBytes(plain, monkeypatch).of_forward(plain, ids) - \
         SavedBytes(recomputed, monkeypatch).of_forward(recomputed, ids)
-    assert freed == sum(R * F + R * 4 for R, F in rows_F)
+    assert freed == rowwise_fp8_h_bytes(plain, ids)
     reference = fp8_model("qwen3", "rowwise", kept)
     for layer in reference.moe_layers():
         layer.experts.down_saver = SaveInput()

@@ -12,14 +12,8 @@ import weakref
 
 import pytest
 import torch
-from memory_runs import (
-    SavedBytes,
-    assert_identical,
-    batches,
-    build,
-    one_thread,  # noqa: F401 (autouse fixture)
-    train,
-)
+from memory_runs import SavedBytes, assert_identical, batches, build, train
+from memory_runs import one_thread  # noqa: F401 (autouse fixture)
 from test_fp8_memory_audit12 import assert_planned_as_measured
 
 from moefold.fp8.apply import apply_fp8

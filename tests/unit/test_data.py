@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from data_reading import BYTES, EOS, byte_doc, streams_of
 
 from moefold.config import DataConfig, field_docs
 from moefold.data import (Batch, ByteTokenizer, HFTokenizer, PackedSequences, TrainLoader,
@@ -21,17 +22,6 @@ from moefold.data.formats import find_data_files, stdlib_files
 from moefold.data.token_files import ConcatenatedTokens
 from moefold.errors import DataError
 
-BYTES = ByteTokenizer()
-EOS = BYTES.eos_id
-
-
-def byte_doc(text: str) -> list[int]:
-    """Naive reference: a document's bytes followed by EOS."""
-    return list(text.encode("utf-8")) + [EOS]
-
-
-def streams_of(path: Path, tokenizer=BYTES, **overrides):
-    return build_token_streams(DataConfig(path=str(path), **overrides), tokenizer)
 
 
 def write_hf_tokenizer(path: Path, special=("<|endoftext|>",)) -> Path:

@@ -9,22 +9,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from data_reading import BYTES, EOS, byte_doc, streams_of
 
 from moefold.config import DataConfig
-from moefold.data import ByteTokenizer, build_token_streams
+from moefold.data import build_token_streams
 from moefold.data.formats import find_data_files
 
-BYTES = ByteTokenizer()
-EOS = BYTES.eos_id
-
-
-def byte_doc(text: str) -> list[int]:
-    """Naive reference: a document's UTF-8 bytes followed by EOS."""
-    return list(text.encode("utf-8")) + [EOS]
-
-
-def streams_of(path: Path, tokenizer=BYTES, **overrides):
-    return build_token_streams(DataConfig(path=str(path), **overrides), tokenizer)
 
 
 def _write(path: Path, text: str) -> Path:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from data_reading import deny_read
 
 from moefold.config import DataConfig
 from moefold.data import ByteTokenizer, build_token_streams
@@ -207,23 +208,6 @@ def test_a_path_that_cannot_be_stated_is_a_one_line_error(tmp_path, monkeypatch,
     with pytest.raises(DataError) as info:
         streams_of(data_path)
     assert str(info.value) == f"data.path={data_path}: {where}cannot be read (Permission denied)"
-
-
-def deny_read(monkeypatch, path: Path) -> None:
-    """Opening `path` fails as a file without read permission does."""
-    import builtins
-    import errno
-    import io
-
-    real_open = builtins.open
-
-    def guarded_open(file, *args, **kwargs):
-        if os.fspath(file) == str(path):
-            raise PermissionError(errno.EACCES, "Permission denied", str(path))
-        return real_open(file, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "open", guarded_open)
-    monkeypatch.setattr(io, "open", guarded_open)  # Path.read_bytes
 
 
 def test_a_tokenizer_that_cannot_be_stated_or_read_is_a_one_line_error(tmp_path, monkeypatch):

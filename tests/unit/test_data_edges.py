@@ -4,13 +4,13 @@ size, tokenizers whose ids leave gaps, malformed records, corpora too small to v
 from __future__ import annotations
 
 import errno
-import io
 import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from data_reading import deny_read
 
 from moefold.config import DataConfig
 from moefold.data import (ByteTokenizer, HFTokenizer, PackedSequences, TrainLoader,
@@ -175,21 +175,6 @@ def test_a_corrupt_parquet_page_is_a_one_line_error(tmp_path):
     assert message.startswith(f"data.path={path}: not a valid Parquet file (") and "\n" not in message
 
 
-def deny(monkeypatch, path: Path) -> None:
-    """Reading `path` fails as a file without read permission does (tests may run as root)."""
-    import builtins
-
-    real_open = builtins.open
-
-    def guarded_open(file, *args, **kwargs):
-        if os.fspath(file) == str(path):
-            raise PermissionError(errno.EACCES, "Permission denied", str(path))
-        return real_open(file, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "open", guarded_open)
-    monkeypatch.setattr(io, "open", guarded_open)  # Path.open, Path.read_bytes
-
-
 @pytest.mark.parametrize("name, content", [
     ("a.txt", b"text"), ("a.jsonl", b'{"text": "t"}\n'),
     ("a.npy", np.arange(9)), ("a.bin", np.arange(9, dtype=np.uint16).tobytes())],
@@ -199,7 +184,7 @@ def test_an_unreadable_data_file_is_a_one_line_error(tmp_path, monkeypatch, name
     path = tmp_path / "data" / name
     path.parent.mkdir()
     np.save(path, content) if isinstance(content, np.ndarray) else path.write_bytes(content)
-    deny(monkeypatch, path)
+    deny_read(monkeypatch, path)
     with pytest.raises(DataError) as info:
         build_token_streams(DataConfig(path=str(path.parent)), ByteTokenizer())
     assert str(info.value) == (f"data.path={path.parent}: {name}: cannot be read "

@@ -91,6 +91,21 @@ def durability_events(monkeypatch) -> list[tuple]:
 
 
 @pytest.fixture
+def sampled_models(monkeypatch) -> list:
+    """The models moefold.generate.sample is called with, in order (it still samples): the model
+    `moefold generate` built and loaded, for tests to compare with a reference."""
+    import moefold.generate as generate
+
+    models, sample = [], generate.sample
+
+    def recording(model, *args, **kwargs):
+        models.append(model)
+        return sample(model, *args, **kwargs)
+    monkeypatch.setattr(generate, "sample", recording)
+    return models
+
+
+@pytest.fixture
 def failing_config_toml_write(monkeypatch):
     """Path.write_text raises EIO for config.toml and its temporary, as a failing disk would; the
     monkeypatch, for `undo()`."""

@@ -139,7 +139,7 @@ def _logits(model, ids: list[int]) -> torch.Tensor:
 
 
 def test_generate_builds_the_model_its_checkpoint_was_saved_with(tmp_path, tiny_args, text_corpus, monkeypatch,
-                                                                 capsys):
+                                                                 capsys, sampled_models):
     """generate built its model from config.toml, which a resume rewrites as it starts: after a
     `--resume --moe.top_k 3` killed before its first save, it ran the step-2 weights of a top_k-2
     model as top_k 3, printing that model's text (exit 0). Now the config the checkpoint was saved
@@ -151,20 +151,14 @@ def test_generate_builds_the_model_its_checkpoint_was_saved_with(tmp_path, tiny_
     run = _run_then_resume_with_top_k_3_killed_before_saving(tmp_path, tiny_args, monkeypatch)
     reference = _reference_model(text_corpus, run / "checkpoints" / "step_00000002")
     ids = list(b"the experts route tokens")
-    sampled_by, sample = [], generate.sample
-
-    def recording(model, *args, **kwargs):
-        sampled_by.append(model)
-        return sample(model, *args, **kwargs)
-    monkeypatch.setattr(generate, "sample", recording)
     capsys.readouterr()
     assert main(["generate", "--run-dir", str(run), "--prompt", "the experts", "--max-new-tokens", "8",
                  "--temperature", "0", "--device", "cpu"]) == 0
-    [model] = sampled_by
+    [model] = sampled_models
     assert torch.equal(_logits(model, ids), _logits(reference, ids))
     tokenizer = build_tokenizer("")
     prompt_ids = tokenizer.encode_prompt("the experts")
-    new_ids = sample(reference, prompt_ids, 8, 0.0, 0, 32, tokenizer.eos_id, torch.Generator(), 257)
+    new_ids = generate.sample(reference, prompt_ids, 8, 0.0, 0, 32, tokenizer.eos_id, torch.Generator(), 257)
     assert capsys.readouterr().out == generate.continuation(tokenizer, "the experts", prompt_ids, new_ids) + "\n"
     # From Python too, the latest checkpoint or one named.
     for checkpoint in (None, run / "checkpoints" / "step_00000002"):

@@ -70,55 +70,49 @@ def _logits(model) -> torch.Tensor:
         return model(torch.tensor([list(PROMPT.encode())])).float()
 
 
-def _generate(run_dir: Path, capsys, monkeypatch) -> tuple[str, str, object]:
+def _generate(run_dir: Path, capsys, sampled_models) -> tuple[str, str, object]:
     """(stdout, stderr, the model sampled) of `generate --run-dir run_dir`, greedy."""
-    import moefold.generate as generate
     from moefold.cli import main
 
-    sampled_by, sample = [], generate.sample
-
-    def recording(model, *args, **kwargs):
-        sampled_by.append(model)
-        return sample(model, *args, **kwargs)
-    monkeypatch.setattr(generate, "sample", recording)
+    sampled_models.clear()  # this command's models only
     capsys.readouterr()
     assert main(["generate", "--run-dir", str(run_dir), *GREEDY]) == 0
     captured = capsys.readouterr()
-    [model] = sampled_by
+    [model] = sampled_models
     return captured.out, captured.err, model
 
 
-def test_generate_from_an_earlier_checkpoint_samples_that_checkpoint(branched_run, corpus, capsys, monkeypatch):
+def test_generate_from_an_earlier_checkpoint_samples_that_checkpoint(branched_run, corpus, capsys, sampled_models):
     """`generate --run-dir RUN/checkpoints/step_N` was refused (it would have sampled the latest).
     It samples step N, with the config step N was saved with (top_k 2; config.toml says 3): the
     text and logits of a top_k-2 model loaded straight from step 2, not the latest's; no note
     (config.toml's top_k 3 is a later start's that did save, step 4)."""
     reference = _reference_model(corpus, branched_run / "checkpoints" / STEP2, top_k=2)
-    out, err, model = _generate(branched_run / "checkpoints" / STEP2, capsys, monkeypatch)
+    out, err, model = _generate(branched_run / "checkpoints" / STEP2, capsys, sampled_models)
     assert model.cfg.moe.top_k == 2
     assert torch.equal(_logits(model), _logits(reference))
     assert out == _greedy_text(reference) + "\n"
     assert err == ""
-    latest_out, _, latest_model = _generate(branched_run, capsys, monkeypatch)
+    latest_out, _, latest_model = _generate(branched_run, capsys, sampled_models)
     assert latest_model.cfg.moe.top_k == 3
     assert not torch.allclose(_logits(latest_model), _logits(reference))
     assert latest_out != out
 
 
 def test_generate_from_the_latest_checkpoint_or_the_checkpoints_folder_equals_the_run(branched_run, corpus, capsys,
-                                                                                      monkeypatch):
+                                                                                      sampled_models):
     """RUN, RUN/checkpoints and RUN/checkpoints/step_<latest> sample the same model, as `--resume`
     reads all three as the latest checkpoint: a top_k-3 model loaded straight from step 4."""
     reference = _reference_model(corpus, branched_run / "checkpoints" / STEP4, top_k=3)
     expected = _greedy_text(reference) + "\n"
     for given in (branched_run, branched_run / "checkpoints", branched_run / "checkpoints" / STEP4):
-        out, err, model = _generate(given, capsys, monkeypatch)
+        out, err, model = _generate(given, capsys, sampled_models)
         assert (out, err) == (expected, ""), given
         assert torch.equal(_logits(model), _logits(reference)), given
 
 
 def test_generate_from_a_checkpoint_without_its_config_takes_config_toml_and_says_so(branched_run, corpus, capsys,
-                                                                                    monkeypatch):
+                                                                                    monkeypatch, sampled_models):
     """A checkpoint that holds no config (weights only, or saved by an earlier moefold) takes the
     run's config.toml (top_k 3 here), as `--resume` of it does, with the same note where it is
     not the run's latest."""
@@ -127,7 +121,7 @@ def test_generate_from_a_checkpoint_without_its_config_takes_config_toml_and_say
     step2 = branched_run / "checkpoints" / STEP2
     monkeypatch.setattr(run_config, "CONFIG_KEY", "not_the_config")  # read as holding none
     reference = _reference_model(corpus, step2, top_k=3)
-    out, err, model = _generate(step2, capsys, monkeypatch)
+    out, err, model = _generate(step2, capsys, sampled_models)
     assert torch.equal(_logits(model), _logits(reference))
     assert out == _greedy_text(reference) + "\n"
     assert err.splitlines() == [

@@ -1,11 +1,13 @@
 """Helpers of the layout tests: a tiny training run in one process (the reference) or on gloo ranks
 under a parallel layout, recording each step's loss (averaged over the data ranks, as logged) and
-the first step's full gradients.
+the first step's full gradients; or a whole run (`fit_on_rank`), whose logged records are compared
+value by value (`logged_records`, `assert_records_close`).
 
 Both runs see the same global batch and data order: micro_batch_size is the global micro-batch
 divided by dp, and the trainer hands each data rank its rows of the same global micro-batch.
 """
 
+import json
 from pathlib import Path
 
 import torch
@@ -94,3 +96,29 @@ def train_on_rank(rank: int, runs: list[tuple], out: Path) -> None:
         results[name] = train(cfg, run_dir, resume, save_at)
     if rank == 0:
         torch.save(results, out)
+
+
+# The fields of a metrics.jsonl record that time the run, which no other run repeats.
+TIMING = ("tokens_per_s", "tflops", "mfu", "peak_mem_gib")
+
+
+def fit_on_rank(rank: int, cfg, run_dir: Path) -> None:
+    Trainer(cfg, run_dir, out=lambda line: None).fit()
+
+
+def logged_records(run_dir: Path) -> list[dict]:
+    """The run's metrics.jsonl records without the TIMING fields."""
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in lines]
+
+
+def assert_records_close(got_records: list[dict], want_records: list[dict], what: str = "") -> None:
+    """Every value of every wanted record is the got record's within 1e-4 relative (NaN equals
+    NaN); a failure names `what`, the step and the key."""
+    where = f"{what} step" if what else "step"
+    for got, want in zip(got_records, want_records):
+        for key, value in want.items():
+            torch.testing.assert_close(torch.tensor(got[key], dtype=torch.float64),
+                                       torch.tensor(value, dtype=torch.float64), rtol=1e-4, atol=0,
+                                       equal_nan=True,
+                                       msg=lambda m, key=key, step=want["step"]: f"{where} {step} {key}: {m}")

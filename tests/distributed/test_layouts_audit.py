@@ -1,12 +1,11 @@
 """Layouts against one process where features meet that test_layouts.py does not combine: each
 trains or validates a tiny model on gloo ranks and compares with the same config in one process."""
 
-import json
 from pathlib import Path
 
 import torch
 from conftest import write_text_corpus
-from layouts import train, train_on_rank
+from layouts import assert_records_close, fit_on_rank, logged_records, train, train_on_rank
 from layouts import config as layout_config
 from ranks import run_ranks
 
@@ -100,18 +99,6 @@ def test_balancing_accumulated_over_micro_batches_trains_like_one_process(tmp_pa
         _check_same_training(results[name], ref, f"accumulated balancing {name}")
 
 
-TIMING = ("tokens_per_s", "tflops", "mfu", "peak_mem_gib")
-
-
-def _fit_on_rank(rank: int, cfg, run_dir: Path) -> None:
-    Trainer(cfg, run_dir, out=lambda line: None).fit()
-
-
-def _records(run_dir: Path) -> list[dict]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in lines]
-
-
 def test_every_logged_value_under_tp_without_sequence_parallelism_is_one_process(tmp_path):
     """What a run logs under tp2 without sequence parallelism (the router, the capacity limit and
     the statistics see the TP group's whole batch; each rank dispatches half of it), with a
@@ -123,13 +110,8 @@ def test_every_logged_value_under_tp_without_sequence_parallelism_is_one_process
              "train.val_every": "2", "data.val_fraction": "0.2", "train.val_batches": "2"}
     Trainer(layout_config("deepseek", corpus, extra=extra), tmp_path / "one", out=lambda line: None).fit()
     tp2 = layout_config("deepseek", corpus, extra=extra, tp=2, sequence_parallel="false")
-    run_ranks(2, _fit_on_rank, tp2, tmp_path / "tp2")
-    one, tp2 = _records(tmp_path / "one"), _records(tmp_path / "tp2")
+    run_ranks(2, fit_on_rank, tp2, tmp_path / "tp2")
+    one, tp2 = logged_records(tmp_path / "one"), logged_records(tmp_path / "tp2")
     assert [sorted(r) for r in tp2] == [sorted(r) for r in one]
     assert any("val_loss" in r for r in one) and any(r.get("dropped_fraction", 0) > 0 for r in one)
-    for got, want in zip(tp2, one):
-        for key, value in want.items():
-            torch.testing.assert_close(torch.tensor(got[key], dtype=torch.float64),
-                                       torch.tensor(value, dtype=torch.float64), rtol=1e-4, atol=0,
-                                       equal_nan=True,
-                                       msg=lambda m, key=key, step=want["step"]: f"step {step} {key}: {m}")
+    assert_records_close(tp2, one)

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import write_text_corpus
+from layouts import assert_records_close, logged_records
 from layouts import config as layout_config
 from ranks import run_ranks
 
 from moefold.train.trainer import Trainer
 
-TIMING = ("tokens_per_s", "tflops", "mfu", "peak_mem_gib")
 # grad_accum 2, a window of 2 steps, every aux loss, validation at the windows' ends
 WINDOWED = {"train.grad_accum": "2", "logging.log_every": "2", "train.steps": "4",
             "moe.aux_loss_coeff": "0.01", "moe.global_aux_loss_coeff": "0.1", "moe.z_loss_coeff": "0.01",
@@ -23,11 +23,6 @@ WINDOWED = {"train.grad_accum": "2", "logging.log_every": "2", "train.steps": "4
 # val_batches counts micro-batches of micro_batch_size sequences (4 in one process, 2 a data rank):
 # the same 4 validation sequences either way
 LAYOUTS = {"dp2": {}, "ep2": {"ep": 2}, "dp2-zero1": {"data_parallel": "ddp"}}
-
-
-def _records(run_dir: Path) -> list[dict]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in lines]
 
 
 def _fit_layouts(rank: int, corpus: Path, root: Path) -> None:
@@ -48,18 +43,13 @@ def test_every_logged_value_on_two_data_ranks_and_two_expert_ranks_is_one_proces
     one_process = layout_config("deepseek", corpus, extra={**WINDOWED, "train.val_batches": "1"})
     Trainer(one_process, tmp_path / "one", out=lambda line: None).fit()
     run_ranks(2, _fit_layouts, corpus, tmp_path)
-    one = _records(tmp_path / "one")
+    one = logged_records(tmp_path / "one")
     assert any("val_loss" in r for r in one)
     assert [r["step"] for r in one if "loss" in r] == [2, 4]
     for name in LAYOUTS:
-        got_records = _records(tmp_path / name)
+        got_records = logged_records(tmp_path / name)
         assert [sorted(r) for r in got_records] == [sorted(r) for r in one], name
-        for got, want in zip(got_records, one):
-            for key, value in want.items():
-                torch.testing.assert_close(torch.tensor(got[key], dtype=torch.float64),
-                                           torch.tensor(value, dtype=torch.float64), rtol=1e-4, atol=0,
-                                           equal_nan=True,
-                                           msg=lambda m, key=key, step=want["step"]: f"{name} step {step} {key}: {m}")
+        assert_records_close(got_records, one, name)
 
 
 def _fit_on_a_fake_clock(rank: int, cfg, run_dir: Path, out: Path) -> None:

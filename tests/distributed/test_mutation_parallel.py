@@ -3,13 +3,11 @@
 with the documented refusal, on gloo ranks.
 """
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
 from conftest import write_text_corpus
+from layouts import assert_records_close, fit_on_rank, logged_records
 from layouts import config as layout_config
 from moe_reference import build
 from ranks import run_ranks
@@ -63,18 +61,6 @@ def test_apply_ep_refuses_a_hidden_size_etp_does_not_divide():
     run_ranks(2, _refuses_indivisible_hidden)
 
 
-TIMING = ("tokens_per_s", "tflops", "mfu", "peak_mem_gib")
-
-
-def _fit_on_rank(rank: int, cfg, run_dir: Path) -> None:
-    Trainer(cfg, run_dir, out=lambda line: None).fit()
-
-
-def _records(run_dir: Path) -> list[dict]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in lines]
-
-
 def test_every_logged_value_under_sequence_parallel_tp_is_one_process(tmp_path):
     """Under tp2 with sequence parallelism each rank routes its half of every sequence, so the
     load statistics (routing entropy, each aux loss per layer, load imbalance) are sums over the TP
@@ -82,16 +68,11 @@ def test_every_logged_value_under_sequence_parallel_tp_is_one_process(tmp_path):
     corpus = write_text_corpus(tmp_path / "corpus")
     extra = {"logging.log_every": "2"}
     Trainer(layout_config("qwen3", corpus, steps=2, extra=extra), tmp_path / "one", out=lambda line: None).fit()
-    run_ranks(2, _fit_on_rank, layout_config("qwen3", corpus, steps=2, extra=extra, tp=2), tmp_path / "tp2")
-    one, tp2 = _records(tmp_path / "one"), _records(tmp_path / "tp2")
+    run_ranks(2, fit_on_rank, layout_config("qwen3", corpus, steps=2, extra=extra, tp=2), tmp_path / "tp2")
+    one, tp2 = logged_records(tmp_path / "one"), logged_records(tmp_path / "tp2")
     assert [sorted(r) for r in tp2] == [sorted(r) for r in one]
     assert any(key.startswith("aux") or "entropy" in key for r in one for key in r), one[0].keys()
-    for got, want in zip(tp2, one):
-        for key, value in want.items():
-            torch.testing.assert_close(torch.tensor(got[key], dtype=torch.float64),
-                                       torch.tensor(value, dtype=torch.float64), rtol=1e-4, atol=0,
-                                       equal_nan=True,
-                                       msg=lambda m, key=key, step=want["step"]: f"step {step} {key}: {m}")
+    assert_records_close(tp2, one)
 
 
 @pytest.mark.parametrize("probs_applied_by_experts", [True, False], ids=["sum", "weighted"])

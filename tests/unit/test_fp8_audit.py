@@ -1,5 +1,6 @@
 """An audit of the FP8 CPU path (moefold.fp8) against references written from the recipes'
-definitions, sharing nothing with recipes.py but the FP8 dtypes.
+definitions, sharing nothing with recipes.py but the FP8 dtypes: each format's largest value is
+torch's (`fp8_max`), not the library's constant.
 
 M tokens, K input features, N output features, E experts, R routed rows.
 References: fp64 tile-by-tile quantization (scale = amax / fp8_max, 1 for an all-zero tile, values
@@ -30,8 +31,14 @@ TILES = {"tensor": (0, 0), "row": (1, 0), "col": (0, 1), "1x128": (1, 128), "128
          "128x128": (128, 128)}
 
 
+def fp8_max(fmt) -> float:
+    """The format's largest finite value, from torch rather than recipes.py."""
+    return torch.finfo(fmt.dtype).max
+
+
 def ref_quantize(x, tile, fmt):
     """(FP8 values as fp64, per-tile scales) by the definition, in fp64, one tile at a time."""
+    top = fp8_max(fmt)
     x64 = x.double()
     rows, cols = x.shape
     tr, tc = tile[0] or rows, tile[1] or cols
@@ -41,9 +48,9 @@ def ref_quantize(x, tile, fmt):
         for j in range(0, cols, tc):
             t = x64[i:i + tr, j:j + tc]
             amax = t.abs().max()
-            s = amax / fmt.max if amax > 0 else torch.tensor(1.0, dtype=torch.float64)
+            s = amax / top if amax > 0 else torch.tensor(1.0, dtype=torch.float64)
             scale[i // tr, j // tc] = s
-            q[i:i + tr, j:j + tc] = (t / s).clamp(-fmt.max, fmt.max).to(fmt.dtype).double()
+            q[i:i + tr, j:j + tc] = (t / s).clamp(-top, top).to(fmt.dtype).double()
     return q, scale
 
 
@@ -72,7 +79,7 @@ def test_quantize_is_the_fp64_definition_per_tile(kind, fmt, magnitude):
     assert torch.isfinite(scale).all() and (scale > 0).all()
     torch.testing.assert_close(scale.double(), scale_ref, rtol=2 ** -22, atol=0)
     q = x_fp8.double()
-    assert q.abs().max() == fmt.max  # every non-zero tile's amax lands on the format's max
+    assert q.abs().max() == fp8_max(fmt)  # every non-zero tile's amax lands on the format's max
     # fp32 x / scale against fp64: a value within 2^-23 of a rounding tie may round the other way.
     differ = q != q_ref
     assert differ.double().mean() < 1e-3
@@ -86,13 +93,13 @@ def test_a_tile_whose_scale_is_subnormal_saturates_at_the_format_max_not_nan(fmt
     """An fp32 amax of ~1e-42 gives a subnormal scale of one or two 2^-149 steps, so x / scale
     can land far above fp8_max (x / 2^-149 = 667 for e4m3 at amax 9.5e-43); e4m3fn casts that
     to NaN: the clamp must saturate it instead."""
-    for amax in (9.5e-43, 6.3e-43, fmt.max * 2.0 ** -149 * 1.49):
+    for amax in (9.5e-43, 6.3e-43, fp8_max(fmt) * 2.0 ** -149 * 1.49):
         x = torch.full((128, 128), amax / 2)
         x[0, 0] = amax
         for kind in TILES:
             x_fp8, scale = quantize(x, Operand(kind, fmt))
             q = x_fp8.float()
-            assert not q.isnan().any() and q.abs().max() <= fmt.max, (kind, amax)
+            assert not q.isnan().any() and q.abs().max() <= fp8_max(fmt), (kind, amax)
             assert (scale > 0).all() and torch.isfinite(scale).all()
 
 
@@ -174,7 +181,7 @@ def test_gradients_are_quantized_in_the_recipes_format(recipe, grad_fmt):
     gy[0, 0], gy[0, 1] = 1.0, 2.0 ** -10 * 1.3  # 1.3: not a multiple of e4m3's subnormal step
     _, gx, _ = fp8_linear_grads(recipe, x, w, gy)
     q, _ = ref_quantize(torch.tensor([[1.0, 2.0 ** -10 * 1.3]]), (1, 0), grad_fmt)
-    assert gx[0, 1].item() == pytest.approx(q[0, 1].item() / grad_fmt.max, rel=1e-6)
+    assert gx[0, 1].item() == pytest.approx(q[0, 1].item() / fp8_max(grad_fmt), rel=1e-6)
 
 
 def fp8_grouped_grads(recipe, x_RK, w_EKN, gy_RN, offsets_E):

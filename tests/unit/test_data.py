@@ -23,7 +23,6 @@ from moefold.data.token_files import ConcatenatedTokens
 from moefold.errors import DataError
 
 
-
 def write_hf_tokenizer(path: Path, special=("<|endoftext|>",)) -> Path:
     from tokenizers import Tokenizer, models, pre_tokenizers
 

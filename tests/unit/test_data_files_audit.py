@@ -16,7 +16,6 @@ from moefold.data import build_token_streams
 from moefold.data.formats import find_data_files
 
 
-
 def _write(path: Path, text: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text, encoding="utf-8")

@@ -514,6 +514,7 @@ def _run_and_checkpoint(run_dir_option: Path) -> tuple[Path, Path]:
     is said as such first, not as a run without checkpoints."""
     from moefold.checkpoint.dcp import resolve_checkpoint
 
+    run_dir_option = Path(os.path.abspath(run_dir_option))  # where it is, as _train takes --resume
     run_dir = _run_dir_of(run_dir_option, "--run-dir")
     config_from_toml(run_dir / "config.toml")
     return run_dir, resolve_checkpoint(run_dir_option, "--run-dir")

@@ -59,6 +59,17 @@ def test_generate_takes_a_step_number_as_typed(run, capsys, typed):
     assert _generated(capsys, run / "checkpoints" / typed) != _generated(capsys, run)
 
 
+@pytest.mark.parametrize("cwd, typed, saved", [("checkpoints", "step_00000002", STEP2), ("checkpoints", "step_2", STEP2),
+                                              (f"checkpoints/{STEP2}", ".", STEP2), ("checkpoints", "..", STEP4)])
+def test_generate_reads_a_relative_run_dir_where_it_is(run, capsys, monkeypatch, cwd, typed, saved):
+    """A --run-dir relative to the working directory was taken as written, so from inside the
+    checkpoints folder `step_00000002`'s run was its parent `.` ('not a moefold run directory'), as
+    was `.` inside the checkpoint: each samples what the absolute name of its checkpoint does."""
+    expected = _generated(capsys, run / "checkpoints" / saved)
+    monkeypatch.chdir(run / cwd)
+    assert _generated(capsys, Path(typed)) == expected
+
+
 def test_convert_takes_a_step_number_as_typed_and_names_the_checkpoint_it_read(run, tmp_path, capsys):
     """`convert --run-dir RUN/checkpoints/step_2` exports step_00000002, file for file as the saved
     name does; its line named the path given (`converted RUN -> D`), not the checkpoint read."""

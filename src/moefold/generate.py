@@ -59,9 +59,13 @@ def run_config(run_dir: Path, checkpoint: Path | None = None) -> Config:
     an earlier moefold). data.tokenizer and data.path are config.toml's in both (`run_data_files`):
     files outside the checkpoint, which the user sets there (moved, or a tokenizer missing from a
     run on token files: the refusals here say to). A resume that changes them over text data
-    changes the tokens, which the data checks refuse before config.toml is rewritten."""
-    return _checkpoint_config(run_config_path(run_dir), checkpoint,
-                              saved_config_text(checkpoint) if checkpoint is not None else None)
+    changes the tokens, which the data checks refuse before config.toml is rewritten. `checkpoint`
+    is named as `load_model_from_run`'s: `step_2` is the saved `step_00000002`."""
+    config_path = run_config_path(run_dir)  # a non-run is said as such first
+    if checkpoint is None:
+        return config_from_toml(config_path)
+    checkpoint = resolve_checkpoint(Path(checkpoint), "--run-dir")
+    return _checkpoint_config(config_path, checkpoint, saved_config_text(checkpoint))
 
 
 def checkpoint_run_config(run_dir: Path, checkpoint: Path, command: str) -> tuple[Config, list[str]]:

@@ -70,6 +70,14 @@ def test_generate_reads_a_relative_run_dir_where_it_is(run, capsys, monkeypatch,
     assert _generated(capsys, Path(typed)) == expected
 
 
+def test_run_config_takes_a_step_number_as_typed(run):
+    """`moefold.generate.run_config(run, RUN/checkpoints/step_2)`, the config of the model that
+    `load_model_from_run` reads for the same name, read the path as given: no checkpoint there."""
+    from moefold.generate import run_config
+
+    assert run_config(run, run / "checkpoints" / "step_2") == run_config(run, run / "checkpoints" / STEP2)
+
+
 def test_convert_takes_a_step_number_as_typed_and_names_the_checkpoint_it_read(run, tmp_path, capsys):
     """`convert --run-dir RUN/checkpoints/step_2` exports step_00000002, file for file as the saved
     name does; its line named the path given (`converted RUN -> D`), not the checkpoint read."""

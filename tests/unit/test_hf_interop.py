@@ -498,6 +498,19 @@ def test_unsupported_config_value_is_an_error(variant, key, value, message, chec
         load_pretrained(path)
 
 
+def test_swish_is_read_as_silu(checkpoints, tmp_path):
+    """transformers' `hidden_act="swish"` is SiLU (its ACT2FN maps both names to it), which some
+    checkpoints spell so; it was refused as unsupported. The logits equal transformers' on it."""
+    _, path = checkpoints("mixtral")
+    path = copy_checkpoint(path, tmp_path / "c")
+    hf_config = {**json.loads((path / "config.json").read_text()), "hidden_act": "swish"}
+    (path / "config.json").write_text(json.dumps(hf_config))
+    hf, _ = hf_load(path)
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert_rel_close(load_pretrained(path)(ids), hf(ids).logits, 1e-5, "logits")
+
+
 def test_config_that_a_family_cannot_hold_is_an_error(checkpoints, tmp_path):
     _, path = checkpoints("qwen3_moe")
     ours = load_pretrained(path)

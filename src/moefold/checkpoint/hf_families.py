@@ -259,7 +259,7 @@ def _common_from_hf(hf: dict[str, Any], family: str, default_theta: float, defau
         method = _typed(hf, "quantization_config", dict).get("quant_method", "?")
         raise CheckpointError(f"config.json: quantization_config (quant_method={method!r}) is not "
                               "supported; dequantize the checkpoint to bf16/fp32 first")
-    _require(hf, "hidden_act", ("silu",), "silu")
+    _require(hf, "hidden_act", ("silu", "swish"), "silu")  # one function: transformers' ACT2FN maps both to SiLU
     _require(hf, "attention_bias", (False,), False)
     _require(hf, "mlp_bias", (False,), False)
     _require(hf, "attention_dropout", (0, 0.0), 0.0)

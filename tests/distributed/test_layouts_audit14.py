@@ -7,6 +7,8 @@ Bounds, as test_folding_audit9.py's: losses and gradient norms to 1e-4 relative,
 gradients to 1e-5; the parameters and expert biases at the end within 2e-3 · lr of one process's
 (Adam's step is about lr whatever the gradient's size, so reduction-order noise where a gradient
 is near 0 moves a weight by a fraction of lr; a wrong reshard or a lost state moves it by O(lr)).
+Measured here: at most 6.7e-4 · lr (deepseek, both tests) and 8.9e-4 · lr (qwen3), in the routed
+experts' weights; losses 1e-7 relative.
 """
 
 from pathlib import Path

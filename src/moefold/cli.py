@@ -19,7 +19,8 @@ from typing import Any
 
 from moefold import __version__
 from moefold.config import (SECTIONS, Config, apply_overrides, config_from_toml, field_docs, field_types,
-                            load_config, preset_names, read_run_config, to_toml, validate)
+                            load_config, preset_names, read_run_config, refuse_unsupported_parallel, to_toml,
+                            validate)
 from moefold.errors import (FULL_OR_READ_ONLY, ConfigError, OutputError, UserError, refuse_unwritable_dir,
                             report)
 
@@ -245,6 +246,7 @@ def _spawn_ranks(args: argparse.Namespace, cfg: Config, run_dir: Path) -> int:
         raise ConfigError(f"--nproc {args.nproc} must be >= 1")
     if "WORLD_SIZE" in os.environ:
         raise ConfigError("--nproc cannot be used under torchrun (it already started the ranks)")
+    refuse_unsupported_parallel(cfg)  # before the world size: no count of ranks would run these
     p = cfg.parallel
     ParallelDims(args.nproc, p.tp, p.cp, p.pp, p.ep, p.etp, p.order)  # the layout fits N ranks
     refuse_run_dir(run_dir, resolve_checkpoint(args.resume) if args.resume is not None else None)

@@ -155,6 +155,18 @@ def test_training_with_context_or_pipeline_parallelism_is_refused(capsys, tmp_pa
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.parametrize("name", ["cp", "pp", "vpp"])
+def test_local_ranks_with_context_or_pipeline_parallelism_are_refused_as_such(capsys, tmp_path, name):
+    """`--nproc 2 --parallel.tp 2 --parallel.pp 2` said 'world size 2 is not divisible by tp·cp·pp =
+    4', which more ranks would not mend: what no layout of these ranks runs is said first, before
+    any rank starts."""
+    args = ["--run-dir", str(tmp_path / "r"), "--nproc", "2", "--parallel.tp", "2", f"--parallel.{name}", "2"]
+    assert main(["train", *args]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"moefold: error: parallel.{name}=2 is not yet supported in training (only 1)"]
+    assert not (tmp_path / "r").exists()
+
+
 def test_tp_must_divide_the_tokens_of_a_micro_batch_and_the_sequence_under_sp():
     tp2_seq3 = {"parallel.tp": "2", "train.micro_batch_size": "1", "train.seq_len": "3"}
     with pytest.raises(ConfigError, match=re.escape(

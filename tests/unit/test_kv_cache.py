@@ -19,9 +19,11 @@ from moefold.models.transformer import build_model
 PRESETS = {"tiny-qwen3": {}, "tiny-deepseek": {}, "tiny-mixtral": {"model.sliding_window": "5"}}
 
 
-def _model(preset: str):
+def _model(preset: str, overrides: dict[str, str] | None = None):
+    """`overrides`: PRESETS' for the preset by default ({}: the preset as shipped)."""
     # all in fp64: grouped_mm has no fp64 kernel, and an fp32 router would round differently by shape
-    cfg = load_config(preset, {**PRESETS[preset], "moe.experts_backend": "loop", "moe.router_dtype": "fp64"})
+    overrides = PRESETS[preset] if overrides is None else overrides
+    cfg = load_config(preset, {**overrides, "moe.experts_backend": "loop", "moe.router_dtype": "fp64"})
     model = build_model(cfg, 97).double().eval()
     model.init_weights(0)
     with torch.no_grad():  # expert bias and norms off their defaults, so a misplaced one shows

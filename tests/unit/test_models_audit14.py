@@ -12,10 +12,8 @@ B batch, S sequence, V vocabulary.
 import pytest
 import torch
 
-from moefold.config import load_config
 from moefold.generate import sample
-from moefold.models.transformer import build_model
-from test_kv_cache import _sample_by_full_forwards
+from test_kv_cache import _model, _sample_by_full_forwards
 
 VOCAB = 97
 SEQ = 70  # past 64: tiny-deepseek's rope_original_max_len, tiny-mixtral's sliding_window
@@ -24,16 +22,8 @@ SHIPPED = ["tiny", "tiny-deepseek", "tiny-mixtral", "tiny-qwen3"]
 
 
 def _shipped_model(preset: str):
-    """The preset as shipped, in fp64 (grouped_mm has no fp64 kernel; an fp32 router rounds
-    differently by shape), its 1-d weights (norms, expert bias) off their defaults."""
-    cfg = load_config(preset, {"moe.experts_backend": "loop", "moe.router_dtype": "fp64"})
-    model = build_model(cfg, VOCAB).double().eval()
-    model.init_weights(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                p.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(len(name)))
-    return model
+    """The preset as shipped, in fp64, its 1-d weights (norms, expert bias) off their defaults."""
+    return _model(preset, {})
 
 
 @pytest.mark.parametrize("preset", SHIPPED)

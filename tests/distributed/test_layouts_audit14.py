@@ -16,13 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import write_text_corpus
-from layouts import full_gradients
 from layouts import config as layout_config
+from layouts import train as train_layout
 from ranks import run_ranks
 from torch.distributed.tensor import DTensor
 
 from moefold.parallel.dims import ParallelDims, group_ranks
-from moefold.train.trainer import Trainer
 
 LOSS_RTOL = 1e-4
 GRAD_TOL = dict(rtol=1e-5, atol=1e-5)
@@ -53,19 +52,9 @@ def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def train(cfg, run_dir: Path, resume: Path | None = None, save_at: int = 0) -> dict:
-    """Losses and gradient norms of every step, the first step's gradients, the state at the end."""
-    trainer = Trainer(cfg, run_dir, resume=resume, out=lambda line: None)
-    losses, norms, grads = [], [], None
-    while trainer.step < cfg.train.steps:
-        parts = trainer.accumulate_gradients()
-        grads = grads or full_gradients(trainer.model)
-        norms.append(trainer.optimizer_step().item())
-        trainer.step += 1
-        losses.append(trainer.dist.mean_over_data(parts["lm_loss"].detach()).item())
-        if trainer.step == save_at:
-            trainer.save()
-    return {"losses": losses, "grad_norms": norms, "grads": grads, "state": _state(trainer.model),
-            "lr": cfg.train.lr}
+    """layouts.train's losses, gradient norms and first-step gradients, and the state at the end."""
+    return train_layout(cfg, run_dir, resume, save_at,
+                        finish=lambda trainer: {"state": _state(trainer.model), "lr": cfg.train.lr})
 
 
 def _train_on_rank(rank: int, corpus: Path, runs: list, out: Path) -> None:

@@ -27,7 +27,7 @@ import shutil
 import struct
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -248,6 +248,9 @@ class Plan:
     fp32: frozenset[str] = frozenset()
     """moefold names of the tensors transformers holds in fp32 whatever the model's dtype (the
     family's `keep_fp32`): loaded, converted to a run and exported in fp32, by this one rule."""
+    empties: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """HF name → shape of the zero-element tensors transformers holds where moefold holds none
+    (the family's `empty_tensors`): optional on import, written on export in the parameters' dtype."""
 
 
 def _hf_shape(t: torch.Tensor, expert: int | None) -> tuple[int, ...]:
@@ -307,7 +310,7 @@ def build_plan(model: Transformer) -> Plan:
     keep = family.keep_fp32
     fp32 = frozenset(slot.ours for hf, slot in slots.items()
                      if hf.endswith(keep) and tensors[slot.ours].is_floating_point())
-    return Plan(tensors, slots, copies, aliases, fp32)
+    return Plan(tensors, slots, copies, aliases, fp32, family.empty_tensors(model.cfg))
 
 
 def hf_tensors(model: Transformer, source: dict[str, torch.Tensor] | None = None
@@ -322,6 +325,14 @@ def hf_tensors(model: Transformer, source: dict[str, torch.Tensor] | None = None
         yield hf, _to_hf_layout(tensors[slot.ours], slot.expert)
     for hf, ours in plan.copies.items():
         yield hf, tensors[ours].detach()
+    for hf, shape in plan.empties.items():
+        yield hf, torch.empty(shape, dtype=_parameter_dtype(plan))
+
+
+def _parameter_dtype(plan: Plan) -> torch.dtype:
+    """The dtype of the model's floating-point parameters (but the fp32 ones of `plan.fp32`)."""
+    return next((t.dtype for name, t in plan.tensors.items()
+                 if isinstance(t, nn.Parameter) and t.is_floating_point() and name not in plan.fp32), torch.float32)
 
 
 def _to_hf_layout(t: torch.Tensor, expert: int | None) -> torch.Tensor:
@@ -552,7 +563,7 @@ def refuse_absent_mtp(path: str | Path, cfg: Config) -> None:
 
 
 def _check_names(plan: Plan, file_of: dict[str, Path], path: Path) -> None:
-    known = plan.slots.keys() | plan.copies.keys() | plan.aliases.keys()
+    known = plan.slots.keys() | plan.copies.keys() | plan.aliases.keys() | plan.empties.keys()
     unknown = [f"{name} (in {file.name})" for name, file in file_of.items() if name not in known]
     missing = [f"{name} (for {slot.ours})" for name, slot in plan.slots.items() if name not in file_of]
     problems = []
@@ -583,8 +594,11 @@ def _check_shapes(plan: Plan, file_of: dict[str, Path], path: Path) -> None:
                                       "of date with its shards: download or copy them again)")
             for name in names_in[file]:
                 slot = plan.slots.get(name) or (Slot(repeated[name]) if name in repeated else None)
+                shape = tuple(f.get_slice(name).get_shape())
                 if slot is not None:
-                    _check_shape(plan.tensors[slot.ours], slot, name, f.get_slice(name).get_shape(), file)
+                    _check_shape(_hf_shape(plan.tensors[slot.ours], slot.expert), name, shape, file)
+                elif name in plan.empties:
+                    _check_shape(plan.empties[name], name, shape, file)
 
 
 def _names(names: list[str], limit: int = 12) -> str:
@@ -685,9 +699,8 @@ def _safetensors_file(file: Path) -> Iterator[Any]:
         yield f
 
 
-def _check_shape(target: torch.Tensor, slot: Slot, name: str, shape: Sequence[int], file: Path) -> None:
-    expected = _hf_shape(target, slot.expert)
-    if tuple(shape) != expected:
+def _check_shape(expected: tuple[int, ...], name: str, shape: tuple[int, ...], file: Path) -> None:
+    if shape != expected:
         raise CheckpointError(f"{file.name}: {name} has shape {list(shape)}, the model expects "
                               f"{list(expected)}")
 
@@ -808,6 +821,9 @@ def _export_entries(plan: Plan, dtype: torch.dtype | None) -> Iterator[_Entry]:
         yield entry(name, slot.ours, slot.expert)
     for name, ours in plan.copies.items():
         yield entry(name, ours, None)
+    empty_dtype = dtype or _parameter_dtype(plan)
+    for name, shape in plan.empties.items():
+        yield _Entry(name, shape, empty_dtype, partial(torch.empty, shape, dtype=empty_dtype))
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Tensor:

@@ -68,6 +68,11 @@ class Family:
     keep_fp32: tuple[str, ...] = ()
     """Endings of the HF names transformers holds in fp32 whatever the model's dtype (its
     `_keep_in_fp32_modules_strict`), and so writes in fp32 in a bf16 or fp16 checkpoint."""
+    empty_tensors: Callable[[Config], dict[str, tuple[int, ...]]] = lambda cfg: {}
+    """HF name → shape of the zero-element tensors transformers holds, and its save_pretrained
+    writes, where the model `cfg` builds has no tensor (DeepSeek-V3's shared experts of width 0):
+    optional on import (else shaped so), written on export, as its from_pretrained reports them
+    missing without."""
     keys: dict[str, tuple[str, ...]] = field(default_factory=dict)
     """config.json keys of the `Config` fields the family reads as they are (beside `_KEYS`), the
     first present of several (aliases): `validate`'s refusals of an import name them."""
@@ -595,9 +600,11 @@ def _deepseek_v3_from_hf(hf: dict[str, Any]) -> Config:
     # transformers' layer i is MoE where i >= first_k_dense_replace: a negative k is no dense layer
     moe.first_k_dense, moe.moe_every = max(_int(hf, "first_k_dense_replace", 3), 0), 1
     _layer_sizes_from_hf(hf, cfg)
+    # 0: transformers' shared MLP of width moe_intermediate_size·0 adds zeros (`empty_tensors`)
     moe.shared_experts = _int(hf, "n_shared_experts", 1)
-    if moe.shared_experts < 1:
-        raise CheckpointError(f"config.json: n_shared_experts={moe.shared_experts} is not supported (>= 1)")
+    if moe.shared_experts < 0:  # a Linear of negative width there
+        raise CheckpointError(f"config.json: n_shared_experts={moe.shared_experts} must be >= 0 "
+                              "(0: no shared experts)")
     moe.score_func, moe.expert_bias = "sigmoid", True  # e_score_correction_bias; update rate stays ours
     moe.routed_scaling_factor = _float(hf, "routed_scaling_factor", 2.5)
     moe.norm_topk_prob = _bool(hf, "norm_topk_prob", True)
@@ -626,7 +633,6 @@ def _deepseek_v3_to_hf(cfg: Config) -> dict[str, Any]:
     _expressible(moe.score_func == "sigmoid", "moe.score_func", moe.score_func, fam, "sigmoid routing")
     _expressible(moe.expert_bias, "moe.expert_bias", False, fam,
                  "it stores e_score_correction_bias (a zero bias is equivalent: enable it)")
-    _expressible(moe.shared_experts >= 1, "moe.shared_experts", moe.shared_experts, fam, "needs >= 1")
     _expressible(moe.shared_expert_hidden in (0, moe.expert_hidden), "moe.shared_expert_hidden",
                  moe.shared_expert_hidden, fam, "shared experts have moe_intermediate_size")
     _expressible(moe.num_groups <= 1 or _experts_per_group_score(moe) == 2, "moe.group_score_top_k",
@@ -648,6 +654,17 @@ def _deepseek_v3_to_hf(cfg: Config) -> dict[str, Any]:
               scoring_func="sigmoid", topk_method="noaux_tc", moe_layer_freq=1,
               **_deepseek_aux_to_hf(cfg))
     return hf
+
+
+def _deepseek_v3_empty_tensors(cfg: Config) -> dict[str, tuple[int, ...]]:
+    """With n_shared_experts=0 each MoE block (MTP's too) of transformers' DeepseekV3 holds a
+    shared-experts MLP of width 0: nn.Linear weights [0, D] (gate, up) and [D, 0] (down)."""
+    if cfg.moe.shared_experts:
+        return {}
+    D = cfg.model.dim
+    shapes = {"ffn.shared.w1.weight": (0, D), "ffn.shared.w3.weight": (0, D), "ffn.shared.w2.weight": (D, 0)}
+    moe_blocks = _moe_layer_ids(cfg, cfg.model.n_layers + cfg.model.mtp_layers)
+    return {f"model.layers.{i}.{_SHARED[ours]}": shape for i in moe_blocks for ours, shape in shapes.items()}
 
 
 # transformers 5's config fields typed without None, in every family (PreTrainedConfig's own aside)
@@ -674,6 +691,7 @@ FAMILIES = {
                                     "routed_scaling_factor", "kv_lora_rank", "qk_rope_head_dim",
                                     "qk_nope_head_dim", "attention_bias", "num_mtp_layers", "first_k_dense_replace"),
                           mtp=_DEEPSEEK_V3_MTP, mtp_copies=_DEEPSEEK_V3_MTP_COPIES,
+                          empty_tensors=_deepseek_v3_empty_tensors,
                           keep_fp32=(".mlp.gate.weight", ".mlp.gate.e_score_correction_bias"),
                           keys={"moe.num_experts": _DEEPSEEK_V3_EXPERTS, "moe.num_groups": ("n_group",),
                                 "moe.group_top_k": ("topk_group",), "moe.first_k_dense": ("first_k_dense_replace",),

@@ -1,0 +1,152 @@
+"""Hugging Face interop audit 15, against transformers building the same config.json (tiny random
+fp32 models; the tolerances of test_hf_interop).
+
+DeepSeek-V3 with `n_shared_experts=0`: transformers builds its shared-experts MLP of width
+moe_intermediate_size·0 = 0, which adds zeros, and its save_pretrained writes the three
+zero-element tensors (`gate_proj`/`up_proj` [0, D], `down_proj` [D, 0]); without them its
+from_pretrained reports them missing. moefold reads it as `moe.shared_experts = 0`, takes the
+checkpoint with or without those tensors, and writes them on export.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_hf_interop import (  # noqa: E402
+    SEQ, VOCAB, assert_rel_close, deepseek_v3, hf_load, hf_model_of, hub_named, randomize_ours)
+
+from moefold.checkpoint.hf import config_from_hf, hf_config_from, load_pretrained, save_pretrained  # noqa: E402
+from moefold.config import load_config  # noqa: E402
+from moefold.errors import CheckpointError  # noqa: E402
+from moefold.models.transformer import build_model  # noqa: E402
+
+D = 32  # deepseek_v3()'s hidden_size
+SHARED = ("gate_proj", "up_proj", "down_proj")
+
+
+def _ids(seed: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+def _shared_names(layer: int) -> list[str]:
+    return [f"model.layers.{layer}.mlp.shared_experts.{p}.weight" for p in SHARED]
+
+
+@pytest.fixture(scope="module")
+def no_shared(tmp_path_factory):
+    """transformers' DeepSeek-V3 without shared experts and its own save (layer 1 is MoE)."""
+    hf = hf_model_of(deepseek_v3(n_shared_experts=0), seed=7)
+    path = tmp_path_factory.mktemp("no_shared")
+    hf.save_pretrained(path)
+    return hf, path
+
+
+def _rewrite(src: Path, dst: Path, edit) -> Path:
+    dst.mkdir()
+    (dst / "config.json").write_text((src / "config.json").read_text())
+    tensors = edit(safetensors_torch.load_file(src / "model.safetensors"))
+    safetensors_torch.save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+# ---------------------------------------------------------------------------------------------
+# n_shared_experts = 0
+# ---------------------------------------------------------------------------------------------
+
+
+def test_transformers_writes_zero_element_shared_experts(no_shared):
+    """What the import and export below follow: transformers' own save holds the shared MLP's
+    tensors with no elements."""
+    _, path = no_shared
+    written = safetensors_torch.load_file(path / "model.safetensors")
+    assert [tuple(written[n].shape) for n in _shared_names(1)] == [(0, D), (0, D), (D, 0)]
+    assert not any(n.startswith("model.layers.0.mlp.shared") for n in written)  # the dense layer
+
+
+def test_no_shared_experts_import_matches_transformers(no_shared):
+    hf, path = no_shared
+    ours = load_pretrained(path)
+    assert ours.cfg.moe.shared_experts == 0
+    with torch.no_grad():
+        assert_rel_close(ours(_ids(1)), hf(_ids(1)).logits, 1e-5, "logits")
+
+
+def test_no_shared_experts_import_without_the_empty_tensors(no_shared, tmp_path):
+    """A checkpoint written by a tool that drops zero-element tensors: nothing is missing."""
+    hf, path = no_shared
+    dropped = _rewrite(path, tmp_path / "dropped",
+                       lambda t: {n: v for n, v in t.items() if ".shared_experts." not in n})
+    ours = load_pretrained(dropped)
+    with torch.no_grad():
+        assert_rel_close(ours(_ids(2)), hf(_ids(2)).logits, 1e-5, "logits")
+
+
+def test_no_shared_experts_refuses_a_shared_tensor_with_elements(no_shared, tmp_path):
+    """n_shared_experts=0 with shared-expert weights of width 16 is not the model config.json states."""
+    _, path = no_shared
+    name = _shared_names(1)[0]
+    widened = _rewrite(path, tmp_path / "widened", lambda t: {**t, name: torch.ones(16, D)})
+    with pytest.raises(CheckpointError, match=r"shared_experts\.gate_proj\.weight has shape \[16, 32\]"):
+        load_pretrained(widened)
+
+
+def test_no_shared_experts_exports_to_what_transformers_saves(no_shared, tmp_path):
+    """moefold → export → transformers: no missing, unexpected or mismatched keys, the same tensors
+    (the zero-element ones too) and the same logits."""
+    hf, path = no_shared
+    save_pretrained(load_pretrained(path), tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["n_shared_experts"] == 0
+    reloaded, info = hf_load(tmp_path)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+    expected = hub_named(hf.state_dict(), "deepseek_v3")
+    actual = hub_named(reloaded.state_dict(), "deepseek_v3")
+    assert actual.keys() == expected.keys()
+    for name, t in expected.items():
+        assert actual[name].shape == t.shape and torch.equal(actual[name], t), name
+    with torch.no_grad():
+        assert torch.equal(reloaded(_ids(3)).logits, hf(_ids(3)).logits)
+
+
+def test_native_model_without_shared_experts_exports_and_comes_back(tmp_path):
+    """A moefold DeepSeek-V3 without shared experts (and an MTP module, whose block is MoE) opens in
+    transformers with moefold's logits and reloads into moefold tensor for tensor."""
+    cfg = load_config("tiny-deepseek", {"model.vocab_size": str(VOCAB), "moe.shared_experts": "0"})
+    ours = build_model(cfg, VOCAB)
+    randomize_ours(ours, seed=8)
+    save_pretrained(ours.eval(), tmp_path)
+    written = safetensors_torch.load_file(tmp_path / "model.safetensors")
+    L = cfg.model.n_layers
+    for layer in (*range(cfg.moe.first_k_dense, L), L):  # the MoE layers and the MTP block
+        assert [tuple(written[n].shape) for n in _shared_names(layer)] == [(0, 64), (0, 64), (64, 0)]
+    hf, info = hf_load(tmp_path)
+    assert not info["missing_keys"] and not info["mismatched_keys"]
+    assert all(k.startswith(f"model.layers.{L}.") for k in info["unexpected_keys"])  # MTP only
+    ids = torch.randint(0, VOCAB, (2, 2 * SEQ), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        assert_rel_close(ours(ids), hf(ids).logits, 1e-5, "logits")
+    again = load_pretrained(tmp_path)
+    assert again.cfg.moe.shared_experts == 0 and again.cfg.model.mtp_layers == 1
+    assert again.state_dict().keys() == ours.state_dict().keys()
+    for name, t in ours.state_dict().items():
+        assert torch.equal(again.state_dict()[name], t), name
+
+
+def test_no_shared_experts_config_round_trips():
+    hf = {**deepseek_v3(n_shared_experts=0).to_dict(), "model_type": "deepseek_v3"}
+    cfg = config_from_hf(hf)
+    assert cfg.moe.shared_experts == 0
+    assert hf_config_from(cfg, VOCAB)["n_shared_experts"] == 0
+
+
+def test_negative_shared_experts_stay_refused():
+    """transformers builds nn.Linear of a negative width: it fails there; refused by its key here."""
+    hf = {**deepseek_v3().to_dict(), "model_type": "deepseek_v3", "n_shared_experts": -1}
+    with pytest.raises(CheckpointError, match=r"^config.json: n_shared_experts=-1 .*>= 0"):
+        config_from_hf(hf)

@@ -80,8 +80,10 @@ def resolve_checkpoint(path: Path, option: str = "--resume") -> Path:
     """A checkpoint directory from a run directory (its latest), the run's checkpoints folder (its
     latest too: what Megatron-LM's --load and TorchTitan's checkpoint.folder name) or a checkpoint
     directory itself; `option` names where the path came from in errors. A checkpoint is named by
-    its step as typed too: `RUN/checkpoints/step_2` is the saved `step_00000002`."""
-    path = _saved_name(Path(path))
+    its step as typed too: `RUN/checkpoints/step_2` is the saved `step_00000002`. A relative path is
+    read from the working directory (`step_2` or `.` inside the checkpoints folder: their run is
+    named by no part of the path as written), and the checkpoint returned is absolute."""
+    path = _saved_name(Path(os.path.abspath(path)))
     if not path.exists():
         raise CheckpointError(f"{option} {path}: {_what_is_missing(path)}")
     if _STEP_DIR.match(path.name):
@@ -133,8 +135,9 @@ def is_run_dir(path: Path) -> bool:
 
 def run_of_checkpoints_folder(path: Path) -> Path | None:
     """The run whose checkpoints folder `path` is (`RUN/checkpoints`); None for any other path,
-    a run itself kept in a folder named checkpoints too."""
-    path = Path(path)
+    a run itself kept in a folder named checkpoints too. The run is absolute: `.` or `..` name no
+    folder as written."""
+    path = Path(os.path.abspath(path))
     if path.name == CHECKPOINTS and not is_run_dir(path) and is_run_dir(path.parent):
         return path.parent
     return None
@@ -142,8 +145,9 @@ def run_of_checkpoints_folder(path: Path) -> Path | None:
 
 def run_of_checkpoints_entry(path: Path) -> Path | None:
     """The run whose checkpoints folder holds `path` (`RUN/checkpoints/NAME`: a checkpoint, a
-    leftover or anything else); None for any other path, a run itself kept there too."""
-    path = Path(path)
+    leftover or anything else); None for any other path, a run itself kept there too. The run is
+    absolute, as `run_of_checkpoints_folder`'s: `step_2`'s folder is `.` as written."""
+    path = Path(os.path.abspath(path))
     return run_of_checkpoints_folder(path.parent) if not is_run_dir(path) else None
 
 

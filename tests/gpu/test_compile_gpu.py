@@ -6,7 +6,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "distributed"))
 from gpu_runs import assert_same_training  # noqa: E402

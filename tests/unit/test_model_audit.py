@@ -3,8 +3,6 @@ identical weights (outputs and every gradient, fp32 and bf16), a naive attention
 masks at and around the sequence length, one-token sequences), YaRN past the pre-training length,
 MTP's targets and loss written out from the DeepSeek-V3 paper, and option validation."""
 
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,7 +11,7 @@ from moefold.config import load_config
 from moefold.errors import ConfigError
 from moefold.models.attention import Attention
 from moefold.models.mla import MLAttention
-from moefold.models.rope import RopeScaling, apply_rope, rope_cos_sin, yarn_softmax_scale_factor
+from moefold.models.rope import RopeScaling, rope_cos_sin, yarn_softmax_scale_factor
 from moefold.models.transformer import build_model
 
 transformers = pytest.importorskip("transformers")

@@ -117,7 +117,7 @@ def test_a_weight_whose_gradient_tp_sums_is_not_offloaded():
     spy = Spy(offload)
     x = torch.randn(8, 64, requires_grad=True) * 1.0
     with offload.region():
-        y = (x.double() @ SumGrad.apply(w, None).double()).sum()  # the group is read in backward only
+        (x.double() @ SumGrad.apply(w, None).double()).sum()  # the group is read in backward only
     assert [t.shape for t in spy.moved] == [(8, 64)]
 
 

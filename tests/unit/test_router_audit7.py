@@ -12,7 +12,7 @@ import torch
 from moefold.config import MoEConfig
 from moefold.moe.capacity import build_capacity
 from moefold.moe.router import build_router
-from moefold.moe.stats import ExpertLoadStats, summarize
+from moefold.moe.stats import ExpertLoadStats
 
 D = 16
 

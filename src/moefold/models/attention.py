@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moefold.models.kv_cache import LayerCache
+from moefold.models.kv_cache import LayerCache, WindowLayerCache
 from moefold.models.norm import RMSNorm
 from moefold.models.rope import apply_rope
 
@@ -78,16 +78,18 @@ class Attention(nn.Module):
         return self.out(out_BHSDh)
 
     def decode(self, x_BSD: torch.Tensor, cos_SDh: torch.Tensor, sin_SDh: torch.Tensor,
-               cache: LayerCache) -> torch.Tensor:
+               cache: LayerCache | WindowLayerCache) -> torch.Tensor:
         """`forward` of tokens that follow the cached ones (the RoPE tables at their positions):
-        their keys and values join the cache, their queries attend over all of it."""
+        their keys and values join the cache, their queries attend over the keys they can see."""
         start, S = cache.length, x_BSD.shape[1]
         q_BHSDh, k_BGSDh, v_BGSDh = self.qkv(x_BSD, cos_SDh, sin_SDh)
+        held_from = cache.first_position  # the position of the first key `extend` returns
         k_BGPDh, v_BGPDh = cache.extend(k_BGSDh, v_BGSDh)
         first = self.mask.first_key(start)  # keys before it lie outside every new query's window
+        skip = first - held_from  # a windowed cache returns none before it (skip 0), a full one all
         # SDPA itself, not `core`: the recompute/offload wrappers there are training's.
         out_BHSDh = F.scaled_dot_product_attention(
-            q_BHSDh, k_BGPDh[:, :, first:], v_BGPDh[:, :, first:], enable_gqa=self.n_kv_heads != self.n_heads,
+            q_BHSDh, k_BGPDh[:, :, skip:], v_BGPDh[:, :, skip:], enable_gqa=self.n_kv_heads != self.n_heads,
             **self.mask(start, S, x_BSD.device, first))
         return self.out(out_BHSDh)
 

@@ -13,7 +13,7 @@ from torch import nn
 
 from moefold.config import Config, ModelConfig, moe_layers_in
 from moefold.memory import apply_offload, apply_recompute
-from moefold.models.attention import Attention
+from moefold.models.attention import Attention, SlidingWindowMask
 from moefold.models.init import init_weights_
 from moefold.models.kv_cache import KVCache, LayerCache
 from moefold.models.mla import MLAttention
@@ -94,8 +94,9 @@ class Transformer(nn.Module):
         return self.output(self.norm(kept_BSD))
 
     def new_cache(self, capacity: int) -> KVCache:
-        """An empty KV cache of `capacity` positions for `decode`."""
-        return KVCache(len(self.layers), capacity)
+        """An empty KV cache of `capacity` positions for `decode`: a sliding-window layer's keeps
+        its window's keys only, any other layer's all of them (models/kv_cache.py)."""
+        return KVCache(len(self.layers), capacity, [_sliding_window(layer.attn) for layer in self.layers])
 
     def blocks(self) -> list[Block]:
         """The main blocks, then the MTP modules' blocks (numbered on from n_layers)."""
@@ -124,6 +125,12 @@ class Transformer(nn.Module):
 
 
 MLA_LATENT_NORM_EPS = 1e-6
+
+
+def _sliding_window(attn: nn.Module) -> int:
+    """The window a layer's attention sees; 0 where it sees every key (causal GQA, MLA)."""
+    mask = getattr(attn, "mask", None)
+    return mask.window if isinstance(mask, SlidingWindowMask) else 0
 
 
 def rope_scaling(m: ModelConfig) -> RopeScaling | None:

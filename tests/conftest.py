@@ -1,4 +1,5 @@
 import errno
+import json
 import os
 import signal
 import subprocess
@@ -50,6 +51,16 @@ def write_text_corpus(root: Path) -> Path:
 @pytest.fixture
 def text_corpus(tmp_path: Path) -> Path:
     return write_text_corpus(tmp_path / "corpus")
+
+
+TIMING = ("tokens_per_s", "tflops", "mfu", "peak_mem_gib")
+"""metrics.jsonl keys that measure the machine, not the training: left out of comparisons."""
+
+
+def metrics_records(run_dir: Path, without: tuple[str, ...] = TIMING) -> list[dict]:
+    """A run's metrics.jsonl records, each without the keys `without` (its timings)."""
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if k not in without} for line in lines]
 
 
 def cli_args(overrides: dict[str, str]) -> list[str]:

@@ -2,18 +2,16 @@
 uninterrupted process: the records of metrics.jsonl, the expert-load history and the final
 weights and optimizer states."""
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import write_text_corpus
+from conftest import metrics_records, write_text_corpus
 from ranks import run_ranks
 
 from moefold.config import load_config
 from moefold.train.trainer import Trainer
 
-TIMING = ("tokens_per_s", "tflops", "mfu", "peak_mem_gib")
 # Log every 4, save every 3 (step 6 inside the log window 5–8), 2 micro-batches a step; a global
 # micro-batch of 4 sequences and 4 validation sequences on either layout.
 RUN = {"train.seq_len": "16", "train.steps": "8", "train.warmup_steps": "2", "train.grad_accum": "2",
@@ -46,11 +44,6 @@ def _crash_in_step_7(rank: int, corpus: Path, run: Path, parallel: dict[str, str
         Trainer(_config(corpus, 2, **parallel), run, out=lambda line: None).fit()
 
 
-def _records(run: Path) -> list[dict]:
-    lines = (run / "metrics.jsonl").read_text().splitlines()
-    return [{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in lines]
-
-
 def _states(trainer: Trainer) -> dict[str, torch.Tensor]:
     state = trainer._state()
     return {f"{part}.{name}": value for part in ("model", "optim") for name, value in _flat(state[part]).items()}
@@ -76,7 +69,7 @@ def test_a_crash_on_two_ranks_resumes_in_one_process_as_the_uninterrupted_run(la
     resumed = Trainer(_config(corpus, 1), run, resume=run, out=lambda line: None)
     resumed.fit()
 
-    got, want = _records(run), _records(tmp_path / "whole")
+    got, want = metrics_records(run), metrics_records(tmp_path / "whole")
     assert [(r["step"], sorted(r)) for r in got] == [(r["step"], sorted(r)) for r in want]
     for g, w in zip(got, want):
         for key, value in w.items():

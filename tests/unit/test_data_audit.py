@@ -9,22 +9,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from data_reading import deny_read
+from data_reading import BYTES, deny_read, streams_of
 
-from moefold.config import DataConfig
-from moefold.data import ByteTokenizer, build_token_streams
 from moefold.errors import DataError
-
-BYTES = ByteTokenizer()
-
 
 def byte_doc(raw: bytes) -> list[int]:
     """Naive reference: a document's bytes followed by EOS."""
     return list(raw) + [BYTES.eos_id]
-
-
-def streams_of(path: Path, **overrides):
-    return build_token_streams(DataConfig(path=str(path), **overrides), BYTES)
 
 
 def test_a_file_name_that_is_not_utf8_is_split_by_its_bytes(tmp_path):

@@ -12,19 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from data_reading import EOS, streams_of
 
-from moefold.config import DataConfig
-from moefold.data import ByteTokenizer, PackedSequences, TrainLoader, build_token_streams
+from moefold.data import PackedSequences, TrainLoader
 from moefold.data.formats import find_data_files
 from moefold.errors import DataError
 
-BYTES = ByteTokenizer()
-EOS = BYTES.eos_id
 BOM = b"\xef\xbb\xbf"
-
-
-def streams_of(path: Path, **overrides):
-    return build_token_streams(DataConfig(path=str(path), **overrides), BYTES)
 
 
 def all_ids(path: Path) -> list[int]:

@@ -9,19 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINY_OVERRIDES
+from conftest import TINY_OVERRIDES, metrics_records
 from moefold.config import load_config
 from moefold.train.trainer import Trainer, TrainingInterrupted
-
-TIMING = ("tokens_per_s", "tflops", "mfu", "peak_mem_gib")
-"""Record keys that measure the machine, not the training: left out of comparisons."""
-
-
-def _records(run: Path) -> list[dict]:
-    """metrics.jsonl's records without their timings."""
-    lines = (run / "metrics.jsonl").read_text().splitlines()
-    return [{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in lines]
-
 
 def _config(corpus: Path, **overrides: str):
     return load_config(None, {**TINY_OVERRIDES, "data.path": str(corpus), **overrides})
@@ -65,7 +55,7 @@ def test_a_crash_after_a_checkpoint_between_log_steps_resumes_to_the_uninterrupt
     _train(cfg, whole)
     every_step = tmp_path / "every_step"
     _train(_config(text_corpus, **{**BETWEEN_LOG_STEPS, "logging.log_every": "1"}), every_step)
-    losses = {r["step"]: r["loss"] for r in _records(every_step) if "loss" in r}
+    losses = {r["step"]: r["loss"] for r in metrics_records(every_step) if "loss" in r}
 
     run = tmp_path / "run"
     _crashing_in_step(monkeypatch, 7)
@@ -74,11 +64,11 @@ def test_a_crash_after_a_checkpoint_between_log_steps_resumes_to_the_uninterrupt
     monkeypatch.undo()
     _train(cfg, run, resume=run)
 
-    assert _records(run) == _records(whole)
-    logged = [r["step"] for r in _records(run) if "loss" in r]
+    assert metrics_records(run) == metrics_records(whole)
+    logged = [r["step"] for r in metrics_records(run) if "loss" in r]
     assert logged[-1] == 8
     for first, last in zip([0, *logged], logged):
-        record = next(r for r in _records(run) if r["step"] == last and "loss" in r)
+        record = next(r for r in metrics_records(run) if r["step"] == last and "loss" in r)
         window = [losses[s] for s in range(first + 1, last + 1)]
         assert record["loss"] == pytest.approx(sum(window) / len(window), rel=1e-6), (first, last)
 
@@ -108,8 +98,8 @@ def test_a_signal_during_a_save_between_log_steps_keeps_its_window_in_the_expert
     resumed = _train(cfg, run, resume=run)
 
     assert resumed.load_history == whole.load_history
-    assert [step for step, _ in resumed.load_history] == [r["step"] for r in _records(run) if "loss" in r]
-    assert _records(run) == _records(tmp_path / "whole")
+    assert [step for step, _ in resumed.load_history] == [r["step"] for r in metrics_records(run) if "loss" in r]
+    assert metrics_records(run) == metrics_records(tmp_path / "whole")
 
 
 def test_a_checkpoint_is_flushed_to_disk_before_its_rename_and_its_directory_after(tmp_path, durability_events):
@@ -219,7 +209,7 @@ def test_a_save_that_fails_inside_the_writer_keeps_the_last_checkpoint_and_the_r
     assert [step for step, _ in complete_checkpoints(run)] == [3]
     assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_00000003"]
     resumed = _train(cfg, run, resume=run)
-    assert _records(run) == _records(tmp_path / "whole")
+    assert metrics_records(run) == metrics_records(tmp_path / "whole")
     for name, value in whole.model.state_dict().items():
         assert torch.equal(resumed.model.state_dict()[name], value), name
     state = {"step": 0}

@@ -19,6 +19,8 @@ transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 sys.path.insert(0, str(Path(__file__).parent))
+from test_hf_audit5 import DEEPSEEK, MIXTRAL, QWEN, _assert_imports_as_transformers_builds  # noqa: E402
+from test_hf_generate_audit6 import _transformers_builds  # noqa: E402
 from test_hf_interop import (  # noqa: E402
     SEQ, VOCAB, assert_rel_close, deepseek_v3, hf_load, hf_model_of, hub_named, randomize_ours)
 
@@ -150,3 +152,56 @@ def test_negative_shared_experts_stay_refused():
     hf = {**deepseek_v3().to_dict(), "model_type": "deepseek_v3", "n_shared_experts": -1}
     with pytest.raises(CheckpointError, match=r"^config.json: n_shared_experts=-1 .*>= 0"):
         config_from_hf(hf)
+
+
+# ---------------------------------------------------------------------------------------------
+# Keys transformers' modeling never reads, and values it builds that were refused
+# ---------------------------------------------------------------------------------------------
+
+FAMILIES = {"qwen3_moe": QWEN, "mixtral": MIXTRAL, "deepseek_v3": DEEPSEEK}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_mlp_bias_is_read_as_transformers_reads_it(family, tmp_path):
+    """No modeling of the three reads mlp_bias (their MLPs and experts have no bias): true builds
+    the model of false there, and was refused here."""
+    _assert_imports_as_transformers_builds({**FAMILIES[family], "mlp_bias": True}, tmp_path / "m")
+
+
+def test_mixtral_attention_bias_is_read_as_transformers_reads_it(tmp_path):
+    """Mixtral's attention has no bias whatever attention_bias says (MixtralConfig has no such key)."""
+    _assert_imports_as_transformers_builds({**MIXTRAL, "attention_bias": True}, tmp_path / "m")
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_attention_bias_stays_refused_where_transformers_builds_one(family):
+    with pytest.raises(CheckpointError, match=r"^config.json: attention_bias=True is not supported"):
+        config_from_hf({**FAMILIES[family], "attention_bias": True})
+
+
+def test_deepseek_v3_without_moe_layers_takes_any_expert_count(tmp_path):
+    """first_k_dense_replace >= num_hidden_layers: transformers builds no MoE layer and never reads
+    n_routed_experts (0 builds); the export writes a count it builds alike."""
+    config = {**DEEPSEEK, "n_routed_experts": 0, "first_k_dense_replace": 2}
+    _assert_imports_as_transformers_builds(config, tmp_path / "m")
+    ours = load_pretrained(tmp_path / "m")
+    save_pretrained(ours, tmp_path / "out")
+    hf, info = hf_load(tmp_path / "out")
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+    with torch.no_grad():
+        assert_rel_close(ours(_ids(4)), hf(_ids(4)).logits, 1e-5, "logits")
+
+
+def test_deepseek_v3_zero_experts_with_moe_layers_stay_refused():
+    with pytest.raises(CheckpointError, match=r"^config.json: n_routed_experts=0 must be > 0$"):
+        config_from_hf({**DEEPSEEK, "n_routed_experts": 0})
+
+
+@pytest.mark.parametrize("key", ["n_group", "topk_group", "v_head_dim"])
+def test_deepseek_v3_nulls_its_modeling_cannot_use_are_refused_by_key(key):
+    """DeepseekV3Config takes null for these; its model divides by, tops-k by or adds them and fails.
+    They were read as the class default (n_group 8, topk_group 4) or as missing."""
+    config = {**DEEPSEEK, key: None}
+    assert not _transformers_builds(config)
+    with pytest.raises(CheckpointError, match=rf"^config.json: {key}=null is not allowed"):
+        config_from_hf(config)

@@ -265,8 +265,7 @@ def _common_from_hf(hf: dict[str, Any], family: str, default_theta: float, defau
         raise CheckpointError(f"config.json: quantization_config (quant_method={method!r}) is not "
                               "supported; dequantize the checkpoint to bf16/fp32 first")
     _require(hf, "hidden_act", ("silu", "swish"), "silu")  # one function: transformers' ACT2FN maps both to SiLU
-    _require(hf, "attention_bias", (False,), False)
-    _require(hf, "mlp_bias", (False,), False)
+    # mlp_bias: no family's modeling reads it (their MLPs and experts have no bias); attention_bias: per family
     _require(hf, "attention_dropout", (0, 0.0), 0.0)
     cfg = Config()
     m = cfg.model
@@ -487,6 +486,7 @@ def _qwen3_moe_from_hf(hf: dict[str, Any]) -> Config:
     cfg = _common_from_hf(hf, "qwen3_moe", default_theta=10000.0, default_eps=1e-6, default_max_len=32768,
                           default_eos=None, default_bos=None)
     m, moe = cfg.model, cfg.moe
+    _require(hf, "attention_bias", (False,), False)
     _gqa_from_hf(hf, cfg, default_kv_heads=4, zero_head_dim_derives=False)
     m.qk_norm = True
     # As Qwen3MoeConfig: a window only with use_sliding_window; an absent key is 4096, null is none
@@ -534,6 +534,7 @@ def _mixtral_from_hf(hf: dict[str, Any]) -> Config:
     cfg = _common_from_hf(hf, "mixtral", default_theta=1e6, default_eps=1e-5, default_max_len=4096 * 32,
                           default_eos=2, default_bos=1)
     m, moe = cfg.model, cfg.moe
+    # attention_bias is not read: Mixtral's attention has no bias (MixtralConfig has no such key)
     _gqa_from_hf(hf, cfg, default_kv_heads=8, zero_head_dim_derives=True)
     m.qk_norm = False
     m.sliding_window = _given_positive(hf, "sliding_window", kind=int)  # null: none; 0 fails there
@@ -578,6 +579,7 @@ def _deepseek_v3_from_hf(hf: dict[str, Any]) -> Config:
     _require(hf, "scoring_func", ("sigmoid",), "sigmoid")
     _require(hf, "moe_layer_freq", (1,), 1)  # transformers ignores it; DeepSeek-V3 uses 1
     _require(hf, "num_key_value_heads", (m.n_heads,), m.n_heads)  # MLA expands the latent to every head
+    _require(hf, "attention_bias", (False,), False)
     m.attention, m.qk_norm = "mla", False
     # null: queries projected directly; absent: DeepseekV3Config's 1536 (transformers builds q_a_proj)
     # (a 0 would be a q_a_proj of rank 0 there, no q_a_proj here: refused)
@@ -596,9 +598,12 @@ def _deepseek_v3_from_hf(hf: dict[str, Any]) -> Config:
     # absent: DeepseekV3Config's 1 (a checkpoint without the MTP tensors loads without them);
     # below 0: none (transformers' config takes any integer, its model builds no MTP module)
     m.mtp_layers = max(_int(hf, "num_nextn_predict_layers", _int(hf, "num_mtp_layers", 1)), 0)
-    moe.num_experts = _positive(hf, _present(hf, _DEEPSEEK_V3_EXPERTS))  # transformers: MoE layers of 0 experts
     # transformers' layer i is MoE where i >= first_k_dense_replace: a negative k is no dense layer
     moe.first_k_dense, moe.moe_every = max(_int(hf, "first_k_dense_replace", 3), 0), 1
+    # > 0 where a block is MoE (transformers builds MoE layers of 0 experts, which fail); where none
+    # is, transformers never reads it and any count builds the same model
+    has_moe_block = moe.first_k_dense < m.n_layers + m.mtp_layers
+    moe.num_experts = _width(hf, _present(hf, _DEEPSEEK_V3_EXPERTS), has_moe_block, moe.num_experts)
     _layer_sizes_from_hf(hf, cfg)
     # 0: transformers' shared MLP of width moe_intermediate_size·0 adds zeros (`empty_tensors`)
     moe.shared_experts = _int(hf, "n_shared_experts", 1)
@@ -686,10 +691,12 @@ FAMILIES = {
                                 "num_local_experts", "router_aux_loss_coef", "router_jitter_noise")),
     "deepseek_v3": Family("deepseek_v3", "DeepseekV3ForCausalLM", _DEEPSEEK_V3_BLOCK,
                           _deepseek_v3_from_hf, _deepseek_v3_to_hf,
-                          # first_k_dense_replace: its config takes null, its layers compare i >= None
+                          # first_k_dense_replace, n_group, topk_group, v_head_dim: its config takes null,
+                          # its modeling compares i >= None, divides, tops-k or adds by it
                           non_null=(*_NON_NULL, "moe_intermediate_size", "n_shared_experts", "n_routed_experts",
                                     "routed_scaling_factor", "kv_lora_rank", "qk_rope_head_dim",
-                                    "qk_nope_head_dim", "attention_bias", "num_mtp_layers", "first_k_dense_replace"),
+                                    "qk_nope_head_dim", "attention_bias", "num_mtp_layers", "first_k_dense_replace",
+                                    "n_group", "topk_group", "v_head_dim"),
                           mtp=_DEEPSEEK_V3_MTP, mtp_copies=_DEEPSEEK_V3_MTP_COPIES,
                           empty_tensors=_deepseek_v3_empty_tensors,
                           keep_fp32=(".mlp.gate.weight", ".mlp.gate.e_score_correction_bias"),

@@ -205,3 +205,55 @@ def test_deepseek_v3_nulls_its_modeling_cannot_use_are_refused_by_key(key):
     assert not _transformers_builds(config)
     with pytest.raises(CheckpointError, match=rf"^config.json: {key}=null is not allowed"):
         config_from_hf(config)
+
+
+# ---------------------------------------------------------------------------------------------
+# A key left out: transformers builds with its config class's default
+# ---------------------------------------------------------------------------------------------
+
+_QWEN_DENSE_LAYER = {**QWEN, "mlp_only_layers": [1]}  # a dense layer reads intermediate_size
+LEFT_OUT = {  # config, key left out (the class default, with the tiny sizes beside it)
+    "qwen3_moe-vocab_size": (QWEN, "vocab_size"),  # 151936
+    "qwen3_moe-num_hidden_layers": (QWEN, "num_hidden_layers"),  # 24
+    "qwen3_moe-num_attention_heads": (QWEN, "num_attention_heads"),  # 32, head_dim 8 given
+    "qwen3_moe-intermediate_size": (_QWEN_DENSE_LAYER, "intermediate_size"),  # 6144
+    "qwen3_moe-num_experts": (QWEN, "num_experts"),  # 128
+    "mixtral-intermediate_size": (MIXTRAL, "intermediate_size"),  # 14336
+    "mixtral-num_local_experts": (MIXTRAL, "num_local_experts"),  # 8
+    "mixtral-num_experts_per_tok": ({**MIXTRAL, "num_experts_per_tok": 3}, "num_experts_per_tok"),  # 2
+    "deepseek_v3-hidden_size": (DEEPSEEK, "hidden_size"),  # 7168
+    "deepseek_v3-n_routed_experts": (DEEPSEEK, "n_routed_experts"),  # 256
+    "deepseek_v3-kv_lora_rank": (DEEPSEEK, "kv_lora_rank"),  # 512
+    "deepseek_v3-qk_rope_head_dim": (DEEPSEEK, "qk_rope_head_dim"),  # 64
+    "deepseek_v3-qk_nope_head_dim": (DEEPSEEK, "qk_nope_head_dim"),  # 128
+    "deepseek_v3-v_head_dim": (DEEPSEEK, "v_head_dim"),  # 128
+    "deepseek_v3-moe_intermediate_size": (DEEPSEEK, "moe_intermediate_size"),  # 2048
+    "deepseek_v3-intermediate_size": (DEEPSEEK, "intermediate_size"),  # 18432
+    "deepseek_v3-num_experts_per_tok": (DEEPSEEK, "num_experts_per_tok"),  # 8
+}
+
+
+@pytest.mark.parametrize("variant", LEFT_OUT)
+def test_a_key_left_out_is_the_config_class_default(variant, tmp_path):
+    """These keys were required ('config.json has no v_head_dim'); transformers builds the model of
+    its config class's default, as moefold reads every other key left out."""
+    config, key = LEFT_OUT[variant]
+    _assert_imports_as_transformers_builds({k: v for k, v in config.items() if k != key}, tmp_path / "m")
+
+
+def test_a_key_left_out_and_its_alias_given_is_the_alias(tmp_path):
+    """The default fills a key only where none of its names is given (Qwen3-MoE's num_local_experts)."""
+    config = {k: v for k, v in QWEN.items() if k != "num_experts"}
+    _assert_imports_as_transformers_builds({**config, "num_local_experts": 6}, tmp_path / "m")
+    assert load_pretrained(tmp_path / "m").cfg.moe.num_experts == 6
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_class_defaults_are_transformers_own(family):
+    """Each default filled in is the value of transformers' config class itself (the models above
+    check a part of them; the rest would build models too large for a unit test)."""
+    from moefold.checkpoint.hf_families import FAMILIES as HF_FAMILIES
+
+    theirs = transformers.CONFIG_MAPPING[family]()
+    for key, value in HF_FAMILIES[family].class_defaults.items():
+        assert getattr(theirs, key) == value, key

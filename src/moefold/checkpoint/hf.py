@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from moefold.checkpoint.hf_families import (FAMILIES, Family, PerExpert, Rule, config_json_keys, family_of,
-                                            refuse_nulls, token_ids)
+                                            refuse_nulls, token_ids, with_class_defaults)
 from moefold.config import Config, ModelConfig, validate
 from moefold.errors import CheckpointError, ConfigError, writing
 from moefold.files import fsync
@@ -66,7 +66,7 @@ def config_from_hf(hf_config: dict[str, Any]) -> Config:
     Raises CheckpointError naming the key and value of any option moefold cannot express."""
     family = family_of(_json_object(hf_config, CONFIG).get("model_type"), "config.json: model_type")
     refuse_nulls(family, hf_config)
-    cfg = family.config_from_hf(hf_config)
+    cfg = family.config_from_hf(with_class_defaults(family, hf_config))
     try:
         validate(cfg)
     except ConfigError as e:

@@ -80,6 +80,10 @@ class Family:
     """config.json keys whose null transformers cannot build the model from: its config class's
     fields typed without None (a strict dataclass refuses null), and those its modeling compares
     or divides by. Refused by name rather than read as the default (`refuse_nulls`)."""
+    class_defaults: dict[str, Any] = field(default_factory=dict)
+    """The config class's defaults of the sizes the readers take without one of their own: where
+    config.json leaves such a key out (and its aliases), transformers builds with these
+    (`with_class_defaults`)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -153,6 +157,18 @@ def refuse_nulls(family: Family, hf: dict[str, Any]) -> None:
         if key in hf and hf[key] is None:
             raise CheckpointError(f"config.json: {key}=null is not allowed: transformers' {family.architecture} "
                                   "needs a value (give one, or leave the key out for its config class's default)")
+
+
+def with_class_defaults(family: Family, hf: dict[str, Any]) -> dict[str, Any]:
+    """config.json `hf` with `family.class_defaults` for the keys it leaves out, none of their
+    aliases given either (a null stays: `refuse_nulls` refuses it by name)."""
+    aliases = [*_KEYS.values(), *family.keys.values()]
+    filled = dict(hf)
+    for key, value in family.class_defaults.items():
+        names = next((names for names in aliases if key in names), (key,))
+        if not any(name in hf for name in names):
+            filled[key] = value
+    return filled
 
 
 def config_json_keys(family: Family, hf: dict[str, Any]) -> dict[str, str]:
@@ -672,6 +688,17 @@ def _deepseek_v3_empty_tensors(cfg: Config) -> dict[str, tuple[int, ...]]:
     return {f"model.layers.{i}.{_SHARED[ours]}": shape for i in moe_blocks for ours, shape in shapes.items()}
 
 
+# transformers 5's config classes' defaults of the keys read without one (every other key's default
+# is the reader's own)
+_QWEN3_MOE_DEFAULTS = dict(vocab_size=151936, hidden_size=2048, num_hidden_layers=24, num_attention_heads=32,
+                           intermediate_size=6144, moe_intermediate_size=768, num_experts_per_tok=8, num_experts=128)
+_MIXTRAL_DEFAULTS = dict(vocab_size=32000, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                         intermediate_size=14336, num_experts_per_tok=2, num_local_experts=8)
+_DEEPSEEK_V3_DEFAULTS = dict(vocab_size=129280, hidden_size=7168, num_hidden_layers=61, num_attention_heads=128,
+                             intermediate_size=18432, moe_intermediate_size=2048, num_experts_per_tok=8,
+                             n_routed_experts=256, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
+                             v_head_dim=128)
+
 # transformers 5's config fields typed without None, in every family (PreTrainedConfig's own aside)
 _NON_NULL = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
              "hidden_act", "max_position_embeddings", "initializer_range", "rms_norm_eps", "use_cache",
@@ -680,13 +707,14 @@ _NON_NULL = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layer
 FAMILIES = {
     "qwen3_moe": Family("qwen3_moe", "Qwen3MoeForCausalLM", _QWEN3_MOE_BLOCK,
                         _qwen3_moe_from_hf, _qwen3_moe_to_hf,
-                        keys={"moe.num_experts": _QWEN3_MOE_EXPERTS},
+                        keys={"moe.num_experts": _QWEN3_MOE_EXPERTS}, class_defaults=_QWEN3_MOE_DEFAULTS,
                         non_null=(*_NON_NULL, "num_key_value_heads", "attention_bias", "use_sliding_window",
                                   "attention_dropout", "decoder_sparse_step", "moe_intermediate_size",
                                   "num_experts_per_tok", "num_experts", "norm_topk_prob", "router_aux_loss_coef")),
     "mixtral": Family("mixtral", "MixtralForCausalLM", _MIXTRAL_BLOCK, _mixtral_from_hf, _mixtral_to_hf,
                       keys={"moe.num_experts": _MIXTRAL_EXPERTS, "moe.expert_hidden": ("intermediate_size",),
                             "moe.input_jitter": ("router_jitter_noise",)},
+                      class_defaults=_MIXTRAL_DEFAULTS,
                       non_null=(*_NON_NULL, "num_key_value_heads", "attention_dropout", "num_experts_per_tok",
                                 "num_local_experts", "router_aux_loss_coef", "router_jitter_noise")),
     "deepseek_v3": Family("deepseek_v3", "DeepseekV3ForCausalLM", _DEEPSEEK_V3_BLOCK,
@@ -698,7 +726,7 @@ FAMILIES = {
                                     "qk_nope_head_dim", "attention_bias", "num_mtp_layers", "first_k_dense_replace",
                                     "n_group", "topk_group", "v_head_dim"),
                           mtp=_DEEPSEEK_V3_MTP, mtp_copies=_DEEPSEEK_V3_MTP_COPIES,
-                          empty_tensors=_deepseek_v3_empty_tensors,
+                          empty_tensors=_deepseek_v3_empty_tensors, class_defaults=_DEEPSEEK_V3_DEFAULTS,
                           keep_fp32=(".mlp.gate.weight", ".mlp.gate.e_score_correction_bias"),
                           keys={"moe.num_experts": _DEEPSEEK_V3_EXPERTS, "moe.num_groups": ("n_group",),
                                 "moe.group_top_k": ("topk_group",), "moe.first_k_dense": ("first_k_dense_replace",),

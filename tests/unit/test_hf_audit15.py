@@ -19,12 +19,14 @@ transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 sys.path.insert(0, str(Path(__file__).parent))
+from test_hf_audit3 import _run_checkpoint_tensors  # noqa: E402
 from test_hf_audit5 import DEEPSEEK, MIXTRAL, QWEN, _assert_imports_as_transformers_builds  # noqa: E402
 from test_hf_generate_audit6 import _transformers_builds  # noqa: E402
 from test_hf_interop import (  # noqa: E402
     SEQ, VOCAB, assert_rel_close, deepseek_v3, hf_load, hf_model_of, hub_named, randomize_ours)
 
-from moefold.checkpoint.hf import config_from_hf, hf_config_from, load_pretrained, save_pretrained  # noqa: E402
+from moefold.checkpoint.hf import (  # noqa: E402
+    config_from_hf, convert_to_run_checkpoint, hf_config_from, load_pretrained, save_pretrained)
 from moefold.config import load_config  # noqa: E402
 from moefold.errors import CheckpointError  # noqa: E402
 from moefold.models.transformer import build_model  # noqa: E402
@@ -90,6 +92,17 @@ def test_no_shared_experts_import_without_the_empty_tensors(no_shared, tmp_path)
         assert_rel_close(ours(_ids(2)), hf(_ids(2)).logits, 1e-5, "logits")
 
 
+def test_no_shared_experts_converts_to_a_run(no_shared, tmp_path):
+    """`convert --from-hf`'s out-of-core path: the run's checkpoint is load_pretrained's state dict."""
+    _, path = no_shared
+    cfg, checkpoint = convert_to_run_checkpoint(path, tmp_path / "run")
+    assert cfg.moe.shared_experts == 0
+    ours, reference = _run_checkpoint_tensors(checkpoint), load_pretrained(path).state_dict()
+    assert ours.keys() == reference.keys()
+    for name, t in reference.items():
+        assert torch.equal(ours[name], t), name
+
+
 def test_no_shared_experts_refuses_a_shared_tensor_with_elements(no_shared, tmp_path):
     """n_shared_experts=0 with shared-expert weights of width 16 is not the model config.json states."""
     _, path = no_shared
@@ -114,6 +127,16 @@ def test_no_shared_experts_exports_to_what_transformers_saves(no_shared, tmp_pat
         assert actual[name].shape == t.shape and torch.equal(actual[name], t), name
     with torch.no_grad():
         assert torch.equal(reloaded(_ids(3)).logits, hf(_ids(3)).logits)
+
+
+def test_no_shared_experts_bf16_export_writes_the_empty_tensors_in_bf16(no_shared, tmp_path):
+    """As transformers' bf16 save holds them: in the parameters' dtype."""
+    _, path = no_shared
+    save_pretrained(load_pretrained(path), tmp_path, dtype=torch.bfloat16)
+    written = safetensors_torch.load_file(tmp_path / "model.safetensors")
+    assert all(written[n].dtype == torch.bfloat16 and written[n].numel() == 0 for n in _shared_names(1))
+    _, info = hf_load(tmp_path)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
 
 
 def test_native_model_without_shared_experts_exports_and_comes_back(tmp_path):

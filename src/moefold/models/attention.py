@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moefold.models.kv_cache import LayerCache, WindowLayerCache
+from moefold.models.kv_cache import AnyLayerCache
 from moefold.models.norm import RMSNorm
 from moefold.models.rope import apply_rope
 
@@ -78,7 +78,7 @@ class Attention(nn.Module):
         return self.out(out_BHSDh)
 
     def decode(self, x_BSD: torch.Tensor, cos_SDh: torch.Tensor, sin_SDh: torch.Tensor,
-               cache: LayerCache | WindowLayerCache) -> torch.Tensor:
+               cache: AnyLayerCache) -> torch.Tensor:
         """`forward` of tokens that follow the cached ones (the RoPE tables at their positions):
         their keys and values join the cache, their queries attend over the keys they can see."""
         start, S = cache.length, x_BSD.shape[1]

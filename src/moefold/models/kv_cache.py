@@ -107,7 +107,11 @@ class WindowLayerCache:
         return [(a, self.window), (0, a + count - self.window)]
 
 
-def layer_cache(capacity: int, window: int) -> LayerCache | WindowLayerCache:
+AnyLayerCache = LayerCache | WindowLayerCache
+"""What a layer's `decode` is given: the cache `layer_cache` chose for it."""
+
+
+def layer_cache(capacity: int, window: int) -> AnyLayerCache:
     """The cache of a layer that sees the latest `window` positions (0: every position). A window
     the capacity never passes has nothing to evict: the full cache, read without a copy."""
     return WindowLayerCache(capacity, window) if 0 < window < capacity else LayerCache(capacity)

@@ -15,7 +15,7 @@ from moefold.config import Config, ModelConfig, moe_layers_in
 from moefold.memory import apply_offload, apply_recompute
 from moefold.models.attention import Attention, SlidingWindowMask
 from moefold.models.init import init_weights_
-from moefold.models.kv_cache import KVCache, LayerCache
+from moefold.models.kv_cache import AnyLayerCache, KVCache
 from moefold.models.mla import MLAttention
 from moefold.models.mlp import SwiGLUMLP
 from moefold.models.mtp import MTPModule, MultiTokenPrediction
@@ -36,7 +36,7 @@ class Block(nn.Module):
         x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), cos_SDr, sin_SDr)
         return x_BSD + self.ffn(self.ffn_norm(x_BSD), valid_BS)
 
-    def decode(self, x_BSD, cos_SDr, sin_SDr, cache: LayerCache):
+    def decode(self, x_BSD, cos_SDr, sin_SDr, cache: AnyLayerCache):
         """`forward` of tokens that follow the ones `cache` holds (generation)."""
         x_BSD = x_BSD + self.attn.decode(self.attn_norm(x_BSD), cos_SDr, sin_SDr, cache)
         return x_BSD + self.ffn(self.ffn_norm(x_BSD), None)

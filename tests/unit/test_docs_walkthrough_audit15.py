@@ -35,3 +35,73 @@ def test_memory_md_sequence_parallel_figures_are_the_plans(capsys):
     assert f"{_row(with_sp, 'router'):.2f}" == m.group(3)
     assert f"{_row(without, 'router'):.2f}" == m.group(4)
     assert f"{_row(with_sp, 'peak (the largest phase)'):.1f}" == m.group(5)
+
+
+DOCS = [ROOT / "README.md"] + [p for p in sorted((ROOT / "docs").glob("*.md")) if p.name != "benchmarks.md"]
+
+
+def _titles(page: Path) -> list[str]:
+    """A page's headings and its bold paragraph titles (`**Alignment and padding.**`), which the pages
+    cite by name in quotes."""
+    text = page.read_text()
+    return ([h.strip() for h in re.findall(r"^#+ (.*)$", text, re.M)]
+            + [t.strip(" .") for t in re.findall(r"^\*\*([^*]+)\*\*", text, re.M)])
+
+
+def test_links_between_pages_resolve():
+    for doc in DOCS:
+        for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text()):
+            if target.startswith(("http://", "https://")):
+                continue
+            path, _, anchor = target.partition("#")
+            assert (doc.parent / path).exists(), f"{doc.name}: link to {target}"
+            assert not anchor, f"{doc.name}: {target}: cite a section by its name in quotes, as the pages do"
+
+
+def test_sections_cited_by_name_exist():
+    """`("Tests")`, `(benchmarks.md, "one read")`, `[performance.md](performance.md), "Host syncs")`:
+    a quoted name closing a parenthesis is a section (a heading or a bold paragraph title) of the
+    page named last before it in the parenthesis, or of the page itself."""
+    cited = 0
+    for doc in DOCS:
+        text = re.sub(r"\[([^]]*)\]\([^)]*\)", r"\1", " ".join(doc.read_text().split()))  # links: their text
+        text = re.sub(r"`[^`]*`", "", text)  # code: torch.device("meta")
+        for m in re.finditer(r"\(([^()]*?)\"([^\"]+)\"\)", text):
+            pages = re.findall(r"([a-z_]+\.md)", m.group(1))
+            page = ROOT / "docs" / pages[-1] if pages else doc
+            date = re.findall(r"\d{4}-\d\d-\d\d", m.group(1))
+            assert any(m.group(2) in title and title.startswith(tuple(date) or "") for title in _titles(page)), \
+                f"{doc.name} cites \"{m.group(2)}\" {date} of {page.name}, which has no such section"
+            cited += 1
+    assert cited >= 8, "the extraction lost the pages' citations"
+
+
+def test_benchmarks_entries_cited_by_date_exist():
+    """`benchmarks.md, 2026-12-02`: benchmarks.md has an entry of that date."""
+    dates = {title[:10] for title in _titles(ROOT / "docs/benchmarks.md")}
+    cited = [(doc.name, date) for doc in DOCS
+             for date in re.findall(r"benchmarks\.md\)?,? (\d{4}-\d\d-\d\d)", " ".join(doc.read_text().split()))]
+    assert len(cited) >= 4, "the extraction lost the pages' citations"
+    assert [(name, date) for name, date in cited if date not in dates] == []
+
+
+def test_readme_documentation_lists_every_page():
+    readme = (ROOT / "README.md").read_text()
+    listed = set(re.findall(r"^- \[docs/([\w.]+)\]\(docs/\1\)", readme.split("## Documentation")[1], re.M))
+    assert listed == {p.name for p in (ROOT / "docs").glob("*.md")}
+
+
+def test_readme_extras_are_pyprojects():
+    """`.[hf]`, `.[data]`, `.[viz]`, and '`.[test]` has all but `viz`'."""
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    named = set(re.findall(r"`\.\[(\w+)\]`", readme))
+    assert named == set(extras), f"README names extras {sorted(named)}, pyproject has {sorted(extras)}"
+    assert "`.[test]` has all but `viz`" in readme
+
+    def names(extra: str) -> set[str]:
+        return {re.split(r"[<>=\[ ]", requirement)[0] for requirement in extras[extra]}
+
+    assert names("hf") | names("data") <= names("test") and not names("viz") & names("test")

@@ -100,7 +100,8 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", required=True, help="text to continue")
     gen.add_argument("--max-new-tokens", type=int, default=200,
                      help="tokens to sample (default 200); past the model's context (model.max_position_embeddings, "
-                          "else train.seq_len) its window slides; a longer --prompt is refused")
+                          "else YaRN's model.rope_original_max_len × model.rope_factor, else train.seq_len) "
+                          "its window slides; a longer --prompt is refused")
     gen.add_argument("--temperature", type=float, default=0.8, help="0 is greedy (default 0.8)")
     gen.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest; 0 = all (default 40)")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")

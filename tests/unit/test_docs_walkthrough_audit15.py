@@ -105,3 +105,21 @@ def test_readme_extras_are_pyprojects():
         return {re.split(r"[<>=\[ ]", requirement)[0] for requirement in extras[extra]}
 
     assert names("hf") | names("data") <= names("test") and not names("viz") & names("test")
+
+
+def test_generate_help_names_every_source_of_the_context():
+    """`moefold generate --help` on --max-new-tokens named max_position_embeddings and train.seq_len
+    only; the context (python.md: `context_length(cfg)`) is YaRN's extended length where a model
+    states no max_position_embeddings, and the refusal of a long --prompt names those options."""
+    from moefold.cli import _build_parser
+    from moefold.config import load_config
+    from moefold.generate import context_length
+
+    generate = next(a for a in _build_parser()._actions if a.dest == "command").choices["generate"]
+    help_text = next(a.help for a in generate._actions if a.dest == "max_new_tokens")
+    configs = [load_config("tiny"), load_config("tiny", {"model.max_position_embeddings": 64}),
+               load_config("tiny", {"model.rope_scaling": "yarn", "model.rope_factor": 4.0,
+                                    "model.rope_original_max_len": 128})]
+    sources = [context_length(cfg)[1] for cfg in configs]
+    assert len(set(sources)) == 3
+    assert [s for s in sources if s not in help_text] == []

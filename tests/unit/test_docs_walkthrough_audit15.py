@@ -56,6 +56,8 @@ def test_links_between_pages_resolve():
             path, _, anchor = target.partition("#")
             assert (doc.parent / path).exists(), f"{doc.name}: link to {target}"
             assert not anchor, f"{doc.name}: {target}: cite a section by its name in quotes, as the pages do"
+        for name in re.findall(r"(?<![\w/.-])(?:docs/)?([a-z_0-9]+\.md)\b", doc.read_text()):
+            assert (ROOT / "docs" / name).exists() or (ROOT / name).exists(), f"{doc.name} names {name}"
 
 
 def test_sections_cited_by_name_exist():
@@ -123,3 +125,64 @@ def test_generate_help_names_every_source_of_the_context():
     sources = [context_length(cfg)[1] for cfg in configs]
     assert len(set(sources)) == 3
     assert [s for s in sources if s not in help_text] == []
+
+
+def _moefold_callables() -> dict[str, list]:
+    """Every function and class moefold's modules define, by name (methods included)."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import moefold
+
+    found: dict[str, list] = {}
+    for info in pkgutil.walk_packages(moefold.__path__, "moefold."):
+        if info.name == "moefold.__main__":  # runs the command line
+            continue
+        try:
+            module = importlib.import_module(info.name)
+        except ImportError:  # an optional extra (triton, transformers) not installed
+            continue
+        for name, obj in vars(module).items():
+            if getattr(obj, "__module__", None) != module.__name__ or not callable(obj):
+                continue
+            found.setdefault(name, []).append(obj)
+            if inspect.isclass(obj):
+                for method, fn in vars(obj).items():
+                    if inspect.isfunction(fn):
+                        found.setdefault(method, []).append(fn)
+    return found
+
+
+def _parameters(obj) -> list[str] | None:
+    import inspect
+
+    try:
+        params = inspect.signature(obj).parameters
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return None  # takes any keyword
+    return [name for name in params if name != "self"]
+
+
+def test_calls_the_pages_cite_use_the_functions_parameters():
+    """`build_head_loss(..., compiled=True)`: a keyword a page gives a moefold function is one of its
+    parameters; and a signature cited by its parameters' names (`build_moe_layer(dim, moe, device_type,
+    compute_dtype)`, three or more names the function has) names each as the function does."""
+    callables = _moefold_callables()
+    cited = 0
+    for doc in DOCS:
+        for name, args in re.findall(r"`(?:[\w.]*\.)?(\w+)\(([^`()]*)\)`", doc.read_text()):
+            signatures = [p for p in map(_parameters, callables.get(name, [])) if p is not None]
+            if not signatures:
+                continue
+            cited += 1
+            words = [a.strip() for a in args.split(",") if a.strip()]
+            keywords = [w.split("=")[0] for w in words if re.fullmatch(r"\w+=.*", w)]
+            assert any(set(keywords) <= set(p) for p in signatures), f"{doc.name}: {name}({args})"
+            bare = [w for w in words if re.fullmatch(r"[a-z_]\w*", w)]
+            for params in signatures:
+                if bare == words and len(set(bare) & set(params)) >= 3:
+                    assert bare == params[:len(bare)], f"{doc.name}: {name}({args}), parameters {params}"
+    assert cited >= 15, "the extraction lost the pages' calls"

@@ -4,6 +4,7 @@ and ParallelLayout's process groups on 4 gloo ranks."""
 import itertools
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -134,8 +135,8 @@ def test_order_changes_which_dim_varies_fastest():
      ("parallel.order='tp-cp-dp-pp' must name each of tp, cp, ep, dp, pp once, joined by '-' "
       "(default tp-cp-ep-dp-pp)")),
     (dict(world=8, tp=2, pp=2, ep=4, order="tp-pp-cp-ep-dp"),
-     ("parallel.order='tp-pp-cp-ep-dp' gives attention (dp=2) and experts (edp=1) different "
-      "pipeline stages; put pp last (or first)")),
+     ("parallel.order='tp-pp-cp-ep-dp' gives attention and experts different pipeline stages: the "
+      "sizes before pp group attention's ranks by tp = 2 and the experts' by etp = 1; put pp last (or first)")),
 ])
 def test_size_errors(kwargs, message):
     with pytest.raises(ConfigError) as e:
@@ -165,10 +166,24 @@ def test_pipeline_stage_check_agrees_with_enumerating_both_grids():
                 accepted = True
             except ConfigError as error:
                 assert "different pipeline stages" in str(error)
+                assert _named_strides(str(error)) == _pp_group_spacings(dims), (order, str(error))
                 accepted = False
             assert accepted == same, (order, world, tp, cp, pp, ep, etp)
             refused += not accepted
     assert refused > 1000  # the check refuses a good share of these layouts, not none
+
+
+def _named_strides(message: str) -> tuple[int, int]:
+    """The attention and expert strides the pipeline-stage refusal names ('by tp·cp = 2')."""
+    attention, experts = re.findall(r"by [a-z·]+ = (\d+)", message)
+    return int(attention), int(experts)
+
+
+def _pp_group_spacings(dims: ParallelDims) -> tuple[int, int]:
+    """How far apart rank 0's pipeline group's first two ranks are in each grid, enumerated."""
+    attention, = (g for g in group_ranks(dims, "pp") if 0 in g)
+    experts, = (g for g in _groups(dims, "expert", ("pp",)) if 0 in g)
+    return attention[1] - attention[0], experts[1] - experts[0]
 
 
 def test_huge_sizes_are_refused_by_the_model_not_enumerated():

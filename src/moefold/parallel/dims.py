@@ -75,9 +75,11 @@ class ParallelDims:
                  f"{self.etp * self.ep * self.pp} (etp={self.etp}, ep={self.ep}, pp={self.pp})")
         # Megatron-Core asserts the same: a pipeline stage must hold the same ranks in both
         # layouts, or a stage's attention and experts would live on different GPUs.
-        _require(_same_pipeline_stages(self),
-                 f"parallel.order={self.order!r} gives attention (dp={self.dp}) and experts "
-                 f"(edp={self.edp}) different pipeline stages; put pp last (or first)")
+        attention, experts = _stride_below_pp(self, "attention"), _stride_below_pp(self, "expert")
+        _require(self.pp == 1 or attention[0] == experts[0],
+                 f"parallel.order={self.order!r} gives attention and experts different pipeline "
+                 f"stages: the sizes before pp group attention's ranks by {attention[1]} = {attention[0]} "
+                 f"and the experts' by {experts[1]} = {experts[0]}; put pp last (or first)")
 
     @classmethod
     def smallest(cls, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1, etp: int = 1,
@@ -153,17 +155,15 @@ def _grid_sizes(dims: ParallelDims, grid: str) -> dict[str, int]:
     return {"pp": dims.pp, "edp": dims.edp, "ep": dims.ep, "etp": dims.etp}
 
 
-def _same_pipeline_stages(dims: ParallelDims) -> bool:
-    """Whether both grids put every rank in the same pp group. A pp group is the ranks `stride`
-    apart, stride the product of the sizes before pp in the order; so the groups agree exactly
-    when the two grids' strides do (or pp = 1). O(1): no enumeration of a world of any size."""
+def _stride_below_pp(dims: ParallelDims, grid: str) -> tuple[int, str]:
+    """How far apart the ranks of one of `grid`'s pp groups are, and the product of grid dims
+    that makes it ('tp·cp'). A pp group is the ranks `stride` apart, stride the product of the
+    sizes before pp in the order; so both grids put every rank in the same pp group exactly when
+    their strides agree (or pp = 1). O(1): no enumeration of a world of any size."""
     names = dims.order.split("-")
-    names_before_pp = names[:names.index("pp")]
-    attention, expert = _grid_sizes(dims, "attention"), _grid_sizes(dims, "expert")
-    expert_by_order = {_EXPERT_TO_ORDER[d]: size for d, size in expert.items()}
-    stride_attention = math.prod(attention.get(name, 1) for name in names_before_pp)
-    stride_expert = math.prod(expert_by_order.get(name, 1) for name in names_before_pp)
-    return dims.pp == 1 or stride_attention == stride_expert
+    to_order = _EXPERT_TO_ORDER if grid == "expert" else {d: d for d in _grid_sizes(dims, grid)}
+    below = [d for d in reversed(_grid_sizes(dims, grid)) if to_order[d] in names[:names.index("pp")]]
+    return math.prod(_grid_sizes(dims, grid)[d] for d in below), "·".join(below) or "nothing"
 
 
 def _rank_at(dims: ParallelDims, grid: str, coord: Coord) -> int:

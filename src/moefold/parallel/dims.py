@@ -161,16 +161,22 @@ def _stride_below_pp(dims: ParallelDims, grid: str) -> tuple[int, str]:
     sizes before pp in the order; so both grids put every rank in the same pp group exactly when
     their strides agree (or pp = 1). O(1): no enumeration of a world of any size."""
     names = dims.order.split("-")
-    to_order = _EXPERT_TO_ORDER if grid == "expert" else {d: d for d in _grid_sizes(dims, grid)}
-    below = [d for d in reversed(_grid_sizes(dims, grid)) if to_order[d] in names[:names.index("pp")]]
-    return math.prod(_grid_sizes(dims, grid)[d] for d in below), "·".join(below) or "nothing"
+    names_before_pp, sizes = names[:names.index("pp")], _grid_sizes(dims, grid)
+    to_order = _order_names(grid, sizes)
+    below = [d for d in reversed(sizes) if to_order[d] in names_before_pp]
+    return math.prod(sizes[d] for d in below), "·".join(below) or "nothing"
+
+
+def _order_names(grid: str, sizes: dict[str, int]) -> dict[str, str]:
+    """Each of the grid's dims → its name in `parallel.order` (etp → tp, edp → dp)."""
+    return _EXPERT_TO_ORDER if grid == "expert" else {d: d for d in sizes}
 
 
 def _rank_at(dims: ParallelDims, grid: str, coord: Coord) -> int:
     """The rank at `coord` (in the grid's dim order): a mixed-radix number whose digits are the
     coordinates, least significant first in `dims.order`."""
     sizes = _grid_sizes(dims, grid)
-    to_order = _EXPERT_TO_ORDER if grid == "expert" else {d: d for d in sizes}
+    to_order = _order_names(grid, sizes)
     by_name = {to_order[d]: (c, sizes[d]) for d, c in zip(sizes, coord)}
     rank, stride = 0, 1
     for name in dims.order.split("-"):

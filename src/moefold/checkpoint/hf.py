@@ -325,8 +325,9 @@ def hf_tensors(model: Transformer, source: dict[str, torch.Tensor] | None = None
         yield hf, _to_hf_layout(tensors[slot.ours], slot.expert)
     for hf, ours in plan.copies.items():
         yield hf, tensors[ours].detach()
+    empty_dtype = _parameter_dtype(plan)
     for hf, shape in plan.empties.items():
-        yield hf, torch.empty(shape, dtype=_parameter_dtype(plan))
+        yield hf, torch.empty(shape, dtype=empty_dtype)
 
 
 def _parameter_dtype(plan: Plan) -> torch.dtype:

@@ -4,15 +4,7 @@ style of tests/unit/test_docs_audit.py (cheap: no training)."""
 import re
 from pathlib import Path
 
-from moefold.cli import main
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _plan(argv: list[str], capsys) -> str:
-    capsys.readouterr()
-    assert main(["plan", "memory", *argv]) == 0
-    return capsys.readouterr().out
+from test_docs_audit import DOCS, ROOT, _plan
 
 
 def _row(out: str, label: str) -> float:
@@ -35,9 +27,6 @@ def test_memory_md_sequence_parallel_figures_are_the_plans(capsys):
     assert f"{_row(with_sp, 'router'):.2f}" == m.group(3)
     assert f"{_row(without, 'router'):.2f}" == m.group(4)
     assert f"{_row(with_sp, 'peak (the largest phase)'):.1f}" == m.group(5)
-
-
-DOCS = [ROOT / "README.md"] + [p for p in sorted((ROOT / "docs").glob("*.md")) if p.name != "benchmarks.md"]
 
 
 def _titles(page: Path) -> list[str]:
